@@ -1,0 +1,1 @@
+"""TODO: filled in by its module."""
