@@ -1,0 +1,42 @@
+"""Joining the job's default process group, the way `torchrun` sets it up.
+
+Input: the process environment. Output: the default (world) process group, or `None` when
+this process runs alone. Called by `autoparallel` on every rank before anything else.
+
+Invariants: an existing default group is reused, never re-initialized (the user or a test
+may have created it); the backend is NCCL when CUDA is available, else gloo; a partial
+torchrun environment is an error naming the missing variables, not a silent single run.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What `init_method="env://"` reads; torchrun and most cluster launchers set all four."""
+
+
+def init_distributed_from_env() -> dist.ProcessGroup | None:
+    """The world process group: existing, or initialized from torchrun's variables, or None."""
+    if dist.is_initialized():
+        return dist.group.WORLD
+    present = [name for name in TORCHRUN_VARIABLES if name in os.environ]
+    if not present:
+        return None
+    missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"incomplete torchrun environment: {', '.join(present)} set but "
+            f"{', '.join(missing)} missing; launch with torchrun or set all of "
+            f"{', '.join(TORCHRUN_VARIABLES)}"
+        )
+    if torch.cuda.is_available():
+        # One GPU per process: bind before NCCL creates its communicator on the current device.
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", init_method="env://", device_id=torch.device("cuda", local_rank))
+    else:
+        dist.init_process_group("gloo", init_method="env://")
+    return dist.group.WORLD
