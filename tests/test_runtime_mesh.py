@@ -1,0 +1,138 @@
+"""Mesh arithmetic (one process), the groups `init_process_groups` builds (gloo), and launch."""
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+from distributed import run_checks
+from mplan.runtime.launch import init_distributed_from_env
+from mplan.runtime.mesh import AXES, MeshShape, mesh_for_world
+from mplan.runtime.process_groups import init_process_groups
+
+meshes = st.builds(
+    lambda edp, tp, pp, ep: MeshShape(dp=edp * ep, tp=tp, pp=pp, ep=ep),
+    st.integers(1, 4), st.integers(1, 4), st.integers(1, 3), st.integers(1, 3),
+)
+
+
+@given(meshes)
+def test_coordinates_round_trip_and_groups_partition_the_world(mesh: MeshShape) -> None:
+    for rank in range(mesh.size):
+        coord = mesh.coord(rank)
+        assert mesh.rank(tp=coord.tp, dp=coord.dp, pp=coord.pp) == rank
+        assert coord.dp == coord.ep + mesh.ep * coord.expert_dp
+    for axis in AXES:
+        groups = mesh.groups(axis)
+        assert sorted(r for g in groups for r in g) == list(range(mesh.size))
+        assert all(len(g) == mesh.degree(axis) for g in groups)
+        # Along a group only the axis' own coordinate changes, increasing with the rank.
+        for group in groups:
+            assert [getattr(mesh.coord(r), axis) for r in group] == list(range(len(group)))
+
+
+def test_tp_is_innermost_and_pp_outermost() -> None:
+    mesh = MeshShape(dp=2, tp=2, pp=2)
+    assert mesh.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert MeshShape(dp=2, tp=2).groups("dp") == [[0, 2], [1, 3]]
+
+
+def test_expert_parallel_ranks_are_adjacent_inside_data_parallel() -> None:
+    mesh = MeshShape(dp=4, tp=2, ep=2)
+    assert mesh.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.groups("expert_dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_bad_meshes_show_the_arithmetic() -> None:
+    with pytest.raises(ValueError, match=r"dp\*tp\*pp = 2\*4\*2 = 16 but the world size is 8"):
+        MeshShape(dp=2, tp=4, pp=2).check_world_size(8)
+    with pytest.raises(ValueError, match=r"dp % ep = 6 % 4 = 2"):
+        MeshShape(dp=6, ep=4)
+    with pytest.raises(ValueError, match="tp must be a positive int, got 0"):
+        MeshShape(tp=0)
+    with pytest.raises(ValueError, match=r"tp\*pp = 4\*3 = 12 does not divide the world size 8"):
+        mesh_for_world(8, tp=4, pp=3)
+    assert mesh_for_world(8, tp=2) == MeshShape(dp=4, tp=2)
+
+
+def test_one_process_without_a_group_gets_groups_of_one() -> None:
+    groups = init_process_groups(MeshShape())
+    assert groups.tp is None and groups.dp is None and groups.world is None
+    assert groups.dp_ranks == (0,) and groups.pp_rank == 0
+    with pytest.raises(ValueError, match="but the world size is 1"):
+        init_process_groups(MeshShape(dp=2))
+
+
+def test_launch_without_torchrun_runs_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert init_distributed_from_env() is None
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE, MASTER_ADDR, MASTER_PORT missing"):
+        init_distributed_from_env()
+
+
+def _expected_ranks(mesh: MeshShape, axis: str, rank: int) -> list[int]:
+    return next(g for g in mesh.groups(axis) if rank in g)
+
+
+def _check_groups(mesh: MeshShape) -> None:
+    groups = init_process_groups(mesh)
+    rank = dist.get_rank()
+    for axis in AXES:
+        expected = _expected_ranks(mesh, axis, rank)
+        assert dist.get_process_group_ranks(groups.group(axis)) == expected, axis
+        assert list(groups.ranks(axis)) == expected, axis
+        # Collectives on the group really stay inside it.
+        assert groups.group(axis).size() == len(expected)
+    assert (groups.tp_rank, groups.dp_rank, groups.pp_rank) == (
+        mesh.coord(rank).tp, mesh.coord(rank).dp, mesh.coord(rank).pp)
+
+
+def check_groups_dp2_tp2() -> None:
+    _check_groups(MeshShape(dp=2, tp=2))
+
+
+def check_groups_dp2_tp2_ep2() -> None:
+    _check_groups(MeshShape(dp=2, tp=2, ep=2))
+
+
+def check_groups_dp2_tp2_pp2() -> None:
+    _check_groups(MeshShape(dp=2, tp=2, pp=2))
+
+
+def check_launch_reuses_the_existing_group() -> None:
+    assert init_distributed_from_env() is dist.group.WORLD
+
+
+def check_wrong_world_size_is_refused() -> None:
+    with pytest.raises(ValueError, match="but the world size is"):
+        init_process_groups(MeshShape(dp=3))
+
+
+CHECKS_AT_4 = [check_groups_dp2_tp2, check_groups_dp2_tp2_ep2,
+               check_launch_reuses_the_existing_group, check_wrong_world_size_is_refused]
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_checks(4, CHECKS_AT_4)
+
+
+@pytest.fixture(scope="module")
+def world8():
+    return run_checks(8, [check_groups_dp2_tp2_pp2])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("check", CHECKS_AT_4, ids=lambda c: c.__name__)
+def test_world4(world4, check) -> None:
+    world4.assert_passed(check)
+
+
+@pytest.mark.distributed
+def test_world8_groups_dp2_tp2_pp2(world8) -> None:
+    world8.assert_passed(check_groups_dp2_tp2_pp2)
