@@ -1,0 +1,394 @@
+"""Capture a model into a typed `Graph` with torch.export (non-strict).
+
+Input: a module (on the meta device for large models, or any real device), example inputs, and
+optionally labels and a loss function. Output: a `Graph` at the ATen level (`aten.linear`,
+`aten.layer_norm`, `aten.scaled_dot_product_attention` stay whole) with shapes, FLOPs, bytes,
+parameter FQNs, module paths, saved-for-backward tensors and repeated blocks.
+
+`shallow=True` traces only the first two instances of every repeated block and scales totals
+by the true instance count, so capture time stays flat in depth (a test checks it against a
+full capture). A model torch.export cannot trace raises `CaptureError` naming the construct.
+"""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from mplan.ir.blocks import Container, find_containers, instance_of, relative_name, truncate_containers
+from mplan.ir.graph import BlockType, Graph, OpNode, ParamInfo, Segment, TensorMeta
+from mplan.ir.op_table import op_packet, rule_for
+
+SHALLOW_KEEP = 2  # instances traced per repeated block under shallow capture
+
+
+class CaptureError(RuntimeError):
+    """torch.export could not trace the model; the message names the construct and where."""
+
+
+class _WithLoss(nn.Module):
+    """Forward + loss as one module, so the loss ops are part of the captured graph."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args: Any, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        out = self.model(*args, **kwargs)
+        return self.loss_fn(out, labels)
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    labels: torch.Tensor | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+    shallow: bool = False,
+    name: str | None = None,
+) -> Graph:
+    """Trace `model(*example_inputs, **example_kwargs)` (+ loss) into a `Graph`.
+
+    With `labels` and no `loss_fn`, the model is called with `labels=` (mplan's families and
+    Hugging Face causal LMs return the loss then). `dtype` casts a meta-device model first, so
+    bytes are counted in the training dtype without touching real memory.
+    """
+    kwargs = dict(example_kwargs or {})
+    target: nn.Module = model
+    if labels is not None and loss_fn is not None:
+        target = _WithLoss(model, loss_fn)
+        kwargs["labels"] = labels
+    elif labels is not None:
+        kwargs["labels"] = labels
+    prefix = "model." if target is not model else ""
+    if dtype is not None:
+        if any(p.device.type != "meta" for p in model.parameters()):
+            raise ValueError("capture(dtype=...) casts the model in place; pass a meta-device model")
+        model.to(dtype)
+
+    num_parameters = sum(p.numel() for p in _unique_params(model))
+    containers = find_containers(model)
+    start = time.perf_counter()
+    with truncate_containers(model, containers if shallow else [], SHALLOW_KEEP):
+        exported = _export(target, tuple(example_inputs), kwargs)
+        param_modules = {n: n.rpartition(".")[0] for n, _ in model.named_parameters()}
+    seconds = time.perf_counter() - start
+
+    builder = _GraphBuilder(exported, prefix, containers, param_modules)
+    return builder.build(
+        model_name=name or type(model).__name__, has_loss=labels is not None,
+        capture_seconds=seconds, shallow=shallow, num_parameters=num_parameters)
+
+
+def _unique_params(model: nn.Module) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for p in model.parameters():
+        seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    try:
+        return torch.export.export(module, args, kwargs, strict=False)
+    except Exception as exc:  # torch raises many types here; all mean "cannot trace"
+        raise CaptureError(_describe_failure(type(module.model if isinstance(module, _WithLoss)
+                                                  else module).__name__, exc)) from exc
+
+
+def _describe_failure(model_name: str, exc: BaseException) -> str:
+    """One message: what kind of construct failed, where in the user's code, and torch's words."""
+    text = str(exc).strip()
+    lowered = text.lower()
+    if "data-dependent" in lowered or "guardondatadependent" in type(exc).__name__.lower() \
+            or "could not guard on data-dependent" in lowered:
+        what = "data-dependent control flow or shape (Python branching on a tensor's value)"
+    elif "unsupported" in lowered:
+        what = "a Python construct torch.export does not support"
+    else:
+        what = f"{type(exc).__name__}"
+    where = _user_frame(exc)
+    first = text.splitlines()[0][:300] if text else type(exc).__name__
+    loc = f" at {where}" if where else ""
+    return f"cannot capture {model_name}: {what}{loc}: {first}"
+
+
+def _user_frame(exc: BaseException) -> str | None:
+    """The innermost traceback frame outside torch and mplan.ir: the user's failing line."""
+    torch_dir = os.path.dirname(torch.__file__)
+    ir_dir = os.path.dirname(__file__)
+    best: str | None = None
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        for frame in traceback.extract_tb(cur.__traceback__):
+            fname = os.path.abspath(frame.filename)
+            if fname.startswith(torch_dir) or fname.startswith(ir_dir) or "importlib" in fname:
+                continue
+            if "site-packages" in fname and "transformers" not in fname:
+                continue
+            best = f"{frame.filename}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+        cur = cur.__cause__ or cur.__context__
+    return best
+
+
+def _meta_of(value: Any) -> TensorMeta | None:
+    if isinstance(value, torch.Tensor):
+        return TensorMeta(shape=tuple(int(s) for s in value.shape),
+                          dtype=str(value.dtype).removeprefix("torch."))
+    return None
+
+
+def _metas_of(value: Any) -> tuple[TensorMeta, ...]:
+    if isinstance(value, (tuple, list)):
+        return tuple(m for v in value if (m := _meta_of(v)) is not None)
+    m = _meta_of(value)
+    return (m,) if m is not None else ()
+
+
+@dataclass(slots=True)
+class _RawNode:
+    fx_name: str
+    target: Any
+    args: list[tuple[int, str]]  # (position, value name) of tensor arguments
+    outputs: tuple[TensorMeta, ...]
+    module_path: str
+    module_classes: dict[str, str]  # module path -> class name, from nn_module_stack
+
+
+class _GraphBuilder:
+    """Walks the exported FX graph once and assembles the typed Graph."""
+
+    def __init__(self, exported: Any, prefix: str, containers: list[Container],
+                 param_modules: dict[str, str]) -> None:
+        self.exported = exported
+        self.prefix = prefix
+        self.containers = containers
+        self.param_modules = param_modules
+        self.names: dict[str, str] = {}  # fx placeholder name -> param FQN or input name
+        self.metas: dict[str, TensorMeta] = {}
+        self.param_names: set[str] = set()
+
+    def _strip(self, path: str) -> str:
+        return path[len(self.prefix):] if self.prefix and path.startswith(self.prefix) else \
+            ("" if path + "." == self.prefix else path)
+
+    def build(self, **summary: Any) -> Graph:
+        sig = self.exported.graph_signature
+        kinds = {spec.arg.name: spec for spec in sig.input_specs if hasattr(spec.arg, "name")}
+        graph_inputs: dict[str, TensorMeta] = {}
+        raw: list[_RawNode] = []
+        for fx_node in self.exported.graph.nodes:
+            if fx_node.op == "placeholder":
+                self._placeholder(fx_node, kinds.get(fx_node.name), graph_inputs)
+            elif fx_node.op == "call_function":
+                raw.append(self._raw(fx_node))
+
+        params = {
+            fqn: ParamInfo(name=fqn, meta=self.metas[fqn], module_path=self.param_modules.get(fqn, ""),
+                           block=None)
+            for fqn in self.names.values() if fqn in self.param_names
+        }
+        instance = {r.fx_name: self._instance(r) for r in raw}
+        block_types, segments, node_block = self._blocks(raw, instance, params)
+        params = {k: ParamInfo(name=p.name, meta=p.meta, module_path=p.module_path,
+                               block=self._param_block(k)) for k, p in params.items()}
+        nodes = [self._typed(r, node_block.get(r.fx_name)) for r in raw]
+        batch, seq = _batch_and_seq(graph_inputs)
+        graph = Graph(nodes=nodes, graph_inputs=graph_inputs, params=params,
+                      block_types=[], segments=segments, batch_size=batch, seq_len=seq, **summary)
+        graph.block_types = [
+            BlockType(name=bt.name, container=bt.container, instances=bt.instances,
+                      captured_instances=bt.captured_instances, template=bt.template,
+                      num_params=bt.num_params,
+                      forward_flops=sum(graph.node(n).flops for n in bt.template),
+                      saved_bytes=graph.saved_bytes(bt.template))
+            for bt in block_types
+        ]
+        return graph
+
+    def _placeholder(self, fx_node: Any, spec: Any, graph_inputs: dict[str, TensorMeta]) -> None:
+        meta = _meta_of(fx_node.meta.get("val"))
+        kind = getattr(getattr(spec, "kind", None), "name", "USER_INPUT")
+        if kind == "PARAMETER":
+            name = self._strip(spec.target)
+            self.param_names.add(name)
+        elif kind in ("BUFFER", "CONSTANT_TENSOR"):
+            name = self._strip(spec.target)
+        else:
+            name = fx_node.name
+        self.names[fx_node.name] = name
+        if meta is not None:
+            self.metas[name] = meta
+            if kind != "PARAMETER":
+                graph_inputs[name] = meta
+
+    def _raw(self, fx_node: Any) -> _RawNode:
+        args: list[tuple[int, str]] = []
+        for pos, a in enumerate(fx_node.args):
+            for item in (a if isinstance(a, (list, tuple)) else (a,)):
+                if hasattr(item, "name") and hasattr(item, "meta"):
+                    args.append((pos, self.names.get(item.name, item.name)))
+        outputs = _metas_of(fx_node.meta.get("val"))
+        self.names[fx_node.name] = fx_node.name
+        if outputs:
+            self.metas[fx_node.name] = outputs[0]
+        stack = fx_node.meta.get("nn_module_stack") or {}
+        classes = {self._strip(path): cls.rsplit(".", 1)[-1] if isinstance(cls, str) else
+                   getattr(cls, "__name__", str(cls)) for path, cls in stack.values()}
+        paths = [self._strip(path) for path, _ in stack.values()]
+        return _RawNode(fx_name=fx_node.name, target=fx_node.target, args=args, outputs=outputs,
+                        module_path=paths[-1] if paths else "", module_classes=classes)
+
+    def _instance(self, r: _RawNode) -> str | None:
+        hit = instance_of(r.module_path, self.containers)
+        if hit is None:
+            return None
+        container, idx = hit
+        return f"{container.path}.{idx}" if container.path else str(idx)
+
+    def _param_block(self, fqn: str) -> str | None:
+        hit = instance_of(fqn.rpartition(".")[0], self.containers)
+        return f"{hit[0].path}.{hit[1]}" if hit else None
+
+    def _signature(self, nodes: list[_RawNode], prefix: str) -> tuple[Any, ...]:
+        local = {n.fx_name: i for i, n in enumerate(nodes)}
+        sig = []
+        for n in nodes:
+            ins = tuple((pos, local.get(v, relative_name(v, prefix) if v.startswith(prefix + ".")
+                                    else "ext")) for pos, v in n.args)
+            sig.append((op_packet(n.target), n.outputs, ins))
+        return tuple(sig)
+
+    def _blocks(self, raw: list[_RawNode], instance: dict[str, str | None],
+                params: dict[str, ParamInfo]) -> tuple[list[BlockType], list[Segment], dict[str, str]]:
+        by_instance: dict[str, list[_RawNode]] = {}
+        order: list[str] = []
+        for r in raw:
+            inst = instance[r.fx_name]
+            if inst is None:
+                continue
+            if inst not in by_instance:
+                by_instance[inst] = []
+                order.append(inst)
+            by_instance[inst].append(r)
+
+        types: dict[tuple[Any, ...], dict[str, Any]] = {}
+        type_of: dict[str, str] = {}
+        for inst in order:
+            sig = self._signature(by_instance[inst], inst)
+            if sig not in types:
+                container = next(c for c in self.containers if inst.startswith(c.path + ".") or not c.path)
+                base = by_instance[inst][0].module_classes.get(inst, container.class_name)
+                taken = sum(1 for t in types.values() if t["base"] == base)
+                types[sig] = {"base": base, "name": base if taken == 0 else f"{base}#{taken + 1}",
+                              "container": container, "instances": [], "template": by_instance[inst]}
+            types[sig]["instances"].append(inst)
+            type_of[inst] = types[sig]["name"]
+
+        # Shallow capture traced only the first children of each container; the rest share
+        # the layout of the last traced one (find_containers checked class and parameters).
+        extra: dict[str, list[str]] = {}  # last traced instance -> untraced instances after it
+        for c in self.containers:
+            traced_here = [i for i in order if i.startswith(c.path + ".") or not c.path]
+            seen = {int(i.rsplit(".", 1)[-1]) for i in traced_here}
+            untraced = [f"{c.path}.{k}" for k in range(c.num_children) if k not in seen]
+            if traced_here and untraced:
+                extra[traced_here[-1]] = untraced
+                for u in untraced:
+                    type_of[u] = type_of[traced_here[-1]]
+        block_types: list[BlockType] = []
+        for t in types.values():
+            instances = [i for i in order + [u for us in extra.values() for u in us]
+                         if type_of[i] == t["name"]]
+            instances.sort(key=lambda i: (i.rsplit(".", 1)[0], int(i.rsplit(".", 1)[-1])))
+            prefix0 = t["instances"][0]
+            num_params = sum(p.meta.numel for k, p in params.items() if k.startswith(prefix0 + "."))
+            block_types.append(BlockType(
+                name=t["name"], container=t["container"].path, instances=tuple(instances),
+                captured_instances=len(t["instances"]),
+                template=tuple(n.fx_name for n in t["template"]),
+                num_params=num_params, forward_flops=0, saved_bytes=0))
+
+        segments: list[Segment] = []
+        current: list[str] = []
+        current_inst: str | None = None
+        glue_count = 0
+
+        def flush() -> None:
+            nonlocal glue_count
+            if not current:
+                return
+            if current_inst is None:
+                label = "prologue" if not segments else f"glue.{glue_count}"
+                glue_count += 1
+                segments.append(Segment(name=label, block_type=None, nodes=tuple(current)))
+            else:
+                segments.append(Segment(name=current_inst, block_type=type_of[current_inst],
+                                        nodes=tuple(current)))
+                for u in extra.get(current_inst, []):
+                    segments.append(Segment(name=u, block_type=type_of[u], nodes=()))
+
+        for r in raw:
+            inst = instance[r.fx_name]
+            if inst != current_inst:
+                flush()
+                current, current_inst = [], inst
+            current.append(r.fx_name)
+        flush()
+        if segments and segments[-1].block_type is None and glue_count > 1:
+            last = segments[-1]
+            segments[-1] = Segment(name="epilogue", block_type=None, nodes=last.nodes)
+        node_block = {r.fx_name: instance[r.fx_name] for r in raw if instance[r.fx_name]}
+        return block_types, segments, node_block
+
+    def _typed(self, r: _RawNode, block: str | None) -> OpNode:
+        rule = rule_for(r.target)
+        input_metas = tuple(self.metas[v] for _, v in r.args if v in self.metas)
+        params = tuple((pos, v) for pos, v in r.args if v in self.param_names)
+        if rule is None:
+            kind, flops, extra = "unknown", 0, 0
+            saved = tuple(v for _, v in r.args)
+        else:
+            kind = rule.kind
+            flops = int(rule.flops(input_metas, r.outputs)) if r.outputs and input_metas else 0
+            extra = int(rule.extra_saved(input_metas, r.outputs)) if rule.extra_saved and input_metas else 0
+            saved_list: list[str] = []
+            for s in rule.saves:
+                saved_list.extend([r.fx_name] if s == "out" else [v for pos, v in r.args if pos == s])
+            saved = tuple(dict.fromkeys(saved_list))
+        if op_packet(r.target) == "getitem":
+            kind = "getitem"
+        elif not r.outputs:
+            kind = "scalar"  # works on Python numbers or dtypes only (sym_size, promote_types)
+        moved_out = sum(m.nbytes for m in r.outputs) if kind not in ("view", "getitem") else 0
+        moved_in = sum(m.nbytes for m in input_metas) if kind not in ("view", "getitem") else 0
+        return OpNode(
+            name=r.fx_name, op=_op_name(r.target), kind=kind, inputs=tuple(v for _, v in r.args),
+            input_metas=input_metas, outputs=r.outputs, params=params, flops=flops,
+            bytes_read=moved_in, bytes_written=moved_out, saved=saved, saved_extra_bytes=extra,
+            module_path=r.module_path, block=block, known=rule is not None or kind in ("getitem", "scalar"))
+
+
+def _op_name(target: Any) -> str:
+    if hasattr(target, "_schema") or hasattr(target, "overloadpacket"):
+        return f"aten.{target.__name__}" if "." in target.__name__ else str(target)
+    return getattr(target, "__name__", str(target))
+
+
+def _batch_and_seq(inputs: dict[str, TensorMeta]) -> tuple[int, int | None]:
+    for meta in inputs.values():
+        if meta.dtype.startswith("int") and len(meta.shape) == 2:
+            return meta.shape[0], meta.shape[1]
+    for meta in inputs.values():
+        if meta.shape:
+            return meta.shape[0], meta.shape[1] if len(meta.shape) > 1 else None
+    return 1, None

@@ -1,0 +1,83 @@
+"""What `mplan inspect` reports about a captured graph, as plain data.
+
+`summarize(graph)` gives the JSON document of DESIGN.md (`num_parameters`, `num_layers`,
+`flops_per_token` {forward, training}, `block_types`, `capture_seconds`) plus a per-op table of
+one block instance; `capture_spec` captures a model named by a spec string (preset, family
+with numbers, Hugging Face config.json, or package.module:factory) on the meta device.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mplan.ir.capture import capture
+from mplan.ir.graph import Graph
+
+
+def capture_spec(spec: str, *, batch: int = 1, seq_len: int | None = None, shallow: bool = False,
+                 dtype: torch.dtype | None = None) -> Graph:
+    """Build the model named by `spec` on the meta device and capture forward + loss."""
+    from mplan.models import build_model, example_inputs, resolve_model
+
+    source = resolve_model(spec)
+    model = build_model(source, device="meta")
+    ids, labels = example_inputs(model, batch, seq_len or source.seq_len, device="meta")
+    return capture(model, (ids,), labels=labels, dtype=dtype, shallow=shallow, name=source.name)
+
+
+def op_rows(graph: Graph, node_names: tuple[str, ...]) -> list[dict[str, Any]]:
+    """One row per op of a block instance: what it is, its cost and what it keeps."""
+    rows = []
+    for node in graph.nodes_of(node_names):
+        rows.append({
+            "name": node.name,
+            "op": node.op,
+            "kind": node.kind,
+            "output": str(node.output) if node.outputs else "",
+            "flops": node.flops,
+            "bytes": node.bytes_read + node.bytes_written,
+            "saved_bytes": graph.saved_bytes([node.name]),
+            "params": [p for _, p in node.params],
+            "known": node.known,
+        })
+    return rows
+
+
+def summarize(graph: Graph, *, per_op: bool = True) -> dict[str, Any]:
+    """The `mplan inspect --json` document."""
+    tokens = graph.tokens()
+    blocks = []
+    for bt in graph.block_types:
+        blocks.append({
+            "name": bt.name,
+            "container": bt.container,
+            "instances": bt.num_instances,
+            "captured_instances": bt.captured_instances,
+            "num_ops": len(bt.template),
+            "params_per_instance": bt.num_params,
+            "forward_flops_per_instance": bt.forward_flops,
+            "saved_bytes_per_instance": bt.saved_bytes,
+        })
+    doc: dict[str, Any] = {
+        "model": graph.model_name,
+        "num_parameters": graph.num_parameters,
+        "num_layers": graph.num_layers,
+        "batch_size": graph.batch_size,
+        "seq_len": graph.seq_len,
+        "flops_per_token": {
+            "forward": graph.forward_flops / tokens,
+            "training": graph.training_flops / tokens,
+        },
+        "flops_per_iteration": {"forward": graph.forward_flops, "training": graph.training_flops},
+        "block_types": blocks,
+        "num_ops": len(graph.nodes),
+        "unknown_ops": graph.unknown_ops(),
+        "capture_seconds": round(graph.capture_seconds, 3),
+        "shallow": graph.shallow,
+    }
+    if per_op and graph.block_types:
+        main = max(graph.block_types, key=lambda b: b.num_instances)
+        doc["block_ops"] = {"block_type": main.name, "instance": main.instances[0],
+                            "ops": op_rows(graph, main.template)}
+    return doc
