@@ -1,0 +1,274 @@
+"""Model specs: the strings users pass on the command line, resolved and built.
+
+Grammar (DESIGN.md), tried in this order:
+  PRESET                 a name in `PRESETS` (`gpt3-175b`, `llama3-8b`, `mixtral-8x7b`, ...)
+  FAMILY:KEY=VALUE,...   `gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200`; llama and
+                         moe also need `ffn=`, moe `experts=` (keys: `FAMILY_KEYS`)
+  PATH                   a Hugging Face `config.json`, or a directory holding one; built by
+                         `transformers` from the config alone (local files only, no download)
+  package.module:factory a callable taking no arguments, returning an nn.Module or a config
+
+`resolve_model` only reads the spec (cheap, no weights); `build_model` makes the module, on
+the meta device by default. Every malformed spec raises one ValueError that names the cause
+and lists what is valid.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from mplan.models.config import GPTConfig, LlamaConfig, ModelConfig, MoEConfig
+from mplan.models.gpt import GPTModel
+from mplan.models.llama import LlamaModel
+from mplan.models.moe import MoEModel
+from mplan.models.presets import PRESETS
+
+MODEL_TYPES: dict[str, type[nn.Module]] = {"gpt": GPTModel, "llama": LlamaModel, "moe": MoEModel}
+CONFIG_TYPES: dict[str, type] = {"gpt": GPTConfig, "llama": LlamaConfig, "moe": MoEConfig}
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise ValueError("expected 0/1/true/false")
+
+
+def _parse_capacity(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
+
+
+_COMMON_KEYS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "layers": ("num_layers", int),
+    "hidden": ("hidden", int),
+    "heads": ("num_heads", int),
+    "seq": ("seq_len", int),
+    "vocab": ("vocab", int),
+    "ffn": ("ffn_hidden", int),
+    "tie": ("tie_embeddings", _parse_bool),
+    "eps": ("norm_eps", float),
+}
+_LLAMA_KEYS = {**_COMMON_KEYS, "kv_heads": ("num_kv_heads", int), "theta": ("rope_theta", float)}
+FAMILY_KEYS: dict[str, dict[str, tuple[str, Callable[[str], Any]]]] = {
+    "gpt": _COMMON_KEYS,
+    "llama": _LLAMA_KEYS,
+    "moe": {
+        **_LLAMA_KEYS,
+        "experts": ("num_experts", int),
+        "topk": ("top_k", int),
+        "capacity": ("capacity_factor", _parse_capacity),
+        "aux": ("aux_loss_coef", float),
+    },
+}
+"""Spec key -> (config field, parser), per family."""
+
+_REQUIRED = {
+    "gpt": ("layers", "hidden", "heads", "seq", "vocab"),
+    "llama": ("layers", "hidden", "heads", "seq", "vocab", "ffn"),
+    "moe": ("layers", "hidden", "heads", "seq", "vocab", "ffn", "experts"),
+}
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+GRAMMAR = (
+    "a model spec is a preset, FAMILY:key=value,... (families gpt, llama, moe; e.g. "
+    "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128), a Hugging Face config.json path, "
+    "or package.module:factory"
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSource:
+    """A resolved spec: what to build, without building it."""
+
+    spec: str
+    """the string it came from (or the config's name)"""
+    family: str
+    """"gpt", "llama", "moe", "hf" (a transformers config) or "factory" (a module factory)"""
+    config: Any
+    """our ModelConfig, the transformers PretrainedConfig, or None for a module factory"""
+    name: str
+    seq_len: int | None
+    """tokens per sequence the model is made for; None when the module does not say"""
+    vocab: int | None
+    factory: Callable[[], Any] | None = None
+    """the callable, for family "factory" """
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """Parse a spec string (see the module docstring) into a ModelSource. Never downloads."""
+    spec = spec.strip()
+    if spec in PRESETS:
+        return _from_config(PRESETS[spec], spec)
+    family, sep, rest = spec.partition(":")
+    if sep and family in FAMILY_KEYS:
+        return _from_config(_parse_family(family, rest, spec), spec)
+    if os.path.exists(spec):
+        return _from_hf_config(spec)
+    if _FACTORY.match(spec):
+        return _from_factory(spec)
+    if spec.endswith(".json"):
+        raise ValueError(f"model spec {spec!r}: no such file")
+    raise ValueError(f"unknown model {spec!r}: {GRAMMAR}; presets: {', '.join(PRESETS)}")
+
+
+def _from_config(config: ModelConfig, spec: str) -> ModelSource:
+    return ModelSource(
+        spec=spec, family=config.family, config=config, name=config.name,
+        seq_len=config.seq_len, vocab=config.vocab,
+    )
+
+
+def _parse_family(family: str, body: str, spec: str) -> ModelConfig:
+    keys = FAMILY_KEYS[family]
+    valid = ", ".join(keys)
+    fields: dict[str, Any] = {"name": spec}
+    given: set[str] = set()
+    for item in filter(None, body.split(",")):
+        key, eq, text = item.partition("=")
+        key = key.strip()
+        if not eq:
+            raise ValueError(f"model spec {spec!r}: expected key=value, got {item!r}; valid keys: {valid}")
+        if key not in keys:
+            raise ValueError(f"model spec {spec!r}: unknown key {key!r} for {family}; valid keys: {valid}")
+        if key in given:
+            raise ValueError(f"model spec {spec!r}: key {key!r} given twice")
+        field, parse = keys[key]
+        try:
+            fields[field] = parse(text.strip())
+        except ValueError as err:
+            raise ValueError(f"model spec {spec!r}: bad value {text!r} for key {key!r} ({err})") from None
+        given.add(key)
+    missing = [key for key in _REQUIRED[family] if key not in given]
+    if missing:
+        raise ValueError(
+            f"model spec {spec!r}: missing key(s) {', '.join(missing)}; "
+            f"{family} requires {', '.join(_REQUIRED[family])} (valid keys: {valid})"
+        )
+    try:
+        return CONFIG_TYPES[family](**fields)
+    except ValueError as err:
+        raise ValueError(f"model spec {spec!r}: {err}") from None
+
+
+def _from_hf_config(path: str) -> ModelSource:
+    from transformers import AutoConfig  # optional dependency, only for this spec form
+
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ValueError(f"model spec {path!r}: a directory without config.json")
+    config = AutoConfig.from_pretrained(file, local_files_only=True)
+    # no generation here: a KV cache would only add outputs to the captured graph
+    config.use_cache = False
+    name = os.path.basename(os.path.dirname(os.path.abspath(file))) or config.model_type
+    return ModelSource(
+        spec=path, family="hf", config=config, name=name,
+        seq_len=_hf_seq_len(config), vocab=getattr(config, "vocab_size", None),
+    )
+
+
+def _hf_seq_len(config: Any) -> int | None:
+    for attribute in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
+        value = getattr(config, attribute, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _from_factory(spec: str) -> ModelSource:
+    module_name, _, attribute = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"model spec {spec!r}: cannot load factory ({err}); {GRAMMAR}") from None
+    if not callable(factory):
+        raise ValueError(f"model spec {spec!r}: {attribute} is not callable")
+    with torch.device("meta"):
+        made = factory()
+    if isinstance(made, tuple(CONFIG_TYPES.values())):
+        return ModelSource(
+            spec=spec, family=made.family, config=made, name=made.name,
+            seq_len=made.seq_len, vocab=made.vocab, factory=factory,
+        )
+    if not isinstance(made, nn.Module):
+        raise ValueError(
+            f"model spec {spec!r}: factory returned {type(made).__name__}, not an nn.Module or a config"
+        )
+    config = getattr(made, "config", None)
+    seq_len, vocab = _seq_len_and_vocab(config) if config is not None else (None, None)
+    return ModelSource(
+        spec=spec, family="factory", config=config, name=attribute,
+        seq_len=seq_len, vocab=vocab, factory=factory,
+    )
+
+
+def build_model(
+    spec_or_config: str | ModelSource | ModelConfig,
+    *,
+    device: torch.device | str = "meta",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> nn.Module:
+    """The module for a spec, a ModelSource or one of our configs, on `device` in `dtype`.
+
+    On a real device the weights are initialized from `seed` (ours: `init_weights(seed)`;
+    transformers and factory models: their own init under a seeded, forked RNG)."""
+    if isinstance(spec_or_config, str):
+        source = resolve_model(spec_or_config)
+    elif isinstance(spec_or_config, ModelSource):
+        source = spec_or_config
+    else:
+        source = _from_config(spec_or_config, spec_or_config.name)
+    if source.family in MODEL_TYPES:
+        return MODEL_TYPES[source.family](source.config, device=device, dtype=dtype, seed=seed)
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        if source.family == "hf":
+            from transformers import AutoModelForCausalLM
+
+            return AutoModelForCausalLM.from_config(source.config, dtype=dtype)
+        assert source.factory is not None
+        return source.factory().to(dtype)
+
+
+def _seq_len_and_vocab(config: Any) -> tuple[int | None, int | None]:
+    if isinstance(config, tuple(CONFIG_TYPES.values())):
+        return config.seq_len, config.vocab
+    return _hf_seq_len(config), getattr(config, "vocab_size", None)
+
+
+def example_inputs(
+    model_or_config: nn.Module | ModelConfig | ModelSource | Any,
+    batch: int,
+    seq_len: int | None = None,
+    device: torch.device | str = "meta",
+    *,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels), int64 [batch, seq_len], labels the next token of each input.
+
+    Random ids from a CPU generator seeded with `seed` on real devices (the same on every
+    device); zeros on meta. seq_len defaults to the model's."""
+    if isinstance(model_or_config, ModelSource):
+        default_seq, vocab = model_or_config.seq_len, model_or_config.vocab
+    else:
+        config = getattr(model_or_config, "config", model_or_config)
+        default_seq, vocab = _seq_len_and_vocab(config)
+    seq_len = default_seq if seq_len is None else seq_len
+    if seq_len is None or vocab is None:
+        raise ValueError(
+            "example_inputs: the model does not state its seq_len and vocab; pass seq_len and a config"
+        )
+    if torch.device(device).type == "meta":
+        ids = torch.zeros(batch, seq_len + 1, dtype=torch.int64, device="meta")
+    else:
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        ids = torch.randint(0, vocab, (batch, seq_len + 1), generator=generator).to(device)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
