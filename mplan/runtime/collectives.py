@@ -41,8 +41,10 @@ from mplan.runtime.process_groups import ProcessGroup, group_size
 
 # torch 2.13 renamed the flat-buffer collectives and deprecates the old names; pyproject
 # admits torch >= 2.6, which has only the old ones.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""`all_gather_flat(out, x, group=...)`: out (n * x.numel(),) <- every rank's flat `x`, in rank order."""
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""`reduce_scatter_flat(out, x, group=...)`: out <- chunk `rank` of the sum of every rank's flat `x`."""
 
 
 def _chunk_size(x: torch.Tensor, dim: int, n: int, what: str) -> int:
@@ -63,7 +65,7 @@ def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 def _all_gather(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
     n = group.size()
     flat = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
-    _all_gather_flat(flat, x.contiguous().reshape(-1), group=group)
+    all_gather_flat(flat, x.contiguous().reshape(-1), group=group)
     # flat holds the n inputs one after another; put the rank index next to `dim` and merge.
     return flat.view(n, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
 
@@ -82,7 +84,7 @@ def _ranks_first(x: torch.Tensor, dim: int, n: int, what: str) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
     chunks = _ranks_first(x, dim, group.size(), "reduce-scatter")
     out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
-    _reduce_scatter_flat(out.view(-1), chunks.view(-1), group=group)
+    reduce_scatter_flat(out.view(-1), chunks.view(-1), group=group)
     return out
 
 

@@ -1,0 +1,172 @@
+"""Data-parallel gradient synchronization in flat buckets (the zero=0 path).
+
+Input: a rank's local parameters, its `ProcessGroups` and each parameter's `ParamPlacement`.
+Output: after `sync_gradients()`, every `param.grad` holds the gradient of the global-batch
+loss (see `param_placement.py` for the averaging convention), identical on all replicas.
+
+How: each parameter's `.grad` is a view into a persistent flat bucket buffer (as DDP's
+`gradient_as_bucket_view` and Megatron's contiguous grad buffer), so autograd accumulates
+micro-batch gradients straight into the buffer and a bucket is reduced by one collective with
+no copy. Gradient accumulation needs nothing: run backward on every micro-batch, then call
+`sync_gradients()` once after the last one. A `.grad` that was replaced or set to None
+(`optimizer.zero_grad()` does that) is copied back into its bucket at sync time, so results
+stay correct; `zero_grad()` here keeps the views and avoids that copy.
+
+Invariants:
+- Buckets hold parameters of one dtype, device and reduction kind (dense or expert, with or
+  without a TP partial sum), at most `bucket_bytes` each (a larger parameter gets its own).
+  Replicas hold the same parameters in the same order, so their bucket layouts match and
+  the collectives pair up.
+- `tp_reduce` buckets are summed over TP before the data-parallel average.
+- A parameter that received no gradient is synchronized as zeros and keeps a zero `.grad`
+  (like DDP with bucket views): unlike a `None` gradient, the optimizer still steps it.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mplan.runtime.param_placement import ParamPlacement, Placements, placement_of, replica_group
+from mplan.runtime.process_groups import ProcessGroup, ProcessGroups, group_size
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+"""25 MiB, torch DDP's default `bucket_cap_mb`: large enough to amortize collective latency."""
+
+
+def unique_trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Parameters that need gradients, each once (tied weights appear once), in given order."""
+    seen: set[int] = set()
+    unique = []
+    for param in params:
+        if param.requires_grad and id(param) not in seen:
+            seen.add(id(param))
+            unique.append(param)
+    return unique
+
+
+def split_into_buckets(params: list[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive runs of `params` of at most `bucket_bytes` (a larger parameter alone)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for param in params:
+        nbytes = param.numel() * param.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(param)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def group_by_reduction(
+    params: list[torch.Tensor], placements: Placements | None
+) -> dict[tuple[ParamPlacement, torch.dtype, torch.device], list[torch.Tensor]]:
+    """Parameters that can share a flat buffer: same placement, dtype and device, in order."""
+    keyed: dict[tuple[ParamPlacement, torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for param in params:
+        keyed.setdefault((placement_of(param, placements), param.dtype, param.device), []).append(param)
+    return keyed
+
+
+def all_reduce_tp_partials(grads: list[torch.Tensor], groups: ProcessGroups) -> None:
+    """Sum partial gradients of TP-replicated parameters over TP, in place, in one collective."""
+    if group_size(groups.tp) == 1 or not grads:
+        return
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    dist.all_reduce(flat, group=groups.tp)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Bucket:
+    params: tuple[torch.Tensor, ...]
+    buffer: torch.Tensor
+    """Flat gradient storage; each parameter's `.grad` is a view into it."""
+    placement: ParamPlacement
+    group: ProcessGroup | None
+    """Replicas whose gradients are summed (dp, or expert_dp for experts)."""
+
+    def views(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        offset = 0
+        for param in self.params:
+            yield param, self.buffer[offset:offset + param.numel()].view_as(param)
+            offset += param.numel()
+
+
+class GradientSync:
+    """Sums partial TP gradients and averages gradients over data-parallel replicas."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        groups: ProcessGroups,
+        *,
+        placements: Placements | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        self.groups = groups
+        self.params = unique_trainable(params)
+        self._buckets = [
+            _Bucket(
+                params=tuple(bucket),
+                buffer=torch.zeros(sum(p.numel() for p in bucket), dtype=dtype, device=device),
+                placement=placement,
+                group=replica_group(placement, groups),
+            )
+            for (placement, dtype, device), members in group_by_reduction(self.params, placements).items()
+            for bucket in split_into_buckets(members, bucket_bytes)
+        ]
+        for bucket in self._buckets:
+            for param, view in bucket.views():
+                if param.grad is not None:
+                    view.copy_(param.grad)
+                param.grad = view
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        """Zero every gradient, keeping them as views into the buckets."""
+        for bucket in self._buckets:
+            bucket.buffer.zero_()
+            for param, view in bucket.views():
+                param.grad = view
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        """Reduce the accumulated gradients; call once after the last micro-batch's backward."""
+        for bucket in self._buckets:
+            self._adopt_foreign_grads(bucket)
+        all_reduce_tp_partials(
+            [bucket.buffer for bucket in self._buckets if bucket.placement.tp_reduce], self.groups
+        )
+        # Divide before summing, as DDP and Megatron do: a sum of low-precision gradients
+        # over many replicas can overflow where their mean would not.
+        dp = self.groups.mesh.dp
+        pending = []
+        for bucket in self._buckets:
+            if dp > 1:
+                bucket.buffer.div_(dp)
+            if group_size(bucket.group) > 1:
+                pending.append(dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True))
+        for work in pending:
+            work.wait()
+
+    @staticmethod
+    def _adopt_foreign_grads(bucket: _Bucket) -> None:
+        for param, view in bucket.views():
+            grad = param.grad
+            if grad is None:
+                view.zero_()
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+            param.grad = view

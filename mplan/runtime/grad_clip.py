@@ -1,0 +1,94 @@
+"""Global gradient-norm clipping over a sharded, replicated, pipelined model.
+
+Input: a rank's local gradients (full copies after data-parallel sync, or ZeRO partitions),
+each parameter's `ParamPlacement`, and `ProcessGroups`. Output: the norm of the single-device
+model's gradient, the same on every rank, and the gradients scaled in place exactly as
+`torch.nn.utils.clip_grad_norm_` scales them on one device.
+
+How: every gradient element of the single-device model is counted on exactly one rank
+(`param_placement.counts_in_norm`): TP shards on every TP rank, TP replicas on TP rank 0, DP
+replicas on their first replica, ZeRO partitions on every DP rank, pipeline stages on their
+own ranks. One all-reduce of the local sum over the world then yields the global sum; its
+root is the norm. For the infinity norm the maximum is taken and double counting is harmless.
+
+Invariants: identical on every rank (the all-reduce result is), and identical (to rounding)
+to the single-device result: clip coefficient `max_norm / (norm + 1e-6)` clamped at 1, as
+torch computes it (per-tensor norms, then the norm of those). Per-tensor norms are computed in
+at least float32 and combined in float64, so bf16 gradients do not lose the norm.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from mplan.runtime.param_placement import Placements, counts_in_norm, placement_of
+from mplan.runtime.process_groups import ProcessGroups, group_size
+
+CLIP_EPS = 1e-6
+"""Added to the norm before dividing, as in torch.nn.utils.clip_grad_norm_."""
+
+
+def global_grad_norm(
+    counted_grads: Iterable[torch.Tensor],
+    groups: ProcessGroups,
+    *,
+    norm_type: float = 2.0,
+    device: torch.device,
+) -> torch.Tensor:
+    """The global norm from the gradients this rank counts (collective over the world).
+
+    `device` is where the all-reduce runs (NCCL needs a GPU tensor even on a rank that
+    counts no gradient, e.g. TP rank 1 of a model whose parameters are all replicated).
+    """
+    # float64 accumulator on every rank: the all-reduce needs one dtype everywhere.
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for grad in counted_grads:
+        if not grad.numel():
+            continue
+        wide = torch.promote_types(grad.dtype, torch.float32)
+        norm = torch.linalg.vector_norm(grad.detach(), norm_type, dtype=wide).to(torch.float64)
+        if math.isinf(norm_type):
+            total = torch.maximum(total, norm)
+        else:
+            total += norm.pow(norm_type)
+    if group_size(groups.world) > 1:
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        dist.all_reduce(total, op=op, group=groups.world)
+    return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def scale_by_clip_coefficient_(grads: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale `grads` so that a global norm of `total_norm` becomes at most `max_norm`."""
+    coefficient = torch.clamp(max_norm / (total_norm + CLIP_EPS), max=1.0)
+    for grad in grads:
+        grad.mul_(coefficient.to(grad.dtype))
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    groups: ProcessGroups,
+    *,
+    placements: Placements | None = None,
+    norm_type: float = 2.0,
+) -> torch.Tensor:
+    """Clip the full gradients held by `params` (after DP sync) by the global norm; return it.
+
+    Collective over the world: every rank calls it, with its own local parameters.
+    """
+    params = list(params)
+    with_grad = [p for p in params if p.grad is not None]
+    total = global_grad_norm(
+        (p.grad for p in with_grad
+         if counts_in_norm(placement_of(p, placements), groups, dp_sharded=False)),
+        groups,
+        norm_type=norm_type,
+        device=params[0].device if params else torch.device("cpu"),
+    )
+    scale_by_clip_coefficient_((p.grad for p in with_grad), max_norm, total)
+    return total

@@ -1,0 +1,55 @@
+"""The training-step interface over data parallelism, and the choice of zero=0 or zero=1.
+
+Input: the plan's `zero` setting, local parameters, a torch optimizer factory, groups and
+placements. Output: a `DistributedOptimizer` whose `step()` turns the gradients accumulated
+over a global batch's micro-batches into one update, equal to the single-device update.
+
+    zero=0  ReplicatedOptimizer  all-reduce gradients; full optimizer state on every rank
+    zero=1  ShardedOptimizer     reduce-scatter; state and fp32 masters sharded over DP
+
+The two are interchangeable: same methods, same results (float64: relative error < 1e-12).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+
+from mplan.runtime.data_parallel import DEFAULT_BUCKET_BYTES
+from mplan.runtime.optimizer_state import ParamsArg
+from mplan.runtime.param_placement import Placements
+from mplan.runtime.process_groups import ProcessGroups
+from mplan.runtime.replicated_optimizer import OptimizerFactory, ReplicatedOptimizer
+from mplan.runtime.sharded_optimizer import ShardedOptimizer
+
+
+class DistributedOptimizer(Protocol):
+    optimizer: torch.optim.Optimizer
+    """The underlying torch optimizer, for learning-rate schedulers."""
+
+    def zero_grad(self) -> None: ...
+
+    def step(self, *, max_grad_norm: float | None = None) -> torch.Tensor | None:
+        """Reduce gradients over replicas, clip by the global norm if asked, update."""
+        ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
+
+
+def build_optimizer(
+    params: ParamsArg,
+    optimizer: OptimizerFactory,
+    groups: ProcessGroups,
+    *,
+    zero: int = 0,
+    placements: Placements | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> DistributedOptimizer:
+    """The data-parallel optimizer for a plan's `zero` level (0 or 1)."""
+    kinds = {0: ReplicatedOptimizer, 1: ShardedOptimizer}
+    if zero not in kinds:
+        raise ValueError(f"zero must be 0 or 1, got {zero!r}")
+    return kinds[zero](params, optimizer, groups, placements=placements, bucket_bytes=bucket_bytes)

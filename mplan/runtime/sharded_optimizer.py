@@ -1,0 +1,242 @@
+"""The zero=1 optimizer (ZeRO stage 1, Megatron's distributed optimizer).
+
+Input: local parameters (or parameter groups), an element-wise torch optimizer factory such
+as `functools.partial(torch.optim.AdamW, lr=3e-4)`, `ProcessGroups` and placements.
+Output: `step()` = reduce-scatter of the averaged gradients -> optional global-norm clipping
+-> the torch optimizer's update of this rank's shard of master weights -> all-gather of the
+updated shards into the model's parameters. Optimizer state and master weights exist only
+for the shard: 1/dp of them per rank.
+
+Layout: parameters of one group, placement, dtype and device form a *partition*. Its
+parameters are laid end to end and cut into buckets at parameter boundaries (at most
+`bucket_bytes` each, a larger parameter alone); each bucket is zero-padded to a multiple of
+the replica count n and rank r owns elements [r*s, (r+1)*s) of it (s = padded size / n). The
+rank's slices of all buckets, concatenated, are the partition's *shard*: one flat tensor of
+master weights (the parameter dtype promoted to at least float32, so bf16 models keep fp32
+masters and float64 stays float64), which the torch optimizer sees as a single parameter.
+
+    bucket 0: [ r0 | r1 | r2 | r3 ]   bucket 1: [ r0 | r1 | r2 | r3 ]   (each padded)
+    shard of rank 1 = bucket0[r1] ++ bucket1[r1]
+
+Why this is exact: Adam(W), SGD and the like update every element from its own gradient and
+state only, so updating a flat shard equals updating the corresponding elements of the
+whole parameters. Optimizers with per-tensor quantities (LAMB, Adafactor, Muon) are not
+element-wise and must not be sharded this way (use zero=0).
+
+Invariants:
+- Replicas hold the same parameters in the same order, so layouts (and collectives) match.
+- Padding elements have zero gradient and zero master weight and are never gathered.
+- Gradients are divided by `mesh.dp` and summed over replicas (see `param_placement.py`),
+  reduced in the master dtype; `tp_reduce` gradients are first summed over TP.
+- A parameter without a gradient is stepped with a zero gradient, as in `data_parallel.py`.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from mplan.runtime.collectives import all_gather_flat, reduce_scatter_flat
+from mplan.runtime.data_parallel import (
+    DEFAULT_BUCKET_BYTES,
+    all_reduce_tp_partials,
+    group_by_reduction,
+    split_into_buckets,
+    unique_trainable,
+)
+from mplan.runtime.grad_clip import global_grad_norm, scale_by_clip_coefficient_
+from mplan.runtime.optimizer_state import (
+    ParamsArg,
+    as_param_groups,
+    flatten_optimizer_state,
+    unflatten_optimizer_state,
+)
+from mplan.runtime.param_placement import ParamPlacement, Placements, counts_in_norm, replica_group
+from mplan.runtime.process_groups import ProcessGroup, ProcessGroups, group_rank, group_size
+from mplan.runtime.replicated_optimizer import OptimizerFactory
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Bucket:
+    params: tuple[torch.Tensor, ...]
+    numel: int
+    """Elements of its parameters, before padding."""
+    shard_numel: int
+    """Elements each replica owns: padded size / number of replicas."""
+    shard_offset: int
+    """Where this rank's slice of the bucket sits in the partition's shard."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Partition:
+    placement: ParamPlacement
+    group: ProcessGroup | None
+    buckets: tuple[_Bucket, ...]
+    master: torch.nn.Parameter
+    """This rank's shard of master weights; its `.grad` receives the reduce-scatter."""
+
+    @property
+    def num_replicas(self) -> int:
+        return group_size(self.group)
+
+
+def _make_partition(
+    params: list[torch.Tensor], placement: ParamPlacement, groups: ProcessGroups, bucket_bytes: int
+) -> _Partition:
+    group = replica_group(placement, groups)
+    n, rank = group_size(group), group_rank(group)
+    buckets, offset = [], 0
+    for members in split_into_buckets(params, bucket_bytes):
+        numel = sum(p.numel() for p in members)
+        shard_numel = -(-numel // n)
+        buckets.append(_Bucket(params=tuple(members), numel=numel,
+                               shard_numel=shard_numel, shard_offset=offset))
+        offset += shard_numel
+    master_dtype = torch.promote_types(params[0].dtype, torch.float32)
+    master = torch.zeros(offset, dtype=master_dtype, device=params[0].device)
+    for bucket in buckets:
+        padded = _flatten_padded(list(bucket.params), bucket.shard_numel * n, master_dtype)
+        master[bucket.shard_offset:bucket.shard_offset + bucket.shard_numel] = (
+            padded[rank * bucket.shard_numel:(rank + 1) * bucket.shard_numel]
+        )
+    shard = torch.nn.Parameter(master)
+    shard.grad = torch.zeros_like(master)
+    return _Partition(placement=placement, group=group, buckets=tuple(buckets), master=shard)
+
+
+def _flatten_padded(tensors: list[torch.Tensor], size: int, dtype: torch.dtype) -> torch.Tensor:
+    flat = torch.zeros(size, dtype=dtype, device=tensors[0].device)
+    offset = 0
+    for tensor in tensors:
+        flat[offset:offset + tensor.numel()] = tensor.detach().reshape(-1)
+        offset += tensor.numel()
+    return flat
+
+
+class ShardedOptimizer:
+    """ZeRO-1: gradients reduce-scattered, optimizer state and fp32 masters sharded over DP."""
+
+    def __init__(
+        self,
+        params: ParamsArg,
+        optimizer: OptimizerFactory,
+        groups: ProcessGroups,
+        *,
+        placements: Placements | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        self.groups = groups
+        self._partitions: list[_Partition] = []
+        inner_groups = []
+        for param_group in as_param_groups(params):
+            members = unique_trainable(param_group["params"])
+            partitions = [
+                _make_partition(keyed, placement, groups, bucket_bytes)
+                for (placement, _, _), keyed in group_by_reduction(members, placements).items()
+            ]
+            self._partitions += partitions
+            options = {k: v for k, v in param_group.items() if k != "params"}
+            inner_groups.append({**options, "params": [p.master for p in partitions]})
+        self.params = [p for part in self._partitions for b in part.buckets for p in b.params]
+        self.optimizer = optimizer(inner_groups)
+        """The torch optimizer over the shards; attach learning-rate schedulers to it."""
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+    @torch.no_grad()
+    def step(self, *, max_grad_norm: float | None = None) -> torch.Tensor | None:
+        """Reduce-scatter gradients, clip if asked, update the shard, all-gather parameters.
+
+        Collective over the world when clipping (the norm), else over TP and DP. Returns the
+        global gradient norm when clipping.
+        """
+        for param in self.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        all_reduce_tp_partials(
+            [p.grad for part in self._partitions if part.placement.tp_reduce
+             for b in part.buckets for p in b.params],
+            self.groups,
+        )
+        for part in self._partitions:
+            self._reduce_scatter_grads(part)
+        norm = None
+        if max_grad_norm is not None:
+            norm = global_grad_norm(
+                (part.master.grad for part in self._partitions
+                 if counts_in_norm(part.placement, self.groups, dp_sharded=True)),
+                self.groups,
+                device=self._partitions[0].master.device,
+            )
+            scale_by_clip_coefficient_((part.master.grad for part in self._partitions),
+                                       max_grad_norm, norm)
+        self.optimizer.step()
+        for part in self._partitions:
+            self._all_gather_params(part)
+        return norm
+
+    def _reduce_scatter_grads(self, part: _Partition) -> None:
+        n, dp = part.num_replicas, self.groups.mesh.dp
+        for bucket in part.buckets:
+            flat = _flatten_padded([p.grad for p in bucket.params], bucket.shard_numel * n,
+                                   part.master.dtype)
+            if dp > 1:
+                flat.div_(dp)  # before the sum, as data_parallel.py explains
+            shard_grad = part.master.grad[bucket.shard_offset:bucket.shard_offset + bucket.shard_numel]
+            if n > 1:
+                reduce_scatter_flat(shard_grad, flat, group=part.group)
+            else:
+                shard_grad.copy_(flat)
+
+    @staticmethod
+    def _all_gather_params(part: _Partition) -> None:
+        n = part.num_replicas
+        for bucket in part.buckets:
+            dtype = bucket.params[0].dtype
+            # Gather in the parameters' dtype: the model needs nothing finer, and bf16 halves
+            # the traffic of fp32 masters.
+            local = part.master.detach()[bucket.shard_offset:bucket.shard_offset + bucket.shard_numel].to(dtype)
+            if n > 1:
+                full = torch.empty(bucket.shard_numel * n, dtype=dtype, device=local.device)
+                all_gather_flat(full, local, group=part.group)
+            else:
+                full = local
+            offset = 0
+            for param in bucket.params:
+                param.copy_(full[offset:offset + param.numel()].view_as(param))
+                offset += param.numel()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's shard: optimizer state, master weights and the layout it assumes.
+
+        Tensors only. Each data-parallel rank saves its own; a checkpoint loads into the same
+        mesh and parameter layout (the layout tensors are checked on load).
+        """
+        state = flatten_optimizer_state(self.optimizer.state_dict())
+        for index, part in enumerate(self._partitions):
+            state[f"master.{index}"] = part.master.detach()
+        state["layout.shard_numels"] = torch.tensor([p.master.numel() for p in self._partitions])
+        state["layout.num_replicas"] = torch.tensor([p.num_replicas for p in self._partitions])
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore a shard saved by `state_dict` and all-gather the masters into the model's
+        parameters (collective over DP), so the model matches the restored masters exactly."""
+        saved = {k: v for k, v in state.items() if not k.startswith(("master.", "layout."))}
+        for name, live in (("shard_numels", [p.master.numel() for p in self._partitions]),
+                           ("num_replicas", [p.num_replicas for p in self._partitions])):
+            if state[f"layout.{name}"].tolist() != live:
+                raise ValueError(
+                    f"layout.{name}: the checkpoint has {state[f'layout.{name}'].tolist()}, "
+                    f"this optimizer {live}; a sharded checkpoint loads only into the same "
+                    f"mesh and model"
+                )
+        for index, part in enumerate(self._partitions):
+            part.master.copy_(state[f"master.{index}"])
+        self.optimizer.load_state_dict(unflatten_optimizer_state(saved, self.optimizer.state_dict()))
+        for part in self._partitions:
+            self._all_gather_params(part)
