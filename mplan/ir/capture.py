@@ -154,11 +154,24 @@ def _metas_of(value: Any) -> tuple[TensorMeta, ...]:
     return (m,) if m is not None else ()
 
 
+def _plain(value: Any, names: dict[str, str]) -> Any:
+    """An FX argument as a plain value: nodes become "%name", containers become tuples."""
+    if hasattr(value, "name") and hasattr(value, "meta"):
+        return "%" + names.get(value.name, value.name)
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v, names) for v in value)
+    if isinstance(value, (int, float, bool, str)) or value is None:
+        return value
+    return str(value).removeprefix("torch.")
+
+
 @dataclass(slots=True)
 class _RawNode:
     fx_name: str
     target: Any
     args: list[tuple[int, str]]  # (position, value name) of tensor arguments
+    plain_args: tuple[Any, ...]
+    plain_kwargs: tuple[tuple[str, Any], ...]
     outputs: tuple[TensorMeta, ...]
     module_path: str
     module_classes: dict[str, str]  # module path -> class name, from nn_module_stack
@@ -238,6 +251,8 @@ class _GraphBuilder:
                 if hasattr(item, "name") and hasattr(item, "meta"):
                     args.append((pos, self.names.get(item.name, item.name)))
         outputs = _metas_of(fx_node.meta.get("val"))
+        plain_args = _plain(tuple(fx_node.args), self.names)
+        plain_kwargs = tuple((k, _plain(v, self.names)) for k, v in fx_node.kwargs.items())
         self.names[fx_node.name] = fx_node.name
         if outputs:
             self.metas[fx_node.name] = outputs[0]
@@ -245,7 +260,8 @@ class _GraphBuilder:
         classes = {self._strip(path): cls.rsplit(".", 1)[-1] if isinstance(cls, str) else
                    getattr(cls, "__name__", str(cls)) for path, cls in stack.values()}
         paths = [self._strip(path) for path, _ in stack.values()]
-        return _RawNode(fx_name=fx_node.name, target=fx_node.target, args=args, outputs=outputs,
+        return _RawNode(fx_name=fx_node.name, target=fx_node.target, args=args,
+                        plain_args=plain_args, plain_kwargs=plain_kwargs, outputs=outputs,
                         module_path=paths[-1] if paths else "", module_classes=classes)
 
     def _instance(self, r: _RawNode) -> str | None:
@@ -373,6 +389,7 @@ class _GraphBuilder:
         moved_in = sum(m.nbytes for m in input_metas) if kind not in ("view", "getitem") else 0
         return OpNode(
             name=r.fx_name, op=_op_name(r.target), kind=kind, inputs=tuple(v for _, v in r.args),
+            args=r.plain_args, kwargs=r.plain_kwargs,
             input_metas=input_metas, outputs=r.outputs, params=params, flops=flops,
             bytes_read=moved_in, bytes_written=moved_out, saved=saved, saved_extra_bytes=extra,
             module_path=r.module_path, block=block, known=rule is not None or kind in ("getitem", "scalar"))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 _DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
@@ -61,6 +61,8 @@ class OpNode:
     op: str  # ATen overload, e.g. "aten.linear.default"
     kind: str  # category from op_table: matmul, attention, embedding, norm, elementwise, ...
     inputs: tuple[str, ...]  # names of the tensor arguments, in argument order
+    args: tuple[Any, ...]  # positional arguments; tensors as "%name", dtypes as strings
+    kwargs: tuple[tuple[str, Any], ...]  # keyword arguments, normalized the same way
     input_metas: tuple[TensorMeta, ...]
     outputs: tuple[TensorMeta, ...]
     params: tuple[tuple[int, str], ...]  # (argument position, parameter FQN) for parameter inputs

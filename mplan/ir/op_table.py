@@ -175,9 +175,9 @@ for _op, _idx in (("gather", 2), ("index_select", 2), ("index", 1), ("scatter_ad
 
 
 def op_packet(target: object) -> str:
-    """`aten.linear.default` -> `linear`; also strips the in-place suffix (`add_` -> `add`)."""
-    name = getattr(target, "__name__", str(target))
-    packet = name.split(".")[0]
+    """`aten.linear.default` (an op or its name) -> `linear`; also strips the in-place suffix (`add_` -> `add`)."""
+    name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
+    packet = name.removeprefix("aten.").split(".")[0]
     return packet[:-1] if packet.endswith("_") and not packet.startswith("_") else packet
 
 
