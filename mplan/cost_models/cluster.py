@@ -1,0 +1,261 @@
+"""The cluster a plan is made for: devices, nodes and the links between them.
+
+Role: the one description of hardware every cost model reads. A ``ClusterSpec`` is ``num_nodes``
+nodes of ``gpus_per_node`` identical devices (``DeviceSpec``), joined by a two-level link hierarchy
+(``LinkHierarchy``: ``intra_node`` NVLink/NVSwitch/PCIe/loopback, ``inter_node`` InfiniBand/RoCE/none),
+optionally carrying a measured ``ClusterProfile`` (kernel tables and alpha-beta link fits) that
+overrides the analytic figures wherever it has data.
+Input: a named preset (``presets.py``, each constant labelled with its source), a JSON file, or the
+torchrun environment of the current process (``ClusterSpec.local()``).
+Output: frozen records; ``to_json`` writes the file ``from_json`` reads.
+
+File format (``"format": "mplan.cluster"``, ``"version": 1``)::
+
+    {"format": "mplan.cluster", "version": 1, "name": "dgx-h100", "num_nodes": 4, "gpus_per_node": 8,
+     "source": "...",
+     "device": {"name", "peak_flops": {"bf16", "fp16", "fp32", "tf32", "fp8", "fp64"} (FLOP/s, 0 = none),
+                "memory_bytes", "memory_bandwidth_Bps", "gemm_efficiency", "memory_efficiency", "source"},
+     "links": {"intra_node": {"kind", "bandwidth_Bps", "latency_s", "efficiency", "source"},
+               "inter_node": {...}},
+     "profile": null | {a profile object, see profile.py} | "path/to/profile.json"}
+
+Decision on profiles: ``mplan profile`` writes a *cluster* file whose ``profile`` key holds the
+measurements inline, so one file describes a measured cluster. A bare profile file (such as the
+packaged ``profiles/h200.json``, which measures one device and no links) is not a cluster and is not
+accepted by ``ClusterSpec.from_json``; reference it from a cluster file by path (relative to the
+cluster file) or attach it with ``spec.with_profile(ClusterProfile.from_json(path))``.
+Invariants: all bandwidths are per GPU, per direction, in bytes/s; latencies in seconds; a wrong
+file raises one ``ClusterSpecError`` naming the file and the field; ``inter_node.kind == "none"``
+only on one node.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from mplan.cost_models.alpha_beta import AlphaBetaFit
+from mplan.cost_models.dtypes import DTYPES, canonical_dtype
+from mplan.cost_models.json_fields import FieldReader, load_json_file
+from mplan.cost_models.profile import ClusterProfile, ProfileError
+
+CLUSTER_FORMAT = "mplan.cluster"
+CLUSTER_VERSION = 1
+INTRA_NODE_KINDS: tuple[str, ...] = ("nvlink", "nvswitch", "pcie", "loopback")
+INTER_NODE_KINDS: tuple[str, ...] = ("infiniband", "roce", "none")
+
+
+class ClusterSpecError(ValueError):
+    """A cluster description is wrong; the message names the file (if any) and the field."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceSpec:
+    """One accelerator (or one CPU rank). Peaks are dense (no sparsity) and 0 where unsupported."""
+
+    name: str
+    peak_bf16: float  # FLOP/s
+    peak_fp16: float  # FLOP/s
+    peak_fp32: float  # FLOP/s, plain fp32 (no TF32 tensor cores)
+    peak_tf32: float  # FLOP/s
+    peak_fp8: float  # FLOP/s
+    peak_fp64: float  # FLOP/s
+    memory_bytes: int  # bytes of device memory
+    memory_bandwidth_Bps: float  # bytes/s of device memory
+    gemm_efficiency: float  # fraction of peak that large GEMMs approach (see compute_cost.py)
+    memory_efficiency: float  # fraction of memory_bandwidth_Bps that a large copy reaches
+    source: str  # where the figures come from
+
+    def __post_init__(self) -> None:
+        for dtype in DTYPES:
+            if getattr(self, f"peak_{dtype}") < 0:
+                raise ClusterSpecError(f"device {self.name}: peak_{dtype} must be >= 0")
+        if self.peak_bf16 <= 0 or self.peak_fp32 <= 0:
+            raise ClusterSpecError(f"device {self.name}: peak_bf16 and peak_fp32 must be positive")
+        if self.memory_bytes <= 0 or self.memory_bandwidth_Bps <= 0:
+            raise ClusterSpecError(f"device {self.name}: memory_bytes and memory_bandwidth_Bps must be positive")
+        if not (0 < self.gemm_efficiency <= 1 and 0 < self.memory_efficiency <= 1):
+            raise ClusterSpecError(f"device {self.name}: gemm_efficiency and memory_efficiency must be in (0, 1]")
+
+    def peak_flops(self, dtype: object) -> float:
+        """Dense peak FLOP/s for ``dtype``; ClusterSpecError if the device has none."""
+        name = canonical_dtype(dtype)
+        peak = getattr(self, f"peak_{name}")
+        if peak <= 0:
+            raise ClusterSpecError(f"device {self.name} has no {name} peak (unsupported dtype)")
+        return peak
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkSpec:
+    """One level of the link hierarchy, as seen by one GPU."""
+
+    kind: str  # INTRA_NODE_KINDS or INTER_NODE_KINDS
+    bandwidth_Bps: float  # bytes/s per GPU per direction (line rate); 0 only for kind "none"
+    latency_s: float  # seconds per ring step (one hop)
+    efficiency: float  # fraction of bandwidth_Bps a ring collective achieves (NCCL busbw / line rate)
+    source: str
+
+    @property
+    def effective_bandwidth_Bps(self) -> float:
+        """Bus bandwidth a ring collective reaches on this link, bytes/s."""
+        return self.bandwidth_Bps * self.efficiency
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkHierarchy:
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+
+    def __post_init__(self) -> None:
+        if self.intra_node.kind not in INTRA_NODE_KINDS:
+            raise ClusterSpecError(f"links.intra_node.kind must be one of {INTRA_NODE_KINDS}, "
+                                   f"got {self.intra_node.kind!r}")
+        if self.inter_node.kind not in INTER_NODE_KINDS:
+            raise ClusterSpecError(f"links.inter_node.kind must be one of {INTER_NODE_KINDS}, "
+                                   f"got {self.inter_node.kind!r}")
+        for level, link in (("intra_node", self.intra_node), ("inter_node", self.inter_node)):
+            if link.kind != "none" and link.bandwidth_Bps <= 0:
+                raise ClusterSpecError(f"links.{level}.bandwidth_Bps must be positive for kind {link.kind!r}")
+            if link.latency_s < 0 or not 0 < link.efficiency <= 1:
+                raise ClusterSpecError(f"links.{level}: latency_s must be >= 0 and efficiency in (0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterSpec:
+    """``num_nodes`` x ``gpus_per_node`` identical devices and the links between them."""
+
+    name: str
+    num_nodes: int
+    gpus_per_node: int
+    device: DeviceSpec
+    links: LinkHierarchy
+    source: str = ""  # where the cluster figures come from (presets name their sources)
+    profile: ClusterProfile | None = None  # measured kernels and links; overrides analytic figures
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1 or self.gpus_per_node < 1:
+            raise ClusterSpecError(f"cluster {self.name}: num_nodes and gpus_per_node must be >= 1, "
+                                   f"got {self.num_nodes} and {self.gpus_per_node}")
+        if self.num_nodes > 1 and self.links.inter_node.kind == "none":
+            raise ClusterSpecError(f"cluster {self.name}: {self.num_nodes} nodes need an inter_node link, "
+                                   f"got kind 'none'")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    def link_fit(self, collective: str, level: str) -> AlphaBetaFit | None:
+        """The measured alpha-beta fit for ``collective`` on ``level``, if the profile has one."""
+        if self.profile is None or self.profile.links is None:
+            return None
+        return self.profile.links.fit(collective, level)
+
+    def with_profile(self, profile: ClusterProfile | None) -> ClusterSpec:
+        return dataclasses.replace(self, profile=profile)
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, nodes: int = 1, gpus_per_node: int | None = None, *,
+               measured: bool = True) -> ClusterSpec:
+        """A named cluster (``presets.PRESETS``); ``measured`` attaches a packaged device profile if any."""
+        from mplan.cost_models.presets import make_preset
+
+        return make_preset(name, nodes=nodes, gpus_per_node=gpus_per_node, measured=measured)
+
+    @classmethod
+    def local(cls) -> ClusterSpec:
+        """The cluster this process runs in, from torchrun's WORLD_SIZE/LOCAL_WORLD_SIZE and the local device."""
+        from mplan.cost_models.presets import local_cluster
+
+        return local_cluster(os.environ)
+
+    # -- JSON -----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        device = self.device
+        return {
+            "format": CLUSTER_FORMAT, "version": CLUSTER_VERSION, "name": self.name,
+            "num_nodes": self.num_nodes, "gpus_per_node": self.gpus_per_node, "source": self.source,
+            "device": {"name": device.name,
+                       "peak_flops": {dtype: getattr(device, f"peak_{dtype}") for dtype in DTYPES},
+                       "memory_bytes": device.memory_bytes, "memory_bandwidth_Bps": device.memory_bandwidth_Bps,
+                       "gemm_efficiency": device.gemm_efficiency, "memory_efficiency": device.memory_efficiency,
+                       "source": device.source},
+            "links": {level: {"kind": link.kind, "bandwidth_Bps": link.bandwidth_Bps, "latency_s": link.latency_s,
+                              "efficiency": link.efficiency, "source": link.source}
+                      for level, link in (("intra_node", self.links.intra_node),
+                                          ("inter_node", self.links.inter_node))},
+            "profile": None if self.profile is None else self.profile.to_dict(),
+        }
+
+    def to_json(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(self.to_dict(), handle, indent=1)
+            handle.write("\n")
+
+    @classmethod
+    def from_dict(cls, obj: Any, *, file: str = "<cluster>", base_dir: str = ".") -> ClusterSpec:
+        """Validate and build; ``base_dir`` resolves a ``profile`` given as a relative path."""
+        return _read_cluster(FieldReader(obj, file=file, path="", error=ClusterSpecError), file, base_dir)
+
+    @classmethod
+    def from_json(cls, path: str) -> ClusterSpec:
+        return cls.from_dict(load_json_file(str(path), ClusterSpecError), file=str(path),
+                             base_dir=os.path.dirname(os.path.abspath(path)))
+
+
+def _read_link(r: FieldReader, kinds: tuple[str, ...]) -> LinkSpec:
+    kind = r.string("kind", choices=kinds)
+    link = LinkSpec(kind=kind, bandwidth_Bps=r.number("bandwidth_Bps", allow_equal=kind == "none"),
+                    latency_s=r.number("latency_s", allow_equal=True), efficiency=r.fraction("efficiency"),
+                    source=r.string("source"))
+    r.finish()
+    return link
+
+
+def _read_device(r: FieldReader) -> DeviceSpec:
+    peaks = r.obj("peak_flops")
+    values = {dtype: peaks.number(dtype, allow_equal=dtype not in ("bf16", "fp32")) for dtype in DTYPES}
+    peaks.finish()
+    device = DeviceSpec(name=r.string("name"), **{f"peak_{d}": v for d, v in values.items()},
+                        memory_bytes=r.integer("memory_bytes"), memory_bandwidth_Bps=r.number("memory_bandwidth_Bps"),
+                        gemm_efficiency=r.fraction("gemm_efficiency"), memory_efficiency=r.fraction("memory_efficiency"),
+                        source=r.string("source"))
+    r.finish()
+    return device
+
+
+def _read_profile(r: FieldReader, file: str, base_dir: str) -> ClusterProfile | None:
+    if not r.has("profile"):
+        return None
+    value = r.raw("profile")
+    try:
+        if isinstance(value, str):
+            path = value if os.path.isabs(value) else os.path.join(base_dir, value)
+            return ClusterProfile.from_json(path)
+        return ClusterProfile.from_dict(value, file=file, path="profile")
+    except ProfileError as exc:
+        raise ClusterSpecError(str(exc)) from None
+
+
+def _read_cluster(r: FieldReader, file: str, base_dir: str) -> ClusterSpec:
+    if r.string("format") != CLUSTER_FORMAT:
+        raise r.error("format", f'must be "{CLUSTER_FORMAT}" (a bare profile file is attached with '
+                                f'ClusterSpec.with_profile or referenced from a cluster file)')
+    if r.integer("version") != CLUSTER_VERSION:
+        raise r.error("version", f"must be {CLUSTER_VERSION} (the only cluster version this mplan reads)")
+    num_nodes = r.integer("num_nodes")
+    links = r.obj("links")
+    intra, inter = _read_link(links.obj("intra_node"), INTRA_NODE_KINDS), _read_link(links.obj("inter_node"),
+                                                                                   INTER_NODE_KINDS)
+    links.finish()
+    if num_nodes > 1 and inter.kind == "none":
+        raise ClusterSpecError(f'{file}: links.inter_node.kind must not be "none" with num_nodes = {num_nodes}')
+    spec = ClusterSpec(name=r.string("name"), num_nodes=num_nodes, gpus_per_node=r.integer("gpus_per_node"),
+                       device=_read_device(r.obj("device")), links=LinkHierarchy(intra_node=intra, inter_node=inter),
+                       source=r.string("source") if r.has("source") else "",
+                       profile=_read_profile(r, file, base_dir))
+    r.finish()
+    return spec

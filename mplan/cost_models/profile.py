@@ -1,0 +1,232 @@
+"""Measured profiles: the data format of kernel and link measurements, and its JSON file.
+
+Role: hold what ``measure_device.profile_device`` and ``measure_links.profile_links`` measured so a
+``ClusterSpec`` can carry it and the cost models can read it (``compute_cost`` interpolates the
+kernel tables, ``collective_cost`` uses the alpha-beta fits).
+Input/output: ``ClusterProfile.to_json(path)`` / ``ClusterProfile.from_json(path)``.
+
+File format (``"format": "mplan.profile"``, ``"version": 1``)::
+
+    {"format": "mplan.profile", "version": 1, "note": "...",
+     "device": null | {"name", "torch_version", "measured_on", "gemm": [{m, n, k, dtype, seconds}],
+                       "attention": [{batch, heads, seq_q, seq_kv, head_dim, dtype, causal,
+                                      forward_s, forward_backward_s}],
+                       "copy": [{bytes_moved, seconds}]},
+     "links": null | {"backend", "world_size", "ranks_per_node", "measured_on",
+                      "timings": [{collective, level, group_size, ranks_per_node, nbytes, seconds}],
+                      "fits": [{collective, level, alpha_s, beta_Bps, group_size, num_points,
+                                max_rel_error}]}}
+
+Invariants: every field is validated on load and the first wrong one raises one ``ProfileError``
+naming the file and the field; nothing is unpickled. A ``ClusterSpec`` file may hold a profile
+inline under its ``profile`` key, or the path of a profile file (see ``cluster.py``).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from mplan.cost_models.alpha_beta import LEVELS, AlphaBetaFit
+from mplan.cost_models.collectives import COLLECTIVES
+from mplan.cost_models.dtypes import DTYPES
+from mplan.cost_models.json_fields import FieldReader, load_json_file
+
+PROFILE_FORMAT = "mplan.profile"
+PROFILE_VERSION = 1
+TIMING_LEVELS: tuple[str, ...] = (*LEVELS, "hierarchical")
+"""Levels a timing may be taken on: one node, one rank per node, or several ranks on several nodes."""
+
+
+class ProfileError(ValueError):
+    """A profile file or object is malformed; the message names the file and the field."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GemmTiming:
+    """One timed ``[m, k] @ [k, n]`` matmul."""
+
+    m: int
+    n: int
+    k: int
+    dtype: str  # dtypes.DTYPES
+    seconds: float  # median wall time of one call
+
+    @property
+    def flops_per_s(self) -> float:
+        return 2.0 * self.m * self.n * self.k / self.seconds
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AttentionTiming:
+    """One timed scaled-dot-product attention, forward alone and forward plus backward."""
+
+    batch: int
+    heads: int
+    seq_q: int
+    seq_kv: int
+    head_dim: int
+    dtype: str
+    causal: bool
+    forward_s: float  # seconds, median
+    forward_backward_s: float  # seconds, median of forward then backward
+
+    @property
+    def backward_s(self) -> float:
+        return max(self.forward_backward_s - self.forward_s, 0.0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CopyTiming:
+    """One timed device-to-device copy."""
+
+    bytes_moved: int  # bytes read plus bytes written
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceProfile:
+    """Kernel timings of one device."""
+
+    name: str  # e.g. "NVIDIA H200" or "cpu"
+    torch_version: str
+    measured_on: str  # ISO date
+    gemm: tuple[GemmTiming, ...] = ()
+    attention: tuple[AttentionTiming, ...] = ()
+    copy: tuple[CopyTiming, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveTiming:
+    """One timed collective on one group shape and message size."""
+
+    collective: str  # collectives.COLLECTIVES
+    level: str  # TIMING_LEVELS
+    group_size: int  # ranks in the group
+    ranks_per_node: int  # of those, how many share a node
+    nbytes: int  # message size, nccl-tests' "size" (see collectives.py)
+    seconds: float  # slowest rank's median
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkProfile:
+    """Collective timings over the groups a world could make, and their alpha-beta fits."""
+
+    backend: str  # "nccl" or "gloo"
+    world_size: int
+    ranks_per_node: int  # LOCAL_WORLD_SIZE when measured
+    measured_on: str  # ISO date
+    timings: tuple[CollectiveTiming, ...] = ()
+    fits: tuple[AlphaBetaFit, ...] = ()
+
+    def fit(self, collective: str, level: str) -> AlphaBetaFit | None:
+        for item in self.fits:
+            if item.collective == collective and item.level == level:
+                return item
+        return None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterProfile:
+    """Everything measured on one cluster: kernels of its device and its links (either may be absent)."""
+
+    version: int = PROFILE_VERSION
+    note: str = ""
+    device: DeviceProfile | None = None
+    links: LinkProfile | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": PROFILE_FORMAT, "version": self.version, "note": self.note,
+                "device": None if self.device is None else _device_to_dict(self.device),
+                "links": None if self.links is None else _links_to_dict(self.links)}
+
+    def to_json(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(self.to_dict(), handle, indent=1)
+            handle.write("\n")
+
+    @classmethod
+    def from_dict(cls, obj: Any, *, file: str = "<profile>", path: str = "") -> ClusterProfile:
+        return _read_profile(FieldReader(obj, file=file, path=path, error=ProfileError))
+
+    @classmethod
+    def from_json(cls, path: str) -> ClusterProfile:
+        return cls.from_dict(load_json_file(path, ProfileError), file=str(path))
+
+
+def _record_dict(record: Any) -> dict[str, Any]:
+    return {name: getattr(record, name) for name in record.__slots__}
+
+
+def _device_to_dict(device: DeviceProfile) -> dict[str, Any]:
+    return {"name": device.name, "torch_version": device.torch_version, "measured_on": device.measured_on,
+            "gemm": [_record_dict(t) for t in device.gemm],
+            "attention": [_record_dict(t) for t in device.attention],
+            "copy": [_record_dict(t) for t in device.copy]}
+
+
+def _links_to_dict(links: LinkProfile) -> dict[str, Any]:
+    return {"backend": links.backend, "world_size": links.world_size, "ranks_per_node": links.ranks_per_node,
+            "measured_on": links.measured_on, "timings": [_record_dict(t) for t in links.timings],
+            "fits": [_record_dict(f) for f in links.fits]}
+
+
+def _read_profile(r: FieldReader) -> ClusterProfile:
+    if r.string("format") != PROFILE_FORMAT:
+        raise r.error("format", f'must be "{PROFILE_FORMAT}"')
+    version = r.integer("version")
+    if version != PROFILE_VERSION:
+        raise r.error("version", f"must be {PROFILE_VERSION} (the only profile version this mplan reads)")
+    profile = ClusterProfile(version=version, note=r.string("note") if r.has("note") else "",
+                             device=_read_device(r.obj("device")) if r.has("device") else None,
+                             links=_read_links(r.obj("links")) if r.has("links") else None)
+    r.finish()
+    return profile
+
+
+def _finished(reader: FieldReader, record: Any) -> Any:
+    reader.finish()
+    return record
+
+
+def _read_gemm(g: FieldReader) -> GemmTiming:
+    return _finished(g, GemmTiming(m=g.integer("m"), n=g.integer("n"), k=g.integer("k"),
+                                   dtype=g.string("dtype", choices=DTYPES), seconds=g.number("seconds")))
+
+
+def _read_attention(a: FieldReader) -> AttentionTiming:
+    return _finished(a, AttentionTiming(
+        batch=a.integer("batch"), heads=a.integer("heads"), seq_q=a.integer("seq_q"), seq_kv=a.integer("seq_kv"),
+        head_dim=a.integer("head_dim"), dtype=a.string("dtype", choices=DTYPES), causal=a.boolean("causal"),
+        forward_s=a.number("forward_s"), forward_backward_s=a.number("forward_backward_s")))
+
+
+def _read_device(r: FieldReader) -> DeviceProfile:
+    return _finished(r, DeviceProfile(
+        name=r.string("name"), torch_version=r.string("torch_version"), measured_on=r.string("measured_on"),
+        gemm=tuple(_read_gemm(g) for g in r.objects("gemm")),
+        attention=tuple(_read_attention(a) for a in r.objects("attention")),
+        copy=tuple(_finished(c, CopyTiming(bytes_moved=c.integer("bytes_moved"), seconds=c.number("seconds")))
+                   for c in r.objects("copy"))))
+
+
+def _read_timing(t: FieldReader) -> CollectiveTiming:
+    return _finished(t, CollectiveTiming(
+        collective=t.string("collective", choices=COLLECTIVES), level=t.string("level", choices=TIMING_LEVELS),
+        group_size=t.integer("group_size"), ranks_per_node=t.integer("ranks_per_node"),
+        nbytes=t.integer("nbytes"), seconds=t.number("seconds")))
+
+
+def _read_fit(f: FieldReader) -> AlphaBetaFit:
+    return _finished(f, AlphaBetaFit(
+        collective=f.string("collective", choices=COLLECTIVES), level=f.string("level", choices=LEVELS),
+        alpha_s=f.number("alpha_s", allow_equal=True), beta_Bps=f.number("beta_Bps"),
+        group_size=f.integer("group_size"), num_points=f.integer("num_points"),
+        max_rel_error=f.number("max_rel_error", allow_equal=True)))
+
+
+def _read_links(r: FieldReader) -> LinkProfile:
+    return _finished(r, LinkProfile(
+        backend=r.string("backend"), world_size=r.integer("world_size"), ranks_per_node=r.integer("ranks_per_node"),
+        measured_on=r.string("measured_on"), timings=tuple(_read_timing(t) for t in r.objects("timings")),
+        fits=tuple(_read_fit(f) for f in r.objects("fits"))))
