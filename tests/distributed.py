@@ -112,14 +112,15 @@ def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, results_
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
-        results_queue.put((rank, True, pickle.dumps(fn(*args))))
+        message = (rank, True, pickle.dumps(fn(*args)))
     except BaseException as error:  # noqa: BLE001 - every failure must reach the parent
-        results_queue.put((rank, False, (traceback.format_exc(), getattr(error, "check", None))))
-    finally:
-        dist.destroy_process_group()
-        # Flush the queue's feeder thread before the process exits.
-        results_queue.close()
-        results_queue.join_thread()
+        message = (rank, False, (traceback.format_exc(), getattr(error, "check", None)))
+    results_queue.put(message)
+    # Flush before tearing down gloo: peers blocked on us then fail with "connection closed",
+    # and the parent must read this rank's real error before theirs.
+    results_queue.close()
+    results_queue.join_thread()
+    dist.destroy_process_group()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

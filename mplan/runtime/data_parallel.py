@@ -73,7 +73,8 @@ def group_by_reduction(
 
 
 def all_reduce_tp_partials(grads: list[torch.Tensor], groups: ProcessGroups) -> None:
-    """Sum partial gradients of TP-replicated parameters over TP, in place, in one collective."""
+    """Sum partial gradients of TP-replicated parameters over TP, in place, in one collective
+    (for gradients that do not live in a bucket, as under ZeRO)."""
     if group_size(groups.tp) == 1 or not grads:
         return
     flat = torch.cat([grad.reshape(-1) for grad in grads])
@@ -146,9 +147,10 @@ class GradientSync:
         """Reduce the accumulated gradients; call once after the last micro-batch's backward."""
         for bucket in self._buckets:
             self._adopt_foreign_grads(bucket)
-        all_reduce_tp_partials(
-            [bucket.buffer for bucket in self._buckets if bucket.placement.tp_reduce], self.groups
-        )
+        if group_size(self.groups.tp) > 1:
+            for bucket in self._buckets:
+                if bucket.placement.tp_reduce:
+                    dist.all_reduce(bucket.buffer, group=self.groups.tp)
         # Divide before summing, as DDP and Megatron do: a sum of low-precision gradients
         # over many replicas can overflow where their mean would not.
         dp = self.groups.mesh.dp
