@@ -1,0 +1,187 @@
+"""Seconds a kernel takes on one device: measured tables first, a fitted roofline otherwise.
+
+Role: the planner's price of compute: ``ComputeCostModel(cluster)`` answers ``matmul_time``,
+``attention_time`` and ``memory_bound_time`` for the cluster's device.
+Input: a ``ClusterSpec`` (its ``DeviceSpec`` and, when present, its profile's ``DeviceProfile``).
+Output: seconds for one kernel call.
+
+With a profile, the measured table is interpolated in log space (``log_interpolation.py``): GEMM
+throughput over (m, n, k) per dtype, attention throughput over (batch*heads, seq_q, seq_kv,
+head_dim) per (dtype, causal), copy time over bytes. Below the table's smallest GEMM the throughput
+is scaled down by the efficiency curve below (relative to the table's edge), never held flat.
+
+Without one, a roofline: ``max(flops / (peak * gemm_efficiency * shape(m, n, k)), bytes / (bandwidth *
+memory_efficiency))`` with the GEMM shape curve
+
+    shape(m, n, k) = (W / (W + C_MN)) * (k / (k + C_K)),   W = m n (see split-K below)
+
+The first factor is occupancy: a small output has too few tiles to fill the SMs (it falls linearly
+as m n -> 0); the second is the K-loop's amortisation of each tile's prologue and epilogue.
+C_MN = 2.71e6 (about a 1650 x 1650 output) and C_K = 394 were fitted on
+shared/reference/h200-measured-2026-11-29.json (five bf16 GEMMs on one H200: 8192^3 756 TFLOP/s,
+16384x6144x2048 645.6, 16384x2048x6144 690.9, 16384x1536x2048 587.6, 4096^3 614.4) by least squares
+in log space with the asymptote fixed at the 788 TFLOP/s achievable rate (peak * gemm_efficiency);
+the curve reproduces the five points within 4.5% (RMS 2.2%). Leaving the asymptote free fits them
+within 1.2% at 840 TFLOP/s: two free constants on five points is deliberately the smaller model.
+C_MN is about one wave of output tiles (132 SMs x a 128x160 tile), which is what "occupancy" means.
+Split-K (an assumption, not fitted: all five points fill several waves): for outputs smaller than one
+wave cuBLAS splits the K loop across SMs, so the occupancy factor counts ``m n max(1, k /
+SPLIT_K_CHUNK)`` output work, up to one wave: ``W = max(m n, min(C_MN, m n k / SPLIT_K_CHUNK))``.
+Without it a skinny [1, 8192] @ [8192, 8192] product would be priced above its memory-bound time.
+Its use on other GPUs (A100, H100) assumes the same tile shapes: an assumption, not a measurement.
+
+Attention FLOPs: forward ``4 b h sq skv d`` (QK^T and PV), times the unmasked fraction
+``1 - (sq - 1) / (2 skv)`` when causal; backward ``2.5x`` forward (five matmuls against two, with
+the recomputation of the scores, as FlashAttention-2 counts them). Without a profile they run at a
+fixed fraction of the achievable GEMM rate: ATTENTION_FORWARD_EFFICIENCY = 0.43 and
+ATTENTION_BACKWARD_EFFICIENCY = 0.37 -- FlashAttention-2 on H100 (what PyTorch SDPA's flash backend
+runs), about 335 TFLOP/s forward and 290 backward at head_dim 128 on long sequences as published
+in the FlashAttention-3 paper (Shah et al., 2024, figures read approximately), over 788.
+Invariants: results are cached per (op, shape, dtype); all times are positive for positive shapes.
+"""
+from __future__ import annotations
+
+from mplan.cost_models.cluster import ClusterSpec
+from mplan.cost_models.dtypes import canonical_dtype, dtype_bytes
+from mplan.cost_models.log_interpolation import LogInterpolator
+
+GEMM_CURVE_C_MN = 2.71e6
+"""Output elements (m*n) at which the occupancy factor is one half; fitted on h200-measured-2026-11-29.json."""
+GEMM_CURVE_C_K = 394.0
+"""Reduction depth k at which the K-loop factor is one half; fitted on h200-measured-2026-11-29.json."""
+SPLIT_K_CHUNK = 1024.0
+"""K elements per split-K slice when a small output is spread over the SMs: an assumption, not fitted."""
+H200_GEMM_POINTS: tuple[tuple[int, int, int, float], ...] = (
+    (8192, 8192, 8192, 756.0e12), (16384, 6144, 2048, 645.6e12), (16384, 2048, 6144, 690.9e12),
+    (16384, 1536, 2048, 587.6e12), (4096, 4096, 4096, 614.4e12))
+"""(m, n, k, FLOP/s) measured here on 2026-11-29, bf16, one H200: the points the curve was fitted on."""
+ATTENTION_FORWARD_EFFICIENCY = 0.43
+"""Fraction of the achievable GEMM rate SDPA forward reaches (published FlashAttention-2 on H100, see above)."""
+ATTENTION_BACKWARD_EFFICIENCY = 0.37
+"""Same for the backward pass."""
+ATTENTION_BACKWARD_FLOP_RATIO = 2.5
+"""Backward FLOPs per forward FLOP of attention (FlashAttention-2's accounting)."""
+
+
+def gemm_shape_efficiency(m: float, n: float, k: float) -> float:
+    """The shape factor in (0, 1) of the GEMM efficiency curve (module docstring)."""
+    work = max(m * n, min(GEMM_CURVE_C_MN, m * n * k / SPLIT_K_CHUNK))
+    return (work / (work + GEMM_CURVE_C_MN)) * (k / (k + GEMM_CURVE_C_K))
+
+
+def attention_flops(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, causal: bool,
+                    backward: bool) -> float:
+    """FLOPs of one attention forward (or backward) pass."""
+    flops = 4.0 * batch * heads * seq_q * seq_kv * head_dim
+    if causal:
+        flops *= max(1.0 - (seq_q - 1) / (2.0 * seq_kv), 0.0)
+    return flops * (ATTENTION_BACKWARD_FLOP_RATIO if backward else 1.0)
+
+
+class ComputeCostModel:
+    """Kernel times on ``cluster.device``; measured where the cluster's profile has data."""
+
+    __slots__ = ("cluster", "_cache", "_gemm", "_attention", "_copy")
+
+    def __init__(self, cluster: ClusterSpec) -> None:
+        self.cluster = cluster
+        self._cache: dict[tuple[object, ...], float] = {}
+        device = cluster.profile.device if cluster.profile is not None else None
+        self._gemm: dict[str, LogInterpolator] = {}
+        self._attention: dict[tuple[str, bool, bool], LogInterpolator] = {}
+        self._copy: LogInterpolator | None = None
+        if device is None:
+            return
+        for dtype in {t.dtype for t in device.gemm}:
+            self._gemm[dtype] = LogInterpolator([((t.m, t.n, t.k), t.flops_per_s) for t in device.gemm
+                                                 if t.dtype == dtype])
+        for dtype, causal in {(t.dtype, t.causal) for t in device.attention}:
+            rows = [t for t in device.attention if t.dtype == dtype and t.causal == causal]
+            for backward in (False, True):
+                points = [((t.batch * t.heads, t.seq_q, t.seq_kv, t.head_dim),
+                           attention_flops(t.batch, t.heads, t.seq_q, t.seq_kv, t.head_dim, causal, backward)
+                           / (t.backward_s if backward else t.forward_s))
+                          for t in rows if (t.backward_s if backward else t.forward_s) > 0]
+                if points:
+                    self._attention[(dtype, causal, backward)] = LogInterpolator(points)
+        if device.copy:
+            self._copy = LogInterpolator([((t.bytes_moved,), t.seconds) for t in device.copy])
+
+    @property
+    def measured(self) -> bool:
+        """Whether any kernel table backs this model (else everything is roofline)."""
+        return bool(self._gemm or self._attention or self._copy)
+
+    def _cached(self, key: tuple[object, ...], compute: object) -> float:
+        if key not in self._cache:
+            self._cache[key] = compute()  # type: ignore[operator]
+        return self._cache[key]
+
+    # -- GEMM -------------------------------------------------------------------------------------
+    def matmul_time(self, m: int, n: int, k: int, dtype: object, batch: int = 1) -> float:
+        """Seconds for ``batch`` independent ``[m, k] @ [k, n]`` products.
+
+        A batched product is priced at the efficiency of one ``[batch*m, k] @ [k, n]`` GEMM: the
+        batch fills the SMs as extra rows would.
+        """
+        name = canonical_dtype(dtype)
+        return self._cached(("mm", m, n, k, name, batch), lambda: self._matmul(m, n, k, name, batch))
+
+    def _matmul(self, m: int, n: int, k: int, dtype: str, batch: int) -> float:
+        if min(m, n, k, batch) <= 0:
+            raise ValueError(f"matmul dims must be positive, got m={m}, n={n}, k={k}, batch={batch}")
+        flops = 2.0 * batch * m * n * k
+        rows = batch * m
+        memory = self.memory_bound_time(float(batch * (m * k + k * n + m * n) * dtype_bytes(dtype)))
+        table = self._gemm.get(dtype)
+        if table is not None:
+            edge = table.clamped((rows, n, k))
+            rate = table((rows, n, k)) * min(1.0, gemm_shape_efficiency(rows, n, k) / gemm_shape_efficiency(*edge))
+            return max(flops / rate, memory)
+        device = self.cluster.device
+        rate = device.peak_flops(dtype) * device.gemm_efficiency * gemm_shape_efficiency(rows, n, k)
+        return max(flops / rate, memory)
+
+    # -- attention --------------------------------------------------------------------------------
+    def attention_time(self, batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, dtype: object,
+                       causal: bool, backward: bool) -> float:
+        """Seconds for one fused attention forward pass, or its backward pass alone (``backward=True``)."""
+        name = canonical_dtype(dtype)
+        key = ("attn", batch, heads, seq_q, seq_kv, head_dim, name, causal, backward)
+        return self._cached(key, lambda: self._attention_time(batch, heads, seq_q, seq_kv, head_dim, name,
+                                                              causal, backward))
+
+    def _attention_time(self, batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, dtype: str,
+                        causal: bool, backward: bool) -> float:
+        if min(batch, heads, seq_q, seq_kv, head_dim) <= 0:
+            raise ValueError("attention dims must be positive")
+        flops = attention_flops(batch, heads, seq_q, seq_kv, head_dim, causal, backward)
+        # q, k, v read and o written; the backward also reads o and dO and writes dq, dk, dv.
+        tensors = 2 * seq_q + 2 * seq_kv if not backward else 4 * seq_q + 4 * seq_kv
+        memory = self.memory_bound_time(float(batch * heads * head_dim * tensors * dtype_bytes(dtype)))
+        table = self._attention.get((dtype, causal, backward))
+        if table is not None:
+            return max(flops / table((batch * heads, seq_q, seq_kv, head_dim)), memory)
+        device = self.cluster.device
+        efficiency = ATTENTION_BACKWARD_EFFICIENCY if backward else ATTENTION_FORWARD_EFFICIENCY
+        return max(flops / (device.peak_flops(dtype) * device.gemm_efficiency * efficiency), memory)
+
+    # -- memory-bound kernels ---------------------------------------------------------------------
+    def memory_bound_time(self, nbytes: float) -> float:
+        """Seconds for a kernel that moves ``nbytes`` (read plus written) and does little arithmetic.
+
+        From the profile's copy table when present: below its smallest size the smallest time (the
+        launch floor), above its largest the time scales linearly with bytes.
+        """
+        return self._cached(("mem", nbytes), lambda: self._memory_bound(nbytes))
+
+    def _memory_bound(self, nbytes: float) -> float:
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        if nbytes == 0:
+            return 0.0
+        if self._copy is not None:
+            (edge,) = self._copy.clamped((nbytes,))
+            return self._copy((nbytes,)) * max(1.0, nbytes / edge)
+        device = self.cluster.device
+        return nbytes / (device.memory_bandwidth_Bps * device.memory_efficiency)
