@@ -1,0 +1,126 @@
+"""Prices of one op under one sharding strategy, and of the resharding between two ops.
+
+Input: typed `OpNode`s from the IR, `Strategy`s from strategies.py, a `ClusterSpec` and the
+size and link shape of the tensor-parallel axis. Output: seconds (forward and backward
+separately) from the cost models: GEMMs and attention on their local shapes through
+`ComputeCostModel`, every other op as memory-bound work on its local bytes, collectives through
+`collective_time`. Backward costs follow the op's kind: a GEMM's backward is two GEMMs
+(input and weight gradients), attention's is the profiled backward, memory-bound ops move about
+twice their forward bytes (read the output gradient and a saved input, write the input gradient).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from mplan.cost_models.cluster import ClusterSpec
+from mplan.cost_models.collective_cost import GroupShape, collective_time
+from mplan.cost_models.compute_cost import ComputeCostModel
+from mplan.ir.graph import OpNode, TensorMeta
+from mplan.ir.op_table import op_packet
+from mplan.planner.placement import Partial, Placement, R, Shard, can_transition, local_shape, transition
+from mplan.planner.strategies import Strategy
+
+MEMORY_BOUND_BACKWARD_FACTOR = 2.0  # backward bytes / forward bytes of elementwise and norm ops
+IMPOSSIBLE_S = 1.0e3  # price of a transition no pass can emit; far above any real block time
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cost:
+    forward_s: float
+    backward_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+def grad_placement(output: Placement) -> Placement:
+    """The gradient of a value arrives with its forward placement, except that the gradient of a
+    partial sum is replicated (every rank's addend receives the whole gradient)."""
+    return R if isinstance(output, Partial) else output
+
+
+class OpCoster:
+    """Seconds for ops and reshardings on one tensor-parallel axis of a cluster."""
+
+    def __init__(self, cluster: ClusterSpec, axis_size: int, group: GroupShape) -> None:
+        self.cluster = cluster
+        self.n = axis_size
+        self.group = group
+        self.compute = ComputeCostModel(cluster)
+        self._collective = lru_cache(maxsize=None)(self._collective_uncached)
+
+    def _collective_uncached(self, kind: str, nbytes: int) -> float:
+        return collective_time(self.cluster, kind, float(nbytes), self.group)
+
+    def collective(self, kind: str | None, nbytes: int) -> float:
+        return 0.0 if kind is None or nbytes == 0 or self.n == 1 else self._collective(kind, nbytes)
+
+    def reshard(self, meta: TensorMeta, src: Placement, dst: Placement) -> float:
+        """Seconds to move a tensor (full-size `meta`) from placement `src` to `dst`."""
+        if not can_transition(src, dst):
+            return IMPOSSIBLE_S
+        return self.collective(transition(src, dst), meta.nbytes)
+
+    def op_comm(self, strategy: Strategy) -> float:
+        """Seconds of the collectives an op issues itself (vocabulary-parallel loss), per pass."""
+        return sum(self.collective(kind, nbytes) for kind, nbytes in strategy.comm)
+
+    def op(self, node: OpNode, strategy: Strategy) -> Cost:
+        """Compute time of the op on its local shapes, plus collectives the op issues itself."""
+        comm_f = self.op_comm(strategy)
+        fwd, bwd = self._compute(node, strategy)
+        return Cost(forward_s=fwd + comm_f, backward_s=bwd + comm_f)
+
+    def _compute(self, node: OpNode, strategy: Strategy) -> tuple[float, float]:
+        if node.kind in ("view", "getitem", "scalar") or not node.outputs:
+            return 0.0, 0.0
+        n = self.n if strategy.split else 1
+        dtype = node.output.dtype
+        locals_ = [local_shape(m.shape, p, self.n) for m, p in zip(node.input_metas, strategy.inputs)]
+        packet = op_packet(node.op)
+        if node.kind == "matmul" and len(locals_) >= 2:
+            a, b = locals_[0], locals_[1]
+            if packet == "linear":
+                m, k, cols = math.prod(a[:-1]), a[-1], b[0]
+                batch = 1
+            else:
+                batch = math.prod(a[:-2]) if len(a) > 2 else 1
+                m, k, cols = a[-2], a[-1], b[-1]
+            fwd = self.compute.matmul_time(m, cols, k, dtype, batch=batch)
+            weight_grad = self.compute.matmul_time(cols, k, m, dtype, batch=batch) if node.params or \
+                packet != "linear" else 0.0
+            return fwd, self.compute.matmul_time(m, k, cols, dtype, batch=batch) + weight_grad
+        if node.kind == "attention":
+            q, kv = locals_[0], locals_[1]
+            causal = bool(node.args[5]) if len(node.args) > 5 else bool(dict(node.kwargs).get("is_causal"))
+            args = (q[0], q[1], q[2], kv[2], q[3], dtype, causal)
+            return (self.compute.attention_time(*args, backward=False),
+                    self.compute.attention_time(*args, backward=True))
+        moved = (node.bytes_read + node.bytes_written) / n
+        fwd = self.compute.memory_bound_time(moved)
+        return fwd, MEMORY_BOUND_BACKWARD_FACTOR * fwd
+
+    def edge(self, meta: TensorMeta, producer: Strategy | Placement, consumer: Strategy, slot: int) -> Cost:
+        """Forward resharding from producer output to consumer input `slot`, and backward
+        resharding of the gradient from the consumer's input-gradient placement back."""
+        out = producer.output if isinstance(producer, Strategy) else producer
+        fwd = self.reshard(meta, out, consumer.inputs[slot])
+        bwd = self.reshard(meta, consumer.input_grads[slot], grad_placement(out))
+        return Cost(forward_s=fwd, backward_s=bwd)
+
+
+def partial_param_grad_bytes(node: OpNode, strategy: Strategy, metas: dict[str, TensorMeta]) -> int:
+    """Bytes of replicated parameters that a split op leaves with partial gradients (SP norm weights).
+
+    They need one TP all-reduce per step, after the last micro-batch, bucketed with the
+    rest; the planner charges it to the step, not to every micro-batch."""
+    return sum(metas[name].nbytes for _, name in node.params
+               if isinstance(strategy.input_grads[node.inputs.index(name)], Partial))
+
+
+def is_sharded(placement: Placement) -> bool:
+    return isinstance(placement, Shard)
+
