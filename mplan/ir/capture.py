@@ -216,8 +216,8 @@ class _GraphBuilder:
                                block=self._param_block(k)) for k, p in params.items()}
         nodes = [self._typed(r, node_block.get(r.fx_name)) for r in raw]
         batch, seq = _batch_and_seq(graph_inputs)
-        graph = Graph(nodes=nodes, graph_inputs=graph_inputs, params=params,
-                      block_types=[], segments=segments, batch_size=batch, seq_len=seq, **summary)
+        graph = Graph(nodes=nodes, graph_inputs=graph_inputs, params=params, block_types=[],
+                      segments=segments, batch_size=batch, seq_len=seq, program=self.exported, **summary)
         graph.block_types = [
             BlockType(name=bt.name, container=bt.container, instances=bt.instances,
                       captured_instances=bt.captured_instances, template=bt.template,

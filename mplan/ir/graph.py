@@ -133,6 +133,7 @@ class Graph:
     capture_seconds: float
     shallow: bool
     num_parameters: int  # exact: counted on the full model, also under shallow capture
+    program: Any = field(default=None, repr=False, compare=False)  # the torch.export ExportedProgram
     _by_name: dict[str, OpNode] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
