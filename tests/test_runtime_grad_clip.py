@@ -12,7 +12,6 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from distributed import rel_err, run_checks

@@ -42,9 +42,9 @@ from mplan.runtime.process_groups import ProcessGroup, group_size
 # torch 2.13 renamed the flat-buffer collectives and deprecates the old names; pyproject
 # admits torch >= 2.6, which has only the old ones.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-"""`all_gather_flat(out, x, group=...)`: out (n * x.numel(),) <- every rank's flat `x`, in rank order."""
+"""`all_gather_flat(out, x, group=...)`: out (n * x.numel(),) <- every rank's `x`, in rank order."""
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-"""`reduce_scatter_flat(out, x, group=...)`: out <- chunk `rank` of the sum of every rank's flat `x`."""
+"""`reduce_scatter_flat(out, x, group=...)`: out <- chunk `rank` of the sum over ranks of `x`."""
 
 
 def _chunk_size(x: torch.Tensor, dim: int, n: int, what: str) -> int:
@@ -88,7 +88,9 @@ def _reduce_scatter(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Ten
     return out
 
 
-def _all_to_all(x: torch.Tensor, group: ProcessGroup, split_dim: int, concat_dim: int) -> torch.Tensor:
+def _all_to_all(
+    x: torch.Tensor, group: ProcessGroup, split_dim: int, concat_dim: int
+) -> torch.Tensor:
     chunks = _ranks_first(x, split_dim, group.size(), "all-to-all")
     received = torch.empty_like(chunks)
     dist.all_to_all_single(received.view(-1), chunks.view(-1), group=group)
@@ -218,7 +220,8 @@ def reduce_scatter_sequence(
 def all_to_all(
     x: torch.Tensor, group: ProcessGroup | None, split_dim: int, concat_dim: int
 ) -> torch.Tensor:
-    """Send chunk i of `x` along `split_dim` to rank i, concatenate what arrives along `concat_dim`."""
+    """Send chunk i of `x` along `split_dim` to rank i; concatenate what arrives along
+    `concat_dim`, in rank order."""
     if group_size(group) == 1:
         return x
     return _AllToAll.apply(x, group, split_dim % x.dim(), concat_dim % x.dim())

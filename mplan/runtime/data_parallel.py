@@ -47,7 +47,9 @@ def unique_trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return unique
 
 
-def split_into_buckets(params: list[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
+def split_into_buckets(
+    params: list[torch.Tensor], bucket_bytes: int
+) -> Iterator[list[torch.Tensor]]:
     """Consecutive runs of `params` of at most `bucket_bytes` (a larger parameter alone)."""
     bucket: list[torch.Tensor] = []
     size = 0
@@ -68,7 +70,8 @@ def group_by_reduction(
     """Parameters that can share a flat buffer: same placement, dtype and device, in order."""
     keyed: dict[tuple[ParamPlacement, torch.dtype, torch.device], list[torch.Tensor]] = {}
     for param in params:
-        keyed.setdefault((placement_of(param, placements), param.dtype, param.device), []).append(param)
+        key = (placement_of(param, placements), param.dtype, param.device)
+        keyed.setdefault(key, []).append(param)
     return keyed
 
 
@@ -121,7 +124,8 @@ class GradientSync:
                 placement=placement,
                 group=replica_group(placement, groups),
             )
-            for (placement, dtype, device), members in group_by_reduction(self.params, placements).items()
+            for (placement, dtype, device), members
+            in group_by_reduction(self.params, placements).items()
             for bucket in split_into_buckets(members, bucket_bytes)
         ]
         for bucket in self._buckets:

@@ -61,7 +61,9 @@ def global_grad_norm(
 
 
 @torch.no_grad()
-def scale_by_clip_coefficient_(grads: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+def scale_by_clip_coefficient_(
+    grads: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor
+) -> None:
     """Scale `grads` so that a global norm of `total_norm` becomes at most `max_norm`."""
     coefficient = torch.clamp(max_norm / (total_norm + CLIP_EPS), max=1.0)
     for grad in grads:

@@ -36,7 +36,8 @@ def init_distributed_from_env() -> dist.ProcessGroup | None:
         # One GPU per process: bind before NCCL creates its communicator on the current device.
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", init_method="env://", device_id=torch.device("cuda", local_rank))
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", init_method="env://", device_id=device)
     else:
         dist.init_process_group("gloo", init_method="env://")
     return dist.group.WORLD

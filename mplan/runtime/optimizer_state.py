@@ -11,8 +11,8 @@ Flat keys:
 
 Invariants: hyperparameters that are not numbers, booleans or tuples of numbers (None,
 strings, such as `foreach=None`) are not stored: they come from the live optimizer on load,
-as do the parameter indices of each group. Loading restores Python types from the live values (`betas` stays a
-tuple of floats).
+as do the parameter indices of each group. Loading restores Python types from the live
+values (`betas` stays a tuple of floats).
 """
 from __future__ import annotations
 
@@ -71,7 +71,9 @@ def unflatten_optimizer_state(
 def _split_key(key: str) -> tuple[str, int, str]:
     parts = key.split(".", 2)
     if len(parts) != 3 or parts[0] not in ("state", "param_groups") or not parts[1].isdigit():
-        raise ValueError(f"{key}: not an optimizer state key (state.<i>.<name> or param_groups.<i>.<name>)")
+        raise ValueError(
+            f"{key}: not an optimizer state key (state.<i>.<name> or param_groups.<i>.<name>)"
+        )
     return parts[0], int(parts[1]), parts[2]
 
 

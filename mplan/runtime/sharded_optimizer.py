@@ -67,6 +67,11 @@ class _Bucket:
     shard_offset: int
     """Where this rank's slice of the bucket sits in the partition's shard."""
 
+    @property
+    def in_shard(self) -> slice:
+        """This rank's slice of the bucket, as a range of the partition's shard."""
+        return slice(self.shard_offset, self.shard_offset + self.shard_numel)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Partition:
@@ -97,9 +102,7 @@ def _make_partition(
     master = torch.zeros(offset, dtype=master_dtype, device=params[0].device)
     for bucket in buckets:
         padded = _flatten_padded(list(bucket.params), bucket.shard_numel * n, master_dtype)
-        master[bucket.shard_offset:bucket.shard_offset + bucket.shard_numel] = (
-            padded[rank * bucket.shard_numel:(rank + 1) * bucket.shard_numel]
-        )
+        master[bucket.in_shard] = padded[rank * bucket.shard_numel:(rank + 1) * bucket.shard_numel]
     shard = torch.nn.Parameter(master)
     shard.grad = torch.zeros_like(master)
     return _Partition(placement=placement, group=group, buckets=tuple(buckets), master=shard)
@@ -185,7 +188,7 @@ class ShardedOptimizer:
                                    part.master.dtype)
             if dp > 1:
                 flat.div_(dp)  # before the sum, as data_parallel.py explains
-            shard_grad = part.master.grad[bucket.shard_offset:bucket.shard_offset + bucket.shard_numel]
+            shard_grad = part.master.grad[bucket.in_shard]
             if n > 1:
                 reduce_scatter_flat(shard_grad, flat, group=part.group)
             else:
@@ -198,7 +201,7 @@ class ShardedOptimizer:
             dtype = bucket.params[0].dtype
             # Gather in the parameters' dtype: the model needs nothing finer, and bf16 halves
             # the traffic of fp32 masters.
-            local = part.master.detach()[bucket.shard_offset:bucket.shard_offset + bucket.shard_numel].to(dtype)
+            local = part.master.detach()[bucket.in_shard].to(dtype)
             if n > 1:
                 full = torch.empty(bucket.shard_numel * n, dtype=dtype, device=local.device)
                 all_gather_flat(full, local, group=part.group)
@@ -237,6 +240,7 @@ class ShardedOptimizer:
                 )
         for index, part in enumerate(self._partitions):
             part.master.copy_(state[f"master.{index}"])
-        self.optimizer.load_state_dict(unflatten_optimizer_state(saved, self.optimizer.state_dict()))
+        live = self.optimizer.state_dict()
+        self.optimizer.load_state_dict(unflatten_optimizer_state(saved, live))
         for part in self._partitions:
             self._all_gather_params(part)
