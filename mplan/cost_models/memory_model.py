@@ -1,0 +1,135 @@
+"""Peak memory of one GPU under a plan: parameters, gradients, optimizer state, activations, transients.
+
+Role: pure arithmetic the planner evaluates for every candidate (stage, mesh, schedule,
+recomputation, optimizer sharding) to reject plans that do not fit. It knows nothing of graphs: the
+planner feeds it numbers measured on the captured graph.
+Input: ``estimate_memory(...)``: the rank's local parameter count (after TP/PP/EP), the parameter,
+gradient and optimizer-state formats, ZeRO stage and DP size, activation bytes per microbatch per
+stage chunk, the number of microbatches in flight (``ir.schedule.max_in_flight``), the
+recomputation mode, and the largest single-op workspace.
+Output: ``MemoryBreakdown`` in bytes (``.gib`` for GiB, ``.as_dict()`` for JSON).
+
+Optimizer accounting (Megatron-LM's distributed optimizer, docs/source/api-guide/dist_optimizer.md):
+bytes per parameter = parameter + gradient (never sharded here: Megatron's grad buffer stays whole)
++ optimizer state, the last divided by DP when ``zero=1``. Optimizer state = an fp32 master copy
+when parameters are narrower than fp32, Adam's two moments (fp32; fp64 for fp64 parameters) and an
+fp32 copy of the gradient when gradients are kept in 16 bits. That reproduces Megatron's table:
+  bf16 params, fp32 grads: 2 + 4 + 12      = 18  -> 6 + 12/d with the distributed optimizer
+  fp16 params, fp16 grads: 2 + 2 + 4+8+4   = 20  -> 4 + 16/d
+  fp32 params, fp32 grads: 4 + 4 + 8       = 16  -> 8 + 8/d
+Activations: ``none`` keeps every in-flight microbatch's activations; ``selective`` keeps
+``selective_activation_bytes`` per microbatch (Korthikanti et al. 2022: attention's softmax/dropout
+recomputed, 34sbh instead of 34sbh + 5as^2b per layer); ``full`` keeps only each layer's input
+(``checkpoint_bytes`` per microbatch) plus one layer's full activations while it is recomputed.
+Transient: the largest single-op workspace plus FRAGMENTATION_FRACTION of everything else.
+Invariants: every term >= 0; ``total == params + grads + optimizer + activations + transient``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mplan.cost_models.dtypes import canonical_dtype, dtype_bytes
+
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+OPTIMIZERS: tuple[str, ...] = ("adam", "sgd")
+"""``adam`` (also AdamW): two moments; ``sgd``: one momentum buffer."""
+FRAGMENTATION_FRACTION = 0.10
+"""Share of allocated bytes lost to the caching allocator's fragmentation and the CUDA context: an
+assumption (reports of PyTorch runs range from a few to ~10%), not measured here; erring high."""
+GiB = float(1 << 30)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryBreakdown:
+    """Peak bytes of one GPU, by what holds them."""
+
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float  # master weights + optimizer moments (+ fp32 grad copy), after ZeRO sharding
+    activations_bytes: float  # saved for backward, all in-flight microbatches
+    transient_bytes: float  # largest op workspace + fragmentation
+
+    @property
+    def total_bytes(self) -> float:
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.transient_bytes)
+
+    @property
+    def gib(self) -> float:
+        """Total in GiB (2^30 bytes)."""
+        return self.total_bytes / GiB
+
+    def as_dict(self) -> dict[str, float]:
+        return {"params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes,
+                "optimizer_bytes": self.optimizer_bytes, "activations_bytes": self.activations_bytes,
+                "transient_bytes": self.transient_bytes, "total_bytes": self.total_bytes, "total_gib": self.gib}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BytesPerParam:
+    """Bytes each local parameter costs, before ZeRO sharding."""
+
+    param: float
+    grad: float
+    optimizer: float  # master + moments + fp32 grad copy
+
+    def total(self, *, zero: int = 0, dp: int = 1) -> float:
+        return self.param + self.grad + self.optimizer / (dp if zero else 1)
+
+
+def bytes_per_param(param_dtype: object = "bf16", grad_dtype: object = "fp32", optimizer: str = "adam") -> BytesPerParam:
+    """Megatron's per-parameter accounting (module docstring)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZERS)}")
+    param, grad = dtype_bytes(param_dtype), dtype_bytes(grad_dtype)
+    state = 8 if canonical_dtype(param_dtype) == "fp64" else 4
+    master = 4 if param < 4 else 0
+    grad_copy = 4 if grad < 4 else 0
+    moments = (2 if optimizer == "adam" else 1) * state
+    return BytesPerParam(param=param, grad=grad, optimizer=master + moments + grad_copy)
+
+
+def activation_bytes_kept(*, recompute: str, activation_bytes: float, num_in_flight: int,
+                          selective_activation_bytes: float | None = None, checkpoint_bytes: float | None = None,
+                          layer_activation_bytes: float = 0.0) -> float:
+    """Activation bytes held at the peak for one rank (all in-flight microbatches)."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"unknown recompute mode {recompute!r}; expected one of {', '.join(RECOMPUTE_MODES)}")
+    if num_in_flight < 0:
+        raise ValueError(f"num_in_flight must be >= 0, got {num_in_flight}")
+    if recompute == "none":
+        return num_in_flight * activation_bytes
+    if recompute == "selective":
+        if selective_activation_bytes is None:
+            raise ValueError("recompute='selective' needs selective_activation_bytes")
+        return num_in_flight * selective_activation_bytes
+    if checkpoint_bytes is None:
+        raise ValueError("recompute='full' needs checkpoint_bytes (the stage's layer inputs per microbatch)")
+    return num_in_flight * checkpoint_bytes + (layer_activation_bytes if num_in_flight else 0.0)
+
+
+def estimate_memory(*, num_params: float, param_dtype: object = "bf16", grad_dtype: object = "fp32",
+                    optimizer: str = "adam", zero: int = 0, dp: int = 1, activation_bytes: float,
+                    num_in_flight: int, recompute: str = "none", selective_activation_bytes: float | None = None,
+                    checkpoint_bytes: float | None = None, layer_activation_bytes: float = 0.0,
+                    largest_workspace_bytes: float = 0.0,
+                    fragmentation: float = FRAGMENTATION_FRACTION) -> MemoryBreakdown:
+    """Peak memory of one rank.
+
+    ``activation_bytes`` (and ``selective_activation_bytes``, ``checkpoint_bytes``) are per
+    microbatch per stage chunk; ``num_in_flight`` counts (chunk, microbatch) pairs, as
+    ``max_in_flight`` does, so interleaved stages need no special case.
+    """
+    if zero not in (0, 1):
+        raise ValueError(f"zero must be 0 or 1 (ZeRO-1: optimizer state sharded over DP), got {zero}")
+    if dp < 1 or num_params < 0 or activation_bytes < 0 or largest_workspace_bytes < 0 or not 0 <= fragmentation < 1:
+        raise ValueError("estimate_memory: dp >= 1, non-negative sizes and 0 <= fragmentation < 1 required")
+    per = bytes_per_param(param_dtype, grad_dtype, optimizer)
+    params, grads = num_params * per.param, num_params * per.grad
+    opt = num_params * per.optimizer / (dp if zero else 1)
+    acts = activation_bytes_kept(recompute=recompute, activation_bytes=activation_bytes, num_in_flight=num_in_flight,
+                                 selective_activation_bytes=selective_activation_bytes,
+                                 checkpoint_bytes=checkpoint_bytes, layer_activation_bytes=layer_activation_bytes)
+    transient = largest_workspace_bytes + fragmentation * (params + grads + opt + acts + largest_workspace_bytes)
+    return MemoryBreakdown(params_bytes=params, grads_bytes=grads, optimizer_bytes=opt, activations_bytes=acts,
+                           transient_bytes=transient)

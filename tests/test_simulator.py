@@ -1,0 +1,145 @@
+"""Schedule simulator: Megatron's bubble formulas exactly, in-flight counts, p2p and grad-sync overlap."""
+from __future__ import annotations
+
+import pytest
+
+from mplan.cost_models.simulator import PipelineCosts, simulate, uniform_bubble_fraction
+from mplan.ir.schedule import (ScheduleError, Schedule, gpipe, interleaved_1f1b, max_in_flight,
+                               max_in_flight_per_stage, one_f_one_b)
+
+SIZES = [(2, 1), (2, 4), (3, 7), (4, 8), (4, 3), (8, 16), (8, 32)]
+
+
+@pytest.mark.parametrize("pp, m", SIZES)
+@pytest.mark.parametrize("builder", [gpipe, one_f_one_b])
+@pytest.mark.parametrize("tf, tb", [(1.0, 2.0), (1.0, 1.0), (0.3, 1.1)])
+def test_uniform_bubble_is_exactly_p_minus_1_over_m_plus_p_minus_1(builder, pp: int, m: int, tf: float,
+                                                                   tb: float) -> None:
+    result = simulate(builder(pp, m), PipelineCosts.uniform(pp, forward_s=tf, backward_s=tb))
+    assert result.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-12)
+    assert result.bubble_ratio == pytest.approx((pp - 1) / m, abs=1e-12)
+    assert result.pipeline_time_s == pytest.approx((m + pp - 1) * (tf + tb))
+    assert result.compute_s == pytest.approx(m * (tf + tb))
+
+
+@pytest.mark.parametrize("pp, m, vpp", [(2, 4, 2), (4, 8, 2), (4, 16, 2), (4, 8, 4), (8, 16, 2), (3, 6, 3), (4, 4, 2)])
+@pytest.mark.parametrize("tf, tb", [(1.0, 2.0), (1.0, 1.0)])
+def test_interleaving_divides_the_bubble_by_vpp(pp: int, m: int, vpp: int, tf: float, tb: float) -> None:
+    # Megatron (Narayanan et al. SC'21, sec. 2.2.2): bubble / ideal = (p-1)/(v m) with chunk times t/v.
+    costs = PipelineCosts.uniform(pp * vpp, forward_s=tf / vpp, backward_s=tb / vpp)
+    result = simulate(interleaved_1f1b(pp, m, vpp), costs)
+    assert result.bubble_ratio == pytest.approx((pp - 1) / (vpp * m), abs=1e-12)
+    assert result.bubble_fraction == pytest.approx(uniform_bubble_fraction(pp, m, vpp), abs=1e-12)
+    plain = simulate(one_f_one_b(pp, m), PipelineCosts.uniform(pp, forward_s=tf, backward_s=tb))
+    assert plain.bubble_ratio / result.bubble_ratio == pytest.approx(vpp)
+
+
+@pytest.mark.parametrize("schedule", [gpipe(4, 6), one_f_one_b(4, 6), one_f_one_b(4, 2), interleaved_1f1b(4, 8, 2),
+                                      interleaved_1f1b(2, 2, 3)], ids=lambda s: f"{s.name}-{s.pp}-{s.num_microbatches}")
+def test_in_flight_peaks_match_the_schedule_analysis(schedule: Schedule) -> None:
+    costs = PipelineCosts.uniform(schedule.num_stages, forward_s=1.0, backward_s=2.0, p2p_s=0.1)
+    result = simulate(schedule, costs)
+    assert result.stage_peak_in_flight == max_in_flight_per_stage(schedule)
+    assert [r.peak_in_flight for r in result.ranks] == [max_in_flight(schedule, r) for r in range(schedule.pp)]
+    if schedule.name == "gpipe":
+        assert {r.peak_in_flight for r in result.ranks} == {schedule.num_microbatches}
+    if schedule.name == "1f1b":
+        assert [r.peak_in_flight for r in result.ranks] == [min(4 - r, schedule.num_microbatches) for r in range(4)]
+
+
+def test_p2p_time_lies_on_the_critical_path() -> None:
+    tf, tb, p2p = 1.0, 2.0, 0.25
+    result = simulate(one_f_one_b(2, 1), PipelineCosts.uniform(2, forward_s=tf, backward_s=tb, p2p_s=p2p))
+    assert result.step_time_s == pytest.approx(2 * tf + 2 * tb + 2 * p2p)
+    assert result.comm_s == pytest.approx(p2p)  # rank 0 (the busiest, first on ties) sent one activation
+
+
+def _longest_path_end(schedule: Schedule, tf: float, tb: float, p2p: float) -> float:
+    """Independent reference: each compute starts at max(previous compute on its rank, its input's arrival)."""
+    from functools import lru_cache
+
+    order = {r: [a for a in acts if a.kind in ("F", "B")] for r, acts in enumerate(schedule.actions)}
+    index = {(a.kind, a.stage, a.microbatch): (r, i) for r, acts in order.items() for i, a in enumerate(acts)}
+    last = schedule.num_stages - 1
+
+    @lru_cache(maxsize=None)
+    def end(kind: str, stage: int, mb: int) -> float:
+        rank, i = index[(kind, stage, mb)]
+        start = 0.0
+        if i > 0:
+            prev = order[rank][i - 1]
+            start = end(prev.kind, prev.stage, prev.microbatch)
+        if kind == "F" and stage > 0:
+            start = max(start, end("F", stage - 1, mb) + p2p)
+        if kind == "B":
+            start = max(start, end("F", stage, mb) if stage == last else end("B", stage + 1, mb) + p2p)
+        return start + (tf if kind == "F" else tb)
+
+    return max(end(a.kind, a.stage, a.microbatch) for acts in order.values() for a in acts)
+
+
+@pytest.mark.parametrize("schedule", [one_f_one_b(4, 8), gpipe(3, 5), one_f_one_b(8, 3)],
+                         ids=lambda s: f"{s.name}-{s.pp}-{s.num_microbatches}")
+def test_event_simulation_equals_the_longest_path(schedule: Schedule) -> None:
+    tf, tb, p2p = 1.0, 2.0, 0.25
+    costs = PipelineCosts.uniform(schedule.num_stages, forward_s=tf, backward_s=tb, p2p_s=p2p)
+    result = simulate(schedule, costs)
+    assert result.pipeline_time_s == pytest.approx(_longest_path_end(schedule, tf, tb, p2p))
+    assert result.pipeline_time_s > (schedule.num_microbatches + schedule.pp - 1) * (tf + tb)
+
+
+def test_grad_sync_overlaps_all_but_the_last_backward() -> None:
+    tf, tb, sync, opt = 1.0, 2.0, 1.5, 0.5
+    costs = PipelineCosts.uniform(2, forward_s=tf, backward_s=tb, grad_sync_s=sync, optimizer_s=opt)
+    result = simulate(one_f_one_b(2, 4), costs)
+    # rank 1 finishes its last B one backward earlier than rank 0 and syncs meanwhile: rank 0's sync is the tail.
+    assert result.exposed_comm_s == pytest.approx(sync)
+    assert result.step_time_s == pytest.approx(result.pipeline_time_s + sync + opt)
+    assert result.ranks[1].grad_sync_end_s == pytest.approx(result.ranks[1].compute_end_s + sync)
+
+
+def test_interleaved_hides_the_later_chunks_grad_sync() -> None:
+    pp, m, vpp, sync = 2, 4, 2, 1.0
+    costs = PipelineCosts.uniform(pp * vpp, forward_s=0.5, backward_s=1.0, grad_sync_s=sync)
+    result = simulate(interleaved_1f1b(pp, m, vpp, grad_sync=True), costs)
+    rank0 = result.ranks[0]
+    assert rank0.grad_sync_s == pytest.approx(2 * sync)  # two chunks synced...
+    assert result.exposed_comm_s == pytest.approx(sync)  # ...but chunk 1's hides behind chunk 0's backwards
+    syncs = [e for e in result.timeline if e.stream == "comm" and e.rank == 0]
+    assert [str(e.action) for e in syncs] == ["2GRAD_SYNC", "0GRAD_SYNC"]
+    assert syncs[0].end_s < rank0.compute_end_s
+
+
+def test_timeline_is_a_valid_gantt_chart() -> None:
+    schedule = interleaved_1f1b(4, 8, 2)
+    result = simulate(schedule, PipelineCosts.uniform(8, forward_s=1.0, backward_s=2.0, p2p_s=0.1))
+    compute = [e for e in result.timeline if e.stream == "compute"]
+    assert len(compute) == 2 * schedule.num_stages * schedule.num_microbatches
+    for rank in range(schedule.pp):
+        spans = sorted((e.start_s, e.end_s) for e in compute if e.rank == rank)
+        assert all(a_end <= b_start + 1e-12 for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+        assert sum(e - s for s, e in spans) == pytest.approx(result.ranks[rank].busy_s)
+    # data dependencies hold in time: F of stage s+1 starts after F of stage s ends plus the hop
+    ends = {(e.action.kind, e.action.stage, e.action.microbatch): e for e in compute}
+    for (kind, stage, mb), event in ends.items():
+        if kind == "F" and stage > 0:
+            assert event.start_s >= ends[("F", stage - 1, mb)].end_s + 0.1 - 1e-12
+
+
+def test_non_uniform_stages_make_the_slowest_rank_critical() -> None:
+    costs = PipelineCosts(forward_s=(1.0, 3.0, 1.0), backward_s=(2.0, 6.0, 2.0), p2p_s=(0.0, 0.0),
+                          grad_sync_s=(0.0, 0.0, 0.0))
+    result = simulate(one_f_one_b(3, 6), costs)
+    assert result.critical_rank == 1
+    assert result.compute_s == pytest.approx(6 * 9.0)
+
+
+def test_broken_schedules_and_mismatched_costs_are_refused() -> None:
+    broken = Schedule.from_text(name="broken", pp=2, num_microbatches=1,
+                                lines=["0F0 0RECV_B0 0SEND_F0 0B0", "1RECV_F0 1F0 1B0 1SEND_B0"])
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(broken, PipelineCosts.uniform(2, forward_s=1.0, backward_s=1.0))
+    with pytest.raises(ValueError, match="costs cover 3 stages"):
+        simulate(one_f_one_b(2, 2), PipelineCosts.uniform(3, forward_s=1.0, backward_s=1.0))
+    with pytest.raises(ValueError, match="one entry per stage"):
+        PipelineCosts(forward_s=(1.0,), backward_s=(1.0, 1.0), p2p_s=(), grad_sync_s=(0.0,))
