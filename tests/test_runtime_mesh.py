@@ -1,7 +1,11 @@
 """Mesh arithmetic (one process), the groups `init_process_groups` builds (gloo), and launch."""
 from __future__ import annotations
 
+import os
+import socket
+
 import pytest
+import torch
 import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
@@ -108,13 +112,36 @@ def check_launch_reuses_the_existing_group() -> None:
     assert init_distributed_from_env() is dist.group.WORLD
 
 
+def check_launch_joins_a_torchrun_environment() -> str:
+    """Leave the harness' group, then join a new one the way torchrun's ranks do."""
+    port = [_free_port() if dist.get_rank() == 0 else 0]
+    dist.broadcast_object_list(port, src=0)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port[0]))
+    world = init_distributed_from_env()
+    assert world is dist.group.WORLD and dist.get_world_size() == world_size
+    total = torch.ones(())
+    dist.all_reduce(total)
+    assert total.item() == world_size
+    return dist.get_backend()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def check_wrong_world_size_is_refused() -> None:
     with pytest.raises(ValueError, match="but the world size is"):
         init_process_groups(MeshShape(dp=3))
 
 
 CHECKS_AT_4 = [check_groups_dp2_tp2, check_groups_dp2_tp2_ep2,
-               check_launch_reuses_the_existing_group, check_wrong_world_size_is_refused]
+               check_launch_reuses_the_existing_group, check_wrong_world_size_is_refused,
+               check_launch_joins_a_torchrun_environment]  # last: it replaces the group
 
 
 @pytest.fixture(scope="module")
