@@ -1,0 +1,183 @@
+"""Measure one device's kernels: GEMMs, SDPA attention and copies, into a ``DeviceProfile``.
+
+Role: produce the tables ``compute_cost`` interpolates. Run by ``mplan profile`` on each cluster and
+by ``benchmarks/profile_h200.py`` for the packaged H200 profile.
+Input: ``profile_device(device, dtypes, quick, grid)``: a torch device ("cuda", "cuda:1", "cpu"),
+the dtypes to time GEMMs in, and a ``ProfileGrid`` (by default ``ProfileGrid.transformer``: the
+GEMM shapes of transformer training for hidden 1024-8192 and 2k-16k tokens per microbatch, or a
+tiny grid with ``quick``).
+Output: ``DeviceProfile``.
+Method: random data, a few warm-up calls, then the median of repeated timed calls (CUDA events
+around each call on GPU, ``time.perf_counter`` on CPU); repetitions adapt so each shape takes
+roughly ``target_s``. GEMM grids are full products of their m, n and k lists so the table
+interpolates multilinearly. Attention is ``scaled_dot_product_attention`` on [batch, heads, seq,
+head_dim] with seq_q == seq_kv; its backward is timed as forward-then-backward. Copies time
+``dst.copy_(src)`` and count bytes read plus written.
+Invariants: torch is imported inside the functions (planning never pays for it); nothing is kept on
+the device after return.
+"""
+from __future__ import annotations
+
+import datetime
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mplan.cost_models.dtypes import canonical_dtype
+from mplan.cost_models.profile import AttentionTiming, CopyTiming, DeviceProfile, GemmTiming
+
+_TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "tf32": "float32", "fp64": "float64"}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileGrid:
+    """The shapes ``profile_device`` times."""
+
+    gemm_m: tuple[int, ...]  # rows: tokens per microbatch (after any sequence-parallel gather)
+    gemm_n: tuple[int, ...]  # output features
+    gemm_k: tuple[int, ...]  # reduction (input features)
+    attention_batch_heads: tuple[tuple[int, int], ...]  # (batch, heads) pairs
+    attention_seq: tuple[int, ...]
+    attention_head_dim: tuple[int, ...]
+    attention_causal: bool
+    copy_bytes: tuple[int, ...]  # bytes of the source tensor (bytes moved = 2x)
+    target_s: float  # seconds of timed calls per shape (repetitions adapt to it)
+
+    @classmethod
+    def transformer(cls, *, quick: bool, on_gpu: bool) -> ProfileGrid:
+        if quick:
+            return cls(gemm_m=(32, 64), gemm_n=(32, 64), gemm_k=(32, 64), attention_batch_heads=((1, 2),),
+                       attention_seq=(32, 64), attention_head_dim=(16,), attention_causal=True,
+                       copy_bytes=(1 << 12, 1 << 16), target_s=0.002)
+        if not on_gpu:
+            return cls(gemm_m=(128, 512, 2048), gemm_n=(128, 512, 2048), gemm_k=(128, 512, 2048),
+                       attention_batch_heads=((1, 4), (1, 16)), attention_seq=(128, 512, 1024),
+                       attention_head_dim=(64,), attention_causal=True,
+                       copy_bytes=tuple(1 << p for p in range(12, 29, 4)), target_s=0.05)
+        # n and k cover hidden 1024-8192 split by TP 1-8 (h/8 = 128 is below 256: the curve extrapolates)
+        # up to the MLP's 4h = 32768; m covers 2k-16k tokens plus smaller microbatches.
+        dims = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+        return cls(gemm_m=(512, 1024, 2048, 4096, 8192, 16384), gemm_n=dims, gemm_k=dims,
+                   attention_batch_heads=((1, 8), (1, 32), (4, 32)), attention_seq=(1024, 2048, 4096, 8192, 16384),
+                   attention_head_dim=(64, 128), attention_causal=True,
+                   copy_bytes=tuple(1 << p for p in range(16, 33, 2)), target_s=0.03)
+
+
+class _Timer:
+    """Median seconds of a callable on one device."""
+
+    def __init__(self, torch: Any, device: Any, target_s: float) -> None:
+        self.torch, self.device, self.target_s = torch, device, target_s
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], object], *, warmup: int = 2, min_reps: int = 3, max_reps: int = 50) -> float:
+        for _ in range(warmup):
+            fn()
+        first = self._once(fn)
+        reps = int(min(max(self.target_s / max(first, 1e-7), min_reps), max_reps))
+        return statistics.median([first] + [self._once(fn) for _ in range(reps - 1)])
+
+    def _once(self, fn: Callable[[], object]) -> float:
+        if not self.cuda:
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+        begin = self.torch.cuda.Event(enable_timing=True)
+        end = self.torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
+
+def _time_gemms(torch: Any, device: Any, dtype: str, grid: ProfileGrid, timer: _Timer) -> list[GemmTiming]:
+    torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
+    out = []
+    for m in grid.gemm_m:
+        for k in grid.gemm_k:
+            a = torch.randn(m, k, device=device, dtype=torch_dtype)
+            for n in grid.gemm_n:
+                b = torch.randn(k, n, device=device, dtype=torch_dtype)
+                seconds = timer(lambda: torch.matmul(a, b))
+                out.append(GemmTiming(m=m, n=n, k=k, dtype=dtype, seconds=seconds))
+                del b
+            del a
+    return out
+
+
+def _time_attention(torch: Any, device: Any, dtype: str, grid: ProfileGrid, timer: _Timer) -> list[AttentionTiming]:
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
+    out = []
+    for batch, heads in grid.attention_batch_heads:
+        for seq in grid.attention_seq:
+            for head_dim in grid.attention_head_dim:
+                q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=torch_dtype,
+                                       requires_grad=True) for _ in range(3))
+                grad = torch.randn(batch, heads, seq, head_dim, device=device, dtype=torch_dtype)
+                causal = grid.attention_causal
+
+                def forward() -> object:
+                    with torch.no_grad():
+                        return sdpa(q, k, v, is_causal=causal)
+
+                def forward_backward() -> object:
+                    q.grad = k.grad = v.grad = None
+                    sdpa(q, k, v, is_causal=causal).backward(grad)
+                    return None
+
+                out.append(AttentionTiming(batch=batch, heads=heads, seq_q=seq, seq_kv=seq, head_dim=head_dim,
+                                           dtype=dtype, causal=causal, forward_s=timer(forward),
+                                           forward_backward_s=timer(forward_backward)))
+                del q, k, v, grad
+    return out
+
+
+def _time_copies(torch: Any, device: Any, grid: ProfileGrid, timer: _Timer) -> list[CopyTiming]:
+    out = []
+    for nbytes in grid.copy_bytes:
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+        dst = torch.empty_like(src)
+        out.append(CopyTiming(bytes_moved=2 * nbytes, seconds=timer(lambda: dst.copy_(src))))
+        del src, dst
+    return out
+
+
+def profile_device(device: str = "cuda", dtypes: tuple[str, ...] | None = None, quick: bool = False,
+                   grid: ProfileGrid | None = None,
+                   progress: Callable[[str], None] | None = None) -> DeviceProfile:
+    """Time GEMMs (per dtype), attention (first dtype) and copies on ``device``."""
+    import torch
+
+    dev = torch.device(device)
+    on_gpu = dev.type == "cuda"
+    if on_gpu and not torch.cuda.is_available():
+        raise RuntimeError(f"profile_device({device!r}): CUDA is not available here; use device='cpu'")
+    names = tuple(canonical_dtype(d) for d in (dtypes or (("bf16",) if on_gpu else ("fp32",))))
+    if "fp8" in names:
+        raise ValueError("profile_device: fp8 GEMMs need scaled matmul and are not profiled yet")
+    grid = grid or ProfileGrid.transformer(quick=quick, on_gpu=on_gpu)
+    timer = _Timer(torch, dev, grid.target_s)
+    say = progress or (lambda _msg: None)
+    previous_tf32 = torch.backends.cuda.matmul.allow_tf32
+    gemm: list[GemmTiming] = []
+    try:
+        for dtype in names:
+            torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+            say(f"GEMM {dtype}: {len(grid.gemm_m) * len(grid.gemm_n) * len(grid.gemm_k)} shapes")
+            gemm += _time_gemms(torch, dev, dtype, grid, timer)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous_tf32
+    attention_dtype = next((d for d in names if d != "tf32"), "fp32")
+    say(f"attention {attention_dtype}")
+    attention = _time_attention(torch, dev, attention_dtype, grid, timer)
+    say("copies")
+    copy = _time_copies(torch, dev, grid, timer)
+    name = torch.cuda.get_device_name(dev) if on_gpu else "cpu"
+    if on_gpu:
+        torch.cuda.empty_cache()
+    return DeviceProfile(name=name, torch_version=torch.__version__, measured_on=datetime.date.today().isoformat(),
+                         gemm=tuple(gemm), attention=tuple(attention), copy=tuple(copy))
