@@ -6,8 +6,9 @@ Input: a ``ClusterSpec`` (its ``DeviceSpec`` and, when present, its profile's ``
 Output: seconds for one kernel call.
 
 With a profile, the measured table is interpolated in log space (``log_interpolation.py``): GEMM
-throughput over (m, n, k) per dtype, attention throughput over (batch*heads, seq_q, seq_kv,
-head_dim) per (dtype, causal), copy time over bytes. Below the table's smallest GEMM the throughput
+throughput over (m, n, k) per dtype, attention throughput over (batch*heads, sqrt(seq_q*seq_kv),
+head_dim) per (dtype, causal) (the profile times seq_q == seq_kv, so the geometric mean keeps the
+table a full grid), copy time over bytes. Below the table's smallest GEMM the throughput
 is scaled down by the efficiency curve below (relative to the table's edge), never held flat.
 
 Without one, a roofline: ``max(flops / (peak * gemm_efficiency * shape(m, n, k)), bytes / (bandwidth *
@@ -40,6 +41,9 @@ in the FlashAttention-3 paper (Shah et al., 2024, figures read approximately), o
 Invariants: results are cached per (op, shape, dtype); all times are positive for positive shapes.
 """
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
 
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.dtypes import canonical_dtype, dtype_bytes
@@ -98,7 +102,7 @@ class ComputeCostModel:
         for dtype, causal in {(t.dtype, t.causal) for t in device.attention}:
             rows = [t for t in device.attention if t.dtype == dtype and t.causal == causal]
             for backward in (False, True):
-                points = [((t.batch * t.heads, t.seq_q, t.seq_kv, t.head_dim),
+                points = [((t.batch * t.heads, math.sqrt(t.seq_q * t.seq_kv), t.head_dim),
                            attention_flops(t.batch, t.heads, t.seq_q, t.seq_kv, t.head_dim, causal, backward)
                            / (t.backward_s if backward else t.forward_s))
                           for t in rows if (t.backward_s if backward else t.forward_s) > 0]
@@ -112,9 +116,9 @@ class ComputeCostModel:
         """Whether any kernel table backs this model (else everything is roofline)."""
         return bool(self._gemm or self._attention or self._copy)
 
-    def _cached(self, key: tuple[object, ...], compute: object) -> float:
+    def _cached(self, key: tuple[object, ...], compute: Callable[[], float]) -> float:
         if key not in self._cache:
-            self._cache[key] = compute()  # type: ignore[operator]
+            self._cache[key] = compute()
         return self._cache[key]
 
     # -- GEMM -------------------------------------------------------------------------------------
@@ -161,7 +165,7 @@ class ComputeCostModel:
         memory = self.memory_bound_time(float(batch * heads * head_dim * tensors * dtype_bytes(dtype)))
         table = self._attention.get((dtype, causal, backward))
         if table is not None:
-            return max(flops / table((batch * heads, seq_q, seq_kv, head_dim)), memory)
+            return max(flops / table((batch * heads, math.sqrt(seq_q * seq_kv), head_dim)), memory)
         device = self.cluster.device
         efficiency = ATTENTION_BACKWARD_EFFICIENCY if backward else ATTENTION_FORWARD_EFFICIENCY
         return max(flops / (device.peak_flops(dtype) * device.gemm_efficiency * efficiency), memory)
