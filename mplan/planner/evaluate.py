@@ -1,0 +1,226 @@
+"""Predict one `ParallelConfig`: stage cuts, step time, memory per rank, throughput.
+
+Input: the unit costs of the model under its TP sharding (`unit_costs.py`, priced for one
+micro-batch of the captured batch), the cluster, the config and the model's FLOPs. Output: an
+`Estimate` with the figures a Plan carries.
+
+Model (each term from the cost models, nothing fitted here):
+- a micro-batch of `mbs` sequences costs mbs x the captured one, corrected by the GEMM efficiency
+  change at the larger M (`_batch_scale`); recomputation adds the re-run forward to backward;
+- units are cut into pp * vpp chunks by `stage_partition.partition` under each chunk's memory;
+- activations cross stage borders with a send/recv per micro-batch (p2p over the pipeline axis);
+- DP gradient sync per rank: all-reduce of fp32 gradients (zero=0) or reduce-scatter of gradients
+  plus all-gather of updated bf16 parameters (zero=1), started after the rank's last backward, so
+  only its tail past the pipeline's end is exposed; TP all-reduce of partial parameter gradients;
+- the optimizer step is memory-bound over the rank's optimizer shard (`OPTIMIZER_BYTES_PER_PARAM`);
+- `fast=True` uses the closed form of the schedule, `fast=False` runs the event simulator on the
+  same per-stage numbers (what the final ranking and `explain` use).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from mplan.cost_models.cluster import ClusterSpec
+from mplan.cost_models.collective_cost import GroupShape, collective_time
+from mplan.cost_models.compute_cost import ComputeCostModel
+from mplan.cost_models.memory_model import FRAGMENTATION_FRACTION, MemoryBreakdown, bytes_per_param
+from mplan.cost_models.simulator import PipelineCosts, SimResult, simulate
+from mplan.ir.schedule import Schedule, build_schedule, interleaved_warmup
+from mplan.planner.parallel_config import ParallelConfig
+from mplan.planner.stage_partition import Partition, partition
+from mplan.planner.unit_costs import UnitCost
+
+OPTIMIZER_BYTES_PER_PARAM = 32.0
+"""Bytes an AdamW step reads and writes per parameter it updates: bf16 param (2 r + 2 w), fp32 grad
+(4 r), fp32 master and two moments (12 r + 12 w); counted, not measured."""
+GRAD_BYTES = 4  # gradients are reduced in fp32 (Megatron's default accumulate/reduce dtype)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelFacts:
+    """What the evaluator needs to know about the model beyond its unit costs."""
+
+    training_flops_per_sequence: float  # model FLOPs, forward + backward, no recomputation
+    seq_len: int
+    param_dtype: str  # "bf16" for mixed-precision training
+    gemm_shape: tuple[int, int, int]  # (tokens, n, k) of the main block's largest GEMM, TP-local
+    stream_bytes_per_sequence: int  # one sequence's residual-stream activation (bytes, full)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Estimate:
+    config: ParallelConfig
+    fits: bool
+    step_time_s: float
+    tflops_per_gpu: float  # model FLOPs (no recompute) per GPU per second, / 1e12
+    mfu: float
+    tokens_per_s: float
+    bubble_fraction: float
+    compute_s: float  # busy compute of the critical rank (collectives inside TP ops included)
+    comm_s: float  # TP collectives + p2p + exposed DP sync on the critical rank
+    memory: tuple[MemoryBreakdown, ...]  # per pipeline rank
+    stage_bounds: tuple[tuple[int, int], ...]  # unit ranges per chunk (global stage)
+    chunk_forward_s: tuple[float, ...]
+    chunk_backward_s: tuple[float, ...]
+    p2p_s: float
+    grad_sync_s: tuple[float, ...]  # per pipeline rank
+    optimizer_s: float
+    reason: str = ""  # why it does not fit, if it does not
+    simulation: SimResult | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(m.total_bytes for m in self.memory)
+
+
+def _batch_scale(compute: ComputeCostModel, facts: ModelFacts, mbs_ratio: float) -> float:
+    """Time of a micro-batch mbs_ratio times larger, relative to mbs_ratio x the captured one."""
+    if mbs_ratio == 1:
+        return 1.0
+    m, n, k = facts.gemm_shape
+    one = compute.matmul_time(m, n, k, "bf16")
+    big = compute.matmul_time(int(m * mbs_ratio), n, k, "bf16")
+    return big / (mbs_ratio * one)
+
+
+def _in_flight(config: ParallelConfig, rank: int) -> int:
+    """Micro-batch activations rank `rank` holds at its peak, summed over its chunks (chunk units)."""
+    p, m, v = config.pp, config.num_micro_batches, config.vpp
+    if config.schedule == "gpipe":
+        return m * v
+    if config.schedule == "interleaved" and v > 1:
+        return interleaved_warmup(p, m, v, rank) + 1
+    return min(p - rank, m)
+
+
+def _group(size: int, stride: int, gpus_per_node: int) -> GroupShape:
+    """A mesh-axis group: `size` ranks `stride` apart; how many of them share a node."""
+    per_node = max(1, min(size, gpus_per_node // stride)) if stride < gpus_per_node else 1
+    return GroupShape(size=size, ranks_per_node=per_node)
+
+
+def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: ClusterSpec, facts: ModelFacts, *,
+             fast: bool = True) -> Estimate:
+    compute = ComputeCostModel(cluster)
+    captured = 1  # units are priced for one sequence per micro-batch (the planner captures batch 1)
+    ratio = config.mbs / captured
+    scale = ratio * _batch_scale(compute, facts, ratio)
+    fwd = [u.forward_s * scale for u in units]
+    bwd = []
+    for u in units:
+        extra = {"none": 0.0, "selective": u.selective_extra_s, "full": u.forward_s}[config.recompute]
+        bwd.append((u.backward_s + extra) * scale)
+    k = config.pp * config.vpp
+    per = bytes_per_param(facts.param_dtype, "fp32")
+    param_state = per.total(zero=config.zero, dp=config.dp)
+
+    def act_bytes(u: UnitCost) -> float:
+        kept = {"none": u.saved_bytes, "selective": u.selective_bytes, "full": u.input_bytes}[config.recompute]
+        return kept * ratio
+
+    def unit_memory(u: int, chunk: int) -> float:
+        rank = chunk % config.pp
+        return units[u].num_params * param_state + act_bytes(units[u]) * _in_flight(config, rank) / config.vpp
+
+    capacity = cluster.device.memory_bytes / (1 + FRAGMENTATION_FRACTION)
+    times = [f + b for f, b in zip(fwd, bwd)]
+    cut: Partition | None = partition(times, k, memory=unit_memory, cap=capacity / config.vpp)
+    reason = ""
+    if cut is None:
+        reason = "no stage cut fits in memory" if partition(times, k) is not None else \
+            f"{len(units)} units cannot fill {k} pipeline chunks"
+        cut = partition(times, k) or _fallback(times, k)
+    chunk_f = tuple(sum(fwd[a:b]) for a, b in cut.bounds)
+    chunk_b = tuple(sum(bwd[a:b]) for a, b in cut.bounds)
+
+    gpn = cluster.gpus_per_node
+    dp_group = _group(config.dp, config.tp, gpn)
+    tp_group = _group(config.tp, 1, gpn)
+    pp_group = _group(2, config.tp * config.dp, gpn) if config.pp > 1 else GroupShape(size=1, ranks_per_node=1)
+    stream = facts.stream_bytes_per_sequence * ratio / (config.tp if config.sp else 1)
+    p2p = collective_time(cluster, "send_recv", stream, pp_group) if config.pp > 1 else 0.0
+
+    memory, syncs, opt = [], [], 0.0
+    for rank in range(config.pp):
+        chunks = range(rank, k, config.pp)
+        rank_units = [u for c in chunks for u in range(*cut.bounds[c])]
+        params = sum(units[u].num_params for u in rank_units)
+        tp_sync = sum(units[u].tp_grad_sync_bytes for u in rank_units)
+        if config.zero:
+            sync = collective_time(cluster, "reduce_scatter", params * GRAD_BYTES, dp_group) + \
+                collective_time(cluster, "all_gather", params * per.param, dp_group)
+        else:
+            sync = collective_time(cluster, "all_reduce", params * GRAD_BYTES, dp_group)
+        sync += collective_time(cluster, "all_reduce", tp_sync * GRAD_BYTES / max(1, per.param), tp_group)
+        syncs.append(sync)
+        opt = max(opt, compute.memory_bound_time(OPTIMIZER_BYTES_PER_PARAM * params / (config.dp if config.zero else 1)))
+        acts = sum(act_bytes(units[u]) for u in rank_units) / config.vpp * _in_flight(config, rank)
+        if config.recompute == "full" and rank_units:
+            acts += max(units[u].saved_bytes for u in rank_units) * ratio  # one unit re-run at a time
+        workspace = max((units[u].largest_op_bytes * ratio for u in rank_units), default=0.0)
+        memory.append(_breakdown(params, per, config, acts, workspace))
+    peak = max(m.total_bytes for m in memory)
+    fits = not reason and peak <= cluster.device.memory_bytes
+    if not reason and not fits:
+        reason = f"needs {peak / 2**30:.1f} GiB per GPU, has {cluster.device.memory_bytes / 2**30:.1f}"
+
+    costs = PipelineCosts(forward_s=chunk_f, backward_s=chunk_b, p2p_s=(p2p,) * (k - 1),
+                          grad_sync_s=tuple(syncs[c % config.pp] / config.vpp for c in range(k)), optimizer_s=opt)
+    if fast:
+        step, bubble, busy = _closed_form(config, costs)
+        sim = None
+    else:
+        sim = simulate(schedule_of(config), costs)
+        step, bubble, busy = sim.step_time_s, sim.bubble_fraction, sim.compute_s
+    tp_comm = sum((units[u].comm_forward_s + units[u].comm_backward_s) * scale
+                  for c in range(0, k, config.pp) for u in range(*cut.bounds[c])) * config.num_micro_batches
+    sequences = config.dp * config.mbs * config.num_micro_batches
+    flops = facts.training_flops_per_sequence * sequences / step
+    world = config.world_size
+    return Estimate(config=config, fits=fits, step_time_s=step, tflops_per_gpu=flops / world / 1e12,
+                    mfu=flops / world / cluster.device.peak_flops("bf16"),
+                    tokens_per_s=sequences * facts.seq_len / step, bubble_fraction=bubble,
+                    compute_s=busy, comm_s=tp_comm + 2 * (config.pp - 1) * p2p + max(0.0, step - opt - busy / (1 - bubble + 1e-12)),
+                    memory=tuple(memory), stage_bounds=cut.bounds, chunk_forward_s=chunk_f, chunk_backward_s=chunk_b,
+                    p2p_s=p2p, grad_sync_s=tuple(syncs), optimizer_s=opt, reason=reason, simulation=sim)
+
+
+def schedule_of(config: ParallelConfig) -> Schedule:
+    """The schedule IR (per-rank action lists) a config runs: the simulator, `explain` and the
+    runtime all read this one definition."""
+    name = {"interleaved": "interleaved_1f1b"}.get(config.schedule, config.schedule)
+    return build_schedule(name if config.pp > 1 else "1f1b", config.pp, config.num_micro_batches, config.vpp)
+
+
+def _fallback(times: Sequence[float], k: int) -> Partition:
+    bounds = tuple((min(c, len(times) - 1), min(c + 1, len(times))) for c in range(k))
+    return Partition(bounds=bounds, bottleneck_s=max(times), chunk_times=tuple(times[a] for a, _ in bounds))
+
+
+def _breakdown(params: int, per, config: ParallelConfig, acts: float, workspace: float) -> MemoryBreakdown:  # noqa: ANN001
+    p, g = params * per.param, params * per.grad
+    o = params * per.optimizer / (config.dp if config.zero else 1)
+    transient = workspace + FRAGMENTATION_FRACTION * (p + g + o + acts + workspace)
+    return MemoryBreakdown(params_bytes=p, grads_bytes=g, optimizer_bytes=o, activations_bytes=acts,
+                           transient_bytes=transient)
+
+
+def _closed_form(config: ParallelConfig, costs: PipelineCosts) -> tuple[float, float, float]:
+    """Step time of 1F1B-family schedules without simulation: (step, bubble fraction, busy)."""
+    p, m, v = config.pp, config.num_micro_batches, config.vpp
+    per_rank = [sum(costs.forward_s[c] + costs.backward_s[c] for c in range(r, p * v, p)) for r in range(p)]
+    slowest = max(per_rank)
+    if p == 1:
+        pipeline = m * slowest
+    elif config.schedule == "interleaved" and v > 1:
+        pipeline = m * slowest + (p - 1) * slowest / v + 2 * (p - 1) * (costs.p2p_s[0] if costs.p2p_s else 0.0)
+    else:
+        fill = sum(costs.forward_s[c] + costs.backward_s[c] for c in range(p * v)) - slowest
+        pipeline = m * slowest + fill + 2 * (p - 1) * (costs.p2p_s[0] if costs.p2p_s else 0.0)
+    # Rank r's last backward ends about r chunk-backwards before the pipeline does.
+    exposed = max(max(0.0, sum(costs.grad_sync_s[c] for c in range(r, p * v, p)) -
+                      r * costs.backward_s[r]) for r in range(p))
+    busy = m * slowest
+    return pipeline + exposed + costs.optimizer_s, 1.0 - busy / pipeline, busy

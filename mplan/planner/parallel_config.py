@@ -1,0 +1,177 @@
+"""One point of the search space: how a training step is split, and the plan-spec grammar.
+
+`ParallelConfig` is a complete choice (mesh degrees, micro-batching, sequence parallelism,
+recomputation, optimizer sharding, schedule). `PlanSpec` is what a user writes
+(`dp=2,tp=4,pp=8,vpp=2,ep=1,mbs=1,sp=1,zero=1,recompute=selective,schedule=1f1b`): keys left out
+are searched, `auto` searches everything. `enumerate_configs` lists every config a cluster and
+model admit, with the reason each excluded degree fails kept for error messages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Iterator
+
+SCHEDULES = ("1f1b", "interleaved", "gpipe")
+RECOMPUTE = ("none", "selective", "full")
+_INT_KEYS = ("dp", "tp", "pp", "vpp", "ep", "mbs", "sp", "zero")
+_KEYS = _INT_KEYS + ("recompute", "schedule")
+
+
+class PlanSpecError(ValueError):
+    """A plan spec string that cannot be parsed or cannot run on this cluster and model."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelConfig:
+    dp: int  # data-parallel replicas (expert parallelism is carved out of them)
+    tp: int  # tensor-parallel degree (inside a node unless allowed otherwise)
+    pp: int  # pipeline stages (ranks)
+    vpp: int = 1  # virtual stages per pipeline rank (interleaved schedule)
+    ep: int = 1  # expert-parallel degree, dividing dp
+    mbs: int = 1  # micro-batch size (sequences)
+    num_micro_batches: int = 1  # per DP replica per step
+    sp: bool = False  # sequence parallelism on the TP axis
+    zero: int = 0  # 1: optimizer state sharded over DP (distributed optimizer)
+    recompute: str = "none"
+    schedule: str = "1f1b"
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def spec(self) -> str:
+        """The manual spec string that reproduces this config."""
+        return (f"dp={self.dp},tp={self.tp},pp={self.pp},vpp={self.vpp},ep={self.ep},mbs={self.mbs},"
+                f"sp={int(self.sp)},zero={self.zero},recompute={self.recompute},schedule={self.schedule}")
+
+    def short(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        if self.vpp > 1:
+            parts.append(f"vpp{self.vpp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        parts.append(f"mbs{self.mbs}")
+        if self.sp:
+            parts.append("sp")
+        if self.zero:
+            parts.append("zero1")
+        if self.recompute != "none":
+            parts.append(f"rc-{self.recompute}")
+        return "-".join(parts)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanSpec:
+    """Fixed choices from a spec string; None means searched."""
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    vpp: int | None = None
+    ep: int | None = None
+    mbs: int | None = None
+    sp: int | None = None
+    zero: int | None = None
+    recompute: str | None = None
+    schedule: str | None = None
+
+    @property
+    def is_auto(self) -> bool:
+        return all(getattr(self, f.name) is None for f in fields(self))
+
+    def admits(self, config: ParallelConfig) -> bool:
+        for key in _KEYS:
+            want = getattr(self, key)
+            have = getattr(config, key)
+            if want is not None and (int(have) if key == "sp" else have) != want:
+                return False
+        return True
+
+
+def parse_plan_spec(text: str) -> PlanSpec:
+    """`tp=2,dp=2,sp=1` -> PlanSpec; `auto` or "" -> all searched. One clear error per mistake."""
+    text = text.strip()
+    if text in ("", "auto"):
+        return PlanSpec()
+    values: dict[str, object] = {}
+    for part in text.split(","):
+        key, sep, raw = part.strip().partition("=")
+        key, raw = key.strip(), raw.strip()
+        if not sep or key not in _KEYS:
+            raise PlanSpecError(f"plan spec {text!r}: bad item {part.strip()!r}; expected key=value with keys "
+                                f"{', '.join(_KEYS)} (or 'auto')")
+        if key in values:
+            raise PlanSpecError(f"plan spec {text!r}: {key} given twice")
+        if raw == "auto":
+            continue
+        if key in _INT_KEYS:
+            if not raw.isdigit() or int(raw) < (0 if key in ("sp", "zero") else 1):
+                raise PlanSpecError(f"plan spec {text!r}: {key} must be a positive integer, got {raw!r}")
+            number = int(raw)
+            if key in ("sp", "zero") and number not in (0, 1):
+                raise PlanSpecError(f"plan spec {text!r}: {key} must be 0 or 1, got {raw!r}")
+            values[key] = number
+        else:
+            choices = RECOMPUTE if key == "recompute" else SCHEDULES
+            if raw not in choices:
+                raise PlanSpecError(f"plan spec {text!r}: {key} must be one of {', '.join(choices)}, got {raw!r}")
+            values[key] = raw
+    return PlanSpec(**values)  # type: ignore[arg-type]
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelLimits:
+    """What the model allows each degree to be (from the captured graph)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    num_experts: int  # 0 for dense models
+    seq_len: int
+
+
+def enumerate_configs(*, world_size: int, gpus_per_node: int, global_batch: int, limits: ModelLimits,
+                      spec: PlanSpec, allow_cross_node_tp: bool = False,
+                      max_mbs: int = 8) -> Iterator[ParallelConfig]:
+    """Every config the spec admits: dp*tp*pp == world, tp | heads, pp <= layers, mbs | batch share."""
+    for tp in divisors(world_size):
+        if tp > gpus_per_node and not allow_cross_node_tp:
+            continue
+        if limits.num_heads % tp:
+            continue
+        for pp in divisors(world_size // tp):
+            if pp > limits.num_layers:
+                continue
+            dp = world_size // (tp * pp)
+            if global_batch % dp:
+                continue
+            for ep in divisors(dp) if limits.num_experts else [1]:
+                if limits.num_experts and limits.num_experts % ep:
+                    continue
+                for mbs in (1, 2, 4, 8, 16):
+                    if mbs > max_mbs or (global_batch // dp) % mbs:
+                        continue
+                    m = global_batch // (dp * mbs)
+                    yield from _variants(ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, mbs=mbs, num_micro_batches=m),
+                                         limits, spec)
+
+
+def _variants(base: ParallelConfig, limits: ModelLimits, spec: PlanSpec) -> Iterator[ParallelConfig]:
+    schedules: list[tuple[str, int]] = [("1f1b", 1)]
+    if base.pp > 1:
+        if spec.schedule == "gpipe":  # same time as 1F1B, more memory: only when asked for
+            schedules.append(("gpipe", 1))
+        for vpp in (2, 3, 4, 6, 8):
+            if limits.num_layers % (base.pp * vpp) == 0 and base.num_micro_batches % base.pp == 0:
+                schedules.append(("interleaved", vpp))
+    for schedule, vpp in schedules:
+        for sp in ((False, True) if base.tp > 1 else (False,)):
+            for zero in ((0, 1) if base.dp > 1 else (0,)):
+                for recompute in RECOMPUTE:
+                    config = replace(base, schedule=schedule, vpp=vpp, sp=sp, zero=zero, recompute=recompute)
+                    if spec.admits(config):
+                        yield config

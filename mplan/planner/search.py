@@ -1,0 +1,190 @@
+"""Outer search: every mesh, micro-batching, SP, recomputation, optimizer sharding and schedule.
+
+Input: a captured `Graph` (shallow is enough: costs are per unit), a `ClusterSpec`, the global
+batch and a `PlanSpec` (keys fixed by the user). Output: `SearchResult` with the best estimate
+and the best rejected candidates, each with the reason it lost.
+
+Steps:
+1. for each TP degree and SP setting, solve the sharding ILP once per block type and glue segment
+   (`sharding_ilp.solve_graph_sharding`) and price the units (`unit_costs`); cached;
+2. enumerate configs (`parallel_config.enumerate_configs`), evaluate each with the closed-form
+   schedule model (cuts by `stage_partition` under memory), drop those that do not fit;
+3. re-evaluate the best few with the event simulator and rank by simulated step time.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from mplan.cost_models.cluster import ClusterSpec
+from mplan.cost_models.collective_cost import GroupShape
+from mplan.ir.graph import Graph
+from mplan.planner.evaluate import Estimate, ModelFacts, evaluate
+from mplan.planner.op_cost import OpCoster
+from mplan.planner.parallel_config import (ModelLimits, ParallelConfig, PlanSpec, PlanSpecError,
+                                           enumerate_configs)
+from mplan.planner.placement import R, Shard
+from mplan.planner.sharding_ilp import GraphSharding, StrategyFilter, solve_graph_sharding, stream_shape
+from mplan.planner.unit_costs import UnitCost, unit_costs
+
+SIMULATED_FINALISTS = 8  # candidates re-ranked by the event simulator
+
+
+class PlanningError(ValueError):
+    """The request cannot be planned: names the cause and what would fit."""
+
+
+@dataclass(slots=True)
+class ShardedModel:
+    """The model under one TP degree and SP setting: solved shardings and unit costs."""
+
+    tp: int
+    sp: bool
+    sharding: GraphSharding
+    units: list[UnitCost]
+
+
+@dataclass(slots=True)
+class SearchResult:
+    best: Estimate
+    ranked: list[Estimate]  # feasible candidates, best first (the finalists simulated)
+    rejected: list[Estimate]  # best infeasible ones, for the explanation
+    sharded: dict[tuple[int, bool], ShardedModel]
+    facts: ModelFacts
+    num_candidates: int
+    seconds: float
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Planner:
+    """Caches per-(tp, sp) shardings of one graph on one cluster; evaluates and searches configs."""
+
+    def __init__(self, graph: Graph, cluster: ClusterSpec, *, allow: StrategyFilter | None = None,
+                 progress: Callable[[str], None] | None = None) -> None:
+        if graph.batch_size != 1:
+            raise ValueError("the planner prices one sequence per micro-batch: capture with batch 1")
+        self.graph = graph
+        self.cluster = cluster
+        self.allow = allow
+        self.progress = progress or (lambda _: None)
+        self._sharded: dict[tuple[int, bool], ShardedModel] = {}
+        self.facts = _facts(graph)
+        self.limits = _limits(graph)
+
+    def sharded(self, tp: int, sp: bool) -> ShardedModel:
+        key = (tp, sp)
+        if key not in self._sharded:
+            group = GroupShape(size=tp, ranks_per_node=min(tp, self.cluster.gpus_per_node))
+            coster = OpCoster(self.cluster, tp, group)
+            boundary = Shard(1) if sp else R
+            self.progress(f"solving the sharding ILP for tp={tp}{' with SP' if sp else ''}")
+            sharding = solve_graph_sharding(self.graph, coster, boundary, allow=self.allow)
+            self._sharded[key] = ShardedModel(tp=tp, sp=sp, sharding=sharding,
+                                              units=unit_costs(self.graph, sharding, coster))
+        return self._sharded[key]
+
+    def evaluate(self, config: ParallelConfig, *, fast: bool = False) -> Estimate:
+        model = self.sharded(config.tp, config.sp)
+        return evaluate(config, model.units, self.cluster, _tp_facts(self.facts, config.tp), fast=fast)
+
+    def search(self, global_batch: int, spec: PlanSpec | None = None, *,
+               allow_cross_node_tp: bool = False) -> SearchResult:
+        spec = spec or PlanSpec()
+        start = time.perf_counter()
+        world = self.cluster.world_size
+        configs = list(enumerate_configs(world_size=world, gpus_per_node=self.cluster.gpus_per_node,
+                                         global_batch=global_batch, limits=self.limits, spec=spec,
+                                         allow_cross_node_tp=allow_cross_node_tp))
+        if not configs:
+            raise PlanningError(_no_config_reason(world, self.cluster.gpus_per_node, global_batch, self.limits, spec))
+        estimates = []
+        for config in configs:
+            estimates.append(self.evaluate(config, fast=True))
+        feasible = sorted((e for e in estimates if e.fits), key=lambda e: e.step_time_s)
+        infeasible = sorted((e for e in estimates if not e.fits), key=lambda e: e.peak_memory_bytes)
+        if not feasible:
+            smallest = infeasible[0]
+            raise PlanningError(
+                f"{self.graph.model_name} does not fit on {world} x {self.cluster.device.name} "
+                f"({self.cluster.device.memory_bytes / 2**30:.0f} GiB each) at global batch {global_batch}: "
+                f"the leanest plan ({smallest.config.short()}) {smallest.reason}. "
+                f"{_what_would_fit(smallest, self.cluster)}")
+        finalists = [self.evaluate(e.config, fast=False) for e in feasible[:SIMULATED_FINALISTS]]
+        finalists.sort(key=lambda e: e.step_time_s)
+        ranked = finalists + feasible[SIMULATED_FINALISTS:]
+        return SearchResult(best=ranked[0], ranked=ranked, rejected=infeasible[:5], sharded=self._sharded,
+                            facts=self.facts, num_candidates=len(configs), seconds=time.perf_counter() - start)
+
+
+def _what_would_fit(estimate: Estimate, cluster: ClusterSpec) -> str:
+    need = estimate.peak_memory_bytes
+    have = cluster.device.memory_bytes
+    if need <= 0 or have <= 0:
+        return ""
+    factor = need / have
+    return (f"It would need about {math.ceil(factor)}x the devices (or {need / 2**30:.0f} GiB per device); "
+            f"try more nodes, a smaller global batch or recompute=full.")
+
+
+def _no_config_reason(world: int, gpus_per_node: int, global_batch: int, limits: ModelLimits,
+                      spec: PlanSpec) -> str:
+    fixed = {k: getattr(spec, k) for k in ("dp", "tp", "pp", "ep") if getattr(spec, k) is not None}
+    product = math.prod(v for v in fixed.values())
+    if fixed and set(fixed) >= {"dp", "tp", "pp"} and product != world:
+        return (f"the plan asks for {'*'.join(f'{k}' for k in ('dp', 'tp', 'pp'))} = "
+                f"{fixed['dp']}*{fixed['tp']}*{fixed['pp']} = {product} ranks but the cluster has {world}")
+    if spec.tp is not None and limits.num_heads % spec.tp:
+        return f"tp={spec.tp} does not divide the model's {limits.num_heads} attention heads"
+    if spec.tp is not None and spec.tp > gpus_per_node:
+        return f"tp={spec.tp} would cross nodes ({gpus_per_node} GPUs per node)"
+    if spec.pp is not None and spec.pp > limits.num_layers:
+        return f"pp={spec.pp} exceeds the model's {limits.num_layers} layers"
+    if spec.dp is not None and global_batch % spec.dp:
+        return f"global batch {global_batch} is not divisible by dp={spec.dp}"
+    return (f"no split of {world} ranks fits the request (global batch {global_batch}, "
+            f"{limits.num_heads} heads, {limits.num_layers} layers, spec {spec})")
+
+
+def _limits(graph: Graph) -> ModelLimits:
+    heads = kv = 1
+    experts = 0
+    for node in graph.nodes:
+        if node.kind == "attention" and len(node.input_metas) >= 2:
+            heads, kv = node.input_metas[0].shape[1], node.input_metas[1].shape[1]
+            break
+    for name, p in graph.params.items():
+        if name.endswith("w_gate") and len(p.meta.shape) == 3:
+            experts = p.meta.shape[0]
+            break
+    return ModelLimits(num_layers=graph.num_layers, num_heads=heads, num_kv_heads=kv,
+                       num_experts=experts, seq_len=graph.seq_len or 1)
+
+
+def _facts(graph: Graph) -> ModelFacts:
+    stream = stream_shape(graph) or (1, graph.seq_len or 1, 1)
+    itemsize = 2
+    biggest = (graph.seq_len or 1, 1, 1)
+    if graph.block_types:
+        main = max(graph.block_types, key=lambda b: b.num_instances)
+        best = 0
+        for node in graph.nodes_of(main.template):
+            if node.op == "aten.linear.default" and node.flops > best:
+                best = node.flops
+                x, w = node.input_metas[0], node.input_metas[1]
+                biggest = (math.prod(x.shape[:-1]), w.shape[0], w.shape[1])
+                itemsize = x.nbytes // max(1, x.numel)
+    return ModelFacts(training_flops_per_sequence=graph.training_flops / graph.batch_size,
+                      seq_len=graph.seq_len or 1, param_dtype="bf16", gemm_shape=biggest,
+                      stream_bytes_per_sequence=math.prod(stream) * itemsize)
+
+
+def _tp_facts(facts: ModelFacts, tp: int) -> ModelFacts:
+    m, n, k = facts.gemm_shape
+    return ModelFacts(training_flops_per_sequence=facts.training_flops_per_sequence, seq_len=facts.seq_len,
+                      param_dtype=facts.param_dtype, gemm_shape=(m, max(1, n // tp), k),
+                      stream_bytes_per_sequence=facts.stream_bytes_per_sequence)
+
+
+__all__ = ["Planner", "PlanningError", "PlanSpecError", "SearchResult", "ShardedModel"]

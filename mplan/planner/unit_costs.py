@@ -1,0 +1,119 @@
+"""Per-unit costs of a sharded model: what the pipeline partitioner and the evaluator add up.
+
+A unit is one segment of the captured graph in execution order: the prologue (embeddings), each
+block instance, glue between blocks, and the epilogue (final norm, head, loss). Given the TP
+sharding solved for every segment (`GraphSharding`), each unit gets its forward and backward
+seconds per micro-batch of the captured batch, its local parameters, the activations it keeps for
+backward under each recomputation mode, and its input (what full recomputation checkpoints).
+
+Recomputation modes, as the planner defines them for fused-attention models:
+- none: every tensor an op keeps for backward stays in memory.
+- selective: only tensors the GEMMs and attention keep stay; norms and elementwise ops (cheap,
+  memory-bound, and the bulk of the bytes after fused attention) are re-run in backward.
+- full: only the unit's input stays; the whole forward is re-run in backward.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mplan.ir.graph import Graph, OpNode
+from mplan.planner.op_cost import OpCoster
+from mplan.planner.placement import Shard
+from mplan.planner.sharding_ilp import GraphSharding, SegmentSharding, stream_shape
+from mplan.planner.strategies import shard_bytes
+
+_KEEP_UNDER_SELECTIVE = ("matmul", "attention", "embedding", "loss")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnitCost:
+    name: str  # "prologue", "layers.3", "epilogue", "glue.N"
+    block_type: str | None
+    forward_s: float  # one micro-batch of the captured batch, collectives included
+    backward_s: float
+    comm_forward_s: float
+    comm_backward_s: float
+    num_params: int  # local parameters (elements) on one TP rank
+    tp_grad_sync_bytes: int  # replicated parameters with partial gradients, all-reduced over TP
+    saved_bytes: int  # activations kept for backward, recompute none
+    selective_bytes: int  # activations kept under selective recomputation
+    selective_extra_s: float  # forward seconds re-run in backward under selective recomputation
+    input_bytes: int  # the unit's input activation (local): what full recomputation keeps
+    largest_op_bytes: int  # largest single op's local output: a transient bound
+
+
+def _local_numel(graph: Graph, node: OpNode, sharding: SegmentSharding) -> int:
+    s = sharding.choice[node.name]
+    total = 0
+    for _, name in node.params:
+        placement = s.inputs[node.inputs.index(name)]
+        numel = graph.params[name].meta.numel
+        total += numel // sharding.axis_size if isinstance(placement, Shard) else numel
+    return total
+
+
+def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[str, ...],
+                 sharding: SegmentSharding, coster: OpCoster) -> UnitCost:
+    """Costs of one segment under its solved sharding."""
+    n = sharding.axis_size
+    selective_saved: set[str] = set()
+    extra = 0.0
+    largest = 0
+    seen_params: set[str] = set()
+    num_params = 0
+    for node in graph.nodes_of(nodes):
+        s = sharding.choice[node.name]
+        if node.kind in _KEEP_UNDER_SELECTIVE:
+            selective_saved.update(graph.storage_root(x) for x in node.saved)
+        elif node.kind not in ("view", "getitem", "scalar"):
+            extra += coster.op(node, s).forward_s
+        if node.outputs:
+            largest = max(largest, shard_bytes(node.output, s.output, n))
+        fresh = [p for _, p in node.params if p not in seen_params]
+        if fresh:
+            seen_params.update(fresh)
+            num_params += _local_numel(graph, node, sharding)
+    selective_bytes = sum(shard_bytes(_value_meta(graph, r), sharding.choice[r].output if r in sharding.choice
+                                      else sharding.boundary, n)
+                          for r in selective_saved if r not in graph.params and _value_meta(graph, r) is not None)
+    stream = stream_shape(graph)
+    input_bytes = 0
+    if stream is not None:
+        itemsize = graph.nodes[0].outputs[0].nbytes // max(1, graph.nodes[0].outputs[0].numel) \
+            if graph.nodes and graph.nodes[0].outputs else 2
+        dtype_size = next((v.output.nbytes // v.output.numel for v in graph.nodes_of(nodes)
+                           if v.outputs and v.output.shape == stream and v.output.numel), itemsize)
+        input_bytes = math.prod(stream) * dtype_size // (n if isinstance(sharding.boundary, Shard) else 1)
+    return UnitCost(name=name, block_type=block_type, forward_s=sharding.forward_s, backward_s=sharding.backward_s,
+                    comm_forward_s=sharding.comm_forward_s, comm_backward_s=sharding.comm_backward_s,
+                    num_params=num_params, tp_grad_sync_bytes=sharding.tp_grad_sync_bytes,
+                    saved_bytes=sharding.saved_bytes, selective_bytes=min(selective_bytes, sharding.saved_bytes),
+                    selective_extra_s=extra, input_bytes=input_bytes, largest_op_bytes=largest)
+
+
+def _value_meta(graph: Graph, name: str):  # noqa: ANN202 - TensorMeta | None
+    if name in graph:
+        node = graph.node(name)
+        return node.output if node.outputs else None
+    return graph.graph_inputs.get(name)
+
+
+def unit_costs(graph: Graph, sharding: GraphSharding, coster: OpCoster) -> list[UnitCost]:
+    """Every unit of the model in execution order (untraced block instances included)."""
+    per_type: dict[str, UnitCost] = {}
+    for bt in graph.block_types:
+        per_type[bt.name] = segment_unit(graph, bt.name, bt.name, bt.template, sharding.segments[bt.name], coster)
+    units = []
+    for segment in graph.segments:
+        if segment.block_type is not None:
+            template = per_type[segment.block_type]
+            units.append(UnitCost(**{**_fields(template), "name": segment.name}))
+        elif segment.nodes:
+            units.append(segment_unit(graph, segment.name, None, segment.nodes,
+                                      sharding.segments[segment.name], coster))
+    return units
+
+
+def _fields(unit: UnitCost) -> dict[str, object]:
+    return {f: getattr(unit, f) for f in UnitCost.__slots__}  # type: ignore[attr-defined]
