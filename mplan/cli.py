@@ -58,6 +58,97 @@ def _print_inspect(doc: dict[str, Any]) -> None:
         console.print(f"[yellow]ops without a rule (replicated by the planner):[/] {doc['unknown_ops']}")
 
 
+def _cluster(args: argparse.Namespace):  # noqa: ANN202 - ClusterSpec
+    from mplan.cost_models.cluster import ClusterSpec
+
+    if args.cluster.endswith(".json"):
+        return ClusterSpec.from_json(args.cluster)
+    return ClusterSpec.preset(args.cluster, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+
+
+def _stderr_progress():  # noqa: ANN202 - a rich status spinner on stderr, and its update function
+    from rich.console import Console
+
+    status = Console(stderr=True).status("planning", spinner="dots")
+    return status, lambda message: status.update(message)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from mplan.planner.planning import plan
+
+    status, progress = _stderr_progress()
+    with status:
+        progress(f"capturing {args.model}")
+        made = plan(args.model, cluster=_cluster(args), global_batch=args.global_batch, spec=args.spec,
+                    seq_len=args.seq_len, allow_cross_node_tp=args.allow_cross_node_tp, progress=progress)
+    if args.output:
+        made.save(args.output)
+    if args.json:
+        print(made.to_json())
+        return 0
+    from rich.console import Console
+
+    from mplan.planner.explain import render
+
+    render(made, Console())
+    if args.output:
+        print(f"plan written to {args.output}; planning took {made.planner.get('total_seconds', 0):.2f} s")
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from mplan.planner.explain import draw_gantt, explain_data, render
+    from mplan.planner.plan import Plan
+
+    loaded = Plan.load(args.plan)
+    if args.gantt:
+        draw_gantt(loaded, args.gantt)
+    if args.json:
+        print(json.dumps(explain_data(loaded), indent=1))
+        return 0
+    from rich.console import Console
+
+    render(loaded, Console())
+    if args.gantt:
+        print(f"Gantt chart written to {args.gantt}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from mplan.planner.bench import bench_plans, write_csv
+
+    status, progress = _stderr_progress()
+    with status:
+        rows = bench_plans(args.model, _cluster(args), args.global_batch, args.plans, seq_len=args.seq_len,
+                           measure=args.measure, progress=progress)
+    if args.csv:
+        write_csv(rows, args.csv)
+    if args.json:
+        print(json.dumps({"plans": rows}, indent=1))
+        return 0
+    _print_bench(rows)
+    return 0
+
+
+def _print_bench(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="plans side by side (predicted unless marked measured)")
+    for col in ("plan", "mesh dp/tp/pp/vpp", "fits", "step ms", "TFLOP/s/GPU", "MFU", "memory GiB", "measured ms",
+                "note"):
+        table.add_column(col)
+    for r in rows:
+        p = r["predicted"] or {}
+        mesh = r["mesh"] or {}
+        table.add_row(r["spec"], "/".join(str(mesh.get(k, "-")) for k in ("dp", "tp", "pp", "vpp")),
+                      "yes" if r["fits"] else "no",
+                      f"{p['step_time_s'] * 1e3:.1f}" if p else "-", f"{p['tflops_per_gpu']:.1f}" if p else "-",
+                      f"{p['mfu']:.1%}" if p else "-", f"{p['memory_gib']:.1f}" if p else "-",
+                      f"{r['measured']['step_time_s'] * 1e3:.1f}" if r.get("measured") else "-", r["error"] or "")
+    Console().print(table)
+
+
 Command = Callable[[argparse.Namespace], int]
 
 
@@ -73,6 +164,38 @@ def _parser() -> argparse.ArgumentParser:
                    help="trace two instances of each repeated block and scale (fast for deep models)")
     p.add_argument("--json", action="store_true", help="print one JSON document and nothing else")
     p.set_defaults(func=_inspect)
+
+    def cluster_args(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--cluster", default="dgx-h100",
+                       help="preset (dgx-a100, dgx-h100, dgx-h200, h200, cpu) or a cluster JSON file")
+        q.add_argument("--nodes", type=int, default=1, help="nodes of the preset")
+        q.add_argument("--gpus-per-node", type=int, default=None, help="override the preset's GPUs per node")
+        q.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+        q.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
+
+    p = sub.add_parser("plan", help="search the fastest plan that fits and explain it")
+    p.add_argument("model", help="preset, family:k=v,..., config.json path or package.module:factory")
+    cluster_args(p)
+    p.add_argument("--spec", default="auto", help="fix some choices, e.g. tp=8,pp=4 (others searched)")
+    p.add_argument("--allow-cross-node-tp", action="store_true", help="let tensor parallelism span nodes")
+    p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
+    p.add_argument("--json", action="store_true", help="print the plan JSON and nothing else")
+    p.set_defaults(func=_plan)
+
+    p = sub.add_parser("explain", help="why a plan won: stages, memory, time, per-op sharding, alternatives")
+    p.add_argument("plan", help="a plan JSON file")
+    p.add_argument("--gantt", default=None, help="draw the simulated schedule to this PNG")
+    p.add_argument("--json", action="store_true", help="print the explanation as JSON")
+    p.set_defaults(func=_explain)
+
+    p = sub.add_parser("bench", help="compare plans side by side")
+    p.add_argument("model", help="preset, family:k=v,..., config.json path or package.module:factory")
+    cluster_args(p)
+    p.add_argument("--plans", nargs="+", default=["auto"], help="plan specs: auto, tp=8,pp=4, dp=64, ...")
+    p.add_argument("--measure", action="store_true", help="also run each plan for real on this machine's ranks")
+    p.add_argument("--csv", default=None, help="also write the table as CSV")
+    p.add_argument("--json", action="store_true", help="print one JSON document and nothing else")
+    p.set_defaults(func=_bench)
     return parser
 
 

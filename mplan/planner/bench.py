@@ -1,0 +1,68 @@
+"""`mplan bench`: several plans for one model and cluster, side by side.
+
+Each entry of `--plans` is `auto` (the planner's choice) or a manual spec (`tp=8,pp=4`): keys it
+fixes are honoured, keys it leaves out are searched. One capture and one cache of sharding solves
+serve every entry. A plan that cannot run gets `error` (why) instead of figures. Figures are
+predictions; `measured` is filled only by a measurement (`--measure`).
+"""
+from __future__ import annotations
+
+import csv
+from typing import Any, Callable, Sequence
+
+from mplan.cost_models.cluster import ClusterSpec
+from mplan.planner.parallel_config import PlanSpecError, parse_plan_spec
+from mplan.planner.plan_builder import predicted_of
+from mplan.planner.planning import capture_for_planning
+from mplan.planner.search import Planner, PlanningError
+
+Row = dict[str, Any]
+
+
+def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequence[str], *,
+                seq_len: int | None = None, measure: bool = False,
+                progress: Callable[[str], None] | None = None) -> list[Row]:
+    progress = progress or (lambda _: None)
+    progress(f"capturing {model}")
+    graph = capture_for_planning(model, seq_len=seq_len)
+    planner = Planner(graph, cluster, progress=progress)
+    rows: list[Row] = []
+    for text in specs:
+        progress(f"planning {text}")
+        row: Row = {"spec": text, "mesh": None, "fits": False, "predicted": None, "error": None, "measured": None}
+        try:
+            best = planner.search(global_batch, parse_plan_spec(text)).best
+        except (PlanSpecError, PlanningError) as exc:
+            row["error"] = str(exc)
+            rows.append(row)
+            continue
+        c = best.config
+        row.update(spec=text, resolved_spec=c.spec(), fits=best.fits,
+                   mesh={"dp": c.dp, "tp": c.tp, "pp": c.pp, "ep": c.ep, "vpp": c.vpp},
+                   predicted=_predicted_dict(best))
+        if measure:
+            from mplan.runtime.measure import measure_plan
+
+            progress(f"measuring {c.spec()}")
+            row["measured"] = measure_plan(model, c.spec(), global_batch=global_batch, seq_len=seq_len)
+        rows.append(row)
+    return rows
+
+
+def _predicted_dict(estimate: Any) -> dict[str, Any]:
+    p = predicted_of(estimate)
+    return {"step_time_s": p.step_time_s, "tflops_per_gpu": p.tflops_per_gpu, "mfu": p.mfu,
+            "tokens_per_s": p.tokens_per_s, "bubble_fraction": p.bubble_fraction, "memory_gib": p.memory_gib,
+            "compute_s": p.compute_s, "comm_s": p.comm_s}
+
+
+def write_csv(rows: list[Row], path: str) -> None:
+    keys = ["step_time_s", "tflops_per_gpu", "mfu", "tokens_per_s", "bubble_fraction", "memory_gib"]
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["spec", "resolved_spec", "dp", "tp", "pp", "vpp", "fits", *keys, "measured_step_time_s", "error"])
+        for r in rows:
+            mesh, p = r["mesh"] or {}, r["predicted"] or {}
+            measured = (r.get("measured") or {}).get("step_time_s", "")
+            w.writerow([r["spec"], r.get("resolved_spec", ""), *(mesh.get(k, "") for k in ("dp", "tp", "pp", "vpp")),
+                        r["fits"], *(p.get(k, "") for k in keys), measured, r["error"] or ""])

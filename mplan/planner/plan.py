@@ -1,0 +1,274 @@
+"""The Plan: the only thing that passes from planning to execution, and its JSON (version 1).
+
+A `Plan` records the mesh, the schedule, micro-batching, recomputation, optimizer sharding, the
+stages with their layers, every parameter's placement on each mesh axis, the TP strategy of every
+op (per segment, in node order), the predicted figures and the best rejected alternatives.
+`model.graph_hash` and `cluster` let a rank refuse a plan made for another model or world size.
+
+JSON is validated field by field on load (`PlanError` names the field); nothing is unpickled.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mplan.cost_models.json_fields import FieldReader, load_json_file
+
+PLAN_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan file that is malformed, or that does not match the model or cluster at hand."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageMemory:
+    stage: int  # pipeline rank
+    params_gib: float
+    grads_gib: float
+    optimizer_gib: float
+    activations_gib: float
+    transient_gib: float
+    total_gib: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Predicted:
+    step_time_s: float
+    tflops_per_gpu: float  # model FLOPs (no recomputation), as Megatron counts them
+    mfu: float
+    tokens_per_s: float
+    bubble_fraction: float
+    memory_gib: float  # peak per GPU: the largest stage
+    memory_by_stage: tuple[StageMemory, ...]
+    compute_s: float
+    comm_s: float
+    p2p_s: float = 0.0  # one micro-batch's activations across a stage border
+    optimizer_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelInfo:
+    name: str
+    num_parameters: int
+    num_layers: int
+    seq_len: int
+    graph_hash: str  # structural hash of the captured model (graph_hash.py)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterInfo:
+    name: str
+    nodes: int
+    gpus_per_node: int
+    world_size: int
+    device: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Mesh:
+    dp: int
+    tp: int
+    pp: int
+    ep: int
+    vpp: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stage:
+    index: int  # global stage (virtual stage v on rank r is v * pp + r)
+    rank: int  # pipeline rank that runs it
+    units: tuple[str, ...]  # segments in order: "prologue", "layers.0", ..., "epilogue"
+    forward_ms: float  # one micro-batch
+    backward_ms: float
+    grad_sync_ms: float = 0.0  # this stage's share of its rank's DP gradient sync
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        return tuple(u for u in self.units if u not in ("prologue", "epilogue") and not u.startswith("glue"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Alternative:
+    spec: str
+    predicted: Predicted | None  # None when it does not fit
+    why: str  # why it lost: slower by X ms, or needs Y GiB
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    model: ModelInfo
+    cluster: ClusterInfo
+    mesh: Mesh
+    sequence_parallel: bool
+    zero: int
+    micro_batch_size: int
+    num_micro_batches: int
+    global_batch: int
+    schedule: str
+    recompute: str
+    stages: tuple[Stage, ...]
+    sharding: dict[str, dict[str, str]] = field(hash=False)  # parameter -> {axis: placement}
+    ops: dict[str, list[str]] = field(hash=False)  # segment or block type -> TP strategy per node
+    predicted: Predicted
+    alternatives: tuple[Alternative, ...] = ()
+    planner: dict[str, float] = field(default_factory=dict, hash=False)  # seconds, candidates, ...
+    version: int = PLAN_VERSION
+
+    def spec(self) -> str:
+        """The manual spec string that asks for exactly this plan."""
+        m = self.mesh
+        return (f"dp={m.dp},tp={m.tp},pp={m.pp},vpp={m.vpp},ep={m.ep},mbs={self.micro_batch_size},"
+                f"sp={int(self.sequence_parallel)},zero={self.zero},recompute={self.recompute},"
+                f"schedule={self.schedule}")
+
+    def to_dict(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["stages"] = [{**asdict(s), "layers": list(s.layers)} for s in self.stages]
+        return {"version": doc.pop("version"), **doc}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def save(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str) -> Plan:
+        return cls.from_dict(load_json_file(path, PlanError), file=path)
+
+    @classmethod
+    def from_dict(cls, obj: Any, *, file: str = "<plan>") -> Plan:
+        r = FieldReader(obj, file=file, path="", error=PlanError)
+        version = r.integer("version")
+        if version != PLAN_VERSION:
+            raise PlanError(f"{file}: version {version} is not supported (this mplan reads version {PLAN_VERSION})")
+        plan = cls(model=_model(r.obj("model")), cluster=_cluster(r.obj("cluster")), mesh=_mesh(r.obj("mesh")),
+                   sequence_parallel=r.boolean("sequence_parallel"), zero=_choice(r, "zero", (0, 1)),
+                   micro_batch_size=r.integer("micro_batch_size"), num_micro_batches=r.integer("num_micro_batches"),
+                   global_batch=r.integer("global_batch"),
+                   schedule=r.string("schedule", choices=("1f1b", "interleaved", "gpipe")),
+                   recompute=r.string("recompute", choices=("none", "selective", "full")),
+                   stages=tuple(_stage(s) for s in r.objects("stages")),
+                   sharding=_string_table(r, "sharding"), ops=_string_lists(r, "ops"),
+                   predicted=_predicted(r.obj("predicted")),
+                   alternatives=tuple(_alternative(a) for a in r.objects("alternatives")),
+                   planner=_numbers(r, "planner"), version=version)
+        r.finish()
+        _check_consistent(plan, file)
+        return plan
+
+    def check_runs_on(self, *, world_size: int, graph_hash: str | None = None) -> None:
+        """Refuse a plan made for another world size or another model, before any collective."""
+        if self.cluster.world_size != world_size:
+            raise PlanError(f"plan was made for {self.cluster.world_size} ranks "
+                            f"(dp*tp*pp = {self.mesh.dp}*{self.mesh.tp}*{self.mesh.pp}) but this job has "
+                            f"{world_size}; re-plan with `mplan plan` for this cluster")
+        if graph_hash is not None and graph_hash != self.model.graph_hash:
+            raise PlanError(f"plan was made for another model ({self.model.name}, graph hash "
+                            f"{self.model.graph_hash[:12]}); this model's graph hash is {graph_hash[:12]}: "
+                            f"the plan is stale, re-plan it")
+
+
+def _choice(r: FieldReader, key: str, choices: tuple[int, ...]) -> int:
+    value = r.integer(key, minimum=0)
+    if value not in choices:
+        raise r.error(key, f"must be one of {choices}")
+    return value
+
+
+def _model(r: FieldReader) -> ModelInfo:
+    info = ModelInfo(name=r.string("name"), num_parameters=r.integer("num_parameters"),
+                     num_layers=r.integer("num_layers", minimum=0), seq_len=r.integer("seq_len"),
+                     graph_hash=r.string("graph_hash"))
+    r.finish()
+    return info
+
+
+def _cluster(r: FieldReader) -> ClusterInfo:
+    info = ClusterInfo(name=r.string("name"), nodes=r.integer("nodes"), gpus_per_node=r.integer("gpus_per_node"),
+                       world_size=r.integer("world_size"), device=r.string("device"))
+    r.finish()
+    return info
+
+
+def _mesh(r: FieldReader) -> Mesh:
+    mesh = Mesh(dp=r.integer("dp"), tp=r.integer("tp"), pp=r.integer("pp"), ep=r.integer("ep"), vpp=r.integer("vpp"))
+    r.finish()
+    return mesh
+
+
+def _stage(r: FieldReader) -> Stage:
+    units = r.raw("units")
+    if not isinstance(units, list) or not all(isinstance(u, str) for u in units):
+        raise r.error("units", "must be a list of segment names")
+    r.raw("layers")  # derived from units; read so that finish() accepts it
+    stage = Stage(index=r.integer("index", minimum=0), rank=r.integer("rank", minimum=0), units=tuple(units),
+                  forward_ms=r.number("forward_ms", allow_equal=True), backward_ms=r.number("backward_ms", allow_equal=True),
+                  grad_sync_ms=r.number("grad_sync_ms", allow_equal=True))
+    r.finish()
+    return stage
+
+
+def _stage_memory(r: FieldReader) -> StageMemory:
+    keys = ("params_gib", "grads_gib", "optimizer_gib", "activations_gib", "transient_gib", "total_gib")
+    memory = StageMemory(stage=r.integer("stage", minimum=0), **{k: r.number(k, allow_equal=True) for k in keys})
+    r.finish()
+    return memory
+
+
+def _predicted(r: FieldReader) -> Predicted:
+    keys = ("step_time_s", "tflops_per_gpu", "mfu", "tokens_per_s", "bubble_fraction", "memory_gib",
+            "compute_s", "comm_s", "p2p_s", "optimizer_s")
+    values = {k: r.number(k, allow_equal=True) for k in keys}
+    predicted = Predicted(memory_by_stage=tuple(_stage_memory(s) for s in r.objects("memory_by_stage")), **values)
+    r.finish()
+    return predicted
+
+
+def _alternative(r: FieldReader) -> Alternative:
+    predicted = _predicted(r.obj("predicted")) if r.has("predicted") else None
+    alt = Alternative(spec=r.string("spec"), predicted=predicted, why=r.string("why"))
+    r.finish()
+    return alt
+
+
+def _string_table(r: FieldReader, key: str) -> dict[str, dict[str, str]]:
+    value = r.raw(key)
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, dict) and all(isinstance(a, str) and isinstance(p, str)
+                                                              for a, p in v.items()) for k, v in value.items()):
+        raise r.error(key, "must map names to {axis: placement} objects of strings")
+    return value
+
+
+def _string_lists(r: FieldReader, key: str) -> dict[str, list[str]]:
+    value = r.raw(key)
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, list) and all(isinstance(s, str) for s in v) for k, v in value.items()):
+        raise r.error(key, "must map segment names to lists of strategy strings")
+    return value
+
+
+def _numbers(r: FieldReader, key: str) -> dict[str, float]:
+    value = r.raw(key) if r.has(key) else {}
+    if not isinstance(value, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                              for v in value.values()):
+        raise r.error(key, "must map names to numbers")
+    return value
+
+
+def _check_consistent(plan: Plan, file: str) -> None:
+    m = plan.mesh
+    if m.dp * m.tp * m.pp != plan.cluster.world_size:
+        raise PlanError(f"{file}: mesh dp*tp*pp = {m.dp}*{m.tp}*{m.pp} = {m.dp * m.tp * m.pp} does not equal "
+                        f"cluster.world_size {plan.cluster.world_size}")
+    if plan.global_batch != m.dp * plan.micro_batch_size * plan.num_micro_batches:
+        raise PlanError(f"{file}: global_batch {plan.global_batch} != dp*micro_batch_size*num_micro_batches = "
+                        f"{m.dp}*{plan.micro_batch_size}*{plan.num_micro_batches}")
+    if len(plan.stages) != m.pp * m.vpp:
+        raise PlanError(f"{file}: stages has {len(plan.stages)} entries but pp*vpp = {m.pp * m.vpp}")
+    if m.ep > 1 and m.dp % m.ep:
+        raise PlanError(f"{file}: mesh.ep={m.ep} must divide mesh.dp={m.dp}")

@@ -1,0 +1,123 @@
+"""Turn a search result into a `Plan`: stages, per-parameter placements, op strategies, figures.
+
+The TP strategy of every op is stored per segment in node order (block types once, glue segments
+by name), so the passes can re-capture the model and zip strategies onto nodes; parameters of
+block instances a shallow capture did not trace take the placements of the first instance.
+"""
+from __future__ import annotations
+
+from mplan.cost_models.cluster import ClusterSpec
+from mplan.ir.blocks import relative_name
+from mplan.ir.graph import Graph
+from mplan.ir.graph_hash import graph_hash
+from mplan.planner.evaluate import Estimate
+from mplan.planner.plan import (Alternative, ClusterInfo, Mesh, ModelInfo, Plan, Predicted, Stage,
+                                StageMemory)
+from mplan.planner.search import SearchResult, ShardedModel
+from mplan.planner.strategies import Strategy
+
+GiB = float(1 << 30)
+
+
+def strategy_key(strategy: Strategy) -> str:
+    """Serialized strategy: name, input placements, output, input-gradient placements."""
+    grads = ",".join(map(str, strategy.input_grads))
+    return f"{strategy}|{grads}"
+
+
+def predicted_of(estimate: Estimate) -> Predicted:
+    memory = tuple(StageMemory(stage=r, params_gib=m.params_bytes / GiB, grads_gib=m.grads_bytes / GiB,
+                               optimizer_gib=m.optimizer_bytes / GiB, activations_gib=m.activations_bytes / GiB,
+                               transient_gib=m.transient_bytes / GiB, total_gib=m.total_bytes / GiB)
+                   for r, m in enumerate(estimate.memory))
+    return Predicted(step_time_s=estimate.step_time_s, tflops_per_gpu=estimate.tflops_per_gpu, mfu=estimate.mfu,
+                     tokens_per_s=estimate.tokens_per_s, bubble_fraction=estimate.bubble_fraction,
+                     memory_gib=estimate.peak_memory_bytes / GiB, memory_by_stage=memory,
+                     compute_s=estimate.compute_s, comm_s=estimate.comm_s, p2p_s=estimate.p2p_s,
+                     optimizer_s=estimate.optimizer_s)
+
+
+def _why_lost(best: Estimate, other: Estimate) -> str:
+    if not other.fits:
+        return other.reason
+    slower = (other.step_time_s - best.step_time_s) * 1e3
+    parts = [f"{slower:.0f} ms slower per step ({other.step_time_s / best.step_time_s - 1:+.1%})"]
+    if other.bubble_fraction > best.bubble_fraction + 0.01:
+        parts.append(f"bubble {other.bubble_fraction:.1%} vs {best.bubble_fraction:.1%}")
+    if other.comm_s > best.comm_s * 1.05:
+        parts.append(f"comm {other.comm_s * 1e3:.0f} vs {best.comm_s * 1e3:.0f} ms")
+    if other.compute_s > best.compute_s * 1.02:
+        parts.append(f"compute {other.compute_s * 1e3:.0f} vs {best.compute_s * 1e3:.0f} ms")
+    return "; ".join(parts)
+
+
+def _diverse(ranked: list[Estimate], best: Estimate, meshes: int = 4) -> list[Estimate]:
+    """The best candidate of each other mesh shape, then the best variant of the winning mesh."""
+    def mesh(e: Estimate) -> tuple[int, ...]:
+        return (e.config.dp, e.config.tp, e.config.pp, e.config.vpp)
+    seen, picked = {mesh(best)}, []
+    for e in ranked:
+        if mesh(e) not in seen and len(picked) < meshes:
+            seen.add(mesh(e))
+            picked.append(e)
+    variant = next((e for e in ranked if e is not best and mesh(e) == mesh(best)), None)
+    return picked + ([variant] if variant else [])
+
+
+def _param_placements(graph: Graph, model: ShardedModel, estimate: Estimate, units: list[str]) -> dict[str, dict[str, str]]:
+    choice = model.sharding.choice
+    tp_of: dict[str, str] = {}
+    for node in graph.nodes:
+        s = choice.get(node.name)
+        for _, name in node.params:
+            if s is not None:
+                tp_of.setdefault(name, str(s.inputs[node.inputs.index(name)]))
+    stage_of_unit = {}
+    for index, (a, b) in enumerate(estimate.stage_bounds):
+        for u in units[a:b]:
+            stage_of_unit[u] = index
+    segment_of = {p: seg.name for seg in graph.segments for n in graph.nodes_of(seg.nodes) for _, p in n.params}
+    first_instances = {bt.instances[0]: bt for bt in graph.block_types}
+    placements: dict[str, dict[str, str]] = {}
+    for name, info in graph.params.items():
+        if info.block is None:
+            pairs = [(name, segment_of.get(name, "prologue"))]
+        elif info.block in first_instances:  # fan out to every instance of the block type
+            rel = relative_name(name, info.block)
+            pairs = [(f"{inst}.{rel}", inst) for inst in first_instances[info.block].instances]
+        else:
+            continue  # a later traced instance: covered by its block type's fan-out
+        for target, unit in pairs:
+            placements[target] = {"tp": tp_of.get(name, "R"), "dp": "R", "pp": str(stage_of_unit.get(unit, 0))}
+    return placements
+
+
+def build_plan(result: SearchResult, graph: Graph, cluster: ClusterSpec, global_batch: int,
+               best: Estimate | None = None) -> Plan:
+    best = best or result.best
+    config = best.config
+    model = result.sharded[(config.tp, config.sp)]
+    units = [u.name for u in model.units]
+    stages = tuple(Stage(index=i, rank=i % config.pp, units=tuple(units[a:b]),
+                         forward_ms=best.chunk_forward_s[i] * 1e3, backward_ms=best.chunk_backward_s[i] * 1e3,
+                         grad_sync_ms=best.grad_sync_s[i % config.pp] / config.vpp * 1e3)
+                   for i, (a, b) in enumerate(best.stage_bounds))
+    ops = {bt.name: [strategy_key(model.sharding.choice[n]) for n in bt.template] for bt in graph.block_types}
+    for segment in graph.segments:
+        if segment.block_type is None and segment.nodes:
+            ops[segment.name] = [strategy_key(model.sharding.choice[n]) for n in segment.nodes]
+    alternatives = tuple(Alternative(spec=e.config.spec(), predicted=predicted_of(e) if e.fits else None,
+                                     why=_why_lost(best, e))
+                         for e in [*_diverse(result.ranked, best), *result.rejected[:2]])
+    return Plan(
+        model=ModelInfo(name=graph.model_name, num_parameters=graph.num_parameters, num_layers=graph.num_layers,
+                        seq_len=graph.seq_len or 1, graph_hash=graph_hash(graph)),
+        cluster=ClusterInfo(name=cluster.name, nodes=cluster.num_nodes, gpus_per_node=cluster.gpus_per_node,
+                            world_size=cluster.world_size, device=cluster.device.name),
+        mesh=Mesh(dp=config.dp, tp=config.tp, pp=config.pp, ep=config.ep, vpp=config.vpp),
+        sequence_parallel=config.sp, zero=config.zero, micro_batch_size=config.mbs,
+        num_micro_batches=config.num_micro_batches, global_batch=global_batch, schedule=config.schedule,
+        recompute=config.recompute, stages=stages, sharding=_param_placements(graph, model, best, units), ops=ops,
+        predicted=predicted_of(best), alternatives=alternatives,
+        planner={"search_seconds": round(result.seconds, 3), "candidates": result.num_candidates,
+                 "capture_seconds": round(graph.capture_seconds, 3)})
