@@ -2,9 +2,23 @@
 
 The IR knows nothing of planning: it records what the model computes (ops, shapes, FLOPs,
 bytes, parameters, saved activations, repeated blocks) and what a pipeline schedule does.
+Names load on first use, so the schedule IR can be imported without torch (planning is light).
 """
-from mplan.ir.capture import CaptureError, capture
-from mplan.ir.graph import BlockType, Graph, OpNode, ParamInfo, Segment, TensorMeta, dtype_bytes
+from __future__ import annotations
 
-__all__ = ["BlockType", "CaptureError", "Graph", "OpNode", "ParamInfo", "Segment", "TensorMeta",
-           "capture", "dtype_bytes"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "capture": "mplan.ir.capture", "CaptureError": "mplan.ir.capture",
+    **{name: "mplan.ir.graph" for name in ("BlockType", "Graph", "OpNode", "ParamInfo", "Segment",
+                                           "TensorMeta", "dtype_bytes")},
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'mplan.ir' has no attribute {name!r}")
