@@ -1,0 +1,96 @@
+"""When a fused op runs its Triton kernels and when its PyTorch reference.
+
+Rule (`use_triton`): Triton for CUDA tensors; for CPU tensors only under `TRITON_INTERPRET=1`
+(Triton's interpreter, which tests use); the plain PyTorch reference everywhere else (CPU
+without the interpreter, other devices, no Triton wheel), so CPU training never breaks.
+
+Invariants:
+- `INTERPRET` is read once, at import: Triton decides between compiling and interpreting when
+  a kernel is decorated (and its own `tl.sum`, `tl.sigmoid`, ... are decorated when Triton is
+  imported), so a process cannot switch modes after the kernel modules are imported. Tests of
+  the interpreter therefore run in a subprocess started with the variable set.
+- Under the interpreter every kernel gets one small fixed launch configuration (`configs`):
+  autotuning there would only multiply the 100-8000x interpreter slowdown.
+- Where Triton is not installed, `triton`/`tl` are a stand-in whose decorators return the
+  function unchanged, so the kernel modules still import and their references still run.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable
+
+import torch
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""Triton kernels run in the interpreter (CPU tensors) instead of being compiled."""
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # no Triton wheel for this platform (macOS, Windows, aarch64 CPU)
+    HAVE_TRITON = False
+
+    class _Config:
+        def __init__(self, kwargs: dict[str, Any], **options: Any) -> None:
+            self.kwargs, self.options = kwargs, options
+
+    class _NoTriton:
+        """Just enough of `triton` for the kernel modules' decorators to evaluate."""
+
+        Config = _Config
+
+        @staticmethod
+        def jit(fn: Callable[..., Any]) -> Callable[..., Any]:
+            return fn
+
+        @staticmethod
+        def autotune(**_: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+            return lambda fn: fn
+
+        @staticmethod
+        def cdiv(a: int, b: int) -> int:
+            return -(-a // b)
+
+    triton = _NoTriton()  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """True when the fused op on `tensor` should launch its Triton kernels."""
+    if not HAVE_TRITON:
+        return False
+    if tensor.device.type == "cuda":
+        return True
+    return INTERPRET and tensor.device.type == "cpu"
+
+
+def configs(gpu: list[Any], interpret: Any) -> list[Any]:
+    """The autotune candidates: `gpu` when compiling, the single `interpret` config otherwise
+    (one config means Triton's autotuner launches it without benchmarking)."""
+    return [interpret] if INTERPRET else gpu
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+MAX_ROW_SIZE = 65536
+"""Longest row a one-block-per-row kernel (the norms) holds in registers; longer rows fall
+back to the reference rather than spill."""
+
+
+def num_row_programs(num_rows: int, tensor: torch.Tensor) -> int:
+    """Programs for a kernel that loops over rows and keeps a per-program partial sum (the
+    weight gradients of the norms): 4 per SM fill an H100/H200 with enough loads in flight
+    while the [programs, row] fp32 partials stay ~2% of the traffic; 2 under the interpreter."""
+    if tensor.device.type != "cuda":
+        return max(1, min(num_rows, 2))
+    return max(1, min(num_rows, 4 * _sm_count(tensor.device.index or 0)))
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

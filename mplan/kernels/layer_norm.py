@@ -1,0 +1,136 @@
+"""LayerNorm fused with the residual add before it (GPT's pre-LayerNorm blocks).
+
+    layer_norm_residual(x, residual, weight, bias, eps) -> (normed, new_residual)
+        new_residual = x + residual                                   (in the input dtype)
+        normed       = (new_residual - mean) * rsqrt(var + eps) * weight + bias   (over the last dim)
+
+Inputs [..., hidden] in bf16/fp16/fp32 (x and residual of one dtype and shape), weight and
+bias [hidden] (bias may be None). `normed` has x's dtype, as `F.layer_norm` returns.
+
+Kernels: the forward reads x and residual once, writes new_residual, normed and two fp32
+numbers per row (mean, rstd); one program per row with the row in registers. The backward
+reads d_normed, d_new_residual (when used later), new_residual, mean and rstd, writes the
+input gradient once (x and residual share it) and accumulates the weight and bias gradients
+in fp32 per program ([programs, hidden] partials summed by torch).
+
+Invariants: statistics are computed in fp32 (two-pass over the register-resident row, so no
+cancellation) from new_residual as stored; rows longer than `MAX_ROW_SIZE` and devices
+without Triton run `layer_norm_residual_reference`, i.e. `x + residual` then `F.layer_norm`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mplan.kernels.dispatch import MAX_ROW_SIZE, configs, next_power_of_2, num_row_programs, tl, triton, use_triton
+
+# one row per program: only the warp count is tuned (see rms_norm.py)
+_WARPS = configs([triton.Config({}, num_warps=w) for w in (4, 8, 16)], triton.Config({}, num_warps=1))
+
+
+@triton.autotune(configs=_WARPS, key=["n_cols", "HAS_BIAS"])
+@triton.jit
+def _forward_kernel(x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, sum_ptr, mean_ptr, rstd_ptr, n_cols, eps,
+                    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    offs = row * n_cols + cols
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    r = tl.load(res_ptr + offs, mask=mask, other=0.0)
+    s_stored = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    tl.store(sum_ptr + offs, s_stored, mask=mask)
+    s = s_stored.to(tl.float32)
+    mean = tl.sum(s, axis=0) / n_cols
+    centred = tl.where(mask, s - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / n_cols + eps)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+    y = centred * rstd * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.autotune(configs=_WARPS, key=["n_cols", "HAS_DSUM"])
+@triton.jit
+def _backward_kernel(dy_ptr, dsum_ptr, s_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr,
+                     n_rows, n_cols, HAS_DSUM: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    db = tl.zeros([BLOCK], dtype=tl.float32)
+    for row in range(pid, n_rows, tl.num_programs(0)):
+        offs = tl.cast(row, tl.int64) * n_cols + cols
+        mean = tl.load(mean_ptr + row)
+        rstd = tl.load(rstd_ptr + row)
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        xhat = tl.where(mask, (s - mean) * rstd, 0.0)
+        g = dy * w
+        ds = rstd * (g - tl.sum(g, axis=0) / n_cols - xhat * (tl.sum(g * xhat, axis=0) / n_cols))
+        if HAS_DSUM:
+            ds += tl.load(dsum_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + offs, ds.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += dy * xhat
+        db += dy
+    partial = pid.to(tl.int64) * n_cols + cols
+    tl.store(dw_ptr + partial, dw, mask=mask)
+    tl.store(db_ptr + partial, db, mask=mask)
+
+
+class LayerNormResidualFunction(torch.autograd.Function):
+    """Triton forward/backward of `layer_norm_residual`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None, eps: float) -> Any:
+        shape, n_cols = x.shape, x.shape[-1]
+        x2 = x.contiguous().view(-1, n_cols)
+        n_rows = x2.shape[0]
+        new_res = torch.empty_like(x2)
+        y = torch.empty_like(x2)
+        mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        rstd = torch.empty_like(mean)
+        _forward_kernel[(n_rows,)](x2, residual.contiguous().view(-1, n_cols), weight.contiguous(),
+                                   bias.contiguous() if bias is not None else weight, y, new_res, mean, rstd,
+                                   n_cols, eps, HAS_BIAS=bias is not None, BLOCK=next_power_of_2(n_cols))
+        ctx.save_for_backward(new_res, weight, mean, rstd)
+        ctx.shape, ctx.has_bias = shape, bias is not None
+        ctx.set_materialize_grads(False)
+        return y.view(shape), new_res.view(shape)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor | None, dsum: torch.Tensor | None) -> Any:
+        new_res, weight, mean, rstd = ctx.saved_tensors
+        n_rows, n_cols = new_res.shape
+        dy2 = torch.zeros_like(new_res) if dy is None else dy.contiguous().view(n_rows, n_cols)
+        dsum2 = dsum.contiguous().view(n_rows, n_cols) if dsum is not None else dy2
+        dx = torch.empty_like(new_res)
+        programs = num_row_programs(n_rows, new_res)
+        dw = torch.empty(programs, n_cols, dtype=torch.float32, device=new_res.device)
+        db = torch.empty_like(dw)
+        _backward_kernel[(programs,)](dy2, dsum2, new_res, weight.contiguous(), mean, rstd, dx, dw, db,
+                                      n_rows, n_cols, HAS_DSUM=dsum is not None, BLOCK=next_power_of_2(n_cols))
+        dx = dx.view(ctx.shape)
+        d_bias = db.sum(0).to(weight.dtype) if ctx.has_bias else None
+        return dx, dx, dw.sum(0).to(weight.dtype), d_bias, None
+
+
+def layer_norm_residual_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                  bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x + residual`, then `F.layer_norm` over the last dim: the unfused graph, op for op."""
+    new_residual = x + residual
+    return F.layer_norm(new_residual, (x.shape[-1],), weight, bias, eps), new_residual
+
+
+def layer_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layernorm(x + residual), x + residual); Triton where `use_triton`, else the reference."""
+    if use_triton(x) and x.shape[-1] <= MAX_ROW_SIZE:
+        return LayerNormResidualFunction.apply(x, residual, weight, bias, eps)
+    return layer_norm_residual_reference(x, residual, weight, bias, eps)
