@@ -2,7 +2,7 @@
 
 Rule (`use_triton`): Triton for CUDA tensors; for CPU tensors only under `TRITON_INTERPRET=1`
 (Triton's interpreter, which tests use); the plain PyTorch reference everywhere else (CPU
-without the interpreter, other devices, no Triton wheel), so CPU training never breaks.
+without the interpreter, other devices, float64, no Triton wheel), so CPU training never breaks.
 
 Invariants:
 - `INTERPRET` is read once, at import: Triton decides between compiling and interpreting when
@@ -59,8 +59,11 @@ except ImportError:  # no Triton wheel for this platform (macOS, Windows, aarch6
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
-    """True when the fused op on `tensor` should launch its Triton kernels."""
-    if not HAVE_TRITON:
+    """True when the fused op on `tensor` should launch its Triton kernels.
+
+    float64 always takes the reference: the kernels accumulate in fp32, and float64 is what
+    mplan's parallel-vs-single-device correctness tests run in (1e-9 relative)."""
+    if not HAVE_TRITON or tensor.dtype == torch.float64:
         return False
     if tensor.device.type == "cuda":
         return True

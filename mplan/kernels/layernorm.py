@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from mplan.kernels.dispatch import MAX_ROW_SIZE, configs, next_power_of_2, num_row_programs, tl, triton, use_triton
 
-# one row per program: only the warp count is tuned (see rms_norm.py)
+# one row per program: only the warp count is tuned (see rmsnorm.py)
 _WARPS = configs([triton.Config({}, num_warps=w) for w in (4, 8, 16)], triton.Config({}, num_warps=1))
 
 

@@ -5,7 +5,8 @@
                                  reductions) -> the same mean loss, on every rank of the group
 
 Labels are global token ids; rows whose label is `ignore_index` count neither in the sum
-nor in the mean (as `F.cross_entropy`). The loss has the logits' dtype; all arithmetic is fp32.
+nor in the mean (as `F.cross_entropy`). The loss has the logits' dtype; arithmetic is fp32
+(float64 for float64 logits, which always take the PyTorch path).
 
 Memory: logits are never converted to fp32 as a whole. The Triton path keeps one row block
 in registers at a time (online max/sum-exp over vocabulary blocks of a row); the PyTorch path
@@ -121,9 +122,10 @@ def _all_reduce(op: Any, group: dist.ProcessGroup | None) -> Callable[[torch.Ten
 
 def _local_stats(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int,
                  ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row of the local shard: (max, sum exp(x - max), the label's logit or 0), all fp32."""
+    """Per row of the local shard: (max, sum exp(x - max), the label's logit or 0), in fp32
+    (float64 for float64 logits)."""
     n_rows, n_cols = logits.shape
-    stats = torch.empty(3, n_rows, dtype=torch.float32, device=logits.device)
+    stats = torch.empty(3, n_rows, dtype=_accumulation_dtype(logits), device=logits.device)
     if use_triton(logits):
         _stats_kernel[(n_rows,)](logits, labels, stats[0], stats[1], stats[2], n_cols, logits.stride(0),
                                  vocab_start, ignore_index)
@@ -131,7 +133,7 @@ def _local_stats(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int,
     local = labels - vocab_start
     mine = (labels != ignore_index) & (local >= 0) & (local < n_cols)
     for rows in _row_chunks(n_rows, n_cols):
-        x = logits[rows].float()
+        x = logits[rows].to(stats.dtype)
         stats[0, rows] = x.max(-1).values
         stats[1, rows] = (x - stats[0, rows, None]).exp().sum(-1)
         picked = x.gather(1, local[rows].clamp(0, n_cols - 1)[:, None])[:, 0]
@@ -152,11 +154,15 @@ def _local_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, s
     mine = (labels != ignore_index) & (local >= 0) & (local < n_cols)
     row_scale = torch.where(labels != ignore_index, scale, 0.0)
     for rows in _row_chunks(n_rows, n_cols):
-        probs = (logits[rows].float() - lse[rows, None]).exp()
+        probs = (logits[rows].to(lse.dtype) - lse[rows, None]).exp()
         hit = mine[rows]
         probs[hit.nonzero()[:, 0], local[rows][hit]] -= 1.0
         grad[rows] = (probs * row_scale[rows, None]).to(grad.dtype)
     return grad
+
+
+def _accumulation_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(logits.dtype, torch.float32)
 
 
 def _row_chunks(n_rows: int, n_cols: int) -> list[slice]:
@@ -187,7 +193,7 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, d_loss: torch.Tensor) -> tuple[Any, ...]:
         logits, labels, lse, num_valid = ctx.saved_tensors
-        scale = (d_loss.float() / num_valid).reshape(1)
+        scale = (d_loss.to(lse.dtype) / num_valid).reshape(1)
         grad = _local_grad(logits, labels, lse, scale, ctx.vocab_start, ctx.ignore_index)
         return grad, None, None, None, None
 

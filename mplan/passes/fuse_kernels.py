@@ -1,0 +1,353 @@
+"""`fuse_kernels`: swap ATen op chains of a captured model for mplan's fused kernels.
+
+Input: an ATen-level `torch.fx.GraphModule`, as `torch.export.export(model, ..., strict=False)
+.module()` gives for mplan's models (nodes carry `meta["val"]` fake tensors). Output: the same
+GraphModule, rewritten in place and recompiled, with `gm.meta["fuse_kernels"]` holding a
+`FusionReport` (how often each rule fired).
+
+Rules are data: `FUSION_RULES`, one `FusionRule` per pattern with a comment saying what it
+matches. Each rule is tried at its anchor (the chain's last node); a match names the chain's
+nodes, the chain values the fused op returns, the graph values it reads, and how to emit the
+call. The driver inserts the call (a `call_function` node whose target is the kernel's
+dispatching op, e.g. `mplan.kernels.rms_norm_residual`, which runs the Triton autograd
+Function on CUDA and the reference elsewhere), reroutes every use of the returned values,
+and erases the chain.
+
+Invariants:
+- Results are unchanged: every fused op's reference is the chain's own ATen ops, so on the
+  reference dispatch the fused graph computes the same function as the unfused one (bit for
+  bit, except bias+GELU, whose bias moves out of the GEMM); tests hold fused and unfused
+  forward and backward together.
+- A chain is fused only when its intermediate values have no use outside it (nothing is
+  computed twice), its constants are the ones the kernel assumes (eps a number, reductions
+  over the last dim, slices at head_dim / 2, ...), and its shapes, read from `meta["val"]`,
+  fit (a residual add that broadcasts is not a residual). Anything else is left as it is.
+- The fused call is placed where every value it reads is defined and before every use of a
+  value it returns; a match that admits no such place is skipped.
+"""
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from mplan.kernels import (
+    bias_gelu,
+    cross_entropy,
+    layer_norm_residual,
+    rms_norm,
+    rms_norm_residual,
+    rope,
+    swiglu,
+)
+from mplan.kernels.op_bytes import FUSED_OP_TRAFFIC, FusedOpTraffic, fused_op_bytes
+
+__all__ = ["FUSED_OP_TRAFFIC", "FUSION_RULES", "FusedOpTraffic", "FusionReport", "FusionRule", "fuse_kernels",
+           "fused_op_bytes"]
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Match:
+    """One matched chain and how to replace it."""
+
+    chain: tuple[Node, ...]
+    """the matched nodes; erased once the fused call has taken over their uses"""
+    outputs: tuple[Node, ...]
+    """chain nodes whose values the fused call returns, in the order it returns them"""
+    inputs: tuple[Node, ...]
+    """graph values the fused call reads (the call must come after all of them)"""
+    emit: Callable[[Graph], Node]
+    """adds the fused call(s) to the graph; returns the node giving `outputs` (a tuple if several)"""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FusionRule:
+    name: str
+    """the fused op's name, also its key in `FUSED_OP_TRAFFIC`"""
+    anchors: tuple[Any, ...]
+    """ATen overloads the chain can end with"""
+    match: Callable[[Node], Match | None]
+
+
+@dataclass(frozen=True, slots=True)
+class FusionReport:
+    """How many chains each rule replaced."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        fired = ", ".join(f"{name} x{count}" for name, count in self.counts.items())
+        return f"fuse_kernels: {fired or 'no rule fired'}"
+
+
+# ---- node predicates -------------------------------------------------------------------------
+
+def _is(node: Any, *targets: Any) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def _used_only_by(node: Node, *users: Node) -> bool:
+    return set(node.users) <= set(users)
+
+
+def _val(node: Any) -> torch.Tensor | None:
+    value = node.meta.get("val") if isinstance(node, Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _is_last_dim(dim: Any, node: Node) -> bool:
+    value = _val(node)
+    return dim == -1 or (value is not None and dim == value.dim() - 1)
+
+
+def _same_shape_add(node: Any) -> tuple[Node, Node] | None:
+    """(a, b) when `node` is a + b of two tensors of one shape and dtype (a residual add)."""
+    if not _is(node, aten.add.Tensor) or len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    va, vb = _val(a), _val(b)
+    if va is None or vb is None or va.shape != vb.shape or va.dtype != vb.dtype:
+        return None
+    return a, b
+
+
+def _other(pair: tuple[Any, Any], node: Any) -> Any:
+    return pair[1] if pair[0] is node else pair[0]
+
+
+def _call(graph: Graph, target: Callable[..., Any], args: tuple[Any, ...], like: Node) -> Node:
+    node = graph.call_function(target, args)
+    node.meta.update({key: like.meta[key] for key in ("stack_trace", "nn_module_stack") if key in like.meta})
+    return node
+
+
+# ---- matchers, one per rule ------------------------------------------------------------------
+
+def _rms_chain(anchor: Node) -> tuple[Node, Node, float, tuple[Node, ...]] | None:
+    """(x, weight, eps, chain) for mul(mul(x, rsqrt(add(mean(pow(x, 2), [-1], True), eps))), weight)."""
+    for scaled, weight in (anchor.args, anchor.args[::-1]):
+        if not _is(scaled, aten.mul.Tensor) or not isinstance(weight, Node) or not _used_only_by(scaled, anchor):
+            continue
+        for x, rsqrt in (scaled.args, scaled.args[::-1]):
+            if not (_is(rsqrt, aten.rsqrt.default) and _used_only_by(rsqrt, scaled)):
+                continue
+            add_eps = rsqrt.args[0]
+            if not (_is(add_eps, aten.add.Tensor, aten.add.Scalar) and _used_only_by(add_eps, rsqrt)):
+                continue
+            mean, eps = add_eps.args[0], add_eps.args[1]
+            if not (_is(mean, aten.mean.dim) and _used_only_by(mean, add_eps) and isinstance(eps, float)):
+                continue
+            if list(mean.args[1]) not in ([-1], [_val(x).dim() - 1 if _val(x) is not None else -1]):
+                continue
+            if len(mean.args) < 3 or mean.args[2] is not True or mean.kwargs:
+                continue
+            square = mean.args[0]
+            if not (_is(square, aten.pow.Tensor_Scalar) and square.args == (x, 2) and _used_only_by(square, mean)):
+                continue
+            wv, xv = _val(weight), _val(x)
+            if wv is None or xv is None or wv.dim() != 1 or wv.shape[0] != xv.shape[-1] or weight is x:
+                continue
+            return x, weight, eps, (square, mean, add_eps, rsqrt, scaled, anchor)
+    return None
+
+
+def _match_rms_norm_residual(anchor: Node) -> Match | None:
+    found = _rms_chain(anchor)
+    if found is None:
+        return None
+    total, weight, eps, chain = found
+    pair = _same_shape_add(total)
+    if pair is None:
+        return None
+    return Match(chain=(total, *chain), outputs=(anchor, total), inputs=(*pair, weight),
+                 emit=lambda g: _call(g, rms_norm_residual, (*pair, weight, eps), anchor))
+
+
+def _match_rms_norm(anchor: Node) -> Match | None:
+    found = _rms_chain(anchor)
+    if found is None:
+        return None
+    x, weight, eps, chain = found
+    return Match(chain=chain, outputs=(anchor,), inputs=(x, weight),
+                 emit=lambda g: _call(g, rms_norm, (x, weight, eps), anchor))
+
+
+def _match_layer_norm_residual(anchor: Node) -> Match | None:
+    total, normalized_shape, weight, bias, eps = (list(anchor.args) + [None, None, 1e-5])[:5]
+    pair = _same_shape_add(total)
+    if pair is None or anchor.kwargs or weight is None or len(normalized_shape) != 1:
+        return None
+    inputs = (*pair, weight) if bias is None else (*pair, weight, bias)
+    return Match(chain=(total, anchor), outputs=(anchor, total), inputs=inputs,
+                 emit=lambda g: _call(g, layer_norm_residual, (*pair, weight, bias, eps), anchor))
+
+
+def _match_bias_gelu(anchor: Node) -> Match | None:
+    approximate = anchor.kwargs.get("approximate", anchor.args[1] if len(anchor.args) > 1 else "none")
+    linear = anchor.args[0]
+    if approximate != "tanh" or not _is(linear, aten.linear.default) or not _used_only_by(linear, anchor):
+        return None
+    if len(linear.args) < 3 or linear.args[2] is None:
+        return None
+    x, weight, bias = linear.args
+
+    def emit(graph: Graph) -> Node:
+        unbiased = _call(graph, aten.linear.default, (x, weight), linear)
+        unbiased.meta["val"] = linear.meta.get("val")
+        return _call(graph, bias_gelu, (unbiased, bias), anchor)
+
+    return Match(chain=(linear, anchor), outputs=(anchor,), inputs=(x, weight, bias), emit=emit)
+
+
+def _match_swiglu(anchor: Node) -> Match | None:
+    for silu, up in (anchor.args, anchor.args[::-1]):
+        if _is(silu, aten.silu.default) and isinstance(up, Node) and _used_only_by(silu, anchor):
+            gate = silu.args[0]
+            return Match(chain=(silu, anchor), outputs=(anchor,), inputs=(gate, up),
+                         emit=lambda g: _call(g, swiglu, (gate, up), anchor))
+    return None
+
+
+def _match_rope(anchor: Node) -> Match | None:
+    if len(anchor.args) != 2 or anchor.kwargs:
+        return None
+    for plain, rotated in (anchor.args, anchor.args[::-1]):
+        if not (_is(plain, aten.mul.Tensor) and _is(rotated, aten.mul.Tensor)):
+            continue
+        if not (_used_only_by(plain, anchor) and _used_only_by(rotated, anchor)):
+            continue
+        for cat, sin in (rotated.args, rotated.args[::-1]):
+            found = _rotate_half_input(cat, rotated)
+            if found is None:
+                continue
+            x, chain = found
+            if x not in plain.args or not isinstance(sin, Node):
+                continue
+            cos = _other(plain.args, x)
+            if not isinstance(cos, Node) or x in (cos, sin):
+                continue
+            return Match(chain=(*chain, rotated, plain, anchor), outputs=(anchor,), inputs=(x, cos, sin),
+                         emit=lambda g: _call(g, rope, (x, cos, sin), anchor))
+    return None
+
+
+def _rotate_half_input(cat: Any, user: Node) -> tuple[Node, tuple[Node, ...]] | None:
+    """(x, chain) for cat([neg(x[..., d/2:]), x[..., :d/2]], -1) used only by `user`."""
+    if not (_is(cat, aten.cat.default) and _used_only_by(cat, user)) or len(cat.args[0]) != 2:
+        return None
+    neg, first = cat.args[0]
+    if not (_is(neg, aten.neg.default) and _used_only_by(neg, cat) and _is(first, aten.slice.Tensor)):
+        return None
+    second = neg.args[0]
+    if not (_is(second, aten.slice.Tensor) and _used_only_by(second, neg) and _used_only_by(first, cat)):
+        return None
+    x = first.args[0]
+    xv = _val(x)
+    if second.args[0] is not x or xv is None or xv.shape[-1] % 2:
+        return None
+    half, dim = xv.shape[-1] // 2, (cat.args[1] if len(cat.args) > 1 else 0)
+    if not all(_is_last_dim(d, x) for d in (dim, first.args[1], second.args[1])):
+        return None
+    first_bounds = tuple(first.args[2:]) + (None,) * (5 - len(first.args))  # start, end, step
+    second_bounds = tuple(second.args[2:]) + (None,) * (5 - len(second.args))
+    if first_bounds[0] not in (0, None) or first_bounds[1] != half or first_bounds[2] not in (1, None):
+        return None
+    if second_bounds[0] != half or (second_bounds[1] or 0) < xv.shape[-1] or second_bounds[2] not in (1, None):
+        return None
+    return x, (first, second, neg, cat)
+
+
+def _match_cross_entropy(anchor: Node) -> Match | None:
+    names = ("weight", "reduction", "ignore_index", "label_smoothing")
+    options = dict(zip(names, (None, 1, -100, 0.0)))
+    options.update(zip(names, anchor.args[2:]))
+    options.update(anchor.kwargs)
+    if options["weight"] is not None or options["reduction"] != 1 or options["label_smoothing"] != 0.0:
+        return None
+    logits, labels = anchor.args[:2]
+    ignore_index = options["ignore_index"]
+    return Match(chain=(anchor,), outputs=(anchor,), inputs=(logits, labels),
+                 emit=lambda g: _call(g, cross_entropy, (logits, labels, ignore_index), anchor))
+
+
+FUSION_RULES: tuple[FusionRule, ...] = (
+    # (a + b) -> pow 2 / mean(-1, keepdim) / add eps / rsqrt / mul / mul weight, the sum also used
+    # later: Llama's pre-norm after each residual add -> rms_norm_residual(a, b, weight, eps)
+    FusionRule(name="rms_norm_residual", anchors=(aten.mul.Tensor,), match=_match_rms_norm_residual),
+    # the same chain on anything else (the first block's embedding output) -> rms_norm(x, weight, eps)
+    FusionRule(name="rms_norm", anchors=(aten.mul.Tensor,), match=_match_rms_norm),
+    # (a + b) -> aten.layer_norm over the last dim with a weight: GPT's pre-LayerNorm after each
+    # residual add -> layer_norm_residual(a, b, weight, bias, eps)
+    FusionRule(name="layer_norm_residual", anchors=(aten.layer_norm.default,), match=_match_layer_norm_residual),
+    # aten.gelu(approximate="tanh") of a biased aten.linear used only there (GPT's MLP) ->
+    # aten.linear without the bias, then bias_gelu(y, bias)
+    FusionRule(name="bias_gelu", anchors=(aten.gelu.default,), match=_match_bias_gelu),
+    # aten.mul(aten.silu(gate), up), either operand order (Llama's SwiGLU) -> swiglu(gate, up)
+    FusionRule(name="swiglu", anchors=(aten.mul.Tensor,), match=_match_swiglu),
+    # x * cos + cat([-x[..., d/2:], x[..., :d/2]], -1) * sin (apply_rope on q or k) -> rope(x, cos, sin)
+    FusionRule(name="rope", anchors=(aten.add.Tensor,), match=_match_rope),
+    # aten.cross_entropy_loss, mean reduction, no class weights, no label smoothing (the LM loss)
+    # -> cross_entropy(logits, labels, ignore_index)
+    FusionRule(name="cross_entropy", anchors=(aten.cross_entropy_loss.default,), match=_match_cross_entropy),
+)
+
+
+# ---- the driver ------------------------------------------------------------------------------
+
+def fuse_kernels(gm: GraphModule, rules: tuple[FusionRule, ...] = FUSION_RULES) -> GraphModule:
+    """Replace every chain some rule matches (first matching rule wins, nodes in graph order);
+    returns `gm`, recompiled, with `gm.meta["fuse_kernels"]` = FusionReport."""
+    graph = gm.graph
+    counts: Counter[str] = Counter()
+    erased: set[Node] = set()
+    for node in list(graph.nodes):
+        if node in erased or node.op != "call_function":
+            continue
+        for rule in rules:
+            if node.target not in rule.anchors:
+                continue
+            match = rule.match(node)
+            if match is not None and _rewrite(graph, match, erased):
+                counts[rule.name] += 1
+                break
+    graph.lint()
+    gm.recompile()
+    gm.meta["fuse_kernels"] = FusionReport(dict(counts))
+    return gm
+
+
+def _rewrite(graph: Graph, match: Match, erased: set[Node]) -> bool:
+    """Insert the fused call, reroute the outputs' uses, erase the chain; False if no valid place."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    chain = set(match.chain)
+    outside_users = [user for out in match.outputs for user in out.users if user not in chain]
+    latest_input = max((order[n] for n in match.inputs if isinstance(n, Node)), default=-1)
+    first_chain = min(match.chain, key=order.__getitem__)
+    if latest_input < order[first_chain]:
+        before = first_chain
+    elif outside_users and latest_input >= min(order[user] for user in outside_users):
+        return False
+    else:
+        before = list(graph.nodes)[latest_input + 1]
+    with graph.inserting_before(before):
+        fused = match.emit(graph)
+        if len(match.outputs) == 1:
+            results = [fused]
+        else:
+            results = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(match.outputs))]
+    vals = [out.meta.get("val") for out in match.outputs]
+    fused.meta["val"] = vals[0] if len(vals) == 1 else tuple(vals)
+    for out, result, val in zip(match.outputs, results, vals):
+        result.meta["val"] = val
+        out.replace_all_uses_with(result, delete_user_cb=lambda user: user not in chain)
+    for node in sorted(match.chain, key=order.__getitem__, reverse=True):
+        if not node.users:
+            graph.erase_node(node)
+            erased.add(node)
+    return True

@@ -1,0 +1,119 @@
+"""`fuse_kernels` on exported GPT and Llama graphs (reference dispatch, fp32, CPU), and the
+chains it must leave alone. The same comparison under Triton's interpreter is in
+tests/test_kernels_interpret.py."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mplan.kernels.dispatch import INTERPRET
+from mplan.models import GPTConfig, GPTModel, LlamaConfig, LlamaModel
+from mplan.passes.fuse_kernels import FUSION_RULES, FusionReport, fuse_kernels
+
+pytestmark = pytest.mark.skipif(INTERPRET, reason="compares against the reference dispatch")
+aten = torch.ops.aten
+
+GPT = GPTConfig(num_layers=2, hidden=16, num_heads=2, seq_len=8, vocab=32)
+LLAMA = LlamaConfig(num_layers=2, hidden=16, num_heads=2, num_kv_heads=1, seq_len=8, vocab=32, ffn_hidden=24)
+EXPECTED_FIRED = {
+    # the first LayerNorm reads embed + pos_embed, a broadcasting add: not a residual
+    "gpt": {"layer_norm_residual": 4, "bias_gelu": 2, "cross_entropy": 1},
+    # the first RMSNorm reads the embedding alone; q and k are rotated in both blocks
+    "llama": {"rms_norm": 1, "rms_norm_residual": 4, "rope": 4, "swiglu": 2, "cross_entropy": 1},
+}
+UNFUSED_OPS = {aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.gelu.default, aten.silu.default,
+               aten.neg.default, aten.cat.default, aten.cross_entropy_loss.default}
+
+
+def _export(module: nn.Module, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.fx.GraphModule:
+    return torch.export.export(module, args, kwargs, strict=False).module()
+
+
+def _model(family: str) -> nn.Module:
+    return GPTModel(GPT, device="cpu") if family == "gpt" else LlamaModel(LLAMA, device="cpu")
+
+
+def _fired(gm: torch.fx.GraphModule) -> dict[str, int]:
+    report = gm.meta["fuse_kernels"]
+    assert isinstance(report, FusionReport)
+    return report.counts
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_fused_graph_trains_like_the_unfused_one(family: str) -> None:
+    torch.manual_seed(0)
+    ids, labels = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    labels[1, 2] = -100
+    unfused = _export(_model(family), ids, labels=labels)
+    fused = fuse_kernels(copy.deepcopy(unfused))
+    assert _fired(fused) == EXPECTED_FIRED[family]
+    assert not UNFUSED_OPS & {node.target for node in fused.graph.nodes}
+    losses = []
+    for gm in (unfused, fused):
+        loss = gm(ids, labels=labels)
+        loss.backward()
+        losses.append(loss)
+    # the references are the chains' own ops, so the only rounding that may differ is the
+    # bias moved out of fc_in's GEMM
+    assert abs(losses[1].item() - losses[0].item()) <= 1e-6 * abs(losses[0].item())
+    fused_params = dict(fused.named_parameters())
+    for name, param in unfused.named_parameters():
+        difference = (fused_params[name].grad - param.grad).norm().item()
+        assert difference <= 1e-6 * max(param.grad.norm().item(), 1e-3), name
+
+
+def test_every_inserted_node_carries_its_value_metadata() -> None:
+    fused = fuse_kernels(_export(_model("llama"), torch.randint(0, 32, (2, 8))))
+    assert "cross_entropy" not in _fired(fused)  # no labels: the graph ends at the logits
+    for node in fused.graph.nodes:
+        if node.op == "call_function":
+            assert node.meta.get("val") is not None, node.format_node()
+
+
+def test_rules_are_documented_data() -> None:
+    names = [rule.name for rule in FUSION_RULES]
+    assert len(set(names)) == len(names)
+    assert names.index("rms_norm_residual") < names.index("rms_norm")  # the longer chain first
+
+
+class _NormWithLeakedStatistic(nn.Module):
+    """An RMSNorm whose rsqrt is also returned: fusing it would compute the statistic twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return x * scale * self.weight, scale
+
+
+class _Unfusable(nn.Module):
+    """Look-alikes the rules must not touch: exact GELU, a label-smoothed loss, a RoPE-like
+    rotation that splits at the wrong place, a LayerNorm over two dims."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm([4, 8])
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                labels: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc(x))
+        rotated = torch.cat([-h[..., 3:], h[..., :3]], dim=-1)  # rotate_half would split at 4
+        h = h * cos + rotated * sin
+        h = self.norm(h + x)
+        return F.cross_entropy(h.reshape(-1, 8), labels, label_smoothing=0.1)
+
+
+def test_chains_that_do_not_fit_a_rule_are_left_alone() -> None:
+    x, labels = torch.randn(2, 4, 8), torch.randint(0, 8, (8,))
+    leaked = fuse_kernels(_export(_NormWithLeakedStatistic(), x))
+    assert _fired(leaked) == {}
+    unfusable = fuse_kernels(_export(_Unfusable(), x, torch.randn(4, 8), torch.randn(4, 8), labels))
+    assert _fired(unfusable) == {}
+    assert str(unfusable.meta["fuse_kernels"]) == "fuse_kernels: no rule fired"

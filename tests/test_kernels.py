@@ -1,0 +1,220 @@
+"""Kernels on the reference dispatch (in process), their byte table, FP8's errors, and the
+Triton interpreter suite (tests/test_kernels_interpret.py) run in a subprocess.
+
+What runs here never touches Triton's interpreter: CPU tensors take each op's reference, so
+the checks are about the dispatch, the sharded cross-entropy's math (with the reductions
+simulated by threads, and on two gloo ranks), FP8's arithmetic through torch._scaled_mm on the
+CPU and its refusal to run there through the public op.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distributed import rel_err, run_ranks
+from mplan.kernels import (
+    FUSED_OP_TRAFFIC,
+    VocabReductions,
+    cross_entropy,
+    fused_op_bytes,
+    rms_norm_residual,
+    rope,
+    use_triton,
+    vocab_parallel_cross_entropy,
+)
+from mplan.kernels.dispatch import INTERPRET
+from mplan.kernels.fp8 import (
+    Fp8LinearFunction,
+    Fp8ScalingState,
+    Fp8Unavailable,
+    fp8_linear,
+    transformer_engine_available,
+)
+from mplan.models.layers import RMSNorm, apply_rope, rope_tables
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_reference_dispatch = pytest.mark.skipif(INTERPRET, reason="this process runs Triton's interpreter")
+
+
+@needs_reference_dispatch
+def test_cpu_tensors_take_the_reference_and_match_the_model_layers() -> None:
+    torch.manual_seed(0)
+    x, r = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+    assert not use_triton(x)
+    norm = RMSNorm(16, 1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    normed, total = rms_norm_residual(x, r, norm.weight, 1e-5)
+    assert torch.equal(total, x + r) and torch.equal(normed, norm(x + r))
+    cos, sin = rope_tables(3, 8, 10000.0, device=torch.device("cpu"))
+    q = torch.randn(2, 4, 3, 8)
+    assert torch.equal(rope(q, cos.float(), sin.float()), apply_rope(q, cos.float(), sin.float()))
+
+
+def test_rope_tables_that_need_gradients_keep_autograd() -> None:
+    """The Triton path gives the tables no gradient, so such tables must take the reference."""
+    cos, sin = (t.float().requires_grad_() for t in rope_tables(3, 8, 10000.0, device=torch.device("cpu")))
+    rope(torch.randn(1, 2, 3, 8), cos, sin).sum().backward()
+    assert cos.grad is not None and cos.grad.abs().sum() > 0
+
+
+def _simulated_group(world_size: int) -> list[VocabReductions]:
+    """Per-rank reductions over threads: each rank deposits its tensor, all meet, all combine."""
+    barrier = threading.Barrier(world_size)
+    slots: list[torch.Tensor | None] = [None] * world_size
+
+    def reduction(rank: int, combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        def reduce(tensor: torch.Tensor) -> torch.Tensor:
+            slots[rank] = tensor.clone()
+            barrier.wait()
+            result = slots[0]
+            for other in slots[1:]:
+                result = combine(result, other)
+            barrier.wait()  # nobody overwrites a slot before every rank has combined
+            return result
+
+        return reduce
+
+    return [VocabReductions(all_reduce_max=reduction(rank, torch.maximum), all_reduce_sum=reduction(rank, torch.add))
+            for rank in range(world_size)]
+
+
+@needs_reference_dispatch
+@pytest.mark.parametrize("bounds", [(0, 70), (0, 33, 70), (0, 10, 41, 70)], ids=["1", "2", "3"])
+def test_vocab_parallel_cross_entropy_with_simulated_reductions(bounds: tuple[int, ...]) -> None:
+    """Shards of uneven width, labels in every shard and two ignored rows: the loss on every
+    rank and the concatenated gradients equal F.cross_entropy on the whole logits."""
+    torch.manual_seed(0)
+    logits = 3.0 * torch.randn(11, 70)
+    labels = torch.randint(0, 70, (11,))
+    labels[[1, 7]] = -100
+    full = logits.clone().requires_grad_()
+    expected = F.cross_entropy(full, labels)
+    (expected_grad,) = torch.autograd.grad(expected, full)
+    shards = list(zip(bounds[:-1], bounds[1:]))
+    groups = _simulated_group(len(shards))
+    results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rank_main(rank: int) -> None:
+        start, stop = shards[rank]
+        local = logits[:, start:stop].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(local, labels, start, groups[rank])
+        results[rank] = (loss.detach(), torch.autograd.grad(loss, local)[0])
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(len(shards))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for rank in range(len(shards)):
+        assert rel_err(results[rank][0], expected.detach()) < 1e-6
+    grad = torch.cat([results[rank][1] for rank in range(len(shards))], dim=1)
+    assert rel_err(grad, expected_grad) < 1e-6
+    assert grad[[1, 7]].abs().max() == 0
+
+
+@needs_reference_dispatch
+def test_cross_entropy_reference_is_chunked_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The PyTorch local math walks rows in chunks; a chunk of 2 rows changes nothing."""
+    import mplan.kernels.cross_entropy_loss as module
+
+    torch.manual_seed(0)
+    logits, labels = torch.randn(9, 40), torch.randint(0, 40, (9,))
+    whole = vocab_parallel_cross_entropy(logits, labels, 0, VocabReductions.identity())
+    monkeypatch.setattr(module, "TORCH_CHUNK_ELEMENTS", 80)
+    chunked = vocab_parallel_cross_entropy(logits, labels, 0, VocabReductions.identity())
+    assert rel_err(chunked, whole) < 1e-7
+    assert rel_err(whole, cross_entropy(logits, labels)) < 1e-6
+
+
+def _sharded_cross_entropy_float64() -> tuple[float, float]:
+    torch.manual_seed(0)
+    logits, labels = 2.0 * torch.randn(6, 50), torch.randint(0, 50, (6,))
+    start, stop = (0, 20) if dist.get_rank() == 0 else (20, 50)
+    local = logits[:, start:stop].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, labels, start, group=None)
+    full = logits.clone().requires_grad_()
+    expected = F.cross_entropy(full, labels)
+    return (rel_err(loss, expected),
+            rel_err(torch.autograd.grad(loss, local)[0], torch.autograd.grad(expected, full)[0][:, start:stop]))
+
+
+@needs_reference_dispatch
+@pytest.mark.distributed
+def test_vocab_parallel_cross_entropy_on_two_gloo_ranks_float64() -> None:
+    for loss_err, grad_err in run_ranks(2, _sharded_cross_entropy_float64, timeout_s=60):
+        assert loss_err < 1e-12 and grad_err < 1e-12
+
+
+def test_fused_op_bytes_at_the_h200_reference_shapes() -> None:
+    tokens, hidden, bf16 = 16384, 4096, 2
+    forward = fused_op_bytes("rms_norm_residual", num_rows=tokens, row_size=hidden, itemsize=bf16)
+    # x, residual read; normed, new_residual written; the weight; one fp32 rstd per row
+    assert forward == 4 * tokens * hidden * bf16 + hidden * bf16 + 4 * tokens
+    assert fused_op_bytes("swiglu", num_rows=tokens, row_size=14336, itemsize=bf16, backward=True) == (
+        5 * tokens * 14336 * bf16)
+    # RoPE on [4, 32, 4096, 128]: x read, y written, cos/sin tables [4096, 128]
+    assert fused_op_bytes("rope", num_rows=4 * 32 * 4096, row_size=128, itemsize=bf16, table_rows=4096) == (
+        2 * 4 * 32 * 4096 * 128 * bf16 + 2 * 4096 * 128 * bf16)
+    assert fused_op_bytes("cross_entropy", num_rows=4096, row_size=128256, itemsize=bf16) == (
+        4096 * 128256 * bf16 + 5 * 4 * 4096)
+    assert set(FUSED_OP_TRAFFIC) >= {"rms_norm", "layer_norm_residual", "bias_gelu"}
+    with pytest.raises(KeyError, match="no traffic entry for fused op 'softmax'"):
+        fused_op_bytes("softmax", num_rows=1, row_size=1, itemsize=2)
+
+
+def test_fp8_linear_refuses_the_cpu_naming_why() -> None:
+    x, w = torch.randn(16, 32), torch.randn(48, 32)
+    with pytest.raises(Fp8Unavailable, match=r"CUDA device of compute capability >= 8\.9; the tensors are on cpu"):
+        fp8_linear(x, w, None, Fp8ScalingState.create("cpu"))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_scaled_mm"), reason="this torch has no _scaled_mm")
+def test_fp8_arithmetic_through_scaled_mm_on_the_cpu() -> None:
+    """The recipe itself (delayed scaling, e4m3 forward, e5m2 gradients) against fp32 linear:
+    e4m3 keeps 3 mantissa bits, e5m2 2, so errors of a few percent and no more."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 32, requires_grad=True)
+    w = (0.1 * torch.randn(48, 32)).requires_grad_()
+    b = torch.randn(48, requires_grad=True)
+    state = Fp8ScalingState.create("cpu")
+    for step in range(2):  # the second step scales by the amax recorded in the first
+        y = Fp8LinearFunction.apply(x, w, b, state)
+        dy = torch.randn_like(y)
+        grads = torch.autograd.grad(y, (x, w, b), dy)
+        expected = F.linear(x, w, b)
+        expected_grads = torch.autograd.grad(expected, (x, w, b), dy)
+        assert rel_err(y, expected) < 0.04, step
+        assert rel_err(grads[0], expected_grads[0]) < 0.1 and rel_err(grads[1], expected_grads[1]) < 0.1
+        assert torch.equal(grads[2], expected_grads[2])
+        assert state.amax[0] == x.abs().max() and state.amax[1] == w.abs().max()
+        assert state.amax[2] == dy.abs().max()
+
+
+def test_transformer_engine_is_reported_unavailable_with_a_reason() -> None:
+    available, reason = transformer_engine_available()
+    assert available is False and "transformer-engine" in reason
+
+
+@pytest.mark.slow
+@needs_reference_dispatch
+def test_interpreter_suite() -> None:
+    """tests/test_kernels_interpret.py in a fresh process with TRITON_INTERPRET=1."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "tests/test_kernels_interpret.py"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    passed = re.search(r"(\d+) passed", summary)
+    assert passed and int(passed.group(1)) >= 20 and "skipped" not in summary, summary

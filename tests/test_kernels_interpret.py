@@ -1,0 +1,212 @@
+"""Triton kernels run by Triton's CPU interpreter, held against their PyTorch references.
+
+Run by `tests/test_kernels.py::test_interpreter_suite` in a subprocess started with
+TRITON_INTERPRET=1 (Triton fixes compile-vs-interpret when it is imported, and the rest of the
+suite must keep the fast reference dispatch); skipped otherwise. On its own:
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_kernels_interpret.py
+
+Shapes are tiny and not powers of two, so every mask and loop tail runs. In fp32 the outputs
+and the gradients must match the fp32 reference within 1e-6 (relative, in norm); in fp16 the
+float64 reference within 2e-3. bf16 is not checked here (the interpreter computes it wrongly);
+benchmarks/kernels_h200.py checks it on the GPU.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distributed import rel_err, run_ranks
+from mplan.kernels import (
+    VocabReductions,
+    bias_gelu,
+    bias_gelu_reference,
+    cross_entropy,
+    cross_entropy_reference,
+    layer_norm_residual,
+    layer_norm_residual_reference,
+    rms_norm,
+    rms_norm_reference,
+    rms_norm_residual,
+    rms_norm_residual_reference,
+    rope,
+    rope_reference,
+    swiglu,
+    swiglu_reference,
+    use_triton,
+    vocab_parallel_cross_entropy,
+)
+from mplan.kernels.dispatch import INTERPRET
+from mplan.models import GPTConfig, GPTModel, LlamaConfig, LlamaModel
+from mplan.models.layers import rope_tables
+from mplan.passes.fuse_kernels import fuse_kernels
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 from process start; "
+                                             "run by tests/test_kernels.py::test_interpreter_suite"),
+]
+
+FP32_TOL = 1e-6
+FP16_TOL = 2e-3
+
+
+def _outputs(result: Any) -> tuple[torch.Tensor, ...]:
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _run(fn: Callable[..., Any], args: list[Any], upstream: list[torch.Tensor] | None,
+         ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], list[torch.Tensor]]:
+    outputs = _outputs(fn(*args))
+    if upstream is None:
+        upstream = [torch.randn_like(out) for out in outputs]
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    grads = torch.autograd.grad(outputs, leaves, [u.to(out.dtype) for u, out in zip(upstream, outputs)])
+    return outputs, grads, upstream
+
+
+def _check(fused: Callable[..., Any], reference: Callable[..., Any], args: list[Any], dtype: torch.dtype,
+           function_name: str) -> None:
+    """Outputs and gradients of `fused` on `args` against `reference` (fp32: same dtype; fp16: float64)."""
+    torch.manual_seed(1)
+    outputs, grads, upstream = _run(fused, args, None)
+    assert function_name in outputs[0].grad_fn.name(), f"the Triton path did not run: {outputs[0].grad_fn}"
+    ref_dtype = torch.float32 if dtype == torch.float32 else torch.float64
+    ref_args = [a.detach().to(ref_dtype).requires_grad_(a.requires_grad)
+                if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    ref_outputs, ref_grads, _ = _run(reference, ref_args, [u.to(ref_dtype) for u in upstream])
+    tol = FP32_TOL if dtype == torch.float32 else FP16_TOL
+    for i, (got, want) in enumerate(zip(outputs, ref_outputs)):
+        assert got.dtype == dtype and got.shape == want.shape
+        assert rel_err(got.to(ref_dtype), want) < tol, f"output {i}: {rel_err(got.to(ref_dtype), want):.3g}"
+    for i, (got, want) in enumerate(zip(grads, ref_grads)):
+        assert rel_err(got.to(ref_dtype), want) < tol, f"gradient {i}: {rel_err(got.to(ref_dtype), want):.3g}"
+
+
+def _leaf(*shape: int, dtype: torch.dtype, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+    return (shift + scale * torch.randn(*shape, dtype=torch.float32)).to(dtype).requires_grad_()
+
+
+DTYPES = [torch.float32, torch.float16]
+
+
+def test_cpu_tensors_dispatch_to_triton_under_the_interpreter() -> None:
+    assert use_triton(torch.zeros(1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_residual(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x, r = _leaf(3, 5, 48, dtype=dtype), _leaf(3, 5, 48, dtype=dtype)
+    w = _leaf(48, dtype=dtype, scale=0.1, shift=1.0)
+    _check(rms_norm_residual, rms_norm_residual_reference, [x, r, w, 1e-5], dtype, "RMSNormResidualFunction")
+    _check(rms_norm, rms_norm_reference, [x, w, 1e-5], dtype, "RMSNormResidualFunction")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+def test_layer_norm_residual(dtype: torch.dtype, with_bias: bool) -> None:
+    torch.manual_seed(0)
+    x, r = _leaf(15, 40, dtype=dtype, shift=0.5), _leaf(15, 40, dtype=dtype)
+    w = _leaf(40, dtype=dtype, scale=0.1, shift=1.0)
+    b = _leaf(40, dtype=dtype, scale=0.1) if with_bias else None
+    _check(layer_norm_residual, layer_norm_residual_reference, [x, r, w, b, 1e-5], dtype,
+           "LayerNormResidualFunction")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bias_gelu(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    # 22 rows: two row splits of 11 with 4-row tiles, so a tile straddles the split boundary
+    _check(bias_gelu, bias_gelu_reference, [_leaf(2, 11, 45, dtype=dtype, scale=3.0), _leaf(45, dtype=dtype)],
+           dtype, "BiasGeluFunction")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_swiglu(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    _check(swiglu, swiglu_reference, [_leaf(7, 45, dtype=dtype, scale=3.0), _leaf(7, 45, dtype=dtype)],
+           dtype, "SwiGLUFunction")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [8, 12])
+def test_rope_on_a_transposed_input(dtype: torch.dtype, head_dim: int) -> None:
+    torch.manual_seed(0)
+    cos, sin = (t.to(dtype) for t in rope_tables(5, head_dim, 10000.0, device=torch.device("cpu")))
+    projected = _leaf(2, 5, 3, head_dim, dtype=dtype)  # [batch, seq, heads, head_dim], as q_proj gives
+
+    def fused(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return rope(x.transpose(1, 2), c, s)
+
+    def reference(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return rope_reference(x.transpose(1, 2), c, s)
+
+    _check(fused, reference, [projected, cos, sin], dtype, "RopeFunction")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cross_entropy_with_ignored_rows(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    labels = torch.randint(0, 70, (9,))
+    labels[[2, 5]] = -100
+    _check(cross_entropy, cross_entropy_reference, [_leaf(9, 70, dtype=dtype, scale=2.0), labels], dtype,
+           "VocabParallelCrossEntropyFunction")
+
+
+def _sharded_cross_entropy_on_gloo() -> tuple[float, float]:
+    """On each rank: its vocabulary slice (uneven: 33 and 37 ids) of one set of logits."""
+    torch.manual_seed(0)
+    logits = 2.0 * torch.randn(9, 70, dtype=torch.float32)
+    labels = torch.randint(0, 70, (9,))
+    labels[4] = -100
+    start, stop = (0, 33) if dist.get_rank() == 0 else (33, 70)
+    local = logits[:, start:stop].clone().requires_grad_()
+    assert use_triton(local), "the rank did not inherit TRITON_INTERPRET=1"
+    loss = vocab_parallel_cross_entropy(local, labels, start, VocabReductions.from_group(None))
+    (grad,) = torch.autograd.grad(loss, local)
+    assert grad.grad_fn is None and "VocabParallelCrossEntropyFunction" in loss.grad_fn.name()
+    full = logits.clone().requires_grad_()
+    expected = F.cross_entropy(full, labels)
+    (expected_grad,) = torch.autograd.grad(expected, full)
+    return rel_err(loss, expected), rel_err(grad, expected_grad[:, start:stop])
+
+
+@pytest.mark.distributed
+def test_vocab_parallel_cross_entropy_on_two_gloo_ranks() -> None:
+    for loss_err, grad_err in run_ranks(2, _sharded_cross_entropy_on_gloo, timeout_s=60):
+        assert loss_err < FP32_TOL and grad_err < FP32_TOL, (loss_err, grad_err)
+
+
+def _tiny_models() -> list[torch.nn.Module]:
+    return [
+        GPTModel(GPTConfig(num_layers=2, hidden=16, num_heads=2, seq_len=8, vocab=32), device="cpu"),
+        LlamaModel(LlamaConfig(num_layers=2, hidden=16, num_heads=2, num_kv_heads=1, seq_len=8, vocab=32,
+                               ffn_hidden=24), device="cpu"),
+    ]
+
+
+@pytest.mark.parametrize("model", _tiny_models(), ids=["gpt", "llama"])
+def test_fused_model_matches_unfused_under_the_interpreter(model: torch.nn.Module) -> None:
+    torch.manual_seed(0)
+    ids, labels = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    labels[0, 3] = -100
+    unfused = torch.export.export(model, (ids,), {"labels": labels}, strict=False).module()
+    fused = fuse_kernels(copy.deepcopy(unfused))
+    assert sum(fused.meta["fuse_kernels"].counts.values()) >= 7
+    losses = []
+    for gm in (unfused, fused):
+        loss = gm(ids, labels=labels)
+        loss.backward()
+        losses.append(loss)
+    assert rel_err(losses[1], losses[0]) < FP32_TOL
+    fused_params = dict(fused.named_parameters())
+    for name, param in unfused.named_parameters():
+        # floor: some gradients are zero up to rounding (a key bias shifts every score of a query
+        # equally, so softmax ignores it); their "relative" error says nothing
+        scale = max(param.grad.norm().item(), 1e-3)
+        assert (fused_params[name].grad - param.grad).norm().item() / scale < FP32_TOL, name
