@@ -15,8 +15,8 @@ _EXPORTS = {
     "Plan": "mplan.planner.plan",
     "PlanError": "mplan.planner.plan",
     "plan": "mplan.planner.planning",
-    "capture": "mplan.ir.capture",
-    "CaptureError": "mplan.ir.capture",
+    "capture": "mplan.ir.trace",
+    "CaptureError": "mplan.ir.trace",
     "autoparallel": "mplan.api",
 }
 

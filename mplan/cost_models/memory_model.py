@@ -77,14 +77,17 @@ class BytesPerParam:
         return self.param + self.grad + self.optimizer / (dp if zero else 1)
 
 
-def bytes_per_param(param_dtype: object = "bf16", grad_dtype: object = "fp32", optimizer: str = "adam") -> BytesPerParam:
-    """Megatron's per-parameter accounting (module docstring)."""
+def bytes_per_param(param_dtype: object = "bf16", grad_dtype: object = "fp32", optimizer: str = "adam", *,
+                    fp32_grad_copy: bool = True) -> BytesPerParam:
+    """Megatron's per-parameter accounting (module docstring). `fp32_grad_copy=False` describes
+    mplan's runtime, which reduces 16-bit gradients bucket by bucket straight into the fp32 master
+    shard's update and keeps no persistent fp32 copy of them."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZERS)}")
     param, grad = dtype_bytes(param_dtype), dtype_bytes(grad_dtype)
     state = 8 if canonical_dtype(param_dtype) == "fp64" else 4
     master = 4 if param < 4 else 0
-    grad_copy = 4 if grad < 4 else 0
+    grad_copy = 4 if grad < 4 and fp32_grad_copy else 0
     moments = (2 if optimizer == "adam" else 1) * state
     return BytesPerParam(param=param, grad=grad, optimizer=master + moments + grad_copy)
 

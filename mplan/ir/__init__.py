@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "capture": "mplan.ir.capture", "CaptureError": "mplan.ir.capture",
+    "capture": "mplan.ir.trace", "CaptureError": "mplan.ir.trace",
     **{name: "mplan.ir.graph" for name in ("BlockType", "Graph", "OpNode", "ParamInfo", "Segment",
                                            "TensorMeta", "dtype_bytes")},
 }

@@ -40,6 +40,9 @@ class TensorMeta:
 
     shape: tuple[int, ...]
     dtype: str  # torch dtype name without the "torch." prefix
+    # Per dim, the sympy expression in the batch symbol when captured with a dynamic batch
+    # (None for static dims or a static capture): what `rebatch` evaluates at another batch.
+    sym: tuple[Any, ...] | None = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def numel(self) -> int:
@@ -195,8 +198,8 @@ class Graph:
         return name
 
     def _value_bytes(self, name: str) -> int:
-        if name in self._by_name:
-            return self._by_name[name].output.nbytes
+        if name in self._by_name:  # every output of a multi-output op (topk keeps values and indices)
+            return sum(o.nbytes for o in self._by_name[name].outputs)
         if name in self.graph_inputs:
             return self.graph_inputs[name].nbytes
         return 0

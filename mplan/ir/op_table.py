@@ -183,3 +183,20 @@ def op_packet(target: object) -> str:
 
 def rule_for(target: object) -> OpRule | None:
     return RULES.get(op_packet(target))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OpCost:
+    flops: int
+    bytes_read: int  # every tensor input read once (views move nothing)
+    bytes_written: int
+    saved_extra_bytes: int
+
+
+def op_cost(rule: OpRule | None, kind: str, inputs: Sequence[TensorMeta], outputs: Sequence[TensorMeta]) -> OpCost:
+    """FLOPs, bytes moved and side tensors kept of one op on these shapes (capture and rebatch)."""
+    flops = int(rule.flops(inputs, outputs)) if rule and outputs and inputs else 0
+    extra = int(rule.extra_saved(inputs, outputs)) if rule and rule.extra_saved and inputs else 0
+    moves = kind not in ("view", "getitem")
+    return OpCost(flops=flops, bytes_read=sum(m.nbytes for m in inputs) if moves else 0,
+                  bytes_written=sum(m.nbytes for m in outputs) if moves else 0, saved_extra_bytes=extra)

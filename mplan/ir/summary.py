@@ -11,19 +11,20 @@ from typing import Any
 
 import torch
 
-from mplan.ir.capture import capture
+from mplan.ir.trace import capture
 from mplan.ir.graph import Graph
 
 
 def capture_spec(spec: str, *, batch: int = 1, seq_len: int | None = None, shallow: bool = False,
-                 dtype: torch.dtype | None = None) -> Graph:
+                 dtype: torch.dtype | None = None, dynamic_batch: bool = False) -> Graph:
     """Build the model named by `spec` on the meta device and capture forward + loss."""
     from mplan.models import build_model, example_inputs, resolve_model
 
     source = resolve_model(spec)
     model = build_model(source, device="meta")
     ids, labels = example_inputs(model, batch, seq_len or source.seq_len, device="meta")
-    return capture(model, (ids,), labels=labels, dtype=dtype, shallow=shallow, name=source.name)
+    return capture(model, (ids,), labels=labels, dtype=dtype, shallow=shallow, dynamic_batch=dynamic_batch,
+                   name=source.name)
 
 
 def op_rows(graph: Graph, node_names: tuple[str, ...]) -> list[dict[str, Any]]:

@@ -5,8 +5,8 @@ micro-batch of the captured batch), the cluster, the config and the model's FLOP
 `Estimate` with the figures a Plan carries.
 
 Model (each term from the cost models, nothing fitted here):
-- a micro-batch of `mbs` sequences costs mbs x the captured one, corrected by the GEMM efficiency
-  change at the larger M (`_batch_scale`); recomputation adds the re-run forward to backward;
+- units come priced for one micro-batch of `config.mbs` sequences (the planner re-prices the graph
+  at each micro-batch size, `ir.rebatch`); recomputation adds the re-run forward to backward;
 - units are cut into pp * vpp chunks by `stage_partition.partition` under each chunk's memory;
 - activations cross stage borders with a send/recv per micro-batch (p2p over the pipeline axis);
 - DP gradient sync per rank: all-reduce of fp32 gradients (zero=0) or reduce-scatter of gradients
@@ -32,10 +32,13 @@ from mplan.planner.parallel_config import ParallelConfig
 from mplan.planner.stage_partition import Partition, partition
 from mplan.planner.unit_costs import UnitCost
 
-OPTIMIZER_BYTES_PER_PARAM = 32.0
-"""Bytes an AdamW step reads and writes per parameter it updates: bf16 param (2 r + 2 w), fp32 grad
-(4 r), fp32 master and two moments (12 r + 12 w); counted, not measured."""
-GRAD_BYTES = 4  # gradients are reduced in fp32 (Megatron's default accumulate/reduce dtype)
+OPTIMIZER_BYTES_PER_PARAM = 69.0
+"""Device-memory traffic of one optimizer step of mplan's runtime, per parameter updated, as copy-
+bandwidth bytes: fitted on benchmarks/results/h200_step-2026-11-29.json ((step - forward+backward) /
+parameters x the 4.25 TB/s copy rate: 70.5, 65.2, 71.6, 69.4 for the four models, mean 69.2).
+Counted, the runtime moves ~60: gradient norm (2), 16-bit gradient into the fp32 shard (6), fused
+AdamW on master and moments (36), clipping scale (8), fp32 -> bf16 parameter all-gather (6),
+gradient zeroing (2); the rest is launch overhead of its per-bucket kernels."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,7 +48,8 @@ class ModelFacts:
     training_flops_per_sequence: float  # model FLOPs, forward + backward, no recomputation
     seq_len: int
     param_dtype: str  # "bf16" for mixed-precision training
-    gemm_shape: tuple[int, int, int]  # (tokens, n, k) of the main block's largest GEMM, TP-local
+    grad_dtype: str = "fp32"  # dtype gradients are accumulated and reduced in (Megatron: fp32)
+    fp32_grad_copy: bool = True  # Megatron keeps an fp32 copy of 16-bit gradients; mplan's runtime does not
     stream_bytes_per_sequence: int  # one sequence's residual-stream activation (bytes, full)
 
 
@@ -75,16 +79,6 @@ class Estimate:
         return max(m.total_bytes for m in self.memory)
 
 
-def _batch_scale(compute: ComputeCostModel, facts: ModelFacts, mbs_ratio: float) -> float:
-    """Time of a micro-batch mbs_ratio times larger, relative to mbs_ratio x the captured one."""
-    if mbs_ratio == 1:
-        return 1.0
-    m, n, k = facts.gemm_shape
-    one = compute.matmul_time(m, n, k, "bf16")
-    big = compute.matmul_time(int(m * mbs_ratio), n, k, "bf16")
-    return big / (mbs_ratio * one)
-
-
 def _in_flight(config: ParallelConfig, rank: int) -> int:
     """Micro-batch activations rank `rank` holds at its peak, summed over its chunks (chunk units)."""
     p, m, v = config.pp, config.num_micro_batches, config.vpp
@@ -102,29 +96,26 @@ def _group(size: int, stride: int, gpus_per_node: int) -> GroupShape:
 
 
 def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: ClusterSpec, facts: ModelFacts, *,
-             fast: bool = True) -> Estimate:
+             fast: bool = True, fragmentation: float = FRAGMENTATION_FRACTION) -> Estimate:
+    """Predict `config`. `fragmentation` is the allocator's share on top of allocated bytes (0 to
+    compare with `torch.cuda.max_memory_allocated`, which does not see it)."""
     compute = ComputeCostModel(cluster)
-    captured = 1  # units are priced for one sequence per micro-batch (the planner captures batch 1)
-    ratio = config.mbs / captured
-    scale = ratio * _batch_scale(compute, facts, ratio)
-    fwd = [u.forward_s * scale for u in units]
-    bwd = []
-    for u in units:
-        extra = {"none": 0.0, "selective": u.selective_extra_s, "full": u.forward_s}[config.recompute]
-        bwd.append((u.backward_s + extra) * scale)
+    fwd = [u.forward_s for u in units]
+    bwd = [u.backward_s + {"none": 0.0, "selective": u.selective_extra_s, "full": u.forward_s}[config.recompute]
+           for u in units]
     k = config.pp * config.vpp
-    per = bytes_per_param(facts.param_dtype, "fp32")
+    per = bytes_per_param(facts.param_dtype, facts.grad_dtype, fp32_grad_copy=facts.fp32_grad_copy)
+    grad_bytes = per.grad
     param_state = per.total(zero=config.zero, dp=config.dp)
 
     def act_bytes(u: UnitCost) -> float:
-        kept = {"none": u.saved_bytes, "selective": u.selective_bytes, "full": u.input_bytes}[config.recompute]
-        return kept * ratio
+        return {"none": u.saved_bytes, "selective": u.selective_bytes, "full": u.input_bytes}[config.recompute]
 
     def unit_memory(u: int, chunk: int) -> float:
         rank = chunk % config.pp
         return units[u].num_params * param_state + act_bytes(units[u]) * _in_flight(config, rank) / config.vpp
 
-    capacity = cluster.device.memory_bytes / (1 + FRAGMENTATION_FRACTION)
+    capacity = cluster.device.memory_bytes / (1 + fragmentation)
     times = [f + b for f, b in zip(fwd, bwd)]
     cut: Partition | None = partition(times, k, memory=unit_memory, cap=capacity / config.vpp)
     reason = ""
@@ -139,7 +130,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     dp_group = _group(config.dp, config.tp, gpn)
     tp_group = _group(config.tp, 1, gpn)
     pp_group = _group(2, config.tp * config.dp, gpn) if config.pp > 1 else GroupShape(size=1, ranks_per_node=1)
-    stream = facts.stream_bytes_per_sequence * ratio / (config.tp if config.sp else 1)
+    stream = facts.stream_bytes_per_sequence * config.mbs / (config.tp if config.sp else 1)
     p2p = collective_time(cluster, "send_recv", stream, pp_group) if config.pp > 1 else 0.0
 
     memory, syncs, opt = [], [], 0.0
@@ -149,18 +140,19 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         params = sum(units[u].num_params for u in rank_units)
         tp_sync = sum(units[u].tp_grad_sync_bytes for u in rank_units)
         if config.zero:
-            sync = collective_time(cluster, "reduce_scatter", params * GRAD_BYTES, dp_group) + \
+            sync = collective_time(cluster, "reduce_scatter", params * grad_bytes, dp_group) + \
                 collective_time(cluster, "all_gather", params * per.param, dp_group)
         else:
-            sync = collective_time(cluster, "all_reduce", params * GRAD_BYTES, dp_group)
-        sync += collective_time(cluster, "all_reduce", tp_sync * GRAD_BYTES / max(1, per.param), tp_group)
+            sync = collective_time(cluster, "all_reduce", params * grad_bytes, dp_group)
+        sync += collective_time(cluster, "all_reduce", tp_sync * grad_bytes / max(1, per.param), tp_group)
         syncs.append(sync)
         opt = max(opt, compute.memory_bound_time(OPTIMIZER_BYTES_PER_PARAM * params / (config.dp if config.zero else 1)))
         acts = sum(act_bytes(units[u]) for u in rank_units) / config.vpp * _in_flight(config, rank)
         if config.recompute == "full" and rank_units:
-            acts += max(units[u].saved_bytes for u in rank_units) * ratio  # one unit re-run at a time
-        workspace = max((units[u].largest_op_bytes * ratio for u in rank_units), default=0.0)
-        memory.append(_breakdown(params, per, config, acts, workspace))
+            acts += max(units[u].saved_bytes for u in rank_units)  # one unit re-run at a time
+        # Backward of the largest op holds its output's gradient and its input's at once.
+        workspace = 2 * max((units[u].largest_op_bytes for u in rank_units), default=0.0)
+        memory.append(_breakdown(params, per, config, acts, workspace, fragmentation))
     peak = max(m.total_bytes for m in memory)
     fits = not reason and peak <= cluster.device.memory_bytes
     if not reason and not fits:
@@ -174,7 +166,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     else:
         sim = simulate(schedule_of(config), costs)
         step, bubble, busy = sim.step_time_s, sim.bubble_fraction, sim.compute_s
-    tp_comm = sum((units[u].comm_forward_s + units[u].comm_backward_s) * scale
+    tp_comm = sum((units[u].comm_forward_s + units[u].comm_backward_s)
                   for c in range(0, k, config.pp) for u in range(*cut.bounds[c])) * config.num_micro_batches
     sequences = config.dp * config.mbs * config.num_micro_batches
     flops = facts.training_flops_per_sequence * sequences / step
@@ -199,10 +191,11 @@ def _fallback(times: Sequence[float], k: int) -> Partition:
     return Partition(bounds=bounds, bottleneck_s=max(times), chunk_times=tuple(times[a] for a, _ in bounds))
 
 
-def _breakdown(params: int, per, config: ParallelConfig, acts: float, workspace: float) -> MemoryBreakdown:  # noqa: ANN001
+def _breakdown(params: int, per, config: ParallelConfig, acts: float, workspace: float,  # noqa: ANN001
+               fragmentation: float) -> MemoryBreakdown:
     p, g = params * per.param, params * per.grad
     o = params * per.optimizer / (config.dp if config.zero else 1)
-    transient = workspace + FRAGMENTATION_FRACTION * (p + g + o + acts + workspace)
+    transient = workspace + fragmentation * (p + g + o + acts + workspace)
     return MemoryBreakdown(params_bytes=p, grads_bytes=g, optimizer_bytes=o, activations_bytes=acts,
                            transient_bytes=transient)
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from mplan.cost_models.cluster import ClusterSpec
-from mplan.ir.capture import capture
+from mplan.ir.trace import CaptureError, capture
 from mplan.ir.graph import Graph
 from mplan.ir.summary import capture_spec
 from mplan.planner.parallel_config import PlanSpec, parse_plan_spec
@@ -26,17 +26,32 @@ from mplan.planner.sharding_ilp import StrategyFilter
 
 def capture_for_planning(model: nn.Module | str, example_inputs: Sequence[Any] | None = None, *,
                          seq_len: int | None = None, loss_fn: Callable[..., torch.Tensor] | None = None) -> Graph:
-    """A shallow bf16 meta-device capture of one sequence: what the planner prices."""
+    """A shallow bf16 meta-device capture with a symbolic batch (traced at 2 sequences, the
+    smallest torch keeps symbolic): the planner re-prices it at every micro-batch size."""
     if isinstance(model, str):
-        return capture_spec(model, batch=1, seq_len=seq_len, shallow=True, dtype=torch.bfloat16)
+        return capture_spec(model, batch=2, seq_len=seq_len, shallow=True, dtype=torch.bfloat16, dynamic_batch=True)
     if not example_inputs:
         raise ValueError("planning an nn.Module needs example_inputs, e.g. (input_ids,)")
     meta = model if all(p.device.type == "meta" for p in model.parameters()) else copy.deepcopy(model).to("meta")
-    inputs = tuple(x[:1].to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    inputs = tuple(_two_rows(x) for x in example_inputs)
     ids = inputs[0]
     labels = torch.zeros_like(ids) if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else None
-    return capture(meta, inputs, labels=labels, loss_fn=loss_fn, dtype=torch.bfloat16, shallow=True,
-                   name=type(model).__name__)
+    name = type(model).__name__
+    try:
+        return capture(meta, inputs, labels=labels, loss_fn=loss_fn, dtype=torch.bfloat16, shallow=True,
+                       dynamic_batch=True, name=name)
+    except CaptureError:
+        # Some models specialize on the batch; then plan with one sequence per micro-batch only.
+        one = tuple(x[:1] if isinstance(x, torch.Tensor) else x for x in inputs)
+        return capture(meta, one, labels=None if labels is None else labels[:1], loss_fn=loss_fn,
+                       dtype=torch.bfloat16, shallow=True, name=name)
+
+
+def _two_rows(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    x = x.to("meta")
+    return torch.cat([x[:1], x[:1]]) if x.shape[0] < 2 else x[:2]
 
 
 def search_plans(graph: Graph, cluster: ClusterSpec, global_batch: int, spec: PlanSpec | str = "auto", *,

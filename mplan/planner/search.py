@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from mplan.cost_models.cluster import ClusterSpec
@@ -26,7 +26,9 @@ from mplan.planner.op_cost import OpCoster
 from mplan.planner.parallel_config import (ModelLimits, ParallelConfig, PlanSpec, PlanSpecError,
                                            enumerate_configs)
 from mplan.planner.placement import R, Shard
-from mplan.planner.sharding_ilp import GraphSharding, StrategyFilter, solve_graph_sharding, stream_shape
+from mplan.ir.rebatch import rebatch
+from mplan.planner.sharding_ilp import (GraphSharding, StrategyFilter, reprice_graph, solve_graph_sharding,
+                                        stream_shape)
 from mplan.planner.unit_costs import UnitCost, unit_costs
 
 SIMULATED_FINALISTS = 8  # candidates re-ranked by the event simulator
@@ -38,12 +40,14 @@ class PlanningError(ValueError):
 
 @dataclass(slots=True)
 class ShardedModel:
-    """The model under one TP degree and SP setting: solved shardings and unit costs."""
+    """The model under one TP degree and SP setting: the sharding solved at one sequence per
+    micro-batch, and unit costs re-priced for every micro-batch size asked for."""
 
     tp: int
     sp: bool
     sharding: GraphSharding
-    units: list[UnitCost]
+    coster: OpCoster
+    units: dict[int, list[UnitCost]]  # by micro-batch size
 
 
 @dataclass(slots=True)
@@ -62,16 +66,21 @@ class Planner:
     """Caches per-(tp, sp) shardings of one graph on one cluster; evaluates and searches configs."""
 
     def __init__(self, graph: Graph, cluster: ClusterSpec, *, allow: StrategyFilter | None = None,
+                 grad_dtype: str = "fp32", fp32_grad_copy: bool = True,
                  progress: Callable[[str], None] | None = None) -> None:
-        if graph.batch_size != 1:
-            raise ValueError("the planner prices one sequence per micro-batch: capture with batch 1")
-        self.graph = graph
+        self.dynamic = any(m.sym is not None for m in graph.graph_inputs.values())
+        if not self.dynamic and graph.batch_size != 1:
+            raise ValueError("the planner prices micro-batches from a graph captured with a dynamic batch, "
+                             "or with a static batch of 1 (then micro-batch 1 only)")
+        self.captured = graph
+        self.graph = rebatch(graph, 1) if self.dynamic else graph
+        self._at_batch: dict[int, Graph] = {1: self.graph}
         self.cluster = cluster
         self.allow = allow
         self.progress = progress or (lambda _: None)
         self._sharded: dict[tuple[int, bool], ShardedModel] = {}
-        self.facts = _facts(graph)
-        self.limits = _limits(graph)
+        self.facts = replace(_facts(self.graph), grad_dtype=grad_dtype, fp32_grad_copy=fp32_grad_copy)
+        self.limits = _limits(self.graph)
 
     def sharded(self, tp: int, sp: bool) -> ShardedModel:
         key = (tp, sp)
@@ -81,13 +90,23 @@ class Planner:
             boundary = Shard(1) if sp else R
             self.progress(f"solving the sharding ILP for tp={tp}{' with SP' if sp else ''}")
             sharding = solve_graph_sharding(self.graph, coster, boundary, allow=self.allow)
-            self._sharded[key] = ShardedModel(tp=tp, sp=sp, sharding=sharding,
-                                              units=unit_costs(self.graph, sharding, coster))
+            self._sharded[key] = ShardedModel(tp=tp, sp=sp, sharding=sharding, coster=coster,
+                                              units={1: unit_costs(self.graph, sharding, coster)})
         return self._sharded[key]
 
-    def evaluate(self, config: ParallelConfig, *, fast: bool = False) -> Estimate:
-        model = self.sharded(config.tp, config.sp)
-        return evaluate(config, model.units, self.cluster, _tp_facts(self.facts, config.tp), fast=fast)
+    def units(self, tp: int, sp: bool, mbs: int) -> list[UnitCost]:
+        """Unit costs at micro-batch `mbs`: the mbs=1 strategies re-priced on the rebatched graph."""
+        model = self.sharded(tp, sp)
+        if mbs not in model.units:
+            if mbs not in self._at_batch:
+                self._at_batch[mbs] = rebatch(self.captured, mbs)
+            graph = self._at_batch[mbs]
+            model.units[mbs] = unit_costs(graph, reprice_graph(graph, model.sharding, model.coster), model.coster)
+        return model.units[mbs]
+
+    def evaluate(self, config: ParallelConfig, *, fast: bool = False, **options: float) -> Estimate:
+        units = self.units(config.tp, config.sp, config.mbs)
+        return evaluate(config, units, self.cluster, self.facts, fast=fast, **options)
 
     def search(self, global_batch: int, spec: PlanSpec | None = None, *,
                allow_cross_node_tp: bool = False) -> SearchResult:
@@ -96,7 +115,8 @@ class Planner:
         world = self.cluster.world_size
         configs = list(enumerate_configs(world_size=world, gpus_per_node=self.cluster.gpus_per_node,
                                          global_batch=global_batch, limits=self.limits, spec=spec,
-                                         allow_cross_node_tp=allow_cross_node_tp))
+                                         allow_cross_node_tp=allow_cross_node_tp,
+                                         max_mbs=8 if self.dynamic else 1))
         if not configs:
             raise PlanningError(_no_config_reason(world, self.cluster.gpus_per_node, global_batch, self.limits, spec))
         estimates = []
@@ -164,27 +184,11 @@ def _limits(graph: Graph) -> ModelLimits:
 
 def _facts(graph: Graph) -> ModelFacts:
     stream = stream_shape(graph) or (1, graph.seq_len or 1, 1)
-    itemsize = 2
-    biggest = (graph.seq_len or 1, 1, 1)
-    if graph.block_types:
-        main = max(graph.block_types, key=lambda b: b.num_instances)
-        best = 0
-        for node in graph.nodes_of(main.template):
-            if node.op == "aten.linear.default" and node.flops > best:
-                best = node.flops
-                x, w = node.input_metas[0], node.input_metas[1]
-                biggest = (math.prod(x.shape[:-1]), w.shape[0], w.shape[1])
-                itemsize = x.nbytes // max(1, x.numel)
+    itemsize = next((n.output.nbytes // n.output.numel for n in graph.nodes
+                     if n.outputs and n.output.shape == stream and n.output.numel), 2)
     return ModelFacts(training_flops_per_sequence=graph.training_flops / graph.batch_size,
-                      seq_len=graph.seq_len or 1, param_dtype="bf16", gemm_shape=biggest,
-                      stream_bytes_per_sequence=math.prod(stream) * itemsize)
-
-
-def _tp_facts(facts: ModelFacts, tp: int) -> ModelFacts:
-    m, n, k = facts.gemm_shape
-    return ModelFacts(training_flops_per_sequence=facts.training_flops_per_sequence, seq_len=facts.seq_len,
-                      param_dtype=facts.param_dtype, gemm_shape=(m, max(1, n // tp), k),
-                      stream_bytes_per_sequence=facts.stream_bytes_per_sequence)
+                      seq_len=graph.seq_len or 1, param_dtype="bf16",
+                      stream_bytes_per_sequence=math.prod(stream) * itemsize // graph.batch_size)
 
 
 __all__ = ["Planner", "PlanningError", "PlanSpecError", "SearchResult", "ShardedModel"]

@@ -141,16 +141,19 @@ def _node_costs(problem: _Problem, coster: OpCoster, grad_sync_share: float) -> 
     """Per node and strategy: (forward s, backward s, forward comm s, backward comm s); the
     communication is included in the first two."""
     metas = {k: p.meta for k, p in problem.graph.params.items()}
-    costs: dict[str, list[tuple[float, ...]]] = {}
-    for v in problem.nodes:
-        row = []
-        for s in problem.strategies[v.name]:
-            op = coster.op(v, s)
-            own = coster.op_comm(s)
-            sync = grad_sync_share * coster.collective("all_reduce", partial_param_grad_bytes(v, s, metas))
-            row.append((op.forward_s, op.backward_s + sync, own, own + sync))
-        costs[v.name] = row
-    return costs
+    return {v.name: _node_costs_of(v, problem.strategies[v.name], coster, grad_sync_share, metas)
+            for v in problem.nodes}
+
+
+def _node_costs_of(v: OpNode, strategies: Sequence[Strategy] | Strategy, coster: OpCoster,
+                   grad_sync_share: float, metas: dict[str, TensorMeta]) -> list[tuple[float, ...]]:
+    row = []
+    for s in strategies if isinstance(strategies, (list, tuple)) else [strategies]:
+        op = coster.op(v, s)
+        own = coster.op_comm(s)
+        sync = grad_sync_share * coster.collective("all_reduce", partial_param_grad_bytes(v, s, metas))
+        row.append((op.forward_s, op.backward_s + sync, own, own + sync))
+    return row
 
 
 Layout = tuple[Placement, Placement]  # (forward placement, gradient placement) of a copy
@@ -251,10 +254,60 @@ def solve_segment_sharding(graph: Graph, name: str, node_names: Sequence[str], c
                                  f"{memory_budget_bytes / 2**30:.2f} GiB" if memory_budget_bytes
                                  else f"{name}: solver status {pulp.LpStatus[status]}")
     choice = {v: problem.strategies[v][_argmax(x[v])] for v in problem.strategies}
-    active = [(fwd, bwd) for u, si, layout, fwd, bwd, w in copies if (w.value() or 0.0) > 0.5]
-    return _summarize(problem, choice, node_cost, active, coster, boundary,
-                      solve_seconds=time.perf_counter() - start, solver=solver.name,
-                      num_variables=len(lp.variables()))
+    return _price(problem, choice, coster, boundary, grad_sync_share,
+                  solve_seconds=time.perf_counter() - start, solver=solver.name, num_variables=len(lp.variables()))
+
+
+def _price(problem: _Problem, choice: dict[str, Strategy], coster: OpCoster, boundary: Placement,
+           grad_sync_share: float, **extra: Any) -> SegmentSharding:
+    """Cost of a fixed assignment: its nodes plus one copy per (value, layout) its consumers use.
+    The ILP's optimum is priced here too, so solving and re-pricing agree by construction."""
+    graph = problem.graph
+    metas = {k: p.meta for k, p in graph.params.items()}
+    node_cost = {v.name: _node_costs_of(v, choice[v.name], coster, grad_sync_share, metas) for v in problem.nodes}
+    copies = []
+    for u, consumers in _uses(problem).items():
+        out = choice[u].output if u in choice else _fixed_input(problem, u, boundary)
+        layouts = {(choice[v].inputs[slot], choice[v].input_grads[slot]) for v, slot in consumers}
+        if u in choice and u in problem.outputs:
+            layouts.add((problem.outputs[u], problem.outputs[u]))
+        copies += [_copy_cost(coster, _meta(graph, u), out, layout) for layout in layouts]  # type: ignore[arg-type]
+    fixed = _Problem(graph=graph, name=problem.name, nodes=problem.nodes,
+                     strategies={v: [s] for v, s in choice.items()}, stream_shape=problem.stream_shape,
+                     outputs=problem.outputs)
+    return _summarize(fixed, choice, node_cost, copies, coster, boundary, **extra)
+
+
+def reprice_segment(graph: Graph, name: str, node_names: Sequence[str], choice: dict[str, Strategy],
+                    coster: OpCoster, boundary: Placement, *, grad_sync_share: float = 1.0) -> SegmentSharding:
+    """The same strategies on another graph of the same model (e.g. another batch size)."""
+    problem = _problem(graph, name, node_names, coster.n, boundary)
+    local = {}
+    for v in problem.nodes:
+        want = choice[v.name]
+        match = [s for s in problem.strategies[v.name] if (s.name, s.inputs, s.output, s.input_grads) ==
+                 (want.name, want.inputs, want.output, want.input_grads)]
+        if not match:
+            raise ShardingInfeasible(f"{name}: strategy {want} of {v.name} is not valid at batch {graph.batch_size}")
+        local[v.name] = match[0]
+    return _price(problem, local, coster, boundary, grad_sync_share, solve_seconds=0.0, solver="none",
+                  num_variables=0)
+
+
+def reprice_graph(graph: Graph, sharding: GraphSharding, coster: OpCoster, **options: Any) -> GraphSharding:
+    """Every segment of `sharding` priced on `graph` (same model, e.g. rebatched)."""
+    segments: dict[str, SegmentSharding] = {}
+    for block in graph.block_types:
+        segments[block.name] = reprice_segment(graph, block.name, block.template, sharding.segments[block.name].choice,
+                                               coster, sharding.boundary, **options)
+    choice = dict(sharding.choice)
+    for segment in graph.segments:
+        if segment.block_type is None and segment.nodes:
+            segments[segment.name] = reprice_segment(graph, segment.name, segment.nodes, sharding.choice, coster,
+                                                     sharding.boundary, **options)
+    for seg in segments.values():
+        choice.update(seg.choice)
+    return GraphSharding(axis_size=sharding.axis_size, boundary=sharding.boundary, choice=choice, segments=segments)
 
 
 def _argmax(variables: list) -> int:

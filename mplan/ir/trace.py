@@ -1,4 +1,6 @@
-"""Capture a model into a typed `Graph` with torch.export (non-strict).
+"""Capture a model into a typed `Graph` with torch.export (non-strict): `capture(...)`.
+
+(The module is `trace` rather than `capture` so that `mplan.ir.capture` stays the function.)
 
 Input: a module (on the meta device for large models, or any real device), example inputs, and
 optionally labels and a loss function. Output: a `Graph` at the ATen level (`aten.linear`,
@@ -11,6 +13,7 @@ full capture). A model torch.export cannot trace raises `CaptureError` naming th
 """
 from __future__ import annotations
 
+import inspect
 import os
 import time
 import traceback
@@ -22,9 +25,12 @@ import torch.nn as nn
 
 from mplan.ir.blocks import Container, find_containers, instance_of, relative_name, truncate_containers
 from mplan.ir.graph import BlockType, Graph, OpNode, ParamInfo, Segment, TensorMeta
-from mplan.ir.op_table import op_packet, rule_for
+from mplan.ir.op_table import op_cost, op_packet, rule_for
 
 SHALLOW_KEEP = 2  # instances traced per repeated block under shallow capture
+# Reshapes of a non-contiguous tensor (attention output after its transpose) copy it: a new tensor
+# with its own storage, which backward may keep; they are data movement, not views.
+_COPY_IF_STRIDED = ("reshape", "flatten", "contiguous", "clone")
 
 
 class CaptureError(RuntimeError):
@@ -53,13 +59,17 @@ def capture(
     loss_fn: Callable[..., torch.Tensor] | None = None,
     dtype: torch.dtype | None = None,
     shallow: bool = False,
+    dynamic_batch: bool = False,
     name: str | None = None,
 ) -> Graph:
     """Trace `model(*example_inputs, **example_kwargs)` (+ loss) into a `Graph`.
 
     With `labels` and no `loss_fn`, the model is called with `labels=` (mplan's families and
     Hugging Face causal LMs return the loss then). `dtype` casts a meta-device model first, so
-    bytes are counted in the training dtype without touching real memory.
+    bytes are counted in the training dtype without touching real memory. `dynamic_batch` marks
+    dim 0 of every input as one symbolic batch (the example batch must be >= 2, or torch
+    specializes it): every shape then carries its expression and `rebatch` re-prices the graph at
+    any batch without tracing again.
     """
     kwargs = dict(example_kwargs or {})
     target: nn.Module = model
@@ -78,7 +88,7 @@ def capture(
     containers = find_containers(model)
     start = time.perf_counter()
     with truncate_containers(model, containers if shallow else [], SHALLOW_KEEP):
-        exported = _export(target, tuple(example_inputs), kwargs)
+        exported = _export(target, tuple(example_inputs), kwargs, dynamic_batch)
         param_modules = {n: n.rpartition(".")[0] for n, _ in model.named_parameters()}
     seconds = time.perf_counter() - start
 
@@ -95,9 +105,30 @@ def _unique_params(model: nn.Module) -> list[nn.Parameter]:
     return list(seen.values())
 
 
-def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _dynamic_shapes(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """dim 0 of every tensor input is the batch (one symbol shared by all of them)."""
+    batch = torch.export.Dim("batch", min=2)
+
+    def spec(x: Any) -> Any:
+        return {0: batch} if isinstance(x, torch.Tensor) and x.dim() >= 1 else None
+
+    bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    shapes: dict[str, Any] = {}
+    for pname, value in bound.arguments.items():
+        kind = inspect.signature(module.forward).parameters[pname].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            shapes[pname] = tuple(spec(v) for v in value)
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            shapes[pname] = {k: spec(v) for k, v in value.items()}
+        else:
+            shapes[pname] = spec(value)
+    return shapes
+
+
+def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic_batch: bool) -> Any:
     try:
-        return torch.export.export(module, args, kwargs, strict=False)
+        shapes = _dynamic_shapes(module, args, kwargs) if dynamic_batch else None
+        return torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
     except Exception as exc:  # torch raises many types here; all mean "cannot trace"
         raise CaptureError(_describe_failure(type(module.model if isinstance(module, _WithLoss)
                                                   else module).__name__, exc)) from exc
@@ -142,8 +173,11 @@ def _user_frame(exc: BaseException) -> str | None:
 
 def _meta_of(value: Any) -> TensorMeta | None:
     if isinstance(value, torch.Tensor):
-        return TensorMeta(shape=tuple(int(s) for s in value.shape),
-                          dtype=str(value.dtype).removeprefix("torch."))
+        dims = tuple(value.shape)
+        symbolic = any(isinstance(d, torch.SymInt) for d in dims)
+        shape = tuple(int(d.node.hint) if isinstance(d, torch.SymInt) else int(d) for d in dims)
+        sym = tuple(d.node.expr if isinstance(d, torch.SymInt) else None for d in dims) if symbolic else None
+        return TensorMeta(shape=shape, dtype=str(value.dtype).removeprefix("torch."), sym=sym)
     return None
 
 
@@ -172,6 +206,7 @@ class _RawNode:
     args: list[tuple[int, str]]  # (position, value name) of tensor arguments
     plain_args: tuple[Any, ...]
     plain_kwargs: tuple[tuple[str, Any], ...]
+    copies: bool  # a reshape-like op whose input is not contiguous: it materializes a new tensor
     outputs: tuple[TensorMeta, ...]
     module_path: str
     module_classes: dict[str, str]  # module path -> class name, from nn_module_stack
@@ -260,7 +295,11 @@ class _GraphBuilder:
         classes = {self._strip(path): cls.rsplit(".", 1)[-1] if isinstance(cls, str) else
                    getattr(cls, "__name__", str(cls)) for path, cls in stack.values()}
         paths = [self._strip(path) for path, _ in stack.values()]
-        return _RawNode(fx_name=fx_node.name, target=fx_node.target, args=args,
+        first = fx_node.args[0] if fx_node.args else None
+        first_val = first.meta.get("val") if hasattr(first, "meta") else None
+        copies = op_packet(fx_node.target) in _COPY_IF_STRIDED and isinstance(first_val, torch.Tensor) \
+            and not first_val.is_contiguous()
+        return _RawNode(fx_name=fx_node.name, target=fx_node.target, args=args, copies=copies,
                         plain_args=plain_args, plain_kwargs=plain_kwargs, outputs=outputs,
                         module_path=paths[-1] if paths else "", module_classes=classes)
 
@@ -371,12 +410,10 @@ class _GraphBuilder:
         input_metas = tuple(self.metas[v] for _, v in r.args if v in self.metas)
         params = tuple((pos, v) for pos, v in r.args if v in self.param_names)
         if rule is None:
-            kind, flops, extra = "unknown", 0, 0
+            kind = "unknown"
             saved = tuple(v for _, v in r.args)
         else:
-            kind = rule.kind
-            flops = int(rule.flops(input_metas, r.outputs)) if r.outputs and input_metas else 0
-            extra = int(rule.extra_saved(input_metas, r.outputs)) if rule.extra_saved and input_metas else 0
+            kind = "move" if r.copies else rule.kind
             saved_list: list[str] = []
             for s in rule.saves:
                 saved_list.extend([r.fx_name] if s == "out" else [v for pos, v in r.args if pos == s])
@@ -385,14 +422,13 @@ class _GraphBuilder:
             kind = "getitem"
         elif not r.outputs:
             kind = "scalar"  # works on Python numbers or dtypes only (sym_size, promote_types)
-        moved_out = sum(m.nbytes for m in r.outputs) if kind not in ("view", "getitem") else 0
-        moved_in = sum(m.nbytes for m in input_metas) if kind not in ("view", "getitem") else 0
+        cost = op_cost(rule, kind, input_metas, r.outputs)
         return OpNode(
             name=r.fx_name, op=_op_name(r.target), kind=kind, inputs=tuple(v for _, v in r.args),
-            args=r.plain_args, kwargs=r.plain_kwargs,
-            input_metas=input_metas, outputs=r.outputs, params=params, flops=flops,
-            bytes_read=moved_in, bytes_written=moved_out, saved=saved, saved_extra_bytes=extra,
-            module_path=r.module_path, block=block, known=rule is not None or kind in ("getitem", "scalar"))
+            args=r.plain_args, kwargs=r.plain_kwargs, input_metas=input_metas, outputs=r.outputs,
+            params=params, flops=cost.flops, bytes_read=cost.bytes_read, bytes_written=cost.bytes_written,
+            saved=saved, saved_extra_bytes=cost.saved_extra_bytes, module_path=r.module_path, block=block,
+            known=rule is not None or kind in ("getitem", "scalar"))
 
 
 def _op_name(target: Any) -> str:
