@@ -1,0 +1,227 @@
+"""How one ATen op runs on a rank's local shards under the strategy the planner chose for it.
+
+Input: a typed `OpNode`, its `Strategy` and the TP axis. Output: a rule name (`rule_for`) and,
+when the op needs one, a small module that computes its local result (`VocabParallelEmbedding`,
+`VocabParallelCrossEntropy`, `BatchShardedCrossEntropy`). `insert_collectives` emits the rule.
+
+Rules, tried in this order (each says why the local result is exact):
+
+    replicated      every input R, output R, op not split: the single-device op, unchanged
+    reshape_local   view/reshape/squeeze/... with a sharded output: `reshape` to the local output
+                    shape; strategies only shard the outermost dim of a merged group, so local
+                    row-major order is the global order restricted to the shard
+    expand_local    expand with a sharded output: expand to the local output shape
+    row_bias        linear with a partial output and a bias: each rank adds bias / n, so the sum
+                    over ranks adds the bias once; the bias gradient is then partial, as the
+                    strategy's input gradient says
+    vocab_embedding embedding with a vocabulary-sharded table (output P): look up the ids this
+                    rank owns, zeros elsewhere (Megatron's VocabParallelEmbedding)
+    vocab_loss      cross-entropy on vocabulary-sharded logits: all-reduce the row max, the sum
+                    of exponentials and the target logit; no rank holds full logits
+    batch_loss      cross-entropy on row-sharded logits (output P): the local sum divided by the
+                    number of counted rows over ALL ranks, so the partial values sum to the mean
+    local           ops for which running on the shards gives the shard of the result under
+                    every strategy strategies.py emits for them (elementwise, matmuls, heads- or
+                    batch-split attention, norms over unsplit dims, transposes, slices, ...)
+
+Anything else raises `UnexecutableStrategy` naming the node and strategy: never a guess.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mplan.ir.graph import OpNode
+from mplan.ir.op_table import op_packet
+from mplan.planner.placement import Partial, R, Shard
+from mplan.planner.strategies import Strategy
+from mplan.runtime.redistribute import TensorParallelAxis, all_reduce_no_grad
+
+
+class UnexecutableStrategy(ValueError):
+    """The planner chose a strategy the passes cannot run exactly."""
+
+
+SHAPE_OPS = frozenset({"view", "_unsafe_view", "reshape", "view_copy", "squeeze", "unsqueeze",
+                       "flatten", "unflatten"})
+_LOCAL = frozenset({
+    # elementwise (nonlinear ones only ever get Shard strategies, linear ones also P)
+    "add", "sub", "rsub", "mul", "div", "neg", "gelu", "silu", "relu", "sigmoid", "tanh", "exp",
+    "rsqrt", "sqrt", "pow", "log", "sin", "cos", "reciprocal", "abs", "clamp",
+    # contractions: a sharded contracted dim yields the partial sum the strategy declares
+    "linear", "matmul", "mm", "bmm",
+    "scaled_dot_product_attention", "layer_norm", "rms_norm",
+    "softmax", "_softmax", "log_softmax", "_log_softmax", "cat", "sum", "mean",
+    # data movement that keeps its dims' sizes, or cuts an unsharded dim
+    "transpose", "t", "permute", "slice", "narrow", "select", "split", "split_with_sizes",
+    "chunk", "unbind", "alias", "detach", "contiguous", "clone", "_to_copy", "to", "type_as",
+    "lift_fresh_copy", "getitem",
+})
+DROPPED = frozenset({"_assert_tensor_metadata", "_assert_scalar", "_assert_async",
+                     "sym_constrain_range_for_size"})
+"""Assertions about the captured (global, possibly meta) tensors: not true of local shards."""
+
+
+def is_replicated(strategy: Strategy) -> bool:
+    return not strategy.split and strategy.output == R and all(p == R for p in strategy.inputs)
+
+
+def rule_for(node: OpNode, strategy: Strategy) -> str:
+    """The local execution rule of `node` under `strategy` (see the module docstring)."""
+    packet = op_packet(node.op)
+    if packet in DROPPED:
+        return "dropped"
+    if is_replicated(strategy):
+        return "replicated"
+    sharded_out = isinstance(strategy.output, Shard)
+    if packet in SHAPE_OPS:
+        return "reshape_local" if sharded_out else "local"
+    if packet == "expand":
+        return "expand_local" if sharded_out else "local"
+    if packet == "linear" and isinstance(strategy.output, Partial) and len(node.inputs) == 3:
+        return "row_bias"
+    if packet == "embedding":
+        return "vocab_embedding" if isinstance(strategy.output, Partial) else "local"
+    if packet == "cross_entropy_loss":
+        if strategy.inputs[0] == Shard(1) and strategy.output == R:
+            return "vocab_loss"
+        if strategy.inputs[0] == Shard(0) and isinstance(strategy.output, Partial):
+            return "batch_loss"
+    elif packet in _LOCAL:
+        return "local"
+    raise UnexecutableStrategy(
+        f"node {node.name} ({node.op}): strategy {strategy} has no local execution rule in "
+        f"mplan.passes.local_ops; replicate this op or add a rule")
+
+
+def normalized_kwargs(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Every argument of an ATen call by name, defaults filled in (from the op's schema)."""
+    schema = target._schema
+    bound = dict(kwargs)
+    for value, argument in zip(args, schema.arguments):
+        bound[argument.name] = value
+    for argument in schema.arguments:
+        if argument.name not in bound and argument.has_default_value():
+            bound[argument.name] = argument.default_value
+    return bound
+
+
+class VocabParallelEmbedding(nn.Module):
+    """embedding(weight[V/n, H], ids) with this rank's vocabulary slice; zeros for foreign ids."""
+
+    def __init__(self, *, axis: TensorParallelAxis, padding_idx: int, node: str) -> None:
+        super().__init__()
+        self.axis, self.padding_idx, self.node = axis, padding_idx, node
+
+    def forward(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        rows = weight.shape[0]
+        start = self.axis.rank * rows
+        local = ids - start
+        foreign = (local < 0) | (local >= rows)
+        local = local.masked_fill(foreign, 0)
+        pad = self.padding_idx - start if 0 <= self.padding_idx - start < rows else -1
+        out = torch.ops.aten.embedding.default(weight, local, pad)
+        return out.masked_fill(foreign.unsqueeze(-1), 0)
+
+    def extra_repr(self) -> str:
+        return f"node={self.node}, tp={self.axis.size}"
+
+
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # at::Reduction
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                reduction: str, axis: TensorParallelAxis) -> torch.Tensor:
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        width = z.shape[1]
+        row_max = all_reduce_no_grad(z.max(dim=1).values, axis, torch.distributed.ReduceOp.MAX)
+        exp = (z - row_max[:, None]).exp()
+        sum_exp = all_reduce_no_grad(exp.sum(dim=1), axis)
+        local = target - axis.rank * width
+        owned = (local >= 0) & (local < width)
+        safe = local.clamp(0, width - 1)
+        target_logit = (z.gather(1, safe[:, None]).squeeze(1) - row_max) * owned
+        target_logit = all_reduce_no_grad(target_logit, axis)
+        valid = (target != ignore_index).to(z.dtype)
+        losses = (sum_exp.log() - target_logit) * valid
+        count = valid.sum()
+        ctx.save_for_backward(exp, sum_exp, safe, owned, valid, count)
+        ctx.reduction, ctx.dtype = reduction, logits.dtype
+        out = {"none": losses, "sum": losses.sum(), "mean": losses.sum() / count}[reduction]
+        return out.to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        exp, sum_exp, safe, owned, valid, count = ctx.saved_tensors
+        probs = exp / sum_exp[:, None]
+        probs.scatter_add_(1, safe[:, None], -owned.to(probs.dtype)[:, None])
+        grad = grad.to(probs.dtype)
+        scale = grad[:, None] if ctx.reduction == "none" else (grad / count if ctx.reduction == "mean" else grad)
+        rows = valid[:, None] * scale
+        return (probs * rows).to(ctx.dtype), None, None, None, None
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    """cross_entropy(logits[N, V/n], target[N]) with logits sharded by vocabulary (Megatron)."""
+
+    def __init__(self, *, axis: TensorParallelAxis, ignore_index: int, reduction: str, node: str) -> None:
+        super().__init__()
+        self.axis, self.ignore_index, self.reduction, self.node = axis, ignore_index, reduction, node
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return _VocabParallelCE.apply(logits, target, self.ignore_index, self.reduction, self.axis)
+
+    def extra_repr(self) -> str:
+        return f"node={self.node}, reduction={self.reduction}, tp={self.axis.size}"
+
+
+class BatchShardedCrossEntropy(nn.Module):
+    """cross_entropy on this rank's rows; a partial value whose sum over ranks is the loss."""
+
+    def __init__(self, *, axis: TensorParallelAxis, ignore_index: int, reduction: str,
+                 label_smoothing: float, node: str) -> None:
+        super().__init__()
+        self.axis, self.ignore_index, self.reduction = axis, ignore_index, reduction
+        self.label_smoothing, self.node = label_smoothing, node
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        total = torch.ops.aten.cross_entropy_loss.default(
+            logits, target, None, 2, self.ignore_index, self.label_smoothing)
+        if self.reduction == "sum":
+            return total
+        # the mean is over the counted rows of every rank, not of this one
+        count = all_reduce_no_grad((target != self.ignore_index).sum().to(total.dtype), self.axis)
+        return total / count
+
+    def extra_repr(self) -> str:
+        return f"node={self.node}, reduction={self.reduction}, tp={self.axis.size}"
+
+
+def loss_module(rule: str, node: OpNode, call: dict[str, Any], axis: TensorParallelAxis) -> nn.Module:
+    """The module that runs a vocabulary- or batch-sharded cross-entropy node."""
+    reduction = _REDUCTIONS[int(call.get("reduction", 1))]
+    ignore_index = int(call.get("ignore_index", -100))
+    smoothing = float(call.get("label_smoothing", 0.0))
+    if call.get("weight") is not None:
+        raise UnexecutableStrategy(f"node {node.name}: class weights in a sharded cross-entropy")
+    if rule == "vocab_loss":
+        if smoothing:
+            raise UnexecutableStrategy(f"node {node.name}: label smoothing in a vocabulary-parallel loss")
+        return VocabParallelCrossEntropy(axis=axis, ignore_index=ignore_index, reduction=reduction,
+                                         node=node.name)
+    if reduction == "none":
+        raise UnexecutableStrategy(f"node {node.name}: per-row losses (reduction='none') are "
+                                   f"sharded by rows, not the partial sum the batch strategy declares")
+    return BatchShardedCrossEntropy(axis=axis, ignore_index=ignore_index, reduction=reduction,
+                                    label_smoothing=smoothing, node=node.name)
+
+
+def embedding_module(node: OpNode, call: dict[str, Any], axis: TensorParallelAxis) -> nn.Module:
+    if call.get("scale_grad_by_freq") or call.get("sparse"):
+        raise UnexecutableStrategy(f"node {node.name}: scale_grad_by_freq/sparse embedding under "
+                                   f"a vocabulary-parallel strategy")
+    return VocabParallelEmbedding(axis=axis, padding_idx=int(call.get("padding_idx", -1)), node=node.name)

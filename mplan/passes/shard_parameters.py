@@ -1,0 +1,152 @@
+"""Build one TP rank's parameter shards (and the whole buffers) from any source of weights.
+
+Input: a captured `Graph`, the TP choice, this rank's TP index and the axis size, and a source:
+- the user's model on a real device: each parameter is sliced (and copied, so the shard owns
+  its storage and the full model can be freed);
+- a full state dict (`{fqn: tensor}`): sliced the same way; names and shapes are checked;
+- a model on the meta device: each shard is initialized with the module's own init, one
+  parameter at a time, so no rank ever holds the full model (see below).
+Output: `{fqn: local tensor}` under the placement `parameter_layouts` derives from the choice.
+
+Meta-device models, how each parameter is made:
+- mplan's families (`DecoderLM`): `init_weights(seed)` draws every parameter from its own
+  generator seeded by (seed, name), so re-running its rule for one parameter on the CPU
+  reproduces exactly the values the single-device model built with that seed has. The full
+  parameter is generated (its RNG stream cannot be entered mid-way), sliced, and dropped:
+  peak extra memory is one parameter, never the model.
+- any other module: each module that owns parameters is copied (on meta, free), materialized on
+  the CPU without its children, and reset with its own `reset_parameters()` under a seed drawn
+  from (seed, module name). Every rank then builds the same full parameter before slicing, so
+  shards are consistent; the values are the module's init distribution, not the weights of
+  some other single-device instance. A module without `reset_parameters` is an error.
+Buffers are never sharded (`materialize_buffers`): copied from a real model, or recomputed for
+meta-device mplan models (`reset_tables`, RoPE).
+
+Invariants: chunk i of a sharded dim goes to TP rank i (as in runtime/collectives.py); returned
+tensors are contiguous, detached and own their storage.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+from mplan.ir.graph import Graph
+from mplan.models.decoder import DecoderLM, parameter_seed
+from mplan.planner.placement import Placement, Shard
+from mplan.planner.strategies import Strategy
+from mplan.passes.parameter_layout import parameter_layouts
+
+ParameterSource = nn.Module | Mapping[str, torch.Tensor]
+
+
+def shard_tensor(tensor: torch.Tensor, placement: Placement, rank: int, size: int) -> torch.Tensor:
+    """This rank's piece of a whole tensor (a view for S(d), the tensor itself for R)."""
+    if not isinstance(placement, Shard) or size == 1:
+        return tensor
+    length = tensor.shape[placement.dim]
+    if length % size:
+        raise ValueError(f"cannot shard dim {placement.dim} of size {length} over {size} ranks "
+                         f"({length} % {size} = {length % size})")
+    chunk = length // size
+    return tensor.narrow(placement.dim, rank * chunk, chunk)
+
+
+def shard_parameters(graph: Graph, choice: Mapping[str, Strategy], tp_rank: int, tp_size: int,
+                     source: ParameterSource, *, seed: int = 0, device: torch.device | str | None = None,
+                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """This rank's shard of every parameter of `graph` (see the module docstring)."""
+    layouts = parameter_layouts(graph, choice)
+    read = _reader(graph, source, seed)
+    shards: dict[str, torch.Tensor] = {}
+    for name, layout in layouts.items():
+        full = read(name)
+        expected = graph.params[name].meta.shape
+        if tuple(full.shape) != expected:
+            raise ValueError(f"parameter {name}: the source has shape {tuple(full.shape)}, the "
+                             f"captured graph {expected}")
+        piece = shard_tensor(full.detach(), layout.placement, tp_rank, tp_size)
+        target = torch.device(device) if device is not None else full.device
+        shards[name] = piece.to(device=target, dtype=dtype or full.dtype, copy=True).contiguous()
+    return shards
+
+
+def _reader(graph: Graph, source: ParameterSource, seed: int) -> Callable[[str], torch.Tensor]:
+    if isinstance(source, Mapping):
+        missing = [name for name in graph.params if name not in source]
+        if missing:
+            raise KeyError(f"the state dict lacks parameters {missing[:5]}"
+                           f"{' ...' if len(missing) > 5 else ''}")
+        return lambda name: source[name]
+    params = dict(source.named_parameters(remove_duplicate=False))
+    missing = [name for name in graph.params if name not in params]
+    if missing:
+        raise KeyError(f"the model has no parameters named {missing[:5]}: is it the captured model?")
+    if not any(params[name].is_meta for name in graph.params):
+        return lambda name: params[name]
+    if isinstance(source, DecoderLM):
+        return lambda name: _init_decoder_parameter(source, name, params[name], seed)
+    return lambda name: _init_with_module_reset(source, name, seed)
+
+
+class _OneParameter:
+    """What `DecoderLM.init_weights` reads of `self`, narrowed to one CPU parameter."""
+
+    def __init__(self, config: object, name: str, tensor: torch.Tensor) -> None:
+        self.config, self._item = config, (name, tensor)
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return [self._item]
+
+    def modules(self) -> list[nn.Module]:
+        return []
+
+
+def _init_decoder_parameter(model: DecoderLM, name: str, meta: torch.Tensor, seed: int) -> torch.Tensor:
+    tensor = torch.empty(meta.shape, dtype=meta.dtype, device="cpu")
+    # init_weights is the single definition of the family's init; running it on a one-parameter
+    # view keeps shards bit-identical to the single-device model built with the same seed.
+    DecoderLM.init_weights(_OneParameter(model.config, name, tensor), seed)  # type: ignore[arg-type]
+    return tensor
+
+
+def _init_with_module_reset(model: nn.Module, name: str, seed: int) -> torch.Tensor:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    if not hasattr(owner, "reset_parameters"):
+        raise TypeError(f"parameter {name} is on the meta device and {type(owner).__name__} "
+                        f"({owner_name or 'the root'}) has no reset_parameters(); build the model "
+                        f"on a real device or pass a state dict")
+    fresh = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(parameter_seed(seed, owner_name))
+        fresh.reset_parameters()
+    return getattr(fresh, leaf).detach()
+
+
+def materialize_buffers(graph: Graph, model: nn.Module, names: list[str], *,
+                        device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The whole buffers `names` (IR names) on `device`; recomputed when the model is on meta."""
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        if name not in buffers:
+            raise KeyError(f"the model has no buffer {name}")
+        value = buffers[name]
+        if value.is_meta:
+            value = _recompute_buffer(model, name)
+        out[name] = value.detach().to(device=device, copy=True)
+    return out
+
+
+def _recompute_buffer(model: nn.Module, name: str) -> torch.Tensor:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    if not hasattr(owner, "reset_tables"):
+        raise TypeError(f"buffer {name} is on the meta device and {type(owner).__name__} cannot "
+                        f"recompute it (no reset_tables()); build the model on a real device")
+    fresh = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
+    fresh.reset_tables()
+    return getattr(fresh, leaf)
