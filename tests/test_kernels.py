@@ -13,15 +13,15 @@ import re
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from distributed import rel_err, run_ranks
+
 from mplan.kernels import (
     FUSED_OP_TRAFFIC,
     VocabReductions,

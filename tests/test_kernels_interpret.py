@@ -13,14 +13,15 @@ benchmarks/kernels_h200.py checks it on the GPU.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from distributed import rel_err, run_ranks
+
 from mplan.kernels import (
     VocabReductions,
     bias_gelu,

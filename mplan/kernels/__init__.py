@@ -18,7 +18,6 @@ The graph pass that swaps these into a captured model is mplan.passes.fuse_kerne
 """
 from __future__ import annotations
 
-from mplan.kernels.gelu import bias_gelu, bias_gelu_reference
 from mplan.kernels.cross_entropy_loss import (
     VocabReductions,
     cross_entropy,
@@ -26,11 +25,12 @@ from mplan.kernels.cross_entropy_loss import (
     vocab_parallel_cross_entropy,
 )
 from mplan.kernels.dispatch import use_triton
+from mplan.kernels.gelu import bias_gelu, bias_gelu_reference
+from mplan.kernels.glu import swiglu, swiglu_reference
 from mplan.kernels.layernorm import layer_norm_residual, layer_norm_residual_reference
 from mplan.kernels.op_bytes import FUSED_OP_TRAFFIC, FusedOpTraffic, fused_op_bytes
 from mplan.kernels.rmsnorm import rms_norm, rms_norm_reference, rms_norm_residual, rms_norm_residual_reference
 from mplan.kernels.rotary import rope, rope_reference
-from mplan.kernels.glu import swiglu, swiglu_reference
 
 __all__ = [
     "FUSED_OP_TRAFFIC",

@@ -27,8 +27,9 @@ run `F.cross_entropy` (unsharded) or the chunked PyTorch local math (sharded).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

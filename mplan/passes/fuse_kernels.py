@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -210,7 +211,7 @@ def _match_swiglu(anchor: Node) -> Match | None:
         if _is(silu, aten.silu.default) and isinstance(up, Node) and _used_only_by(silu, anchor):
             gate = silu.args[0]
             return Match(chain=(silu, anchor), outputs=(anchor,), inputs=(gate, up),
-                         emit=lambda g: _call(g, swiglu, (gate, up), anchor))
+                         emit=lambda g, args=(gate, up): _call(g, swiglu, args, anchor))
     return None
 
 
@@ -233,7 +234,7 @@ def _match_rope(anchor: Node) -> Match | None:
             if not isinstance(cos, Node) or x in (cos, sin):
                 continue
             return Match(chain=(*chain, rotated, plain, anchor), outputs=(anchor,), inputs=(x, cos, sin),
-                         emit=lambda g: _call(g, rope, (x, cos, sin), anchor))
+                         emit=lambda g, args=(x, cos, sin): _call(g, rope, args, anchor))
     return None
 
 

@@ -1,0 +1,319 @@
+"""Check and time mplan's fused Triton kernels against torch eager and torch.compile on one GPU.
+
+For each kernel (RMSNorm+residual, LayerNorm+residual, SwiGLU, bias+GELU, RoPE, cross-entropy):
+  1. correctness in bf16 on random data: outputs and every gradient of the fused op, and of
+     the eager reference, against the reference run in fp32 on the same (upcast) inputs; the
+     fused op passes when its relative error (in norm) is under max(1e-2, 2x eager's);
+     checked at the timing shape and at an odd shape (no dimension a power of two);
+  2. timing with triton.testing.do_bench (medians, L2 flushed) of forward and forward+backward,
+     for the fused op, the eager reference and torch.compile of the reference (one compile per
+     kernel: the forward and forward+backward timings share it);
+  3. achieved TB/s counting the fewest bytes (mplan.kernels.fused_op_bytes: every input read
+     once, every output written once) and its fraction of the device-to-device copy bandwidth
+     measured in the same run (read + written bytes of a 1 GiB copy).
+Shapes are those of shared/reference/h200-kernels-2026-11-29.json: 16384 tokens x hidden 4096
+(norms), 14336 (SwiGLU), 16384 (bias+GELU); RoPE on [4, 32, 4096, 128]; cross-entropy on
+4096 x 128256 logits. Target: >= 80% of copy bandwidth and no slower than torch.compile.
+About 2-3 minutes on an H200 (mostly torch.compile and Triton autotuning).
+
+Run on the GPU (from the repository root):
+    PYTHONPATH=. python3 benchmarks/kernels_h200.py --out $OUT/kernels.json
+Smoke test of the script's logic on a CPU (Triton interpreter, tiny shapes, no compile, fp16):
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/kernels_h200.py --smoke --out /tmp/kernels.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mplan.kernels import (  # noqa: E402
+    bias_gelu,
+    bias_gelu_reference,
+    cross_entropy,
+    cross_entropy_reference,
+    fused_op_bytes,
+    layer_norm_residual,
+    layer_norm_residual_reference,
+    rms_norm_residual,
+    rms_norm_residual_reference,
+    rope,
+    rope_reference,
+    swiglu,
+    swiglu_reference,
+    use_triton,
+)
+from mplan.models.layers import rope_tables  # noqa: E402
+
+COPY_TARGET = 0.8
+"""fraction of copy bandwidth each memory-bound kernel should reach (issue 6)"""
+BUDGET_S = 210.0
+"""kernels not started by then are skipped (the lead's run must end within 4 minutes)"""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Case:
+    """One kernel: how to make its inputs at a size, the fused op, its reference, its bytes."""
+
+    name: str
+    """key in shared/reference/h200-kernels-2026-11-29.json"""
+    fused: Callable[..., Any]
+    reference: Callable[..., Any]
+    make: Callable[[dict[str, int], torch.device, torch.dtype], list[Any]]
+    """inputs: floating tensors that require grad are differentiated; others are constants"""
+    shape: dict[str, int]
+    odd_shape: dict[str, int]
+    bytes: Callable[[dict[str, int], int], tuple[int, int]]
+    """(forward bytes, backward bytes) at a shape and itemsize"""
+
+
+def _leaf(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype, scale: float = 1.0,
+          shift: float = 0.0) -> torch.Tensor:
+    return (shift + scale * torch.randn(shape, device=device, dtype=torch.float32)).to(dtype).requires_grad_()
+
+
+def _rows_bytes(op: str) -> Callable[[dict[str, int], int], tuple[int, int]]:
+    def count(s: dict[str, int], itemsize: int) -> tuple[int, int]:
+        return tuple(fused_op_bytes(op, num_rows=s["rows"], row_size=s["cols"], itemsize=itemsize, backward=b)
+                     for b in (False, True))  # type: ignore[return-value]
+    return count
+
+
+def _rope_bytes(s: dict[str, int], itemsize: int) -> tuple[int, int]:
+    rows = s["batch"] * s["heads"] * s["seq"]
+    return tuple(fused_op_bytes("rope", num_rows=rows, row_size=s["head_dim"], itemsize=itemsize,
+                                backward=b, table_rows=s["seq"]) for b in (False, True))  # type: ignore[return-value]
+
+
+def _rope_inputs(s: dict[str, int], device: torch.device, dtype: torch.dtype) -> list[Any]:
+    cos, sin = rope_tables(s["seq"], s["head_dim"], 500000.0, device=device)
+    return [_leaf((s["batch"], s["heads"], s["seq"], s["head_dim"]), device, dtype), cos.to(dtype), sin.to(dtype)]
+
+
+def _ce_inputs(s: dict[str, int], device: torch.device, dtype: torch.dtype) -> list[Any]:
+    labels = torch.randint(0, s["cols"], (s["rows"],), device=device)
+    labels[torch.rand(s["rows"], device=device) < 0.05] = -100  # padding rows, as in packed batches
+    return [_leaf((s["rows"], s["cols"]), device, dtype, scale=2.0), labels]
+
+
+CASES = [
+    Case(name="rmsnorm+residual", fused=rms_norm_residual, reference=rms_norm_residual_reference,
+         make=lambda s, d, t: [_leaf((s["rows"], s["cols"]), d, t), _leaf((s["rows"], s["cols"]), d, t),
+                               _leaf((s["cols"],), d, t, 0.1, 1.0), 1e-5],
+         shape={"rows": 16384, "cols": 4096}, odd_shape={"rows": 1001, "cols": 4000},
+         bytes=_rows_bytes("rms_norm_residual")),
+    Case(name="layernorm+residual", fused=layer_norm_residual, reference=layer_norm_residual_reference,
+         make=lambda s, d, t: [_leaf((s["rows"], s["cols"]), d, t), _leaf((s["rows"], s["cols"]), d, t),
+                               _leaf((s["cols"],), d, t, 0.1, 1.0), _leaf((s["cols"],), d, t, 0.1), 1e-5],
+         shape={"rows": 16384, "cols": 4096}, odd_shape={"rows": 1001, "cols": 4000},
+         bytes=_rows_bytes("layer_norm_residual")),
+    Case(name="swiglu", fused=swiglu, reference=swiglu_reference,
+         make=lambda s, d, t: [_leaf((s["rows"], s["cols"]), d, t, 2.0), _leaf((s["rows"], s["cols"]), d, t)],
+         shape={"rows": 16384, "cols": 14336}, odd_shape={"rows": 1001, "cols": 3001},
+         bytes=_rows_bytes("swiglu")),
+    Case(name="bias+gelu", fused=bias_gelu, reference=bias_gelu_reference,
+         make=lambda s, d, t: [_leaf((s["rows"], s["cols"]), d, t, 2.0), _leaf((s["cols"],), d, t, 0.5)],
+         shape={"rows": 16384, "cols": 16384}, odd_shape={"rows": 1001, "cols": 3001},
+         bytes=_rows_bytes("bias_gelu")),
+    Case(name="rope", fused=rope, reference=rope_reference, make=_rope_inputs,
+         shape={"batch": 4, "heads": 32, "seq": 4096, "head_dim": 128},
+         odd_shape={"batch": 3, "heads": 5, "seq": 1001, "head_dim": 80}, bytes=_rope_bytes),
+    Case(name="cross_entropy", fused=cross_entropy, reference=cross_entropy_reference, make=_ce_inputs,
+         shape={"rows": 4096, "cols": 128256}, odd_shape={"rows": 1001, "cols": 50001},
+         bytes=_rows_bytes("cross_entropy")),
+]
+
+SMOKE_SHAPES = {
+    "rmsnorm+residual": {"rows": 7, "cols": 48}, "layernorm+residual": {"rows": 7, "cols": 48},
+    "swiglu": {"rows": 7, "cols": 45}, "bias+gelu": {"rows": 7, "cols": 45},
+    "rope": {"batch": 2, "heads": 3, "seq": 5, "head_dim": 8}, "cross_entropy": {"rows": 9, "cols": 70},
+}
+
+
+def _outputs(result: Any) -> tuple[torch.Tensor, ...]:
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _leaves(inputs: list[Any]) -> list[torch.Tensor]:
+    return [a for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad]
+
+
+def _forward_backward(fn: Callable[..., Any], inputs: list[Any],
+                      upstream: list[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    outputs = _outputs(fn(*inputs))
+    return outputs, torch.autograd.grad(outputs, _leaves(inputs), upstream)
+
+
+def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    scale = expected.float().norm().item()
+    error = (actual.float() - expected.float()).norm().item()
+    return error / scale if scale else error
+
+
+def check(case: Case, shape: dict[str, int], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Relative errors of the fused op and of the eager reference against the fp32 reference."""
+    torch.manual_seed(0)
+    inputs = case.make(shape, device, dtype)
+    fused_out = _outputs(case.fused(*inputs))
+    upstream = [torch.randn_like(out) for out in fused_out]
+    fused = _forward_backward(case.fused, inputs, upstream)
+    eager = _forward_backward(case.reference, inputs, upstream)
+    wide = [a.detach().float().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor)
+            and a.is_floating_point() else a for a in inputs]
+    exact = _forward_backward(case.reference, wide, [u.float() for u in upstream])
+    names = [f"out{i}" for i in range(len(exact[0]))] + [f"grad{i}" for i in range(len(exact[1]))]
+    errors: dict[str, dict[str, float]] = {"fused": {}, "eager": {}}
+    for label, (outs, grads) in (("fused", fused), ("eager", eager)):
+        for name, got, want in zip(names, (*outs, *grads), (*exact[0], *exact[1])):
+            errors[label][name] = _rel(got, want)
+    passed = all(errors["fused"][n] <= max(1e-2, 2 * errors["eager"][n]) for n in names)
+    return {"shape": shape, "passed": passed, "triton_used": use_triton(inputs[0]), "errors": errors}
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+    if device.type == "cuda":
+        import triton.testing
+
+        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    def wall_ms(fn: Callable[[], Any]) -> float:  # the smoke test's stand-in: no events on a CPU
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    return wall_ms
+
+
+def time_case(case: Case, device: torch.device, dtype: torch.dtype, shape: dict[str, int], copy_tbps: float,
+              compile_reference: bool) -> dict[str, Any]:
+    timer = _timer(device)
+    torch.manual_seed(0)
+    inputs = case.make(shape, device, dtype)
+    upstream = [torch.randn_like(out) for out in _outputs(case.reference(*inputs))]
+    bytes_fwd, bytes_bwd = case.bytes(shape, torch.finfo(dtype).bits // 8)
+    impls: dict[str, Callable[..., Any]] = {"triton": case.fused, "eager": case.reference}
+    if compile_reference:
+        impls["compile"] = torch.compile(case.reference, dynamic=False)
+    result: dict[str, Any] = {"shape": shape, "bytes_fwd": bytes_fwd, "bytes_fwd_bwd": bytes_fwd + bytes_bwd}
+    for name, fn in impls.items():
+        start = time.perf_counter()
+        _forward_backward(fn, inputs, upstream)  # compiles (torch.compile) and autotunes (Triton)
+        warmup_s = time.perf_counter() - start
+        fwd_ms = timer(lambda fn=fn: fn(*inputs))
+        fwd_bwd_ms = timer(lambda fn=fn: _forward_backward(fn, inputs, upstream))
+        fwd_tbps = bytes_fwd / fwd_ms / 1e9
+        fwd_bwd_tbps = (bytes_fwd + bytes_bwd) / fwd_bwd_ms / 1e9
+        result[name] = {"fwd_ms": round(fwd_ms, 4), "fwd_TBps": round(fwd_tbps, 3),
+                        "fwd_bwd_ms": round(fwd_bwd_ms, 4), "fwd_bwd_TBps": round(fwd_bwd_tbps, 3),
+                        "fwd_copy_fraction": round(fwd_tbps / copy_tbps, 3),
+                        "fwd_bwd_copy_fraction": round(fwd_bwd_tbps / copy_tbps, 3),
+                        "warmup_s": round(warmup_s, 1)}
+    triton_row = result["triton"]
+    result["meets_copy_target"] = triton_row["fwd_copy_fraction"] >= COPY_TARGET
+    if "compile" in result:
+        result["not_slower_than_compile"] = {
+            "fwd": triton_row["fwd_ms"] <= result["compile"]["fwd_ms"],
+            "fwd_bwd": triton_row["fwd_bwd_ms"] <= result["compile"]["fwd_bwd_ms"]}
+    return result
+
+
+def copy_bandwidth_tbps(device: torch.device) -> float:
+    """Read + written bytes per second of a 1 GiB device-to-device copy (64 KiB in the smoke test)."""
+    numel = (1 << 29) if device.type == "cuda" else (1 << 15)
+    src = torch.empty(numel, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = _timer(device)(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / ms / 1e9
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="where to write the JSON results")
+    parser.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated kernels to run")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the references")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU smoke test: tiny shapes, fp16, no compile (needs TRITON_INTERPRET=1)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    start = time.perf_counter()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float16 if args.smoke else torch.bfloat16  # the interpreter computes bf16 wrongly
+
+    def log(message: str) -> None:
+        print(f"[{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    copy_tbps = copy_bandwidth_tbps(device)
+    log(f"copy bandwidth {copy_tbps:.3f} TB/s")
+    report: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke test)",
+        "torch": torch.__version__, "triton": _triton_version(), "dtype": str(dtype).removeprefix("torch."),
+        "copy_TBps": round(copy_tbps, 3), "copy_target_fraction": COPY_TARGET, "kernels": {},
+    }
+    wanted = set(args.cases.split(","))
+    for case in (c for c in CASES if c.name in wanted):
+        shape = SMOKE_SHAPES[case.name] if args.smoke else case.shape
+        entry: dict[str, Any] = {}
+        if time.perf_counter() - start > BUDGET_S:
+            report["kernels"][case.name] = {"error": f"skipped: past the {BUDGET_S:.0f} s budget"}
+            log(f"{case.name}: skipped (time budget)")
+            continue
+        try:
+            entry["check"] = [check(case, shape, device, dtype)]
+            if not args.smoke:
+                entry["check"].append(check(case, case.odd_shape, device, dtype))
+            entry["correct"] = all(c["passed"] and c["triton_used"] for c in entry["check"])
+            entry["timing"] = time_case(case, device, dtype, shape, copy_tbps,
+                                        compile_reference=not (args.no_compile or args.smoke))
+        except Exception:  # noqa: BLE001 - one kernel's failure must not lose the others' numbers
+            entry["error"] = traceback.format_exc()
+        report["kernels"][case.name] = entry
+        log(f"{case.name}: " + _summary(entry))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    report["wall_s"] = round(time.perf_counter() - start, 1)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=1)
+        handle.write("\n")
+    log(f"wrote {args.out}")
+
+
+def _summary(entry: dict[str, Any]) -> str:
+    if "error" in entry:
+        return "ERROR " + entry["error"].strip().splitlines()[-1]
+    timing = entry["timing"]
+    parts = [f"correct={entry['correct']}"]
+    for name in ("triton", "eager", "compile"):
+        if name in timing:
+            row = timing[name]
+            parts.append(f"{name} fwd {row['fwd_ms']:.3f} ms ({row['fwd_TBps']:.2f} TB/s, "
+                         f"{row['fwd_copy_fraction']:.0%} of copy) fwd+bwd {row['fwd_bwd_ms']:.3f} ms")
+    return "; ".join(parts)
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+if __name__ == "__main__":
+    main()
