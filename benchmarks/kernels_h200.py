@@ -42,14 +42,20 @@ from mplan.kernels import (  # noqa: E402
     bias_gelu,
     bias_gelu_reference,
     cross_entropy,
+    cross_entropy_loss,
     cross_entropy_reference,
     fused_op_bytes,
+    gelu,
+    glu,
     layer_norm_residual,
     layer_norm_residual_reference,
+    layernorm,
     rms_norm_residual,
     rms_norm_residual_reference,
+    rmsnorm,
     rope,
     rope_reference,
+    rotary,
     swiglu,
     swiglu_reference,
     use_triton,
@@ -76,6 +82,8 @@ class Case:
     odd_shape: dict[str, int]
     bytes: Callable[[dict[str, int], int], tuple[int, int]]
     """(forward bytes, backward bytes) at a shape and itemsize"""
+    kernels: tuple[Any, ...]
+    """the Triton autotuners behind the op, whose chosen configs are reported"""
 
 
 def _leaf(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype, scale: float = 1.0,
@@ -112,26 +120,28 @@ CASES = [
          make=lambda s, d, t: [_leaf((s["rows"], s["cols"]), d, t), _leaf((s["rows"], s["cols"]), d, t),
                                _leaf((s["cols"],), d, t, 0.1, 1.0), 1e-5],
          shape={"rows": 16384, "cols": 4096}, odd_shape={"rows": 1001, "cols": 4000},
-         bytes=_rows_bytes("rms_norm_residual")),
+         bytes=_rows_bytes("rms_norm_residual"), kernels=(rmsnorm._forward_kernel, rmsnorm._backward_kernel)),
     Case(name="layernorm+residual", fused=layer_norm_residual, reference=layer_norm_residual_reference,
          make=lambda s, d, t: [_leaf((s["rows"], s["cols"]), d, t), _leaf((s["rows"], s["cols"]), d, t),
                                _leaf((s["cols"],), d, t, 0.1, 1.0), _leaf((s["cols"],), d, t, 0.1), 1e-5],
          shape={"rows": 16384, "cols": 4096}, odd_shape={"rows": 1001, "cols": 4000},
-         bytes=_rows_bytes("layer_norm_residual")),
+         bytes=_rows_bytes("layer_norm_residual"), kernels=(layernorm._forward_kernel, layernorm._backward_kernel)),
     Case(name="swiglu", fused=swiglu, reference=swiglu_reference,
          make=lambda s, d, t: [_leaf((s["rows"], s["cols"]), d, t, 2.0), _leaf((s["rows"], s["cols"]), d, t)],
          shape={"rows": 16384, "cols": 14336}, odd_shape={"rows": 1001, "cols": 3001},
-         bytes=_rows_bytes("swiglu")),
+         bytes=_rows_bytes("swiglu"), kernels=(glu._forward_kernel, glu._backward_kernel)),
     Case(name="bias+gelu", fused=bias_gelu, reference=bias_gelu_reference,
          make=lambda s, d, t: [_leaf((s["rows"], s["cols"]), d, t, 2.0), _leaf((s["cols"],), d, t, 0.5)],
          shape={"rows": 16384, "cols": 16384}, odd_shape={"rows": 1001, "cols": 3001},
-         bytes=_rows_bytes("bias_gelu")),
+         bytes=_rows_bytes("bias_gelu"), kernels=(gelu._forward_kernel, gelu._backward_kernel)),
     Case(name="rope", fused=rope, reference=rope_reference, make=_rope_inputs,
          shape={"batch": 4, "heads": 32, "seq": 4096, "head_dim": 128},
-         odd_shape={"batch": 3, "heads": 5, "seq": 1001, "head_dim": 80}, bytes=_rope_bytes),
+         odd_shape={"batch": 3, "heads": 5, "seq": 1001, "head_dim": 80}, bytes=_rope_bytes,
+         kernels=(rotary._rope_kernel,)),
     Case(name="cross_entropy", fused=cross_entropy, reference=cross_entropy_reference, make=_ce_inputs,
          shape={"rows": 4096, "cols": 128256}, odd_shape={"rows": 1001, "cols": 50001},
-         bytes=_rows_bytes("cross_entropy")),
+         bytes=_rows_bytes("cross_entropy"),
+         kernels=(cross_entropy_loss._stats_kernel, cross_entropy_loss._grad_kernel)),
 ]
 
 SMOKE_SHAPES = {
@@ -220,6 +230,8 @@ def time_case(case: Case, device: torch.device, dtype: torch.dtype, shape: dict[
                         "fwd_copy_fraction": round(fwd_tbps / copy_tbps, 3),
                         "fwd_bwd_copy_fraction": round(fwd_bwd_tbps / copy_tbps, 3),
                         "warmup_s": round(warmup_s, 1)}
+    result["triton_configs"] = {kernel.fn.__name__: str(getattr(kernel, "best_config", None))
+                                for kernel in case.kernels}
     triton_row = result["triton"]
     result["meets_copy_target"] = triton_row["fwd_copy_fraction"] >= COPY_TARGET
     if "compile" in result:

@@ -27,6 +27,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import logging
 import operator
 from collections import Counter
 from collections.abc import Callable
@@ -51,6 +52,7 @@ __all__ = ["FUSED_OP_TRAFFIC", "FUSION_RULES", "FusedOpTraffic", "FusionReport",
            "fused_op_bytes"]
 
 aten = torch.ops.aten
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -319,7 +321,8 @@ def fuse_kernels(gm: GraphModule, rules: tuple[FusionRule, ...] = FUSION_RULES) 
                 break
     graph.lint()
     gm.recompile()
-    gm.meta["fuse_kernels"] = FusionReport(dict(counts))
+    gm.meta["fuse_kernels"] = report = FusionReport(dict(counts))
+    logger.info("%s", report)
     return gm
 
 
