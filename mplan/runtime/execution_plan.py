@@ -1,0 +1,191 @@
+"""What one training job executes: the mesh, batching and TP strategies, resolved from a plan.
+
+Input: whatever `autoparallel(plan=...)` was given (None, a `Plan`, a plan.json path, or a spec
+string such as `tp=2,dp=2,sp=1,zero=1`), the world size and the global batch. Output: an
+`ExecutionPlan` (pure data, checked locally: a wrong world size or batch split fails here, on
+every rank, before any collective) and, once the model is captured, the TP choice of every node
+(`tp_choice`) and the plan hash every rank must agree on (`plan_hash`).
+
+`resolve_execution_plan` is the one hook between planning and execution:
+- None or "auto"  the planner searches (`mplan.planner.planning.plan`), restricted to what this
+                  runtime executes (pp=1, ep=1); its Plan is then used as below;
+- a Plan / path   mesh, SP, ZeRO and micro-batching from the plan; the TP strategy of every op
+                  from `plan.ops` (per segment, in node order), zipped onto the re-captured graph;
+                  `plan.check_runs_on` refuses another world size or another model's graph;
+- a spec string   keys as in DESIGN.md (dp, tp, pp, sp, zero, mbs); keys left out take defaults
+                  here (tp=1, sp=0, zero=0, dp fills the world, mbs = the whole replica batch
+                  unless `micro_batch_size` says otherwise); TP strategies are Megatron's
+                  (`megatron_required`), solved deterministically on the captured graph, or,
+                  with tp_strategies="ilp", any valid mix the sharding ILP finds cheapest.
+
+Invariants: dp*tp*pp == world size; dp * micro_batch_size * num_micro_batches == global_batch;
+pp == ep == 1 (pipeline and expert parallelism execute in a later issue).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from mplan.ir.graph import Graph, OpNode
+from mplan.ir.graph_hash import graph_hash
+from mplan.planner.parallel_config import PlanSpec, parse_plan_spec
+from mplan.planner.placement import R, Shard
+from mplan.planner.plan import Plan, PlanError
+from mplan.planner.sharding_ilp import megatron_style, solve_graph_sharding
+from mplan.planner.strategies import Strategy, replicated, strategies_for
+from mplan.runtime.mesh import MeshShape
+
+LATER_ISSUE = "pipeline (pp) and expert (ep) parallelism execute in Execution II, a later issue"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExecutionPlan:
+    """The parallel layout one job runs; identical on every rank."""
+
+    mesh: MeshShape
+    sequence_parallel: bool
+    zero: int  # 0: replicated optimizer, 1: ZeRO-1 (state and fp32 masters sharded over DP)
+    micro_batch_size: int  # sequences per micro-batch per DP replica
+    num_micro_batches: int  # per DP replica per optimizer step
+    global_batch: int  # sequences per optimizer step over all replicas
+    tp_strategies: str  # "megatron" (spec strings), "ilp" (any valid mix), "plan" (a Plan's ops)
+    source: str  # what the user passed, for messages
+    plan: Plan | None = None  # the planner's Plan, when there is one (its ops and graph hash)
+
+    def __post_init__(self) -> None:
+        if self.mesh.pp != 1 or self.mesh.ep != 1:
+            raise NotImplementedError(f"{self.source}: pp={self.mesh.pp}, ep={self.mesh.ep}: {LATER_ISSUE}")
+        if self.zero not in (0, 1):
+            raise ValueError(f"{self.source}: zero must be 0 or 1, got {self.zero}")
+        share = self.mesh.dp * self.micro_batch_size * self.num_micro_batches
+        if share != self.global_batch:
+            raise ValueError(f"{self.source}: dp*micro_batch_size*num_micro_batches = {self.mesh.dp}*"
+                             f"{self.micro_batch_size}*{self.num_micro_batches} = {share} but the "
+                             f"global batch is {self.global_batch}")
+
+    def describe(self) -> str:
+        m = self.mesh
+        return (f"dp={m.dp},tp={m.tp},sp={int(self.sequence_parallel)},zero={self.zero},"
+                f"mbs={self.micro_batch_size},micro_batches={self.num_micro_batches}")
+
+
+def resolve_execution_plan(plan: Plan | str | None, *, world_size: int, global_batch: int,
+                           micro_batch_size: int | None = None, tp_strategies: str = "megatron",
+                           search: Callable[[PlanSpec], Plan] | None = None) -> ExecutionPlan:
+    """The hook from planning to execution (see the module docstring). `search` runs the planner
+    for None/"auto" (`autoparallel` passes one bound to the model and cluster); `tp_strategies`
+    says how a spec string's TP degree is filled: "megatron", or "ilp" (whatever valid mix the
+    sharding ILP finds cheapest)."""
+    if tp_strategies not in ("megatron", "ilp"):
+        raise ValueError(f"tp_strategies must be 'megatron' or 'ilp', got {tp_strategies!r}")
+    if isinstance(plan, str) and plan.strip().endswith(".json"):
+        plan = Plan.load(plan.strip())
+    if plan is None or (isinstance(plan, str) and plan.strip() in ("", "auto")):
+        if search is None:
+            raise ValueError("plan=None searches for a plan, which needs the model and cluster")
+        plan = search(PlanSpec(pp=1, ep=1))
+    if isinstance(plan, Plan):
+        return _from_plan(plan, world_size, global_batch)
+    if isinstance(plan, str):
+        return _from_spec(plan, world_size, global_batch, micro_batch_size, tp_strategies)
+    raise TypeError(f"plan must be None, a Plan, a plan.json path or a spec string, not {type(plan).__name__}")
+
+
+def _from_plan(plan: Plan, world_size: int, global_batch: int) -> ExecutionPlan:
+    plan.check_runs_on(world_size=world_size)
+    if plan.global_batch != global_batch:
+        raise PlanError(f"plan was made for a global batch of {plan.global_batch}, "
+                        f"autoparallel was given {global_batch}")
+    m = plan.mesh
+    if m.vpp != 1:
+        raise NotImplementedError(f"plan {plan.spec()}: vpp={m.vpp}: {LATER_ISSUE}")
+    return ExecutionPlan(mesh=MeshShape(dp=m.dp, tp=m.tp, pp=m.pp, ep=m.ep),
+                         sequence_parallel=plan.sequence_parallel, zero=plan.zero,
+                         micro_batch_size=plan.micro_batch_size, num_micro_batches=plan.num_micro_batches,
+                         global_batch=global_batch, tp_strategies="plan", source=plan.spec(), plan=plan)
+
+
+def _from_spec(text: str, world_size: int, global_batch: int, micro_batch_size: int | None,
+               tp_strategies: str) -> ExecutionPlan:
+    spec = parse_plan_spec(text)
+    if (spec.pp or 1) != 1 or (spec.ep or 1) != 1 or (spec.vpp or 1) != 1:
+        raise NotImplementedError(f"plan {text!r}: {LATER_ISSUE}")
+    tp = spec.tp or 1
+    if spec.dp is None and world_size % tp:
+        raise ValueError(f"plan {text!r}: tp={tp} does not divide the world size {world_size}")
+    mesh = MeshShape(dp=spec.dp or world_size // tp, tp=tp)
+    if mesh.size != world_size:
+        raise ValueError(f"plan {text!r}: dp*tp*pp = {mesh.dp}*{mesh.tp}*1 = {mesh.size} ranks but "
+                         f"the world has {world_size}")
+    if spec.mbs is not None and micro_batch_size is not None and spec.mbs != micro_batch_size:
+        raise ValueError(f"plan {text!r} says mbs={spec.mbs} but micro_batch_size={micro_batch_size}")
+    if global_batch % mesh.dp:
+        raise ValueError(f"global batch {global_batch} is not divisible by dp={mesh.dp} "
+                         f"({global_batch} % {mesh.dp} = {global_batch % mesh.dp})")
+    mbs = spec.mbs or micro_batch_size or global_batch // mesh.dp
+    replica = global_batch // mesh.dp
+    if replica % mbs:
+        raise ValueError(f"each of dp={mesh.dp} replicas gets {replica} sequences, not a multiple of "
+                         f"the micro-batch size {mbs} ({replica} % {mbs} = {replica % mbs})")
+    return ExecutionPlan(mesh=mesh, sequence_parallel=bool(spec.sp), zero=spec.zero or 0,
+                         micro_batch_size=mbs, num_micro_batches=replica // mbs, global_batch=global_batch,
+                         tp_strategies=tp_strategies, source=text)
+
+
+def megatron_required(n: int) -> Callable[[OpNode, Strategy], bool]:
+    """`megatron_style`, and weights and attention may not stay replicated when a Megatron split
+    exists: on test-sized models the cost model rightly finds replication cheapest, but a plan
+    that names tp>1 asks for tensor parallelism."""
+    def allow(node: OpNode, strategy: Strategy) -> bool:
+        if not megatron_style(node, strategy):
+            return False
+        if node.kind in ("matmul", "attention", "embedding", "loss") and not strategy.split:
+            return not any(s.split and megatron_style(node, s) for s in strategies_for(node, n))
+        return True
+    return allow
+
+
+def tp_choice(graph: Graph, plan: ExecutionPlan, coster_for: Callable[[int], Any]) -> dict[str, Strategy]:
+    """The strategy of every node on the TP axis. `coster_for(n)` builds the `OpCoster` for an
+    axis of n ranks (only the ILP paths need one)."""
+    n = plan.mesh.tp
+    if n == 1:
+        return {node.name: replicated(node) for node in graph.nodes}
+    if plan.tp_strategies == "plan":
+        assert plan.plan is not None
+        return _zip_plan_ops(graph, plan.plan.ops, n)
+    boundary = Shard(1) if plan.sequence_parallel else R
+    allow = megatron_required(n) if plan.tp_strategies == "megatron" else None
+    return dict(solve_graph_sharding(graph, coster_for(n), boundary, allow=allow).choice)
+
+
+def _zip_plan_ops(graph: Graph, ops: Mapping[str, list[str]], n: int) -> dict[str, Strategy]:
+    from mplan.planner.plan_builder import strategy_key
+
+    choice: dict[str, Strategy] = {}
+    for segment in graph.segments:
+        key = segment.block_type or segment.name
+        if not segment.nodes:
+            continue
+        keys = ops.get(key)
+        if keys is None or len(keys) != len(segment.nodes):
+            raise PlanError(f"plan ops for {key}: {0 if keys is None else len(keys)} strategies, the "
+                            f"captured segment {segment.name} has {len(segment.nodes)} nodes: re-plan")
+        for node, wanted in zip(graph.nodes_of(segment.nodes), keys):
+            match = [s for s in strategies_for(node, n) if strategy_key(s) == wanted]
+            if not match:
+                raise PlanError(f"plan ops for {key}: node {node.name} has no strategy {wanted} at "
+                                f"tp={n} with these shapes")
+            choice[node.name] = match[0]
+    return choice
+
+
+def plan_hash(graph: Graph, plan: ExecutionPlan, choice: Mapping[str, Strategy]) -> str:
+    """What every rank must agree on: the model's structure and shapes, the layout, the strategies."""
+    nodes = [[n.name, n.op, [list(o.shape) for o in n.outputs]] for n in graph.nodes]
+    doc = {"graph": graph_hash(graph), "nodes": nodes, "layout": plan.describe(),
+           "global_batch": plan.global_batch,
+           "choice": [f"{choice[n.name]}|{','.join(map(str, choice[n.name].input_grads))}" for n in graph.nodes]}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,200 @@
+"""`ParallelModule`: one rank's share of a model under an execution plan, trained step by step.
+
+Input: the captured training `Graph`, its TP choice and `ExecutionPlan`, the user's model (or a
+state dict) as the source of weights, an optimizer factory, and the job's world group.
+Output: `pm.train_step(inputs, labels)` runs one optimizer step over the global batch and returns
+the same loss on every rank; `pm(inputs)` runs inference and returns whole logits;
+`pm.full_state_dict()`, `pm.save(dir)`, `pm.load(dir)`.
+
+Building (`parallelize`), in this order:
+1. every rank all-gathers its plan hash over the world and fails, naming the ranks, unless all
+   agree: this is the first collective, so a rank with another plan or model never deadlocks
+   the others inside a later one;
+2. the mesh's process groups (`init_process_groups`, explicit, nothing global);
+3. `shard_parameters` -> this rank's leaf parameters; `insert_collectives` -> the local program;
+4. the data-parallel optimizer (`build_optimizer`: zero=0 bucketed all-reduce, zero=1 ZeRO-1),
+   told which parameters are TP shards and which replicated ones carry partial gradients.
+
+A step: each DP replica takes its rows of the global batch (or `local=True` rows it already
+holds), splits them into `num_micro_batches` micro-batches, runs forward and backward of each
+with the loss scaled by 1/num_micro_batches (gradients accumulate in the optimizer's buckets),
+then the optimizer averages over DP, sums partial gradients over TP, clips by the global norm
+across all shards and updates. The returned loss is the mean over micro-batches and replicas,
+which equals the single-device loss of the global batch when every micro-batch counts the same
+number of target tokens (no ignored labels, or the same number per micro-batch).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from mplan.ir.graph import Graph
+from mplan.planner.placement import R
+from mplan.planner.strategies import Strategy
+from mplan.passes.insert_collectives import INPUTS, LocalInput, insert_collectives
+from mplan.passes.parameter_layout import ParamLayout, parameter_layouts
+from mplan.passes.shard_parameters import ParameterSource, materialize_buffers, shard_parameters
+from mplan.runtime.checkpoint import load_checkpoint, save_checkpoint
+from mplan.runtime.execution_plan import ExecutionPlan
+from mplan.runtime.optimizer import DistributedOptimizer, build_optimizer
+from mplan.runtime.param_placement import ParamPlacement
+from mplan.runtime.process_groups import ProcessGroups, group_size, init_process_groups
+from mplan.runtime.redistribute import TensorParallelAxis, apply_transition
+from mplan.runtime.replicated_optimizer import OptimizerFactory
+
+Batch = torch.Tensor | Sequence[torch.Tensor]
+InferencePreparer = Callable[[tuple[torch.Tensor, ...], Mapping[str, ParamLayout]], tuple[Graph, dict[str, Strategy]]]
+
+
+class PlanMismatch(RuntimeError):
+    """Ranks of one job hold different plans (or models)."""
+
+
+def check_same_plan(digest: str, world: dist.ProcessGroup | None) -> None:
+    """All-gather every rank's plan hash; raise on every rank, naming the ranks, unless equal."""
+    if world is None or world.size() == 1:
+        return
+    mine = torch.tensor([int(digest[:15], 16)], dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(world.size())]
+    dist.all_gather(every, mine, group=world)
+    by_hash: dict[int, list[int]] = {}
+    for rank, value in enumerate(every):
+        by_hash.setdefault(int(value.item()), []).append(rank)
+    if len(by_hash) > 1:
+        groups = "; ".join(f"ranks {ranks} hold plan {value:015x}" for value, ranks in by_hash.items())
+        raise PlanMismatch(f"the ranks of this job do not agree on the plan or the model: {groups}. "
+                           f"Every rank must call autoparallel with the same model, inputs and plan")
+
+
+def parallelize(*, graph: Graph, choice: dict[str, Strategy], plan: ExecutionPlan, digest: str,
+                source: ParameterSource, model: nn.Module, optimizer: OptimizerFactory,
+                device: torch.device, dtype: torch.dtype | None = None, seed: int = 0,
+                max_grad_norm: float | None = 1.0, autocast: torch.dtype | None = None,
+                prepare_inference: InferencePreparer | None = None) -> ParallelModule:
+    """Build this rank's `ParallelModule` (collective: every rank of the job calls it)."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    check_same_plan(digest, world)
+    groups = init_process_groups(plan.mesh)
+    axis = TensorParallelAxis(group=groups.tp, size=plan.mesh.tp, rank=groups.tp_rank)
+    shards = shard_parameters(graph, choice, axis.rank, axis.size, source, seed=seed, device=device, dtype=dtype)
+    program = insert_collectives(graph, choice, axis, device=device)
+    buffers = [spec.name for spec in program.meta[INPUTS] if spec.kind == "BUFFER"]
+    statics = materialize_buffers(graph, model, buffers, device=device)
+    for spec in program.meta[INPUTS]:
+        if spec.kind == "CONSTANT_TENSOR":
+            statics[spec.name] = graph.program.constants[spec.target].to(device)
+    return ParallelModule(graph=graph, plan=plan, digest=digest, groups=groups, axis=axis, program=program,
+                          params={k: nn.Parameter(v) for k, v in shards.items()}, statics=statics,
+                          layouts=parameter_layouts(graph, choice), optimizer=optimizer, device=device,
+                          max_grad_norm=max_grad_norm, autocast=autocast, prepare_inference=prepare_inference)
+
+
+class ParallelModule:
+    """The `pm` of DESIGN.md: local program, local parameters, groups, optimizer."""
+
+    def __init__(self, *, graph: Graph, plan: ExecutionPlan, digest: str, groups: ProcessGroups,
+                 axis: TensorParallelAxis, program: fx.GraphModule, params: dict[str, nn.Parameter],
+                 statics: dict[str, torch.Tensor], layouts: dict[str, ParamLayout],
+                 optimizer: OptimizerFactory, device: torch.device, max_grad_norm: float | None,
+                 autocast: torch.dtype | None, prepare_inference: InferencePreparer | None) -> None:
+        self.graph, self.plan, self.digest, self.groups, self.axis = graph, plan, digest, groups, axis
+        self.program, self.params, self.statics, self.layouts = program, params, statics, layouts
+        self.device, self.max_grad_norm, self.autocast = device, max_grad_norm, autocast
+        self._prepare_inference = prepare_inference
+        self._inference: dict[tuple[tuple[int, ...], ...], fx.GraphModule] = {}
+        placements = {params[name]: ParamPlacement(tp_sharded=layout.tp_sharded, tp_reduce=layout.grad_partial)
+                      for name, layout in layouts.items()}
+        self.optimizer: DistributedOptimizer = build_optimizer(
+            list(params.values()), optimizer, groups, zero=plan.zero, placements=placements)
+        self.last_grad_norm: float | None = None  # global norm before clipping, of the last step
+
+    # -- training -----------------------------------------------------------------------------
+    def train_step(self, inputs: Batch, labels: torch.Tensor, *, local: bool = False) -> float:
+        """One optimizer step over the global batch; the loss, equal on every rank."""
+        tensors = (*_as_tuple(inputs), labels)
+        replica = self.plan.global_batch // self.plan.mesh.dp
+        rows = replica if local else self.plan.global_batch
+        for t in tensors:
+            if t.shape[0] != rows:
+                where = "this replica's rows (local=True)" if local else "the global batch"
+                raise ValueError(f"train_step got {t.shape[0]} rows; {where} is {rows} "
+                                 f"(plan {self.plan.describe()}, global batch {self.plan.global_batch})")
+        if not local:
+            start = self.groups.dp_rank * replica
+            tensors = tuple(t[start:start + replica] for t in tensors)
+        tensors = tuple(t.to(self.device) for t in tensors)
+        self.optimizer.zero_grad()
+        mbs, count = self.plan.micro_batch_size, self.plan.num_micro_batches
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i in range(count):
+            micro = tuple(t[i * mbs:(i + 1) * mbs] for t in tensors)
+            with self._autocast():
+                loss = self.program(*self._feed(self.program, micro))
+            (loss / count).backward()
+            total += loss.detach().to(torch.float64)
+        norm = self.optimizer.step(max_grad_norm=self.max_grad_norm)
+        self.last_grad_norm = None if norm is None else float(norm)
+        total /= count * self.plan.mesh.dp
+        if group_size(self.groups.dp) > 1:
+            dist.all_reduce(total, group=self.groups.dp)
+        return float(total)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[None]:
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast)
+
+    def _feed(self, program: fx.GraphModule, user: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        specs: tuple[LocalInput, ...] = program.meta[INPUTS]
+        wanted = sum(spec.kind == "USER_INPUT" for spec in specs)
+        if wanted != len(user):
+            raise ValueError(f"the captured program takes {wanted} inputs, got {len(user)}")
+        given = iter(user)
+        return [self.params[s.name] if s.kind == "PARAMETER" else
+                next(given) if s.kind == "USER_INPUT" else self.statics[s.name] for s in specs]
+
+    # -- inference ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def __call__(self, inputs: Batch) -> torch.Tensor:
+        """Forward only, on every rank alike; logits whole (gathered when vocabulary-sharded)."""
+        tensors = tuple(t.to(self.device) for t in _as_tuple(inputs))
+        key = tuple(tuple(t.shape) for t in tensors)
+        if key not in self._inference:
+            if self._prepare_inference is None:
+                raise RuntimeError("this ParallelModule was built without a model to capture for inference")
+            graph, choice = self._prepare_inference(tensors, self.layouts)
+            for name, layout in parameter_layouts(graph, choice).items():
+                if name in self.layouts and layout.placement != self.layouts[name].placement:
+                    raise RuntimeError(f"inference sharding stores {name} as {layout.placement}, "
+                                       f"training as {self.layouts[name].placement}")
+            self._inference[key] = insert_collectives(graph, choice, self.axis, device=self.device)
+        program = self._inference[key]
+        with self._autocast():
+            return program(*self._feed(program, tensors))
+
+    # -- state --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Whole parameters under their original names (collective over TP: call on every rank)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, layout in self.layouts.items():
+            out[name] = apply_transition(self.params[name].detach(), layout.placement, R, self.axis).clone()
+        return out
+
+    def save(self, directory: str) -> None:
+        """Per-rank tensor files and a JSON manifest (collective: call on every rank)."""
+        save_checkpoint(directory, self)
+
+    def load(self, directory: str) -> None:
+        """Restore parameters and optimizer state saved by `save` under the same plan."""
+        load_checkpoint(directory, self)
+
+
+def _as_tuple(inputs: Batch) -> tuple[torch.Tensor, ...]:
+    return (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+

@@ -1,0 +1,241 @@
+"""`verify_plan`: run a plan scaled down on gloo CPU ranks and compare it with one process.
+
+Input: a model spec (DESIGN.md grammar), a plan (spec string or plan.json), a world size and a
+number of steps. Output: a `VerifyReport` with the per-step losses of both runs and the largest
+relative differences of losses and of every parameter after the last step. `mplan verify` calls
+this; the correctness bar of DESIGN.md is a relative error under 1e-9 in float64.
+
+Scaling down, so any model and plan verify in seconds on a laptop:
+- the model keeps its family and its structure (tied or not, grouped-query ratio, kv_heads < tp
+  when the plan had it, experts) at 2 layers, head_dim 8, ffn 2x hidden, seq 16 and vocab 64;
+  Hugging Face configs get the same sizes through their attribute names;
+- the mesh keeps its ratios where the world allows: tp' = min(tp, world) (a divisor of the
+  world), dp' = world / tp', SP and ZeRO as planned, two micro-batches of one sequence each;
+- TP strategies are re-solved on the scaled model Megatron-style (`megatron_required`): the
+  plan's per-op choices were made for the full-size shapes and need not exist on the small ones.
+So this checks the plan's parallel layout and the passes and runtime that execute it, not the
+cost model's choice at full size.
+
+The one-process reference accumulates gradients over the same micro-batches the plan runs, so a
+model whose loss is not a plain mean over sequences (an MoE's capacity-bounded routing and
+load-balancing loss depend on the batch) is compared like for like; for dense models this is
+the same as one full-batch step.
+
+Ranks are fresh `spawn`ed processes joined in a gloo group over a TCP store the parent owns.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import multiprocessing
+import queue
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+TOLERANCE = 1e-9  # DESIGN.md: float64 plans match one process to this relative error
+SCALED = {"num_layers": 2, "seq_len": 16, "vocab": 64}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VerifyReport:
+    model: str  # the spec as given
+    scaled_model: str  # the configuration that ran
+    plan: str  # as given
+    executed: str  # the layout that ran (dp, tp, sp, zero, micro-batching)
+    world_size: int
+    steps: int
+    losses: tuple[float, ...]  # parallel run, per step
+    reference_losses: tuple[float, ...]  # one process, per step
+    max_loss_rel_err: float
+    max_param_rel_err: float
+    worst_param: str
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return self.max_loss_rel_err < TOLERANCE and self.max_param_rel_err < TOLERANCE
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "passed": self.passed, "tolerance": TOLERANCE}
+
+
+def verify_plan(model_spec: str, plan_spec: str, world_size: int, steps: int = 3, *,
+                timeout_s: float = 300.0) -> VerifyReport:
+    """Run `plan_spec` on `world_size` gloo CPU ranks and one process; compare (see module doc)."""
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    context = multiprocessing.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    results = context.Queue()
+    ranks = [context.Process(target=_rank_main, daemon=True,
+                             args=(rank, world_size, store.port, model_spec, plan_spec, steps, results))
+             for rank in range(world_size)]
+    for process in ranks:
+        process.start()
+    try:
+        report = _wait(ranks, results, time.monotonic() + timeout_s)
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                process.terminate()
+            process.join()
+    return dataclasses.replace(report, model=model_spec, plan=plan_spec, seconds=time.perf_counter() - start)
+
+
+def _wait(ranks: list[Any], results: Any, deadline: float) -> VerifyReport:
+    while True:
+        try:
+            ok, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            failed = [r for r, p in enumerate(ranks) if p.exitcode not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"verify: ranks {failed} died (exit codes "
+                                   f"{[ranks[r].exitcode for r in failed]})") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError("verify: the ranks did not finish in time") from None
+            continue
+        if not ok:
+            raise RuntimeError(f"verify: a rank failed:\n{payload}")
+        return payload
+
+
+def _rank_main(rank: int, world_size: int, port: int, model_spec: str, plan_spec: str, steps: int,
+               results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(1)
+    timeout = timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    try:
+        report = _run(model_spec, plan_spec, world_size, steps)
+        if rank == 0:
+            results.put((True, report))
+    except BaseException:  # noqa: BLE001 - the parent must see every failure
+        results.put((False, f"rank {rank}:\n{traceback.format_exc()}"))
+    finally:
+        results.close()
+        results.join_thread()
+        dist.destroy_process_group()
+
+
+def scaled_plan(plan_spec: str, world_size: int) -> tuple[str, int]:
+    """The spec that runs on `world_size` ranks (tp' = min(tp, world), dp fills) and its tp'."""
+    from mplan.planner.parallel_config import parse_plan_spec
+    from mplan.planner.plan import Plan
+
+    if plan_spec.strip().endswith(".json"):
+        made = Plan.load(plan_spec.strip())
+        tp, sp, zero = made.mesh.tp, int(made.sequence_parallel), made.zero
+    else:
+        spec = parse_plan_spec(plan_spec)
+        tp, sp, zero = spec.tp or 1, spec.sp or 0, spec.zero or 0
+    tp = max(d for d in range(1, min(tp, world_size) + 1) if world_size % d == 0)
+    return f"dp={world_size // tp},tp={tp},sp={sp},zero={zero},mbs=1", tp
+
+
+def scaled_model(model_spec: str, tp: int) -> Any:
+    """A small config of the same family and structure (see the module docstring)."""
+    from mplan.models.spec import resolve_model
+
+    source = resolve_model(model_spec)
+    config = source.config
+    kv = getattr(config, "kv_heads", None) or getattr(config, "num_key_value_heads", None) or 1
+    heads = getattr(config, "num_heads", None) or getattr(config, "num_attention_heads", None) or 1
+    group = max(1, heads // kv)
+    kv_small = tp if kv >= tp else kv
+    step = math.lcm(kv_small, tp)
+    q_small = max(kv_small * min(group, 2), tp)
+    q_small = -(-q_small // step) * step
+    hidden = q_small * 8
+    if source.family in ("gpt", "llama", "moe"):
+        fields = {**SCALED, "num_heads": q_small, "hidden": hidden}
+        if source.family != "gpt":
+            fields.update(num_kv_heads=kv_small, ffn_hidden=2 * hidden)
+        else:
+            fields["ffn_hidden"] = 2 * hidden
+        if source.family == "moe":
+            fields.update(num_experts=4, top_k=min(config.top_k, 2))
+        return dataclasses.replace(config, **{k: v for k, v in fields.items() if hasattr(config, k)})
+    if source.family == "hf":
+        small = config.__class__.from_dict(config.to_dict())
+        for key, value in (("num_hidden_layers", 2), ("hidden_size", hidden), ("intermediate_size", 2 * hidden),
+                           ("num_attention_heads", q_small), ("num_key_value_heads", kv_small),
+                           ("vocab_size", 64), ("max_position_embeddings", 32), ("head_dim", 8)):
+            if hasattr(small, key):
+                setattr(small, key, value)
+        small.use_cache = False
+        return dataclasses.replace(source, config=small)
+    return source
+
+
+def _run(model_spec: str, plan_spec: str, world_size: int, steps: int) -> VerifyReport:
+    import functools
+
+    import torch
+
+    from mplan.api import autoparallel
+    from mplan.models.spec import build_model
+
+    spec, tp = scaled_plan(plan_spec, world_size)
+    config = scaled_model(model_spec, tp)
+    dp = world_size // tp
+    global_batch = 2 * dp
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 64, (global_batch, 16), generator=generator),
+                torch.randint(0, 64, (global_batch, 16), generator=generator)) for _ in range(steps)]
+    optimizer = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    model = perturbed(build_model(config, device="cpu", dtype=torch.float64, seed=0))
+    pm = autoparallel(model, example_inputs=(batches[0][0],), optimizer=optimizer, global_batch=global_batch,
+                      plan=spec, max_grad_norm=1.0)
+    losses = tuple(pm.train_step(x, y) for x, y in batches)
+    state = pm.full_state_dict()
+    reference = perturbed(build_model(config, device="cpu", dtype=torch.float64, seed=0))
+    ref_opt = optimizer(reference.parameters())
+    ref_losses = []
+    micro = global_batch // pm.plan.num_micro_batches // dp  # rows per micro-batch (mbs)
+    for x, y in batches:
+        ref_opt.zero_grad()
+        total = 0.0
+        for start in range(0, global_batch, micro):
+            out = reference(x[start:start + micro], labels=y[start:start + micro])
+            loss = (out if isinstance(out, torch.Tensor) else out.loss) * (micro / global_batch)
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        ref_opt.step()
+        ref_losses.append(total)
+    errors = {name: _rel(state[name], p.detach()) for name, p in reference.named_parameters() if name in state}
+    worst = max(errors, key=errors.__getitem__)
+    return VerifyReport(model=model_spec, scaled_model=str(config), plan=plan_spec, executed=pm.plan.describe(),
+                        world_size=world_size, steps=steps, losses=losses, reference_losses=tuple(ref_losses),
+                        max_loss_rel_err=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+                        max_param_rel_err=errors[worst], worst_param=worst, seconds=0.0)
+
+
+def perturbed(model: Any, scale: float = 0.01) -> Any:
+    """`model` with seeded noise added to every parameter (the same for the same model).
+
+    Inits leave biases at exactly 0 and norm weights at 1. A parameter whose gradient is zero
+    in exact arithmetic (a GPT key bias: softmax ignores a shift shared by all keys) then holds
+    nothing but rounding noise amplified by Adam, and its relative error would be noise over
+    noise; after the perturbation every parameter has a scale to be compared against."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(scale * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+    return model
+
+
+def _rel(actual: Any, expected: Any) -> float:
+    scale = float(expected.norm())
+    error = float((actual - expected).norm())
+    return error / scale if scale else error
