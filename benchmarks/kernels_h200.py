@@ -14,7 +14,8 @@ For each kernel (RMSNorm+residual, LayerNorm+residual, SwiGLU, bias+GELU, RoPE, 
 Shapes are those of shared/reference/h200-kernels-2026-11-29.json: 16384 tokens x hidden 4096
 (norms), 14336 (SwiGLU), 16384 (bias+GELU); RoPE on [4, 32, 4096, 128]; cross-entropy on
 4096 x 128256 logits. Target: >= 80% of copy bandwidth and no slower than torch.compile.
-About 2-3 minutes on an H200 (mostly torch.compile and Triton autotuning).
+Expected to take 2-3 minutes on an H200 (mostly torch.compile and Triton autotuning; not yet
+measured); kernels not started within BUDGET_S are skipped so the run ends within 4 minutes.
 
 Run on the GPU (from the repository root):
     PYTHONPATH=. python3 benchmarks/kernels_h200.py --out $OUT/kernels.json

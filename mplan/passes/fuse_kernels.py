@@ -146,9 +146,8 @@ def _rms_chain(anchor: Node) -> tuple[Node, Node, float, tuple[Node, ...]] | Non
             mean, eps = add_eps.args[0], add_eps.args[1]
             if not (_is(mean, aten.mean.dim) and _used_only_by(mean, add_eps) and isinstance(eps, float)):
                 continue
-            if list(mean.args[1]) not in ([-1], [_val(x).dim() - 1 if _val(x) is not None else -1]):
-                continue
-            if len(mean.args) < 3 or mean.args[2] is not True or mean.kwargs:
+            dims = mean.args[1]
+            if len(dims) != 1 or not _is_last_dim(dims[0], x) or mean.args[2:] != (True,) or mean.kwargs:
                 continue
             square = mean.args[0]
             if not (_is(square, aten.pow.Tensor_Scalar) and square.args == (x, 2) and _used_only_by(square, mean)):
