@@ -90,6 +90,9 @@ class GPTConfig(TransformerConfig):
 
     ffn_hidden: int | None = None
     """MLP inner width; None means 4 * hidden (GPT-2/3, Megatron default)"""
+    fused_attention: bool = True
+    """False materializes the score matrix (matmul, mask, softmax, matmul) as Megatron-LM did in
+    2021; used to compare with that paper's measured runs"""
 
     def _validate(self) -> None:
         TransformerConfig._validate(self)

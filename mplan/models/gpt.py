@@ -35,7 +35,8 @@ class GPTBlock(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.attn_norm = nn.LayerNorm(config.hidden, eps=config.norm_eps)
-        self.attn = Attention(config.hidden, config.num_heads, config.num_heads, bias=True)
+        self.attn = Attention(config.hidden, config.num_heads, config.num_heads, bias=True,
+                              fused=config.fused_attention)
         self.mlp_norm = nn.LayerNorm(config.hidden, eps=config.norm_eps)
         self.mlp = GPTMLP(config.hidden, config.ffn)
 

@@ -93,8 +93,9 @@ class Attention(nn.Module):
     meta device as a single `scaled_dot_product_attention` node, so k/v are never expanded
     in memory."""
 
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, *, bias: bool) -> None:
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, *, bias: bool, fused: bool = True) -> None:
         super().__init__()
+        self.fused = fused
         self.head_dim = hidden // num_heads
         self.enable_gqa = num_kv_heads != num_heads
         kv_width = num_kv_heads * self.head_dim
@@ -114,8 +115,22 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.enable_gqa)
+        if self.fused:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.enable_gqa)
+        else:
+            out = unfused_attention(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention with the score matrix materialized, as Megatron-LM ran it in 2021 (before fused
+    attention kernels): scores, causal mask, softmax, then the value product. Only for multi-head
+    attention (the GPT family); the same function as SDPA with is_causal=True."""
+    seq = q.shape[-2]
+    scores = torch.matmul(q, k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+    future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    return torch.matmul(probs, v)
 
 
 class SwiGLU(nn.Module):

@@ -90,9 +90,11 @@ def _in_flight(config: ParallelConfig, rank: int) -> int:
 
 
 def _group(size: int, stride: int, gpus_per_node: int) -> GroupShape:
-    """A mesh-axis group: `size` ranks `stride` apart; how many of them share a node."""
-    per_node = max(1, min(size, gpus_per_node // stride)) if stride < gpus_per_node else 1
-    return GroupShape(size=size, ranks_per_node=per_node)
+    """A mesh-axis group: `size` ranks `stride` apart; how many of them share a node. A group that
+    fills nodes unevenly (60 ranks on 8-GPU nodes) is priced as if only gcd(size, fit) shared one:
+    the slower, conservative layout."""
+    fit = gpus_per_node // stride if stride < gpus_per_node else 1
+    return GroupShape(size=size, ranks_per_node=math.gcd(size, max(1, fit)))
 
 
 def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: ClusterSpec, facts: ModelFacts, *,

@@ -62,7 +62,10 @@ class OpCoster:
         """Seconds to move a tensor (full-size `meta`) from placement `src` to `dst`."""
         if not can_transition(src, dst):
             return IMPOSSIBLE_S
-        return self.collective(transition(src, dst), meta.nbytes)
+        kind = transition(src, dst)
+        # nccl-tests sizes: the full tensor for all-gather (output), reduce-scatter and all-reduce
+        # (input); one rank's buffer, a 1/n shard, for all-to-all.
+        return self.collective(kind, meta.nbytes // self.n if kind == "all_to_all" else meta.nbytes)
 
     def op_comm(self, strategy: Strategy) -> float:
         """Seconds of the collectives an op issues itself (vocabulary-parallel loss), per pass."""

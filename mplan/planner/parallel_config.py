@@ -139,8 +139,8 @@ def enumerate_configs(*, world_size: int, gpus_per_node: int, global_batch: int,
                       max_mbs: int = 8) -> Iterator[ParallelConfig]:
     """Every config the spec admits: dp*tp*pp == world, tp | heads, pp <= layers, mbs | batch share."""
     for tp in divisors(world_size):
-        if tp > gpus_per_node and not allow_cross_node_tp:
-            continue
+        if not allow_cross_node_tp and (tp > gpus_per_node or gpus_per_node % tp):
+            continue  # a TP group must sit inside one node (and not straddle two)
         if limits.num_heads % tp:
             continue
         for pp in divisors(world_size // tp):

@@ -65,7 +65,7 @@ def _diverse(ranked: list[Estimate], best: Estimate, meshes: int = 4) -> list[Es
 
 
 def _param_placements(graph: Graph, model: ShardedModel, estimate: Estimate, units: list[str]) -> dict[str, dict[str, str]]:
-    choice = model.sharding.choice
+    choice = model.shardings[estimate.config.mbs].choice
     tp_of: dict[str, str] = {}
     for node in graph.nodes:
         s = choice.get(node.name)
@@ -97,15 +97,16 @@ def build_plan(result: SearchResult, graph: Graph, cluster: ClusterSpec, global_
     best = best or result.best
     config = best.config
     model = result.sharded[(config.tp, config.sp)]
-    units = [u.name for u in model.units]
+    units = [u.name for u in model.units[config.mbs]]
+    choice = model.shardings[config.mbs].choice
     stages = tuple(Stage(index=i, rank=i % config.pp, units=tuple(units[a:b]),
                          forward_ms=best.chunk_forward_s[i] * 1e3, backward_ms=best.chunk_backward_s[i] * 1e3,
                          grad_sync_ms=best.grad_sync_s[i % config.pp] / config.vpp * 1e3)
                    for i, (a, b) in enumerate(best.stage_bounds))
-    ops = {bt.name: [strategy_key(model.sharding.choice[n]) for n in bt.template] for bt in graph.block_types}
+    ops = {bt.name: [strategy_key(choice[n]) for n in bt.template] for bt in graph.block_types}
     for segment in graph.segments:
         if segment.block_type is None and segment.nodes:
-            ops[segment.name] = [strategy_key(model.sharding.choice[n]) for n in segment.nodes]
+            ops[segment.name] = [strategy_key(choice[n]) for n in segment.nodes]
     alternatives = tuple(Alternative(spec=e.config.spec(), predicted=predicted_of(e) if e.fits else None,
                                      why=_why_lost(best, e))
                          for e in [*_diverse(result.ranked, best), *result.rejected[:2]])

@@ -27,8 +27,8 @@ from mplan.planner.parallel_config import (ModelLimits, ParallelConfig, PlanSpec
                                            enumerate_configs)
 from mplan.planner.placement import R, Shard
 from mplan.ir.rebatch import rebatch
-from mplan.planner.sharding_ilp import (GraphSharding, StrategyFilter, reprice_graph, solve_graph_sharding,
-                                        stream_shape)
+from mplan.planner.sharding_ilp import (GraphSharding, ShardingInfeasible, StrategyFilter, reprice_graph,
+                                        solve_graph_sharding, stream_shape)
 from mplan.planner.unit_costs import UnitCost, unit_costs
 
 SIMULATED_FINALISTS = 8  # candidates re-ranked by the event simulator
@@ -45,9 +45,14 @@ class ShardedModel:
 
     tp: int
     sp: bool
-    sharding: GraphSharding
     coster: OpCoster
+    shardings: dict[int, GraphSharding]  # by micro-batch size
     units: dict[int, list[UnitCost]]  # by micro-batch size
+
+    @property
+    def sharding(self) -> GraphSharding:
+        """The sharding solved at one sequence per micro-batch."""
+        return self.shardings[1]
 
 
 @dataclass(slots=True)
@@ -90,18 +95,25 @@ class Planner:
             boundary = Shard(1) if sp else R
             self.progress(f"solving the sharding ILP for tp={tp}{' with SP' if sp else ''}")
             sharding = solve_graph_sharding(self.graph, coster, boundary, allow=self.allow)
-            self._sharded[key] = ShardedModel(tp=tp, sp=sp, sharding=sharding, coster=coster,
+            self._sharded[key] = ShardedModel(tp=tp, sp=sp, coster=coster, shardings={1: sharding},
                                               units={1: unit_costs(self.graph, sharding, coster)})
         return self._sharded[key]
 
     def units(self, tp: int, sp: bool, mbs: int) -> list[UnitCost]:
-        """Unit costs at micro-batch `mbs`: the mbs=1 strategies re-priced on the rebatched graph."""
+        """Unit costs at micro-batch `mbs`: the mbs=1 strategies re-priced on the rebatched graph, or
+        solved again where a strategy is not valid at that batch (a reshape that merges batch and
+        sequence shards differently once the batch is more than one)."""
         model = self.sharded(tp, sp)
         if mbs not in model.units:
             if mbs not in self._at_batch:
                 self._at_batch[mbs] = rebatch(self.captured, mbs)
             graph = self._at_batch[mbs]
-            model.units[mbs] = unit_costs(graph, reprice_graph(graph, model.sharding, model.coster), model.coster)
+            try:
+                sharding = reprice_graph(graph, model.sharding, model.coster)
+            except ShardingInfeasible:
+                sharding = solve_graph_sharding(graph, model.coster, model.sharding.boundary, allow=self.allow)
+            model.shardings[mbs] = sharding
+            model.units[mbs] = unit_costs(graph, sharding, model.coster)
         return model.units[mbs]
 
     def evaluate(self, config: ParallelConfig, *, fast: bool = False, **options: float) -> Estimate:
@@ -144,8 +156,9 @@ def _what_would_fit(estimate: Estimate, cluster: ClusterSpec) -> str:
     if need <= 0 or have <= 0:
         return ""
     factor = need / have
-    return (f"It would need about {math.ceil(factor)}x the devices (or {need / 2**30:.0f} GiB per device); "
-            f"try more nodes, a smaller global batch or recompute=full.")
+    hint = "more nodes or a smaller global batch" + ("" if estimate.config.recompute == "full" else
+                                                      ", or recompute=full")
+    return f"It would need about {math.ceil(factor)}x the devices (or {need / 2**30:.0f} GiB per device): try {hint}."
 
 
 def _no_config_reason(world: int, gpus_per_node: int, global_batch: int, limits: ModelLimits,

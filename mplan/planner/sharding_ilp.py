@@ -61,9 +61,9 @@ class SegmentSharding:
     tp_grad_sync_bytes: int  # replicated parameters with partial gradients: all-reduced over TP per step
     saved_bytes: int  # local activation bytes one instance keeps for backward, per micro-batch
     objective_s: float
-    solve_seconds: float
-    solver: str
-    num_variables: int
+    solve_seconds: float = 0.0
+    solver: str = "none"  # "none": priced, not solved (a fixed assignment)
+    num_variables: int = 0
 
     def placements(self) -> dict[str, str]:
         return {name: str(s) for name, s in self.choice.items()}
@@ -290,8 +290,7 @@ def reprice_segment(graph: Graph, name: str, node_names: Sequence[str], choice: 
         if not match:
             raise ShardingInfeasible(f"{name}: strategy {want} of {v.name} is not valid at batch {graph.batch_size}")
         local[v.name] = match[0]
-    return _price(problem, local, coster, boundary, grad_sync_share, solve_seconds=0.0, solver="none",
-                  num_variables=0)
+    return _price(problem, local, coster, boundary, grad_sync_share)
 
 
 def reprice_graph(graph: Graph, sharding: GraphSharding, coster: OpCoster, **options: Any) -> GraphSharding:

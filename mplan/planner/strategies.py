@@ -324,6 +324,8 @@ _RULES: dict[str, Callable[[OpNode, int], list[Strategy]]] = {
     "sum": _reduction, "mean": _reduction,
     "getitem": _getitem,
 }
+# Data movement that maps elements one to one under broadcasting (a causal mask on scores).
+_SELECTS = {"masked_fill", "where"}
 _ELEMENTWISE = {"add", "sub", "rsub", "mul", "div", "neg", "gelu", "silu", "relu", "sigmoid", "tanh",
                 "exp", "rsqrt", "sqrt", "pow", "log", "sin", "cos", "reciprocal", "abs", "clamp"}
 
@@ -337,6 +339,8 @@ def strategies_for(node: OpNode, n: int) -> list[Strategy]:
         found = _RULES[packet](node, n)
     elif packet in _ELEMENTWISE and node.input_metas:
         found = _elementwise(node, n) if node.kind == "elementwise" else [replicated(node)]
+    elif packet in _SELECTS and node.input_metas:
+        found = _elementwise(node, n)
     elif node.kind == "view":
         found = _view(node, n)
     elif packet in ("_to_copy", "clone", "to", "type_as"):

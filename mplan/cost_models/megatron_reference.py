@@ -1,0 +1,69 @@
+"""The published Megatron-LM runs the cost model is checked against, read and validated.
+
+Input: ../shared/reference/megatron-sc21-a100.json (Narayanan et al., SC'21, Tables 1 and 2: GPT
+models of 1.7B to 1T parameters on 32 to 3072 A100s with their TP/PP/DP, batch and achieved
+TFLOP/s). Output: `MegatronRun` records and the FLOP conventions of that paper, so a prediction
+can be turned into the same "TFLOP/s per GPU with recomputation counted".
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from mplan.cost_models.json_fields import FieldReader, load_json_file
+
+
+class ReferenceError(ValueError):
+    """The reference file is missing or malformed."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MegatronRun:
+    id: str
+    layers: int
+    hidden: int
+    heads: int
+    seq_len: int
+    vocab: int
+    num_gpus: int
+    gpus_per_node: int
+    tp: int
+    pp: int
+    dp: int
+    global_batch: int
+    micro_batch: int | None  # not reported for Table 1
+    measured_tflops_with_recompute: float
+
+    def recompute_counted_flops(self) -> float:
+        """Narayanan eq. 3: F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), what the paper's TFLOP/s count."""
+        B, s, l, h, V = self.global_batch, self.seq_len, self.layers, self.hidden, self.vocab
+        return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+
+    def measured_step_s(self) -> float:
+        return self.recompute_counted_flops() / (self.measured_tflops_with_recompute * 1e12 * self.num_gpus)
+
+
+def default_reference_path() -> str:
+    """The shared reference folder beside the repository (as laid out in this workplace and CI)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.normpath(os.path.join(here, "..", "..", "..", "shared", "reference", "megatron-sc21-a100.json"))
+
+
+def load_megatron_runs(path: str | None = None) -> list[MegatronRun]:
+    path = path or default_reference_path()
+    rows = load_json_file(path, ReferenceError)
+    if not isinstance(rows, list):
+        raise ReferenceError(f"{path}: the top level must be a list of runs")
+    runs = []
+    for i, row in enumerate(rows):
+        r = FieldReader(row, file=path, path=f"[{i}]", error=ReferenceError)
+        model, cluster, config = r.obj("model"), r.obj("cluster"), r.obj("config")
+        micro = config.raw("micro_batch")
+        runs.append(MegatronRun(
+            id=r.string("id"), layers=model.integer("layers"), hidden=model.integer("hidden"),
+            heads=model.integer("heads"), seq_len=model.integer("seq_len"), vocab=model.integer("vocab"),
+            num_gpus=cluster.integer("n_gpus"), gpus_per_node=cluster.integer("gpus_per_node"),
+            tp=config.integer("tp"), pp=config.integer("pp"), dp=config.integer("dp"),
+            global_batch=config.integer("global_batch"), micro_batch=micro if isinstance(micro, int) else None,
+            measured_tflops_with_recompute=r.obj("measured").number("tflops_per_gpu_with_recompute_counted")))
+    return runs

@@ -1,0 +1,360 @@
+"""The planner: op strategies, the sharding ILP, stage cuts, the outer search and the Plan file."""
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from mplan.cli import main as cli_main
+from mplan.cost_models.cluster import ClusterSpec
+from mplan.cost_models.collective_cost import GroupShape
+from mplan.ir import capture
+from mplan.models import GPTConfig, LlamaConfig, build_model
+from mplan.planner.op_cost import OpCoster
+from mplan.planner.parallel_config import PlanSpecError, enumerate_configs, parse_plan_spec
+from mplan.planner.placement import P, R, S, parse_placement, transition
+from mplan.planner.plan import Plan, PlanError
+from mplan.planner.plan_builder import build_plan
+from mplan.planner.planning import capture_for_planning, plan
+from mplan.planner.search import Planner, PlanningError
+from mplan.planner.sharding_ilp import (_price, _problem, megatron_style, solve_block_sharding,
+                                        solve_segment_sharding)
+from mplan.planner.stage_partition import partition, partition_exhaustive
+from mplan.planner.strategies import strategies_for, view_dim_map
+
+
+def gpt(layers: int, hidden: int, heads: int, seq: int = 2048, vocab: int = 51200) -> GPTConfig:
+    return GPTConfig(num_layers=layers, hidden=hidden, num_heads=heads, seq_len=seq, vocab=vocab, tie_embeddings=True)
+
+
+def planning_graph(config):  # noqa: ANN001, ANN201
+    model = build_model(config, device="meta")
+    return capture_for_planning(model, (torch.zeros(1, config.seq_len, dtype=torch.long),))
+
+
+# --- placements and strategies ---------------------------------------------------------------
+
+def test_placements_print_short_and_parse_back():
+    assert [str(p) for p in (S(0), R, P)] == ["S(0)", "R", "P"]
+    assert all(parse_placement(str(p)) == p for p in (S(2), R, P))
+    assert transition(S(1), R) == "all_gather" and transition(P, R) == "all_reduce"
+    assert transition(P, S(1)) == "reduce_scatter" and transition(S(1), S(2)) == "all_to_all"
+    assert transition(R, S(0)) is None
+    with pytest.raises(ValueError):
+        transition(R, P)
+
+
+def test_reshape_dim_mapping_keeps_only_outer_factors():
+    assert view_dim_map((2, 16, 64), (2, 16, 4, 16)) == {0: 0, 1: 1, 2: 2}
+    assert view_dim_map((2, 16, 4, 16), (2, 16, 64)) == {0: 0, 1: 1, 2: 2}
+    assert view_dim_map((32, 64), (2, 16, 64)) == {0: 0, 1: 2}
+
+
+def test_linear_and_attention_strategies_come_from_their_einsums():
+    graph = capture(build_model("tiny-gpt", device="meta"), (torch.zeros(2, 16, dtype=torch.long, device="meta"),))
+    q = next(n for n in graph.nodes if n.op == "aten.linear.default")
+    names = {s.name for s in strategies_for(q, 2)}
+    assert names == {"replicate", "batch", "column", "row"}
+    column = next(s for s in strategies_for(q, 2) if s.name == "column")
+    assert (column.inputs, column.output, column.input_grads) == ((R, S(0), S(0)), S(2), (P, S(0), S(0)))
+    attn = next(n for n in graph.nodes if n.kind == "attention")
+    assert {s.name for s in strategies_for(attn, 2)} == {"replicate", "batch", "heads"}
+    assert {s.name for s in strategies_for(attn, 8)} == {"replicate"}  # 4 heads, batch 2: nothing divides
+
+
+def test_an_op_without_a_rule_is_only_replicated():
+    class Odd(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.special.erfcx(x)
+
+    graph = capture(Odd(), (torch.randn(4, 8),))
+    (node,) = [n for n in graph.nodes if not n.known]
+    assert [s.name for s in strategies_for(node, 4)] == ["replicate"]
+
+
+# --- the sharding ILP --------------------------------------------------------------------------
+
+def test_ilp_rediscovers_megatron_tensor_parallelism_on_a_large_block():
+    """Restricted to weight-splitting strategies the solver finds Megatron's plan exactly; free, it
+    may do better (e.g. the output projection on sequence shards after an all-to-all), never worse."""
+    graph = planning_graph(gpt(2, 4096, 32))
+    block = graph.block_types[0]
+    coster = OpCoster(ClusterSpec.preset("dgx-h100"), 8, GroupShape(size=8, ranks_per_node=8))
+    megatron = solve_block_sharding(graph, block, coster, R, allow=megatron_style)
+    linears = [megatron.choice[n].name for n in block.template if graph.node(n).op == "aten.linear.default"]
+    # q, k, v and the MLP's first GEMM split by columns, its second by rows; the output projection
+    # by rows (one all-reduce) or columns (two all-gathers): the same bytes, priced within a hair.
+    assert linears[:3] == ["column"] * 3 and linears[3] in ("row", "column") and linears[4:] == ["column", "row"]
+    attn = next(n for n in block.template if graph.node(n).kind == "attention")
+    assert megatron.choice[attn].name == "heads"
+    assert megatron.param_bytes == pytest.approx(block.num_params * 2 / 8, rel=0.01)
+    free = solve_block_sharding(graph, block, coster, R)
+    assert free.objective_s <= megatron.objective_s * (1 + 1e-9)
+    assert free.choice[attn].name == "heads"
+    assert all(free.choice[n].split for n in block.template if graph.node(n).kind == "matmul")
+    one_sequence_stream = 2048 * 4096 * 2
+    assert free.comm_forward_s < 4 * coster.collective("all_reduce", one_sequence_stream)
+
+
+def test_ilp_with_sequence_parallel_boundary_shards_norms_along_the_sequence():
+    graph = planning_graph(gpt(2, 4096, 32))
+    coster = OpCoster(ClusterSpec.preset("dgx-h100"), 8, GroupShape(size=8, ranks_per_node=8))
+    solved = solve_block_sharding(graph, graph.block_types[0], coster, S(1))
+    norms = [solved.choice[n] for n in graph.block_types[0].template if graph.node(n).kind == "norm"]
+    assert all(s.inputs[0] == S(1) for s in norms)
+    plain = solve_block_sharding(graph, graph.block_types[0], coster, R)
+    assert solved.saved_bytes < plain.saved_bytes * 1.2
+
+
+def _mlp_graph(hidden: int = 1024):
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Linear(hidden, 4 * hidden)
+            self.down = nn.Linear(4 * hidden, hidden)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+    with torch.device("meta"):
+        model = MLP()
+    return capture(model, (torch.zeros(4, 512, hidden, device="meta"),), dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_ilp_optimum_equals_brute_force_over_every_assignment(n):
+    graph = _mlp_graph()
+    names = [v.name for v in graph.nodes]
+    coster = OpCoster(ClusterSpec.preset("dgx-a100"), n, GroupShape(size=n, ranks_per_node=n))
+    solved = solve_segment_sharding(graph, "mlp", names, coster, R)
+    problem = _problem(graph, "mlp", names, n, R)
+    options = [problem.strategies[v] for v in names]
+    assert 50 < len(list(itertools.product(*options))) < 20000
+    best = min(_price(problem, dict(zip(names, combo)), coster, R, 1.0).objective_s
+               for combo in itertools.product(*options))
+    assert solved.objective_s == pytest.approx(best, rel=1e-9)
+
+
+# --- stage cuts ---------------------------------------------------------------------------------
+
+def test_stage_cuts_match_exhaustive_search_with_memory_caps():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 9)
+        k = rng.randint(1, n)
+        times = [rng.uniform(0.1, 3) for _ in range(n)]
+        mem = [rng.uniform(0, 2) for _ in range(n)]
+        cap = rng.choice([float("inf"), 3.0, 5.0])
+
+        def memory(u: int, c: int) -> float:
+            return mem[u] * (1 + 0.1 * c)
+
+        fast, exact = partition(times, k, memory=memory, cap=cap), partition_exhaustive(times, k, memory=memory, cap=cap)
+        assert (fast is None) == (exact is None)
+        if exact is not None:
+            assert fast.bottleneck_s == pytest.approx(exact.bottleneck_s, rel=1e-3)
+
+
+def test_embedding_and_head_stages_get_fewer_layers():
+    graph = planning_graph(gpt(16, 2048, 16, vocab=256000))
+    planner = Planner(graph, ClusterSpec.preset("dgx-a100", nodes=1))
+    best = planner.search(64, parse_plan_spec("tp=1,pp=4,dp=2,schedule=1f1b,mbs=1")).best
+    sizes = [b - a for a, b in best.stage_bounds]
+    assert sizes[-1] < max(sizes)  # the 256k-vocabulary head is heavy: its stage holds fewer blocks
+
+
+# --- the outer search ---------------------------------------------------------------------------
+
+def test_search_is_optimal_against_simulating_every_config():
+    graph = planning_graph(gpt(4, 1024, 16, seq=1024, vocab=32000))
+    cluster = ClusterSpec.preset("dgx-a100", nodes=1)
+    planner = Planner(graph, cluster)
+    best = planner.search(32).best
+    everything = [planner.evaluate(c, fast=False) for c in enumerate_configs(
+        world_size=8, gpus_per_node=8, global_batch=32, limits=planner.limits, spec=parse_plan_spec("auto"))]
+    fastest = min(e.step_time_s for e in everything if e.fits)
+    assert best.step_time_s <= fastest * (1 + 1e-9)
+    assert len(everything) > 100
+
+
+def test_small_model_with_plenty_of_memory_gets_pure_data_parallelism():
+    graph = planning_graph(gpt(12, 768, 12, seq=1024, vocab=50304))
+    best = Planner(graph, ClusterSpec.preset("dgx-a100", nodes=1)).search(256).best
+    assert (best.config.dp, best.config.tp, best.config.pp) == (8, 1, 1)
+
+
+def test_model_whose_replicas_do_not_fit_gets_tensor_or_pipeline_parallelism():
+    graph = capture_for_planning("llama3-70b")
+    planner = Planner(graph, ClusterSpec.preset("dgx-h100", nodes=4))
+    best = planner.search(64).best
+    assert best.fits and best.config.tp * best.config.pp >= 4
+    assert best.config.tp <= 8
+
+
+def test_larger_global_batch_never_makes_a_sample_slower():
+    graph = planning_graph(gpt(8, 2048, 16))
+    planner = Planner(graph, ClusterSpec.preset("dgx-a100", nodes=2))
+    per_sample = [planner.search(b).best.step_time_s / b for b in (32, 64, 128, 256)]
+    assert all(later <= earlier * (1 + 1e-6) for earlier, later in zip(per_sample, per_sample[1:]))
+
+
+def test_tensor_parallel_degree_grows_with_hidden_size():
+    chosen = []
+    for hidden, heads in ((1024, 16), (4096, 32), (12288, 96)):
+        graph = planning_graph(gpt(8, hidden, heads))
+        best = Planner(graph, ClusterSpec.preset("dgx-a100", nodes=4)).search(64).best
+        chosen.append(best.config.tp)
+    assert chosen == sorted(chosen) and chosen[-1] > chosen[0]
+
+
+def test_tensor_parallelism_never_crosses_nodes_unless_allowed():
+    limits = Planner(planning_graph(gpt(8, 4096, 32)), ClusterSpec.preset("dgx-a100", nodes=4)).limits
+    configs = list(enumerate_configs(world_size=32, gpus_per_node=8, global_batch=64, limits=limits,
+                                     spec=parse_plan_spec("auto")))
+    assert max(c.tp for c in configs) == 8
+    wide = enumerate_configs(world_size=32, gpus_per_node=8, global_batch=64, limits=limits,
+                             spec=parse_plan_spec("auto"), allow_cross_node_tp=True)
+    assert max(c.tp for c in wide) == 32
+
+
+@pytest.mark.slow
+def test_planning_gpt3_175b_on_1024_gpus_end_to_end_is_fast():
+    start = time.perf_counter()
+    made = plan("gpt3-175b", cluster=ClusterSpec.preset("dgx-a100", nodes=128), global_batch=1536)
+    seconds = time.perf_counter() - start
+    assert seconds < 15.0  # measured ~7 s on the 2-core machine; generous against CI noise
+    assert made.mesh.tp <= 8 and made.predicted.memory_gib <= 80
+    assert made.mesh.dp * made.mesh.tp * made.mesh.pp == 1024
+
+
+# --- impossible requests ------------------------------------------------------------------------
+
+def test_a_model_that_cannot_fit_names_the_cause_and_what_would():
+    with pytest.raises(PlanningError) as err:
+        plan("llama3-405b", cluster=ClusterSpec.preset("dgx-h100", nodes=1), global_batch=8)
+    message = str(err.value)
+    assert "does not fit" in message and "llama3-405b" in message and "x the devices" in message
+
+
+def test_a_mesh_that_does_not_divide_the_world_is_one_clear_error():
+    graph = planning_graph(gpt(4, 1024, 16))
+    planner = Planner(graph, ClusterSpec.preset("dgx-a100", nodes=1))
+    with pytest.raises(PlanningError, match=r"dp\*tp\*pp = 3\*2\*1 = 6 ranks but the cluster has 8"):
+        planner.search(48, parse_plan_spec("dp=3,tp=2,pp=1"))
+    with pytest.raises(PlanningError, match="does not divide the model's 16 attention heads"):
+        planner.search(48, parse_plan_spec("tp=3"))
+
+
+@pytest.mark.parametrize("text,fragment", [("tp=two", "positive integer"), ("tq=2", "bad item"),
+                                           ("sp=2", "0 or 1"), ("schedule=zigzag", "one of"),
+                                           ("tp=2,tp=4", "given twice")])
+def test_bad_plan_specs_name_the_mistake(text, fragment):
+    with pytest.raises(PlanSpecError, match=fragment):
+        parse_plan_spec(text)
+
+
+def test_unknown_model_on_the_command_line(capsys):
+    assert cli_main(["plan", "gpt-17", "--global-batch", "8"]) == 2
+    assert "gpt-17" in capsys.readouterr().err
+
+
+# --- the plan file -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small_plan(tmp_path_factory):
+    made = plan("gpt:layers=4,hidden=1024,heads=16,seq=1024,vocab=32000",
+                cluster=ClusterSpec.preset("dgx-a100", nodes=1), global_batch=64, spec="tp=2,pp=2")
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    made.save(str(path))
+    return made, path
+
+
+def test_plan_json_round_trips_and_carries_the_documented_fields(small_plan):
+    made, path = small_plan
+    doc = json.loads(path.read_text())
+    for key in ("version", "model", "cluster", "mesh", "sequence_parallel", "zero", "micro_batch_size",
+                "num_micro_batches", "global_batch", "schedule", "recompute", "stages", "sharding", "predicted",
+                "alternatives"):
+        assert key in doc
+    for key in ("step_time_s", "tflops_per_gpu", "mfu", "tokens_per_s", "bubble_fraction", "memory_gib",
+                "memory_by_stage", "compute_s", "comm_s"):
+        assert key in doc["predicted"]
+    assert Plan.load(str(path)).to_dict() == made.to_dict()
+    assert doc["sharding"]["layers.3.attn.q_proj.weight"]["tp"] in ("S(0)", "S(1)", "R")
+    assert {s["layers"][0] for s in doc["stages"] if s["layers"]} >= {"layers.0"}
+    assert all(a["why"] for a in doc["alternatives"])
+
+
+@pytest.mark.parametrize("mutate,fragment", [
+    (lambda d: d["mesh"].update(tp="eight"), "mesh.tp must be an integer"),
+    (lambda d: d.update(schedule="zigzag"), "schedule must be one of"),
+    (lambda d: d["predicted"].pop("step_time_s"), "predicted.step_time_s is missing"),
+    (lambda d: d.update(extra_field=1), "extra_field is not a known field"),
+    (lambda d: d["mesh"].update(dp=3), "does not equal cluster.world_size"),
+    (lambda d: d.update(version=7), "version 7 is not supported"),
+])
+def test_corrupt_plan_files_get_one_clear_error_naming_the_field(small_plan, tmp_path, mutate, fragment):
+    _, path = small_plan
+    doc = json.loads(path.read_text())
+    mutate(doc)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(PlanError, match=fragment):
+        Plan.load(str(bad))
+
+
+def test_a_plan_for_another_world_size_or_model_is_refused(small_plan):
+    made, _ = small_plan
+    with pytest.raises(PlanError, match="made for 8 ranks"):
+        made.check_runs_on(world_size=4)
+    with pytest.raises(PlanError, match="stale"):
+        made.check_runs_on(world_size=8, graph_hash="0" * 64)
+    made.check_runs_on(world_size=8, graph_hash=made.model.graph_hash)
+
+
+def test_graph_hash_is_the_same_for_shallow_full_and_any_batch_captures():
+    from mplan.ir.graph_hash import graph_hash
+
+    model = build_model(LlamaConfig(num_layers=4, hidden=64, num_heads=4, num_kv_heads=2, ffn_hidden=96,
+                                    seq_len=16, vocab=64), device="meta")
+    a = capture(model, (torch.zeros(1, 16, dtype=torch.long, device="meta"),), shallow=True)
+    b = capture(model, (torch.zeros(3, 16, dtype=torch.long, device="meta"),))
+    assert graph_hash(a) == graph_hash(b)
+    other = build_model(LlamaConfig(num_layers=5, hidden=64, num_heads=4, num_kv_heads=2, ffn_hidden=96,
+                                    seq_len=16, vocab=64), device="meta")
+    assert graph_hash(capture(other, (torch.zeros(1, 16, dtype=torch.long, device="meta"),))) != graph_hash(a)
+
+
+# --- the command line ------------------------------------------------------------------------------
+
+def test_explain_draws_a_gantt_and_prints_text_without_a_display(small_plan, tmp_path, capsys):
+    _, path = small_plan
+    png = tmp_path / "schedule.png"
+    assert cli_main(["explain", str(path), "--gantt", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "stages" in out and "why the alternatives lost" in out and "predicted" in out
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_json_on_stdout_is_only_json(capsys):
+    assert cli_main(["plan", "tiny-llama", "--cluster", "cpu", "--gpus-per-node", "4", "--global-batch", "8",
+                     "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["version"] == 1 and doc["cluster"]["world_size"] == 4
+
+
+def test_bench_compares_plans_side_by_side(tmp_path, capsys):
+    csv = tmp_path / "out.csv"
+    assert cli_main(["bench", "gpt:layers=4,hidden=1024,heads=16,seq=1024,vocab=32000", "--cluster", "dgx-a100",
+                     "--global-batch", "64", "--plans", "auto", "tp=8", "tp=3", "--json", "--csv", str(csv)]) == 0
+    rows = json.loads(capsys.readouterr().out)["plans"]
+    assert [r["spec"] for r in rows] == ["auto", "tp=8", "tp=3"]
+    assert rows[0]["error"] is None and rows[1]["mesh"]["tp"] == 8
+    assert rows[0]["predicted"]["step_time_s"] <= rows[1]["predicted"]["step_time_s"]
+    assert "attention heads" in rows[2]["error"] and rows[2]["predicted"] is None
+    assert csv.read_text().count("\n") == 4
