@@ -35,9 +35,9 @@ from mplan.passes.verifier import check_sharding
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.placement import R, Shard
 from mplan.planner.plan import Plan
-from mplan.planner.sharding_ilp import solve_graph_sharding
+from mplan.planner.sharding_ilp import solve_graph_sharding, stream_shape
 from mplan.planner.strategies import Strategy, replicated
-from mplan.runtime.execution_plan import (ExecutionPlan, megatron_required, plan_hash,
+from mplan.runtime.execution_plan import (ExecutionPlan, megatron_coster, megatron_required, plan_hash,
                                           resolve_execution_plan, tp_choice)
 from mplan.runtime.launch import init_distributed_from_env
 from mplan.runtime.parallel_module import ParallelModule, parallelize
@@ -121,7 +121,7 @@ def capture_for_execution(model: nn.Module, example_inputs: tuple[torch.Tensor, 
                           loss_fn: LossFn | None = None, with_loss: bool = True) -> Graph:
     """The model captured at `rows` sequences (one micro-batch), with its loss unless told not
     to; token ids become the labels' template (their values do not matter to the export)."""
-    batch = tuple(_rows(x, rows) for x in example_inputs)
+    batch = tuple(_rows(x, rows).to(_model_device(model)) for x in example_inputs)
     labels = torch.zeros_like(batch[0]) if with_loss else None
     return capture(model, batch, labels=labels, loss_fn=loss_fn if with_loss else None,
                    name=type(model).__name__)
@@ -141,7 +141,9 @@ def _inference_preparer(model: nn.Module, plan: ExecutionPlan, coster_for: Calla
         n = plan.mesh.tp
         if n == 1:
             return graph, {node.name: replicated(node) for node in graph.nodes}
-        base = megatron_required(n) if plan.tp_strategies == "megatron" else None
+        megatron = plan.tp_strategies == "megatron"
+        stream = stream_shape(graph) if plan.sequence_parallel else None
+        base = megatron_required(n, stream) if megatron else None
 
         def allow(node: Any, strategy: Strategy) -> bool:
             if base is not None and not base(node, strategy):
@@ -150,7 +152,8 @@ def _inference_preparer(model: nn.Module, plan: ExecutionPlan, coster_for: Calla
                        for slot, name in enumerate(node.inputs) if name in layouts)
 
         boundary = Shard(1) if plan.sequence_parallel else R
-        return graph, dict(solve_graph_sharding(graph, coster_for(n), boundary, allow=allow).choice)
+        coster = megatron_coster(n) if megatron else coster_for(n)
+        return graph, dict(solve_graph_sharding(graph, coster, boundary, allow=allow).choice)
     return prepare
 
 

@@ -33,7 +33,7 @@ from mplan.ir.graph_hash import graph_hash
 from mplan.planner.parallel_config import PlanSpec, parse_plan_spec
 from mplan.planner.placement import R, Shard
 from mplan.planner.plan import Plan, PlanError
-from mplan.planner.sharding_ilp import megatron_style, solve_graph_sharding
+from mplan.planner.sharding_ilp import megatron_style, solve_graph_sharding, stream_shape
 from mplan.planner.strategies import Strategy, replicated, strategies_for
 from mplan.runtime.mesh import MeshShape
 
@@ -134,15 +134,19 @@ def _from_spec(text: str, world_size: int, global_batch: int, micro_batch_size: 
                          tp_strategies=tp_strategies, source=text)
 
 
-def megatron_required(n: int) -> Callable[[OpNode, Strategy], bool]:
-    """`megatron_style`, and weights and attention may not stay replicated when a Megatron split
-    exists: on test-sized models the cost model rightly finds replication cheapest, but a plan
-    that names tp>1 asks for tensor parallelism."""
+def megatron_required(n: int, stream: tuple[int, ...] | None = None) -> Callable[[OpNode, Strategy], bool]:
+    """`megatron_style`, plus two rules a cost model alone would not follow on small shapes:
+    weights and attention may not stay replicated when a Megatron split exists (a plan that
+    names tp>1 asks for tensor parallelism), and, with sequence parallelism (`stream` = the
+    residual stream's shape), every other op on the stream (residual adds, norms, casts) runs on
+    sequence shards, S(1), as Megatron-LM's sequence parallelism does."""
     def allow(node: OpNode, strategy: Strategy) -> bool:
         if not megatron_style(node, strategy):
             return False
-        if node.kind in ("matmul", "attention", "embedding", "loss") and not strategy.split:
-            return not any(s.split and megatron_style(node, s) for s in strategies_for(node, n))
+        if node.kind in ("matmul", "attention", "embedding", "loss"):
+            return strategy.split or not any(s.split and megatron_style(node, s) for s in strategies_for(node, n))
+        if stream is not None and node.outputs and node.output.shape == stream:
+            return strategy.output == Shard(1)
         return True
     return allow
 
@@ -157,8 +161,24 @@ def tp_choice(graph: Graph, plan: ExecutionPlan, coster_for: Callable[[int], Any
         assert plan.plan is not None
         return _zip_plan_ops(graph, plan.plan.ops, n)
     boundary = Shard(1) if plan.sequence_parallel else R
-    allow = megatron_required(n) if plan.tp_strategies == "megatron" else None
-    return dict(solve_graph_sharding(graph, coster_for(n), boundary, allow=allow).choice)
+    if plan.tp_strategies == "megatron":
+        allow = megatron_required(n, stream_shape(graph) if plan.sequence_parallel else None)
+        return dict(solve_graph_sharding(graph, megatron_coster(n), boundary, allow=allow).choice)
+    return dict(solve_graph_sharding(graph, coster_for(n), boundary).choice)
+
+
+def megatron_coster(n: int) -> Any:
+    """Prices for choosing among Megatron's splits (column or row, where either is allowed): a
+    reference H100 node, whatever machine runs the job, so a spec string means the same layout
+    everywhere. On it the solver picks Megatron's own pairing (q/k/v, gate/up, fc_in by columns;
+    o, down, fc_out by rows; embedding and head by vocabulary)."""
+    from mplan.cost_models.cluster import ClusterSpec
+    from mplan.cost_models.collective_cost import GroupShape
+    from mplan.planner.op_cost import OpCoster
+
+    per_node = min(n, 8)
+    cluster = ClusterSpec.preset("dgx-h100", nodes=-(-n // per_node), gpus_per_node=8)
+    return OpCoster(cluster, n, GroupShape(size=n, ranks_per_node=per_node))
 
 
 def _zip_plan_ops(graph: Graph, ops: Mapping[str, list[str]], n: int) -> dict[str, Strategy]:

@@ -88,7 +88,8 @@ def parallelize(*, graph: Graph, choice: dict[str, Strategy], plan: ExecutionPla
     for spec in program.meta[INPUTS]:
         if spec.kind == "CONSTANT_TENSOR":
             statics[spec.name] = graph.program.constants[spec.target].to(device)
-    return ParallelModule(graph=graph, plan=plan, digest=digest, groups=groups, axis=axis, program=program,
+    return ParallelModule(graph=graph, plan=plan, choice=choice, digest=digest, groups=groups, axis=axis,
+                          program=program,
                           params={k: nn.Parameter(v) for k, v in shards.items()}, statics=statics,
                           layouts=parameter_layouts(graph, choice), optimizer=optimizer, device=device,
                           max_grad_norm=max_grad_norm, autocast=autocast, prepare_inference=prepare_inference)
@@ -97,12 +98,14 @@ def parallelize(*, graph: Graph, choice: dict[str, Strategy], plan: ExecutionPla
 class ParallelModule:
     """The `pm` of DESIGN.md: local program, local parameters, groups, optimizer."""
 
-    def __init__(self, *, graph: Graph, plan: ExecutionPlan, digest: str, groups: ProcessGroups,
+    def __init__(self, *, graph: Graph, plan: ExecutionPlan, choice: dict[str, Strategy], digest: str,
+                 groups: ProcessGroups,
                  axis: TensorParallelAxis, program: fx.GraphModule, params: dict[str, nn.Parameter],
                  statics: dict[str, torch.Tensor], layouts: dict[str, ParamLayout],
                  optimizer: OptimizerFactory, device: torch.device, max_grad_norm: float | None,
                  autocast: torch.dtype | None, prepare_inference: InferencePreparer | None) -> None:
         self.graph, self.plan, self.digest, self.groups, self.axis = graph, plan, digest, groups, axis
+        self.choice = choice  # the TP strategy of every node of the training graph
         self.program, self.params, self.statics, self.layouts = program, params, statics, layouts
         self.device, self.max_grad_norm, self.autocast = device, max_grad_norm, autocast
         self._prepare_inference = prepare_inference
