@@ -81,7 +81,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     if resolved.plan is not None:
         resolved.plan.check_runs_on(world_size=world_size, graph_hash=graph_hash(graph))
     coster_for = _coster_factory(cluster)
-    choice = tp_choice(graph, resolved, coster_for)
+    choice = tp_choice(graph, resolved, coster_for, planner_graph=lambda: _planner_capture(model, inputs, loss_fn))
     check_sharding(graph, choice, resolved.mesh.tp)
     digest = plan_hash(graph, resolved, choice)
     return parallelize(graph=graph, choice=choice, plan=resolved, digest=digest,
@@ -89,6 +89,12 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
                        optimizer=optimizer, device=run_on, dtype=dtype, seed=seed,
                        max_grad_norm=max_grad_norm, autocast=_autocast_dtype(autocast),
                        prepare_inference=_inference_preparer(model, resolved, coster_for))
+
+
+def _planner_capture(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: LossFn | None) -> Graph:
+    from mplan.planner.planning import capture_for_planning
+
+    return capture_for_planning(model, inputs, loss_fn=loss_fn)
 
 
 def _default_device() -> torch.device:

@@ -151,15 +151,17 @@ def megatron_required(n: int, stream: tuple[int, ...] | None = None) -> Callable
     return allow
 
 
-def tp_choice(graph: Graph, plan: ExecutionPlan, coster_for: Callable[[int], Any]) -> dict[str, Strategy]:
+def tp_choice(graph: Graph, plan: ExecutionPlan, coster_for: Callable[[int], Any],
+              planner_graph: Callable[[], Graph] | None = None) -> dict[str, Strategy]:
     """The strategy of every node on the TP axis. `coster_for(n)` builds the `OpCoster` for an
-    axis of n ranks (only the ILP paths need one)."""
+    axis of n ranks (the ILP path); `planner_graph()` re-captures the model the way the planner
+    did, to line a Plan's per-op strategies up with this graph's nodes."""
     n = plan.mesh.tp
     if n == 1:
         return {node.name: replicated(node) for node in graph.nodes}
     if plan.tp_strategies == "plan":
         assert plan.plan is not None
-        return _zip_plan_ops(graph, plan.plan.ops, n)
+        return _zip_plan_ops(graph, plan.plan.ops, n, planner_graph)
     boundary = Shard(1) if plan.sequence_parallel else R
     if plan.tp_strategies == "megatron":
         allow = megatron_required(n, stream_shape(graph) if plan.sequence_parallel else None)
@@ -181,25 +183,66 @@ def megatron_coster(n: int) -> Any:
     return OpCoster(cluster, n, GroupShape(size=n, ranks_per_node=per_node))
 
 
-def _zip_plan_ops(graph: Graph, ops: Mapping[str, list[str]], n: int) -> dict[str, Strategy]:
-    from mplan.planner.plan_builder import strategy_key
-
+def _zip_plan_ops(graph: Graph, ops: Mapping[str, list[str]], n: int,
+                  planner_graph: Callable[[], Graph] | None) -> dict[str, Strategy]:
+    """A Plan stores one strategy key per node of each block type's template and glue segment,
+    in the order of the planner's capture. That capture has a symbolic batch: it carries
+    `sym_size` nodes this static capture lacks, and ops that read them (views) list them as
+    extra replicated inputs. Node names otherwise agree, so keys are matched by name through a
+    re-capture (`planner_graph`), the symbolic inputs' placements set aside."""
+    reference = planner_graph() if planner_graph is not None else None
     choice: dict[str, Strategy] = {}
     for segment in graph.segments:
-        key = segment.block_type or segment.name
         if not segment.nodes:
             continue
+        key = segment.block_type or segment.name
         keys = ops.get(key)
-        if keys is None or len(keys) != len(segment.nodes):
-            raise PlanError(f"plan ops for {key}: {0 if keys is None else len(keys)} strategies, the "
-                            f"captured segment {segment.name} has {len(segment.nodes)} nodes: re-plan")
-        for node, wanted in zip(graph.nodes_of(segment.nodes), keys):
-            match = [s for s in strategies_for(node, n) if strategy_key(s) == wanted]
+        if keys is None:
+            raise PlanError(f"the plan has no strategies for {key}: re-plan this model")
+        template = graph.block_type(segment.block_type).template if segment.block_type else segment.nodes
+        theirs: list[OpNode | None] = [None] * len(template)
+        if reference is not None:
+            keys, theirs = _by_name(reference, key, keys, template)
+        elif len(keys) != len(template):
+            raise PlanError(f"plan ops for {key}: {len(keys)} strategies for {len(template)} nodes")
+        by_position = {name: (wanted, ref) for name, wanted, ref in zip(template, keys, theirs)}
+        for node_name, template_name in zip(segment.nodes, template):
+            node = graph.node(node_name)
+            wanted, ref = by_position[template_name]
+            match = [s for s in strategies_for(node, n) if _key(s, ref, reference) == wanted]
             if not match:
                 raise PlanError(f"plan ops for {key}: node {node.name} has no strategy {wanted} at "
                                 f"tp={n} with these shapes")
             choice[node.name] = match[0]
     return choice
+
+
+def _key(strategy: Strategy, ref: OpNode | None, reference: Graph | None) -> str:
+    """`strategy_key` as the planner wrote it for `ref` (its symbolic inputs replicated)."""
+    from mplan.planner.plan_builder import strategy_key
+
+    if ref is None or reference is None:
+        return strategy_key(strategy)
+    ins, grads = iter(strategy.inputs), iter(strategy.input_grads)
+    symbolic = [name in reference and not reference.node(name).outputs for name in ref.inputs]
+    padded = Strategy(name=strategy.name, output=strategy.output, split=strategy.split,
+                      inputs=tuple(R if sym else next(ins) for sym in symbolic),
+                      input_grads=tuple(R if sym else next(grads) for sym in symbolic))
+    return strategy_key(padded)
+
+
+def _by_name(reference: Graph, key: str, keys: list[str],
+             template: tuple[str, ...]) -> tuple[list[str], list[OpNode | None]]:
+    theirs = (reference.block_type(key).template if any(b.name == key for b in reference.block_types)
+              else next((s.nodes for s in reference.segments if s.name == key), ()))
+    if len(theirs) != len(keys):
+        raise PlanError(f"plan ops for {key}: {len(keys)} strategies, the planner's capture has "
+                        f"{len(theirs)} nodes: the plan is stale, re-plan it")
+    named = dict(zip(theirs, keys))
+    missing = [name for name in template if name not in named]
+    if missing:
+        raise PlanError(f"plan ops for {key}: no strategy for nodes {missing[:5]}: re-plan")
+    return [named[name] for name in template], [reference.node(name) for name in template]
 
 
 def plan_hash(graph: Graph, plan: ExecutionPlan, choice: Mapping[str, Strategy]) -> str:

@@ -1,0 +1,171 @@
+"""`mplan.autoparallel` end to end: plans from the planner, plan files, refusals, one device,
+and `verify_plan` (what `mplan verify` calls).
+
+Distributed checks share one gloo group of 2 ranks: a Plan made by `mplan.plan` (its per-op TP
+strategies zipped onto the re-captured graph) and the planner's own search (plan=None) train like
+one process; a plan for another world size or another model is refused with one clear error,
+raised on every rank before any collective (a collective on one rank only would hang the test).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import rel_err, run_checks
+from mplan.planner.placement import R
+from test_equivalence import OPTIMIZER, assert_equivalent, batches, compare, family, single_device
+
+
+def _planned(spec: str, gpus: int, name: str) -> str:
+    """Rank 0 plans tiny-gpt for `gpus` H100s and writes the plan; every rank gets the path.
+
+    On a model this small the planner rightly keeps every op replicated; so that the plan's per-op
+    strategies exercise real splits, they are replaced by Megatron's, solved on the planner's own
+    capture (symbolic batch, shallow) and serialized as the planner serializes them."""
+    import mplan
+    from mplan.planner.plan_builder import strategy_key
+    from mplan.planner.planning import capture_for_planning
+    from mplan.planner.sharding_ilp import solve_graph_sharding
+    from mplan.runtime.execution_plan import megatron_coster, megatron_required
+
+    where = [None]
+    if dist.get_rank() == 0:
+        model, ids = family("tiny-gpt")(), batches(4, steps=1)[0][0]
+        cluster = mplan.ClusterSpec.preset("dgx-h100", nodes=1, gpus_per_node=gpus)
+        plan = mplan.plan(model, (ids,), cluster=cluster, global_batch=4, spec=spec)
+        graph = capture_for_planning(model, (ids,))
+        choice = solve_graph_sharding(graph, megatron_coster(plan.mesh.tp), R,
+                                      allow=megatron_required(plan.mesh.tp)).choice
+        ops = {b.name: [strategy_key(choice[n]) for n in b.template] for b in graph.block_types}
+        ops.update({s.name: [strategy_key(choice[n]) for n in s.nodes]
+                    for s in graph.segments if s.block_type is None and s.nodes})
+        where[0] = os.path.join(tempfile.mkdtemp(prefix="mplan_plan_"), name)
+        dataclasses.replace(plan, ops=ops).save(where[0])
+    dist.broadcast_object_list(where)
+    return where[0]
+
+
+def plan_file_tp2() -> dict:
+    path = _planned("tp=2,pp=1", 2, "tp2.json")
+    result = compare(family("tiny-gpt"), path, 4)
+    return {**result, "path": path}
+
+
+def planner_search() -> dict:
+    return compare(family("tiny-llama"), None, 4)
+
+
+def plan_for_four_ranks() -> str:
+    import mplan
+    from mplan.planner.plan import PlanError
+
+    path = _planned("tp=2,dp=2,pp=1", 4, "world4.json")
+    with pytest.raises(PlanError) as caught:
+        mplan.autoparallel(family("tiny-gpt")(), example_inputs=(batches(4, steps=1)[0][0],),
+                           global_batch=4, plan=path)
+    return str(caught.value)
+
+
+def plan_for_another_model() -> str:
+    import mplan
+    from mplan.planner.plan import PlanError
+
+    path = _planned("tp=2,pp=1", 2, "gpt.json")
+    with pytest.raises(PlanError) as caught:
+        mplan.autoparallel(family("tiny-llama")(), example_inputs=(batches(4, steps=1)[0][0],),
+                           global_batch=4, plan=path)
+    return str(caught.value)
+
+
+CHECKS = [plan_file_tp2, planner_search, plan_for_four_ranks, plan_for_another_model]
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return run_checks(2, CHECKS, timeout_s=240)
+
+
+def test_executes_a_planner_plan(outcomes) -> None:
+    values = outcomes.assert_passed(plan_file_tp2)
+    assert_equivalent(values)
+    assert "column" in values[0]["strategies"] and "tp=2" in values[0]["ran"]
+
+
+def test_plan_none_searches_and_runs(outcomes) -> None:
+    assert_equivalent(outcomes.assert_passed(planner_search))
+
+
+def test_plan_for_another_world_size_is_refused(outcomes) -> None:
+    for message in outcomes.assert_passed(plan_for_four_ranks):
+        assert "made for 4 ranks" in message and "has 2" in message, message
+
+
+def test_plan_for_another_model_is_refused(outcomes) -> None:
+    for message in outcomes.assert_passed(plan_for_another_model):
+        assert "another model" in message and "graph hash" in message, message
+
+
+def test_one_device_without_a_process_group() -> None:
+    """No torchrun environment, no group: autoparallel runs the model on this process."""
+    import mplan
+
+    assert not dist.is_initialized() and "RANK" not in os.environ
+    data = batches(4)
+    make = family("tiny-gpt")
+    with _default_dtype(torch.float64):
+        pm = mplan.autoparallel(make(), example_inputs=(data[0][0],), optimizer=OPTIMIZER, global_batch=4,
+                                plan="mbs=2", max_grad_norm=0.3)
+        losses = [pm.train_step(x, y) for x, y in data]
+        ref_losses, ref_state = single_device(make, data)
+    assert pm.plan.num_micro_batches == 2
+    assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 1e-12
+    state = pm.full_state_dict()
+    assert max(rel_err(state[k], v) for k, v in ref_state.items()) < 1e-12
+
+
+def test_verify_plan_scales_a_plan_down() -> None:
+    from mplan.runtime.verify import verify_plan
+
+    report = verify_plan("gpt3-175b", "tp=8,dp=8,sp=1,zero=1", world_size=2, steps=2)
+    assert report.passed, report
+    assert report.executed.startswith("dp=1,tp=2,sp=1,zero=1"), report.executed
+    assert "num_layers=2" in report.scaled_model and "tie_embeddings=True" in report.scaled_model
+
+
+@pytest.mark.parametrize("spec,world,batch,error,match", [
+    ("tp=2,dp=2", 2, 4, ValueError, r"dp\*tp\*pp = 2\*2\*1 = 4 ranks but the world has 2"),
+    ("tp=2,pp=2", 4, 4, NotImplementedError, "later issue"),
+    ("dp=2,mbs=3", 2, 8, ValueError, "not a multiple of the micro-batch size 3"),
+    ("dp=4", 4, 6, ValueError, "not divisible by dp=4"),
+    ("tp=3", 4, 4, ValueError, "tp=3 does not divide the world size 4"),
+])
+def test_spec_strings_fail_with_the_arithmetic(spec, world, batch, error, match) -> None:
+    from mplan.runtime.execution_plan import resolve_execution_plan
+
+    with pytest.raises(error, match=match):
+        resolve_execution_plan(spec, world_size=world, global_batch=batch)
+
+
+def test_spec_fills_left_out_keys() -> None:
+    from mplan.runtime.execution_plan import resolve_execution_plan
+
+    plan = resolve_execution_plan("tp=2,sp=1,zero=1", world_size=8, global_batch=16, micro_batch_size=2)
+    assert (plan.mesh.dp, plan.mesh.tp, plan.micro_batch_size, plan.num_micro_batches) == (4, 2, 2, 2)
+    assert plan.sequence_parallel and plan.zero == 1 and plan.tp_strategies == "megatron"
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
