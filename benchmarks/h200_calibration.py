@@ -36,7 +36,7 @@ def predict(row: dict) -> dict:
     config = model_of(row)
     model = build_model(config, device="meta")
     graph = capture_for_planning(model, (__import__("torch").zeros(1, config.seq_len, dtype=__import__("torch").long),))
-    planner = Planner(graph, ClusterSpec.preset("h200"), grad_dtype="bf16", fp32_grad_copy=False)
+    planner = Planner(graph, ClusterSpec.preset("h200"), grad_dtype="bf16", fp32_grad_copy=True)
     estimate = planner.evaluate(ParallelConfig(dp=1, tp=1, pp=1, mbs=row["batch"], num_micro_batches=1, zero=1),
                                 fast=False, fragmentation=0.0)
     mem = estimate.memory[0]

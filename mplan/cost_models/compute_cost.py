@@ -14,16 +14,17 @@ is scaled down by the efficiency curve below (relative to the table's edge), nev
 Without one, a roofline: ``max(flops / (peak * gemm_efficiency * shape(m, n, k)), bytes / (bandwidth *
 memory_efficiency))`` with the GEMM shape curve
 
-    shape(m, n, k) = (W / (W + C_MN)) * (k / (k + C_K)),   W = m n (see split-K below)
+    shape(m, n, k) = (W / (W + C_MN)) * (m / (m + C_T)) * (n / (n + C_T)) * (k / (k + C_K)),
+    W = m n (see split-K below)
 
 The first factor is occupancy: a small output has too few tiles to fill the SMs (it falls linearly
-as m n -> 0); the second is the K-loop's amortisation of each tile's prologue and epilogue.
-C_MN = 2.71e6 (about a 1650 x 1650 output) and C_K = 394 were fitted on
-shared/reference/h200-measured-2026-11-29.json (five bf16 GEMMs on one H200: 8192^3 756 TFLOP/s,
-16384x6144x2048 645.6, 16384x2048x6144 690.9, 16384x1536x2048 587.6, 4096^3 614.4) by least squares
-in log space with the asymptote fixed at the 788 TFLOP/s achievable rate (peak * gemm_efficiency);
-the curve reproduces the five points within 4.5% (RMS 2.2%). Leaving the asymptote free fits them
-within 1.2% at 840 TFLOP/s: two free constants on five points is deliberately the smaller model.
+as m n -> 0); the middle two are tile fill: an output side narrower than a tile (n = 128 for a
+per-head PV product) wastes the rest of it; the last is the K-loop's amortisation of each tile's
+prologue and epilogue. C_MN = 3.24e6, C_T = 70 and C_K = 135 are fitted (GEMM_POINTS_FILES) on 17
+bf16 GEMMs measured on one H200 here (k from 64 to 8192, n from 96 to 16384) by least squares in
+log space with the asymptote fixed at the 788 TFLOP/s achievable rate (peak * gemm_efficiency):
+RMS error 6.6%, largest 18% (k = 64). A first fit on the five large-k points alone (C_K = 394)
+priced k = 128 at half its measured rate: that is why the small-k points were measured.
 C_MN is about one wave of output tiles (132 SMs x a 128x160 tile), which is what "occupancy" means.
 Split-K (an assumption, not fitted: all five points fill several waves): for outputs smaller than one
 wave cuBLAS splits the K loop across SMs, so the occupancy factor counts ``m n max(1, k /
@@ -49,10 +50,20 @@ from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.dtypes import canonical_dtype, dtype_bytes
 from mplan.cost_models.log_interpolation import LogInterpolator
 
-GEMM_CURVE_C_MN = 2.71e6
-"""Output elements (m*n) at which the occupancy factor is one half; fitted on h200-measured-2026-11-29.json."""
-GEMM_CURVE_C_K = 394.0
-"""Reduction depth k at which the K-loop factor is one half; fitted on h200-measured-2026-11-29.json."""
+GEMM_CURVE_C_MN = 3.24e6
+"""Output elements (m*n) at which the occupancy factor is one half; fitted (see GEMM_POINTS_FILES)."""
+GEMM_CURVE_C_TILE = 70.0
+"""An output side (m or n) at which the tile-fill factor is one half: narrow outputs (n = 96 or 128,
+attention's PV product per head) waste most of a 128-wide tile; fitted (see GEMM_POINTS_FILES)."""
+GEMM_CURVE_C_K = 135.0
+"""Reduction depth k at which the K-loop factor is one half; fitted (see GEMM_POINTS_FILES)."""
+GEMM_POINTS_FILES = ("shared/reference/h200-measured-2026-11-29.json",
+                     "benchmarks/results/gemm_small_k_h200-2026-11-29.json")
+"""The 17 bf16 GEMMs on one H200 the curve is fitted on (k from 64 to 8192, n from 96 to 16384):
+least squares in log space, asymptote fixed at 788 TFLOP/s; RMS error 6.6%, largest 18% (k = 64).
+The first five alone (k >= 2048) had given C_K = 394, which priced k = 128 at half its measured rate."""
+SKINNY_ROWS = 16
+"""At most this many rows (or columns): priced as a memory-bound matrix-vector product; an assumption."""
 SPLIT_K_CHUNK = 1024.0
 """K elements per split-K slice when a small output is spread over the SMs: an assumption, not fitted."""
 H200_GEMM_POINTS: tuple[tuple[int, int, int, float], ...] = (
@@ -70,7 +81,9 @@ ATTENTION_BACKWARD_FLOP_RATIO = 2.5
 def gemm_shape_efficiency(m: float, n: float, k: float) -> float:
     """The shape factor in (0, 1) of the GEMM efficiency curve (module docstring)."""
     work = max(m * n, min(GEMM_CURVE_C_MN, m * n * k / SPLIT_K_CHUNK))
-    return (work / (work + GEMM_CURVE_C_MN)) * (k / (k + GEMM_CURVE_C_K))
+    # A side of a few rows is a matrix-vector product: cuBLAS runs a memory-bound kernel, no tiles.
+    tiles = 1.0 if min(m, n) <= SKINNY_ROWS else (m / (m + GEMM_CURVE_C_TILE)) * (n / (n + GEMM_CURVE_C_TILE))
+    return (work / (work + GEMM_CURVE_C_MN)) * tiles * (k / (k + GEMM_CURVE_C_K))
 
 
 def attention_flops(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, causal: bool,

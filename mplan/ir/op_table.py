@@ -23,6 +23,7 @@ class OpRule:
     kind: str
     flops: FlopFn
     saves: tuple[int | str, ...] = ()  # argument positions and/or "out"
+    cross: bool = False  # a product: each saved operand is needed only for the others' gradients
     # bytes of small side outputs kept for backward, from (inputs, outputs)
     extra_saved: Callable[[Sequence[TensorMeta], Sequence[TensorMeta]], int] | None = None
 
@@ -101,15 +102,15 @@ _MOVE_OPS = (
 
 RULES: dict[str, OpRule] = {
     # GEMMs: backward needs both operands (the weight is a parameter, not an activation).
-    "linear": OpRule(kind="matmul", flops=_linear, saves=(0, 1)),
-    "matmul": OpRule(kind="matmul", flops=_matmul, saves=(0, 1)),
-    "mm": OpRule(kind="matmul", flops=_matmul, saves=(0, 1)),
-    "bmm": OpRule(kind="matmul", flops=_matmul, saves=(0, 1)),
-    "baddbmm": OpRule(kind="matmul", flops=_addmm, saves=(1, 2)),
-    "addmm": OpRule(kind="matmul", flops=_addmm, saves=(1, 2)),
+    "linear": OpRule(kind="matmul", flops=_linear, saves=(0, 1), cross=True),
+    "matmul": OpRule(kind="matmul", flops=_matmul, saves=(0, 1), cross=True),
+    "mm": OpRule(kind="matmul", flops=_matmul, saves=(0, 1), cross=True),
+    "bmm": OpRule(kind="matmul", flops=_matmul, saves=(0, 1), cross=True),
+    "baddbmm": OpRule(kind="matmul", flops=_addmm, saves=(1, 2), cross=True),
+    "addmm": OpRule(kind="matmul", flops=_addmm, saves=(1, 2), cross=True),
     # Grouped GEMMs of MoE layers (Hugging Face's experts): tokens x hidden against E weights.
-    "_grouped_mm": OpRule(kind="matmul", flops=_matmul, saves=(0, 1)),
-    "grouped_mm_fallback": OpRule(kind="matmul", flops=_matmul, saves=(0, 1)),
+    "_grouped_mm": OpRule(kind="matmul", flops=_matmul, saves=(0, 1), cross=True),
+    "grouped_mm_fallback": OpRule(kind="matmul", flops=_matmul, saves=(0, 1), cross=True),
     # Fused attention keeps q, k, v, its output and the row logsumexp (no s x s matrix).
     "scaled_dot_product_attention": OpRule(
         kind="attention", flops=_sdpa, saves=(0, 1, 2, "out"), extra_saved=_sdpa_lse),
@@ -146,8 +147,8 @@ RULES: dict[str, OpRule] = {
     "cos": OpRule(kind="elementwise", flops=_per_out(4), saves=(0,)),
     "reciprocal": OpRule(kind="elementwise", flops=_per_out(1), saves=("out",)),
     # Products: each operand's gradient needs the other one.
-    "mul": OpRule(kind="elementwise", flops=_per_out(1), saves=(0, 1)),
-    "div": OpRule(kind="elementwise", flops=_per_out(1), saves=(0, 1)),
+    "mul": OpRule(kind="elementwise", flops=_per_out(1), saves=(0, 1), cross=True),
+    "div": OpRule(kind="elementwise", flops=_per_out(1), saves=(0, 1), cross=True),
     # Linear elementwise ops: gradients pass through, nothing kept.
     "add": OpRule(kind="elementwise", flops=_per_out(1)),
     "sub": OpRule(kind="elementwise", flops=_per_out(1)),

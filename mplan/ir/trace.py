@@ -224,6 +224,11 @@ class _GraphBuilder:
         self.names: dict[str, str] = {}  # fx placeholder name -> param FQN or input name
         self.metas: dict[str, TensorMeta] = {}
         self.param_names: set[str] = set()
+        self.requires_grad: set[str] = set()  # values whose gradient backward computes
+        # Transposes of fused-attention outputs: CUDA's attention kernels write [b, s, h, d] memory,
+        # so the usual transpose(1, 2) back to [b, s, h, d] is contiguous and its reshape a view.
+        self.sequence_major: set[str] = set()
+        self.sdpa_outputs: set[str] = set()
 
     def _strip(self, path: str) -> str:
         return path[len(self.prefix):] if self.prefix and path.startswith(self.prefix) else \
@@ -269,6 +274,7 @@ class _GraphBuilder:
         if kind == "PARAMETER":
             name = self._strip(spec.target)
             self.param_names.add(name)
+            self.requires_grad.add(name)
         elif kind in ("BUFFER", "CONSTANT_TENSOR"):
             name = self._strip(spec.target)
         else:
@@ -297,8 +303,19 @@ class _GraphBuilder:
         paths = [self._strip(path) for path, _ in stack.values()]
         first = fx_node.args[0] if fx_node.args else None
         first_val = first.meta.get("val") if hasattr(first, "meta") else None
-        copies = op_packet(fx_node.target) in _COPY_IF_STRIDED and isinstance(first_val, torch.Tensor) \
-            and not first_val.is_contiguous()
+        packet = op_packet(fx_node.target)
+        first_name = self.names.get(first.name, first.name) if hasattr(first, "name") else None
+        if packet == "transpose" and first_name is not None and sorted(fx_node.args[1:3]) == [1, 2] and \
+                first_name in self.sdpa_outputs:
+            self.sequence_major.add(fx_node.name)
+        if packet == "scaled_dot_product_attention":
+            self.sdpa_outputs.add(fx_node.name)
+        copies = packet in _COPY_IF_STRIDED and isinstance(first_val, torch.Tensor) \
+            and not first_val.is_contiguous() and first_name not in self.sequence_major
+        val = fx_node.meta.get("val")
+        differentiable = isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex())
+        if differentiable and any(v in self.requires_grad for _, v in args):
+            self.requires_grad.add(fx_node.name)
         return _RawNode(fx_name=fx_node.name, target=fx_node.target, args=args, copies=copies,
                         plain_args=plain_args, plain_kwargs=plain_kwargs, outputs=outputs,
                         module_path=paths[-1] if paths else "", module_classes=classes)
@@ -415,8 +432,17 @@ class _GraphBuilder:
         else:
             kind = "move" if r.copies else rule.kind
             saved_list: list[str] = []
-            for s in rule.saves:
-                saved_list.extend([r.fx_name] if s == "out" else [v for pos, v in r.args if pos == s])
+            grads = {v for _, v in r.args if v in self.requires_grad}
+            if grads:  # an op none of whose inputs needs a gradient keeps nothing for backward
+                for s in rule.saves:
+                    if s == "out":
+                        saved_list.append(r.fx_name)
+                        continue
+                    for pos, v in r.args:
+                        # A product keeps each operand for the *other* operands' gradients only.
+                        if pos == s and (not rule.cross or grads - {v} or
+                                         sum(1 for _, w in r.args if w == v) > 1):
+                            saved_list.append(v)
             saved = tuple(dict.fromkeys(saved_list))
         if op_packet(r.target) == "getitem":
             kind = "getitem"

@@ -139,7 +139,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     for rank in range(config.pp):
         chunks = range(rank, k, config.pp)
         rank_units = [u for c in chunks for u in range(*cut.bounds[c])]
-        params = sum(units[u].num_params for u in rank_units)
+        params = _rank_params(units, rank_units)
         tp_sync = sum(units[u].tp_grad_sync_bytes for u in rank_units)
         if config.zero:
             sync = collective_time(cluster, "reduce_scatter", params * grad_bytes, dp_group) + \
@@ -186,6 +186,19 @@ def schedule_of(config: ParallelConfig) -> Schedule:
     runtime all read this one definition."""
     name = {"interleaved": "interleaved_1f1b"}.get(config.schedule, config.schedule)
     return build_schedule(name if config.pp > 1 else "1f1b", config.pp, config.num_micro_batches, config.vpp)
+
+
+def _rank_params(units: Sequence[UnitCost], indices: Sequence[int]) -> int:
+    """Local parameters of one rank: blocks add up, glue parameters count once (a tied embedding
+    used by the prologue and the epilogue on the same rank is one tensor)."""
+    glue: dict[str, int] = {}
+    total = 0
+    for u in indices:
+        if units[u].glue_params:
+            glue.update(units[u].glue_params)
+        else:
+            total += units[u].num_params
+    return total + sum(glue.values())
 
 
 def _fallback(times: Sequence[float], k: int) -> Partition:

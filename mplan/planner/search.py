@@ -187,6 +187,10 @@ def _limits(graph: Graph) -> ModelLimits:
         if node.kind == "attention" and len(node.input_metas) >= 2:
             heads, kv = node.input_metas[0].shape[1], node.input_metas[1].shape[1]
             break
+        if node.kind == "matmul" and not node.params and len(node.input_metas) == 2 and \
+                len(node.input_metas[0].shape) == 4:  # attention written out: [b, heads, s, d] @ [b, heads, d, s]
+            heads = kv = node.input_metas[0].shape[1]
+            break
     for name, p in graph.params.items():
         if name.endswith("w_gate") and len(p.meta.shape) == 3:
             experts = p.meta.shape[0]

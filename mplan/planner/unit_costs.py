@@ -35,22 +35,15 @@ class UnitCost:
     comm_forward_s: float
     comm_backward_s: float
     num_params: int  # local parameters (elements) on one TP rank
+    # (name, local elements) of a glue unit's parameters: a tied embedding read by both the
+    # prologue and the epilogue is held once by a rank that runs both
+    glue_params: tuple[tuple[str, int], ...] = ()
     tp_grad_sync_bytes: int  # replicated parameters with partial gradients, all-reduced over TP
     saved_bytes: int  # activations kept for backward, recompute none
     selective_bytes: int  # activations kept under selective recomputation
     selective_extra_s: float  # forward seconds re-run in backward under selective recomputation
     input_bytes: int  # the unit's input activation (local): what full recomputation keeps
     largest_op_bytes: int  # largest single op's local output: a transient bound
-
-
-def _local_numel(graph: Graph, node: OpNode, sharding: SegmentSharding) -> int:
-    s = sharding.choice[node.name]
-    total = 0
-    for _, name in node.params:
-        placement = s.inputs[node.inputs.index(name)]
-        numel = graph.params[name].meta.numel
-        total += numel // sharding.axis_size if isinstance(placement, Shard) else numel
-    return total
 
 
 def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[str, ...],
@@ -62,6 +55,7 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
     largest = 0
     seen_params: set[str] = set()
     num_params = 0
+    glue: list[tuple[str, int]] = []
     for node in graph.nodes_of(nodes):
         s = sharding.choice[node.name]
         if node.kind in _KEEP_UNDER_SELECTIVE:
@@ -70,10 +64,14 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
             extra += coster.op(node, s).forward_s
         if node.outputs:
             largest = max(largest, shard_bytes(node.output, s.output, n))
-        fresh = [p for _, p in node.params if p not in seen_params]
-        if fresh:
-            seen_params.update(fresh)
-            num_params += _local_numel(graph, node, sharding)
+        for _, param in node.params:
+            if param in seen_params:
+                continue
+            seen_params.add(param)
+            placement = sharding.choice[node.name].inputs[node.inputs.index(param)]
+            numel = graph.params[param].meta.numel // (n if isinstance(placement, Shard) else 1)
+            num_params += numel
+            glue.append((param, numel))
     selective_bytes = sum(shard_bytes(_value_meta(graph, r), sharding.choice[r].output if r in sharding.choice
                                       else sharding.boundary, n)
                           for r in selective_saved if r not in graph.params and _value_meta(graph, r) is not None)
@@ -87,7 +85,8 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
         input_bytes = math.prod(stream) * dtype_size // (n if isinstance(sharding.boundary, Shard) else 1)
     return UnitCost(name=name, block_type=block_type, forward_s=sharding.forward_s, backward_s=sharding.backward_s,
                     comm_forward_s=sharding.comm_forward_s, comm_backward_s=sharding.comm_backward_s,
-                    num_params=num_params, tp_grad_sync_bytes=sharding.tp_grad_sync_bytes,
+                    num_params=num_params, glue_params=tuple(glue) if block_type is None else (),
+                    tp_grad_sync_bytes=sharding.tp_grad_sync_bytes,
                     saved_bytes=sharding.saved_bytes, selective_bytes=min(selective_bytes, sharding.saved_bytes),
                     selective_extra_s=extra, input_bytes=input_bytes, largest_op_bytes=largest)
 
