@@ -37,7 +37,7 @@ from mplan.planner.placement import R, Shard
 from mplan.planner.plan import Plan
 from mplan.planner.sharding_ilp import solve_graph_sharding, stream_shape
 from mplan.planner.strategies import Strategy, replicated
-from mplan.runtime.execution_plan import (ExecutionPlan, megatron_coster, megatron_required, plan_hash,
+from mplan.runtime.execution_plan import (CollectiveCountCoster, ExecutionPlan, megatron_required, plan_hash,
                                           resolve_execution_plan, tp_choice)
 from mplan.runtime.launch import init_distributed_from_env
 from mplan.runtime.parallel_module import ParallelModule, parallelize
@@ -158,7 +158,7 @@ def _inference_preparer(model: nn.Module, plan: ExecutionPlan, coster_for: Calla
                        for slot, name in enumerate(node.inputs) if name in layouts)
 
         boundary = Shard(1) if plan.sequence_parallel else R
-        coster = megatron_coster(n) if megatron else coster_for(n)
+        coster = CollectiveCountCoster(n) if megatron else coster_for(n)
         return graph, dict(solve_graph_sharding(graph, coster, boundary, allow=allow).choice)
     return prepare
 

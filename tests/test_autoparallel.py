@@ -33,7 +33,7 @@ def _planned(spec: str, gpus: int, name: str) -> str:
     from mplan.planner.plan_builder import strategy_key
     from mplan.planner.planning import capture_for_planning
     from mplan.planner.sharding_ilp import solve_graph_sharding
-    from mplan.runtime.execution_plan import megatron_coster, megatron_required
+    from mplan.runtime.execution_plan import CollectiveCountCoster, megatron_required
 
     where = [None]
     if dist.get_rank() == 0:
@@ -41,7 +41,7 @@ def _planned(spec: str, gpus: int, name: str) -> str:
         cluster = mplan.ClusterSpec.preset("dgx-h100", nodes=1, gpus_per_node=gpus)
         plan = mplan.plan(model, (ids,), cluster=cluster, global_batch=4, spec=spec)
         graph = capture_for_planning(model, (ids,))
-        choice = solve_graph_sharding(graph, megatron_coster(plan.mesh.tp), R,
+        choice = solve_graph_sharding(graph, CollectiveCountCoster(plan.mesh.tp), R,
                                       allow=megatron_required(plan.mesh.tp)).choice
         ops = {b.name: [strategy_key(choice[n]) for n in b.template] for b in graph.block_types}
         ops.update({s.name: [strategy_key(choice[n]) for n in s.nodes]

@@ -97,6 +97,16 @@ def test_consumers_disagreeing_on_a_parameter_fail_clearly() -> None:
         parameter_layouts(graph, choice)
 
 
+def test_tied_embedding_gets_one_placement() -> None:
+    """The ILP prices ops alone; tp_choice re-solves with the tied weight pinned (found by the
+    hypothesis test: vocabulary-parallel lookup and a row-parallel head on one tensor)."""
+    spec = "llama:layers=2,hidden=8,heads=2,kv_heads=1,ffn=16,seq=16,vocab=64,tie=1"
+    graph, choice = graph_of(spec), choice_of(spec, 2, False)
+    layout = parameter_layouts(graph, choice)["embed.weight"]
+    assert layout.placement == S(0) and len(layout.consumers) == 2
+    check_sharding(graph, choice, 2)
+
+
 def test_unexecutable_strategy_names_node_and_strategy() -> None:
     graph = graph_of("tiny-gpt")
     choice = dict(choice_of("tiny-gpt", 2, False))
@@ -109,7 +119,8 @@ def test_unexecutable_strategy_names_node_and_strategy() -> None:
 def test_impossible_edge_is_refused() -> None:
     graph = graph_of("tiny-llama")
     choice = dict(choice_of("tiny-llama", 2, False))
-    node = next(n for n in graph.nodes if n.op.startswith("aten.silu"))
+    node = next(n for n in graph.nodes if n.op.startswith("aten.silu")
+                and choice[n.inputs[0]].output != P)  # its input is not a partial sum
     choice[node.name] = Strategy(name="partial", inputs=(P,), output=P, input_grads=(R,), split=False)
     with pytest.raises(UnexecutableStrategy, match="no collective turns"):
         check_sharding(graph, choice, 2)

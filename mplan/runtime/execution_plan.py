@@ -28,10 +28,11 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from mplan.ir.graph import Graph, OpNode
+from mplan.ir.graph import Graph, OpNode, TensorMeta
 from mplan.ir.graph_hash import graph_hash
 from mplan.planner.parallel_config import PlanSpec, parse_plan_spec
-from mplan.planner.placement import R, Shard
+from mplan.planner.op_cost import Cost
+from mplan.planner.placement import Placement, R, Shard, can_transition, transition
 from mplan.planner.plan import Plan, PlanError
 from mplan.planner.sharding_ilp import megatron_style, solve_graph_sharding, stream_shape
 from mplan.planner.strategies import Strategy, replicated, strategies_for
@@ -138,15 +139,17 @@ def megatron_required(n: int, stream: tuple[int, ...] | None = None) -> Callable
     """`megatron_style`, plus two rules a cost model alone would not follow on small shapes:
     weights and attention may not stay replicated when a Megatron split exists (a plan that
     names tp>1 asks for tensor parallelism), and, with sequence parallelism (`stream` = the
-    residual stream's shape), every other op on the stream (residual adds, norms, casts) runs on
-    sequence shards, S(1), as Megatron-LM's sequence parallelism does."""
+    residual stream's shape), no other op of that shape stays whole or splits the batch: the
+    residual adds, norms and casts then run on sequence shards, S(1), as in Megatron-LM's
+    sequence parallelism (ops of that shape inside a TP region keep their column split)."""
     def allow(node: OpNode, strategy: Strategy) -> bool:
         if not megatron_style(node, strategy):
             return False
         if node.kind in ("matmul", "attention", "embedding", "loss"):
             return strategy.split or not any(s.split and megatron_style(node, s) for s in strategies_for(node, n))
         if stream is not None and node.outputs and node.output.shape == stream:
-            return strategy.output == Shard(1)
+            # on sequence shards (norms, residual adds) or inside a TP region (by heads/columns)
+            return strategy.output not in (R, Shard(0))
         return True
     return allow
 
@@ -164,23 +167,73 @@ def tp_choice(graph: Graph, plan: ExecutionPlan, coster_for: Callable[[int], Any
         return _zip_plan_ops(graph, plan.plan.ops, n, planner_graph)
     boundary = Shard(1) if plan.sequence_parallel else R
     if plan.tp_strategies == "megatron":
-        allow = megatron_required(n, stream_shape(graph) if plan.sequence_parallel else None)
-        return dict(solve_graph_sharding(graph, megatron_coster(n), boundary, allow=allow).choice)
-    return dict(solve_graph_sharding(graph, coster_for(n), boundary).choice)
+        base = megatron_required(n, stream_shape(graph) if plan.sequence_parallel else None)
+        coster = CollectiveCountCoster(n)
+    else:
+        base, coster = None, coster_for(n)
+    return _solve_agreeing(graph, lambda allow: solve_graph_sharding(graph, coster, boundary, allow=allow).choice, base)
 
 
-def megatron_coster(n: int) -> Any:
-    """Prices for choosing among Megatron's splits (column or row, where either is allowed): a
-    reference H100 node, whatever machine runs the job, so a spec string means the same layout
-    everywhere. On it the solver picks Megatron's own pairing (q/k/v, gate/up, fc_in by columns;
-    o, down, fc_out by rows; embedding and head by vocabulary)."""
-    from mplan.cost_models.cluster import ClusterSpec
-    from mplan.cost_models.collective_cost import GroupShape
-    from mplan.planner.op_cost import OpCoster
+def _solve_agreeing(graph: Graph, solve: Callable[[Any], Mapping[str, Strategy]],
+                    base: Callable[[OpNode, Strategy], bool] | None) -> dict[str, Strategy]:
+    """Solve, then pin any parameter whose consumers disagree (a tied embedding read by a
+    vocabulary-parallel lookup and a row-parallel head) to its first consumer's placement, or to
+    R if that fails too, and solve again: the ILP prices each op alone and knows no ties."""
+    pins: dict[str, Placement] = {}
 
-    per_node = min(n, 8)
-    cluster = ClusterSpec.preset("dgx-h100", nodes=-(-n // per_node), gpus_per_node=8)
-    return OpCoster(cluster, n, GroupShape(size=n, ranks_per_node=per_node))
+    def allow(node: OpNode, strategy: Strategy) -> bool:
+        return (base is None or base(node, strategy)) and all(
+            strategy.inputs[slot] == pins[name] for slot, name in enumerate(node.inputs) if name in pins)
+
+    for _ in range(3):
+        choice = dict(solve(allow if pins or base else None))
+        conflicts = _disagreeing_parameters(graph, choice)
+        if not conflicts:
+            return choice
+        for name, first in conflicts.items():
+            pins[name] = R if name in pins else first
+    return choice  # check_sharding names the parameter that still disagrees
+
+
+def _disagreeing_parameters(graph: Graph, choice: Mapping[str, Strategy]) -> dict[str, Placement]:
+    seen: dict[str, list[Placement]] = {}
+    for node in graph.nodes:
+        for slot, name in enumerate(node.inputs):
+            if name in graph.params:
+                seen.setdefault(name, []).append(choice[node.name].inputs[slot])
+    return {name: placements[0] for name, placements in seen.items() if len(set(placements)) > 1}
+
+
+class CollectiveCountCoster:
+    """Prices under which the sharding ILP minimizes the number of collectives first, then the
+    bytes they move, then the work left unsplit. Megatron's layout is the one with fewest
+    collectives per block (q/k/v, gate/up, fc_in by columns; o, down, fc_out by rows; embedding,
+    head and loss by vocabulary), so it falls out of these prices on any shape, independent of
+    the measured cost model and of the machine running the job. Duck-types `OpCoster`."""
+
+    COLLECTIVE = 1.0  # one collective
+    PER_BYTE = 1e-12  # ties between equal counts: fewer bytes
+    PER_UNIT = 1e-15  # ties between equal traffic: more work split (FLOPs + bytes touched)
+    IMPOSSIBLE = 1e6  # a transition no pass can emit (R -> P)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def collective(self, kind: str | None, nbytes: int) -> float:
+        return 0.0 if kind is None or nbytes == 0 or self.n == 1 else self.COLLECTIVE + self.PER_BYTE * nbytes
+
+    def reshard(self, meta: TensorMeta, src: Placement, dst: Placement) -> float:
+        if not can_transition(src, dst):
+            return self.IMPOSSIBLE
+        return self.collective(transition(src, dst), meta.nbytes)
+
+    def op_comm(self, strategy: Strategy) -> float:
+        return sum(self.collective(kind, nbytes) for kind, nbytes in strategy.comm)
+
+    def op(self, node: OpNode, strategy: Strategy) -> Cost:
+        work = self.PER_UNIT * (node.flops + node.bytes_read + node.bytes_written) / (self.n if strategy.split else 1)
+        comm = self.op_comm(strategy)
+        return Cost(forward_s=work + comm, backward_s=2 * work + comm)
 
 
 def _zip_plan_ops(graph: Graph, ops: Mapping[str, list[str]], n: int,

@@ -85,6 +85,8 @@ def parallelize(*, graph: Graph, choice: dict[str, Strategy], plan: ExecutionPla
     program = insert_collectives(graph, choice, axis, device=device)
     buffers = [spec.name for spec in program.meta[INPUTS] if spec.kind == "BUFFER"]
     statics = materialize_buffers(graph, model, buffers, device=device)
+    if dtype is not None:  # as model.to(dtype) would: floating buffers (RoPE tables) follow
+        statics = {k: v.to(dtype) if v.is_floating_point() else v for k, v in statics.items()}
     for spec in program.meta[INPUTS]:
         if spec.kind == "CONSTANT_TENSOR":
             statics[spec.name] = graph.program.constants[spec.target].to(device)
