@@ -79,6 +79,17 @@ def test_megatron_layout_of_llama_under_sp() -> None:
     assert not any(layouts[name].tp_sharded for name in tp_reduced_parameters(layouts))
 
 
+def test_kv_heads_fewer_than_tp_replicate_kv() -> None:
+    """tiny-llama has 4 query and 2 key/value heads: at tp=4 each rank takes one query head and
+    reads the kv head of its group from whole k and v."""
+    graph, choice = graph_of("tiny-llama"), choice_of("tiny-llama", 4, True)
+    attention = [n for n in graph.nodes if n.kind == "attention"]
+    assert all(choice[n.name].name == "heads_kv_replicated" for n in attention)
+    program = insert_collectives(graph, choice, TensorParallelAxis(group=None, size=4, rank=3), device="meta")
+    modules = [m for m in program.modules() if type(m).__name__ == "KVReplicatedAttention"]
+    assert [(m.start, m.count) for m in modules] == [(1, 1)] * len(attention)  # q head 3 -> kv head 1
+
+
 def test_row_parallel_bias_is_reduced_once_per_step() -> None:
     graph, choice = graph_of("tiny-gpt"), choice_of("tiny-gpt", 2, False)
     layouts = parameter_layouts(graph, choice)

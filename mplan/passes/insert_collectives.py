@@ -39,7 +39,8 @@ from mplan.ir.graph import Graph, OpNode, TensorMeta
 from mplan.planner.op_cost import grad_placement
 from mplan.planner.placement import Placement, R, can_transition, local_shape
 from mplan.planner.strategies import Strategy
-from mplan.passes.local_ops import UnexecutableStrategy, embedding_module, loss_module, normalized_kwargs, rule_for
+from mplan.passes.local_ops import (UnexecutableStrategy, attention_module, embedding_module, loss_module,
+                                    normalized_kwargs, rule_for)
 from mplan.passes.parameter_layout import ParamLayout, parameter_layouts
 from mplan.runtime.redistribute import TensorParallelAxis, redistribute
 
@@ -227,6 +228,9 @@ class _Rewriter:
         if rule == "vocab_embedding":
             module = embedding_module(node, call, self.axis)
             operands = (call["weight"], call["indices"])
+        elif rule == "kv_replicated_attention":
+            module = attention_module(node, call, self.axis)
+            operands = (call["query"], call["key"], call["value"])
         else:
             module = loss_module(rule, node, call, self.axis)
             operands = (call["self"], call["target"])

@@ -14,6 +14,8 @@ Rules, tried in this order (each says why the local result is exact):
     row_bias        linear with a partial output and a bias: each rank adds bias / n, so the sum
                     over ranks adds the bias once; the bias gradient is then partial, as the
                     strategy's input gradient says
+    kv_replicated_attention  attention with query heads split and key/value heads whole (kv_heads
+                    < tp): each rank narrows k and v to the kv heads of its query heads
     vocab_embedding embedding with a vocabulary-sharded table (output P): look up the ids this
                     rank owns, zeros elsewhere (Megatron's VocabParallelEmbedding)
     vocab_loss      cross-entropy on vocabulary-sharded logits: all-reduce the row max, the sum
@@ -82,6 +84,8 @@ def rule_for(node: OpNode, strategy: Strategy) -> str:
         return "expand_local" if sharded_out else "local"
     if packet == "linear" and isinstance(strategy.output, Partial) and len(node.inputs) == 3:
         return "row_bias"
+    if packet == "scaled_dot_product_attention" and strategy.name == "heads_kv_replicated":
+        return "kv_replicated_attention"
     if packet == "embedding":
         return "vocab_embedding" if isinstance(strategy.output, Partial) else "local"
     if packet == "cross_entropy_loss":
@@ -218,6 +222,32 @@ def loss_module(rule: str, node: OpNode, call: dict[str, Any], axis: TensorParal
                                    f"sharded by rows, not the partial sum the batch strategy declares")
     return BatchShardedCrossEntropy(axis=axis, ignore_index=ignore_index, reduction=reduction,
                                     label_smoothing=smoothing, node=node.name)
+
+
+class KVReplicatedAttention(nn.Module):
+    """SDPA on this rank's query heads and the key/value heads they read (from whole k and v)."""
+
+    def __init__(self, *, axis: TensorParallelAxis, query_heads: int, kv_heads: int,
+                 options: dict[str, Any], node: str) -> None:
+        super().__init__()
+        local, group = query_heads // axis.size, query_heads // kv_heads
+        self.start = axis.rank * local // group  # first kv head this rank's query heads use
+        self.count = max(1, local // group)
+        self.gqa = local != self.count
+        self.axis, self.options, self.node = axis, options, node
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v = k.narrow(1, self.start, self.count), v.narrow(1, self.start, self.count)
+        return torch.ops.aten.scaled_dot_product_attention.default(q, k, v, **self.options, enable_gqa=self.gqa)
+
+    def extra_repr(self) -> str:
+        return f"node={self.node}, kv heads [{self.start}, {self.start + self.count}), tp={self.axis.size}"
+
+
+def attention_module(node: OpNode, call: dict[str, Any], axis: TensorParallelAxis) -> nn.Module:
+    options = {key: call[key] for key in ("dropout_p", "is_causal", "scale") if key in call}
+    return KVReplicatedAttention(axis=axis, query_heads=node.input_metas[0].shape[1],
+                                 kv_heads=node.input_metas[1].shape[1], options=options, node=node.name)
 
 
 def embedding_module(node: OpNode, call: dict[str, Any], axis: TensorParallelAxis) -> nn.Module:

@@ -112,7 +112,23 @@ def _sdpa(node: OpNode, n: int) -> list[Strategy]:
     if _divisible(q.shape[1], n) and _divisible(k.shape[1], n):
         strategies.append(Strategy(name="heads", inputs=(Shard(1),) * 3, output=Shard(1),
                                    input_grads=(Shard(1),) * 3, split=True))
+    strategies.extend(kv_replicated_heads(q, k, n))
     return strategies
+
+
+def kv_replicated_heads(q: TensorMeta, k: TensorMeta, n: int) -> list[Strategy]:
+    """Grouped-query attention with fewer (or indivisible) key/value heads than ranks: query
+    heads split n ways, keys and values whole on every rank, each rank reading the kv heads its
+    query heads use (Megatron replicates kv heads when kv_heads < tp). The k/v gradients are
+    partial: each rank's covers only the heads it read."""
+    hq, hk = q.shape[1], k.shape[1]
+    if not _divisible(hq, n) or _divisible(hk, n) or hq % hk:
+        return []
+    local, group = hq // n, hq // hk
+    if group % local and local % group:
+        return []  # a rank's query heads would cover a fraction of a kv group unevenly
+    return [Strategy(name="heads_kv_replicated", inputs=(Shard(1), R, R), output=Shard(1),
+                     input_grads=(Shard(1), P, P), split=True)]
 
 
 def _embedding(node: OpNode, n: int) -> list[Strategy]:

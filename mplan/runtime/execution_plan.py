@@ -136,17 +136,21 @@ def _from_spec(text: str, world_size: int, global_batch: int, micro_batch_size: 
 
 
 def megatron_required(n: int, stream: tuple[int, ...] | None = None) -> Callable[[OpNode, Strategy], bool]:
-    """`megatron_style`, plus two rules a cost model alone would not follow on small shapes:
+    """`megatron_style` (and, for kv_heads < tp, query heads split over whole kv heads), plus two
+    rules a cost model alone would not follow on small shapes:
     weights and attention may not stay replicated when a Megatron split exists (a plan that
     names tp>1 asks for tensor parallelism), and, with sequence parallelism (`stream` = the
     residual stream's shape), no other op of that shape stays whole or splits the batch: the
     residual adds, norms and casts then run on sequence shards, S(1), as in Megatron-LM's
     sequence parallelism (ops of that shape inside a TP region keep their column split)."""
+    def megatron(node: OpNode, strategy: Strategy) -> bool:
+        return megatron_style(node, strategy) or strategy.name == "heads_kv_replicated"
+
     def allow(node: OpNode, strategy: Strategy) -> bool:
-        if not megatron_style(node, strategy):
+        if not megatron(node, strategy):
             return False
         if node.kind in ("matmul", "attention", "embedding", "loss"):
-            return strategy.split or not any(s.split and megatron_style(node, s) for s in strategies_for(node, n))
+            return strategy.split or not any(s.split and megatron(node, s) for s in strategies_for(node, n))
         if stream is not None and node.outputs and node.output.shape == stream:
             # on sequence shards (norms, residual adds) or inside a TP region (by heads/columns)
             return strategy.output not in (R, Shard(0))
