@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The main job on a fresh machine: set up .venv, plan a real model on a real cluster, then plan and
+# train a small model for real on 4 CPU ranks (gloo) and check it against one process.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/mplan ] || bash scripts/setup.sh
+mkdir -p out
+echo "== mplan plan: GPT-3 175B on 128 DGX A100 nodes (1024 GPUs), global batch 1536 (predicted figures)"
+.venv/bin/mplan plan gpt3-175b --cluster dgx-a100 --nodes 128 --global-batch 1536 -o out/gpt3-175b.plan.json
+.venv/bin/mplan explain out/gpt3-175b.plan.json --gantt out/gpt3-175b.schedule.png > /dev/null
+echo "== mplan plan: a small Llama on 4 local CPU ranks, then the same plan trained for real"
+.venv/bin/mplan plan "llama:layers=2,hidden=64,heads=8,kv_heads=4,ffn=128,seq=32,vocab=128" \
+    --cluster cpu --gpus-per-node 4 --global-batch 8 --spec tp=2,dp=2,pp=1 -o out/small-llama.plan.json
+.venv/bin/torchrun --nproc-per-node 4 examples/train_cpu.py --plan out/small-llama.plan.json --check
+echo "== a hand-written Megatron-style plan (TP2 x DP2, sequence parallel, ZeRO-1) on the same ranks"
+.venv/bin/torchrun --nproc-per-node 4 examples/train_cpu.py --plan tp=2,dp=2,sp=1,zero=1 --check
+echo "plans, explanation and Gantt chart are in out/"
