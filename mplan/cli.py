@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Callable, Sequence
 
@@ -149,6 +150,21 @@ def _print_bench(rows: list[dict[str, Any]]) -> None:
     Console().print(table)
 
 
+def _profile(args: argparse.Namespace) -> int:
+    from mplan.cost_models.profile_cluster import profile_cluster
+
+    status, progress = _stderr_progress()
+    with status:
+        cluster = profile_cluster(args.output, quick=args.quick, links=not args.no_links, progress=progress)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # every rank measured; rank 0 reports
+    if args.json:
+        print(json.dumps(cluster.to_dict(), indent=1))
+    elif args.output:
+        print(f"cluster profile written to {args.output}")
+    return 0
+
+
 Command = Callable[[argparse.Namespace], int]
 
 
@@ -196,6 +212,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", default=None, help="also write the table as CSV")
     p.add_argument("--json", action="store_true", help="print one JSON document and nothing else")
     p.set_defaults(func=_bench)
+
+    p = sub.add_parser("profile", help="measure this machine's kernels and links (run under torchrun on every rank)")
+    p.add_argument("-o", "--output", default="cluster.json", help="cluster file to write (rank 0)")
+    p.add_argument("--quick", action="store_true", help="a small grid: seconds, for a smoke test")
+    p.add_argument("--no-links", action="store_true", help="time the device only")
+    p.add_argument("--json", action="store_true", help="print the cluster file and nothing else")
+    p.set_defaults(func=_profile)
     return parser
 
 

@@ -1,0 +1,21 @@
+"""`mplan profile` measures this machine and writes a cluster file that plans load."""
+from __future__ import annotations
+
+import json
+
+from mplan.cli import main as cli_main
+from mplan.cost_models.cluster import ClusterSpec
+
+
+def test_profile_writes_a_cluster_file_with_measured_tables(tmp_path, capsys):
+    path = tmp_path / "cluster.json"
+    assert cli_main(["profile", "--quick", "--no-links", "-o", str(path)]) == 0
+    assert "written" in capsys.readouterr().out
+    cluster = ClusterSpec.from_json(str(path))
+    assert cluster.profile is not None and cluster.profile.device is not None
+    assert len(cluster.profile.device.gemm) > 3 and all(t.seconds > 0 for t in cluster.profile.device.gemm)
+    doc = json.loads(path.read_text())
+    assert doc["format"] == "mplan.cluster"
+    # A plan can be made on the measured file.
+    assert cli_main(["plan", "tiny-gpt", "--cluster", str(path), "--global-batch", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"]["world_size"] == 1
