@@ -142,7 +142,8 @@ def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 def _inference_preparer(model: nn.Module, plan: ExecutionPlan, coster_for: Callable[[int], OpCoster]):
     """For `pm(inputs)`: capture without labels at the inputs' shape, solve TP with every
     parameter held where training stores it (so the same shards serve both programs)."""
-    def prepare(inputs: tuple[torch.Tensor, ...], layouts: Mapping[str, ParamLayout]) -> tuple[Graph, dict[str, Strategy]]:
+    def prepare(inputs: tuple[torch.Tensor, ...],
+                layouts: Mapping[str, ParamLayout]) -> tuple[Graph, dict[str, Strategy]]:
         graph = capture(model, tuple(x.to(_model_device(model)) for x in inputs), name=type(model).__name__)
         n = plan.mesh.tp
         if n == 1:

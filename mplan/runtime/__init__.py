@@ -16,6 +16,14 @@ argument (`ProcessGroups`); nothing here is global state.
     optimizer.py              DistributedOptimizer interface, build_optimizer(zero=...)
     optimizer_state.py        parameter groups in, tensor-only state dicts out
     grad_clip.py              global-norm clipping across TP, DP, PP and ZeRO shards
+    redistribute.py           autograd-aware reshard between any two placements (passes emit it)
+    execution_plan.py         plan (None, Plan, path, spec) -> ExecutionPlan; TP choice; plan hash
+    parallel_module.py        ParallelModule: train_step, inference, full_state_dict (autoparallel's pm)
+    checkpoint.py             per-rank tensor files + validated JSON manifest
+    verify.py                 verify_plan: a plan scaled down on gloo ranks vs one process
+
+The last five build on passes/ and planner/ and are imported by their full module path (the
+names below stay importable without them).
 """
 from __future__ import annotations
 
