@@ -18,6 +18,7 @@ Model (each term from the cost models, nothing fitted here):
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -27,7 +28,7 @@ from mplan.cost_models.collective_cost import GroupShape, collective_time
 from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.cost_models.memory_model import FRAGMENTATION_FRACTION, MemoryBreakdown, bytes_per_param
 from mplan.cost_models.simulator import PipelineCosts, SimResult, simulate
-from mplan.ir.schedule import Schedule, build_schedule, interleaved_warmup
+from mplan.ir.schedule import Schedule, build_schedule, check_schedule, interleaved_warmup
 from mplan.planner.parallel_config import ParallelConfig
 from mplan.planner.stage_partition import Partition, partition
 from mplan.planner.unit_costs import UnitCost
@@ -166,7 +167,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         step, bubble, busy = _closed_form(config, costs)
         sim = None
     else:
-        sim = simulate(schedule_of(config), costs)
+        sim = simulate(schedule_of(config), costs, check=False)  # schedule_of checked it once
         step, bubble, busy = sim.step_time_s, sim.bubble_fraction, sim.compute_s
     tp_comm = sum((units[u].comm_forward_s + units[u].comm_backward_s)
                   for c in range(0, k, config.pp) for u in range(*cut.bounds[c])) * config.num_micro_batches
@@ -183,9 +184,16 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
 
 def schedule_of(config: ParallelConfig) -> Schedule:
     """The schedule IR (per-rank action lists) a config runs: the simulator, `explain` and the
-    runtime all read this one definition."""
+    runtime all read this one definition. Built and deadlock-checked once per shape."""
     name = {"interleaved": "interleaved_1f1b"}.get(config.schedule, config.schedule)
-    return build_schedule(name if config.pp > 1 else "1f1b", config.pp, config.num_micro_batches, config.vpp)
+    return _checked_schedule(name if config.pp > 1 else "1f1b", config.pp, config.num_micro_batches, config.vpp)
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_schedule(name: str, pp: int, m: int, vpp: int) -> Schedule:
+    schedule = build_schedule(name, pp, m, vpp)
+    check_schedule(schedule)
+    return schedule
 
 
 def _rank_params(units: Sequence[UnitCost], indices: Sequence[int]) -> int:
