@@ -42,7 +42,8 @@ from mplan.planner.strategies import Strategy
 from mplan.passes.local_ops import (UnexecutableStrategy, attention_module, embedding_module, loss_module,
                                     normalized_kwargs, rule_for)
 from mplan.passes.parameter_layout import ParamLayout, parameter_layouts
-from mplan.runtime.redistribute import TensorParallelAxis, redistribute
+from mplan.runtime.process_groups import ProcessGroups
+from mplan.runtime.redistribute import TensorParallelAxis, redistribute, tp_axis
 
 LOCAL_SHAPE = "mplan_local_shape"  # fx node meta key: the shape this rank's value must have
 INPUTS = "mplan_inputs"  # GraphModule.meta key: the program's inputs, as `LocalInput`s in order
@@ -74,9 +75,11 @@ class Redistribute(nn.Module):
         return f"{self.value}: {self.src}->{self.dst}, grad {self.grad_src}->{self.grad_dst}"
 
 
-def insert_collectives(graph: Graph, choice: Mapping[str, Strategy], axis: TensorParallelAxis, *,
-                       device: torch.device | str | None = None) -> fx.GraphModule:
-    """The local program of TP rank `axis.rank` (see the module docstring)."""
+def insert_collectives(graph: Graph, choice: Mapping[str, Strategy], groups: TensorParallelAxis | ProcessGroups,
+                       *, device: torch.device | str | None = None) -> fx.GraphModule:
+    """The local program of this TP rank (see the module docstring). `groups` is the rank's
+    `ProcessGroups`, or just its TP axis (`group=None` with any size: shape checks on meta)."""
+    axis = tp_axis(groups) if isinstance(groups, ProcessGroups) else groups
     return _Rewriter(graph, choice, axis, device).run()
 
 

@@ -44,7 +44,7 @@ from mplan.runtime.execution_plan import ExecutionPlan
 from mplan.runtime.optimizer import DistributedOptimizer, build_optimizer
 from mplan.runtime.param_placement import ParamPlacement
 from mplan.runtime.process_groups import ProcessGroups, group_size, init_process_groups
-from mplan.runtime.redistribute import TensorParallelAxis, apply_transition
+from mplan.runtime.redistribute import TensorParallelAxis, apply_transition, tp_axis
 from mplan.runtime.replicated_optimizer import OptimizerFactory
 
 Batch = torch.Tensor | Sequence[torch.Tensor]
@@ -80,7 +80,7 @@ def parallelize(*, graph: Graph, choice: dict[str, Strategy], plan: ExecutionPla
     world = dist.group.WORLD if dist.is_initialized() else None
     check_same_plan(digest, world)
     groups = init_process_groups(plan.mesh)
-    axis = TensorParallelAxis(group=groups.tp, size=plan.mesh.tp, rank=groups.tp_rank)
+    axis = tp_axis(groups)
     shards = shard_parameters(graph, choice, axis.rank, axis.size, source, seed=seed, device=device, dtype=dtype)
     program = insert_collectives(graph, choice, axis, device=device)
     buffers = [spec.name for spec in program.meta[INPUTS] if spec.kind == "BUFFER"]

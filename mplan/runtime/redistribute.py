@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from mplan.planner.placement import Placement, Shard, transition
 from mplan.runtime.collectives import _all_gather, _all_reduce, _all_to_all, _reduce_scatter
-from mplan.runtime.process_groups import ProcessGroup
+from mplan.runtime.process_groups import ProcessGroup, ProcessGroups
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,6 +52,11 @@ class TensorParallelAxis:
             raise RuntimeError(f"{what} on a TP axis of {self.size} ranks needs a process group "
                                f"(None is allowed only for shape checks on meta tensors)")
         return self.group
+
+
+def tp_axis(groups: ProcessGroups) -> TensorParallelAxis:
+    """This rank's TP axis from its process groups."""
+    return TensorParallelAxis(group=groups.tp, size=groups.mesh.tp, rank=groups.tp_rank)
 
 
 def apply_transition(x: torch.Tensor, src: Placement, dst: Placement, axis: TensorParallelAxis) -> torch.Tensor:
@@ -123,4 +128,4 @@ def all_reduce_no_grad(x: torch.Tensor, axis: TensorParallelAxis,
     return x
 
 
-__all__ = ["TensorParallelAxis", "all_reduce_no_grad", "apply_transition", "redistribute"]
+__all__ = ["TensorParallelAxis", "all_reduce_no_grad", "apply_transition", "redistribute", "tp_axis"]
