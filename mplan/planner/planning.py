@@ -32,7 +32,9 @@ def capture_for_planning(model: nn.Module | str, example_inputs: Sequence[Any] |
         return capture_spec(model, batch=2, seq_len=seq_len, shallow=True, dtype=torch.bfloat16, dynamic_batch=True)
     if not example_inputs:
         raise ValueError("planning an nn.Module needs example_inputs, e.g. (input_ids,)")
-    meta = model if all(p.device.type == "meta" for p in model.parameters()) else copy.deepcopy(model).to("meta")
+    # Always a copy: the bf16 cast below must not touch the caller's model (even a meta one, whose
+    # dtype decides how its shards are initialized later).
+    meta = copy.deepcopy(model).to("meta")
     inputs = tuple(_two_rows(x) for x in example_inputs)
     ids = inputs[0]
     labels = torch.zeros_like(ids) if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else None
