@@ -165,6 +165,33 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from mplan.runtime.verify import verify_plan
+
+    model, plan = args.target, args.plan
+    if args.target.endswith(".json"):
+        from mplan.planner.plan import Plan
+
+        model, plan = Plan.load(args.target).model.name, args.target
+    status, progress = _stderr_progress()
+    with status:
+        progress(f"running {plan} scaled down on {args.world_size} CPU ranks and on one process")
+        report = verify_plan(model, plan, args.world_size, steps=args.steps)
+    doc = {"model": report.model, "scaled_model": report.scaled_model, "plan": report.plan,
+           "executed": report.executed, "world_size": report.world_size, "steps": report.steps,
+           "losses": list(report.losses), "reference_losses": list(report.reference_losses),
+           "max_loss_rel_err": report.max_loss_rel_err, "max_param_rel_err": report.max_param_rel_err,
+           "worst_param": report.worst_param, "passed": report.passed, "seconds": round(report.seconds, 2)}
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        print(f"{report.executed} on {report.world_size} gloo ranks ({report.scaled_model}), {report.steps} steps: "
+              f"largest relative difference from one process: loss {report.max_loss_rel_err:.2e}, "
+              f"parameters {report.max_param_rel_err:.2e} ({report.worst_param}) -> "
+              f"{'PASS' if report.passed else 'FAIL'}")
+    return 0 if report.passed else 1
+
+
 Command = Callable[[argparse.Namespace], int]
 
 
@@ -219,6 +246,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-links", action="store_true", help="time the device only")
     p.add_argument("--json", action="store_true", help="print the cluster file and nothing else")
     p.set_defaults(func=_profile)
+
+    p = sub.add_parser("verify", help="run a plan scaled down on CPU ranks, compare with one device")
+    p.add_argument("target", help="a plan.json, or a model spec (then --plan gives the plan)")
+    p.add_argument("--plan", default="tp=2,dp=2,sp=1,zero=1", help="plan spec string or plan.json")
+    p.add_argument("--world-size", type=int, default=4, help="gloo CPU ranks to start")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps to compare")
+    p.add_argument("--json", action="store_true", help="print one JSON document and nothing else")
+    p.set_defaults(func=_verify)
     return parser
 
 

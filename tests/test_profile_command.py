@@ -19,3 +19,17 @@ def test_profile_writes_a_cluster_file_with_measured_tables(tmp_path, capsys):
     # A plan can be made on the measured file.
     assert cli_main(["plan", "tiny-gpt", "--cluster", str(path), "--global-batch", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["cluster"]["world_size"] == 1
+
+
+def test_verify_runs_a_plan_file_on_cpu_ranks_and_reports_json(tmp_path):
+    import subprocess
+    import sys
+
+    plan_path = tmp_path / "plan.json"
+    assert cli_main(["plan", "llama:layers=2,hidden=64,heads=8,kv_heads=4,ffn=128,seq=32,vocab=128",
+                     "--cluster", "cpu", "--gpus-per-node", "2", "--global-batch", "4", "--spec", "tp=2",
+                     "-o", str(plan_path), "--json"]) == 0
+    out = subprocess.run([sys.executable, "-m", "mplan", "verify", str(plan_path), "--world-size", "2", "--json"],
+                         check=True, capture_output=True, text=True).stdout
+    report = json.loads(out)
+    assert report["passed"] and report["max_param_rel_err"] < 1e-9 and report["world_size"] == 2

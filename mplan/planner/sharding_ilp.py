@@ -31,9 +31,12 @@ Solved with HiGHS through PuLP when available (it was ~9x faster than CBC here),
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from mplan.ir.graph import BlockType, Graph, OpNode, TensorMeta
 from mplan.planner.op_cost import OpCoster, grad_placement, partial_param_grad_bytes
@@ -248,7 +251,8 @@ def solve_segment_sharding(graph: Graph, name: str, node_names: Sequence[str], c
         lp += pulp.lpSum(c * var for v in x for c, var in zip(mem[v], x[v])) <= memory_budget_bytes
     lp += pulp.lpSum(objective)
     solver = _solver()
-    status = lp.solve(solver)
+    with _quiet_stdout():
+        status = lp.solve(solver)
     if pulp.LpStatus[status] != "Optimal":
         raise ShardingInfeasible(f"{name} on a tensor-parallel axis of {n}: no sharding fits "
                                  f"{memory_budget_bytes / 2**30:.2f} GiB" if memory_budget_bytes
@@ -312,6 +316,21 @@ def reprice_graph(graph: Graph, sharding: GraphSharding, coster: OpCoster, **opt
 def _argmax(variables: list) -> int:
     values = [v.value() or 0.0 for v in variables]
     return max(range(len(values)), key=values.__getitem__)
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """HiGHS prints a banner from C on file descriptor 1 even with msg=False; `--json` promises
+    that stdout carries one JSON document, so the solver's stdout goes to /dev/null."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _solver():
