@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from mplan.cli import main as cli_main
 from mplan.cost_models.cluster import ClusterSpec
 
@@ -33,3 +35,11 @@ def test_verify_runs_a_plan_file_on_cpu_ranks_and_reports_json(tmp_path):
                          check=True, capture_output=True, text=True).stdout
     report = json.loads(out)
     assert report["passed"] and report["max_param_rel_err"] < 1e-9 and report["world_size"] == 2
+
+
+def test_bench_measure_runs_the_plan_for_real(capsys):
+    assert cli_main(["bench", "tiny-llama", "--cluster", "cpu", "--global-batch", "4", "--plans", "dp=1",
+                     "--measure", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["plans"]
+    assert row["error"] is None and row["measured"]["step_time_s"] > 0
+    assert row["measured"]["tokens_per_s"] == pytest.approx(4 * 16 / row["measured"]["step_time_s"])
