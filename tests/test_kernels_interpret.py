@@ -119,6 +119,45 @@ def test_layer_norm_residual(dtype: torch.dtype, with_bias: bool) -> None:
            "LayerNormResidualFunction")
 
 
+@pytest.mark.parametrize("op", ["rms", "layer"])
+def test_norms_promote_a_mixed_precision_residual_stream(op: str) -> None:
+    """An fp16 branch added to an fp32 residual stream (what autocast makes): the stream stays
+    fp32, as `x + residual` keeps it, and gradients reach each input in its own dtype."""
+    torch.manual_seed(0)
+    x, r = _leaf(6, 40, dtype=torch.float16), _leaf(6, 40, dtype=torch.float32)
+    w = _leaf(40, dtype=torch.float32, scale=0.1, shift=1.0)
+    fused, reference = ((rms_norm_residual, rms_norm_residual_reference) if op == "rms"
+                        else (layer_norm_residual, layer_norm_residual_reference))
+    extra = [1e-5] if op == "rms" else [None, 1e-5]
+    outputs = fused(x, r, w, *extra)
+    expected = reference(x.detach().double(), r.detach().double(), w.detach().double(), *extra)
+    assert [out.dtype for out in outputs] == [torch.float32, torch.float32]
+    assert "Function" in outputs[0].grad_fn.name()
+    for got, want in zip(outputs, expected):
+        assert rel_err(got.double(), want) < 1e-6
+    grads = torch.autograd.grad(outputs, (x, r, w), [torch.ones_like(out) for out in outputs])
+    assert [g.dtype for g in grads] == [torch.float16, torch.float32, torch.float32]
+
+
+def test_fused_ops_return_what_their_references_return_under_autocast() -> None:
+    """Autocast does not see inside an autograd Function: each op asks its reference what the
+    replaced chain returns (here the CPU policy, fp16), and bias_gelu casts the bias as the
+    linear it came from would have."""
+    torch.manual_seed(0)
+    x, r, w = torch.randn(5, 32), torch.randn(5, 32, dtype=torch.float16), 1.0 + 0.1 * torch.randn(32)
+    logits, labels = torch.randn(5, 70), torch.randint(0, 70, (5,))
+    cases = [(rms_norm_residual, rms_norm_residual_reference, (r, x, w, 1e-5)),
+             (layer_norm_residual, layer_norm_residual_reference, (r, x, w, w, 1e-5)),
+             (bias_gelu, lambda a, b: bias_gelu_reference(a, b.half()), (r, w)),
+             (cross_entropy, cross_entropy_reference, (logits.half(), labels))]
+    with torch.autocast("cpu", dtype=torch.float16):
+        for fused, reference, args in cases:
+            got, want = _outputs(fused(*args)), _outputs(reference(*args))
+            assert [t.dtype for t in got] == [t.dtype for t in want], fused.__name__
+            for a, b in zip(got, want):
+                assert rel_err(a.double(), b.double()) < FP16_TOL, fused.__name__
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_bias_gelu(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
@@ -148,6 +187,22 @@ def test_rope_on_a_transposed_input(dtype: torch.dtype, head_dim: int) -> None:
         return rope_reference(x.transpose(1, 2), c, s)
 
     _check(fused, reference, [projected, cos, sin], dtype, "RopeFunction")
+
+
+def test_rope_keeps_the_layout_of_its_input_and_gradient() -> None:
+    """q arrives as a transpose of [batch, seq, heads, head_dim]: the result and the gradient
+    keep that layout (the gradient's transpose back is then a view, not a copy); 7 heads and
+    5 positions leave partial head groups and position blocks."""
+    torch.manual_seed(0)
+    cos, sin = rope_tables(5, 8, 10000.0, device=torch.device("cpu"))
+    projected = _leaf(2, 5, 7, 8, dtype=torch.float32)
+    x = projected.transpose(1, 2)
+    y = rope(x, cos.float(), sin.float())
+    assert y.stride() == x.stride() and "RopeFunction" in y.grad_fn.name()
+    (grad,) = torch.autograd.grad(y, projected, torch.randn(y.shape).transpose(1, 2).contiguous().transpose(1, 2))
+    assert grad.is_contiguous()
+    contiguous = x.detach().contiguous()
+    assert rel_err(rope(contiguous, cos.float(), sin.float()), rope_reference(contiguous, cos.float(), sin.float())) < 1e-6
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

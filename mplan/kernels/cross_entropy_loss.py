@@ -5,13 +5,28 @@
                                  reductions) -> the same mean loss, on every rank of the group
 
 Labels are global token ids; rows whose label is `ignore_index` count neither in the sum
-nor in the mean (as `F.cross_entropy`). The loss has the logits' dtype; arithmetic is fp32
-(float64 for float64 logits, which always take the PyTorch path).
+nor in the mean (as `F.cross_entropy`). The loss has the logits' dtype (fp32 under autocast);
+arithmetic is fp32 (float64 for float64 logits, which always take the PyTorch path).
 
-Memory: logits are never converted to fp32 as a whole. The Triton path keeps one row block
-in registers at a time (online max/sum-exp over vocabulary blocks of a row); the PyTorch path
-for the sharded op walks rows in chunks of at most `TORCH_CHUNK_ELEMENTS`. What is saved for
-backward is the logits (already alive) and one fp32 log-sum-exp per row.
+Memory: logits are never converted to fp32 as a whole. The Triton path holds one vocabulary
+block of one row per program; the PyTorch path for the sharded op walks rows in chunks of at
+most `TORCH_CHUNK_ELEMENTS`. What is saved for backward is the logits (already alive), one fp32
+log-sum-exp per row and the fp32 count of rows that count.
+
+Kernels (why: the H200 measured a program-per-row loop over the vocabulary at 67% of copy
+bandwidth on 4096 x 128256 bf16 logits: 4096 programs on 132 SMs, each waiting on a block's
+loads, then on two reductions, then on the next block, plus a dozen tiny torch kernels after):
+    block stats   one program per (row, vocabulary block of BLOCK_V): max and sum of exp over the
+                  block, in one read of the logits; tens of thousands of independent programs
+                  keep every SM's loads in flight ("split-K" over the vocabulary)
+    combine       one program per 16 rows: merges the blocks' (max, sum-exp), gathers the label's
+                  logit; unsharded, it also writes lse and each program's loss sum and row count
+    mean          one program: the mean loss from those partial sums, in the loss dtype
+    grad          one program per (row, block): (exp(x - lse) - [j == label]) * d_loss / count,
+                  written once; rows whose label is ignored write zeros without reading logits
+                  (the forward skips their logits as well)
+So the unsharded forward is three launches and reads the logits once; the backward is one
+launch that reads them once and writes the gradient once.
 
 Sharded math (Megatron-LM's vocab-parallel cross-entropy, with the max folded into one pass):
     per rank, one pass:   m_r = max_j x_j,  e_r = sum_j exp(x_j - m_r),  t_r = x_label if local else 0
@@ -19,11 +34,12 @@ Sharded math (Megatron-LM's vocab-parallel cross-entropy, with the max folded in
     per row:              lse = M + log E,  loss_row = lse - T
     backward (local):     d x_j = (exp(x_j - lse) - [j == label]) * d_loss / num_valid_rows
 The backward needs no communication: every rank holds the global lse. The unsharded op is the
-same with one shard and identity reductions.
+same with one shard and identity reductions (which the Triton path finishes in its kernels).
 
 Invariants: `reductions` must return the group-wide max/sum of a per-rank tensor (in place or
 not); every rank must call with the same rows and labels. CPU tensors without the interpreter
-run `F.cross_entropy` (unsharded) or the chunked PyTorch local math (sharded).
+run `F.cross_entropy` (unsharded) or the chunked PyTorch local math (sharded). Under autocast
+the loss is fp32, as autocast runs `cross_entropy` (asked of the reference, see dispatch.py).
 """
 from __future__ import annotations
 
@@ -35,7 +51,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mplan.kernels.dispatch import configs, tl, triton, use_triton
+from mplan.kernels.dispatch import (
+    INTERPRET,
+    autocast_result_dtype,
+    configs,
+    next_power_of_2,
+    tl,
+    triton,
+    use_triton,
+)
 
 IGNORE_INDEX = -100
 """`F.cross_entropy`'s default ignore_index (Hugging Face and Megatron pad labels with it)."""
@@ -43,51 +67,108 @@ IGNORE_INDEX = -100
 TORCH_CHUNK_ELEMENTS = 1 << 24
 """Logit elements converted to fp32 at once by the PyTorch local math (64 MiB of fp32)."""
 
-# One program per row, looping over vocabulary blocks; bigger blocks keep more bytes in flight.
+# One vocabulary block per program: 2-32 KB of bf16 each; the autotuner weighs fewer, larger
+# programs (fewer partials, longer reductions) against more, smaller ones.
 _BLOCKS = configs(
-    [triton.Config({"BLOCK_V": v}, num_warps=w) for v, w in ((4096, 8), (8192, 8), (8192, 16), (16384, 16))],
+    [triton.Config({"BLOCK_V": v}, num_warps=w)
+     for v, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16))],
     triton.Config({"BLOCK_V": 32}, num_warps=1),
 )
+_MIN_BLOCK_V = min(config.kwargs["BLOCK_V"] for config in _BLOCKS)
+"""The partials have room for the most blocks any configuration makes."""
 
 
 @triton.autotune(configs=_BLOCKS, key=["n_cols"])
 @triton.jit
-def _stats_kernel(x_ptr, labels_ptr, max_ptr, sumexp_ptr, target_ptr, n_cols, row_stride, vocab_start,
-                  ignore_index, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = x_ptr + row * row_stride
-    m = float("-inf")
-    s = 0.0
-    for start in range(0, n_cols, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
-    label = tl.load(labels_ptr + row)
-    local = label - vocab_start
-    mine = (label != ignore_index) & (local >= 0) & (local < n_cols)
-    target = tl.load(row_ptr + local, mask=mine, other=0.0).to(tl.float32)
-    tl.store(max_ptr + row, m)
-    tl.store(sumexp_ptr + row, s)
-    tl.store(target_ptr + row, tl.where(mine, target, 0.0))
+def _block_stats_kernel(x_ptr, labels_ptr, max_ptr, sumexp_ptr, n_blocks_ptr, n_cols, row_stride, max_blocks,
+                        ignore_index, BLOCK_V: tl.constexpr):
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(n_cols, BLOCK_V)
+    row = pid // n_blocks
+    block = pid % n_blocks
+    if pid == 0:  # how many partials each row has, for the combine kernel
+        tl.store(n_blocks_ptr, n_blocks)
+    counted = tl.load(labels_ptr + row) != ignore_index
+    cols = block * BLOCK_V + tl.arange(0, BLOCK_V)
+    read_to = tl.where(counted, n_cols, 0)  # an ignored row's logits are never read
+    x = tl.load(x_ptr + row.to(tl.int64) * row_stride + cols, mask=cols < read_to,
+                other=float("-inf")).to(tl.float32)
+    m = tl.max(x, axis=0)
+    shift = tl.where(m == float("-inf"), 0.0, m)  # an ignored row (or all -inf): sum 0, no NaN
+    out = row.to(tl.int64) * max_blocks + block
+    tl.store(max_ptr + out, shift)
+    tl.store(sumexp_ptr + out, tl.sum(tl.exp(x - shift), axis=0))
+
+
+@triton.jit
+def _combine_kernel(max_ptr, sumexp_ptr, n_blocks_ptr, x_ptr, labels_ptr, lse_ptr, loss_sum_ptr, count_ptr,
+                    n_rows, n_cols, row_stride, max_blocks, vocab_start, ignore_index, FINALIZE: tl.constexpr,
+                    BLOCK_ROWS: tl.constexpr, BLOCK_SLOTS: tl.constexpr):
+    """FINALIZE (one shard): lse per row, and this program's loss sum and counted rows.
+    Otherwise the local (max, sum-exp, label logit) per row, into lse_ptr's [3, n_rows]."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    in_rows = rows < n_rows
+    slots = tl.arange(0, BLOCK_SLOTS)
+    mask = in_rows[:, None] & (slots < tl.load(n_blocks_ptr))[None, :]
+    offs = rows.to(tl.int64)[:, None] * max_blocks + slots[None, :]
+    m = tl.load(max_ptr + offs, mask=mask, other=float("-inf"))
+    row_max = tl.max(m, axis=1)
+    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+    sumexp = tl.sum(tl.load(sumexp_ptr + offs, mask=mask, other=0.0) * tl.exp(m - shift[:, None]), axis=1)
+    labels = tl.load(labels_ptr + rows, mask=in_rows, other=ignore_index)
+    local = labels - vocab_start
+    counted = in_rows & (labels != ignore_index)
+    mine = counted & (local >= 0) & (local < n_cols)
+    target = tl.load(x_ptr + rows.to(tl.int64) * row_stride + local, mask=mine, other=0.0).to(tl.float32)
+    if FINALIZE:
+        lse = shift + tl.log(tl.where(counted, sumexp, 1.0))  # 0 where not counted (never read)
+        tl.store(lse_ptr + rows, lse, mask=in_rows)
+        tl.store(loss_sum_ptr + pid, tl.sum(tl.where(counted, lse - target, 0.0), axis=0))
+        tl.store(count_ptr + pid, tl.sum(counted.to(tl.float32), axis=0))
+    else:
+        tl.store(lse_ptr + rows, shift, mask=in_rows)
+        tl.store(lse_ptr + n_rows + rows, sumexp, mask=in_rows)
+        tl.store(lse_ptr + 2 * n_rows + rows, target, mask=in_rows)
+
+
+@triton.jit
+def _mean_kernel(loss_sum_ptr, count_ptr, n_parts, loss_ptr, total_count_ptr, BLOCK: tl.constexpr):
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    count = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_parts, BLOCK):
+        parts = start + tl.arange(0, BLOCK)
+        total += tl.load(loss_sum_ptr + parts, mask=parts < n_parts, other=0.0)
+        count += tl.load(count_ptr + parts, mask=parts < n_parts, other=0.0)
+    num_counted = tl.sum(count, axis=0)
+    tl.store(loss_ptr, (tl.sum(total, axis=0) / num_counted).to(loss_ptr.dtype.element_ty))
+    tl.store(total_count_ptr, num_counted)
 
 
 @triton.autotune(configs=_BLOCKS, key=["n_cols"])
 @triton.jit
-def _grad_kernel(x_ptr, labels_ptr, lse_ptr, scale_ptr, dx_ptr, n_cols, row_stride, vocab_start,
+def _grad_kernel(x_ptr, labels_ptr, lse_ptr, d_loss_ptr, count_ptr, dx_ptr, n_cols, row_stride, vocab_start,
                  ignore_index, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(n_cols, BLOCK_V)
+    row = pid // n_blocks
+    cols = (pid % n_blocks) * BLOCK_V + tl.arange(0, BLOCK_V)
+    in_cols = cols < n_cols
     label = tl.load(labels_ptr + row)
+    counted = label != ignore_index
+    scale = tl.load(d_loss_ptr).to(tl.float32) / tl.load(count_ptr)
     lse = tl.load(lse_ptr + row)
-    scale = tl.where(label != ignore_index, tl.load(scale_ptr), 0.0)
-    local = label - vocab_start
-    for start in range(0, n_cols, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < n_cols
-        x = tl.load(x_ptr + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        grad = (tl.exp(x - lse) - tl.where(cols == local, 1.0, 0.0)) * scale
-        tl.store(dx_ptr + row * n_cols + cols, grad.to(dx_ptr.dtype.element_ty), mask=mask)
+    read_to = tl.where(counted, n_cols, 0)  # an ignored row's gradient is 0: its logits are not read
+    x = tl.load(x_ptr + row.to(tl.int64) * row_stride + cols, mask=cols < read_to, other=0.0).to(tl.float32)
+    grad = (tl.exp(x - lse) - tl.where(cols == label - vocab_start, 1.0, 0.0)) * scale
+    tl.store(dx_ptr + row.to(tl.int64) * n_cols + cols, tl.where(counted, grad, 0.0).to(dx_ptr.dtype.element_ty),
+             mask=in_cols)
+
+
+_COMBINE_ROWS = 4 if INTERPRET else 16
+"""Rows per combine program (not tuned: the combine moves well under 1% of the bytes)."""
+_MEAN_BLOCK = 16 if INTERPRET else 1024
+"""Partial sums the mean kernel adds per step (a few hundred at training shapes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +182,10 @@ class VocabReductions:
     def identity(cls) -> VocabReductions:
         """One shard holding the whole vocabulary."""
         return cls(all_reduce_max=_same, all_reduce_sum=_same)
+
+    def is_identity(self) -> bool:
+        """One shard: the reductions change nothing (the Triton path then finishes in-kernel)."""
+        return self.all_reduce_max is _same and self.all_reduce_sum is _same
 
     @classmethod
     def from_group(cls, group: dist.ProcessGroup | None) -> VocabReductions:
@@ -121,16 +206,64 @@ def _all_reduce(op: Any, group: dist.ProcessGroup | None) -> Callable[[torch.Ten
     return reduce
 
 
-def _local_stats(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int,
-                 ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True, slots=True)
+class _BlockStats:
+    """Per (row, vocabulary block) max and sum of exp, [rows, max_blocks] fp32, and the number
+    of blocks per row the kernel used (an int32 on the device: the autotuner picked BLOCK_V)."""
+
+    max: torch.Tensor
+    sumexp: torch.Tensor
+    n_blocks: torch.Tensor
+
+
+def _block_stats(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> _BlockStats:
+    n_rows, n_cols = logits.shape
+    max_blocks = triton.cdiv(n_cols, _MIN_BLOCK_V)
+    partial = torch.empty(2, n_rows, max_blocks, dtype=torch.float32, device=logits.device)
+    n_blocks = torch.empty(1, dtype=torch.int32, device=logits.device)
+
+    def grid(meta: dict[str, Any]) -> tuple[int]:
+        return (n_rows * triton.cdiv(n_cols, meta["BLOCK_V"]),)
+
+    _block_stats_kernel[grid](logits, labels, partial[0], partial[1], n_blocks, n_cols, logits.stride(0), max_blocks,
+                              ignore_index)
+    return _BlockStats(max=partial[0], sumexp=partial[1], n_blocks=n_blocks)
+
+
+def _combine(logits: torch.Tensor, labels: torch.Tensor, stats: _BlockStats, vocab_start: int, ignore_index: int,
+             *, finalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """finalize: (lse [rows], loss sums [programs], counted rows [programs]);
+    else: (local max, local sum-exp, local label logit), each [rows]."""
+    n_rows, n_cols = logits.shape
+    programs = triton.cdiv(n_rows, _COMBINE_ROWS)
+    out = torch.empty(n_rows if finalize else 3 * n_rows, dtype=torch.float32, device=logits.device)
+    loss_sum = torch.empty(programs if finalize else 1, dtype=torch.float32, device=logits.device)
+    count = torch.empty_like(loss_sum)
+    max_blocks = stats.max.shape[1]
+    _combine_kernel[(programs,)](stats.max, stats.sumexp, stats.n_blocks, logits, labels, out, loss_sum, count,
+                                 n_rows, n_cols, logits.stride(0), max_blocks, vocab_start, ignore_index,
+                                 FINALIZE=finalize, BLOCK_ROWS=_COMBINE_ROWS,
+                                 BLOCK_SLOTS=next_power_of_2(max_blocks))
+    if finalize:
+        return out, loss_sum, count
+    local = out.view(3, n_rows)
+    return local[0], local[1], local[2]
+
+
+def _mean(loss_sum: torch.Tensor, count: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean loss in `dtype`, total counted rows in fp32), both 0-dim."""
+    loss = torch.empty((), dtype=dtype, device=loss_sum.device)
+    total = torch.empty((), dtype=torch.float32, device=loss_sum.device)
+    _mean_kernel[(1,)](loss_sum, count, loss_sum.numel(), loss, total, BLOCK=_MEAN_BLOCK)
+    return loss, total
+
+
+def _torch_local_stats(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int,
+                       ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of the local shard: (max, sum exp(x - max), the label's logit or 0), in fp32
     (float64 for float64 logits)."""
     n_rows, n_cols = logits.shape
     stats = torch.empty(3, n_rows, dtype=_accumulation_dtype(logits), device=logits.device)
-    if use_triton(logits):
-        _stats_kernel[(n_rows,)](logits, labels, stats[0], stats[1], stats[2], n_cols, logits.stride(0),
-                                 vocab_start, ignore_index)
-        return stats[0], stats[1], stats[2]
     local = labels - vocab_start
     mine = (labels != ignore_index) & (local >= 0) & (local < n_cols)
     for rows in _row_chunks(n_rows, n_cols):
@@ -142,18 +275,21 @@ def _local_stats(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int,
     return stats[0], stats[1], stats[2]
 
 
-def _local_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
-                vocab_start: int, ignore_index: int) -> torch.Tensor:
-    """d loss / d local logits = (softmax - one_hot) * scale on rows that count, 0 elsewhere."""
+def _local_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, d_loss: torch.Tensor,
+                count: torch.Tensor, vocab_start: int, ignore_index: int) -> torch.Tensor:
+    """d loss / d local logits = (softmax - one_hot) * d_loss / count on rows that count, 0 elsewhere."""
     n_rows, n_cols = logits.shape
     grad = torch.empty((n_rows, n_cols), dtype=logits.dtype, device=logits.device)
     if use_triton(logits):
-        _grad_kernel[(n_rows,)](logits, labels, lse, scale, grad, n_cols, logits.stride(0), vocab_start,
-                                ignore_index)
+        def grid(meta: dict[str, Any]) -> tuple[int]:
+            return (n_rows * triton.cdiv(n_cols, meta["BLOCK_V"]),)
+
+        _grad_kernel[grid](logits, labels, lse, d_loss, count, grad, n_cols, logits.stride(0), vocab_start,
+                           ignore_index)
         return grad
     local = labels - vocab_start
     mine = (labels != ignore_index) & (local >= 0) & (local < n_cols)
-    row_scale = torch.where(labels != ignore_index, scale, 0.0)
+    row_scale = torch.where(labels != ignore_index, d_loss.to(lse.dtype) / count, 0.0)
     for rows in _row_chunks(n_rows, n_cols):
         probs = (logits[rows].to(lse.dtype) - lse[rows, None]).exp()
         hit = mine[rows]
@@ -171,6 +307,11 @@ def _row_chunks(n_rows: int, n_cols: int) -> list[slice]:
     return [slice(start, min(start + step, n_rows)) for start in range(0, n_rows, step)]
 
 
+def _probe(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    return F.cross_entropy(torch.zeros(1, 2, dtype=dtypes[0], device=device), torch.zeros(1, dtype=torch.long,
+                                                                                          device=device))
+
+
 class VocabParallelCrossEntropyFunction(torch.autograd.Function):
     """Forward: local stats, two group reductions, mean loss. Backward: local, no communication."""
 
@@ -180,22 +321,33 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
         labels = labels.contiguous()
-        local_max, local_sumexp, local_target = _local_stats(logits, labels, vocab_start, ignore_index)
-        global_max = reductions.all_reduce_max(local_max.clone())
-        sums = reductions.all_reduce_sum(torch.stack([local_sumexp * (local_max - global_max).exp(), local_target]))
-        lse = global_max + sums[0].log()
-        valid = labels != ignore_index
-        num_valid = valid.sum()
-        loss = torch.where(valid, lse - sums[1], 0.0).sum() / num_valid
-        ctx.save_for_backward(logits, labels, lse, num_valid)
+        out_dtype = autocast_result_dtype(_probe, logits, (logits.dtype,)) or logits.dtype
+        triton_path = use_triton(logits)
+        if triton_path and reductions.is_identity():
+            stats = _block_stats(logits, labels, ignore_index)
+            lse, loss_sum, count = _combine(logits, labels, stats, vocab_start, ignore_index, finalize=True)
+            loss, count = _mean(loss_sum, count, out_dtype)
+        else:
+            if triton_path:
+                stats = _block_stats(logits, labels, ignore_index)
+                local = _combine(logits, labels, stats, vocab_start, ignore_index, finalize=False)
+            else:
+                local = _torch_local_stats(logits, labels, vocab_start, ignore_index)
+            local_max, local_sumexp, local_target = local
+            global_max = reductions.all_reduce_max(local_max.clone())
+            sums = reductions.all_reduce_sum(torch.stack([local_sumexp * (local_max - global_max).exp(), local_target]))
+            lse = global_max + sums[0].log()
+            valid = labels != ignore_index
+            count = valid.sum().to(lse.dtype)
+            loss = (torch.where(valid, lse - sums[1], 0.0).sum() / count).to(out_dtype)
+        ctx.save_for_backward(logits, labels, lse, count)
         ctx.vocab_start, ctx.ignore_index = vocab_start, ignore_index
-        return loss.to(logits.dtype)
+        return loss
 
     @staticmethod
     def backward(ctx: Any, d_loss: torch.Tensor) -> tuple[Any, ...]:
-        logits, labels, lse, num_valid = ctx.saved_tensors
-        scale = (d_loss.to(lse.dtype) / num_valid).reshape(1)
-        grad = _local_grad(logits, labels, lse, scale, ctx.vocab_start, ctx.ignore_index)
+        logits, labels, lse, count = ctx.saved_tensors
+        grad = _local_grad(logits, labels, lse, d_loss.contiguous(), count, ctx.vocab_start, ctx.ignore_index)
         return grad, None, None, None, None
 
 

@@ -13,6 +13,11 @@ Invariants:
   autotuning there would only multiply the 100-8000x interpreter slowdown.
 - Where Triton is not installed, `triton`/`tl` are a stand-in whose decorators return the
   function unchanged, so the kernel modules still import and their references still run.
+- Under torch.autocast a fused op returns the dtypes its reference (the ops it replaces) would:
+  custom autograd Functions are invisible to autocast, and its policy differs by device (CUDA
+  runs pow, rsqrt and layer_norm in fp32, the CPU does not), so `autocast_result_dtype` asks
+  the reference itself, once per device type, autocast dtype and input dtypes, on 2-element
+  tensors.
 """
 from __future__ import annotations
 
@@ -69,6 +74,31 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if tensor.device.type == "cuda":
         return True
     return INTERPRET and tensor.device.type == "cpu"
+
+
+def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast casts to on `tensor`'s device type, or None when autocast is off there."""
+    device_type = tensor.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def autocast_result_dtype(probe: Callable[[torch.device, tuple[torch.dtype, ...]], torch.Tensor],
+                          tensor: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> torch.dtype | None:
+    """The dtype `probe(device, dtypes)` (a reference run on tiny tensors of `dtypes`) returns
+    under the autocast in force on `tensor`'s device; None when autocast is off there."""
+    cast_to = autocast_dtype(tensor)
+    if cast_to is None:
+        return None
+    return _probe_under_autocast(probe, tensor.device, cast_to, dtypes)
+
+
+@functools.cache
+def _probe_under_autocast(probe: Callable[[torch.device, tuple[torch.dtype, ...]], torch.Tensor],
+                          device: torch.device, cast_to: torch.dtype, dtypes: tuple[torch.dtype, ...]) -> torch.dtype:
+    with torch.no_grad(), torch.autocast(device.type, dtype=cast_to):
+        return probe(device, dtypes).dtype
 
 
 def configs(gpu: list[Any], interpret: Any) -> list[Any]:

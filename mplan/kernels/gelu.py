@@ -14,7 +14,9 @@ kernel: each program walks a slice of rows for one column block and writes one f
 row, summed by torch ([splits, features], well under 1% of the traffic).
 
 Invariants: fp32 arithmetic, results rounded once; devices without Triton run
-`bias_gelu_reference`, `F.gelu(x + bias, approximate="tanh")`.
+`bias_gelu_reference`, `F.gelu(x + bias, approximate="tanh")`. Under autocast the bias is
+first cast to the autocast dtype, on both paths: the bias comes out of a linear (fuse_kernels
+splits it off), which autocast would have run in that dtype, bias included.
 """
 from __future__ import annotations
 
@@ -23,13 +25,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mplan.kernels.dispatch import configs, tl, triton, use_triton
+from mplan.kernels.dispatch import autocast_dtype, configs, tl, triton, use_triton
 from mplan.kernels.sigmoid import sigmoid_and_complement
 
 # Tiles of 4-16 K elements: wide in the contiguous feature dim for 16-byte vector loads.
 _TILES = configs(
     [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w)
-     for m, n, w in ((8, 512, 4), (16, 512, 8), (32, 256, 8), (16, 1024, 8))],
+     for m, n, w in ((8, 512, 4), (16, 512, 8), (32, 256, 8), (16, 1024, 8), (8, 1024, 8), (32, 512, 16))],
     triton.Config({"BLOCK_M": 4, "BLOCK_N": 32}, num_warps=1),
 )
 
@@ -113,6 +115,9 @@ def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(x + bias); Triton where `use_triton`, else the reference."""
+    cast_to = autocast_dtype(x)
+    if cast_to is not None and bias.is_floating_point():
+        bias = bias.to(cast_to)
     if use_triton(x) and bias.dim() == 1 and bias.shape[0] == x.shape[-1]:
         return BiasGeluFunction.apply(x, bias)
     return bias_gelu_reference(x, bias)

@@ -22,7 +22,7 @@ from mplan.kernels.sigmoid import sigmoid_and_complement
 # Memory-bound elementwise: large blocks keep enough bytes in flight per SM; 4096 x 8 warps is
 # what Inductor-like schedules settle on for 1e8-element tensors on H100-class parts.
 _BLOCKS = configs(
-    [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((1024, 4), (2048, 4), (4096, 8), (8192, 8))],
+    [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((1024, 4), (2048, 4), (4096, 8), (8192, 8), (8192, 16))],
     triton.Config({"BLOCK": 128}, num_warps=1),
 )
 

@@ -4,14 +4,18 @@
         new_residual = x + residual                                   (in the input dtype)
         normed       = (new_residual - mean) * rsqrt(var + eps) * weight + bias   (over the last dim)
 
-Inputs [..., hidden] in bf16/fp16/fp32 (x and residual of one dtype and shape), weight and
-bias [hidden] (bias may be None). `normed` has x's dtype, as `F.layer_norm` returns.
+Inputs [..., hidden] in bf16/fp16/fp32 (x and residual of one shape; their dtypes may differ,
+as under autocast, and new_residual takes the promoted one), weight and bias [hidden] (bias may
+be None). `normed` has new_residual's dtype, as `F.layer_norm` returns, or under autocast
+whatever the device's policy makes of layer_norm (fp32 on CUDA).
 
 Kernels: the forward reads x and residual once, writes new_residual, normed and two fp32
 numbers per row (mean, rstd); one program per row with the row in registers. The backward
-reads d_normed, d_new_residual (when used later), new_residual, mean and rstd, writes the
-input gradient once (x and residual share it) and accumulates the weight and bias gradients
-in fp32 per program ([programs, hidden] partials summed by torch).
+runs a few programs per SM, each walking rows, reading d_normed, d_new_residual (when used
+later), new_residual, mean and rstd, writing the input gradient once (x and residual share it)
+and accumulating the weight and bias gradients in fp32 ([programs, hidden] partials summed by
+torch); it issues the next row's loads before this row's reductions (see rmsnorm.py: a program
+that waits on each row in turn leaves most of the bandwidth idle).
 
 Invariants: statistics are computed in fp32 (two-pass over the register-resident row, so no
 cancellation) from new_residual as stored; rows longer than `MAX_ROW_SIZE` and devices
@@ -24,10 +28,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mplan.kernels.dispatch import MAX_ROW_SIZE, configs, next_power_of_2, num_row_programs, tl, triton, use_triton
+from mplan.kernels.dispatch import (
+    MAX_ROW_SIZE,
+    autocast_result_dtype,
+    configs,
+    next_power_of_2,
+    num_row_programs,
+    tl,
+    triton,
+    use_triton,
+)
 
-# one row per program: only the warp count is tuned (see rmsnorm.py)
-_WARPS = configs([triton.Config({}, num_warps=w) for w in (4, 8, 16)], triton.Config({}, num_warps=1))
+# only the warp count is tuned (see rmsnorm.py)
+_WARPS = configs([triton.Config({}, num_warps=w) for w in (2, 4, 8, 16)], triton.Config({}, num_warps=1))
+_BACKWARD_WARPS = configs([triton.Config({}, num_warps=w) for w in (4, 8, 16)], triton.Config({}, num_warps=1))
 
 
 @triton.autotune(configs=_WARPS, key=["n_cols", "HAS_BIAS"])
@@ -40,7 +54,7 @@ def _forward_kernel(x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, sum_ptr, mean_ptr, rstd
     offs = row * n_cols + cols
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     r = tl.load(res_ptr + offs, mask=mask, other=0.0)
-    s_stored = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    s_stored = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + offs, s_stored, mask=mask)
     s = s_stored.to(tl.float32)
     mean = tl.sum(s, axis=0) / n_cols
@@ -54,27 +68,46 @@ def _forward_kernel(x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, sum_ptr, mean_ptr, rstd
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=_WARPS, key=["n_cols", "HAS_DSUM"])
+@triton.autotune(configs=_BACKWARD_WARPS, key=["n_cols", "HAS_DSUM"])
 @triton.jit
 def _backward_kernel(dy_ptr, dsum_ptr, s_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr,
                      n_rows, n_cols, HAS_DSUM: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
+    step = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK], dtype=tl.float32)
     db = tl.zeros([BLOCK], dtype=tl.float32)
-    for row in range(pid, n_rows, tl.num_programs(0)):
+    # row `pid` exists: the launch has at most one program per row
+    offs = pid.to(tl.int64) * n_cols + cols
+    dy_next = tl.load(dy_ptr + offs, mask=mask, other=0.0)
+    s_next = tl.load(s_ptr + offs, mask=mask, other=0.0)
+    dsum_next = dy_next
+    if HAS_DSUM:
+        dsum_next = tl.load(dsum_ptr + offs, mask=mask, other=0.0)
+    mean_next = tl.load(mean_ptr + pid)
+    rstd_next = tl.load(rstd_ptr + pid)
+    for row in range(pid, n_rows, step):
         offs = tl.cast(row, tl.int64) * n_cols + cols
-        mean = tl.load(mean_ptr + row)
-        rstd = tl.load(rstd_ptr + row)
-        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        xhat = tl.where(mask, (s - mean) * rstd, 0.0)
+        dy = dy_next.to(tl.float32)
+        rstd = rstd_next
+        xhat = tl.where(mask, (s_next.to(tl.float32) - mean_next) * rstd, 0.0)
+        dsum = dsum_next.to(tl.float32)
+        following = row + step
+        live = following < n_rows
+        next_mask = cols < tl.where(live, n_cols, 0)  # all false past the last row
+        next_offs = tl.cast(following, tl.int64) * n_cols + cols
+        dy_next = tl.load(dy_ptr + next_offs, mask=next_mask, other=0.0)
+        s_next = tl.load(s_ptr + next_offs, mask=next_mask, other=0.0)
+        if HAS_DSUM:
+            dsum_next = tl.load(dsum_ptr + next_offs, mask=next_mask, other=0.0)
+        mean_next = tl.load(mean_ptr + following, mask=live, other=0.0)
+        rstd_next = tl.load(rstd_ptr + following, mask=live, other=0.0)
         g = dy * w
         ds = rstd * (g - tl.sum(g, axis=0) / n_cols - xhat * (tl.sum(g * xhat, axis=0) / n_cols))
         if HAS_DSUM:
-            ds += tl.load(dsum_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            ds += dsum
         tl.store(dx_ptr + offs, ds.to(dx_ptr.dtype.element_ty), mask=mask)
         dw += dy * xhat
         db += dy
@@ -88,12 +121,12 @@ class LayerNormResidualFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None, eps: float) -> Any:
+                bias: torch.Tensor | None, eps: float, out_dtype: torch.dtype) -> Any:
         shape, n_cols = x.shape, x.shape[-1]
         x2 = x.contiguous().view(-1, n_cols)
         n_rows = x2.shape[0]
-        new_res = torch.empty_like(x2)
-        y = torch.empty_like(x2)
+        new_res = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+        y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
         mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty_like(mean)
         _forward_kernel[(n_rows,)](x2, residual.contiguous().view(-1, n_cols), weight.contiguous(),
@@ -116,9 +149,10 @@ class LayerNormResidualFunction(torch.autograd.Function):
         db = torch.empty_like(dw)
         _backward_kernel[(programs,)](dy2, dsum2, new_res, weight.contiguous(), mean, rstd, dx, dw, db,
                                       n_rows, n_cols, HAS_DSUM=dsum is not None, BLOCK=next_power_of_2(n_cols))
+        # autograd casts dx to the dtype of x or residual where it differs (mixed-precision stream)
         dx = dx.view(ctx.shape)
         d_bias = db.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return dx, dx, dw.sum(0).to(weight.dtype), d_bias, None
+        return dx, dx, dw.sum(0).to(weight.dtype), d_bias, None, None
 
 
 def layer_norm_residual_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -128,9 +162,18 @@ def layer_norm_residual_reference(x: torch.Tensor, residual: torch.Tensor, weigh
     return F.layer_norm(new_residual, (x.shape[-1],), weight, bias, eps), new_residual
 
 
+def _probe(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    x_dtype, res_dtype, w_dtype = dtypes
+    total = torch.ones(1, 2, dtype=x_dtype, device=device) + torch.ones(1, 2, dtype=res_dtype, device=device)
+    weight = torch.ones(2, dtype=w_dtype, device=device)
+    return F.layer_norm(total, (2,), weight, weight, 1e-5)
+
+
 def layer_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(layernorm(x + residual), x + residual); Triton where `use_triton`, else the reference."""
-    if use_triton(x) and x.shape[-1] <= MAX_ROW_SIZE:
-        return LayerNormResidualFunction.apply(x, residual, weight, bias, eps)
+    if use_triton(x) and x.shape[-1] <= MAX_ROW_SIZE and residual.shape == x.shape:
+        out_dtype = (autocast_result_dtype(_probe, x, (x.dtype, residual.dtype, weight.dtype))
+                     or torch.promote_types(x.dtype, residual.dtype))
+        return LayerNormResidualFunction.apply(x, residual, weight, bias, eps, out_dtype)
     return layer_norm_residual_reference(x, residual, weight, bias, eps)
