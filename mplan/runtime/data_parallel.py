@@ -12,6 +12,12 @@ no copy. Gradient accumulation needs nothing: run backward on every micro-batch,
 (`optimizer.zero_grad()` does that) is copied back into its bucket at sync time, so results
 stay correct; `zero_grad()` here keeps the views and avoids that copy.
 
+Parameters whose gradient needs no collective and no scaling (dp=1, unless it is a TP partial
+sum over tp > 1: every parameter of a one-rank or pure-TP run) get no bucket: autograd makes
+their `.grad` and `zero_grad()` sets it to None, as eager PyTorch does. A bucket would hold
+their gradients through the forward's activation peak (a whole model's gradients more peak
+memory) and make backward add into it (a read-add-write of every gradient) for nothing.
+
 Invariants:
 - Buckets hold parameters of one dtype, device and reduction kind (dense or expert, with or
   without a TP partial sum), at most `bucket_bytes` each (a larger parameter gets its own).
@@ -19,10 +25,12 @@ Invariants:
   the collectives pair up.
 - `tp_reduce` buckets are summed over TP before the data-parallel average.
 - A parameter that received no gradient is synchronized as zeros and keeps a zero `.grad`
-  (like DDP with bucket views): unlike a `None` gradient, the optimizer still steps it.
+  (like DDP with bucket views): unlike a `None` gradient, the optimizer still steps it, with
+  or without a bucket, so every plan updates the same parameters.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -75,6 +83,11 @@ def group_by_reduction(
     return keyed
 
 
+def needs_reduction(placement: ParamPlacement, groups: ProcessGroups) -> bool:
+    """Whether a parameter's gradient is averaged over replicas or summed over TP at all."""
+    return groups.mesh.dp > 1 or (placement.tp_reduce and group_size(groups.tp) > 1)
+
+
 def all_reduce_tp_partials(grads: list[torch.Tensor], groups: ProcessGroups) -> None:
     """Sum partial gradients of TP-replicated parameters over TP, in place, in one collective
     (for gradients that do not live in a bucket, as under ZeRO)."""
@@ -93,15 +106,21 @@ class _Bucket:
     params: tuple[torch.Tensor, ...]
     buffer: torch.Tensor
     """Flat gradient storage; each parameter's `.grad` is a view into it."""
+    grads: tuple[torch.Tensor, ...]
+    """The views, one per parameter (made once: a step only re-points `.grad` at them)."""
     placement: ParamPlacement
     group: ProcessGroup | None
     """Replicas whose gradients are summed (dp, or expert_dp for experts)."""
 
+    @staticmethod
+    def of(params: list[torch.Tensor], placement: ParamPlacement, group: ProcessGroup | None) -> _Bucket:
+        buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        offsets = itertools.accumulate((p.numel() for p in params), initial=0)
+        grads = tuple(buffer[start:start + p.numel()].view_as(p) for p, start in zip(params, offsets))
+        return _Bucket(params=tuple(params), buffer=buffer, grads=grads, placement=placement, group=group)
+
     def views(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        offset = 0
-        for param in self.params:
-            yield param, self.buffer[offset:offset + param.numel()].view_as(param)
-            offset += param.numel()
+        return zip(self.params, self.grads)
 
 
 class GradientSync:
@@ -117,15 +136,14 @@ class GradientSync:
     ) -> None:
         self.groups = groups
         self.params = unique_trainable(params)
+        bucketed: list[torch.Tensor] = []
+        self._unbucketed: list[torch.Tensor] = []
+        for param in self.params:
+            reduced = needs_reduction(placement_of(param, placements), groups)
+            (bucketed if reduced else self._unbucketed).append(param)
         self._buckets = [
-            _Bucket(
-                params=tuple(bucket),
-                buffer=torch.zeros(sum(p.numel() for p in bucket), dtype=dtype, device=device),
-                placement=placement,
-                group=replica_group(placement, groups),
-            )
-            for (placement, dtype, device), members
-            in group_by_reduction(self.params, placements).items()
+            _Bucket.of(bucket, placement, replica_group(placement, groups))
+            for (placement, _, _), members in group_by_reduction(bucketed, placements).items()
             for bucket in split_into_buckets(members, bucket_bytes)
         ]
         for bucket in self._buckets:
@@ -140,15 +158,20 @@ class GradientSync:
 
     @torch.no_grad()
     def zero_grad(self) -> None:
-        """Zero every gradient, keeping them as views into the buckets."""
+        """Zero every bucketed gradient, keeping them as views into the buckets; drop the others."""
         for bucket in self._buckets:
             bucket.buffer.zero_()
             for param, view in bucket.views():
                 param.grad = view
+        for param in self._unbucketed:
+            param.grad = None
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
         """Reduce the accumulated gradients; call once after the last micro-batch's backward."""
+        for param in self._unbucketed:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
         for bucket in self._buckets:
             self._adopt_foreign_grads(bucket)
         if group_size(self.groups.tp) > 1:

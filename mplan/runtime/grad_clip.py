@@ -15,6 +15,10 @@ Invariants: identical on every rank (the all-reduce result is), and identical (t
 to the single-device result: clip coefficient `max_norm / (norm + 1e-6)` clamped at 1, as
 torch computes it (per-tensor norms, then the norm of those). Per-tensor norms are computed in
 at least float32 and combined in float64, so bf16 gradients do not lose the norm.
+
+Cost: gradients are grouped by device and dtype and each group is handled by torch's
+multi-tensor (`_foreach_*`) kernels, as `torch.nn.utils.clip_grad_norm_(foreach=True)` does:
+a few launches per group instead of several per parameter (a 24-layer GPT has ~300).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ CLIP_EPS = 1e-6
 """Added to the norm before dividing, as in torch.nn.utils.clip_grad_norm_."""
 
 
+@torch.no_grad()
 def global_grad_norm(
     counted_grads: Iterable[torch.Tensor],
     groups: ProcessGroups,
@@ -45,15 +50,13 @@ def global_grad_norm(
     """
     # float64 accumulator on every rank: the all-reduce needs one dtype everywhere.
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for grad in counted_grads:
-        if not grad.numel():
-            continue
-        wide = torch.promote_types(grad.dtype, torch.float32)
-        norm = torch.linalg.vector_norm(grad.detach(), norm_type, dtype=wide).to(torch.float64)
+    for (_, dtype), grads in _by_device_and_dtype(g for g in counted_grads if g.numel()).items():
+        wide = torch.promote_types(dtype, torch.float32)
+        norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=wide)).to(torch.float64)
         if math.isinf(norm_type):
-            total = torch.maximum(total, norm)
+            total = torch.maximum(total, norms.max().to(device))
         else:
-            total += norm.pow(norm_type)
+            total += norms.pow(norm_type).sum().to(device)
     if group_size(groups.world) > 1:
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         dist.all_reduce(total, op=op, group=groups.world)
@@ -66,8 +69,16 @@ def scale_by_clip_coefficient_(
 ) -> None:
     """Scale `grads` so that a global norm of `total_norm` becomes at most `max_norm`."""
     coefficient = torch.clamp(max_norm / (total_norm + CLIP_EPS), max=1.0)
-    for grad in grads:
-        grad.mul_(coefficient.to(grad.dtype))
+    for (device, dtype), group in _by_device_and_dtype(grads).items():
+        torch._foreach_mul_(group, coefficient.to(device=device, dtype=dtype))
+
+
+def _by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """What one multi-tensor kernel can take together, in the given order."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return groups
 
 
 @torch.no_grad()
