@@ -23,7 +23,9 @@ Per node (in order):
    arguments, or through a vocabulary-/batch-parallel module;
 3. device constants are rewritten to the execution device (a meta-device capture says `meta`).
 Every emitted tensor node carries `meta["mplan_local_shape"]`, its expected local shape, which
-`check_local_graph` verifies on meta tensors.
+`check_local_graph` verifies on meta tensors, and (single tensors) `meta["val"]`, a meta tensor of
+that shape and the captured dtype, as an exported graph's nodes carry fake tensors: the local
+program is then a valid input to `fuse_kernels`.
 """
 from __future__ import annotations
 
@@ -137,7 +139,7 @@ class _Rewriter:
         meta = self.graph.params[name].meta if layout else self.graph.graph_inputs.get(name)
         if meta is not None:
             self.meta[fx_node.name] = meta
-            new.meta[LOCAL_SHAPE] = local_shape(meta.shape, self.place[fx_node.name], self.axis.size)
+            _annotate(new, meta, self.place[fx_node.name], self.axis.size)
         self.env[fx_node.name] = new
         return LocalInput(placeholder=fx_node.name, kind=kind, name=name,
                           target=getattr(spec, "target", None) or "")
@@ -168,7 +170,7 @@ class _Rewriter:
             self.root.add_module(attr, module)
             node = self.out.call_module(attr, (self.env[name],))
             if name in self.meta:
-                node.meta[LOCAL_SHAPE] = local_shape(self.meta[name].shape, dst, self.axis.size)
+                _annotate(node, self.meta[name], dst, self.axis.size)
             self.copies[key] = node
         return self.copies[key]
 
@@ -262,7 +264,7 @@ class _Rewriter:
         self.grad_needed[name] = grad_placement(placement)
         if node.outputs:
             self.meta[name] = node.output
-            new.meta[LOCAL_SHAPE] = local_shape(node.output.shape, placement, self.axis.size)
+            _annotate(new, node.output, placement, self.axis.size, value=len(node.outputs) == 1)
 
     def _output(self, fx_node: fx.Node) -> fx.Node:
         user = [spec for spec in self.graph.program.graph_signature.output_specs]
@@ -272,6 +274,15 @@ class _Rewriter:
                                        f"mutations), which the local program does not carry")
         first = fx_node.args[0][0]
         return self._reshard(first.name, R, R, "output")
+
+
+def _annotate(node: fx.Node, meta: TensorMeta, placement: Placement, size: int, *, value: bool = True) -> None:
+    """Record the node's local shape; and, for a single tensor, a meta tensor of that shape and
+    dtype as `meta["val"]`, where later passes (`fuse_kernels`) read shapes and dtypes."""
+    shape = local_shape(meta.shape, placement, size)
+    node.meta[LOCAL_SHAPE] = shape
+    if value:
+        node.meta["val"] = torch.empty(shape, dtype=getattr(torch, meta.dtype), device="meta")
 
 
 def _on_device(value: Any, device: torch.device | None) -> Any:

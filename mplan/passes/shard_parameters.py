@@ -1,8 +1,7 @@
 """Build one TP rank's parameter shards (and the whole buffers) from any source of weights.
 
 Input: a captured `Graph`, the TP choice, this rank's TP index and the axis size, and a source:
-- the user's model on a real device: each parameter is sliced (and copied, so the shard owns
-  its storage and the full model can be freed);
+- the user's model on a real device: each parameter is sliced (see Storage below);
 - a full state dict (`{fqn: tensor}`): sliced the same way; names and shapes are checked;
 - a model on the meta device: each shard is initialized with the module's own init, one
   parameter at a time, so no rank ever holds the full model (see below).
@@ -19,11 +18,18 @@ Meta-device models, how each parameter is made:
   from (seed, module name). Every rank then builds the same full parameter before slicing, so
   shards are consistent; the values are the module's init distribution, not the weights of
   some other single-device instance. A module without `reset_parameters` is an error.
-Buffers are never sharded (`materialize_buffers`): copied from a real model, or recomputed for
-meta-device mplan models (`reset_tables`, RoPE).
+Buffers are never sharded (`materialize_buffers`): a real model's own (moved if on another
+device; the local program only reads them), or recomputed for meta-device mplan models
+(`reset_tables`, RoPE).
+
+Storage: a TP shard, or a parameter moved to another device or dtype, is a copy that owns its
+storage, so the full model can be freed. A parameter stored whole (replicated: all of them at
+tp=1) on the source's own device and dtype is the source's tensor itself, detached, as DDP
+shares the module's parameters: no parameter is ever held twice, and training updates the
+source in place.
 
 Invariants: chunk i of a sharded dim goes to TP rank i (as in runtime/collectives.py); returned
-tensors are contiguous, detached and own their storage.
+tensors are contiguous and detached.
 """
 from __future__ import annotations
 
@@ -60,6 +66,7 @@ def shard_parameters(graph: Graph, choice: Mapping[str, Strategy], tp_rank: int,
     """This rank's shard of every parameter of `graph` (see the module docstring)."""
     layouts = parameter_layouts(graph, choice)
     read = _reader(graph, source, seed)
+    target = _indexed(device) if device is not None else None
     shards: dict[str, torch.Tensor] = {}
     for name, layout in layouts.items():
         full = read(name)
@@ -68,9 +75,17 @@ def shard_parameters(graph: Graph, choice: Mapping[str, Strategy], tp_rank: int,
             raise ValueError(f"parameter {name}: the source has shape {tuple(full.shape)}, the "
                              f"captured graph {expected}")
         piece = shard_tensor(full.detach(), layout.placement, tp_rank, tp_size)
-        target = torch.device(device) if device is not None else full.device
-        shards[name] = piece.to(device=target, dtype=dtype or full.dtype, copy=True).contiguous()
+        where, kind = target or full.device, dtype or full.dtype
+        if piece.shape == full.shape and (piece.device, piece.dtype) == (where, kind):
+            shards[name] = piece.contiguous()  # the source's own storage (see Storage above)
+        else:
+            shards[name] = piece.to(device=where, dtype=kind, copy=True).contiguous()
     return shards
+
+
+def _indexed(device: torch.device | str) -> torch.device:
+    """`device` with its index filled in ("cuda" is the current GPU, equal to a tensor's "cuda:0")."""
+    return torch.empty(0, device=device).device
 
 
 def _reader(graph: Graph, source: ParameterSource, seed: int) -> Callable[[str], torch.Tensor]:
@@ -137,7 +152,7 @@ def materialize_buffers(graph: Graph, model: nn.Module, names: list[str], *,
         value = buffers[name]
         if value.is_meta:
             value = _recompute_buffer(model, name)
-        out[name] = value.detach().to(device=device, copy=True)
+        out[name] = value.detach().to(device=device)
     return out
 
 
