@@ -14,11 +14,19 @@ Steps, the same on every rank (under torchrun; alone when there is no torchrun e
    a Plan made for another model's graph is refused here, still before any collective;
 4. choose the TP strategy of every node (`tp_choice`) and check it (`passes.check_sharding`);
 5. `parallelize`: plan-hash agreement over the world, process groups, parameter shards, the
-   local program, the data-parallel optimizer.
+   local program (with mplan's fused kernels, `kernels`), the data-parallel optimizer.
+
+Memory: parameters stored whole on the model's device and dtype (every one at tp=1) are the
+model's own tensors, trained in place as under DDP; the returned module keeps no reference to
+the model or to its exported program (inference captures a weightless copy), so deleting the
+model frees whatever `pm` does not use.
 """
 from __future__ import annotations
 
+import copy
 import functools
+import gc
+import itertools
 import os
 from typing import Any, Callable, Mapping, Sequence
 
@@ -53,15 +61,19 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
                  max_grad_norm: float | None = 1.0, dtype: torch.dtype | None = None,
                  autocast: torch.dtype | bool | None = None, seed: int = 0,
                  state_dict: Mapping[str, torch.Tensor] | None = None,
-                 device: torch.device | str | None = None, tp_strategies: str = "megatron") -> ParallelModule:
+                 device: torch.device | str | None = None, tp_strategies: str = "megatron",
+                 kernels: bool | None = None) -> ParallelModule:
     """Parallelize `model` under `plan` on this job's ranks (see the module docstring).
 
     `seed` initializes a meta-device model's shards (mplan's families reproduce
     `build_model(..., seed=seed)` exactly); `state_dict` supplies the weights instead of the
     model; `dtype` is the parameters' training dtype; `autocast` (True = bfloat16) runs forward
     under torch.autocast; `tp_strategies` fills a spec string's TP degree with Megatron's
-    layout ("megatron") or whatever valid mix the sharding ILP prices cheapest ("ilp").
-    Collective: every rank of the job calls it with the same arguments.
+    layout ("megatron") or whatever valid mix the sharding ILP prices cheapest ("ilp");
+    `kernels` swaps op chains of the local program for mplan's fused kernels
+    (`passes.fuse_kernels`; None: on CUDA, where they run as Triton kernels; elsewhere they
+    would only run their PyTorch references). Collective: every rank of the job calls it with
+    the same arguments.
     """
     world = init_distributed_from_env()
     world_size = world.size() if world is not None else 1
@@ -84,11 +96,18 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     choice = tp_choice(graph, resolved, coster_for, planner_graph=lambda: _planner_capture(model, inputs, loss_fn))
     check_sharding(graph, choice, resolved.mesh.tp)
     digest = plan_hash(graph, resolved, choice)
-    return parallelize(graph=graph, choice=choice, plan=resolved, digest=digest,
-                       source=state_dict if state_dict is not None else model, model=model,
-                       optimizer=optimizer, device=run_on, dtype=dtype, seed=seed,
-                       max_grad_norm=max_grad_norm, autocast=_autocast_dtype(autocast),
-                       prepare_inference=_inference_preparer(model, resolved, coster_for))
+    pm = parallelize(graph=graph, choice=choice, plan=resolved, digest=digest,
+                     source=state_dict if state_dict is not None else model, model=model,
+                     optimizer=optimizer, device=run_on, dtype=dtype, seed=seed,
+                     max_grad_norm=max_grad_norm, autocast=_autocast_dtype(autocast),
+                     kernels=run_on.type == "cuda" if kernels is None else kernels,
+                     prepare_inference=_inference_preparer(_weightless(model), resolved, coster_for))
+    # torch.export leaves reference cycles that reach the model (the trace's frames and
+    # closures). Collected now, `del model` frees the model's memory at once rather than at
+    # Python's next full collection, which no device allocation waits for.
+    del graph
+    gc.collect()
+    return pm
 
 
 def _planner_capture(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: LossFn | None) -> Graph:
@@ -162,6 +181,17 @@ def _inference_preparer(model: nn.Module, plan: ExecutionPlan, coster_for: Calla
         coster = CollectiveCountCoster(n) if megatron else coster_for(n)
         return graph, dict(solve_graph_sharding(graph, coster, boundary, allow=allow).choice)
     return prepare
+
+
+def _weightless(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are meta tensors of the same shapes and
+    dtypes (no data is copied): enough to capture it, without keeping its weights alive."""
+    memo: dict[int, Any] = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = (nn.Parameter(meta, requires_grad=tensor.requires_grad)
+                            if isinstance(tensor, nn.Parameter) else meta)
+    return copy.deepcopy(model, memo)
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -8,7 +8,8 @@ exactly 0 or 1, where a relative error would compare rounding noise with roundin
 
 Hugging Face `LlamaForCausalLM` computes RMSNorm and its loss in float32 even in a float64
 model; it is checked twice: with those two upcasts made float64-faithful (< 1e-9, same graph
-otherwise) and stock (float32 rounding is the bar there). All checks share one gloo group.
+otherwise) and stock (float32 rounding is the bar there). Two checks run with mplan's fused
+kernels (`kernels=True`, reference dispatch on the CPU). All checks share one gloo group.
 """
 from __future__ import annotations
 
@@ -111,9 +112,11 @@ def compare(make: Callable[[], nn.Module], plan: str, global_batch: int, **optio
     ref_losses, ref_state = single_device(make, data)
     errors = {name: rel_err(state[name], ref) for name, ref in ref_state.items()}
     worst = max(errors, key=errors.__getitem__)
+    fused = pm.program.meta.get("fuse_kernels")
     return {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)), "param": errors[worst],
             "worst": worst, "clipped": max(norms) > MAX_NORM, "ran": pm.plan.describe(),
-            "strategies": sorted({s.name for s in pm.choice.values()})}
+            "strategies": sorted({s.name for s in pm.choice.values()}),
+            "fused": dict(fused.counts) if fused is not None else {}}
 
 
 def assert_equivalent(values: list[dict[str, Any]], tol: float = TOL) -> None:
@@ -152,6 +155,14 @@ def tp2_ilp_llama() -> dict[str, Any]:
 def tp2_sp_ilp_llama() -> dict[str, Any]:
     return compare(family("llama:layers=2,hidden=64,heads=8,kv_heads=4,ffn=128,seq=16,vocab=64"),
                    "tp=2,sp=1", 4, tp_strategies="ilp")
+
+
+def tp2_sp_llama_kernels() -> dict[str, Any]:
+    return compare(family("tiny-llama"), "tp=2,sp=1", 4, micro_batch_size=2, kernels=True)
+
+
+def tp2_sp_gpt_kernels() -> dict[str, Any]:
+    return compare(family("tiny-gpt"), "tp=2,sp=1", 4, kernels=True)
 
 
 def hf_tp2_sp_float64() -> dict[str, Any]:
@@ -260,10 +271,10 @@ def ranks_disagree() -> str:
 
 
 CHECKS = [tp2_gpt, tp2_sp_llama, tp2_sp_gpt, dp2_llama, dp2_zero1_gpt, tp2_ilp_llama, tp2_sp_ilp_llama,
-          hf_tp2_sp_float64, hf_tp2_stock, inference_logits, meta_model_shards, checkpoint_round_trip,
-          local_rows, bf16_runs, ranks_disagree]
+          tp2_sp_llama_kernels, tp2_sp_gpt_kernels, hf_tp2_sp_float64, hf_tp2_stock, inference_logits,
+          meta_model_shards, checkpoint_round_trip, local_rows, bf16_runs, ranks_disagree]
 EQUIVALENCE = [tp2_gpt, tp2_sp_llama, tp2_sp_gpt, dp2_llama, dp2_zero1_gpt, tp2_ilp_llama, tp2_sp_ilp_llama,
-               hf_tp2_sp_float64]
+               tp2_sp_llama_kernels, tp2_sp_gpt_kernels, hf_tp2_sp_float64]
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +293,18 @@ def test_ilp_mix_is_not_megatron(outcomes) -> None:
     for check in (tp2_ilp_llama, tp2_sp_ilp_llama):
         strategies = set(outcomes.assert_passed(check)[0]["strategies"])
         assert strategies - {"replicate", "column", "row", "heads", "vocab"}, strategies
+
+
+def test_fused_kernels_are_exact_under_tp(outcomes) -> None:
+    """fuse_kernels on TP programs (reference dispatch): the rules fire on local shards, and the
+    run is bit for bit the unfused one (the same errors against one process)."""
+    # the loss is vocabulary-parallel there: a module, never the ATen loss the rule matches
+    expected = {tp2_sp_llama_kernels: (tp2_sp_llama, {"rms_norm": 1, "rms_norm_residual": 4, "rope": 4, "swiglu": 2}),
+                tp2_sp_gpt_kernels: (tp2_sp_gpt, {"layer_norm_residual": 4, "bias_gelu": 2})}
+    for check, (unfused, fired) in expected.items():
+        for a, b in zip(outcomes.assert_passed(check), outcomes.assert_passed(unfused)):
+            assert a["fused"] == fired
+            assert (a["loss"], a["param"]) == (b["loss"], b["param"]), (a, b)
 
 
 def test_hugging_face_stock_matches_to_float32(outcomes) -> None:

@@ -11,7 +11,8 @@ Building (`parallelize`), in this order:
    agree: this is the first collective, so a rank with another plan or model never deadlocks
    the others inside a later one;
 2. the mesh's process groups (`init_process_groups`, explicit, nothing global);
-3. `shard_parameters` -> this rank's leaf parameters; `insert_collectives` -> the local program;
+3. `shard_parameters` -> this rank's leaf parameters; `insert_collectives` -> the local program,
+   then `fuse_kernels` when asked (see `local_program`);
 4. the data-parallel optimizer (`build_optimizer`: zero=0 bucketed all-reduce, zero=1 ZeRO-1),
    told which parameters are TP shards and which replicated ones carry partial gradients.
 
@@ -22,10 +23,17 @@ then the optimizer averages over DP, sums partial gradients over TP, clips by th
 across all shards and updates. The returned loss is the mean over micro-batches and replicas,
 which equals the single-device loss of the global batch when every micro-batch counts the same
 number of target tokens (no ignored labels, or the same number per micro-batch).
+
+Overhead against a plain PyTorch loop on the same model (the trivial plan must cost nothing):
+the local program runs the exported graph's own ATen ops as generated Python code; parameters
+stored whole share the model's storage (`shard_parameters`); gradients that need no collective
+live in `.grad` as in eager (`data_parallel.py`); clipping uses multi-tensor kernels; the step
+keeps no exported program, and no reference to the user's model, once it is built.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -74,7 +82,7 @@ def check_same_plan(digest: str, world: dist.ProcessGroup | None) -> None:
 def parallelize(*, graph: Graph, choice: dict[str, Strategy], plan: ExecutionPlan, digest: str,
                 source: ParameterSource, model: nn.Module, optimizer: OptimizerFactory,
                 device: torch.device, dtype: torch.dtype | None = None, seed: int = 0,
-                max_grad_norm: float | None = 1.0, autocast: torch.dtype | None = None,
+                max_grad_norm: float | None = 1.0, autocast: torch.dtype | None = None, kernels: bool = False,
                 prepare_inference: InferencePreparer | None = None) -> ParallelModule:
     """Build this rank's `ParallelModule` (collective: every rank of the job calls it)."""
     world = dist.group.WORLD if dist.is_initialized() else None
@@ -82,7 +90,7 @@ def parallelize(*, graph: Graph, choice: dict[str, Strategy], plan: ExecutionPla
     groups = init_process_groups(plan.mesh)
     axis = tp_axis(groups)
     shards = shard_parameters(graph, choice, axis.rank, axis.size, source, seed=seed, device=device, dtype=dtype)
-    program = insert_collectives(graph, choice, axis, device=device)
+    program = local_program(graph, choice, axis, device=device, kernels=kernels)
     buffers = [spec.name for spec in program.meta[INPUTS] if spec.kind == "BUFFER"]
     statics = materialize_buffers(graph, model, buffers, device=device)
     if dtype is not None:  # as model.to(dtype) would: floating buffers (RoPE tables) follow
@@ -90,11 +98,33 @@ def parallelize(*, graph: Graph, choice: dict[str, Strategy], plan: ExecutionPla
     for spec in program.meta[INPUTS]:
         if spec.kind == "CONSTANT_TENSOR":
             statics[spec.name] = graph.program.constants[spec.target].to(device)
-    return ParallelModule(graph=graph, plan=plan, choice=choice, digest=digest, groups=groups, axis=axis,
-                          program=program,
+    # The exported program holds the model's parameters (its state_dict): the module keeps the
+    # graph's records but not the program, so deleting the model frees them.
+    return ParallelModule(graph=dataclasses.replace(graph, program=None), plan=plan, choice=choice, digest=digest,
+                          groups=groups, axis=axis, program=program,
                           params={k: nn.Parameter(v) for k, v in shards.items()}, statics=statics,
                           layouts=parameter_layouts(graph, choice), optimizer=optimizer, device=device,
-                          max_grad_norm=max_grad_norm, autocast=autocast, prepare_inference=prepare_inference)
+                          max_grad_norm=max_grad_norm, autocast=autocast, kernels=kernels,
+                          prepare_inference=prepare_inference)
+
+
+def local_program(graph: Graph, choice: Mapping[str, Strategy], axis: TensorParallelAxis, *,
+                  device: torch.device, kernels: bool) -> fx.GraphModule:
+    """`insert_collectives`, then (`kernels`) `fuse_kernels` on the local program.
+
+    Fusion is exact under TP too: it reads local shapes (`meta["val"]`), every reshard is a
+    module call that no chain can span, and vocabulary- or batch-parallel losses are modules,
+    never the `aten.cross_entropy_loss` the loss rule matches. Under autocast the fused ops
+    follow the device's autocast policy and mixed-precision residual streams (mplan.kernels),
+    so the fp32 capture's dtypes need not be the run's. `program.meta["fuse_kernels"]` reports
+    what fired."""
+    program = insert_collectives(graph, choice, axis, device=device)
+    if kernels:
+        # imported here: it loads the Triton kernels, which `import mplan` should not pay for
+        from mplan.passes.fuse_kernels import fuse_kernels
+
+        fuse_kernels(program)
+    return program
 
 
 class ParallelModule:
@@ -105,18 +135,24 @@ class ParallelModule:
                  axis: TensorParallelAxis, program: fx.GraphModule, params: dict[str, nn.Parameter],
                  statics: dict[str, torch.Tensor], layouts: dict[str, ParamLayout],
                  optimizer: OptimizerFactory, device: torch.device, max_grad_norm: float | None,
-                 autocast: torch.dtype | None, prepare_inference: InferencePreparer | None) -> None:
+                 autocast: torch.dtype | None, kernels: bool, prepare_inference: InferencePreparer | None) -> None:
         self.graph, self.plan, self.digest, self.groups, self.axis = graph, plan, digest, groups, axis
         self.choice = choice  # the TP strategy of every node of the training graph
         self.program, self.params, self.statics, self.layouts = program, params, statics, layouts
-        self.device, self.max_grad_norm, self.autocast = device, max_grad_norm, autocast
+        self.device, self.max_grad_norm, self.autocast, self.kernels = device, max_grad_norm, autocast, kernels
         self._prepare_inference = prepare_inference
         self._inference: dict[tuple[tuple[int, ...], ...], fx.GraphModule] = {}
         placements = {params[name]: ParamPlacement(tp_sharded=layout.tp_sharded, tp_reduce=layout.grad_partial)
                       for name, layout in layouts.items()}
         self.optimizer: DistributedOptimizer = build_optimizer(
             list(params.values()), optimizer, groups, zero=plan.zero, placements=placements)
-        self.last_grad_norm: float | None = None  # global norm before clipping, of the last step
+        self._last_grad_norm: torch.Tensor | None = None
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm before clipping, of the last step (None without clipping).
+        Kept as a tensor until read: reading it waits for the device."""
+        return None if self._last_grad_norm is None else float(self._last_grad_norm)
 
     # -- training -----------------------------------------------------------------------------
     def train_step(self, inputs: Batch, labels: torch.Tensor, *, local: bool = False) -> float:
@@ -140,10 +176,9 @@ class ParallelModule:
             micro = tuple(t[i * mbs:(i + 1) * mbs] for t in tensors)
             with self._autocast():
                 loss = self.program(*self._feed(self.program, micro))
-            (loss / count).backward()
+            (loss if count == 1 else loss / count).backward()
             total += loss.detach().to(torch.float64)
-        norm = self.optimizer.step(max_grad_norm=self.max_grad_norm)
-        self.last_grad_norm = None if norm is None else float(norm)
+        self._last_grad_norm = self.optimizer.step(max_grad_norm=self.max_grad_norm)
         total /= count * self.plan.mesh.dp
         if group_size(self.groups.dp) > 1:
             dist.all_reduce(total, group=self.groups.dp)
@@ -177,7 +212,7 @@ class ParallelModule:
                 if name in self.layouts and layout.placement != self.layouts[name].placement:
                     raise RuntimeError(f"inference sharding stores {name} as {layout.placement}, "
                                        f"training as {self.layouts[name].placement}")
-            self._inference[key] = insert_collectives(graph, choice, self.axis, device=self.device)
+            self._inference[key] = local_program(graph, choice, self.axis, device=self.device, kernels=self.kernels)
         program = self._inference[key]
         with self._autocast():
             return program(*self._feed(program, tensors))
