@@ -14,6 +14,10 @@ batch 8, measured in one run on the same weights (seed 0) and the same batch:
 Every system trains alike: bf16 parameters (or, with --precision autocast, fp32 parameters under
 bf16 autocast), fused AdamW (lr 1e-4), global-norm clipping at 1.0, the loss read back every step.
 
+mplan's attention runs on whichever fused SDPA backend times fastest for the shape (cuDNN, flash or
+memory-efficient; eager and compile keep PyTorch's fixed priority): "mplan_attention_backends"
+lists each shape's timings and choice.
+
 Reported per model and system: median step time over --steps after --warmup steps (CUDA events),
 model TFLOP/s, peak memory (torch.cuda.max_memory_allocated over the steps, parameters and
 optimizer state included), the first steps' losses, set-up and first-step (compile/autotune)
@@ -59,6 +63,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mplan  # noqa: E402
+from mplan.kernels import sdpa_autotune  # noqa: E402
 from mplan.models import GPTConfig, LlamaConfig, build_model, example_inputs  # noqa: E402
 from mplan.passes.fuse_kernels import fuse_kernels  # noqa: E402
 
@@ -351,6 +356,10 @@ def main() -> None:
                 entry["systems"][name] = row
                 log(f"{workload.name} {name}: " + _summary(row))
             entry.update(compare(entry["systems"]))
+    report["mplan_attention_backends"] = [
+        {"q": case.shapes[0], "k": case.shapes[1], "dtype": str(case.dtype), "backward": case.backward,
+         "chosen": choice.backend.name if choice.backend is not None else None, "ms": choice.milliseconds}
+        for case, choice in sdpa_autotune.tuned_cases()]
     report["wall_s"] = round(time.perf_counter() - began, 1)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as handle:

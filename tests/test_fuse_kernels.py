@@ -21,12 +21,13 @@ GPT = GPTConfig(num_layers=2, hidden=16, num_heads=2, seq_len=8, vocab=32)
 LLAMA = LlamaConfig(num_layers=2, hidden=16, num_heads=2, num_kv_heads=1, seq_len=8, vocab=32, ffn_hidden=24)
 EXPECTED_FIRED = {
     # the first LayerNorm reads embed + pos_embed, a broadcasting add: not a residual
-    "gpt": {"layer_norm_residual": 4, "bias_gelu": 2, "cross_entropy": 1},
+    "gpt": {"layer_norm_residual": 4, "attention": 2, "bias_gelu": 2, "cross_entropy": 1},
     # the first RMSNorm reads the embedding alone; q and k are rotated in both blocks
-    "llama": {"rms_norm": 1, "rms_norm_residual": 4, "rope": 4, "swiglu": 2, "cross_entropy": 1},
+    "llama": {"rms_norm": 1, "rms_norm_residual": 4, "rope": 4, "attention": 2, "swiglu": 2, "cross_entropy": 1},
 }
 UNFUSED_OPS = {aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.gelu.default, aten.silu.default,
-               aten.neg.default, aten.cat.default, aten.cross_entropy_loss.default}
+               aten.neg.default, aten.cat.default, aten.cross_entropy_loss.default,
+               aten.scaled_dot_product_attention.default}
 
 
 def _export(module: nn.Module, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.fx.GraphModule:
@@ -94,7 +95,7 @@ class _NormWithLeakedStatistic(nn.Module):
 
 class _Unfusable(nn.Module):
     """Look-alikes the rules must not touch: exact GELU, a label-smoothed loss, a RoPE-like
-    rotation that splits at the wrong place, a LayerNorm over two dims."""
+    rotation that splits at the wrong place, a LayerNorm over two dims, attention with a mask."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -107,6 +108,7 @@ class _Unfusable(nn.Module):
         rotated = torch.cat([-h[..., 3:], h[..., :3]], dim=-1)  # rotate_half would split at 4
         h = h * cos + rotated * sin
         h = self.norm(h + x)
+        h = F.scaled_dot_product_attention(h, h, h, attn_mask=cos[:, :4] > 0)
         return F.cross_entropy(h.reshape(-1, 8), labels, label_smoothing=0.1)
 
 

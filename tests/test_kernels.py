@@ -8,6 +8,7 @@ CPU and its refusal to run there through the public op.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -21,14 +22,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import rel_err, run_ranks
+from torch.nn.attention import SDPBackend
 
 from mplan.kernels import (
     FUSED_OP_TRAFFIC,
     VocabReductions,
+    attention,
     cross_entropy,
     fused_op_bytes,
     rms_norm_residual,
     rope,
+    sdpa_autotune,
     use_triton,
     vocab_parallel_cross_entropy,
 )
@@ -237,3 +241,29 @@ def test_everything_imports_and_runs_its_reference_without_triton() -> None:
     run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert abs(float(run.stdout.strip()) - float(torch.log(torch.tensor(4.0)))) < 1e-6
+
+
+def test_attention_runs_the_fastest_backend_that_can_run_the_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backend timings faked (they need a GPU): the fastest that ran wins, one that could not run
+    is left out, and a case none can run is left to PyTorch's own choice."""
+    timings = {SDPBackend.CUDNN_ATTENTION: None, SDPBackend.FLASH_ATTENTION: 2.0, SDPBackend.EFFICIENT_ATTENTION: 1.5}
+    monkeypatch.setattr(sdpa_autotune, "_TUNED", {})
+    monkeypatch.setattr(sdpa_autotune, "_time_backend", lambda backend, case: timings[backend])
+    case = sdpa_autotune.AttentionCase(shapes=((2, 4, 16, 8),) * 3, strides=((512, 8, 32, 1),) * 3,
+                                       dtype=torch.bfloat16, device=torch.device("cuda", 0), is_causal=True,
+                                       scale=None, enable_gqa=False, backward=True)
+    choice = sdpa_autotune.fastest_backend(case)
+    assert choice.backend == SDPBackend.EFFICIENT_ATTENTION
+    assert choice.milliseconds == {"FLASH_ATTENTION": 2.0, "EFFICIENT_ATTENTION": 1.5}
+    assert sdpa_autotune.tuned_cases() == [(case, choice)]
+    monkeypatch.setattr(sdpa_autotune, "_time_backend", lambda backend, case: None)
+    assert sdpa_autotune.fastest_backend(dataclasses.replace(case, is_causal=False)).backend is None
+    # q/k/v arrive as transposes of [batch, seq, heads, head_dim]: tuning tensors take that layout
+    assert sdpa_autotune._dense((2, 4, 16, 8), (512, 8, 32, 1)) and not sdpa_autotune._dense((2, 4, 16, 8), (1536, 8, 96, 1))
+
+
+def test_attention_on_the_cpu_is_sdpa_itself() -> None:
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    assert torch.equal(attention(q, k, v, is_causal=True, enable_gqa=True),
+                       F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))

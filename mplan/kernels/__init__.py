@@ -9,6 +9,7 @@ its `torch.autograd.Function`. Module names differ from the op names on purpose,
     glu.py            swiglu(gate, up) -> silu(gate) * up
     rotary.py         rope(x, cos, sin): rotate-half RoPE on [batch, heads, seq, head_dim]
     cross_entropy_loss.py  cross_entropy(logits, labels), vocab_parallel_cross_entropy(local_logits, ...)
+    sdpa_autotune.py  attention(q, k, v, ...): SDPA on the fused backend that times fastest for the shape
     fp8.py            fp8_linear through torch._scaled_mm (CUDA, capability >= 8.9 only)
     op_bytes.py       fused_op_bytes: the bytes each fused op moves, for the cost model
     dispatch.py       use_triton: Triton on CUDA (or CPU under TRITON_INTERPRET=1), else reference
@@ -18,6 +19,7 @@ The graph pass that swaps these into a captured model is mplan.passes.fuse_kerne
 """
 from __future__ import annotations
 
+from mplan.kernels.sdpa_autotune import attention
 from mplan.kernels.cross_entropy_loss import (
     VocabReductions,
     cross_entropy,
@@ -36,6 +38,7 @@ __all__ = [
     "FUSED_OP_TRAFFIC",
     "FusedOpTraffic",
     "VocabReductions",
+    "attention",
     "bias_gelu",
     "bias_gelu_reference",
     "cross_entropy",

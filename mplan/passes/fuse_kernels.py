@@ -16,8 +16,9 @@ and erases the chain.
 Invariants:
 - Results are unchanged: every fused op's reference is the chain's own ATen ops, so on the
   reference dispatch the fused graph computes the same function as the unfused one (bit for
-  bit, except bias+GELU, whose bias moves out of the GEMM); tests hold fused and unfused
-  forward and backward together.
+  bit, except bias+GELU, whose bias moves out of the GEMM; attention is the same SDPA op, run
+  on the backend that times fastest, which on CUDA may round differently); tests hold fused and
+  unfused forward and backward together.
 - A chain is fused only when its intermediate values have no use outside it (nothing is
   computed twice), its constants are the ones the kernel assumes (eps a number, reductions
   over the last dim, slices at head_dim / 2, ...), and its shapes, read from `meta["val"]`,
@@ -38,6 +39,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from mplan.kernels import (
+    attention,
     bias_gelu,
     cross_entropy,
     layer_norm_residual,
@@ -72,7 +74,7 @@ class Match:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FusionRule:
     name: str
-    """the fused op's name, also its key in `FUSED_OP_TRAFFIC`"""
+    """the fused op's name; for the memory-bound ops also their key in `FUSED_OP_TRAFFIC`"""
     anchors: tuple[Any, ...]
     """ATen overloads the chain can end with"""
     match: Callable[[Node], Match | None]
@@ -124,8 +126,9 @@ def _other(pair: tuple[Any, Any], node: Any) -> Any:
     return pair[1] if pair[0] is node else pair[0]
 
 
-def _call(graph: Graph, target: Callable[..., Any], args: tuple[Any, ...], like: Node) -> Node:
-    node = graph.call_function(target, args)
+def _call(graph: Graph, target: Callable[..., Any], args: tuple[Any, ...], like: Node,
+          kwargs: dict[str, Any] | None = None) -> Node:
+    node = graph.call_function(target, args, kwargs)
     node.meta.update({key: like.meta[key] for key in ("stack_trace", "nn_module_stack") if key in like.meta})
     return node
 
@@ -278,6 +281,20 @@ def _match_cross_entropy(anchor: Node) -> Match | None:
                  emit=lambda g: _call(g, cross_entropy, (logits, labels, ignore_index), anchor))
 
 
+def _match_attention(anchor: Node) -> Match | None:
+    names = ("attn_mask", "dropout_p", "is_causal")
+    options = dict(zip(names, (None, 0.0, False)))
+    options.update(zip(names, anchor.args[3:]))
+    if options["attn_mask"] is not None or options["dropout_p"] != 0.0:
+        return None
+    if set(anchor.kwargs) - {"scale", "enable_gqa"}:
+        return None
+    qkv = tuple(anchor.args[:3])
+    kwargs = {"is_causal": options["is_causal"], **anchor.kwargs}
+    return Match(chain=(anchor,), outputs=(anchor,), inputs=qkv,
+                 emit=lambda g: _call(g, attention, qkv, anchor, kwargs))
+
+
 FUSION_RULES: tuple[FusionRule, ...] = (
     # (a + b) -> pow 2 / mean(-1, keepdim) / add eps / rsqrt / mul / mul weight, the sum also used
     # later: Llama's pre-norm after each residual add -> rms_norm_residual(a, b, weight, eps)
@@ -297,6 +314,9 @@ FUSION_RULES: tuple[FusionRule, ...] = (
     # aten.cross_entropy_loss, mean reduction, no class weights, no label smoothing (the LM loss)
     # -> cross_entropy(logits, labels, ignore_index)
     FusionRule(name="cross_entropy", anchors=(aten.cross_entropy_loss.default,), match=_match_cross_entropy),
+    # aten.scaled_dot_product_attention without a mask or dropout -> attention(q, k, v, ...), the
+    # same op on whichever fused backend (cuDNN, flash, memory-efficient) times fastest for the shape
+    FusionRule(name="attention", anchors=(aten.scaled_dot_product_attention.default,), match=_match_attention),
 )
 
 
