@@ -23,8 +23,9 @@ loads, then on two reductions, then on the next block, plus a dozen tiny torch k
                   logit; unsharded, it also writes lse and each program's loss sum and row count
     mean          one program: the mean loss from those partial sums, in the loss dtype
     grad          one program per (row, block): (exp(x - lse) - [j == label]) * d_loss / count,
-                  written once; rows whose label is ignored write zeros without reading logits
-                  (the forward skips their logits as well)
+                  written once (zeros on rows whose label is ignored)
+No load of logits waits on a label: a program's lifetime is one load latency, not two (so
+ignored rows are read like the others).
 So the unsharded forward is three launches and reads the logits once; the backward is one
 launch that reads them once and writes the gradient once.
 
@@ -80,21 +81,18 @@ _MIN_BLOCK_V = min(config.kwargs["BLOCK_V"] for config in _BLOCKS)
 
 @triton.autotune(configs=_BLOCKS, key=["n_cols"])
 @triton.jit
-def _block_stats_kernel(x_ptr, labels_ptr, max_ptr, sumexp_ptr, n_blocks_ptr, n_cols, row_stride, max_blocks,
-                        ignore_index, BLOCK_V: tl.constexpr):
+def _block_stats_kernel(x_ptr, max_ptr, sumexp_ptr, n_blocks_ptr, n_cols, row_stride, max_blocks,
+                        BLOCK_V: tl.constexpr):
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(n_cols, BLOCK_V)
     row = pid // n_blocks
     block = pid % n_blocks
     if pid == 0:  # how many partials each row has, for the combine kernel
         tl.store(n_blocks_ptr, n_blocks)
-    counted = tl.load(labels_ptr + row) != ignore_index
     cols = block * BLOCK_V + tl.arange(0, BLOCK_V)
-    read_to = tl.where(counted, n_cols, 0)  # an ignored row's logits are never read
-    x = tl.load(x_ptr + row.to(tl.int64) * row_stride + cols, mask=cols < read_to,
-                other=float("-inf")).to(tl.float32)
+    x = tl.load(x_ptr + row.to(tl.int64) * row_stride + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
     m = tl.max(x, axis=0)
-    shift = tl.where(m == float("-inf"), 0.0, m)  # an ignored row (or all -inf): sum 0, no NaN
+    shift = tl.where(m == float("-inf"), 0.0, m)  # a block of -inf logits: sum 0, no NaN
     out = row.to(tl.int64) * max_blocks + block
     tl.store(max_ptr + out, shift)
     tl.store(sumexp_ptr + out, tl.sum(tl.exp(x - shift), axis=0))
@@ -122,7 +120,7 @@ def _combine_kernel(max_ptr, sumexp_ptr, n_blocks_ptr, x_ptr, labels_ptr, lse_pt
     mine = counted & (local >= 0) & (local < n_cols)
     target = tl.load(x_ptr + rows.to(tl.int64) * row_stride + local, mask=mine, other=0.0).to(tl.float32)
     if FINALIZE:
-        lse = shift + tl.log(tl.where(counted, sumexp, 1.0))  # 0 where not counted (never read)
+        lse = shift + tl.log(tl.where(in_rows, sumexp, 1.0))  # no log(0) past the last row
         tl.store(lse_ptr + rows, lse, mask=in_rows)
         tl.store(loss_sum_ptr + pid, tl.sum(tl.where(counted, lse - target, 0.0), axis=0))
         tl.store(count_ptr + pid, tl.sum(counted.to(tl.float32), axis=0))
@@ -158,8 +156,7 @@ def _grad_kernel(x_ptr, labels_ptr, lse_ptr, d_loss_ptr, count_ptr, dx_ptr, n_co
     counted = label != ignore_index
     scale = tl.load(d_loss_ptr).to(tl.float32) / tl.load(count_ptr)
     lse = tl.load(lse_ptr + row)
-    read_to = tl.where(counted, n_cols, 0)  # an ignored row's gradient is 0: its logits are not read
-    x = tl.load(x_ptr + row.to(tl.int64) * row_stride + cols, mask=cols < read_to, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row.to(tl.int64) * row_stride + cols, mask=in_cols, other=0.0).to(tl.float32)
     grad = (tl.exp(x - lse) - tl.where(cols == label - vocab_start, 1.0, 0.0)) * scale
     tl.store(dx_ptr + row.to(tl.int64) * n_cols + cols, tl.where(counted, grad, 0.0).to(dx_ptr.dtype.element_ty),
              mask=in_cols)
@@ -216,7 +213,7 @@ class _BlockStats:
     n_blocks: torch.Tensor
 
 
-def _block_stats(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> _BlockStats:
+def _block_stats(logits: torch.Tensor) -> _BlockStats:
     n_rows, n_cols = logits.shape
     max_blocks = triton.cdiv(n_cols, _MIN_BLOCK_V)
     partial = torch.empty(2, n_rows, max_blocks, dtype=torch.float32, device=logits.device)
@@ -225,8 +222,7 @@ def _block_stats(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) 
     def grid(meta: dict[str, Any]) -> tuple[int]:
         return (n_rows * triton.cdiv(n_cols, meta["BLOCK_V"]),)
 
-    _block_stats_kernel[grid](logits, labels, partial[0], partial[1], n_blocks, n_cols, logits.stride(0), max_blocks,
-                              ignore_index)
+    _block_stats_kernel[grid](logits, partial[0], partial[1], n_blocks, n_cols, logits.stride(0), max_blocks)
     return _BlockStats(max=partial[0], sumexp=partial[1], n_blocks=n_blocks)
 
 
@@ -324,12 +320,12 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         out_dtype = autocast_result_dtype(_probe, logits, (logits.dtype,)) or logits.dtype
         triton_path = use_triton(logits)
         if triton_path and reductions.is_identity():
-            stats = _block_stats(logits, labels, ignore_index)
+            stats = _block_stats(logits)
             lse, loss_sum, count = _combine(logits, labels, stats, vocab_start, ignore_index, finalize=True)
             loss, count = _mean(loss_sum, count, out_dtype)
         else:
             if triton_path:
-                stats = _block_stats(logits, labels, ignore_index)
+                stats = _block_stats(logits)
                 local = _combine(logits, labels, stats, vocab_start, ignore_index, finalize=False)
             else:
                 local = _torch_local_stats(logits, labels, vocab_start, ignore_index)

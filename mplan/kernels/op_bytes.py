@@ -15,8 +15,7 @@ and it moves `row_tensors` such [rows, row_size] tensors, `vectors` parameter-sh
 [table_rows, row_size] tensors (norm weights and biases: table_rows = 1; RoPE's cos/sin tables)
 and `row_stats` 4-byte values per row (fp32 rstd/mean/log-sum-exp; an int64 label counts 2).
 Weight-gradient partial sums (a few [programs, row_size] fp32 rows, ~1-2% of the traffic at
-training shapes) are left out, and so is a saving: the cross-entropy kernels never read the
-logits of a row whose label is ignored, so its count is an upper bound when labels are padded.
+training shapes) are left out.
 """
 from __future__ import annotations
 
