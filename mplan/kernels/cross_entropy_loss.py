@@ -78,6 +78,11 @@ _BLOCKS = configs(
 _MIN_BLOCK_V = min(config.kwargs["BLOCK_V"] for config in _BLOCKS)
 """The partials have room for the most blocks any configuration makes."""
 
+_COMBINE_ROWS = 4 if INTERPRET else 16
+"""Rows per combine program (not tuned: the combine moves well under 1% of the bytes)."""
+_MEAN_BLOCK = 16 if INTERPRET else 1024
+"""Partial sums the mean kernel adds per step (a few hundred at training shapes)."""
+
 
 @triton.autotune(configs=_BLOCKS, key=["n_cols"])
 @triton.jit
@@ -160,12 +165,6 @@ def _grad_kernel(x_ptr, labels_ptr, lse_ptr, d_loss_ptr, count_ptr, dx_ptr, n_co
     grad = (tl.exp(x - lse) - tl.where(cols == label - vocab_start, 1.0, 0.0)) * scale
     tl.store(dx_ptr + row.to(tl.int64) * n_cols + cols, tl.where(counted, grad, 0.0).to(dx_ptr.dtype.element_ty),
              mask=in_cols)
-
-
-_COMBINE_ROWS = 4 if INTERPRET else 16
-"""Rows per combine program (not tuned: the combine moves well under 1% of the bytes)."""
-_MEAN_BLOCK = 16 if INTERPRET else 1024
-"""Partial sums the mean kernel adds per step (a few hundred at training shapes)."""
 
 
 @dataclass(frozen=True, slots=True)
