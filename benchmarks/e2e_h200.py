@@ -180,8 +180,9 @@ def build_compile(workload: Workload, setting: Setting) -> tuple[Step, dict[str,
 def build_mplan_graph(workload: Workload, setting: Setting) -> tuple[Step, dict[str, Any]]:
     """torch.export (non-strict) + fuse_kernels; the GraphModule shares the model's parameters."""
     model, ids, labels = _model_and_batch(workload, setting)
-    program = fuse_kernels(torch.export.export(model, (ids,), {"labels": labels}, strict=False).module())
-    info = {"pipeline": "torch.export(strict=False) + fuse_kernels, GraphModule trained directly",
+    program = fuse_kernels(torch.export.export(model, (ids,), {"labels": labels}, strict=False).module(),
+                           device=setting.device)
+    info = {"pipeline": "torch.export(strict=False) + fuse_kernels(device=...), GraphModule trained directly",
             "fused": program.meta["fuse_kernels"].counts}
     return _plain_step(lambda: program(ids, labels=labels), list(program.parameters()), setting), info
 

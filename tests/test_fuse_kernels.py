@@ -21,13 +21,12 @@ GPT = GPTConfig(num_layers=2, hidden=16, num_heads=2, seq_len=8, vocab=32)
 LLAMA = LlamaConfig(num_layers=2, hidden=16, num_heads=2, num_kv_heads=1, seq_len=8, vocab=32, ffn_hidden=24)
 EXPECTED_FIRED = {
     # the first LayerNorm reads embed + pos_embed, a broadcasting add: not a residual
-    "gpt": {"layer_norm_residual": 4, "attention": 2, "bias_gelu": 2, "cross_entropy": 1},
+    "gpt": {"layer_norm_residual": 4, "bias_gelu": 2, "cross_entropy": 1},
     # the first RMSNorm reads the embedding alone; q and k are rotated in both blocks
-    "llama": {"rms_norm": 1, "rms_norm_residual": 4, "rope": 4, "attention": 2, "swiglu": 2, "cross_entropy": 1},
+    "llama": {"rms_norm": 1, "rms_norm_residual": 4, "rope": 4, "swiglu": 2, "cross_entropy": 1},
 }
 UNFUSED_OPS = {aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.gelu.default, aten.silu.default,
-               aten.neg.default, aten.cat.default, aten.cross_entropy_loss.default,
-               aten.scaled_dot_product_attention.default}
+               aten.neg.default, aten.cat.default, aten.cross_entropy_loss.default}
 
 
 def _export(module: nn.Module, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.fx.GraphModule:
@@ -65,6 +64,19 @@ def test_fused_graph_trains_like_the_unfused_one(family: str) -> None:
     for name, param in unfused.named_parameters():
         difference = (fused_params[name].grad - param.grad).norm().item()
         assert difference <= 1e-6 * max(param.grad.norm().item(), 1e-3), name
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_attention_is_fused_for_a_cuda_run(family: str) -> None:
+    """device="cuda" adds the attention rule; the op it emits is SDPA itself off CUDA, so the
+    fused graph still computes exactly the unfused one here."""
+    torch.manual_seed(0)
+    ids, labels = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    unfused = _export(_model(family), ids, labels=labels)
+    fused = fuse_kernels(copy.deepcopy(unfused), device="cuda")
+    assert _fired(fused) == {**EXPECTED_FIRED[family], "attention": 2}
+    assert aten.scaled_dot_product_attention.default not in {node.target for node in fused.graph.nodes}
+    assert torch.equal(fused(ids, labels=labels), unfused(ids, labels=labels))
 
 
 def test_every_inserted_node_carries_its_value_metadata() -> None:
@@ -113,9 +125,9 @@ class _Unfusable(nn.Module):
 
 
 def test_chains_that_do_not_fit_a_rule_are_left_alone() -> None:
-    x, labels = torch.randn(2, 4, 8), torch.randint(0, 8, (8,))
-    leaked = fuse_kernels(_export(_NormWithLeakedStatistic(), x))
+    leaked = fuse_kernels(_export(_NormWithLeakedStatistic(), torch.randn(2, 4, 8)))
     assert _fired(leaked) == {}
-    unfusable = fuse_kernels(_export(_Unfusable(), x, torch.randn(4, 8), torch.randn(4, 8), labels))
+    unfusable = fuse_kernels(_export(_Unfusable(), torch.randn(2, 4, 8), torch.randn(4, 8), torch.randn(4, 8),
+                                     torch.randint(0, 8, (8,))), device="cuda")
     assert _fired(unfusable) == {}
     assert str(unfusable.meta["fuse_kernels"]) == "fuse_kernels: no rule fired"

@@ -6,7 +6,7 @@ GraphModule, rewritten in place and recompiled, with `gm.meta["fuse_kernels"]` h
 `FusionReport` (how often each rule fired).
 
 Rules are data: `FUSION_RULES`, one `FusionRule` per pattern with a comment saying what it
-matches. Each rule is tried at its anchor (the chain's last node); a match names the chain's
+matches (and `ATTENTION_RULE`, used when the program will run on CUDA: `device=`). Each rule is tried at its anchor (the chain's last node); a match names the chain's
 nodes, the chain values the fused op returns, the graph values it reads, and how to emit the
 call. The driver inserts the call (a `call_function` node whose target is the kernel's
 dispatching op, e.g. `mplan.kernels.rms_norm_residual`, which runs the Triton autograd
@@ -50,8 +50,8 @@ from mplan.kernels import (
 )
 from mplan.kernels.op_bytes import FUSED_OP_TRAFFIC, FusedOpTraffic, fused_op_bytes
 
-__all__ = ["FUSED_OP_TRAFFIC", "FUSION_RULES", "FusedOpTraffic", "FusionReport", "FusionRule", "fuse_kernels",
-           "fused_op_bytes"]
+__all__ = ["ATTENTION_RULE", "FUSED_OP_TRAFFIC", "FUSION_RULES", "FusedOpTraffic", "FusionReport", "FusionRule",
+           "fuse_kernels", "fused_op_bytes"]
 
 aten = torch.ops.aten
 logger = logging.getLogger(__name__)
@@ -314,17 +314,25 @@ FUSION_RULES: tuple[FusionRule, ...] = (
     # aten.cross_entropy_loss, mean reduction, no class weights, no label smoothing (the LM loss)
     # -> cross_entropy(logits, labels, ignore_index)
     FusionRule(name="cross_entropy", anchors=(aten.cross_entropy_loss.default,), match=_match_cross_entropy),
-    # aten.scaled_dot_product_attention without a mask or dropout -> attention(q, k, v, ...), the
-    # same op on whichever fused backend (cuDNN, flash, memory-efficient) times fastest for the shape
-    FusionRule(name="attention", anchors=(aten.scaled_dot_product_attention.default,), match=_match_attention),
 )
+
+ATTENTION_RULE = FusionRule(name="attention", anchors=(aten.scaled_dot_product_attention.default,),
+                            match=_match_attention)
+"""aten.scaled_dot_product_attention without a mask or dropout -> attention(q, k, v, ...): the same
+op on whichever fused backend (cuDNN, flash, memory-efficient) times fastest for the shape. Added
+to the rules when the program runs on CUDA; elsewhere SDPA has one backend to choose from."""
 
 
 # ---- the driver ------------------------------------------------------------------------------
 
-def fuse_kernels(gm: GraphModule, rules: tuple[FusionRule, ...] = FUSION_RULES) -> GraphModule:
+def fuse_kernels(gm: GraphModule, rules: tuple[FusionRule, ...] | None = None, *,
+                 device: torch.device | str | None = None) -> GraphModule:
     """Replace every chain some rule matches (first matching rule wins, nodes in graph order);
-    returns `gm`, recompiled, with `gm.meta["fuse_kernels"]` = FusionReport."""
+    returns `gm`, recompiled, with `gm.meta["fuse_kernels"]` = FusionReport. `rules` defaults to
+    FUSION_RULES, plus ATTENTION_RULE when `device` (where `gm` will run) is a CUDA device."""
+    if rules is None:
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        rules = FUSION_RULES + (ATTENTION_RULE,) if on_cuda else FUSION_RULES
     graph = gm.graph
     counts: Counter[str] = Counter()
     erased: set[Node] = set()
