@@ -14,9 +14,11 @@ batch 8, measured in one run on the same weights (seed 0) and the same batch:
 Every system trains alike: bf16 parameters (or, with --precision autocast, fp32 parameters under
 bf16 autocast), fused AdamW (lr 1e-4), global-norm clipping at 1.0, the loss read back every step.
 
-mplan's attention runs on whichever fused SDPA backend times fastest for the shape (cuDNN, flash or
-memory-efficient; eager and compile keep PyTorch's fixed priority): "mplan_attention_backends"
-lists each shape's timings and choice.
+When fuse_kernels is told the program runs on CUDA (`device=`: mplan_graph always, mplan through
+autoparallel once it passes its device on), mplan's attention runs on whichever fused SDPA backend
+times fastest for the shape (cuDNN, flash or memory-efficient; eager and compile keep PyTorch's
+fixed priority): "fused" shows whether "attention" fired, "mplan_attention_backends" lists each
+shape's timings and choice.
 
 Reported per model and system: median step time over --steps after --warmup steps (CUDA events),
 model TFLOP/s, peak memory (torch.cuda.max_memory_allocated over the steps, parameters and
@@ -31,8 +33,9 @@ Model FLOPs (no recomputation; attention counted whole, not halved for the causa
     Llama  6 N tokens + 12 l h s tokens, N = the parameters a token multiplies (all but the input
            embedding table; the output head included), tokens = B s
 
-Run on the GPU (from the repository root; well under 6 minutes, most of it torch.compile; a
-system not started within --budget-s is skipped and says so):
+Run on the GPU (from the repository root; expected 4-5 minutes, not yet measured: two CPU model
+builds, two torch.compile warm-ups and mplan's Triton autotuning; a system not started within
+--budget-s is skipped and says so):
     PYTHONPATH=. python3 benchmarks/e2e_h200.py --out $OUT/e2e.json
 Smoke test of the same code path on a CPU (tiny models, mplan's kernels on their references):
     PYTHONPATH=. python3 benchmarks/e2e_h200.py --device cpu --small --out /tmp/e2e.json
