@@ -18,9 +18,10 @@ Building (`parallelize`), in this order:
 
 A step: each DP replica takes its rows of the global batch (or `local=True` rows it already
 holds), splits them into `num_micro_batches` micro-batches, runs forward and backward of each
-with the loss scaled by 1/num_micro_batches (gradients accumulate in the optimizer's buckets),
-then the optimizer averages over DP, sums partial gradients over TP, clips by the global norm
-across all shards and updates. The returned loss is the mean over micro-batches and replicas,
+with the loss scaled by 1/num_micro_batches (gradients accumulate in `.grad`, a view into the
+optimizer's buckets where gradients are reduced over ranks), then the optimizer averages over
+DP, sums partial gradients over TP, clips by the global norm across all shards, updates, and
+zeroes the gradients (None where unbucketed, as an eager loop leaves them). The returned loss is the mean over micro-batches and replicas,
 which equals the single-device loss of the global batch when every micro-batch counts the same
 number of target tokens (no ignored labels, or the same number per micro-batch).
 
@@ -169,16 +170,20 @@ class ParallelModule:
             start = self.groups.dp_rank * replica
             tensors = tuple(t[start:start + replica] for t in tensors)
         tensors = tuple(t.to(self.device) for t in tensors)
-        self.optimizer.zero_grad()
         mbs, count = self.plan.micro_batch_size, self.plan.num_micro_batches
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i in range(count):
-            micro = tuple(t[i * mbs:(i + 1) * mbs] for t in tensors)
-            with self._autocast():
-                loss = self.program(*self._feed(self.program, micro))
-            (loss if count == 1 else loss / count).backward()
-            total += loss.detach().to(torch.float64)
-        self._last_grad_norm = self.optimizer.step(max_grad_norm=self.max_grad_norm)
+        try:
+            for i in range(count):
+                micro = tuple(t[i * mbs:(i + 1) * mbs] for t in tensors)
+                with self._autocast():
+                    loss = self.program(*self._feed(self.program, micro))
+                (loss if count == 1 else loss / count).backward()
+                total += loss.detach().to(torch.float64)
+            self._last_grad_norm = self.optimizer.step(max_grad_norm=self.max_grad_norm)
+        finally:
+            # Gradients live from the first backward to the update, as in an eager loop that
+            # zeroes after stepping: none are held between steps, nor after a failed one.
+            self.optimizer.zero_grad()
         total /= count * self.plan.mesh.dp
         if group_size(self.groups.dp) > 1:
             dist.all_reduce(total, group=self.groups.dp)
