@@ -124,7 +124,7 @@ def local_program(graph: Graph, choice: Mapping[str, Strategy], axis: TensorPara
         # imported here: it loads the Triton kernels, which `import mplan` should not pay for
         from mplan.passes.fuse_kernels import fuse_kernels
 
-        fuse_kernels(program)
+        fuse_kernels(program, device=device)  # on CUDA it also picks attention's fastest backend
     return program
 
 
