@@ -43,3 +43,25 @@ def test_bench_measure_runs_the_plan_for_real(capsys):
     (row,) = json.loads(capsys.readouterr().out)["plans"]
     assert row["error"] is None and row["measured"]["step_time_s"] > 0
     assert row["measured"]["tokens_per_s"] == pytest.approx(4 * 16 / row["measured"]["step_time_s"])
+
+
+def test_the_planners_own_plan_for_four_cpu_ranks_trains_like_one_process(tmp_path):
+    """The planner and the passes agree on what a plan means: plan for a 4-rank CPU cluster with
+    everything searched, then train that plan file on 4 gloo ranks under torchrun."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    model = "llama:layers=2,hidden=64,heads=8,kv_heads=4,ffn=128,seq=32,vocab=128"
+    plan_path = tmp_path / "plan.json"
+    assert cli_main(["plan", model, "--cluster", "cpu", "--gpus-per-node", "4", "--global-batch", "8",
+                     "-o", str(plan_path), "--json"]) == 0
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                          os.path.join(root, "examples", "train_cpu.py"), "--model", model,
+                          "--plan", str(plan_path), "--check", "--steps", "3"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = re.search(r"largest relative loss difference from one process: ([0-9.e+-]+)", run.stdout)
+    assert found and float(found.group(1)) < 1e-9, run.stdout[-2000:]
