@@ -19,7 +19,7 @@ from mplan.cost_models.collective_cost import GroupShape, collective_time
 from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.ir.graph import OpNode, TensorMeta
 from mplan.ir.op_table import op_packet
-from mplan.planner.placement import Partial, Placement, R, Shard, can_transition, local_shape, transition
+from mplan.planner.placement import Partial, Placement, R, can_transition, local_shape, transition
 from mplan.planner.strategies import Strategy
 
 MEMORY_BOUND_BACKWARD_FACTOR = 2.0  # backward bytes / forward bytes of elementwise and norm ops
@@ -30,10 +30,6 @@ IMPOSSIBLE_S = 1.0e3  # price of a transition no pass can emit; far above any re
 class Cost:
     forward_s: float
     backward_s: float
-
-    @property
-    def total_s(self) -> float:
-        return self.forward_s + self.backward_s
 
 
 def grad_placement(output: Placement) -> Placement:
@@ -106,14 +102,6 @@ class OpCoster:
         fwd = self.compute.memory_bound_time(moved)
         return fwd, MEMORY_BOUND_BACKWARD_FACTOR * fwd
 
-    def edge(self, meta: TensorMeta, producer: Strategy | Placement, consumer: Strategy, slot: int) -> Cost:
-        """Forward resharding from producer output to consumer input `slot`, and backward
-        resharding of the gradient from the consumer's input-gradient placement back."""
-        out = producer.output if isinstance(producer, Strategy) else producer
-        fwd = self.reshard(meta, out, consumer.inputs[slot])
-        bwd = self.reshard(meta, consumer.input_grads[slot], grad_placement(out))
-        return Cost(forward_s=fwd, backward_s=bwd)
-
 
 def partial_param_grad_bytes(node: OpNode, strategy: Strategy, metas: dict[str, TensorMeta]) -> int:
     """Bytes of replicated parameters that a split op leaves with partial gradients (SP norm weights).
@@ -122,8 +110,3 @@ def partial_param_grad_bytes(node: OpNode, strategy: Strategy, metas: dict[str, 
     rest; the planner charges it to the step, not to every micro-batch."""
     return sum(metas[name].nbytes for _, name in node.params
                if isinstance(strategy.input_grads[node.inputs.index(name)], Partial))
-
-
-def is_sharded(placement: Placement) -> bool:
-    return isinstance(placement, Shard)
-

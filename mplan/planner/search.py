@@ -28,7 +28,7 @@ from mplan.planner.parallel_config import (ModelLimits, ParallelConfig, PlanSpec
 from mplan.planner.placement import R, Shard
 from mplan.ir.rebatch import rebatch
 from mplan.planner.sharding_ilp import (GraphSharding, ShardingInfeasible, StrategyFilter, reprice_graph,
-                                        solve_graph_sharding, stream_shape)
+                                        solve_graph_sharding, stream_meta)
 from mplan.planner.unit_costs import UnitCost, unit_costs
 
 SIMULATED_FINALISTS = 8  # candidates re-ranked by the event simulator
@@ -200,12 +200,10 @@ def _limits(graph: Graph) -> ModelLimits:
 
 
 def _facts(graph: Graph) -> ModelFacts:
-    stream = stream_shape(graph) or (1, graph.seq_len or 1, 1)
-    itemsize = next((n.output.nbytes // n.output.numel for n in graph.nodes
-                     if n.outputs and n.output.shape == stream and n.output.numel), 2)
+    stream = stream_meta(graph)
     return ModelFacts(training_flops_per_sequence=graph.training_flops / graph.batch_size,
                       seq_len=graph.seq_len or 1, param_dtype="bf16",
-                      stream_bytes_per_sequence=math.prod(stream) * itemsize // graph.batch_size)
+                      stream_bytes_per_sequence=0 if stream is None else stream.nbytes // graph.batch_size)
 
 
 __all__ = ["Planner", "PlanningError", "PlanSpecError", "SearchResult", "ShardedModel"]

@@ -82,18 +82,23 @@ class _Problem:
     outputs: dict[str, Placement]  # segment node -> placement required by consumers outside
 
 
-def stream_shape(graph: Graph) -> tuple[int, ...] | None:
-    """Shape of the residual stream: the activation the main block type takes and hands on."""
+def stream_meta(graph: Graph) -> TensorMeta | None:
+    """The residual stream: the activation the main block type takes and hands on."""
     if not graph.block_types:
         return None
     block = max(graph.block_types, key=lambda b: b.num_instances)
     inside = set(block.template)
     for v in graph.nodes_of(block.template):
         for a in v.inputs:
-            if a not in inside and a not in graph.params and (meta := _meta(graph, a)) is not None \
+            if a not in inside and a not in graph.params and (meta := value_meta(graph, a)) is not None \
                     and len(meta.shape) >= 2 and not meta.dtype.startswith("int"):
-                return meta.shape
+                return meta
     return None
+
+
+def stream_shape(graph: Graph) -> tuple[int, ...] | None:
+    meta = stream_meta(graph)
+    return None if meta is None else meta.shape
 
 
 StrategyFilter = Callable[[OpNode, Strategy], bool]
@@ -128,7 +133,8 @@ def _allowed(node: OpNode, strategies: list[Strategy], allow: StrategyFilter | N
     return kept or strategies[:1]  # the replicated strategy always remains
 
 
-def _meta(graph: Graph, name: str) -> TensorMeta | None:
+def value_meta(graph: Graph, name: str) -> TensorMeta | None:
+    """Metadata of a value by name: a node's (first) output or a graph input; None otherwise."""
     if name in graph:
         node = graph.node(name)
         return node.output if node.outputs else None
@@ -136,7 +142,7 @@ def _meta(graph: Graph, name: str) -> TensorMeta | None:
 
 
 def _fixed_input(problem: _Problem, name: str, boundary: Placement) -> Placement:
-    meta = _meta(problem.graph, name)
+    meta = value_meta(problem.graph, name)
     return boundary if meta is not None and meta.shape == problem.stream_shape else R
 
 
@@ -167,7 +173,7 @@ def _uses(problem: _Problem) -> dict[str, list[tuple[str, int]]]:
     uses: dict[str, list[tuple[str, int]]] = {}
     for v in problem.nodes:
         for slot, a in enumerate(v.inputs):
-            if a not in problem.graph.params and _meta(problem.graph, a) is not None:
+            if a not in problem.graph.params and value_meta(problem.graph, a) is not None:
                 uses.setdefault(a, []).append((v.name, slot))
     return uses
 
@@ -225,7 +231,7 @@ def solve_segment_sharding(graph: Graph, name: str, node_names: Sequence[str], c
 
     copies: list[tuple[str, int, Layout, float, float, pulp.LpVariable]] = []
     for ui, (u, consumers) in enumerate(_uses(problem).items()):
-        meta = _meta(graph, u)
+        meta = value_meta(graph, u)
         produced = u in problem.strategies
         outs = [s.output for s in problem.strategies[u]] if produced else [_fixed_input(problem, u, boundary)]
         wants: dict[Layout, list] = {}
@@ -275,7 +281,7 @@ def _price(problem: _Problem, choice: dict[str, Strategy], coster: OpCoster, bou
         layouts = {(choice[v].inputs[slot], choice[v].input_grads[slot]) for v, slot in consumers}
         if u in choice and u in problem.outputs:
             layouts.add((problem.outputs[u], problem.outputs[u]))
-        copies += [_copy_cost(coster, _meta(graph, u), out, layout) for layout in layouts]  # type: ignore[arg-type]
+        copies += [_copy_cost(coster, value_meta(graph, u), out, layout) for layout in layouts]  # type: ignore[arg-type]
     fixed = _Problem(graph=graph, name=problem.name, nodes=problem.nodes,
                      strategies={v: [s] for v, s in choice.items()}, stream_shape=problem.stream_shape,
                      outputs=problem.outputs)
@@ -379,7 +385,7 @@ def _saved_bytes(problem: _Problem, choice: dict[str, Strategy], n: int, boundar
             root = graph.storage_root(saved)
             if root in graph.params:
                 continue
-            meta = _meta(graph, root)
+            meta = value_meta(graph, root)
             if meta is None:
                 continue
             # A value is kept in the layout its producer left it in; a consumer that resharded it

@@ -14,7 +14,6 @@ gradient that must be reduced; a replicated op gives `R` gradients.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -82,7 +81,7 @@ def _batch_letters(rank: int) -> str:
 
 
 def _linear(node: OpNode, n: int) -> list[Strategy]:
-    x, w = node.input_metas[0], node.input_metas[1]
+    x = node.input_metas[0]
     b = _batch_letters(len(x.shape) - 1)
     operands = [b + "k", "nk"] + (["n"] if len(node.inputs) > 2 else [])
     names = {"k": "row", "n": "column"}
@@ -132,7 +131,7 @@ def kv_replicated_heads(q: TensorMeta, k: TensorMeta, n: int) -> list[Strategy]:
 
 
 def _embedding(node: OpNode, n: int) -> list[Strategy]:
-    weight, ids = node.input_metas[0], node.input_metas[1]
+    ids = node.input_metas[1]
     b = _batch_letters(len(ids.shape))
     # Vocabulary-parallel (Megatron): each rank looks up the ids it owns, zeros elsewhere, so the
     # output is a partial sum; the weight gradient stays sharded by vocabulary.
@@ -373,15 +372,6 @@ def _dedupe(strategies: list[Strategy]) -> list[Strategy]:
     return list(seen.values())
 
 
-def work_fraction(strategy: Strategy, n: int) -> float:
-    """Share of the op's FLOPs and bytes one rank does under this strategy."""
-    return 1.0 / n if strategy.split else 1.0
-
-
 def shard_bytes(meta: TensorMeta, placement: Placement, n: int) -> int:
     """Bytes one rank holds of a tensor with this placement."""
     return meta.nbytes // n if isinstance(placement, Shard) else meta.nbytes
-
-
-def split_numel(meta: TensorMeta, placement: Placement, n: int) -> int:
-    return math.prod(meta.shape) // (n if isinstance(placement, Shard) else 1)

@@ -14,13 +14,12 @@ Recomputation modes, as the planner defines them for fused-attention models:
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from mplan.ir.graph import Graph, OpNode
+from mplan.ir.graph import Graph
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.placement import Shard
-from mplan.planner.sharding_ilp import GraphSharding, SegmentSharding, stream_shape
+from mplan.planner.sharding_ilp import GraphSharding, SegmentSharding, stream_meta, value_meta
 from mplan.planner.strategies import shard_bytes
 
 _KEEP_UNDER_SELECTIVE = ("matmul", "attention", "embedding", "loss")
@@ -72,30 +71,17 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
             numel = graph.params[param].meta.numel // (n if isinstance(placement, Shard) else 1)
             num_params += numel
             glue.append((param, numel))
-    selective_bytes = sum(shard_bytes(_value_meta(graph, r), sharding.choice[r].output if r in sharding.choice
+    selective_bytes = sum(shard_bytes(value_meta(graph, r), sharding.choice[r].output if r in sharding.choice
                                       else sharding.boundary, n)
-                          for r in selective_saved if r not in graph.params and _value_meta(graph, r) is not None)
-    stream = stream_shape(graph)
-    input_bytes = 0
-    if stream is not None:
-        itemsize = graph.nodes[0].outputs[0].nbytes // max(1, graph.nodes[0].outputs[0].numel) \
-            if graph.nodes and graph.nodes[0].outputs else 2
-        dtype_size = next((v.output.nbytes // v.output.numel for v in graph.nodes_of(nodes)
-                           if v.outputs and v.output.shape == stream and v.output.numel), itemsize)
-        input_bytes = math.prod(stream) * dtype_size // (n if isinstance(sharding.boundary, Shard) else 1)
+                          for r in selective_saved if r not in graph.params and value_meta(graph, r) is not None)
+    stream = stream_meta(graph)
+    input_bytes = 0 if stream is None else shard_bytes(stream, sharding.boundary, n)
     return UnitCost(name=name, block_type=block_type, forward_s=sharding.forward_s, backward_s=sharding.backward_s,
                     comm_forward_s=sharding.comm_forward_s, comm_backward_s=sharding.comm_backward_s,
                     num_params=num_params, glue_params=tuple(glue) if block_type is None else (),
                     tp_grad_sync_bytes=sharding.tp_grad_sync_bytes,
                     saved_bytes=sharding.saved_bytes, selective_bytes=min(selective_bytes, sharding.saved_bytes),
                     selective_extra_s=extra, input_bytes=input_bytes, largest_op_bytes=largest)
-
-
-def _value_meta(graph: Graph, name: str):  # noqa: ANN202 - TensorMeta | None
-    if name in graph:
-        node = graph.node(name)
-        return node.output if node.outputs else None
-    return graph.graph_inputs.get(name)
 
 
 def unit_costs(graph: Graph, sharding: GraphSharding, coster: OpCoster) -> list[UnitCost]:
@@ -107,12 +93,8 @@ def unit_costs(graph: Graph, sharding: GraphSharding, coster: OpCoster) -> list[
     for segment in graph.segments:
         if segment.block_type is not None:
             template = per_type[segment.block_type]
-            units.append(UnitCost(**{**_fields(template), "name": segment.name}))
+            units.append(replace(template, name=segment.name))
         elif segment.nodes:
             units.append(segment_unit(graph, segment.name, None, segment.nodes,
                                       sharding.segments[segment.name], coster))
     return units
-
-
-def _fields(unit: UnitCost) -> dict[str, object]:
-    return {f: getattr(unit, f) for f in UnitCost.__slots__}  # type: ignore[attr-defined]
