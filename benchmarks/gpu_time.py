@@ -1,0 +1,37 @@
+"""GPU kernel time of a callable, from the profiler: what a kernel costs inside a busy training step.
+
+Why not CUDA events around the call: for a kernel of ~0.1 ms the host (autograd, Python
+launchers) takes longer than the GPU, so events measure the host, and in a training step the
+host runs ahead while GEMMs keep the GPU busy. The profiler's per-kernel device times, summed,
+are what the step pays on the GPU.
+
+    kernel_ms(fn, iters)  -> mean GPU time of fn() per call (every kernel, memset and copy it issues)
+    kernel_table(prof)    -> {kernel name: total ms} of a finished profile, largest first
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def kernel_table(prof: profile) -> dict[str, float]:
+    """Total device milliseconds of each kernel (and memset/memcpy) a profile recorded."""
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time / 1e3
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+def kernel_ms(fn: Callable[[], Any], iters: int = 10) -> float:
+    """Mean GPU time of one `fn()`: the device time of every kernel it launches, summed."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(kernel_table(prof).values()) / iters
