@@ -5,39 +5,41 @@ For a GPT (24 layers, hidden 2048, 16 heads, seq 2048, vocab 50304) and a Llama 
 batch 8, measured in one run on the same weights (seed 0) and the same batch:
     eager     the model itself
     compile   torch.compile(model) (default mode; its warm-up includes the compile)
-    mplan     mplan.autoparallel(model, plan="dp=1,tp=1,pp=1", kernels=True) where autoparallel
-              takes `kernels`; else the model captured by torch.export (non-strict), rewritten by
-              mplan.passes.fuse_kernels and trained as a GraphModule ("pipeline" in the JSON says
-              which ran)
-    mplan_graph   the export + fuse_kernels GraphModule when "mplan" went through autoparallel,
-              so the kernels' effect and the runtime's can be told apart (run last, within budget)
+    mplan     mplan.autoparallel(model, plan="dp=1,tp=1,pp=1", kernels=True)
+    mplan_fp8 the same with fp8=True: the blocks' linears as FP8 GEMMs (mplan.kernels.fp8,
+              delayed scaling; the output head stays bf16). Not the same arithmetic as the
+              others: its losses are compared with mplan's over every step, and it is reported
+              beside, never instead of, the bf16 figures
+    mplan_graph   the export + fuse_kernels GraphModule trained directly (no autoparallel
+              runtime), so the kernels' effect and the runtime's can be told apart
 Every system trains alike: bf16 parameters (or, with --precision autocast, fp32 parameters under
 bf16 autocast), fused AdamW (lr 1e-4), global-norm clipping at 1.0, the loss read back every step.
 
-When fuse_kernels is told the program runs on CUDA (`device=`: mplan_graph always, mplan through
-autoparallel once it passes its device on), mplan's attention runs on whichever fused SDPA backend
-times fastest for the shape (cuDNN, flash or memory-efficient; eager and compile keep PyTorch's
-fixed priority): "fused" shows whether "attention" fired, "mplan_attention_backends" lists each
-shape's timings and choice.
+Method: each system is built and warmed up in turn (--warmup steps; its peak memory is measured
+then, as torch.cuda.max_memory_allocated above what the other systems already hold); then all
+of a workload's systems stay resident and are timed in --rounds interleaved rounds, the order
+rotating each round, so that clock and thermal drift over the minutes of a run fall on every
+system alike (a sequential run on 2026-11-29 saw the same GEMM kernels 4-7% slower in one
+system than in the next). The step time is the median of every timed step (CUDA events).
 
-Reported per model and system: median step time over --steps after --warmup steps (CUDA events),
-model TFLOP/s, peak memory (torch.cuda.max_memory_allocated over the steps, parameters and
-optimizer state included), the first steps' losses, set-up and first-step (compile/autotune)
-times; per model mplan_vs_eager and mplan_vs_compile (step-time ratios, > 1 means mplan is
-faster), mplan's peak memory against eager's, the issue's targets (>= 1.15x eager, >= compile,
-peak <= eager) and a correctness check: mplan's losses over the warm-up steps within
-LOSS_RTOL of eager's.
+Reported per model and system: median step time, model TFLOP/s, peak memory, the losses of
+every step, set-up and first-step (compile/autotune) times; per model mplan_vs_eager and
+mplan_vs_compile (step-time ratios, > 1 means mplan is faster), the same for mplan_fp8, mplan's
+peak memory against eager's, the issue's targets (>= 1.15x eager, >= compile, peak <= eager)
+and correctness checks: mplan's losses within LOSS_RTOL of eager's, mplan_fp8's within
+FP8_LOSS_RTOL of mplan's, step for step.
 
 Model FLOPs (no recomputation; attention counted whole, not halved for the causal mask):
     GPT    Megatron-LM: 72 B s l h^2 (1 + s / (6 h) + V / (12 h l))
     Llama  6 N tokens + 12 l h s tokens, N = the parameters a token multiplies (all but the input
            embedding table; the output head included), tokens = B s
 
-Run on the GPU (from the repository root; expected 4-5 minutes, not yet measured: two CPU model
-builds, two torch.compile warm-ups and mplan's Triton autotuning; a system not started within
---budget-s is skipped and says so):
+Run on the GPU (from the repository root; about 5 minutes: two CPU model builds, two
+torch.compile warm-ups and mplan's Triton autotuning; a system not started within --budget-s
+is skipped and says so):
     PYTHONPATH=. python3 benchmarks/e2e_h200.py --out $OUT/e2e.json
-Smoke test of the same code path on a CPU (tiny models, mplan's kernels on their references):
+Smoke test of the same code path on a CPU (tiny models, mplan's kernels on their references;
+FP8 refuses the CPU, which the report records as that system's error):
     PYTHONPATH=. python3 benchmarks/e2e_h200.py --device cpu --small --out /tmp/e2e.json
 """
 from __future__ import annotations
@@ -48,7 +50,6 @@ import copy
 import datetime
 import functools
 import gc
-import inspect
 import json
 import os
 import platform
@@ -73,8 +74,10 @@ from mplan.passes.fuse_kernels import fuse_kernels  # noqa: E402
 LR = 1e-4
 MAX_GRAD_NORM = 1.0
 LOSS_RTOL = 1e-2
-"""bf16 tolerance for mplan's losses against eager's over the warm-up steps: the fused kernels
-round differently (fp32 inside, one rounding at the end), ~1e-3 on a single loss"""
+"""bf16 tolerance for mplan's losses against eager's: the fused kernels round differently (fp32
+inside, one rounding at the end), ~1e-3 on a single loss"""
+FP8_LOSS_RTOL = 3e-2
+"""FP8 against bf16 losses, step for step: e4m3 keeps 3 mantissa bits, e5m2 (gradients) 2"""
 TARGET_VS_EAGER = 1.15
 """issue 6: mplan's step at least 1.15x faster than eager, and no slower than torch.compile"""
 GiB = 2**30
@@ -190,29 +193,21 @@ def build_mplan_graph(workload: Workload, setting: Setting) -> tuple[Step, dict[
     return _plain_step(lambda: program(ids, labels=labels), list(program.parameters()), setting), info
 
 
-def autoparallel_takes_kernels() -> bool:
-    return "kernels" in inspect.signature(mplan.autoparallel).parameters
-
-
-def build_mplan(workload: Workload, setting: Setting) -> tuple[Step, dict[str, Any]]:
-    if not autoparallel_takes_kernels():
-        step, info = build_mplan_graph(workload, setting)
-        info["pipeline"] += " (mplan.autoparallel has no kernels= option yet)"
-        return step, info
+def build_mplan(workload: Workload, setting: Setting, fp8: bool = False) -> tuple[Step, dict[str, Any]]:
     model, ids, labels = _model_and_batch(workload, setting)
     pm = mplan.autoparallel(model, example_inputs=(ids,), global_batch=workload.batch, plan="dp=1,tp=1,pp=1",
-                            kernels=True, optimizer=setting.optimizer(), max_grad_norm=MAX_GRAD_NORM,
+                            kernels=True, fp8=fp8, optimizer=setting.optimizer(), max_grad_norm=MAX_GRAD_NORM,
                             dtype=setting.param_dtype, autocast=setting.precision == "autocast",
                             device=setting.device)
     del model  # pm trains the model's own tensors; nothing else should keep them
-    report = getattr(pm, "program", None) and pm.program.meta.get("fuse_kernels")
-    info = {"pipeline": 'mplan.autoparallel(plan="dp=1,tp=1,pp=1", kernels=True)',
-            "fused": getattr(report, "counts", None)}
+    info = {"pipeline": f'mplan.autoparallel(plan="dp=1,tp=1,pp=1", kernels=True{", fp8=True" if fp8 else ""})',
+            "fused": pm.program.meta["fuse_kernels"].counts}
     return lambda: pm.train_step(ids, labels), info
 
 
 SYSTEMS: dict[str, Callable[[Workload, Setting], tuple[Step, dict[str, Any]]]] = {
-    "eager": build_eager, "mplan": build_mplan, "compile": build_compile, "mplan_graph": build_mplan_graph,
+    "eager": build_eager, "mplan": build_mplan, "compile": build_compile,
+    "mplan_fp8": functools.partial(build_mplan, fp8=True), "mplan_graph": build_mplan_graph,
 }
 
 
@@ -232,67 +227,79 @@ def start_timer(device: torch.device) -> Callable[[], float]:
     return elapsed
 
 
-def measure(step: Step, setting: Setting, warmup: int, steps: int) -> dict[str, Any]:
+@dataclass(kw_only=True, slots=True)
+class Running:
+    """A built, warmed-up system, resident until its workload's rounds are over."""
+
+    step: Step
+    row: dict[str, Any]
+
+
+def warm_up(name: str, workload: Workload, setting: Setting, warmup: int) -> Running | dict[str, Any]:
+    """Builds `name` and runs its warm-up steps, measuring set-up, first step and peak memory;
+    returns the error (as the system's row) instead when it fails."""
     cuda = setting.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    losses, times = [], []
-    start = time.perf_counter()
-    losses.append(step())  # compiles, autotunes, allocates optimizer state
-    first_step_s = time.perf_counter() - start
-    for _ in range(warmup - 1):
-        losses.append(step())
-    for _ in range(steps):
-        elapsed = start_timer(setting.device)
-        step()
-        times.append(elapsed())
-    return {"step_s": statistics.median(times), "step_s_all": [round(t, 5) for t in times],
-            "first_step_s": round(first_step_s, 2), "warmup_losses": losses,
-            "peak_gib": torch.cuda.max_memory_allocated() / GiB if cuda else None}
-
-
-def run_system(name: str, workload: Workload, setting: Setting, args: argparse.Namespace,
-               flops: float) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         step, info = SYSTEMS[name](workload, setting)
         info["setup_s"] = round(time.perf_counter() - start, 2)
-        info.update(measure(step, setting, args.warmup, args.steps))
-        info["tflops"] = flops / info["step_s"] / 1e12
+        start = time.perf_counter()
+        losses = [step()]  # compiles, autotunes, allocates optimizer state
+        info["first_step_s"] = round(time.perf_counter() - start, 2)
+        losses += [step() for _ in range(warmup - 1)]
     except Exception:  # noqa: BLE001 - one system's failure must not lose the others' numbers
-        info = {"error": traceback.format_exc()}
-    finally:
-        step = None  # noqa: F841 - drop the model, optimizer and graphs before the next system
-        if name == "compile":
-            torch._dynamo.reset()
-        gc.collect()
-        if setting.device.type == "cuda":
-            torch.cuda.empty_cache()
-    return info
+        return {"error": traceback.format_exc()}
+    info["losses"] = losses
+    info["peak_gib"] = (torch.cuda.max_memory_allocated() - held) / GiB if cuda else None
+    info["step_s_all"] = []
+    return Running(step=step, row=info)
+
+
+def timed_rounds(running: dict[str, Running], setting: Setting, rounds: int, steps: int) -> None:
+    """`steps` timed steps per system, spread over `rounds` rounds whose order rotates."""
+    names = list(running)
+    per_round = max(1, -(-steps // rounds))
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            system = running[name]
+            for _ in range(per_round):
+                elapsed = start_timer(setting.device)
+                system.row["losses"].append(system.step())
+                system.row["step_s_all"].append(round(elapsed(), 5))
 
 
 def compare(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Ratios, targets and the loss check, for whatever ran."""
+    """Ratios, targets and the loss checks, for whatever ran."""
     ok = {name: row for name, row in systems.items() if "step_s" in row}
     out: dict[str, Any] = {}
-    if "mplan" not in ok:
-        return out
-    mplan_row = ok["mplan"]
-    for other in ("eager", "compile"):
-        if other in ok:
-            out[f"mplan_vs_{other}"] = ok[other]["step_s"] / mplan_row["step_s"]
-    if "eager" in ok:
-        eager = ok["eager"]
-        diffs = [abs(a - b) / abs(b) for a, b in zip(mplan_row["warmup_losses"], eager["warmup_losses"])]
-        out["correctness"] = {"max_rel_loss_diff_vs_eager": max(diffs), "tolerance": LOSS_RTOL,
-                              "passed": max(diffs) <= LOSS_RTOL}
-        if eager["peak_gib"] is not None:
-            out["mplan_peak_vs_eager"] = mplan_row["peak_gib"] / eager["peak_gib"]
-    met = {f"mplan_vs_eager>={TARGET_VS_EAGER}": ("mplan_vs_eager", TARGET_VS_EAGER),
-           "mplan_vs_compile>=1": ("mplan_vs_compile", 1.0)}
-    out["targets"] = {name: out[key] >= bound if key in out else None for name, (key, bound) in met.items()}
-    out["targets"]["peak<=eager"] = out["mplan_peak_vs_eager"] <= 1.0 if "mplan_peak_vs_eager" in out else None
+    for mine in ("mplan", "mplan_fp8"):
+        for other in ("eager", "compile"):
+            if mine in ok and other in ok:
+                out[f"{mine}_vs_{other}"] = ok[other]["step_s"] / ok[mine]["step_s"]
+        if mine in ok and "eager" in ok and ok["eager"]["peak_gib"] is not None:
+            out[f"{mine}_peak_vs_eager"] = ok[mine]["peak_gib"] / ok["eager"]["peak_gib"]
+
+    def losses_close(mine: str, reference: str, tolerance: float) -> dict[str, Any]:
+        diffs = [abs(a - b) / abs(b) for a, b in zip(ok[mine]["losses"], ok[reference]["losses"])]
+        return {"against": reference, "steps": len(diffs), "max_rel_loss_diff": max(diffs),
+                "tolerance": tolerance, "passed": max(diffs) <= tolerance}
+
+    out["correctness"] = {}
+    if "mplan" in ok and "eager" in ok:
+        out["correctness"]["mplan"] = losses_close("mplan", "eager", LOSS_RTOL)
+    if "mplan_fp8" in ok and "mplan" in ok:
+        out["correctness"]["mplan_fp8"] = losses_close("mplan_fp8", "mplan", FP8_LOSS_RTOL)
+    targets = {}
+    for mine in ("mplan", "mplan_fp8"):
+        if f"{mine}_vs_eager" in out:
+            targets[mine] = {f"vs_eager>={TARGET_VS_EAGER}": out[f"{mine}_vs_eager"] >= TARGET_VS_EAGER,
+                             "vs_compile>=1": out.get(f"{mine}_vs_compile", 0.0) >= 1.0,
+                             "peak<=eager": out.get(f"{mine}_peak_vs_eager", 2.0) <= 1.0}
+    out["targets"] = targets
     return out
 
 
@@ -302,12 +309,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the smoke test")
     parser.add_argument("--small", action="store_true", help="tiny models (with --device cpu: the smoke test)")
     parser.add_argument("--models", default=None, help="comma-separated workload names (default: all)")
-    parser.add_argument("--systems", default="eager,mplan,compile,mplan_graph", help="comma-separated, run in order")
+    parser.add_argument("--systems", default="eager,mplan,compile,mplan_fp8,mplan_graph", help="comma-separated")
     parser.add_argument("--precision", default="bf16", choices=["bf16", "autocast"],
                         help="bf16 parameters, or fp32 parameters under bf16 autocast")
     parser.add_argument("--warmup", type=int, default=3, help="steps before timing (their losses are checked)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
-    parser.add_argument("--budget-s", type=float, default=240.0,
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per system (the median is reported)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds the timed steps are spread over")
+    parser.add_argument("--budget-s", type=float, default=400.0,
                         help="start no system after this many seconds (a compile may take 1-2 minutes)")
     return parser.parse_args()
 
@@ -323,12 +331,6 @@ def main() -> None:
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - began:6.1f}s] {message}", file=sys.stderr, flush=True)
 
-    wanted = args.systems.split(",")
-    # mplan_graph duplicates mplan when mplan itself is the graph path; it runs last, after
-    # every workload's headline systems, since the budget may not leave room for it
-    rounds = [[s for s in wanted if s != "mplan_graph"]]
-    if "mplan_graph" in wanted and autoparallel_takes_kernels():
-        rounds.append(["mplan_graph"])
     report: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name() if setting.device.type == "cuda" else "cpu (smoke test)",
@@ -338,28 +340,46 @@ def main() -> None:
         "training": f"fused AdamW lr {LR}, global-norm clipping {MAX_GRAD_NORM}, loss read back every step",
         "flops": "GPT: 72 B s l h^2 (1 + s/(6h) + V/(12 h l)) (Megatron-LM); Llama: 6 N B s + 12 l h s B s, "
                  "N = parameters a token multiplies (all but the input embedding, output head included)",
-        "warmup_steps": args.warmup, "timed_steps": args.steps, "models": {},
+        "method": f"{args.warmup} warm-up steps per system, then {args.steps} timed steps per system in "
+                  f"{args.rounds} interleaved rounds (rotating order), all systems resident; median step",
+        "models": {},
     }
     for workload in workloads:
         probe = _initial_model(workload, setting.param_dtype)
-        report["models"][workload.name] = {
+        entry = report["models"][workload.name] = {
             "config": {k: getattr(workload.config, k) for k in ("num_layers", "hidden", "num_heads", "kv_heads",
                                                                  "ffn", "seq_len", "vocab")},
             "batch": workload.batch, "num_parameters": sum(p.numel() for p in probe.parameters()),
             "flops_per_step": model_flops(workload, probe), "systems": {},
         }
-    for systems in rounds:
-        for workload in workloads:
-            entry = report["models"][workload.name]
-            for name in systems:
-                if time.perf_counter() - began > args.budget_s:
-                    entry["systems"][name] = {"error": f"skipped: past the {args.budget_s:.0f} s budget"}
-                    log(f"{workload.name} {name}: skipped (time budget)")
-                    continue
-                row = run_system(name, workload, setting, args, entry["flops_per_step"])
-                entry["systems"][name] = row
-                log(f"{workload.name} {name}: " + _summary(row))
-            entry.update(compare(entry["systems"]))
+        running: dict[str, Running] = {}
+        for name in args.systems.split(","):
+            if time.perf_counter() - began > args.budget_s:
+                entry["systems"][name] = {"error": f"skipped: past the {args.budget_s:.0f} s budget"}
+                log(f"{workload.name} {name}: skipped (time budget)")
+                continue
+            result = warm_up(name, workload, setting, args.warmup)
+            if isinstance(result, Running):
+                running[name] = result
+                entry["systems"][name] = result.row
+                log(f"{workload.name} {name}: warmed up, setup {result.row['setup_s']} s, first step "
+                    f"{result.row['first_step_s']} s, peak {result.row['peak_gib'] or 0:.1f} GiB")
+            else:
+                entry["systems"][name] = result
+                log(f"{workload.name} {name}: ERROR " + result["error"].strip().splitlines()[-1])
+        timed_rounds(running, setting, args.rounds, args.steps)
+        for name, system in running.items():
+            system.row["step_s"] = statistics.median(system.row["step_s_all"])
+            system.row["tflops"] = entry["flops_per_step"] / system.row["step_s"] / 1e12
+            log(f"{workload.name} {name}: " + _summary(system.row))
+        entry.update(compare(entry["systems"]))
+        log(f"{workload.name}: " + ", ".join(f"{k} {v:.3f}" for k, v in entry.items() if k.endswith(("eager", "compile")))
+            + f"; correctness {entry['correctness']}; targets {entry['targets']}")
+        running.clear()
+        gc.collect()
+        torch._dynamo.reset()
+        if setting.device.type == "cuda":
+            torch.cuda.empty_cache()
     report["mplan_attention_backends"] = [
         {"q": case.shapes[0], "k": case.shapes[1], "dtype": str(case.dtype), "backward": case.backward,
          "chosen": choice.backend.name if choice.backend is not None else None, "ms": choice.milliseconds}
@@ -369,19 +389,13 @@ def main() -> None:
     with open(args.out, "w", encoding="utf-8") as handle:
         json.dump(report, handle, indent=1)
         handle.write("\n")
-    for name, entry in report["models"].items():
-        log(f"{name}: " + ", ".join(f"{k} {entry[k]:.3f}" for k in ("mplan_vs_eager", "mplan_vs_compile",
-                                                                     "mplan_peak_vs_eager") if k in entry)
-            + f"; correctness {entry.get('correctness', {}).get('passed')}; targets {entry.get('targets')}")
     log(f"wrote {args.out}")
 
 
 def _summary(row: dict[str, Any]) -> str:
-    if "error" in row:
-        return "ERROR " + row["error"].strip().splitlines()[-1]
     peak = f", peak {row['peak_gib']:.1f} GiB" if row["peak_gib"] is not None else ""
-    return (f"step {row['step_s'] * 1e3:.1f} ms, {row['tflops']:.1f} TFLOP/s{peak}, setup {row['setup_s']} s, "
-            f"first step {row['first_step_s']} s, losses {[round(x, 4) for x in row['warmup_losses']]}")
+    return (f"step {row['step_s'] * 1e3:.1f} ms, {row['tflops']:.1f} TFLOP/s{peak}, "
+            f"losses {[round(x, 4) for x in row['losses']]}")
 
 
 def _triton_version() -> str | None:

@@ -130,6 +130,18 @@ def test_one_device_without_a_process_group() -> None:
     assert max(rel_err(state[k], v) for k, v in ref_state.items()) < 1e-12
 
 
+def test_fp8_on_a_cpu_is_refused_naming_why() -> None:
+    """FP8 GEMMs need CUDA capability >= 8.9: asking for them elsewhere is one clear error
+    before anything trains, never a silent bf16 fallback."""
+    import mplan
+    from mplan.kernels.fp8 import Fp8Unavailable
+
+    data = batches(4, steps=1)
+    with pytest.raises(Fp8Unavailable, match=r"FP8 linear needs a CUDA device of compute capability >= 8\.9, not cpu"):
+        mplan.autoparallel(family("tiny-gpt")(), example_inputs=(data[0][0],), optimizer=OPTIMIZER, global_batch=4,
+                           plan="dp=1", fp8=True)
+
+
 def test_verify_plan_scales_a_plan_down() -> None:
     from mplan.runtime.verify import verify_plan
 

@@ -131,3 +131,66 @@ def test_chains_that_do_not_fit_a_rule_are_left_alone() -> None:
                                      torch.randint(0, 8, (8,))), device="cuda")
     assert _fired(unfusable) == {}
     assert str(unfusable.meta["fuse_kernels"]) == "fuse_kernels: no rule fired"
+
+
+# ---- FP8 linears (opt-in) ------------------------------------------------------------------------
+
+FP8_GPT = GPTConfig(num_layers=2, hidden=32, num_heads=2, seq_len=8, vocab=64)
+FP8_LLAMA = LlamaConfig(num_layers=2, hidden=32, num_heads=2, num_kv_heads=1, seq_len=8, vocab=64, ffn_hidden=48)
+FP8_LINEARS_PER_BLOCK = {"gpt": 6, "llama": 7}  # q, k, v, out, fc_in, fc_out / + gate, up, down
+
+
+def _fp8_graph(family: str) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, torch.Tensor, torch.Tensor]:
+    """(unfused, fused then FP8-swept) exports of a model whose GEMM dimensions are multiples of 16."""
+    from mplan.passes.fuse_kernels import FP8_LINEAR_RULE
+
+    torch.manual_seed(0)
+    model = GPTModel(FP8_GPT, device="cpu") if family == "gpt" else LlamaModel(FP8_LLAMA, device="cpu")
+    ids, labels = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    unfused = _export(model, ids, labels=labels)
+    fused = fuse_kernels(copy.deepcopy(unfused))
+    fuse_kernels(fused, (FP8_LINEAR_RULE,))  # the sweep fp8=True runs after the other rules
+    return unfused, fused, ids, labels
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_fp8_sweep_swaps_every_block_linear_but_the_output_head(family: str) -> None:
+    _, fused, _, _ = _fp8_graph(family)
+    assert _fired(fused) == {"fp8_linear": 2 * FP8_LINEARS_PER_BLOCK[family]}
+    left = [node for node in fused.graph.nodes if node.target is aten.linear.default]
+    assert len(left) == 1 and "loss" not in str(left[0].args)  # the head, whose value reaches the loss
+    states = {id(node.target.state) for node in fused.graph.nodes if type(node.target).__name__ == "Fp8Linear"}
+    assert len(states) == 2 * FP8_LINEARS_PER_BLOCK[family]  # one scaling state per linear
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_fp8_graph_trains_close_to_fp32(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8 arithmetic through torch._scaled_mm on the CPU (the device check lifted): three AdamW
+    steps stay within FP8's rounding of the fp32 run, and every parameter gets a gradient."""
+    import mplan.kernels.fp8 as fp8
+
+    monkeypatch.setattr(fp8, "fp8_unavailable_reason", lambda *_: None)
+    unfused, fused, ids, labels = _fp8_graph(family)
+    losses = {}
+    for name, gm in (("fp32", unfused), ("fp8", fused)):
+        optimizer = torch.optim.AdamW(gm.parameters(), lr=1e-2)
+        losses[name] = []
+        for _ in range(3):
+            optimizer.zero_grad()
+            loss = gm(ids, labels=labels)
+            loss.backward()
+            assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in gm.parameters())
+            optimizer.step()
+            losses[name].append(loss.item())
+    assert losses["fp8"][-1] < losses["fp8"][0]
+    assert max(abs(a - b) / b for a, b in zip(losses["fp8"], losses["fp32"])) < 0.03, losses
+
+
+def test_fp8_is_refused_where_it_cannot_run_and_the_graph_is_left_as_it_was() -> None:
+    from mplan.kernels.fp8 import Fp8Unavailable
+
+    unfused, _, _, _ = _fp8_graph("gpt")
+    code = unfused.code
+    with pytest.raises(Fp8Unavailable, match=r"fp8=True\): FP8 linear needs a CUDA device .*, not cpu"):
+        fuse_kernels(unfused, device="cpu", fp8=True)
+    assert unfused.code == code

@@ -42,6 +42,7 @@ from mplan.kernels import (
     vocab_parallel_cross_entropy,
 )
 from mplan.kernels.dispatch import INTERPRET
+from mplan.kernels.fp8 import cast_fp8
 from mplan.models import GPTConfig, GPTModel, LlamaConfig, LlamaModel
 from mplan.models.layers import rope_tables
 from mplan.passes.fuse_kernels import fuse_kernels
@@ -266,3 +267,21 @@ def test_fused_model_matches_unfused_under_the_interpreter(model: torch.nn.Modul
         # equally, so softmax ignores it); their "relative" error says nothing
         scale = max(param.grad.norm().item(), 1e-3)
         assert (fused_params[name].grad - param.grad).norm().item() / scale < FP32_TOL, name
+
+
+@pytest.mark.parametrize(("dtype", "transpose"), [(torch.float8_e4m3fn, True), (torch.float8_e5m2, False)])
+def test_fp8_cast_writes_both_layouts_and_the_amax(dtype: torch.dtype, transpose: bool) -> None:
+    """The cast kernel's tiling, masks, transposed store and atomic amax, on values both fp8
+    formats hold exactly (2^k and 1.5 * 2^k, scaled by 2): the interpreter's own fp8 rounding
+    is wrong, so rounding itself is checked on the GPU (benchmarks/fp8_h200.py)."""
+    torch.manual_seed(0)
+    exact = torch.tensor([0.0, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # 2^k and 1.5 * 2^k
+    x = exact[torch.randint(0, len(exact), (37, 53))] * torch.randint(0, 2, (37, 53)).mul(2).sub(1)
+    scale = torch.tensor(2.0)
+    y, yt, amax = cast_fp8(x, scale, dtype, transpose)
+    assert use_triton(x) and torch.equal(y.float(), 2 * x)
+    assert amax.item() == x.abs().max().item()
+    if transpose:
+        assert yt is not None and yt.is_contiguous() and torch.equal(yt.float(), 2 * x.t())
+    else:
+        assert yt is None

@@ -1,37 +1,55 @@
-"""Optional FP8 linear layer through PyTorch's own `torch._scaled_mm` (no Triton, no extra package).
+"""Optional FP8 linear layer through PyTorch's own `torch._scaled_mm` and one Triton cast kernel.
 
     fp8_linear(x [..., in], weight [out, in], bias [out] | None, state) -> [..., out] in x's dtype
+    Fp8Linear()(x, weight, bias)  the same with its own scaling state (what fuse_kernels inserts)
 
-Recipe (Transformer Engine's delayed scaling with an amax history of length 1):
+Recipe (Transformer Engine's delayed scaling, amax history of length 1, HYBRID format):
 - per-tensor scales; activations and weights in float8_e4m3fn (more mantissa), gradients in
-  float8_e5m2 (more range), as in TE's HYBRID format;
+  float8_e5m2 (more range);
 - each tensor is quantized with scale = fp8_max / amax, where amax is the one recorded at the
-  previous step (the current one on the first step), then the current amax is recorded in the
-  fp32 `Fp8ScalingState`; values beyond the range saturate. Nothing syncs with the host.
-- GEMMs: forward y = x W^T, backward dx = dy W and dW = dy^T x, all as fp8 x fp8 -> x.dtype
-  with fp32 accumulation (`use_fast_accum` off); the saved activations are the fp8 copies.
+  previous call (on the first call, the current one: a host-side flag, so nothing ever syncs),
+  and the cast records the current amax for the next call; values beyond the range saturate;
+- GEMMs: forward y = x W^T (+ bias in the GEMM epilogue) with fast accumulation, backward
+  dx = dy W and dW = dy^T x with full-precision accumulation, as TE does; fp8 x fp8 -> the
+  activation's dtype. Only the fp8 copies are saved for the backward (half of bf16's bytes).
 
-Where it runs: CUDA devices of compute capability >= 8.9 (Ada, Hopper and later), with GEMM
-dimensions that are multiples of 16 (a cuBLASLt requirement). Anywhere else `fp8_linear`
-raises `Fp8Unavailable` naming the reason; it never falls back silently, because a silent
-bf16 GEMM would make an FP8 plan's measured speed a lie.
+Kernel: `_cast_kernel` reads a [rows, cols] tile once and writes it as fp8 twice, row-major and
+transposed, while folding |x| into the amax with an atomic max: `_scaled_mm` wants its first
+operand row-major and its second column-major, so the forward needs x and W as they are and the
+backward needs x^T, W^T and dy^T; one pass makes both layouts (a max is idempotent, so the
+autotuner's repeated launches leave the amax right). Elsewhere (the CPU, float64) the cast is
+`_cast_reference`, the same arithmetic in torch ops; Triton's interpreter rounds fp8 wrongly
+(as it does bf16), so the kernel is checked against the reference on the GPU
+(benchmarks/fp8_h200.py) and its layout logic on exactly representable values under the
+interpreter.
 
+Where it runs: CUDA devices of compute capability >= 8.9 (Ada, Hopper and later) with GEMM
+dimensions that are multiples of 16 (a cuBLASLt requirement). `fp8_linear` raises
+`Fp8Unavailable` naming the reason anywhere else; it never falls back silently, because a
+silent bf16 GEMM would make an FP8 plan's measured speed a lie. `Fp8LinearFunction` itself
+computes on any device that has `torch._scaled_mm` (the CPU included), which tests use.
+
+The scaling state is not part of a checkpoint: after a restart the first call recalibrates
+from the current amax, as on the first step (history length 1 makes that one step).
 Transformer Engine is the `[fp8]` extra; `transformer_engine_available()` says whether it can
-be used and, if not, why (it is not installed on this workplace's CPU machines or its H200).
+be used and, if not, why.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from mplan.kernels.dispatch import configs, tl, triton, use_triton
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 MIN_CAPABILITY = (8, 9)
 """FP8 tensor cores: Ada (sm_89) and Hopper (sm_90) onwards (NVIDIA CUDA programming guide)."""
 
-_INPUT, _WEIGHT, _GRAD = 0, 1, 2
+INPUT, WEIGHT, GRAD = 0, 1, 2
+"""The three tensors of a linear that are quantized, each with its own scale."""
 
 
 class Fp8Unavailable(RuntimeError):
@@ -40,23 +58,25 @@ class Fp8Unavailable(RuntimeError):
 
 @dataclass(slots=True)
 class Fp8ScalingState:
-    """Per-layer scaling state: the last amax of the input, weight and output gradient.
+    """One linear's amax history (length 1) for its input, weight and output gradient.
 
-    Deliberately mutable (updated in place by every forward/backward, like TE's fp8 meta) and
-    owned by one layer, never shared globally. 0 means "no history yet"."""
+    Mutable on purpose (each cast replaces its entry, like TE's fp8 meta) and owned by one
+    linear. `amax[i]` is a 0-d fp32 device tensor, None before the first call of role i."""
 
-    amax: torch.Tensor
-    """fp32 [3]: input, weight, grad_output amax of the previous step (history length 1)"""
+    amax: list[torch.Tensor | None] = field(default_factory=lambda: [None, None, None])
 
-    @classmethod
-    def create(cls, device: torch.device | str) -> Fp8ScalingState:
-        return cls(amax=torch.zeros(3, dtype=torch.float32, device=device))
+    def scale(self, role: int, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """fp8_max / amax as a 0-d fp32 tensor, from the recorded amax or (first call) the current one."""
+        amax = self.amax[role]
+        if amax is None:
+            amax = tensor.detach().abs().amax().float()
+        return torch.finfo(dtype).max / amax.clamp(min=torch.finfo(torch.float32).tiny)
 
 
 def fp8_unavailable_reason(device: torch.device, *dims: int) -> str | None:
     """Why FP8 GEMMs cannot run on `device` for these GEMM dimensions; None when they can."""
     if device.type != "cuda":
-        return f"FP8 linear needs a CUDA device of compute capability >= 8.9; the tensors are on {device.type}"
+        return f"FP8 linear needs a CUDA device of compute capability >= 8.9, not {device.type}"
     if not torch.cuda.is_available():
         return "FP8 linear needs CUDA, and torch.cuda.is_available() is False"
     capability = torch.cuda.get_device_capability(device)
@@ -71,22 +91,62 @@ def fp8_unavailable_reason(device: torch.device, *dims: int) -> str | None:
     return None
 
 
-def _quantize(tensor: torch.Tensor, state: Fp8ScalingState, slot: int,
-              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 tensor, fp32 inverse scale) by delayed scaling; records the current amax in `state`."""
+# ---- the cast --------------------------------------------------------------------------------
+
+_TILES = configs([triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w)
+                  for m, n, w in ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 256, 8))],
+                 triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1))
+
+
+@triton.autotune(configs=_TILES, key=["n_rows", "n_cols", "TRANSPOSE"])
+@triton.jit
+def _cast_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, n_rows, n_cols, fp8_max,
+                 TRANSPOSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    scaled = tl.minimum(tl.maximum(x * tl.load(scale_ptr), -fp8_max), fp8_max)
+    y = scaled.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], y, mask=mask)
+    if TRANSPOSE:
+        tl.store(yt_ptr + cols.to(tl.int64)[None, :] * n_rows + rows[:, None], y, mask=mask)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+
+
+def _cast_reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                    transpose: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     fp8_max = torch.finfo(dtype).max
-    current = tensor.detach().abs().amax().float()
-    previous = state.amax[slot]
-    amax = torch.where(previous > 0, previous, current).clamp(min=torch.finfo(torch.float32).tiny)
-    scale = fp8_max / amax
-    quantized = (tensor.detach().float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
-    state.amax[slot] = current
-    return quantized, scale.reciprocal()
+    y = (x.detach().float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
+    return y, (y.t().contiguous() if transpose else None), x.detach().abs().amax().float()
 
 
-def _column_major(tensor: torch.Tensor) -> torch.Tensor:
-    """The same matrix laid out column-major: `_scaled_mm` wants its second operand so."""
-    return tensor.t().contiguous().t()
+def cast_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+             transpose: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(x * scale saturated to fp8, the same transposed and contiguous or None, amax(|x|) as 0-d
+    fp32) for a 2-D contiguous x; one Triton pass where `use_triton`, else the torch reference."""
+    if not use_triton(x):
+        return _cast_reference(x, scale, dtype, transpose)
+    n_rows, n_cols = x.shape
+    y = torch.empty(n_rows, n_cols, dtype=dtype, device=x.device)
+    yt = torch.empty(n_cols, n_rows, dtype=dtype, device=x.device) if transpose else y
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+
+    def grid(meta: dict[str, Any]) -> tuple[int, int]:
+        return triton.cdiv(n_rows, meta["BLOCK_M"]), triton.cdiv(n_cols, meta["BLOCK_N"])
+
+    _cast_kernel[grid](x, y, yt, scale.reshape(1), amax, n_rows, n_cols, torch.finfo(dtype).max,
+                       TRANSPOSE=transpose)
+    return y, (yt if transpose else None), amax
+
+
+def _quantize(tensor: torch.Tensor, state: Fp8ScalingState, role: int, dtype: torch.dtype,
+              transpose: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(fp8, fp8 transposed or None, inverse scale) by delayed scaling; records the current amax."""
+    scale = state.scale(role, tensor, dtype)
+    y, yt, amax = cast_fp8(tensor.contiguous(), scale, dtype, transpose)
+    state.amax[role] = amax
+    return y, yt, scale.reciprocal()
 
 
 class Fp8LinearFunction(torch.autograd.Function):
@@ -96,23 +156,22 @@ class Fp8LinearFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 state: Fp8ScalingState) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        x8, x_inv = _quantize(x2, state, _INPUT, E4M3)
-        w8, w_inv = _quantize(weight, state, _WEIGHT, E4M3)
-        out = torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype)
-        if bias is not None:
-            out = out + bias
-        ctx.save_for_backward(x8, x_inv, w8, w_inv)
+        x8, x8_t, x_inv = _quantize(x2, state, INPUT, E4M3, transpose=True)
+        w8, w8_t, w_inv = _quantize(weight, state, WEIGHT, E4M3, transpose=True)
+        out = torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, bias=bias, out_dtype=x.dtype,
+                               use_fast_accum=x.device.type == "cuda")
+        ctx.save_for_backward(x8_t, x_inv, w8_t, w_inv)
         ctx.state, ctx.x_shape, ctx.has_bias, ctx.w_dtype = state, x.shape, bias is not None, weight.dtype
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
-        x8, x_inv, w8, w_inv = ctx.saved_tensors
+        x8_t, x_inv, w8_t, w_inv = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
-        g8, g_inv = _quantize(dy2, ctx.state, _GRAD, E5M2)
-        dx = torch._scaled_mm(g8, _column_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=dy.dtype)
-        dw = torch._scaled_mm(g8.t().contiguous(), _column_major(x8), scale_a=g_inv, scale_b=x_inv,
-                              out_dtype=ctx.w_dtype)
+        g8, g8_t, g_inv = _quantize(dy2, ctx.state, GRAD, E5M2, transpose=True)
+        # x8_t.t() and w8_t.t() are x and W laid out column-major, as _scaled_mm's second operand
+        dx = torch._scaled_mm(g8, w8_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=dy.dtype)
+        dw = torch._scaled_mm(g8_t, x8_t.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=ctx.w_dtype)
         d_bias = dy2.sum(0) if ctx.has_bias else None
         return dx.view(ctx.x_shape), dw, d_bias, None
 
@@ -127,8 +186,20 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return Fp8LinearFunction.apply(x, weight, bias, state)
 
 
+class Fp8Linear:
+    """`fp8_linear` with its own `Fp8ScalingState`: one per linear a graph pass rewrites."""
+
+    __name__ = __qualname__ = "fp8_linear"  # what torch.fx names the call in generated code
+
+    def __init__(self) -> None:
+        self.state = Fp8ScalingState()
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return fp8_linear(x, weight, bias, self.state)
+
+
 def transformer_engine_available() -> tuple[bool, str]:
-    """(usable, why): whether NVIDIA Transformer Engine (the `[fp8]` extra) can run here."""
+    """(usable, why): whether NVIDIA Transformer Engine (the `[fp8]` extra) can be used here."""
     try:
         import transformer_engine.pytorch  # noqa: F401
     except ImportError as exc:

@@ -6,16 +6,17 @@ GraphModule, rewritten in place and recompiled, with `gm.meta["fuse_kernels"]` h
 `FusionReport` (how often each rule fired).
 
 Rules are data: `FUSION_RULES`, one `FusionRule` per pattern with a comment saying what it
-matches (and `ATTENTION_RULE`, used when the program will run on CUDA: `device=`). Each rule is tried at its anchor (the chain's last node); a match names the chain's
-nodes, the chain values the fused op returns, the graph values it reads, and how to emit the
-call. The driver inserts the call (a `call_function` node whose target is the kernel's
+matches (and `ATTENTION_RULE`, used when the program will run on CUDA: `device=`; and
+`FP8_LINEAR_RULE`, only when asked: `fp8=True`). Each rule is tried at its anchor (the chain's
+last node); a match names the chain's nodes, the chain values the fused op returns, the graph
+values it reads, and how to emit the call. The driver inserts the call (a `call_function` node whose target is the kernel's
 dispatching op, e.g. `mplan.kernels.rms_norm_residual`, which runs the Triton autograd
 Function on CUDA and the reference elsewhere), reroutes every use of the returned values,
 and erases the chain.
 
 Invariants:
-- Results are unchanged: every fused op's reference is the chain's own ATen ops, so on the
-  reference dispatch the fused graph computes the same function as the unfused one (bit for
+- Results are unchanged (except under `fp8=True`, which rounds GEMM operands to FP8 on
+  purpose): every fused op's reference is the chain's own ATen ops, so on the reference dispatch the fused graph computes the same function as the unfused one (bit for
   bit, except bias+GELU, whose bias moves out of the GEMM; attention is the same SDPA op, run
   on the backend that times fastest, which on CUDA may round differently); tests hold fused and
   unfused forward and backward together.
@@ -48,9 +49,10 @@ from mplan.kernels import (
     rope,
     swiglu,
 )
+from mplan.kernels.fp8 import Fp8Linear, Fp8Unavailable, fp8_unavailable_reason
 from mplan.kernels.op_bytes import FUSED_OP_TRAFFIC, FusedOpTraffic, fused_op_bytes
 
-__all__ = ["ATTENTION_RULE", "FUSED_OP_TRAFFIC", "FUSION_RULES", "FusedOpTraffic", "FusionReport", "FusionRule",
+__all__ = ["ATTENTION_RULE", "FP8_LINEAR_RULE", "FUSED_OP_TRAFFIC", "FUSION_RULES", "FusedOpTraffic", "FusionReport", "FusionRule",
            "fuse_kernels", "fused_op_bytes"]
 
 aten = torch.ops.aten
@@ -295,6 +297,31 @@ def _match_attention(anchor: Node) -> Match | None:
                  emit=lambda g: _call(g, attention, qkv, anchor, kwargs))
 
 
+_LOSSES = (aten.cross_entropy_loss.default, cross_entropy)
+_PASS_THROUGH = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._to_copy.default,
+                 aten.to.dtype, aten.contiguous.default)
+
+
+def _feeds_the_loss(node: Node, hops: int = 4) -> bool:
+    """Whether `node`'s value reaches a loss through at most `hops` reshapes or casts (the output head)."""
+    if hops < 0:
+        return False
+    return any(_is(user, *_LOSSES) or (_is(user, *_PASS_THROUGH) and _feeds_the_loss(user, hops - 1))
+               for user in node.users)
+
+
+def _match_fp8_linear(anchor: Node) -> Match | None:
+    x, weight, bias = (list(anchor.args) + [None])[:3]
+    xv, wv = _val(x), _val(weight)
+    if anchor.kwargs or xv is None or wv is None or wv.dim() != 2 or _feeds_the_loss(anchor):
+        return None
+    if any(d % 16 for d in (xv.numel() // max(xv.shape[-1], 1), *wv.shape)):
+        return None  # cuBLASLt's FP8 GEMMs need every dimension a multiple of 16
+    args = (x, weight) if bias is None else (x, weight, bias)
+    return Match(chain=(anchor,), outputs=(anchor,), inputs=tuple(a for a in args if isinstance(a, Node)),
+                 emit=lambda g: _call(g, Fp8Linear(), args, anchor))
+
+
 FUSION_RULES: tuple[FusionRule, ...] = (
     # (a + b) -> pow 2 / mean(-1, keepdim) / add eps / rsqrt / mul / mul weight, the sum also used
     # later: Llama's pre-norm after each residual add -> rms_norm_residual(a, b, weight, eps)
@@ -322,30 +349,47 @@ ATTENTION_RULE = FusionRule(name="attention", anchors=(aten.scaled_dot_product_a
 op on whichever fused backend (cuDNN, flash, memory-efficient) times fastest for the shape. Added
 to the rules when the program runs on CUDA; elsewhere SDPA has one backend to choose from."""
 
+FP8_LINEAR_RULE = FusionRule(name="fp8_linear", anchors=(aten.linear.default,), match=_match_fp8_linear)
+"""aten.linear with every GEMM dimension a multiple of 16, except the output head (a linear whose
+value reaches the loss: kept in the training dtype, as Transformer Engine recipes keep it) ->
+Fp8Linear()(x, weight, bias), each call with its own scaling state. Not exact: FP8 rounds to 3
+mantissa bits (e4m3) and 2 for gradients (e5m2), so it runs only when asked (`fp8=True`), in a
+sweep after the other rules (bias+GELU leaves a new bias-free linear behind)."""
+
 
 # ---- the driver ------------------------------------------------------------------------------
 
 def fuse_kernels(gm: GraphModule, rules: tuple[FusionRule, ...] | None = None, *,
-                 device: torch.device | str | None = None) -> GraphModule:
+                 device: torch.device | str | None = None, fp8: bool = False) -> GraphModule:
     """Replace every chain some rule matches (first matching rule wins, nodes in graph order);
     returns `gm`, recompiled, with `gm.meta["fuse_kernels"]` = FusionReport. `rules` defaults to
-    FUSION_RULES, plus ATTENTION_RULE when `device` (where `gm` will run) is a CUDA device."""
+    FUSION_RULES, plus ATTENTION_RULE when `device` (where `gm` will run) is a CUDA device.
+    `fp8` then sweeps FP8_LINEAR_RULE, first raising `Fp8Unavailable` (naming why) unless
+    `device` can run FP8 GEMMs."""
+    on_cuda = device is not None and torch.device(device).type == "cuda"
     if rules is None:
-        on_cuda = device is not None and torch.device(device).type == "cuda"
         rules = FUSION_RULES + (ATTENTION_RULE,) if on_cuda else FUSION_RULES
+    sweeps = [rules]
+    if fp8:
+        where = torch.device(device) if device is not None else torch.device("cpu")
+        reason = fp8_unavailable_reason(where)
+        if reason is not None:
+            raise Fp8Unavailable(f"fuse_kernels(fp8=True): {reason}")
+        sweeps.append((FP8_LINEAR_RULE,))
     graph = gm.graph
     counts: Counter[str] = Counter()
     erased: set[Node] = set()
-    for node in list(graph.nodes):
-        if node in erased or node.op != "call_function":
-            continue
-        for rule in rules:
-            if node.target not in rule.anchors:
+    for sweep in sweeps:
+        for node in list(graph.nodes):
+            if node in erased or node.op != "call_function":
                 continue
-            match = rule.match(node)
-            if match is not None and _rewrite(graph, match, erased):
-                counts[rule.name] += 1
-                break
+            for rule in sweep:
+                if node.target not in rule.anchors:
+                    continue
+                match = rule.match(node)
+                if match is not None and _rewrite(graph, match, erased):
+                    counts[rule.name] += 1
+                    break
     graph.lint()
     gm.recompile()
     gm.meta["fuse_kernels"] = report = FusionReport(dict(counts))

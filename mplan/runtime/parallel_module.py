@@ -84,14 +84,14 @@ def parallelize(*, graph: Graph, choice: dict[str, Strategy], plan: ExecutionPla
                 source: ParameterSource, model: nn.Module, optimizer: OptimizerFactory,
                 device: torch.device, dtype: torch.dtype | None = None, seed: int = 0,
                 max_grad_norm: float | None = 1.0, autocast: torch.dtype | None = None, kernels: bool = False,
-                prepare_inference: InferencePreparer | None = None) -> ParallelModule:
+                fp8: bool = False, prepare_inference: InferencePreparer | None = None) -> ParallelModule:
     """Build this rank's `ParallelModule` (collective: every rank of the job calls it)."""
     world = dist.group.WORLD if dist.is_initialized() else None
     check_same_plan(digest, world)
     groups = init_process_groups(plan.mesh)
     axis = tp_axis(groups)
     shards = shard_parameters(graph, choice, axis.rank, axis.size, source, seed=seed, device=device, dtype=dtype)
-    program = local_program(graph, choice, axis, device=device, kernels=kernels)
+    program = local_program(graph, choice, axis, device=device, kernels=kernels, fp8=fp8)
     buffers = [spec.name for spec in program.meta[INPUTS] if spec.kind == "BUFFER"]
     statics = materialize_buffers(graph, model, buffers, device=device)
     if dtype is not None:  # as model.to(dtype) would: floating buffers (RoPE tables) follow
@@ -105,13 +105,14 @@ def parallelize(*, graph: Graph, choice: dict[str, Strategy], plan: ExecutionPla
                           groups=groups, axis=axis, program=program,
                           params={k: nn.Parameter(v) for k, v in shards.items()}, statics=statics,
                           layouts=parameter_layouts(graph, choice), optimizer=optimizer, device=device,
-                          max_grad_norm=max_grad_norm, autocast=autocast, kernels=kernels,
+                          max_grad_norm=max_grad_norm, autocast=autocast, kernels=kernels, fp8=fp8,
                           prepare_inference=prepare_inference)
 
 
 def local_program(graph: Graph, choice: Mapping[str, Strategy], axis: TensorParallelAxis, *,
-                  device: torch.device, kernels: bool) -> fx.GraphModule:
-    """`insert_collectives`, then (`kernels`) `fuse_kernels` on the local program.
+                  device: torch.device, kernels: bool, fp8: bool = False) -> fx.GraphModule:
+    """`insert_collectives`, then (`kernels`) `fuse_kernels` on the local program, and (`fp8`)
+    its FP8 linears (which raise `Fp8Unavailable` naming why where FP8 GEMMs cannot run).
 
     Fusion is exact under TP too: it reads local shapes (`meta["val"]`), every reshard is a
     module call that no chain can span, and vocabulary- or batch-parallel losses are modules,
@@ -120,11 +121,12 @@ def local_program(graph: Graph, choice: Mapping[str, Strategy], axis: TensorPara
     so the fp32 capture's dtypes need not be the run's. `program.meta["fuse_kernels"]` reports
     what fired."""
     program = insert_collectives(graph, choice, axis, device=device)
-    if kernels:
+    if kernels or fp8:
         # imported here: it loads the Triton kernels, which `import mplan` should not pay for
         from mplan.passes.fuse_kernels import fuse_kernels
 
-        fuse_kernels(program, device=device)  # on CUDA it also picks attention's fastest backend
+        # on CUDA it also picks attention's fastest backend
+        fuse_kernels(program, None if kernels else (), device=device, fp8=fp8)
     return program
 
 
@@ -136,11 +138,13 @@ class ParallelModule:
                  axis: TensorParallelAxis, program: fx.GraphModule, params: dict[str, nn.Parameter],
                  statics: dict[str, torch.Tensor], layouts: dict[str, ParamLayout],
                  optimizer: OptimizerFactory, device: torch.device, max_grad_norm: float | None,
-                 autocast: torch.dtype | None, kernels: bool, prepare_inference: InferencePreparer | None) -> None:
+                 autocast: torch.dtype | None, kernels: bool, prepare_inference: InferencePreparer | None,
+                 fp8: bool = False) -> None:
         self.graph, self.plan, self.digest, self.groups, self.axis = graph, plan, digest, groups, axis
         self.choice = choice  # the TP strategy of every node of the training graph
         self.program, self.params, self.statics, self.layouts = program, params, statics, layouts
         self.device, self.max_grad_norm, self.autocast, self.kernels = device, max_grad_norm, autocast, kernels
+        self.fp8 = fp8
         self._prepare_inference = prepare_inference
         self._inference: dict[tuple[tuple[int, ...], ...], fx.GraphModule] = {}
         placements = {params[name]: ParamPlacement(tp_sharded=layout.tp_sharded, tp_reduce=layout.grad_partial)
@@ -217,7 +221,8 @@ class ParallelModule:
                 if name in self.layouts and layout.placement != self.layouts[name].placement:
                     raise RuntimeError(f"inference sharding stores {name} as {layout.placement}, "
                                        f"training as {self.layouts[name].placement}")
-            self._inference[key] = local_program(graph, choice, self.axis, device=self.device, kernels=self.kernels)
+            self._inference[key] = local_program(graph, choice, self.axis, device=self.device,
+                                                 kernels=self.kernels, fp8=self.fp8)
         program = self._inference[key]
         with self._autocast():
             return program(*self._feed(program, tensors))
