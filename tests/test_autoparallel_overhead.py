@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import mplan
+from distributed import rel_err
 from mplan.models import build_model, example_inputs
 
 SPEC = "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128"
@@ -47,7 +48,9 @@ def _storages(tensors: Iterator[torch.Tensor]) -> dict[int, int]:
 
 
 def _live_cpu_bytes() -> int:
-    """Bytes of the storages of every live CPU tensor (fake tensors of earlier exports aside)."""
+    """Bytes of the storages of every live CPU tensor (fake tensors of earlier exports aside),
+    after collecting what earlier tests left in reference cycles (a refused call's traceback)."""
+    gc.collect()
     every = (o for o in gc.get_objects() if type(o) in (torch.Tensor, nn.Parameter))
     return sum(_storages(t for t in every if t.device.type == "cpu").values())
 
@@ -121,12 +124,14 @@ def test_trivial_step_runs_the_eager_step() -> None:
 
 
 @pytest.mark.parametrize("spec,fired", [
-    ("tiny-gpt", {"layer_norm_residual": 4, "bias_gelu": 2, "cross_entropy": 1}),
-    ("tiny-llama", {"rms_norm": 1, "rms_norm_residual": 4, "rope": 4, "swiglu": 2, "cross_entropy": 1}),
+    ("tiny-gpt", {"linear_group": 2, "layer_norm_residual": 4, "bias_gelu": 2, "cross_entropy": 1}),
+    ("tiny-llama", {"rms_norm": 1, "linear_group": 2, "rms_norm_residual": 4, "rope": 4, "swiglu": 2,
+                    "cross_entropy": 1}),
 ])
-def test_fused_kernels_train_exactly_like_the_graph(spec: str, fired: dict[str, int]) -> None:
+def test_fused_kernels_train_like_the_graph(spec: str, fired: dict[str, int]) -> None:
     """kernels=True on the reference dispatch (CPU): the fused ops' references are the chains'
-    own ops, so float64 losses and logits are bit for bit those of kernels=False."""
+    own ops, so float64 losses and logits are those of kernels=False to float64 rounding (not
+    bit for bit only because the grouped q/k/v GEMM may block its sums differently)."""
     generator = torch.Generator().manual_seed(0)
     data = [(torch.randint(0, 64, (4, 16), generator=generator),
              torch.randint(0, 64, (4, 16), generator=generator)) for _ in range(3)]
@@ -137,5 +142,5 @@ def test_fused_kernels_train_exactly_like_the_graph(spec: str, fired: dict[str, 
                                 optimizer=functools.partial(torch.optim.AdamW, lr=1e-2), kernels=kernels)
         runs.append(([pm.train_step(x, y) for x, y in data], pm(data[0][0])))
     assert pm.program.meta["fuse_kernels"].counts == fired
-    assert runs[1][0] == runs[0][0]
-    assert torch.equal(runs[1][1], runs[0][1])
+    assert max(abs(a - b) / b for a, b in zip(runs[1][0], runs[0][0])) < 1e-13
+    assert rel_err(runs[1][1], runs[0][1]) < 1e-13

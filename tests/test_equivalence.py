@@ -296,15 +296,17 @@ def test_ilp_mix_is_not_megatron(outcomes) -> None:
 
 
 def test_fused_kernels_are_exact_under_tp(outcomes) -> None:
-    """fuse_kernels on TP programs (reference dispatch): the rules fire on local shards, and the
-    run is bit for bit the unfused one (the same errors against one process)."""
+    """fuse_kernels on TP programs (reference dispatch): the rules fire on local shards (the
+    local q/k/v column shards, all reading the gathered sequence, become one GEMM), and the run
+    matches one process as closely as the unfused one does."""
     # the loss is vocabulary-parallel there: a module, never the ATen loss the rule matches
-    expected = {tp2_sp_llama_kernels: (tp2_sp_llama, {"rms_norm": 1, "rms_norm_residual": 4, "rope": 4, "swiglu": 2}),
-                tp2_sp_gpt_kernels: (tp2_sp_gpt, {"layer_norm_residual": 4, "bias_gelu": 2})}
+    expected = {tp2_sp_llama_kernels: (tp2_sp_llama, {"rms_norm": 1, "linear_group": 2, "rms_norm_residual": 4,
+                                                      "rope": 4, "swiglu": 2}),
+                tp2_sp_gpt_kernels: (tp2_sp_gpt, {"linear_group": 2, "layer_norm_residual": 4, "bias_gelu": 2})}
     for check, (unfused, fired) in expected.items():
         for a, b in zip(outcomes.assert_passed(check), outcomes.assert_passed(unfused)):
             assert a["fused"] == fired
-            assert (a["loss"], a["param"]) == (b["loss"], b["param"]), (a, b)
+            assert a["loss"] <= 2 * b["loss"] + 1e-15 and a["param"] <= 2 * b["param"] + 1e-15, (a, b)
 
 
 def test_hugging_face_stock_matches_to_float32(outcomes) -> None:

@@ -206,6 +206,22 @@ def test_rope_keeps_the_layout_of_its_input_and_gradient() -> None:
     assert rel_err(rope(contiguous, cos.float(), sin.float()), rope_reference(contiguous, cos.float(), sin.float())) < 1e-6
 
 
+def test_rope_on_a_slice_of_a_grouped_projection_writes_dense_results() -> None:
+    """q as a slice of one q/k/v GEMM's [batch, seq, 3 * heads * head_dim] result: the output and
+    the gradient are dense in [batch, seq, heads, head_dim] order, so the gradient's way back to
+    the GEMM (transpose, view, the split's concatenation) copies nothing but the concatenation."""
+    torch.manual_seed(0)
+    cos, sin = rope_tables(5, 8, 10000.0, device=torch.device("cpu"))
+    grouped = _leaf(2, 5, 3 * 7 * 8, dtype=torch.float32)
+    q = grouped[..., : 7 * 8].view(2, 5, 7, 8).transpose(1, 2)
+    y = rope(q, cos.float(), sin.float())
+    assert "RopeFunction" in y.grad_fn.name() and y.transpose(1, 2).is_contiguous()
+    upstream = torch.randn(y.shape)
+    (grad,) = torch.autograd.grad(y, grouped, upstream)
+    (want,) = torch.autograd.grad(rope_reference(q, cos.float(), sin.float()), grouped, upstream)
+    assert rel_err(grad, want) < 1e-6
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cross_entropy_with_ignored_rows(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
@@ -277,11 +293,12 @@ def test_fp8_cast_writes_both_layouts_and_the_amax(dtype: torch.dtype, transpose
     torch.manual_seed(0)
     exact = torch.tensor([0.0, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # 2^k and 1.5 * 2^k
     x = exact[torch.randint(0, len(exact), (37, 53))] * torch.randint(0, 2, (37, 53)).mul(2).sub(1)
-    scale = torch.tensor(2.0)
-    y, yt, amax = cast_fp8(x, scale, dtype, transpose)
-    assert use_triton(x) and torch.equal(y.float(), 2 * x)
-    assert amax.item() == x.abs().max().item()
+    fp8_max = torch.finfo(dtype).max
+    cast = cast_fp8(x, torch.tensor(fp8_max / 2), dtype, transpose)  # scale = fp8_max / amax = 2
+    assert use_triton(x) and torch.equal(cast.data.float(), 2 * x)
+    assert cast.amax.item() == x.abs().max().item() and cast.inv_scale.item() == 0.5
     if transpose:
-        assert yt is not None and yt.is_contiguous() and torch.equal(yt.float(), 2 * x.t())
+        assert cast.transposed is not None and cast.transposed.is_contiguous()
+        assert torch.equal(cast.transposed.float(), 2 * x.t())
     else:
-        assert yt is None
+        assert cast.transposed is None

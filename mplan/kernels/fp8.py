@@ -65,12 +65,10 @@ class Fp8ScalingState:
 
     amax: list[torch.Tensor | None] = field(default_factory=lambda: [None, None, None])
 
-    def scale(self, role: int, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """fp8_max / amax as a 0-d fp32 tensor, from the recorded amax or (first call) the current one."""
+    def scaling_amax(self, role: int, tensor: torch.Tensor) -> torch.Tensor:
+        """The amax `tensor` is scaled by: the recorded one, or (first call) its own."""
         amax = self.amax[role]
-        if amax is None:
-            amax = tensor.detach().abs().amax().float()
-        return torch.finfo(dtype).max / amax.clamp(min=torch.finfo(torch.float32).tiny)
+        return tensor.detach().abs().amax().float() if amax is None else amax
 
 
 def fp8_unavailable_reason(device: torch.device, *dims: int) -> str | None:
@@ -100,13 +98,17 @@ _TILES = configs([triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w)
 
 @triton.autotune(configs=_TILES, key=["n_rows", "n_cols", "TRANSPOSE"])
 @triton.jit
-def _cast_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, n_rows, n_cols, fp8_max,
+def _cast_kernel(x_ptr, y_ptr, yt_ptr, scaling_amax_ptr, inv_scale_ptr, amax_ptr, n_rows, n_cols, fp8_max,
                  TRANSPOSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # the scale, computed by every program (IEEE division: the reference's exact value)
+    scale = tl.math.div_rn(fp8_max, tl.maximum(tl.load(scaling_amax_ptr), 1.1754943508222875e-38))
+    first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+    tl.store(inv_scale_ptr, tl.math.div_rn(1.0, scale), mask=first)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    scaled = tl.minimum(tl.maximum(x * tl.load(scale_ptr), -fp8_max), fp8_max)
+    scaled = tl.minimum(tl.maximum(x * scale, -fp8_max), fp8_max)
     y = scaled.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], y, mask=mask)
     if TRANSPOSE:
@@ -114,39 +116,50 @@ def _cast_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, amax_ptr, n_rows, n_cols, fp8_
     tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
 
-def _cast_reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                    transpose: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+@dataclass(frozen=True, slots=True)
+class Fp8Cast:
+    data: torch.Tensor
+    """the fp8 tensor, row-major"""
+    transposed: torch.Tensor | None
+    """the same transposed and contiguous (None unless asked)"""
+    inv_scale: torch.Tensor
+    """0-d fp32 amax / fp8_max: what `_scaled_mm` multiplies the product by"""
+    amax: torch.Tensor
+    """0-d fp32 max |x| of the input: the next call's scaling amax"""
+
+
+def _cast_reference(x: torch.Tensor, scaling_amax: torch.Tensor, dtype: torch.dtype, transpose: bool) -> Fp8Cast:
     fp8_max = torch.finfo(dtype).max
+    scale = fp8_max / scaling_amax.float().clamp(min=torch.finfo(torch.float32).tiny)
     y = (x.detach().float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
-    return y, (y.t().contiguous() if transpose else None), x.detach().abs().amax().float()
+    return Fp8Cast(y, y.t().contiguous() if transpose else None, scale.reciprocal(), x.detach().abs().amax().float())
 
 
-def cast_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-             transpose: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(x * scale saturated to fp8, the same transposed and contiguous or None, amax(|x|) as 0-d
-    fp32) for a 2-D contiguous x; one Triton pass where `use_triton`, else the torch reference."""
+def cast_fp8(x: torch.Tensor, scaling_amax: torch.Tensor, dtype: torch.dtype, transpose: bool) -> Fp8Cast:
+    """x * (fp8_max / scaling_amax), saturated to fp8, for a 2-D contiguous x: one Triton pass
+    (the scale computed in the kernel: no host-side launches for it) where `use_triton`, else
+    the torch reference."""
     if not use_triton(x):
-        return _cast_reference(x, scale, dtype, transpose)
+        return _cast_reference(x, scaling_amax, dtype, transpose)
     n_rows, n_cols = x.shape
     y = torch.empty(n_rows, n_cols, dtype=dtype, device=x.device)
     yt = torch.empty(n_cols, n_rows, dtype=dtype, device=x.device) if transpose else y
+    inv_scale = torch.empty((), dtype=torch.float32, device=x.device)
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
 
     def grid(meta: dict[str, Any]) -> tuple[int, int]:
         return triton.cdiv(n_rows, meta["BLOCK_M"]), triton.cdiv(n_cols, meta["BLOCK_N"])
 
-    _cast_kernel[grid](x, y, yt, scale.reshape(1), amax, n_rows, n_cols, torch.finfo(dtype).max,
+    _cast_kernel[grid](x, y, yt, scaling_amax, inv_scale, amax, n_rows, n_cols, torch.finfo(dtype).max,
                        TRANSPOSE=transpose)
-    return y, (yt if transpose else None), amax
+    return Fp8Cast(y, yt if transpose else None, inv_scale, amax)
 
 
-def _quantize(tensor: torch.Tensor, state: Fp8ScalingState, role: int, dtype: torch.dtype,
-              transpose: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(fp8, fp8 transposed or None, inverse scale) by delayed scaling; records the current amax."""
-    scale = state.scale(role, tensor, dtype)
-    y, yt, amax = cast_fp8(tensor.contiguous(), scale, dtype, transpose)
-    state.amax[role] = amax
-    return y, yt, scale.reciprocal()
+def _quantize(tensor: torch.Tensor, state: Fp8ScalingState, role: int, dtype: torch.dtype) -> Fp8Cast:
+    """`tensor` cast by delayed scaling, both layouts; records its amax for the next call."""
+    cast = cast_fp8(tensor.contiguous(), state.scaling_amax(role, tensor), dtype, transpose=True)
+    state.amax[role] = cast.amax
+    return cast
 
 
 class Fp8LinearFunction(torch.autograd.Function):
@@ -155,12 +168,11 @@ class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 state: Fp8ScalingState) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        x8, x8_t, x_inv = _quantize(x2, state, INPUT, E4M3, transpose=True)
-        w8, w8_t, w_inv = _quantize(weight, state, WEIGHT, E4M3, transpose=True)
-        out = torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, bias=bias, out_dtype=x.dtype,
-                               use_fast_accum=x.device.type == "cuda")
-        ctx.save_for_backward(x8_t, x_inv, w8_t, w_inv)
+        x8 = _quantize(x.reshape(-1, x.shape[-1]), state, INPUT, E4M3)
+        w8 = _quantize(weight, state, WEIGHT, E4M3)
+        out = torch._scaled_mm(x8.data, w8.data.t(), scale_a=x8.inv_scale, scale_b=w8.inv_scale, bias=bias,
+                               out_dtype=x.dtype, use_fast_accum=x.device.type == "cuda")
+        ctx.save_for_backward(x8.transposed, x8.inv_scale, w8.transposed, w8.inv_scale)
         ctx.state, ctx.x_shape, ctx.has_bias, ctx.w_dtype = state, x.shape, bias is not None, weight.dtype
         return out.view(*x.shape[:-1], weight.shape[0])
 
@@ -168,10 +180,10 @@ class Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         x8_t, x_inv, w8_t, w_inv = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
-        g8, g8_t, g_inv = _quantize(dy2, ctx.state, GRAD, E5M2, transpose=True)
+        g8 = _quantize(dy2, ctx.state, GRAD, E5M2)
         # x8_t.t() and w8_t.t() are x and W laid out column-major, as _scaled_mm's second operand
-        dx = torch._scaled_mm(g8, w8_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=dy.dtype)
-        dw = torch._scaled_mm(g8_t, x8_t.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=ctx.w_dtype)
+        dx = torch._scaled_mm(g8.data, w8_t.t(), scale_a=g8.inv_scale, scale_b=w_inv, out_dtype=dy.dtype)
+        dw = torch._scaled_mm(g8.transposed, x8_t.t(), scale_a=g8.inv_scale, scale_b=x_inv, out_dtype=ctx.w_dtype)
         d_bias = dy2.sum(0) if ctx.has_bias else None
         return dx.view(ctx.x_shape), dw, d_bias, None
 

@@ -17,10 +17,12 @@ runtime integer division per row for (batch, head, position) and re-reading the 
 for every head, twice the x bytes. All loads of a tile are issued together, 16-byte vectors
 along head_dim. Arithmetic is fp32.
 
-Layout: the result has x's strides (when x is dense, e.g. the transposed q/k projection), so
-attention reads it as it would have read x, and the gradient is written in x's layout too: its
-transpose back to [batch, seq, heads * head_dim] is then a view, where a contiguous
-[batch, heads, seq, head_dim] gradient would be copied by the projection's view backward.
+Layout: the result has x's dimension order (dense, so x's strides when x is dense, e.g. the
+transposed q/k projection, and [batch, seq, heads, head_dim] order when x is a slice of a grouped
+q/k/v projection), so attention reads it as it would have read x, and the gradient is written in
+that layout too: its transpose back to [batch, seq, heads * head_dim] is then a view, where a
+contiguous [batch, heads, seq, head_dim] gradient would be copied by the projection's view
+backward.
 
 Invariants: the tables are constants (RoPE buffers): the Triton path gives them no gradient,
 so tables that require grad, a non-contiguous last dim, and devices without Triton all run
@@ -89,13 +91,21 @@ def _launch(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dst: torch.
                        cos.stride(0), BACKWARD=backward, BLOCK_HALF=next_power_of_2(head_dim // 2))
 
 
+def _dense_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor of x's shape with x's dimension order, dense even where x is not (q/k as a
+    slice of a grouped q/k/v projection, [batch, seq, (q|k|v) heads * head_dim] transposed):
+    torch.empty_like would fall back to contiguous [batch, heads, seq, head_dim] there."""
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))  # outermost first (a stable sort)
+    base = torch.empty([x.shape[d] for d in order], dtype=dtype, device=x.device)
+    return base.permute([order.index(d) for d in range(x.dim())])
+
+
 class RopeFunction(torch.autograd.Function):
     """Triton forward/backward of `rope`; no gradient for the tables."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # empty_like keeps x's strides when x is dense (a transposed projection), else is contiguous
-        y = torch.empty_like(x, dtype=torch.promote_types(x.dtype, cos.dtype))
+        y = _dense_like(x, torch.promote_types(x.dtype, cos.dtype))
         _launch(x, cos, sin, y, backward=False)
         ctx.save_for_backward(cos, sin)
         ctx.x_dtype, ctx.layout = x.dtype, y.stride()

@@ -297,6 +297,70 @@ def _match_attention(anchor: Node) -> Match | None:
                  emit=lambda g: _call(g, attention, qkv, anchor, kwargs))
 
 
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _meta_like(value: torch.Tensor, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=value.dtype, device="meta")
+
+
+def _viewable_as_slices(outputs: list[Node], sizes: list[int]) -> bool:
+    """Whether every use of each output is a view that still works when the output is a slice of
+    the last dim of one wider tensor (a `split` of a grouped GEMM's result)."""
+    first = _val(outputs[0])
+    if first is None:
+        return False
+    wide = _meta_like(first, (*first.shape[:-1], sum(sizes)))
+    for part, out in zip(wide.split(sizes, dim=-1), outputs):
+        for user in out.users:
+            shape = user.args[1] if _is(user, *_VIEWS) and len(user.args) == 2 else None
+            if shape is None or not all(isinstance(d, int) for d in shape):
+                return False
+            try:
+                aten.view.default(part, list(shape))
+            except RuntimeError:
+                return False
+    return True
+
+
+def _match_linear_group(anchor: Node) -> Match | None:
+    x = anchor.args[0]
+    if not isinstance(x, Node):
+        return None
+    group = [u for u in x.users if _is(u, aten.linear.default) and not u.kwargs and u.args[0] is x]
+    order = {node: i for i, node in enumerate(anchor.graph.nodes)} if len(group) > 1 else {}
+    group.sort(key=lambda node: order.get(node, 0))
+    if len(group) < 2 or group[0] is not anchor:
+        return None
+    weights = [node.args[1] for node in group]
+    biases = [(list(node.args) + [None])[2] for node in group]
+    values = [_val(w) for w in weights]
+    if any(v is None or v.dim() != 2 for v in values) or len({v.shape[1] for v in values}) != 1:
+        return None
+    if len({b is None for b in biases}) != 1 or any(_val(node) is None for node in group):
+        return None
+    sizes = [v.shape[0] for v in values]
+    if not _viewable_as_slices(group, sizes):
+        return None
+    has_bias = biases[0] is not None
+
+    def emit(graph: Graph) -> Node:
+        wide = _call(graph, aten.cat.default, (weights,), anchor)
+        wide.meta["val"] = _meta_like(values[0], (sum(sizes), values[0].shape[1]))
+        args: tuple[Any, ...] = (x, wide)
+        if has_bias:
+            bias = _call(graph, aten.cat.default, (biases,), anchor)
+            bias.meta["val"] = _meta_like(values[0], (sum(sizes),))
+            args = (x, wide, bias)
+        out = _val(anchor)
+        product = _call(graph, aten.linear.default, args, anchor)
+        product.meta["val"] = _meta_like(out, (*out.shape[:-1], sum(sizes)))
+        return _call(graph, aten.split_with_sizes.default, (product, sizes, -1), anchor)
+
+    inputs = tuple(n for n in (x, *weights, *biases) if isinstance(n, Node))
+    return Match(chain=tuple(group), outputs=tuple(group), inputs=inputs, emit=emit)
+
+
 _LOSSES = (aten.cross_entropy_loss.default, cross_entropy)
 _PASS_THROUGH = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._to_copy.default,
                  aten.to.dtype, aten.contiguous.default)
@@ -323,6 +387,10 @@ def _match_fp8_linear(anchor: Node) -> Match | None:
 
 
 FUSION_RULES: tuple[FusionRule, ...] = (
+    # aten.linear x2+ reading the same input, each result used only by views that still hold on a
+    # slice (attention's q, k, v projections) -> one linear on the concatenated weights, split:
+    # one GEMM instead of several narrow ones, and one input gradient instead of a sum of them
+    FusionRule(name="linear_group", anchors=(aten.linear.default,), match=_match_linear_group),
     # (a + b) -> pow 2 / mean(-1, keepdim) / add eps / rsqrt / mul / mul weight, the sum also used
     # later: Llama's pre-norm after each residual add -> rms_norm_residual(a, b, weight, eps)
     FusionRule(name="rms_norm_residual", anchors=(aten.mul.Tensor,), match=_match_rms_norm_residual),
