@@ -81,7 +81,8 @@ def _plan(args: argparse.Namespace) -> int:
     with status:
         progress(f"capturing {args.model}")
         made = plan(args.model, cluster=_cluster(args), global_batch=args.global_batch, spec=args.spec,
-                    seq_len=args.seq_len, allow_cross_node_tp=args.allow_cross_node_tp, progress=progress)
+                    seq_len=args.seq_len, allow_cross_node_tp=args.allow_cross_node_tp, kernels=args.kernels,
+                    progress=progress)
     if args.output:
         made.save(args.output)
     if args.json:
@@ -221,6 +222,8 @@ def _parser() -> argparse.ArgumentParser:
     cluster_args(p)
     p.add_argument("--spec", default="auto", help="fix some choices, e.g. tp=8,pp=4 (others searched)")
     p.add_argument("--allow-cross-node-tp", action="store_true", help="let tensor parallelism span nodes")
+    p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None,
+                   help="price memory-bound chains as mplan's fused kernels (default: on for GPU clusters)")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON and nothing else")
     p.set_defaults(func=_plan)

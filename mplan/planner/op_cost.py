@@ -3,14 +3,17 @@
 Input: typed `OpNode`s from the IR, `Strategy`s from strategies.py, a `ClusterSpec` and the
 size and link shape of the tensor-parallel axis. Output: seconds (forward and backward
 separately) from the cost models: GEMMs and attention on their local shapes through
-`ComputeCostModel`, every other op as memory-bound work on its local bytes, collectives through
-`collective_time`. Backward costs follow the op's kind: a GEMM's backward is two GEMMs
-(input and weight gradients), attention's is the profiled backward, memory-bound ops move about
-twice their forward bytes (read the output gradient and a saved input, write the input gradient).
+`ComputeCostModel`, every other op as memory-bound work on its local bytes (or, for a chain
+that runs as one fused kernel, that kernel's bytes at its measured bandwidth: fused_pricing.py),
+collectives through `collective_time`. Backward costs follow the op's kind: a GEMM's backward
+is two GEMMs (input and weight gradients), attention's is the profiled backward, memory-bound
+ops move about twice their forward bytes (read the output gradient and a saved input, write
+the input gradient).
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -19,6 +22,7 @@ from mplan.cost_models.collective_cost import GroupShape, collective_time
 from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.ir.graph import OpNode, TensorMeta
 from mplan.ir.op_table import op_packet
+from mplan.planner.fused_pricing import MEASURED_COPY_FRACTION, FusedChain, fused_bytes
 from mplan.planner.placement import Partial, Placement, R, can_transition, local_shape, transition
 from mplan.planner.strategies import Strategy
 
@@ -41,10 +45,13 @@ def grad_placement(output: Placement) -> Placement:
 class OpCoster:
     """Seconds for ops and reshardings on one tensor-parallel axis of a cluster."""
 
-    def __init__(self, cluster: ClusterSpec, axis_size: int, group: GroupShape) -> None:
+    def __init__(self, cluster: ClusterSpec, axis_size: int, group: GroupShape,
+                 fused: Mapping[str, FusedChain] | None = None) -> None:
         self.cluster = cluster
         self.n = axis_size
         self.group = group
+        self.fused = fused or {}
+        """memory-bound chains that run as one fused kernel (fused_pricing.find_fused_chains)"""
         self.compute = ComputeCostModel(cluster)
         self._collective = lru_cache(maxsize=None)(self._collective_uncached)
 
@@ -98,6 +105,13 @@ class OpCoster:
             args = (q[0], q[1], q[2], kv[2], q[3], dtype, causal)
             return (self.compute.attention_time(*args, backward=False),
                     self.compute.attention_time(*args, backward=True))
+        chain = self.fused.get(node.name)
+        if chain is not None:
+            if chain.anchor != node.name:
+                return 0.0, 0.0  # the anchor is charged the whole kernel
+            forward_share, backward_share = MEASURED_COPY_FRACTION[chain.op]
+            return (self.compute.memory_bound_time(fused_bytes(chain, node, backward=False) / n / forward_share),
+                    self.compute.memory_bound_time(fused_bytes(chain, node, backward=True) / n / backward_share))
         moved = (node.bytes_read + node.bytes_written) / n
         fwd = self.compute.memory_bound_time(moved)
         return fwd, MEMORY_BOUND_BACKWARD_FACTOR * fwd

@@ -1,0 +1,81 @@
+"""Prices of the memory-bound chains that `fuse_kernels` turns into one Triton kernel.
+
+Without kernels every memory-bound op is charged its own reads and writes (op_cost.py). With
+them (`autoparallel(kernels=True)`, the default on CUDA) a whole chain (norm + residual add,
+bias + GELU, SwiGLU, RoPE, cross-entropy) runs as one kernel that moves `fused_op_bytes` at the
+fraction of copy bandwidth the H200 measured for it. `find_fused_chains` finds the chains with
+the pass's own matchers, dry-run on the captured program (nothing is rewritten); `OpCoster`
+then charges a chain's anchor the fused kernel and its other ops nothing. GEMMs and attention
+keep their prices (the grouped q/k/v GEMM is priced as its parts; bias+GELU's GEMM stays a GEMM).
+
+Measured: `MEASURED_COPY_FRACTION` is the share of the device-to-device copy bandwidth each
+kernel reached on the H200, forward and backward separately, by GPU kernel time at 16384-row
+training shapes (benchmarks/results/kernels_h200-2026-11-29.json); above 1.0 (SwiGLU) is capped
+at 1.0. Elsewhere the same fractions are assumed, which is a prediction.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mplan.ir.graph import Graph, OpNode, dtype_bytes
+
+MEASURED_COPY_FRACTION: dict[str, tuple[float, float]] = {
+    # fused op: (forward, backward) share of copy bandwidth, H200, 2026-11-29
+    "rms_norm_residual": (0.960, 0.856),
+    "rms_norm": (0.960, 0.856),  # the same kernel without the residual read
+    "layer_norm_residual": (0.972, 0.767),
+    "bias_gelu": (0.941, 0.796),
+    "swiglu": (1.0, 1.0),
+    "rope": (0.955, 0.967),
+    "cross_entropy": (0.815, 0.995),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FusedChain:
+    op: str
+    """the fused op, a key of MEASURED_COPY_FRACTION and FUSED_OP_TRAFFIC"""
+    anchor: str
+    """the node the kernel replaces last: it is charged the whole kernel"""
+
+
+def find_fused_chains(graph: Graph) -> dict[str, FusedChain]:
+    """Node name -> the memory-bound fused chain it belongs to, for the IR nodes of `graph`
+    (needs the captured program; an empty map without one)."""
+    # imported here: the pass loads the Triton kernels, which planning alone should not pay for
+    from mplan.passes.fuse_kernels import FUSION_RULES
+
+    if graph.program is None:
+        return {}
+    rules = [rule for rule in FUSION_RULES if rule.name in MEASURED_COPY_FRACTION]
+    chains: dict[str, FusedChain] = {}
+    for node in graph.program.graph.nodes:
+        if node.op != "call_function" or node.name in chains:
+            continue
+        for rule in rules:
+            if node.target not in rule.anchors:
+                continue
+            match = rule.match(node)
+            names = {n.name for n in match.chain} if match is not None else set()
+            if not names or names & chains.keys():
+                continue
+            chain = FusedChain(op=rule.name, anchor=node.name)
+            chains.update({name: chain for name in names if name in graph and graph.node(name).kind != "matmul"})
+            break
+    return chains
+
+
+def fused_bytes(chain: FusedChain, anchor: OpNode, backward: bool) -> int:
+    """Bytes the fused kernel moves, from the anchor's (full, unsharded) shapes."""
+    from mplan.kernels.op_bytes import fused_op_bytes
+
+    if chain.op == "cross_entropy":
+        logits = anchor.input_metas[0]
+        rows, row_size, itemsize = math.prod(logits.shape[:-1]), logits.shape[-1], dtype_bytes(logits.dtype)
+        return fused_op_bytes(chain.op, num_rows=rows, row_size=row_size, itemsize=itemsize, backward=backward)
+    out = anchor.output
+    rows, row_size = math.prod(out.shape[:-1]), out.shape[-1]
+    table_rows = out.shape[-2] if chain.op == "rope" else 1
+    return fused_op_bytes(chain.op, num_rows=rows, row_size=row_size, itemsize=dtype_bytes(out.dtype),
+                          backward=backward, table_rows=table_rows)

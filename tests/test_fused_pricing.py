@@ -1,0 +1,67 @@
+"""The planner prices the chains `fuse_kernels` fuses as the fused kernels (fused_pricing.py)."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+
+from mplan.cost_models.cluster import ClusterSpec
+from mplan.cost_models.collective_cost import GroupShape
+from mplan.kernels.op_bytes import fused_op_bytes
+from mplan.planner.fused_pricing import MEASURED_COPY_FRACTION, find_fused_chains
+from mplan.planner.op_cost import OpCoster
+from mplan.planner.parallel_config import ParallelConfig
+from mplan.planner.planning import capture_for_planning, plan
+from mplan.planner.search import Planner
+from mplan.planner.strategies import replicated
+
+# what fuse_kernels fires on the same shallow (two-block) capture, GEMM groups and attention aside
+FUSED = {
+    "tiny-gpt": {"layer_norm_residual": 4, "bias_gelu": 2, "cross_entropy": 1},
+    "tiny-llama": {"rms_norm": 1, "rms_norm_residual": 4, "rope": 4, "swiglu": 2, "cross_entropy": 1},
+}
+
+
+def _chains(spec: str) -> tuple[object, dict]:
+    graph = capture_for_planning(spec)
+    return graph, find_fused_chains(graph)
+
+
+@pytest.mark.parametrize("spec", sorted(FUSED))
+def test_the_chains_are_the_ones_the_pass_fuses(spec: str) -> None:
+    graph, chains = _chains(spec)
+    kernels = {(chain.op, chain.anchor) for chain in chains.values()}
+    assert Counter(op for op, _ in kernels) == FUSED[spec]
+    assert all(graph.node(name).kind != "matmul" for name in chains)  # bias+GELU's GEMM stays a GEMM
+
+
+def test_an_anchor_pays_the_fused_kernel_and_the_rest_of_its_chain_nothing() -> None:
+    graph, chains = _chains("tiny-llama")
+    cluster = ClusterSpec.preset("h200")
+    fused = OpCoster(cluster, 1, GroupShape(size=1, ranks_per_node=1), fused=chains)
+    plain = OpCoster(cluster, 1, GroupShape(size=1, ranks_per_node=1))
+    anchor = next(graph.node(c.anchor) for c in chains.values() if c.op == "rms_norm_residual")
+    member = next(name for name, c in chains.items() if c.anchor == anchor.name and name != anchor.name)
+    replicate = replicated(anchor)
+    assert fused.op(graph.node(member), replicated(graph.node(member))).forward_s == 0.0
+    out = anchor.output
+    rows, hidden = math.prod(out.shape[:-1]), out.shape[-1]
+    forward = fused_op_bytes("rms_norm_residual", num_rows=rows, row_size=hidden, itemsize=2)
+    expected = fused.compute.memory_bound_time(forward / MEASURED_COPY_FRACTION["rms_norm_residual"][0])
+    assert fused.op(anchor, replicate).forward_s == pytest.approx(expected)
+    chain_nodes = [graph.node(name) for name, c in chains.items() if c.anchor == anchor.name]
+    unfused = sum(plain.op(n, replicated(n)).forward_s for n in chain_nodes)
+    assert fused.op(anchor, replicate).forward_s < unfused
+
+
+def test_kernels_make_a_step_cheaper_and_plans_say_they_were_priced() -> None:
+    graph = capture_for_planning("gpt3-1.3b")
+    config = ParallelConfig(dp=1, tp=1, pp=1, mbs=4, num_micro_batches=1)
+    steps = [Planner(graph, ClusterSpec.preset("h200"), kernels=k).evaluate(config, fast=False).step_time_s
+             for k in (False, True)]
+    assert steps[1] < steps[0] < 1.2 * steps[1]  # memory-bound chains are a minority of the step
+    made = plan("tiny-gpt", cluster=ClusterSpec.preset("h200", nodes=1, gpus_per_node=2), global_batch=4)
+    assert made.planner["fused_kernels_priced"] == 1.0
+    cpu = plan("tiny-gpt", cluster=ClusterSpec.preset("cpu", nodes=1, gpus_per_node=2), global_batch=4)
+    assert cpu.planner["fused_kernels_priced"] == 0.0
