@@ -1,6 +1,7 @@
 """Check and time mplan's fused Triton kernels against torch eager and torch.compile on one GPU.
 
-For each kernel (RMSNorm+residual, LayerNorm+residual, SwiGLU, bias+GELU, RoPE, cross-entropy):
+For each kernel (RMSNorm+residual, LayerNorm+residual, SwiGLU, SwiGLU on one GEMM's packed
+halves, bias+GELU, RoPE, cross-entropy):
   1. correctness in bf16 on random data: outputs and every gradient of the fused op, and of
      the eager reference, against the reference run in fp32 on the same (upcast) inputs; the
      fused op passes when its relative error (in norm) is under max(1e-2, 2x eager's);
@@ -63,6 +64,8 @@ from mplan.kernels import (  # noqa: E402
     rope_reference,
     rotary,
     swiglu,
+    swiglu_packed,
+    swiglu_packed_reference,
     swiglu_reference,
     use_triton,
 )
@@ -138,6 +141,10 @@ CASES = [
          make=lambda s, d, t: [_leaf((s["rows"], s["cols"]), d, t, 2.0), _leaf((s["rows"], s["cols"]), d, t)],
          shape={"rows": 16384, "cols": 14336}, odd_shape={"rows": 1001, "cols": 3001},
          bytes=_rows_bytes("swiglu"), kernels=(glu._forward_kernel, glu._backward_kernel)),
+    Case(name="swiglu (packed)", fused=swiglu_packed, reference=swiglu_packed_reference,
+         make=lambda s, d, t: [_leaf((s["rows"], 2 * s["cols"]), d, t, 2.0)],
+         shape={"rows": 16384, "cols": 14336}, odd_shape={"rows": 1001, "cols": 3001},
+         bytes=_rows_bytes("swiglu"), kernels=(glu._packed_forward_kernel, glu._packed_backward_kernel)),
     Case(name="bias+gelu", fused=bias_gelu, reference=bias_gelu_reference,
          make=lambda s, d, t: [_leaf((s["rows"], s["cols"]), d, t, 2.0), _leaf((s["cols"],), d, t, 0.5)],
          shape={"rows": 16384, "cols": 16384}, odd_shape={"rows": 1001, "cols": 3001},
@@ -154,7 +161,8 @@ CASES = [
 
 SMOKE_SHAPES = {
     "rmsnorm+residual": {"rows": 7, "cols": 48}, "layernorm+residual": {"rows": 7, "cols": 48},
-    "swiglu": {"rows": 7, "cols": 45}, "bias+gelu": {"rows": 7, "cols": 45},
+    "swiglu": {"rows": 7, "cols": 45}, "swiglu (packed)": {"rows": 7, "cols": 45},
+    "bias+gelu": {"rows": 7, "cols": 45},
     "rope": {"batch": 2, "heads": 3, "seq": 5, "head_dim": 8}, "cross_entropy": {"rows": 9, "cols": 70},
 }
 

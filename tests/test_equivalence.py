@@ -301,7 +301,7 @@ def test_fused_kernels_are_exact_under_tp(outcomes) -> None:
     matches one process as closely as the unfused one does."""
     # the loss is vocabulary-parallel there: a module, never the ATen loss the rule matches
     expected = {tp2_sp_llama_kernels: (tp2_sp_llama, {"rms_norm": 1, "linear_group": 2, "rms_norm_residual": 4,
-                                                      "rope": 4, "swiglu": 2}),
+                                                      "rope": 4, "linear_swiglu": 2}),
                 tp2_sp_gpt_kernels: (tp2_sp_gpt, {"linear_group": 2, "layer_norm_residual": 4, "bias_gelu": 2})}
     for check, (unfused, fired) in expected.items():
         for a, b in zip(outcomes.assert_passed(check), outcomes.assert_passed(unfused)):

@@ -24,8 +24,9 @@ EXPECTED_FIRED = {
     # become one GEMM in each block
     "gpt": {"linear_group": 2, "layer_norm_residual": 4, "bias_gelu": 2, "cross_entropy": 1},
     # the first RMSNorm reads the embedding alone; q and k are rotated in both blocks; gate and up
-    # share an input too, but feed SwiGLU, not views, so they stay apart
-    "llama": {"rms_norm": 1, "linear_group": 2, "rms_norm_residual": 4, "rope": 4, "swiglu": 2, "cross_entropy": 1},
+    # become one GEMM feeding the packed SwiGLU
+    "llama": {"rms_norm": 1, "linear_group": 2, "rms_norm_residual": 4, "rope": 4, "linear_swiglu": 2,
+              "cross_entropy": 1},
 }
 UNFUSED_OPS = {aten.pow.Tensor_Scalar, aten.rsqrt.default, aten.gelu.default, aten.silu.default,
                aten.neg.default, aten.cat.default, aten.cross_entropy_loss.default}
@@ -142,7 +143,7 @@ def test_chains_that_do_not_fit_a_rule_are_left_alone() -> None:
 
 FP8_GPT = GPTConfig(num_layers=2, hidden=32, num_heads=2, seq_len=8, vocab=64)
 FP8_LLAMA = LlamaConfig(num_layers=2, hidden=32, num_heads=2, num_kv_heads=1, seq_len=8, vocab=64, ffn_hidden=48)
-FP8_LINEARS_PER_BLOCK = {"gpt": 4, "llama": 5}  # qkv (grouped), out, fc_in, fc_out / qkv, out, gate, up, down
+FP8_LINEARS_PER_BLOCK = {"gpt": 4, "llama": 4}  # qkv (grouped), out, fc_in, fc_out / qkv, out, gate+up, down
 
 
 def _fp8_graph(family: str) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ from mplan.planner.search import Planner
 from mplan.planner.strategies import replicated
 
 # what fuse_kernels fires on the same shallow (two-block) capture, GEMM groups and attention aside
+# (Llama's gate/up GEMM + packed SwiGLU is priced as the SwiGLU it contains: the same bytes)
 FUSED = {
     "tiny-gpt": {"layer_norm_residual": 4, "bias_gelu": 2, "cross_entropy": 1},
     "tiny-llama": {"rms_norm": 1, "rms_norm_residual": 4, "rope": 4, "swiglu": 2, "cross_entropy": 1},

@@ -37,6 +37,8 @@ from mplan.kernels import (
     rope,
     rope_reference,
     swiglu,
+    swiglu_packed,
+    swiglu_packed_reference,
     swiglu_reference,
     use_triton,
     vocab_parallel_cross_entropy,
@@ -165,6 +167,13 @@ def test_bias_gelu(dtype: torch.dtype) -> None:
     # 22 rows: two row splits of 11 with 4-row tiles, so a tile straddles the split boundary
     _check(bias_gelu, bias_gelu_reference, [_leaf(2, 11, 45, dtype=dtype, scale=3.0), _leaf(45, dtype=dtype)],
            dtype, "BiasGeluFunction")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_swiglu_on_one_gemms_packed_halves(dtype: torch.dtype) -> None:
+    """7 x (2 x 45): rows and columns both leave partial tiles; the gradient comes back packed."""
+    _check(swiglu_packed, swiglu_packed_reference, [_leaf(7, 90, dtype=dtype, scale=3.0)], dtype,
+           "PackedSwiGLUFunction")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -199,3 +199,37 @@ def outcomes():
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
 def test_tp2_dp2(outcomes, check) -> None:
     outcomes.assert_passed(check)
+
+
+# -- clipping folded into fused Adam/AdamW (one process) --------------------------------------------
+
+def test_fused_adamw_takes_the_clip_coefficient_as_its_grad_scale() -> None:
+    """step_clipped on fused AdamW (fp32) updates exactly as clip_grad_norm_ then step, and leaves
+    the gradients clipped; float64 or non-fused optimizers are clipped the ordinary way."""
+    from mplan.runtime.grad_clip import folds_clipping, step_clipped
+
+    torch.manual_seed(0)
+    weights = [torch.randn(37, 5), torch.randn(11)]
+    grads = [10 * torch.randn_like(w) for w in weights]
+    runs = []
+    for folded in (False, True):
+        params = [w.clone().requires_grad_() for w in weights]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, fused=True)
+        for step in range(3):
+            for p, g in zip(params, grads):
+                p.grad = g * (step + 1)
+            if folded:
+                assert folds_clipping(optimizer)
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in
+                                                             (p.grad for p in params)]))
+                step_clipped(optimizer, (p.grad for p in params), 1.0, norm.double())
+            else:
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+        assert not hasattr(optimizer, "grad_scale")
+        runs.append(params)
+    for plain, folded in zip(*runs):
+        assert rel_err(folded, plain) < 1e-6 and rel_err(folded.grad, plain.grad) < 1e-6
+    assert not folds_clipping(torch.optim.AdamW([torch.zeros(2, dtype=torch.float64, requires_grad=True)],
+                                                fused=True))
+    assert not folds_clipping(torch.optim.AdamW([torch.zeros(2, requires_grad=True)]))

@@ -6,7 +6,7 @@ its `torch.autograd.Function`. Module names differ from the op names on purpose,
     rmsnorm.py        rms_norm_residual(x, residual, weight, eps) -> (normed, new_residual); rms_norm
     layernorm.py      layer_norm_residual(x, residual, weight, bias, eps) -> (normed, new_residual)
     gelu.py           bias_gelu(x, bias) -> gelu_tanh(x + bias)
-    glu.py            swiglu(gate, up) -> silu(gate) * up
+    glu.py            swiglu(gate, up) -> silu(gate) * up; swiglu_packed(y) on one GEMM's [..., 2F]
     rotary.py         rope(x, cos, sin): rotate-half RoPE on [batch, heads, seq, head_dim]
     cross_entropy_loss.py  cross_entropy(logits, labels), vocab_parallel_cross_entropy(local_logits, ...)
     sdpa_autotune.py  attention(q, k, v, ...): SDPA on the fused backend that times fastest for the shape
@@ -28,7 +28,7 @@ from mplan.kernels.cross_entropy_loss import (
 )
 from mplan.kernels.dispatch import use_triton
 from mplan.kernels.gelu import bias_gelu, bias_gelu_reference
-from mplan.kernels.glu import swiglu, swiglu_reference
+from mplan.kernels.glu import swiglu, swiglu_packed, swiglu_packed_reference, swiglu_reference
 from mplan.kernels.layernorm import layer_norm_residual, layer_norm_residual_reference
 from mplan.kernels.op_bytes import FUSED_OP_TRAFFIC, FusedOpTraffic, fused_op_bytes
 from mplan.kernels.rmsnorm import rms_norm, rms_norm_reference, rms_norm_residual, rms_norm_residual_reference
@@ -53,6 +53,8 @@ __all__ = [
     "rope",
     "rope_reference",
     "swiglu",
+    "swiglu_packed",
+    "swiglu_packed_reference",
     "swiglu_reference",
     "use_triton",
     "vocab_parallel_cross_entropy",

@@ -1,6 +1,11 @@
-"""SwiGLU activation: silu(gate) * up, for gate and up produced by two separate linears (Llama).
+"""SwiGLU activation: silu(gate) * up, for gate and up produced by two linears (Llama).
 
     swiglu(gate, up) -> silu(gate) * up          gate, up: same shape, bf16/fp16/fp32
+    swiglu_packed(y) -> silu(y[..., :F]) * y[..., F:]   y [..., 2F]: gate and up from ONE GEMM
+
+The packed form is what fuse_kernels uses once the gate and up projections run as one GEMM:
+its backward writes d_gate and d_up straight into one [..., 2F] gradient, the layout that
+GEMM's backward reads, where two separate gradients would first be concatenated (a copy).
 
 Kernels: elementwise over the flattened tensors. The forward reads gate and up once and
 writes the product (3 tensor passes, vs 4 for eager silu-then-mul); the backward recomputes
@@ -50,6 +55,40 @@ def _backward_kernel(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n_elements, BLOCK: tl
     tl.store(du_ptr + offs, (dy * g * sig).to(du_ptr.dtype.element_ty), mask=mask)
 
 
+# [rows, columns] tiles of the packed halves: one row's gate and up runs are F apart
+_TILES = configs(
+    [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w)
+     for m, n, w in ((1, 1024, 4), (1, 2048, 8), (1, 4096, 8), (2, 1024, 4), (4, 1024, 8), (8, 512, 8))],
+    triton.Config({"BLOCK_M": 2, "BLOCK_N": 16}, num_warps=1),
+)
+
+
+@triton.autotune(configs=_TILES, key=["n_rows", "half"])
+@triton.jit
+def _packed_forward_kernel(y_ptr, out_ptr, n_rows, half, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    mask = (rows < n_rows) & (cols < half)
+    g = tl.load(y_ptr + rows * (2 * half) + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(y_ptr + rows * (2 * half) + half + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows * half + cols, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.autotune(configs=_TILES, key=["n_rows", "half"])
+@triton.jit
+def _packed_backward_kernel(dout_ptr, y_ptr, dy_ptr, n_rows, half, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    mask = (rows < n_rows) & (cols < half)
+    dout = tl.load(dout_ptr + rows * half + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(y_ptr + rows * (2 * half) + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(y_ptr + rows * (2 * half) + half + cols, mask=mask, other=0.0).to(tl.float32)
+    sig, one_minus_sig = sigmoid_and_complement(g)
+    d_gate = dout * u * sig * (1.0 + g * one_minus_sig)
+    tl.store(dy_ptr + rows * (2 * half) + cols, d_gate.to(dy_ptr.dtype.element_ty), mask=mask)
+    tl.store(dy_ptr + rows * (2 * half) + half + cols, (dout * g * sig).to(dy_ptr.dtype.element_ty), mask=mask)
+
+
 def _grid(n_elements: int) -> Any:
     return lambda meta: (triton.cdiv(n_elements, meta["BLOCK"]),)
 
@@ -71,6 +110,45 @@ class SwiGLUFunction(torch.autograd.Function):
         d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
         _backward_kernel[_grid(gate.numel())](dy.contiguous(), gate, up, d_gate, d_up, gate.numel())
         return d_gate, d_up
+
+
+def _tiles(n_rows: int, half: int) -> Any:
+    return lambda meta: (triton.cdiv(n_rows, meta["BLOCK_M"]), triton.cdiv(half, meta["BLOCK_N"]))
+
+
+class PackedSwiGLUFunction(torch.autograd.Function):
+    """Triton forward/backward of `swiglu_packed`; the gradient comes back packed like y."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor) -> torch.Tensor:
+        y = y.contiguous()
+        half = y.shape[-1] // 2
+        out = torch.empty(*y.shape[:-1], half, dtype=y.dtype, device=y.device)
+        n_rows = y.numel() // y.shape[-1]
+        _packed_forward_kernel[_tiles(n_rows, half)](y, out, n_rows, half)
+        ctx.save_for_backward(y)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        dy = torch.empty_like(y)
+        half, n_rows = y.shape[-1] // 2, y.numel() // y.shape[-1]
+        _packed_backward_kernel[_tiles(n_rows, half)](dout.contiguous(), y, dy, n_rows, half)
+        return dy
+
+
+def swiglu_packed_reference(y: torch.Tensor) -> torch.Tensor:
+    """silu of the first half of the last dim times the second half."""
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def swiglu_packed(y: torch.Tensor) -> torch.Tensor:
+    """silu(y[..., :F]) * y[..., F:]; Triton where `use_triton`, else the reference."""
+    if use_triton(y) and y.shape[-1] % 2 == 0:
+        return PackedSwiGLUFunction.apply(y)
+    return swiglu_packed_reference(y)
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

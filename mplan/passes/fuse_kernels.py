@@ -48,6 +48,7 @@ from mplan.kernels import (
     rms_norm_residual,
     rope,
     swiglu,
+    swiglu_packed,
 )
 from mplan.kernels.fp8 import Fp8Linear, Fp8Unavailable, fp8_unavailable_reason
 from mplan.kernels.op_bytes import FUSED_OP_TRAFFIC, FusedOpTraffic, fused_op_bytes
@@ -218,6 +219,40 @@ def _match_swiglu(anchor: Node) -> Match | None:
             gate = silu.args[0]
             return Match(chain=(silu, anchor), outputs=(anchor,), inputs=(gate, up),
                          emit=lambda g, args=(gate, up): _call(g, swiglu, args, anchor))
+    return None
+
+
+def _match_linear_swiglu(anchor: Node) -> Match | None:
+    for silu, up in (anchor.args, anchor.args[::-1]):
+        if not (_is(silu, aten.silu.default) and _is(up, aten.linear.default) and _used_only_by(silu, anchor)):
+            continue
+        gate = silu.args[0]
+        if not (_is(gate, aten.linear.default) and gate is not up and _used_only_by(gate, silu)
+                and _used_only_by(up, anchor) and not gate.kwargs and not up.kwargs):
+            continue
+        (x, w_gate, b_gate), (x_up, w_up, b_up) = ((list(n.args) + [None])[:3] for n in (gate, up))
+        values = (_val(w_gate), _val(w_up))
+        if x_up is not x or (b_gate is None) != (b_up is None) or _val(gate) is None:
+            continue
+        if any(v is None or v.dim() != 2 for v in values) or values[0].shape != values[1].shape:
+            continue
+
+        def emit(graph: Graph, x: Node = x, gate: Node = gate, weights: tuple[Any, ...] = (w_gate, w_up),
+                 biases: tuple[Any, ...] = (b_gate, b_up)) -> Node:
+            out, w = _val(gate), _val(weights[0])
+            wide = _call(graph, aten.cat.default, (list(weights),), anchor)
+            wide.meta["val"] = _meta_like(w, (2 * w.shape[0], w.shape[1]))
+            args: tuple[Any, ...] = (x, wide)
+            if biases[0] is not None:
+                bias = _call(graph, aten.cat.default, (list(biases),), anchor)
+                bias.meta["val"] = _meta_like(w, (2 * w.shape[0],))
+                args = (x, wide, bias)
+            product = _call(graph, aten.linear.default, args, anchor)
+            product.meta["val"] = _meta_like(out, (*out.shape[:-1], 2 * out.shape[-1]))
+            return _call(graph, swiglu_packed, (product,), anchor)
+
+        inputs = tuple(n for n in (x, w_gate, w_up, b_gate, b_up) if isinstance(n, Node))
+        return Match(chain=(gate, up, silu, anchor), outputs=(anchor,), inputs=inputs, emit=emit)
     return None
 
 
@@ -402,7 +437,11 @@ FUSION_RULES: tuple[FusionRule, ...] = (
     # aten.gelu(approximate="tanh") of a biased aten.linear used only there (GPT's MLP) ->
     # aten.linear without the bias, then bias_gelu(y, bias)
     FusionRule(name="bias_gelu", anchors=(aten.gelu.default,), match=_match_bias_gelu),
-    # aten.mul(aten.silu(gate), up), either operand order (Llama's SwiGLU) -> swiglu(gate, up)
+    # aten.mul(aten.silu(linear(x, W_gate)), linear(x, W_up)), the two linears used only there (Llama's
+    # MLP) -> one linear on [W_gate; W_up], then swiglu_packed: one GEMM, and a gradient already in
+    # the layout its backward reads
+    FusionRule(name="linear_swiglu", anchors=(aten.mul.Tensor,), match=_match_linear_swiglu),
+    # aten.mul(aten.silu(gate), up), either operand order (any other SwiGLU) -> swiglu(gate, up)
     FusionRule(name="swiglu", anchors=(aten.mul.Tensor,), match=_match_swiglu),
     # x * cos + cat([-x[..., d/2:], x[..., :d/2]], -1) * sin (apply_rope on q or k) -> rope(x, cos, sin)
     FusionRule(name="rope", anchors=(aten.add.Tensor,), match=_match_rope),

@@ -73,6 +73,36 @@ def scale_by_clip_coefficient_(
         torch._foreach_mul_(group, coefficient.to(device=device, dtype=dtype))
 
 
+def folds_clipping(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `step_clipped` can hand the clip coefficient to `optimizer`'s own kernel: torch's
+    fused Adam/AdamW on 16- or 32-bit parameters (its `grad_scale` is fp32, which would round a
+    float64 run's coefficient)."""
+    return (isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and not hasattr(optimizer, "grad_scale")
+            and all(group.get("fused") for group in optimizer.param_groups)
+            and all(p.dtype.itemsize <= 4 for group in optimizer.param_groups for p in group["params"]))
+
+
+@torch.no_grad()
+def step_clipped(optimizer: torch.optim.Optimizer, grads: Iterable[torch.Tensor], max_norm: float,
+                 total_norm: torch.Tensor) -> None:
+    """`optimizer.step()` on `grads` clipped to a global norm of at most `max_norm`.
+
+    For fused Adam/AdamW (`folds_clipping`) the coefficient's reciprocal is the kernel's
+    `grad_scale`: it divides each gradient as it reads it (and stores it so divided, as clipping
+    leaves it), one pass over the gradients fewer than scaling them first (~1 ms a step for 1B
+    bf16 parameters on an H200). Otherwise the gradients are scaled, then the optimizer steps."""
+    if not folds_clipping(optimizer):
+        scale_by_clip_coefficient_(grads, max_norm, total_norm)
+        optimizer.step()
+        return
+    coefficient = torch.clamp(max_norm / (total_norm + CLIP_EPS), max=1.0)
+    optimizer.grad_scale = coefficient.reciprocal().float()  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale  # type: ignore[attr-defined]
+
+
 def _by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
     """What one multi-tensor kernel can take together, in the given order."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -95,13 +125,18 @@ def clip_grad_norm_(
     Collective over the world: every rank calls it, with its own local parameters.
     """
     params = list(params)
-    with_grad = [p for p in params if p.grad is not None]
-    total = global_grad_norm(
-        (p.grad for p in with_grad
-         if counts_in_norm(placement_of(p, placements), groups, dp_sharded=False)),
+    total = replicated_grad_norm(params, groups, placements=placements, norm_type=norm_type)
+    scale_by_clip_coefficient_((p.grad for p in params if p.grad is not None), max_norm, total)
+    return total
+
+
+def replicated_grad_norm(params: list[torch.Tensor], groups: ProcessGroups, *,
+                         placements: Placements | None = None, norm_type: float = 2.0) -> torch.Tensor:
+    """The global norm of the full gradients held by `params` (after DP sync); collective."""
+    return global_grad_norm(
+        (p.grad for p in params
+         if p.grad is not None and counts_in_norm(placement_of(p, placements), groups, dp_sharded=False)),
         groups,
         norm_type=norm_type,
         device=params[0].device if params else torch.device("cpu"),
     )
-    scale_by_clip_coefficient_((p.grad for p in with_grad), max_norm, total)
-    return total

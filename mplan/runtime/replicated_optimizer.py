@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from mplan.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientSync
-from mplan.runtime.grad_clip import clip_grad_norm_
+from mplan.runtime.grad_clip import replicated_grad_norm, step_clipped
 from mplan.runtime.optimizer_state import (
     ParamsArg,
     as_param_groups,
@@ -56,12 +56,12 @@ class ReplicatedOptimizer:
     def step(self, *, max_grad_norm: float | None = None) -> torch.Tensor | None:
         """Synchronize gradients, clip them if asked, update; returns the global norm if clipped."""
         self.grad_sync.sync_gradients()
-        norm = None
-        if max_grad_norm is not None:
-            norm = clip_grad_norm_(
-                self.grad_sync.params, max_grad_norm, self.groups, placements=self.placements
-            )
-        self.optimizer.step()
+        if max_grad_norm is None:
+            self.optimizer.step()
+            return None
+        params = self.grad_sync.params
+        norm = replicated_grad_norm(params, self.groups, placements=self.placements)
+        step_clipped(self.optimizer, (p.grad for p in params if p.grad is not None), max_grad_norm, norm)
         return norm
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -45,7 +45,7 @@ from mplan.runtime.data_parallel import (
     split_into_buckets,
     unique_trainable,
 )
-from mplan.runtime.grad_clip import global_grad_norm, scale_by_clip_coefficient_
+from mplan.runtime.grad_clip import global_grad_norm, step_clipped
 from mplan.runtime.optimizer_state import (
     ParamsArg,
     as_param_groups,
@@ -167,16 +167,16 @@ class ShardedOptimizer:
         for part in self._partitions:
             self._reduce_scatter_grads(part)
         norm = None
-        if max_grad_norm is not None:
+        if max_grad_norm is None:
+            self.optimizer.step()
+        else:
             norm = global_grad_norm(
                 (part.master.grad for part in self._partitions
                  if counts_in_norm(part.placement, self.groups, dp_sharded=True)),
                 self.groups,
                 device=self._partitions[0].master.device,
             )
-            scale_by_clip_coefficient_((part.master.grad for part in self._partitions),
-                                       max_grad_norm, norm)
-        self.optimizer.step()
+            step_clipped(self.optimizer, (part.master.grad for part in self._partitions), max_grad_norm, norm)
         for part in self._partitions:
             self._all_gather_params(part)
         return norm
