@@ -1,0 +1,59 @@
+"""The GPU benchmark scripts' own code paths on the CPU (so they do not rot between GPU sessions),
+and the planner's price of fused kernels held against the committed H200 measurement."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _run(script: str, *args: str, env: dict[str, str] | None = None, timeout: int = 300) -> None:
+    run = subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+
+
+def test_end_to_end_benchmark_on_tiny_models(tmp_path: Path) -> None:
+    out = tmp_path / "e2e.json"
+    _run("e2e_h200.py", "--device", "cpu", "--small", "--systems", "eager,mplan,mplan_fp8", "--warmup", "2",
+         "--steps", "2", "--rounds", "2", "--out", str(out))
+    report = json.loads(out.read_text())
+    for name, entry in report["models"].items():
+        systems = entry["systems"]
+        assert len(systems["mplan"]["losses"]) == len(systems["eager"]["losses"]) == 4, name
+        assert entry["correctness"]["mplan"]["passed"], entry["correctness"]
+        assert "FP8 linear needs a CUDA device" in systems["mplan_fp8"]["error"]  # refused, not faked
+
+
+@pytest.mark.slow
+def test_kernel_benchmark_checks_every_kernel_under_the_interpreter(tmp_path: Path) -> None:
+    out = tmp_path / "kernels.json"
+    _run("kernels_h200.py", "--smoke", "--out", str(out), env={"TRITON_INTERPRET": "1"})
+    kernels = json.loads(out.read_text())["kernels"]
+    assert {"swiglu (packed)", "rope", "cross_entropy"} <= set(kernels)
+    assert all(entry["correct"] for entry in kernels.values()), kernels
+
+
+def test_step_profile_on_tiny_models(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    _run("step_profile_h200.py", "--device", "cpu", "--small", "--systems", "eager,mplan", "--out", str(out))
+    models = json.loads(out.read_text())["models"]
+    assert set(models) == {"gpt-tiny", "llama-tiny"}
+    assert all(row["wall_ms_per_step"] > 0 for rows in models.values() for row in rows.values())
+
+
+@pytest.mark.slow
+def test_fused_kernel_prices_match_the_h200_run(tmp_path: Path) -> None:
+    """Re-predicts the committed H200 steps: mplan's (fused) step within 5%, eager's within 8%."""
+    out = tmp_path / "check.json"
+    _run("fused_pricing_check.py", str(RESULTS / "e2e_h200-2026-11-29.json"), "-o", str(out))
+    for name, row in json.loads(out.read_text())["rows"].items():
+        assert abs(row["fused_error"]) < 0.05 and abs(row["unfused_error"]) < 0.08, (name, row)
+        assert row["predicted_gain"] > 1.0
