@@ -9,17 +9,19 @@ Rules are data: `FUSION_RULES`, one `FusionRule` per pattern with a comment sayi
 matches (and `ATTENTION_RULE`, used when the program will run on CUDA: `device=`; and
 `FP8_LINEAR_RULE`, only when asked: `fp8=True`). Each rule is tried at its anchor (the chain's
 last node); a match names the chain's nodes, the chain values the fused op returns, the graph
-values it reads, and how to emit the call. The driver inserts the call (a `call_function` node whose target is the kernel's
-dispatching op, e.g. `mplan.kernels.rms_norm_residual`, which runs the Triton autograd
-Function on CUDA and the reference elsewhere), reroutes every use of the returned values,
-and erases the chain.
+values it reads, and how to emit the call. The driver inserts the call (a `call_function`
+node whose target is the kernel's dispatching op, e.g. `mplan.kernels.rms_norm_residual`,
+which runs the Triton autograd Function on CUDA and the reference elsewhere), reroutes every
+use of the returned values, and erases the chain.
 
 Invariants:
 - Results are unchanged (except under `fp8=True`, which rounds GEMM operands to FP8 on
-  purpose): every fused op's reference is the chain's own ATen ops, so on the reference dispatch the fused graph computes the same function as the unfused one (bit for
-  bit, except bias+GELU, whose bias moves out of the GEMM; attention is the same SDPA op, run
-  on the backend that times fastest, which on CUDA may round differently); tests hold fused and
-  unfused forward and backward together.
+  purpose): every fused op's reference is the chain's own ATen ops, so on the reference
+  dispatch the fused graph computes the same function as the unfused one (bit for bit, except
+  where a GEMM changes: bias+GELU moves the bias out of it, grouped projections concatenate
+  weights, both rounding as float64 does; attention is the same SDPA op, run on the backend
+  that times fastest, which on CUDA may round differently); tests hold fused and unfused
+  forward and backward together.
 - A chain is fused only when its intermediate values have no use outside it (nothing is
   computed twice), its constants are the ones the kernel assumes (eps a number, reductions
   over the last dim, slices at head_dim / 2, ...), and its shapes, read from `meta["val"]`,
@@ -32,7 +34,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,8 +55,8 @@ from mplan.kernels import (
 from mplan.kernels.fp8 import Fp8Linear, Fp8Unavailable, fp8_unavailable_reason
 from mplan.kernels.op_bytes import FUSED_OP_TRAFFIC, FusedOpTraffic, fused_op_bytes
 
-__all__ = ["ATTENTION_RULE", "FP8_LINEAR_RULE", "FUSED_OP_TRAFFIC", "FUSION_RULES", "FusedOpTraffic", "FusionReport", "FusionRule",
-           "fuse_kernels", "fused_op_bytes"]
+__all__ = ["ATTENTION_RULE", "FP8_LINEAR_RULE", "FUSED_OP_TRAFFIC", "FUSION_RULES", "FusedOpTraffic", "FusionReport",
+           "FusionRule", "fuse_kernels", "fused_op_bytes"]
 
 aten = torch.ops.aten
 logger = logging.getLogger(__name__)
@@ -239,16 +241,7 @@ def _match_linear_swiglu(anchor: Node) -> Match | None:
 
         def emit(graph: Graph, x: Node = x, gate: Node = gate, weights: tuple[Any, ...] = (w_gate, w_up),
                  biases: tuple[Any, ...] = (b_gate, b_up)) -> Node:
-            out, w = _val(gate), _val(weights[0])
-            wide = _call(graph, aten.cat.default, (list(weights),), anchor)
-            wide.meta["val"] = _meta_like(w, (2 * w.shape[0], w.shape[1]))
-            args: tuple[Any, ...] = (x, wide)
-            if biases[0] is not None:
-                bias = _call(graph, aten.cat.default, (list(biases),), anchor)
-                bias.meta["val"] = _meta_like(w, (2 * w.shape[0],))
-                args = (x, wide, bias)
-            product = _call(graph, aten.linear.default, args, anchor)
-            product.meta["val"] = _meta_like(out, (*out.shape[:-1], 2 * out.shape[-1]))
+            product = _grouped_linear(graph, anchor, x, weights, biases, _val(gate))
             return _call(graph, swiglu_packed, (product,), anchor)
 
         inputs = tuple(n for n in (x, w_gate, w_up, b_gate, b_up) if isinstance(n, Node))
@@ -339,6 +332,24 @@ def _meta_like(value: torch.Tensor, shape: tuple[int, ...] | list[int]) -> torch
     return torch.empty(tuple(shape), dtype=value.dtype, device="meta")
 
 
+def _grouped_linear(graph: Graph, like: Node, x: Node, weights: Sequence[Any], biases: Sequence[Any],
+                    out: torch.Tensor) -> Node:
+    """aten.linear(x, cat(weights), cat(biases)): several linears on one input as one GEMM (its
+    result [..., sum of out_features] carries a meta value, as later rules read shapes)."""
+    w = _val(weights[0])
+    rows = sum(_val(weight).shape[0] for weight in weights)
+    wide = _call(graph, aten.cat.default, (list(weights),), like)
+    wide.meta["val"] = _meta_like(w, (rows, w.shape[1]))
+    args: tuple[Any, ...] = (x, wide)
+    if biases[0] is not None:
+        bias = _call(graph, aten.cat.default, (list(biases),), like)
+        bias.meta["val"] = _meta_like(w, (rows,))
+        args = (x, wide, bias)
+    product = _call(graph, aten.linear.default, args, like)
+    product.meta["val"] = _meta_like(out, (*out.shape[:-1], rows))
+    return product
+
+
 def _viewable_as_slices(outputs: list[Node], sizes: list[int]) -> bool:
     """Whether every use of each output is a view that still works when the output is a slice of
     the last dim of one wider tensor (a `split` of a grouped GEMM's result)."""
@@ -377,19 +388,9 @@ def _match_linear_group(anchor: Node) -> Match | None:
     sizes = [v.shape[0] for v in values]
     if not _viewable_as_slices(group, sizes):
         return None
-    has_bias = biases[0] is not None
 
     def emit(graph: Graph) -> Node:
-        wide = _call(graph, aten.cat.default, (weights,), anchor)
-        wide.meta["val"] = _meta_like(values[0], (sum(sizes), values[0].shape[1]))
-        args: tuple[Any, ...] = (x, wide)
-        if has_bias:
-            bias = _call(graph, aten.cat.default, (biases,), anchor)
-            bias.meta["val"] = _meta_like(values[0], (sum(sizes),))
-            args = (x, wide, bias)
-        out = _val(anchor)
-        product = _call(graph, aten.linear.default, args, anchor)
-        product.meta["val"] = _meta_like(out, (*out.shape[:-1], sum(sizes)))
+        product = _grouped_linear(graph, anchor, x, weights, biases, _val(anchor))
         return _call(graph, aten.split_with_sizes.default, (product, sizes, -1), anchor)
 
     inputs = tuple(n for n in (x, *weights, *biases) if isinstance(n, Node))
