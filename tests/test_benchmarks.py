@@ -57,3 +57,17 @@ def test_fused_kernel_prices_match_the_h200_run(tmp_path: Path) -> None:
     for name, row in json.loads(out.read_text())["rows"].items():
         assert abs(row["fused_error"]) < 0.05 and abs(row["unfused_error"]) < 0.08, (name, row)
         assert row["predicted_gain"] > 1.0
+
+
+def test_gpu_equivalence_script_on_cpu_ranks(tmp_path: Path) -> None:
+    """benchmarks/equivalence_gpus.py (issue 7's bf16 check) in its float64 smoke mode on 2 gloo ranks."""
+    out = tmp_path / "equivalence.json"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "benchmarks/equivalence_gpus.py", "--device", "cpu", "--small", "--steps", "4",
+                          "--global-batch", "4", "--plans", "tp=2;dp=2,zero=1", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-5000:]
+    plans = json.loads(out.read_text())["plans"]
+    assert set(plans) == {"tp=2", "dp=2,zero=1"}
+    assert all(row["passed"] and row["max_param_rel_diff"] < 1e-12 for row in plans.values()), plans

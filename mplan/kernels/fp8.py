@@ -118,6 +118,8 @@ def _cast_kernel(x_ptr, y_ptr, yt_ptr, scaling_amax_ptr, inv_scale_ptr, amax_ptr
 
 @dataclass(frozen=True, slots=True)
 class Fp8Cast:
+    """One tensor cast to fp8, with what `_scaled_mm` and the next call's scaling need."""
+
     data: torch.Tensor
     """the fp8 tensor, row-major"""
     transposed: torch.Tensor | None

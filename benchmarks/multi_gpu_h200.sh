@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Issue 7 on one host of N H200s, in one device call: the NCCL link profile, bf16 equivalence of
+# plans against one GPU, and the planner's auto plan against hand-written Megatron-style plans on a
+# Llama-3-8B, each run for real. Prepared on 2026-11-29 (smoke-tested on CPU ranks only); run as
+#     run(kind="nvidia-h200-x8", carry=[".device_wheels"],
+#         command="bash benchmarks/multi_gpu_h200.sh 8")
+# after `bash scripts/device_wheels.sh` here (the image lacks PuLP and HiGHS). Writes $OUT/*-xN.*
+set -euo pipefail
+n=${1:?number of GPUs}
+out=${OUT:?the device tool sets OUT}
+# NVLink multicast stays off (device README): also for every process torchrun starts
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD OMP_NUM_THREADS=4
+python3 -m pip install --quiet --no-index --find-links .device_wheels pulp highspy
+run() { python3 -m torch.distributed.run --nproc-per-node "$n" "$@"; }
+
+# 1. links: all-reduce, all-gather, reduce-scatter, all-to-all and p2p over message sizes
+run -m mplan profile -o "$out/profile-x$n.json" 2>&1 | tail -5
+
+# 2. bf16 against one GPU, 20 steps (tp over all GPUs; tp x dp with SP and ZeRO-1; dp with ZeRO-1)
+half=$((n / 2))
+run benchmarks/equivalence_gpus.py --out "$out/equivalence-x$n.json" \
+    --plans "tp=$n;tp=$half,dp=2,sp=1,zero=1;dp=$n,zero=1" 2>&1 | grep '^\[' || true
+
+# 3. auto against hand-written plans on a Llama-3-8B, measured and predicted side by side
+run -m mplan bench llama3-8b --cluster "$out/profile-x$n.json" --global-batch 64 --seq-len 4096 \
+    --plans auto "tp=$n,sp=1" "tp=$half,dp=2,sp=1,zero=1" "tp=2,dp=$half,sp=1,zero=1" \
+    --measure --json > "$out/bench-llama3-8b-x$n.json"
+tail -c 2000 "$out/bench-llama3-8b-x$n.json"
