@@ -72,9 +72,9 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     layout ("megatron") or whatever valid mix the sharding ILP prices cheapest ("ilp");
     `kernels` swaps op chains of the local program for mplan's fused kernels
     (`passes.fuse_kernels`; None: on CUDA, where they run as Triton kernels; elsewhere they
-    would only run their PyTorch references); `fp8` runs the linears inside the blocks as FP8
-    GEMMs (`kernels.fp8`, delayed scaling; the output head stays in the training dtype) and
-    raises `Fp8Unavailable` naming why where they cannot run. Collective: every rank of the job
+    would only run their PyTorch references); `fp8` (or a Plan made with `fp8=True`) runs the
+    linears inside the blocks as FP8 GEMMs (`kernels.fp8`, delayed scaling; the output head stays
+    in the training dtype) and raises `Fp8Unavailable` naming why where they cannot run. Collective: every rank of the job
     calls it with the same arguments.
     """
     world = init_distributed_from_env()
@@ -102,7 +102,8 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
                      source=state_dict if state_dict is not None else model, model=model,
                      optimizer=optimizer, device=run_on, dtype=dtype, seed=seed,
                      max_grad_norm=max_grad_norm, autocast=_autocast_dtype(autocast),
-                     kernels=run_on.type == "cuda" if kernels is None else kernels, fp8=fp8,
+                     kernels=run_on.type == "cuda" if kernels is None else kernels,
+                     fp8=fp8 or (resolved.plan is not None and resolved.plan.fp8),
                      prepare_inference=_inference_preparer(_weightless(model), resolved, coster_for))
     # torch.export leaves reference cycles that reach the model (the trace's frames and
     # closures). Collected now, `del model` frees the model's memory at once rather than at

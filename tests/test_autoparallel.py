@@ -142,6 +142,20 @@ def test_fp8_on_a_cpu_is_refused_naming_why() -> None:
                            plan="dp=1", fp8=True)
 
 
+def test_a_plan_made_for_fp8_runs_fp8_or_refuses_naming_why() -> None:
+    import mplan
+    from mplan.cost_models.cluster import ClusterSpec
+    from mplan.kernels.fp8 import Fp8Unavailable
+
+    data = batches(4, steps=1)
+    made = mplan.plan(family("tiny-gpt")(), (data[0][0],), cluster=ClusterSpec.preset("h200", gpus_per_node=1),
+                      global_batch=4, fp8=True)
+    assert made.fp8
+    with pytest.raises(Fp8Unavailable, match="not cpu"):
+        mplan.autoparallel(family("tiny-gpt")(), example_inputs=(data[0][0],), optimizer=OPTIMIZER, global_batch=4,
+                           plan=made)
+
+
 def test_verify_plan_scales_a_plan_down() -> None:
     from mplan.runtime.verify import verify_plan
 

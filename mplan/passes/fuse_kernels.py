@@ -56,7 +56,7 @@ from mplan.kernels.fp8 import Fp8Linear, Fp8Unavailable, fp8_unavailable_reason
 from mplan.kernels.op_bytes import FUSED_OP_TRAFFIC, FusedOpTraffic, fused_op_bytes
 
 __all__ = ["ATTENTION_RULE", "FP8_LINEAR_RULE", "FUSED_OP_TRAFFIC", "FUSION_RULES", "FusedOpTraffic", "FusionReport",
-           "FusionRule", "fuse_kernels", "fused_op_bytes"]
+           "FusionRule", "feeds_the_loss", "fuse_kernels", "fused_op_bytes"]
 
 aten = torch.ops.aten
 logger = logging.getLogger(__name__)
@@ -402,18 +402,18 @@ _PASS_THROUGH = (aten.view.default, aten._unsafe_view.default, aten.reshape.defa
                  aten.to.dtype, aten.contiguous.default)
 
 
-def _feeds_the_loss(node: Node, hops: int = 4) -> bool:
+def feeds_the_loss(node: Node, hops: int = 4) -> bool:
     """Whether `node`'s value reaches a loss through at most `hops` reshapes or casts (the output head)."""
     if hops < 0:
         return False
-    return any(_is(user, *_LOSSES) or (_is(user, *_PASS_THROUGH) and _feeds_the_loss(user, hops - 1))
+    return any(_is(user, *_LOSSES) or (_is(user, *_PASS_THROUGH) and feeds_the_loss(user, hops - 1))
                for user in node.users)
 
 
 def _match_fp8_linear(anchor: Node) -> Match | None:
     x, weight, bias = (list(anchor.args) + [None])[:3]
     xv, wv = _val(x), _val(weight)
-    if anchor.kwargs or xv is None or wv is None or wv.dim() != 2 or _feeds_the_loss(anchor):
+    if anchor.kwargs or xv is None or wv is None or wv.dim() != 2 or feeds_the_loss(anchor):
         return None
     if any(d % 16 for d in (xv.numel() // max(xv.shape[-1], 1), *wv.shape)):
         return None  # cuBLASLt's FP8 GEMMs need every dimension a multiple of 16

@@ -74,7 +74,8 @@ def explain_data(plan: Plan) -> dict[str, Any]:
                      "memory_gib": None if a.predicted is None else a.predicted.memory_gib, "why": a.why}
                     for a in plan.alternatives]
     return {"model": plan.model.name, "cluster": f"{plan.cluster.name} x{plan.cluster.nodes}",
-            "world_size": plan.cluster.world_size, "spec": plan.spec(),
+            "world_size": plan.cluster.world_size, "spec": plan.spec(), "fp8": plan.fp8,
+            "fused_kernels_priced": bool(plan.planner.get("fused_kernels_priced")),
             "mesh": {"dp": plan.mesh.dp, "tp": plan.mesh.tp, "pp": plan.mesh.pp, "ep": plan.mesh.ep,
                      "vpp": plan.mesh.vpp},
             "predicted": {"step_time_ms": best * 1e3, "tflops_per_gpu": plan.predicted.tflops_per_gpu,
@@ -97,6 +98,8 @@ def render(plan: Plan, console: Any) -> None:
                   f"dp={m['dp']} tp={m['tp']} pp={m['pp']} vpp={m['vpp']} ep={m['ep']}, "
                   f"{plan.schedule}, micro-batch {plan.micro_batch_size} x {plan.num_micro_batches}, "
                   f"SP {'on' if plan.sequence_parallel else 'off'}, zero={plan.zero}, recompute={plan.recompute}")
+    kernels = "fused kernels priced" if plan.planner.get("fused_kernels_priced") else "ops priced one by one"
+    console.print(f"GEMMs: {'FP8 block linears (output head in bf16)' if plan.fp8 else 'training dtype'}; {kernels}")
     console.print(f"predicted: step {p['step_time_ms']:.1f} ms, {p['tflops_per_gpu']:.1f} TFLOP/s per GPU "
                   f"(MFU {p['mfu']:.1%}), {p['tokens_per_s']:,.0f} tokens/s, bubble {p['bubble_fraction']:.1%}, "
                   f"peak memory {p['memory_gib']:.1f} GiB  [predicted, not measured]")

@@ -6,7 +6,9 @@ bias + GELU, SwiGLU, RoPE, cross-entropy) runs as one kernel that moves `fused_o
 fraction of copy bandwidth the H200 measured for it. `find_fused_chains` finds the chains with
 the pass's own matchers, dry-run on the captured program (nothing is rewritten); `OpCoster`
 then charges a chain's anchor the fused kernel and its other ops nothing. GEMMs and attention
-keep their prices (the grouped q/k/v GEMM is priced as its parts; bias+GELU's GEMM stays a GEMM).
+keep their prices (the grouped q/k/v GEMM is priced as its parts; bias+GELU's GEMM stays a GEMM),
+except under FP8 (`find_fp8_linears`, `fp8_linear_time`): the block linears as FP8 GEMMs plus
+their casts.
 
 Measured: `MEASURED_COPY_FRACTION` is the share of the device-to-device copy bandwidth each
 kernel reached on the H200, forward and backward separately, by GPU kernel time at 16384-row
@@ -18,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.ir.graph import Graph, OpNode, dtype_bytes
 
 MEASURED_COPY_FRACTION: dict[str, tuple[float, float]] = {
@@ -64,6 +67,38 @@ def find_fused_chains(graph: Graph) -> dict[str, FusedChain]:
             chains.update({name: chain for name in names if name in graph and graph.node(name).kind != "matmul"})
             break
     return chains
+
+
+def find_fp8_linears(graph: Graph) -> frozenset[str]:
+    """The linears `fuse_kernels(fp8=True)` runs in FP8: every `aten.linear` but the output head
+    (whose value reaches the loss). Their GEMM dimensions are checked where they are priced, on
+    local shapes (`fp8_linear_time`)."""
+    from mplan.passes.fuse_kernels import feeds_the_loss
+
+    if graph.program is None:
+        return frozenset()
+    return frozenset(node.name for node in graph.program.graph.nodes
+                     if node.op == "call_function" and str(node.target) == "aten.linear.default"
+                     and node.name in graph and not feeds_the_loss(node))
+
+
+FP8_CAST_COPY_FRACTION = 0.84
+"""Share of copy bandwidth the FP8 cast kernel reached on the H200 at 16384 x 2048-8192
+(benchmarks/results/fp8_h200-2026-11-29.json: 82-86%)."""
+
+
+def fp8_linear_time(compute: ComputeCostModel, m: int, n: int, k: int) -> tuple[float, float] | None:
+    """(forward, backward) seconds of an FP8 linear x[m, k] W[n, k]^T as kernels.fp8 runs it, or
+    None where FP8 cannot run it (a dimension not a multiple of 16): three FP8 GEMMs plus the casts,
+    each reading 2 bytes and writing 2 (both layouts) per element, of x and W forward and of the
+    output gradient backward. Against the H200's measured FP8 linears at seven block shapes this
+    predicts 0.95-1.17x their time, without a fitted constant."""
+    if any(d % 16 for d in (m, n, k)):
+        return None
+    cast = lambda elements: compute.memory_bound_time(4.0 * elements / FP8_CAST_COPY_FRACTION)  # noqa: E731
+    forward = compute.matmul_time(m, n, k, "fp8") + cast(m * k) + cast(n * k)
+    backward = compute.matmul_time(m, k, n, "fp8") + compute.matmul_time(n, k, m, "fp8") + cast(m * n)
+    return forward, backward
 
 
 def fused_bytes(chain: FusedChain, anchor: OpNode, backward: bool) -> int:

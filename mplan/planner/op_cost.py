@@ -22,7 +22,7 @@ from mplan.cost_models.collective_cost import GroupShape, collective_time
 from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.ir.graph import OpNode, TensorMeta
 from mplan.ir.op_table import op_packet
-from mplan.planner.fused_pricing import MEASURED_COPY_FRACTION, FusedChain, fused_bytes
+from mplan.planner.fused_pricing import MEASURED_COPY_FRACTION, FusedChain, fp8_linear_time, fused_bytes
 from mplan.planner.placement import Partial, Placement, R, can_transition, local_shape, transition
 from mplan.planner.strategies import Strategy
 
@@ -46,12 +46,14 @@ class OpCoster:
     """Seconds for ops and reshardings on one tensor-parallel axis of a cluster."""
 
     def __init__(self, cluster: ClusterSpec, axis_size: int, group: GroupShape,
-                 fused: Mapping[str, FusedChain] | None = None) -> None:
+                 fused: Mapping[str, FusedChain] | None = None, fp8_linears: frozenset[str] = frozenset()) -> None:
         self.cluster = cluster
         self.n = axis_size
         self.group = group
         self.fused = fused or {}
         """memory-bound chains that run as one fused kernel (fused_pricing.find_fused_chains)"""
+        self.fp8_linears = fp8_linears
+        """linears that run as FP8 GEMMs (fused_pricing.find_fp8_linears)"""
         self.compute = ComputeCostModel(cluster)
         self._collective = lru_cache(maxsize=None)(self._collective_uncached)
 
@@ -92,6 +94,9 @@ class OpCoster:
             if packet == "linear":
                 m, k, cols = math.prod(a[:-1]), a[-1], b[0]
                 batch = 1
+                fp8 = fp8_linear_time(self.compute, m, cols, k) if node.name in self.fp8_linears else None
+                if fp8 is not None:
+                    return fp8
             else:
                 batch = math.prod(a[:-2]) if len(a) > 2 else 1
                 m, k, cols = a[-2], a[-1], b[-1]

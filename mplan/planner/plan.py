@@ -114,6 +114,7 @@ class Plan:
     predicted: Predicted
     alternatives: tuple[Alternative, ...] = ()
     planner: dict[str, float] = field(default_factory=dict, hash=False)  # seconds, candidates, ...
+    fp8: bool = False  # the blocks' linears run as FP8 GEMMs (optional in the file; absent = False)
     version: int = PLAN_VERSION
 
     def spec(self) -> str:
@@ -155,7 +156,8 @@ class Plan:
                    sharding=_string_table(r, "sharding"), ops=_string_lists(r, "ops"),
                    predicted=_predicted(r.obj("predicted")),
                    alternatives=tuple(_alternative(a) for a in r.objects("alternatives")),
-                   planner=_numbers(r, "planner"), version=version)
+                   planner=_numbers(r, "planner"), fp8=r.boolean("fp8") if r.has("fp8") else False,
+                   version=version)
         r.finish()
         _check_consistent(plan, file)
         return plan

@@ -22,7 +22,7 @@ from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.collective_cost import GroupShape
 from mplan.ir.graph import Graph
 from mplan.planner.evaluate import Estimate, ModelFacts, evaluate
-from mplan.planner.fused_pricing import find_fused_chains
+from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.parallel_config import (ModelLimits, ParallelConfig, PlanSpec, PlanSpecError,
                                            enumerate_configs)
@@ -73,7 +73,7 @@ class Planner:
 
     def __init__(self, graph: Graph, cluster: ClusterSpec, *, allow: StrategyFilter | None = None,
                  grad_dtype: str = "fp32", fp32_grad_copy: bool = True, kernels: bool = False,
-                 progress: Callable[[str], None] | None = None) -> None:
+                 fp8: bool = False, progress: Callable[[str], None] | None = None) -> None:
         self.dynamic = any(m.sym is not None for m in graph.graph_inputs.values())
         if not self.dynamic and graph.batch_size != 1:
             raise ValueError("the planner prices micro-batches from a graph captured with a dynamic batch, "
@@ -86,6 +86,7 @@ class Planner:
         self.kernels = kernels
         # chains fuse_kernels will run as one kernel, priced so (names survive rebatching)
         self.fused = find_fused_chains(graph) if kernels else {}
+        self.fp8_linears = find_fp8_linears(graph) if fp8 else frozenset()
         self.progress = progress or (lambda _: None)
         self._sharded: dict[tuple[int, bool], ShardedModel] = {}
         self.facts = replace(_facts(self.graph), grad_dtype=grad_dtype, fp32_grad_copy=fp32_grad_copy)
@@ -95,7 +96,7 @@ class Planner:
         key = (tp, sp)
         if key not in self._sharded:
             group = GroupShape(size=tp, ranks_per_node=min(tp, self.cluster.gpus_per_node))
-            coster = OpCoster(self.cluster, tp, group, fused=self.fused)
+            coster = OpCoster(self.cluster, tp, group, fused=self.fused, fp8_linears=self.fp8_linears)
             boundary = Shard(1) if sp else R
             self.progress(f"solving the sharding ILP for tp={tp}{' with SP' if sp else ''}")
             sharding = solve_graph_sharding(self.graph, coster, boundary, allow=self.allow)
