@@ -18,7 +18,9 @@ halves, bias+GELU, RoPE, cross-entropy):
      measured in the same run (read + written bytes of a 1 GiB copy).
 Shapes are those of shared/reference/h200-kernels-2026-11-29.json: 16384 tokens x hidden 4096
 (norms), 14336 (SwiGLU), 16384 (bias+GELU); RoPE on [4, 32, 4096, 128]; cross-entropy on
-4096 x 128256 logits. Target: >= 80% of copy bandwidth and no slower than torch.compile.
+4096 x 128256 logits. --all-shapes also times the rest of the training range (each Case's
+`more_shapes`: hidden 2048 and 8192, FFN 5632 and 8192, RoPE as the end-to-end GPT runs it,
+cross-entropy on 16384 tokens x 32000 and 128256); not yet run on the GPU. Target: >= 80% of copy bandwidth and no slower than torch.compile.
 The 2026-11-29 run took 52 s on an H200 (mostly torch.compile and Triton autotuning); the wider
 autotune lists since (5-7 configurations a kernel, each compiled once per shape) should keep it
 under 2 minutes; kernels not started within BUDGET_S are skipped so the run ends within 4 minutes.
@@ -95,6 +97,8 @@ class Case:
     """(forward bytes, backward bytes) at a shape and itemsize"""
     kernels: tuple[Any, ...]
     """the Triton autotuners behind the op, whose chosen configs are reported"""
+    more_shapes: tuple[dict[str, int], ...] = ()
+    """further training shapes timed with --all-shapes (16k tokens, hidden 2048-8192, vocab 32k-128k)"""
 
 
 def _leaf(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype, scale: float = 1.0,
@@ -131,30 +135,37 @@ CASES = [
          make=lambda s, d, t: [_leaf((s["rows"], s["cols"]), d, t), _leaf((s["rows"], s["cols"]), d, t),
                                _leaf((s["cols"],), d, t, 0.1, 1.0), 1e-5],
          shape={"rows": 16384, "cols": 4096}, odd_shape={"rows": 1001, "cols": 4000},
+         more_shapes=({"rows": 16384, "cols": 2048}, {"rows": 16384, "cols": 8192}),
          bytes=_rows_bytes("rms_norm_residual"), kernels=(rmsnorm._forward_kernel, rmsnorm._backward_kernel)),
     Case(name="layernorm+residual", fused=layer_norm_residual, reference=layer_norm_residual_reference,
          make=lambda s, d, t: [_leaf((s["rows"], s["cols"]), d, t), _leaf((s["rows"], s["cols"]), d, t),
                                _leaf((s["cols"],), d, t, 0.1, 1.0), _leaf((s["cols"],), d, t, 0.1), 1e-5],
          shape={"rows": 16384, "cols": 4096}, odd_shape={"rows": 1001, "cols": 4000},
+         more_shapes=({"rows": 16384, "cols": 2048}, {"rows": 16384, "cols": 8192}),
          bytes=_rows_bytes("layer_norm_residual"), kernels=(layernorm._forward_kernel, layernorm._backward_kernel)),
     Case(name="swiglu", fused=swiglu, reference=swiglu_reference,
          make=lambda s, d, t: [_leaf((s["rows"], s["cols"]), d, t, 2.0), _leaf((s["rows"], s["cols"]), d, t)],
          shape={"rows": 16384, "cols": 14336}, odd_shape={"rows": 1001, "cols": 3001},
+         more_shapes=({"rows": 16384, "cols": 5632},),
          bytes=_rows_bytes("swiglu"), kernels=(glu._forward_kernel, glu._backward_kernel)),
     Case(name="swiglu (packed)", fused=swiglu_packed, reference=swiglu_packed_reference,
          make=lambda s, d, t: [_leaf((s["rows"], 2 * s["cols"]), d, t, 2.0)],
          shape={"rows": 16384, "cols": 14336}, odd_shape={"rows": 1001, "cols": 3001},
+         more_shapes=({"rows": 16384, "cols": 5632},),
          bytes=_rows_bytes("swiglu"), kernels=(glu._packed_forward_kernel, glu._packed_backward_kernel)),
     Case(name="bias+gelu", fused=bias_gelu, reference=bias_gelu_reference,
          make=lambda s, d, t: [_leaf((s["rows"], s["cols"]), d, t, 2.0), _leaf((s["cols"],), d, t, 0.5)],
          shape={"rows": 16384, "cols": 16384}, odd_shape={"rows": 1001, "cols": 3001},
+         more_shapes=({"rows": 16384, "cols": 8192},),
          bytes=_rows_bytes("bias_gelu"), kernels=(gelu._forward_kernel, gelu._backward_kernel)),
     Case(name="rope", fused=rope, reference=rope_reference, make=_rope_inputs,
          shape={"batch": 4, "heads": 32, "seq": 4096, "head_dim": 128},
          odd_shape={"batch": 3, "heads": 5, "seq": 1001, "head_dim": 80}, bytes=_rope_bytes,
+         more_shapes=({"batch": 8, "heads": 16, "seq": 2048, "head_dim": 128},),
          kernels=(rotary._rope_kernel,)),
     Case(name="cross_entropy", fused=cross_entropy, reference=cross_entropy_reference, make=_ce_inputs,
          shape={"rows": 4096, "cols": 128256}, odd_shape={"rows": 1001, "cols": 50001},
+         more_shapes=({"rows": 16384, "cols": 32000}, {"rows": 16384, "cols": 128256}),
          bytes=_rows_bytes("cross_entropy"),
          kernels=(cross_entropy_loss._block_stats_kernel, cross_entropy_loss._grad_kernel)),
 ]
@@ -280,6 +291,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="where to write the JSON results")
     parser.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated kernels to run")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the references")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S,
+                        help="start no kernel after this many seconds (about 400 with --all-shapes)")
+    parser.add_argument("--all-shapes", action="store_true",
+                        help="also time each kernel's further training shapes (hidden 2048-8192, 16k-token vocab)")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU smoke test: tiny shapes, fp16, no compile (needs TRITON_INTERPRET=1)")
     return parser.parse_args()
@@ -306,8 +321,8 @@ def main() -> None:
     for case in (c for c in CASES if c.name in wanted):
         shape = SMOKE_SHAPES[case.name] if args.smoke else case.shape
         entry: dict[str, Any] = {}
-        if time.perf_counter() - start > BUDGET_S:
-            report["kernels"][case.name] = {"error": f"skipped: past the {BUDGET_S:.0f} s budget"}
+        if time.perf_counter() - start > args.budget_s:
+            report["kernels"][case.name] = {"error": f"skipped: past the {args.budget_s:.0f} s budget"}
             log(f"{case.name}: skipped (time budget)")
             continue
         try:
@@ -317,6 +332,11 @@ def main() -> None:
             entry["correct"] = all(c["passed"] and c["triton_used"] for c in entry["check"])
             entry["timing"] = time_case(case, device, dtype, shape, copy_tbps,
                                         compile_reference=not (args.no_compile or args.smoke))
+            if args.all_shapes:  # the rest of the training-shape range, after the headline shape
+                more = [SMOKE_SHAPES[case.name]] if args.smoke else list(case.more_shapes)
+                entry["timing_more"] = [time_case(case, device, dtype, extra, copy_tbps,
+                                                  compile_reference=not (args.no_compile or args.smoke))
+                                        for extra in more]
         except Exception:  # noqa: BLE001 - one kernel's failure must not lose the others' numbers
             entry["error"] = traceback.format_exc()
         report["kernels"][case.name] = entry
@@ -334,8 +354,12 @@ def main() -> None:
 def _summary(entry: dict[str, Any]) -> str:
     if "error" in entry:
         return "ERROR " + entry["error"].strip().splitlines()[-1]
-    timing = entry["timing"]
-    parts = [f"correct={entry['correct']}"]
+    return f"correct={entry['correct']}; " + "\n    ".join(_timing_summary(t) for t in
+                                                            [entry["timing"], *entry.get("timing_more", [])])
+
+
+def _timing_summary(timing: dict[str, Any]) -> str:
+    parts = [str(timing["shape"])]
     for name in ("triton", "eager", "compile"):
         if name in timing:
             row = timing[name]
