@@ -50,7 +50,6 @@ import copy
 import datetime
 import functools
 import gc
-import json
 import os
 import platform
 import statistics
@@ -67,6 +66,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mplan  # noqa: E402
+from benchmarks.report import triton_version, write_report  # noqa: E402
 from mplan.kernels import sdpa_autotune  # noqa: E402
 from mplan.models import GPTConfig, LlamaConfig, build_model, example_inputs  # noqa: E402
 from mplan.passes.fuse_kernels import fuse_kernels  # noqa: E402
@@ -341,7 +341,7 @@ def main() -> None:
     report: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name() if setting.device.type == "cuda" else "cpu (smoke test)",
-        "torch": torch.__version__, "python": platform.python_version(), "triton": _triton_version(),
+        "torch": torch.__version__, "python": platform.python_version(), "triton": triton_version(),
         "precision": ("bf16 parameters and activations" if args.precision == "bf16"
                       else "fp32 parameters, bf16 autocast"),
         "training": f"fused AdamW lr {LR}, global-norm clipping {MAX_GRAD_NORM}, loss read back every step",
@@ -392,10 +392,7 @@ def main() -> None:
          "chosen": choice.backend.name if choice.backend is not None else None, "ms": choice.milliseconds}
         for case, choice in sdpa_autotune.tuned_cases()]
     report["wall_s"] = round(time.perf_counter() - began, 1)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=1)
-        handle.write("\n")
+    write_report(args.out, report)
     log(f"wrote {args.out}")
 
 
@@ -404,13 +401,6 @@ def _summary(row: dict[str, Any]) -> str:
     return (f"step {row['step_s'] * 1e3:.1f} ms, {row['tflops']:.1f} TFLOP/s{peak}, "
             f"losses {[round(x, 4) for x in row['losses']]}")
 
-
-def _triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton.__version__
 
 
 if __name__ == "__main__":

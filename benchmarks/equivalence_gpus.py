@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import os
 import sys
 import time
@@ -36,6 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mplan  # noqa: E402
+from benchmarks.report import write_report  # noqa: E402
 from mplan.models import LlamaConfig, build_model  # noqa: E402
 from mplan.runtime.launch import init_distributed_from_env  # noqa: E402
 
@@ -140,10 +140,7 @@ def main() -> None:
                   f"of the first loss, worst parameter {row['worst_param']} {row['max_param_rel_diff']:.2e}, "
                   f"passed {row['passed']}", file=sys.stderr, flush=True)
     if rank == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as handle:
-            json.dump(report, handle, indent=1)
-            handle.write("\n")
+        write_report(args.out, report)
     dist.destroy_process_group()
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 from typing import Any
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report import write_report  # noqa: E402
 from benchmarks.gpu_time import kernel_ms  # noqa: E402
 from mplan.kernels.fp8 import E4M3, E5M2, Fp8LinearFunction, Fp8ScalingState, _cast_reference, cast_fp8  # noqa: E402
 
@@ -96,10 +96,7 @@ def main() -> None:
     report = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "copy_TBps": round(copy, 3), "cast": check_cast(copy),
               "linears": time_linears()}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=1)
-        handle.write("\n")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -47,6 +46,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report import triton_version, write_report  # noqa: E402
 from mplan.kernels import (  # noqa: E402
     bias_gelu,
     bias_gelu_reference,
@@ -314,7 +314,7 @@ def main() -> None:
     report: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke test)",
-        "torch": torch.__version__, "triton": _triton_version(), "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__, "triton": triton_version(), "dtype": str(dtype).removeprefix("torch."),
         "copy_TBps": round(copy_tbps, 3), "copy_target_fraction": COPY_TARGET, "kernels": {},
     }
     wanted = set(args.cases.split(","))
@@ -344,10 +344,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     report["wall_s"] = round(time.perf_counter() - start, 1)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=1)
-        handle.write("\n")
+    write_report(args.out, report)
     log(f"wrote {args.out}")
 
 
@@ -368,13 +365,6 @@ def _timing_summary(timing: dict[str, Any]) -> str:
                          f"events {row['event_fwd_ms']:.3f}/{row['event_fwd_bwd_ms']:.3f})")
     return "; ".join(parts)
 
-
-def _triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton.__version__
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -32,6 +31,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report import write_report  # noqa: E402
 from benchmarks.gpu_time import kernel_ms  # noqa: E402
 from mplan.kernels import rmsnorm  # noqa: E402
 from mplan.kernels.dispatch import configs, next_power_of_2, num_row_programs  # noqa: E402
@@ -188,10 +188,7 @@ def main() -> None:
             print(f"{n_rows}x{n_cols} {name}: {ms:.4f} ms, {min_bytes / ms / 1e9:.2f} TB/s, errors {errors}",
                   file=sys.stderr, flush=True)
         report["shapes"].append(row)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=1)
-        handle.write("\n")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

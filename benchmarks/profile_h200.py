@@ -30,6 +30,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.report import write_report  # noqa: E402
 from mplan.cost_models.compute_cost import H200_GEMM_POINTS, ComputeCostModel  # noqa: E402
 from mplan.cost_models.measure_device import profile_device  # noqa: E402
 from mplan.cost_models.presets import make_preset  # noqa: E402
@@ -82,10 +83,7 @@ def main() -> None:
     profile.to_json(args.output)
     results = args.results or os.path.join(ROOT, "benchmarks", "results",
                                            f"profile_h200-{datetime.date.today().isoformat()}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(results)), exist_ok=True)
-    with open(results, "w", encoding="utf-8") as handle:
-        json.dump({"summary": summary(profile, wall), "profile": profile.to_dict()}, handle, indent=1)
-        handle.write("\n")
+    write_report(results, {"summary": summary(profile, wall), "profile": profile.to_dict()})
     print(json.dumps(summary(profile, wall), indent=1))
     print(f"wrote {args.output} and {results} in {wall:.1f} s", file=sys.stderr)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 import re
 import sys
@@ -29,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.report import write_report  # noqa: E402
 from benchmarks.e2e_h200 import FULL, SMALL, SYSTEMS, Setting, start_timer  # noqa: E402
 from benchmarks.gpu_time import kernel_table  # noqa: E402
 
@@ -109,10 +109,7 @@ def main() -> None:
             row = rows[name]
             print(f"[{time.perf_counter() - began:6.1f}s] {workload.name} {name}: wall {row['wall_ms_per_step']} ms, "
                   f"kernels {row['gpu_kernel_ms_per_step']} ms, {row['by_category_ms']}", file=sys.stderr, flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=1)
-        handle.write("\n")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":
