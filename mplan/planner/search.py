@@ -83,7 +83,6 @@ class Planner:
         self._at_batch: dict[int, Graph] = {1: self.graph}
         self.cluster = cluster
         self.allow = allow
-        self.kernels = kernels
         # chains fuse_kernels will run as one kernel, priced so (names survive rebatching)
         self.fused = find_fused_chains(graph) if kernels else {}
         self.fp8_linears = find_fp8_linears(graph) if fp8 else frozenset()
