@@ -18,10 +18,14 @@ from torch.profiler import ProfilerActivity, profile
 
 
 def kernel_table(prof: profile) -> dict[str, float]:
-    """Total device milliseconds of each kernel (and memset/memcpy) a profile recorded."""
+    """Total device milliseconds of each kernel (and memset/memcpy) a profile recorded.
+
+    User annotations (record_function ranges such as `Optimizer.step#AdamW.step`) also appear on
+    the GPU timeline, spanning the kernels they enclose: they are skipped, or those kernels would
+    count twice."""
     totals: dict[str, float] = {}
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        if event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
             totals[event.name] = totals.get(event.name, 0.0) + event.device_time / 1e3
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 

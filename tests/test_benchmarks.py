@@ -41,6 +41,25 @@ def test_kernel_benchmark_checks_every_kernel_under_the_interpreter(tmp_path: Pa
     assert all(entry["correct"] and len(entry["timing_more"]) == 1 for entry in kernels.values()), kernels
 
 
+def test_gpu_kernel_time_counts_kernels_not_the_annotations_around_them() -> None:
+    """A record_function range (Optimizer.step) spans its kernels on the GPU timeline: counting it
+    too would add the optimizer's time twice to a step's kernel time."""
+    from types import SimpleNamespace
+
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu_time import kernel_table
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(name="adam_kernel", device_type=cuda, device_time=3000.0, is_user_annotation=False),
+              SimpleNamespace(name="adam_kernel", device_type=cuda, device_time=1000.0, is_user_annotation=False),
+              SimpleNamespace(name="Optimizer.step#AdamW.step", device_type=cuda, device_time=4100.0,
+                              is_user_annotation=True),
+              SimpleNamespace(name="aten::add", device_type=cpu, device_time=0.0, is_user_annotation=False)]
+    assert kernel_table(SimpleNamespace(events=lambda: events)) == {"adam_kernel": 4.0}
+
+
 def test_step_profile_on_tiny_models(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
     _run("step_profile_h200.py", "--device", "cpu", "--small", "--systems", "eager,mplan", "--out", str(out))
