@@ -70,6 +70,7 @@ from benchmarks.report import triton_version, write_report  # noqa: E402
 from mplan.kernels import sdpa_autotune  # noqa: E402
 from mplan.models import GPTConfig, LlamaConfig, build_model, example_inputs  # noqa: E402
 from mplan.passes.fuse_kernels import fuse_kernels  # noqa: E402
+from mplan.runtime.parallel_module import ParallelModule  # noqa: E402
 
 LR = 1e-4
 MAX_GRAD_NORM = 1.0
@@ -132,6 +133,8 @@ class Setting:
     device: torch.device
     precision: str
     """bf16: bf16 parameters; autocast: fp32 parameters, bf16 autocast"""
+    lr: float = LR
+    """AdamW's learning rate (a schedule, where a script has one, scales it)"""
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -143,7 +146,7 @@ class Setting:
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def optimizer(self) -> Callable[..., torch.optim.Optimizer]:
-        return functools.partial(torch.optim.AdamW, lr=LR, fused=True)
+        return functools.partial(torch.optim.AdamW, lr=self.lr, fused=True)
 
 
 Step = Callable[[], float]
@@ -199,8 +202,10 @@ def build_mplan_graph(workload: Workload, setting: Setting) -> tuple[Step, dict[
     return _plain_step(lambda: program(ids, labels=labels), list(program.parameters()), setting), info
 
 
-def build_mplan(workload: Workload, setting: Setting, fp8: bool = False) -> tuple[Step, dict[str, Any]]:
-    model, ids, labels = _model_and_batch(workload, setting)
+def mplan_module(workload: Workload, setting: Setting, fp8: bool = False) -> tuple[ParallelModule, dict[str, Any]]:
+    """mplan on the trivial plan, traced on the workload's example batch; its `train_step` takes
+    any batch of that shape (benchmarks/fp8_convergence_h200.py feeds a fresh one every step)."""
+    model, ids, _ = _model_and_batch(workload, setting)
     pm = mplan.autoparallel(model, example_inputs=(ids,), global_batch=workload.batch, plan="dp=1,tp=1,pp=1",
                             kernels=True, fp8=fp8, optimizer=setting.optimizer(), max_grad_norm=MAX_GRAD_NORM,
                             dtype=setting.param_dtype, autocast=setting.precision == "autocast",
@@ -208,6 +213,12 @@ def build_mplan(workload: Workload, setting: Setting, fp8: bool = False) -> tupl
     del model  # pm trains the model's own tensors; nothing else should keep them
     info = {"pipeline": f'mplan.autoparallel(plan="dp=1,tp=1,pp=1", kernels=True{", fp8=True" if fp8 else ""})',
             "fused": pm.program.meta["fuse_kernels"].counts}
+    return pm, info
+
+
+def build_mplan(workload: Workload, setting: Setting, fp8: bool = False) -> tuple[Step, dict[str, Any]]:
+    pm, info = mplan_module(workload, setting, fp8)
+    ids, labels = example_inputs(workload.config, workload.batch, device=setting.device)  # _model_and_batch's
     return lambda: pm.train_step(ids, labels), info
 
 

@@ -2,7 +2,9 @@
 and the planner's price of fused kernels held against the committed H200 measurement."""
 from __future__ import annotations
 
+import importlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -30,6 +32,38 @@ def test_end_to_end_benchmark_on_tiny_models(tmp_path: Path) -> None:
         assert len(systems["mplan"]["losses"]) == len(systems["eager"]["losses"]) == 4, name
         assert entry["correctness"]["mplan"]["passed"], entry["correctness"]
         assert "FP8 linear needs a CUDA device" in systems["mplan_fp8"]["error"]  # refused, not faked
+
+
+def test_fp8_convergence_benchmark_trains_toward_the_chains_floor(tmp_path: Path) -> None:
+    """The smoke run learns the chain's transitions (below H(pi), the best loss without context,
+    and above the batches' exact best loss); FP8 refuses the CPU and is skipped with the reason."""
+    out = tmp_path / "fp8_convergence.json"
+    _run("fp8_convergence_h200.py", "--device", "cpu", "--small", "--out", str(out))
+    models = json.loads(out.read_text())["models"]
+    assert set(models) == {"gpt-tiny", "llama-tiny"}
+    for name, entry in models.items():
+        chain, bf16 = entry["chain"], entry["systems"]["mplan"]
+        assert len(bf16["losses"]) == len(bf16["step_s_all"]) == len(bf16["grad_norms"]) == 120, name
+        assert chain["best_final_loss"] < bf16["final_loss"] < chain["context_free_loss"] < bf16["losses"][0], (
+            name, chain, bf16["final_loss"])
+        assert abs(chain["entropy_rate"] - chain["best_final_loss"]) < 0.15, chain
+        assert "FP8 linear needs a CUDA device" in entry["systems"]["mplan_fp8"]["skipped"]
+        assert "skipped" in entry["comparison"]
+
+
+def test_fp8_convergence_comparison_fails_a_final_gap_over_one_percent(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT))
+    compare = importlib.import_module("benchmarks.fp8_convergence_h200").compare
+    bf16 = [2.0 + 9.0 * math.exp(-step / 20) for step in range(100)]
+    close = compare(bf16, [loss * 1.005 for loss in bf16], best_final_loss=1.9)
+    assert close["passed"] and close["final_rel_diff"] == pytest.approx(0.005)
+    final = close["final_loss_bf16"]
+    assert close["final_excess_rel_diff"] == pytest.approx(0.005 * final / (final - 1.9))
+    assert not compare(bf16, [loss * 1.02 for loss in bf16], best_final_loss=1.9)["passed"]
+    assert not compare(bf16, bf16[:-1] + [math.nan], best_final_loss=1.9)["passed"]
+    bump = compare(bf16, [loss * (1.2 if 40 <= step < 45 else 1.0) for step, loss in enumerate(bf16)], 1.9)
+    assert bump["passed"] and 40 <= bump["smoothed_max_rel_gap_step"] < 55
+    assert bump["smoothed_max_rel_gap"] == pytest.approx(0.1, rel=0.2)
 
 
 @pytest.mark.slow
