@@ -1,0 +1,297 @@
+"""Designs of the two kernels whose forward trailed torch.compile's on 2026-11-29, timed on one GPU.
+
+On the H200 the shipped packed-SwiGLU forward took 0.335 ms against compile's 0.321 (16384 x
+2 x 14336 bf16) and the RoPE forward 0.0668 ms against 0.0640 ([4, 32, 4096, 128]); both
+forward+backward totals were faster. The candidates, each timed by GPU kernel time
+(benchmarks/gpu_time.py) and checked against the reference:
+  packed SwiGLU (forward and backward)
+    tiles      the first design: a 2-D grid of [rows, column] tiles, rows on grid axis 0,
+               so consecutive programs start 2F elements apart
+    row_walk   the same tiles on a 1-D grid whose consecutive programs walk one row's columns
+               (shipped since this comparison: mplan.kernels.glu)
+    flat       Inductor's shape: flat over the output with the half width a compile-time
+               constant, so row and column come from a division by a constant
+  RoPE (forward), on the benchmark's contiguous [b, h, s, d] and on the two layouts the
+  models hand it: the transpose of a [b, s, h, d] projection and a q slice of a grouped
+  [b, s, (h + 2 kv) d] q/k/v projection
+    tiles      the first design: [heads, positions, d/2] tiles on a 3-D grid
+    flat       one program per BLOCK_R head vectors in the output's dense order, the position
+               and the input offset from divisions by compile-time constants
+    shipped    mplan.kernels.rotary since this comparison: flat, the sizes and strides at run
+               time (any layout), with and without L2 eviction hints
+Every configuration is timed; torch.compile of the reference is timed in the same run. The
+shipped kernels' designs and autotune lists come from these figures.
+
+Run on the GPU (from the repository root; about a minute):
+    PYTHONPATH=. python3 benchmarks/kernel_variants_h200.py --out $OUT/kernel_variants.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.gpu_time import kernel_ms  # noqa: E402
+from benchmarks.report import write_report  # noqa: E402
+from mplan.kernels import glu, rotary, rope_reference, swiglu_packed_reference  # noqa: E402
+from mplan.kernels.sigmoid import sigmoid_and_complement  # noqa: E402
+from mplan.models.layers import rope_tables  # noqa: E402
+
+SWIGLU_SHAPES = ((16384, 14336), (16384, 5632), (16384, 8192))
+"""(rows, F): the kernel benchmark's Llama-8B FFN, the end-to-end Llama-1.1B's, and one more"""
+TILE_CONFIGS = ((1, 1024, 4), (1, 2048, 8), (1, 4096, 8), (2, 1024, 4), (4, 1024, 8), (8, 512, 8),
+                (1, 2048, 4), (2, 2048, 8), (4, 512, 4), (16, 256, 8))
+"""(BLOCK_M, BLOCK_N, warps) of both tile orders"""
+FLAT_CONFIGS = ((1024, 4), (2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16))
+ROPE_CONFIGS = ((1, 32, 4), (1, 64, 4), (2, 16, 4), (2, 32, 4), (4, 16, 4), (2, 64, 8), (4, 32, 8),
+                (1, 128, 8), (8, 16, 4), (8, 32, 8), (16, 8, 4), (16, 16, 8), (32, 4, 4), (32, 8, 8))
+"""(BLOCK_HEADS, BLOCK_S, warps) of the first design"""
+ROPE_FLAT_CONFIGS = ((8, 2), (8, 4), (16, 4), (32, 4), (32, 8), (64, 8), (128, 8))
+"""(BLOCK_R head vectors, warps), for both flat kernels"""
+
+
+@triton.jit
+def _tiles_forward(y_ptr, out_ptr, n_rows, half, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    mask = (rows < n_rows) & (cols < half)
+    g = tl.load(y_ptr + rows * (2 * half) + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(y_ptr + rows * (2 * half) + half + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows * half + cols, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tiles_backward(dout_ptr, y_ptr, dy_ptr, n_rows, half, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    mask = (rows < n_rows) & (cols < half)
+    dout = tl.load(dout_ptr + rows * half + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(y_ptr + rows * (2 * half) + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(y_ptr + rows * (2 * half) + half + cols, mask=mask, other=0.0).to(tl.float32)
+    sig, one_minus_sig = sigmoid_and_complement(g)
+    tl.store(dy_ptr + rows * (2 * half) + cols, (dout * u * sig * (1.0 + g * one_minus_sig)).to(dy_ptr.dtype.element_ty),
+             mask=mask)
+    tl.store(dy_ptr + rows * (2 * half) + half + cols, (dout * g * sig).to(dy_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _flat_forward(y_ptr, out_ptr, n_out, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_out
+    src = (offs // HALF) * (2 * HALF) + offs % HALF
+    g = tl.load(y_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(y_ptr + src + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _flat_backward(dout_ptr, y_ptr, dy_ptr, n_out, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_out
+    src = (offs // HALF) * (2 * HALF) + offs % HALF
+    dout = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(y_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(y_ptr + src + HALF, mask=mask, other=0.0).to(tl.float32)
+    sig, one_minus_sig = sigmoid_and_complement(g)
+    tl.store(dy_ptr + src, (dout * u * sig * (1.0 + g * one_minus_sig)).to(dy_ptr.dtype.element_ty), mask=mask)
+    tl.store(dy_ptr + src + HALF, (dout * g * sig).to(dy_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_tiles(x_ptr, cos_ptr, sin_ptr, y_ptr, n_heads, seq, half, x_stride_b, x_stride_h, x_stride_s,
+                y_stride_b, y_stride_h, y_stride_s, table_stride, BLOCK_HEADS: tl.constexpr, BLOCK_S: tl.constexpr,
+                BLOCK_HALF: tl.constexpr):
+    pos = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
+    batch = tl.program_id(2).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)
+    table_mask = (pos < seq)[:, None] & (cols < half)[None, :]
+    t_offs = pos.to(tl.int64)[:, None] * table_stride + cols[None, :]
+    c1 = tl.load(cos_ptr + t_offs, mask=table_mask, other=0.0).to(tl.float32)[None, :, :]
+    c2 = tl.load(cos_ptr + t_offs + half, mask=table_mask, other=0.0).to(tl.float32)[None, :, :]
+    s1 = tl.load(sin_ptr + t_offs, mask=table_mask, other=0.0).to(tl.float32)[None, :, :]
+    s2 = tl.load(sin_ptr + t_offs + half, mask=table_mask, other=0.0).to(tl.float32)[None, :, :]
+    mask = (heads < n_heads)[:, None, None] & table_mask[None, :, :]
+    head64 = heads.to(tl.int64)[:, None, None]
+    pos64 = pos.to(tl.int64)[None, :, None]
+    x_offs = batch * x_stride_b + head64 * x_stride_h + pos64 * x_stride_s + cols[None, None, :]
+    x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + x_offs + half, mask=mask, other=0.0).to(tl.float32)
+    y_offs = batch * y_stride_b + head64 * y_stride_h + pos64 * y_stride_s + cols[None, None, :]
+    tl.store(y_ptr + y_offs, (x1 * c1 - x2 * s1).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + y_offs + half, (x2 * c2 + x1 * s2).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_flat(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, INNER: tl.constexpr, OUTER_STRIDE: tl.constexpr,
+               POS_DIV: tl.constexpr, SEQ: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Vector r (of the output's dense order) reads x at (r // INNER) * OUTER_STRIDE + (r % INNER) * 2 HALF
+    and its table row is (r // POS_DIV) % SEQ."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, HALF)[None, :]
+    mask = (r < n_vectors)[:, None]
+    t_offs = ((r // POS_DIV) % SEQ)[:, None] * (2 * HALF) + cols
+    x_offs = ((r // INNER) * OUTER_STRIDE + (r % INNER) * (2 * HALF))[:, None] + cols
+    c1 = tl.load(cos_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + t_offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + t_offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + x_offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    y_offs = r[:, None] * (2 * HALF) + cols
+    tl.store(y_ptr + y_offs, (x1 * c1 - x2 * s1).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + y_offs + HALF, (x2 * c2 + x1 * s2).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def _time(fn: Callable[[], Any], check: Callable[[], float]) -> dict[str, Any]:
+    fn()
+    error = check()
+    return {"ms": round(kernel_ms(fn, iters=20), 4), "error": error, "correct": error < 1e-2}
+
+
+def swiglu_packed_variants(n_rows: int, half: int, device: torch.device) -> dict[str, Any]:
+    y = 2 * torch.randn(n_rows, 2 * half, device=device, dtype=torch.bfloat16)
+    dout = torch.randn(n_rows, half, device=device, dtype=torch.bfloat16)
+    out, dy = torch.empty_like(dout), torch.empty_like(y)
+    y32 = y.float().requires_grad_()
+    want = swiglu_packed_reference(y32)
+    (want_dy,) = torch.autograd.grad(want, y32, dout.float())
+    fwd_bytes, bwd_bytes = 3 * out.numel() * 2, 5 * out.numel() * 2
+    rows: dict[str, Any] = {"rows": n_rows, "half": half, "fwd_min_bytes": fwd_bytes, "bwd_min_bytes": bwd_bytes,
+                            "forward": {}, "backward": {}}
+
+    def record(name: str, fwd: Callable[[], Any], bwd: Callable[[], Any]) -> None:
+        rows["forward"][name] = _time(fwd, lambda: _rel(out, want))
+        rows["backward"][name] = _time(bwd, lambda: _rel(dy, want_dy))
+        print(f"swiglu packed {n_rows}x{half} {name}: fwd {rows['forward'][name]['ms']} ms, "
+              f"bwd {rows['backward'][name]['ms']} ms", file=sys.stderr, flush=True)
+
+    for m, n, w in TILE_CONFIGS:
+        grid = (triton.cdiv(n_rows, m), triton.cdiv(half, n))
+        record(f"tiles {m}x{n} w{w}",
+               lambda: _tiles_forward[grid](y, out, n_rows, half, BLOCK_M=m, BLOCK_N=n, num_warps=w),
+               lambda: _tiles_backward[grid](dout, y, dy, n_rows, half, BLOCK_M=m, BLOCK_N=n, num_warps=w))
+        walk = (triton.cdiv(n_rows, m) * triton.cdiv(half, n),)
+        record(f"row_walk {m}x{n} w{w}",
+               lambda: glu._packed_forward_kernel.fn[walk](y, out, n_rows, half, BLOCK_M=m, BLOCK_N=n, num_warps=w),
+               lambda: glu._packed_backward_kernel.fn[walk](dout, y, dy, n_rows, half, BLOCK_M=m, BLOCK_N=n,
+                                                            num_warps=w))
+    for block, w in FLAT_CONFIGS:
+        grid = (triton.cdiv(out.numel(), block),)
+        record(f"flat {block} w{w}",
+               lambda: _flat_forward[grid](y, out, out.numel(), HALF=half, BLOCK=block, num_warps=w),
+               lambda: _flat_backward[grid](dout, y, dy, out.numel(), HALF=half, BLOCK=block, num_warps=w))
+    compiled = torch.compile(swiglu_packed_reference)
+    leaf = y.detach().requires_grad_()
+    with torch.no_grad():
+        rows["forward"]["compile"] = _time(lambda: compiled(y), lambda: _rel(compiled(y), want))
+
+    def compile_fwd_bwd() -> None:
+        torch.autograd.grad(compiled(leaf), leaf, dout)
+
+    rows["compile_fwd_bwd"] = _time(compile_fwd_bwd,
+                                    lambda: _rel(torch.autograd.grad(compiled(leaf), leaf, dout)[0], want_dy))
+    torch._dynamo.reset()
+    return rows
+
+
+def _rope_layouts(device: torch.device) -> dict[str, tuple[torch.Tensor, dict[str, int]]]:
+    """name -> (x as attention sees it [b, h, s, d], the flat kernel's constants for it)"""
+    b, h, s, d = 4, 32, 4096, 128
+    contiguous = torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16)
+    b2, h2, s2, kv = 8, 16, 2048, 4
+    projected = torch.randn(b2, s2, h2, d, device=device, dtype=torch.bfloat16).transpose(1, 2)
+    grouped = torch.randn(b2, s2, (h2 + 2 * kv) * d, device=device, dtype=torch.bfloat16)
+    q_slice = grouped[..., : h2 * d].view(b2, s2, h2, d).transpose(1, 2)
+    return {
+        "contiguous [4, 32, 4096, 128]": (contiguous, {"INNER": s, "OUTER_STRIDE": s * d, "POS_DIV": 1}),
+        "transposed [8, 2048, 16, 128]": (projected, {"INNER": h2, "OUTER_STRIDE": h2 * d, "POS_DIV": h2}),
+        "q slice of grouped q/k/v [8, 2048, 24 x 128]": (
+            q_slice, {"INNER": h2, "OUTER_STRIDE": (h2 + 2 * kv) * d, "POS_DIV": h2}),
+    }
+
+
+def rope_variants(device: torch.device) -> list[dict[str, Any]]:
+    results = []
+    for name, (x, flat) in _rope_layouts(device).items():
+        b, h, s, d = x.shape
+        cos, sin = (t.to(torch.bfloat16) for t in rope_tables(s, d, 500000.0, device=device))
+        want = rope_reference(x.float(), cos.float(), sin.float())
+        order = rotary._order(x)
+        y = rotary._dense_like(x, x.dtype, order)
+        row: dict[str, Any] = {"layout": name, "shape": [b, h, s, d], "min_bytes": 2 * x.numel() * 2,
+                               "forward": {}}
+        for bh, bs, w in ROPE_CONFIGS:
+            grid = (triton.cdiv(s, bs), triton.cdiv(h, bh), b)
+            row["forward"][f"tiles {bh}x{bs} w{w}"] = _time(
+                lambda: _rope_tiles[grid](x, cos, sin, y, h, s, d // 2, *x.stride()[:3], *y.stride()[:3],
+                                          cos.stride(0), BLOCK_HEADS=bh, BLOCK_S=bs, BLOCK_HALF=d // 2, num_warps=w),
+                lambda: _rel(y, want))
+        sizes, strides = [x.shape[i] for i in order[:3]], [x.stride(i) for i in order[:3]]
+        for block, w in ROPE_FLAT_CONFIGS:
+            for evict in (False, True):
+                grid = (triton.cdiv(x.numel() // d, block),)
+                row["forward"][f"shipped {block} w{w}{' evict' if evict else ''}"] = _time(
+                    lambda: rotary._rope_kernel.fn[grid](x, cos, sin, y, x.numel() // d, sizes[1], sizes[2], *strides,
+                                                         d // 2, cos.stride(0), BACKWARD=False,
+                                                         POS_AXIS=order.index(2), BLOCK_R=block, BLOCK_HALF=d // 2,
+                                                         EVICT=evict, num_warps=w),
+                    lambda: _rel(y, want))
+        dense = torch.empty(x.shape, dtype=x.dtype, device=device)  # flat writes [b, h, s, d] order
+        dense_view = dense if flat["POS_DIV"] == 1 else dense.view(b, s, h, d).transpose(1, 2)
+        for block, w in ROPE_FLAT_CONFIGS:
+            grid = (triton.cdiv(x.numel() // d, block),)
+            row["forward"][f"flat {block} w{w}"] = _time(
+                lambda: _rope_flat[grid](x, cos, sin, dense, x.numel() // d, SEQ=s, HALF=d // 2, BLOCK_R=block,
+                                         num_warps=w, **flat),
+                lambda: _rel(dense_view, want))
+        compiled = torch.compile(rope_reference)
+        with torch.no_grad():
+            row["forward"]["compile"] = _time(lambda: compiled(x, cos, sin), lambda: _rel(compiled(x, cos, sin), want))
+        torch._dynamo.reset()
+        best = min((v["ms"], k) for k, v in row["forward"].items() if k != "compile" and v["correct"])
+        print(f"rope {name}: best {best}, compile {row['forward']['compile']['ms']}", file=sys.stderr, flush=True)
+        results.append(row)
+    return results
+
+
+def _best(variants: dict[str, Any], prefix: str) -> dict[str, Any]:
+    ms, name = min((v["ms"], k) for k, v in variants.items() if k.startswith(prefix) and v["correct"])
+    return {"variant": name, "ms": ms}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    report: dict[str, Any] = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+                              "torch": torch.__version__, "triton": triton.__version__, "dtype": "bf16",
+                              "swiglu_packed": [], "rope": []}
+    for n_rows, half in SWIGLU_SHAPES:
+        row = swiglu_packed_variants(n_rows, half, device)
+        row["best"] = {direction: {design: _best(row[direction], design) for design in ("tiles", "row_walk", "flat")}
+                       for direction in ("forward", "backward")}
+        report["swiglu_packed"].append(row)
+    for row in rope_variants(device):
+        row["best"] = {design: _best(row["forward"], design) for design in ("tiles", "flat", "shipped")}
+        report["rope"].append(row)
+    write_report(args.out, report)
+
+
+if __name__ == "__main__":
+    main()
