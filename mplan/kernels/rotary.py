@@ -9,13 +9,16 @@
 The backward is the transposed map, which for the rotation tables (c1 = c2, s1 = s2) is the
 inverse rotation: dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1. One kernel does both.
 
-Kernel: each program takes a [heads, positions, head_dim / 2] tile pair of one batch element
-(grid: position blocks x head groups x batch, so no index is ever divided), loads its four
-table tiles once and applies them to every head of the group. Why this shape: the H200
-measured a row-per-program version at 52% of copy bandwidth (torch.compile: 93%), paying a
-runtime integer division per row for (batch, head, position) and re-reading the tables from L2
-for every head, twice the x bytes. All loads of a tile are issued together, 16-byte vectors
-along head_dim. Arithmetic is fp32.
+Kernel: flat over the output's head vectors in its dense order (the order of x's strides):
+each program takes BLOCK_R consecutive vectors, finds each one's (batch, head, position) by
+two divisions per vector (not per element), reads its halves with x's strides and its table
+row, and writes the output densely. Why this shape: on the H200 it ran 2-5% faster than the
+earlier [heads, positions] tiles on a 3-D grid (0.0334 vs 0.0351 ms for the transposed
+[8, 16, 2048, 128] projection, 0.0655 vs 0.0672 for contiguous [4, 32, 4096, 128];
+torch.compile 0.0329 and 0.0648), because consecutive programs write consecutive memory and
+small programs keep many loads in flight (benchmarks/results/kernel_variants_h200-2026-11-29.json).
+The tables are re-read per vector, mostly from L2; EVICT (tuned) asks L2 to keep them and let
+the streamed x go first. Arithmetic is fp32.
 
 Layout: the result has x's dimension order (dense, so x's strides when x is dense, e.g. the
 transposed q/k projection, and [batch, seq, heads, head_dim] order when x is a slice of a grouped
@@ -36,66 +39,85 @@ import torch
 
 from mplan.kernels.dispatch import configs, next_power_of_2, tl, triton, use_triton
 
-# [heads, positions] per program, for head_dim 128 (64-wide halves): 2-8 K elements in all;
-# more heads per program reuse the tables more, more positions make longer runs. Larger tiles
-# were left out: at 16 K elements sm_90 needs 200 registers a thread (one program per SM), and
-# fewer than 16 positions make the compiler shuffle the tile through shared memory.
-_TILES = configs(
-    [triton.Config({"BLOCK_HEADS": h, "BLOCK_S": s}, num_warps=w)
-     for h, s, w in ((1, 32, 4), (1, 64, 4), (2, 16, 4), (2, 32, 4), (4, 16, 4), (2, 64, 8),
-                     (4, 32, 8))],
-    triton.Config({"BLOCK_HEADS": 2, "BLOCK_S": 4}, num_warps=1),
+# (head vectors per program, warps, L2 eviction hints): the H200 ran 8-16 vectors of 4 warps fastest
+# (kernel_variants); 8 vectors get 2 warps here so every thread loads 16 bytes at head_dim 128
+_VECTORS = configs(
+    [triton.Config({"BLOCK_R": r, "EVICT": e}, num_warps=w)
+     for e in (False, True) for r, w in ((8, 2), (16, 4), (32, 8))],
+    triton.Config({"BLOCK_R": 4, "EVICT": True}, num_warps=1),
 )
 
 
-@triton.autotune(configs=_TILES, key=["n_heads", "seq", "half", "BACKWARD"])
+@triton.autotune(configs=_VECTORS, key=["n_vectors", "half", "BACKWARD"])
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, n_heads, seq, half, x_stride_b, x_stride_h, x_stride_s,
-                 y_stride_b, y_stride_h, y_stride_s, table_stride,
-                 BACKWARD: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_S: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr):
-    pos = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
-    batch = tl.program_id(2).to(tl.int64)
-    cols = tl.arange(0, BLOCK_HALF)
-    table_mask = (pos < seq)[:, None] & (cols < half)[None, :]
-    t_offs = pos.to(tl.int64)[:, None] * table_stride + cols[None, :]
-    c1 = tl.load(cos_ptr + t_offs, mask=table_mask, other=0.0).to(tl.float32)[None, :, :]
-    c2 = tl.load(cos_ptr + t_offs + half, mask=table_mask, other=0.0).to(tl.float32)[None, :, :]
-    s1 = tl.load(sin_ptr + t_offs, mask=table_mask, other=0.0).to(tl.float32)[None, :, :]
-    s2 = tl.load(sin_ptr + t_offs + half, mask=table_mask, other=0.0).to(tl.float32)[None, :, :]
-    mask = (heads < n_heads)[:, None, None] & table_mask[None, :, :]
-    head64 = heads.to(tl.int64)[:, None, None]
-    pos64 = pos.to(tl.int64)[None, :, None]
-    x_offs = batch * x_stride_b + head64 * x_stride_h + pos64 * x_stride_s + cols[None, None, :]
-    x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + x_offs + half, mask=mask, other=0.0).to(tl.float32)
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, n1, n2, x_stride0, x_stride1, x_stride2, half,
+                 table_stride, BACKWARD: tl.constexpr, POS_AXIS: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr, EVICT: tl.constexpr):
+    """Vector r of y (dense, sizes [n0, n1, n2] outermost first) is x's vector (r // (n1 n2),
+    r // n2 % n1, r % n2) in that order; its table row is that index on axis POS_AXIS."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    i2 = r % n2
+    i1 = (r // n2) % n1
+    i0 = r // (n1 * n2)
+    if POS_AXIS == 0:
+        pos = i0
+    elif POS_AXIS == 1:
+        pos = i1
+    else:
+        pos = i2
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (r < n_vectors)[:, None] & (cols < half)
+    t_offs = pos[:, None] * table_stride + cols
+    x_offs = (i0 * x_stride0 + i1 * x_stride1 + i2 * x_stride2)[:, None] + cols
+    if EVICT:
+        c1 = tl.load(cos_ptr + t_offs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        c2 = tl.load(cos_ptr + t_offs + half, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        s1 = tl.load(sin_ptr + t_offs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        s2 = tl.load(sin_ptr + t_offs + half, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        x2 = tl.load(x_ptr + x_offs + half, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    else:
+        c1 = tl.load(cos_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + t_offs + half, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + t_offs + half, mask=mask, other=0.0).to(tl.float32)
+        x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + x_offs + half, mask=mask, other=0.0).to(tl.float32)
     if BACKWARD:
         y1 = x1 * c1 + x2 * s2
         y2 = x2 * c2 - x1 * s1
     else:
         y1 = x1 * c1 - x2 * s1
         y2 = x2 * c2 + x1 * s2
-    y_offs = batch * y_stride_b + head64 * y_stride_h + pos64 * y_stride_s + cols[None, None, :]
+    y_offs = r[:, None] * (2 * half) + cols
     tl.store(y_ptr + y_offs, y1.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(y_ptr + y_offs + half, y2.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dst: torch.Tensor, backward: bool) -> None:
-    batch, heads, seq, head_dim = src.shape
+def _launch(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dst: torch.Tensor, order: list[int],
+            backward: bool) -> None:
+    """dst is dense in the dimension order `order` (outermost first, the head dim last)."""
+    sizes = [src.shape[d] for d in order[:3]]
+    strides = [src.stride(d) for d in order[:3]]
+    n_vectors = sizes[0] * sizes[1] * sizes[2]
+    head_dim = src.shape[-1]
 
-    def grid(meta: dict[str, Any]) -> tuple[int, int, int]:
-        return triton.cdiv(seq, meta["BLOCK_S"]), triton.cdiv(heads, meta["BLOCK_HEADS"]), batch
+    def grid(meta: dict[str, Any]) -> tuple[int]:
+        return (triton.cdiv(n_vectors, meta["BLOCK_R"]),)
 
-    _rope_kernel[grid](src, cos, sin, dst, heads, seq, head_dim // 2, *src.stride()[:3], *dst.stride()[:3],
-                       cos.stride(0), BACKWARD=backward, BLOCK_HALF=next_power_of_2(head_dim // 2))
+    _rope_kernel[grid](src, cos, sin, dst, n_vectors, sizes[1], sizes[2], *strides, head_dim // 2, cos.stride(0),
+                       BACKWARD=backward, POS_AXIS=order.index(2), BLOCK_HALF=next_power_of_2(head_dim // 2))
 
 
-def _dense_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An empty tensor of x's shape with x's dimension order, dense even where x is not (q/k as a
-    slice of a grouped q/k/v projection, [batch, seq, (q|k|v) heads * head_dim] transposed):
-    torch.empty_like would fall back to contiguous [batch, heads, seq, head_dim] there."""
-    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))  # outermost first (a stable sort)
+def _order(x: torch.Tensor) -> list[int]:
+    """x's dimensions outermost first (largest stride first, a stable sort), the head dim last."""
+    return sorted(range(x.dim() - 1), key=lambda d: -x.stride(d)) + [x.dim() - 1]
+
+
+def _dense_like(x: torch.Tensor, dtype: torch.dtype, order: list[int]) -> torch.Tensor:
+    """An empty tensor of x's shape, dense in the dimension order `order`, even where x is not
+    (q/k as a slice of a grouped q/k/v projection, [batch, seq, (q|k|v) heads * head_dim]
+    transposed): torch.empty_like would fall back to contiguous [batch, heads, seq, head_dim] there."""
     base = torch.empty([x.shape[d] for d in order], dtype=dtype, device=x.device)
     return base.permute([order.index(d) for d in range(x.dim())])
 
@@ -105,10 +127,11 @@ class RopeFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        y = _dense_like(x, torch.promote_types(x.dtype, cos.dtype))
-        _launch(x, cos, sin, y, backward=False)
+        order = _order(x)
+        y = _dense_like(x, torch.promote_types(x.dtype, cos.dtype), order)
+        _launch(x, cos, sin, y, order, backward=False)
         ctx.save_for_backward(cos, sin)
-        ctx.x_dtype, ctx.layout = x.dtype, y.stride()
+        ctx.x_dtype, ctx.order = x.dtype, order
         return y
 
     @staticmethod
@@ -116,8 +139,8 @@ class RopeFunction(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
-        dx = torch.empty_strided(dy.shape, ctx.layout, dtype=ctx.x_dtype, device=dy.device)
-        _launch(dy, cos, sin, dx, backward=True)
+        dx = _dense_like(dy, ctx.x_dtype, ctx.order)
+        _launch(dy, cos, sin, dx, ctx.order, backward=True)
         return dx, None, None
 
 
@@ -129,7 +152,6 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 def _fusable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     return (use_triton(x) and x.dim() == 4 and x.shape[-1] % 2 == 0 and x.stride(-1) == 1
-            and x.shape[0] < 65536 and x.shape[1] < 65536  # CUDA grid limits on axes 1 and 2
             and cos.dim() == 2 and cos.shape == sin.shape and cos.shape[-1] == x.shape[-1]
             and cos.shape[0] == x.shape[2] and cos.stride(-1) == 1 and sin.stride() == cos.stride()
             and not (cos.requires_grad or sin.requires_grad))
