@@ -19,10 +19,11 @@ halves, bias+GELU, RoPE, cross-entropy):
 Shapes are those of shared/reference/h200-kernels-2026-11-29.json: 16384 tokens x hidden 4096
 (norms), 14336 (SwiGLU), 16384 (bias+GELU); RoPE on [4, 32, 4096, 128]; cross-entropy on
 4096 x 128256 logits. --all-shapes also times the rest of the training range (each Case's
-`more_shapes`: hidden 2048 and 8192, FFN 5632 and 8192, RoPE as the end-to-end GPT runs it,
-cross-entropy on 16384 tokens x 32000 and 128256); not yet run on the GPU. Target: >= 80% of copy bandwidth and no slower than torch.compile.
-The 2026-11-29 run took 52 s on an H200 (mostly torch.compile and Triton autotuning); the wider
-autotune lists since (5-7 configurations a kernel, each compiled once per shape) should keep it
+`more_shapes`: hidden 2048 and 8192, FFN 5632 and 8192, RoPE as the end-to-end Llama runs it (a
+transposed projection), cross-entropy on 16384 tokens x 32000 and 128256); its first H200 run
+(2026-11-29, 119 s) is kept in results/kernels_h200-2026-11-29-all-shapes-first.json.
+Target: >= 80% of copy bandwidth and no slower than torch.compile.
+The wider autotune lists (5-7 configurations a kernel, each compiled once per shape) keep a run
 under 2 minutes; kernels not started within BUDGET_S are skipped so the run ends within 4 minutes.
 
 Run on the GPU (from the repository root):
@@ -121,7 +122,11 @@ def _rope_bytes(s: dict[str, int], itemsize: int) -> tuple[int, int]:
 
 def _rope_inputs(s: dict[str, int], device: torch.device, dtype: torch.dtype) -> list[Any]:
     cos, sin = rope_tables(s["seq"], s["head_dim"], 500000.0, device=device)
-    return [_leaf((s["batch"], s["heads"], s["seq"], s["head_dim"]), device, dtype), cos.to(dtype), sin.to(dtype)]
+    if s.get("projected"):  # as a model hands it: the [b, s, h, d] projection, transposed (a view)
+        x = _leaf((s["batch"], s["seq"], s["heads"], s["head_dim"]), device, dtype).transpose(1, 2)
+    else:
+        x = _leaf((s["batch"], s["heads"], s["seq"], s["head_dim"]), device, dtype)
+    return [x, cos.to(dtype), sin.to(dtype)]
 
 
 def _ce_inputs(s: dict[str, int], device: torch.device, dtype: torch.dtype) -> list[Any]:
@@ -161,7 +166,7 @@ CASES = [
     Case(name="rope", fused=rope, reference=rope_reference, make=_rope_inputs,
          shape={"batch": 4, "heads": 32, "seq": 4096, "head_dim": 128},
          odd_shape={"batch": 3, "heads": 5, "seq": 1001, "head_dim": 80}, bytes=_rope_bytes,
-         more_shapes=({"batch": 8, "heads": 16, "seq": 2048, "head_dim": 128},),
+         more_shapes=({"batch": 8, "heads": 16, "seq": 2048, "head_dim": 128, "projected": 1},),
          kernels=(rotary._rope_kernel,)),
     Case(name="cross_entropy", fused=cross_entropy, reference=cross_entropy_reference, make=_ce_inputs,
          shape={"rows": 4096, "cols": 128256}, odd_shape={"rows": 1001, "cols": 50001},
