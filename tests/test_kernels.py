@@ -96,11 +96,14 @@ def _simulated_group(world_size: int) -> list[VocabReductions]:
 @needs_reference_dispatch
 @pytest.mark.parametrize("bounds", [(0, 70), (0, 33, 70), (0, 10, 41, 70)], ids=["1", "2", "3"])
 def test_vocab_parallel_cross_entropy_with_simulated_reductions(bounds: tuple[int, ...]) -> None:
-    """Shards of uneven width, labels in every shard and two ignored rows: the loss on every
-    rank and the concatenated gradients equal F.cross_entropy on the whole logits."""
+    """Shards of uneven width, labels in every shard, two ignored rows and a row masked (-inf)
+    over whole shards: the loss on every rank and the concatenated gradients equal
+    F.cross_entropy on the whole logits."""
     torch.manual_seed(0)
     logits = 3.0 * torch.randn(11, 70)
+    logits[4, :41] = float("-inf")
     labels = torch.randint(0, 70, (11,))
+    labels[4] = 50
     labels[[1, 7]] = -100
     full = logits.clone().requires_grad_()
     expected = F.cross_entropy(full, labels)

@@ -8,20 +8,27 @@ Labels are global token ids; rows whose label is `ignore_index` count neither in
 nor in the mean (as `F.cross_entropy`). The loss has the logits' dtype (fp32 under autocast);
 arithmetic is fp32 (float64 for float64 logits, which always take the PyTorch path).
 
-Memory: logits are never converted to fp32 as a whole. The Triton path holds one vocabulary
-block of one row per program; the PyTorch path for the sharded op walks rows in chunks of at
-most `TORCH_CHUNK_ELEMENTS`. What is saved for backward is the logits (already alive), one fp32
-log-sum-exp per row and the fp32 count of rows that count.
+Memory: logits are never converted to fp32 as a whole. The Triton path holds at most CHUNK
+vocabulary blocks of one row per program; the PyTorch path for the sharded op walks rows in
+chunks of at most `TORCH_CHUNK_ELEMENTS`. What is saved for backward is the logits (already
+alive), one fp32 log-sum-exp per row and the fp32 count of rows that count.
 
 Kernels (why: the H200 measured a program-per-row loop over the vocabulary at 67% of copy
 bandwidth on 4096 x 128256 bf16 logits: 4096 programs on 132 SMs, each waiting on a block's
 loads, then on two reductions, then on the next block, plus a dozen tiny torch kernels after):
-    block stats   one program per (row, vocabulary block of BLOCK_V): max and sum of exp over the
-                  block, in one read of the logits; tens of thousands of independent programs
-                  keep every SM's loads in flight ("split-K" over the vocabulary)
-    combine       one program per 16 rows: merges the blocks' (max, sum-exp), gathers the label's
-                  logit; unsharded, it also writes lse and each program's loss sum and row count
-    mean          one program: the mean loss from those partial sums, in the loss dtype
+    block stats   one program per (row, CHUNK consecutive vocabulary blocks of BLOCK_V): max and
+                  sum of exp over them, merged online (m' = max(m, block max),
+                  s' = s exp(m - m') + sum exp(x - m')), in one read of the logits; each block's
+                  loads are issued before the previous block's max and exp, and tens of
+                  thousands of independent programs keep every SM's loads in flight ("split-K"
+                  over the vocabulary). One partial per program: cdiv(vocab, BLOCK_V * CHUNK)
+                  per row
+    combine       one program per 16 rows: merges the partials' (max, sum-exp), gathers the
+                  label's logit; unsharded, it also writes lse and each program's loss sum and
+                  row count
+    mean          one program: the mean loss from those partial sums, in the loss dtype (a
+                  launch of its own, not an atomic add in the combine: the loss stays
+                  deterministic)
     grad          one program per (row, block): (exp(x - lse) - [j == label]) * d_loss / count,
                   written once (zeros on rows whose label is ignored)
 No load of logits waits on a label: a program's lifetime is one load latency, not two (so
@@ -29,13 +36,38 @@ ignored rows are read like the others).
 So the unsharded forward is three launches and reads the logits once; the backward is one
 launch that reads them once and writes the gradient once.
 
+The CHUNK loop and exp2 (why: with one block per program, CHUNK=1, the H200 measured the
+forward at 82%, 79% and 84% of copy bandwidth (4.22 TB/s, the logits counted once) on bf16
+logits of 4096 x 128256, 16384 x 32000 and 16384 x 128256, the backward at 98-100%: each
+program issued one load, then waited on it and computed with nothing in flight). exp(x - m)
+is computed as 2^(x log2(e) - m log2(e)): one FMA and one MUFU.EX2 per logit, where `tl.exp`
+compiles to a subtract, a multiply and a denormal fix-up around the EX2 (sm_90 SASS: about 5
+instructions per logit instead of 9). The price is rounding m log2(e): about an ulp of the
+max in the log-sum-exp, the rounding lse = m + log(s) has in fp32 anyway (measured: lse within
+1e-7, relative, of float64 on bf16 logits, -inf runs included); flushing terms below 2^-126
+of the max changes no sum (the max's own term is 1).
+Timed on the H200 (profiler kernel time, bf16, a scratch script, not yet
+benchmarks/kernels_h200.py), block stats kernel, best configuration at 16384 x 128256, as a
+share of copy bandwidth: CHUNK=1 with exp 86%, the CHUNK loop with exp 90%, CHUNK=1 with
+exp2 98%, the CHUNK loop with exp2 109% (a read-only kernel outruns a copy). Whole forward,
+three launches, autotuned, before -> after:
+    4096 x 128256    0.300 -> 0.240 ms   83% -> 104%
+    16384 x 32000    0.298 -> 0.241 ms   83% -> 103%
+    16384 x 128256   1.172 -> 0.925 ms   85% -> 108%
+    4096 x 50304     0.126 -> 0.100 ms   77% -> 98%
+The backward (its own kernel, unchanged) measured the same within 4%. The tuner picked
+BLOCK_V=2048, CHUNK=4 with 1 or 2 warps everywhere: fewer warps, more logits per thread.
+
 Sharded math (Megatron-LM's vocab-parallel cross-entropy, with the max folded into one pass):
     per rank, one pass:   m_r = max_j x_j,  e_r = sum_j exp(x_j - m_r),  t_r = x_label if local else 0
     across the group:     M = allreduce_max(m_r);  [E, T] = allreduce_sum([e_r exp(m_r - M), t_r])
     per row:              lse = M + log E,  loss_row = lse - T
     backward (local):     d x_j = (exp(x_j - lse) - [j == label]) * d_loss / num_valid_rows
-The backward needs no communication: every rank holds the global lse. The unsharded op is the
-same with one shard and identity reductions (which the Triton path finishes in its kernels).
+A shard whose logits of a row are all -inf sends m_r = -inf and e_r = 0, which weigh nothing
+(M is shifted to 0 where every shard's is -inf: no NaN), so no finite logit of another shard
+underflows against a stand-in max. The backward needs no communication: every rank holds the
+global lse. The unsharded op is the same with one shard and identity reductions (which the
+Triton path finishes in its kernels).
 
 Invariants: `reductions` must return the group-wide max/sum of a per-rank tensor (in place or
 not); every rank must call with the same rows and labels. CPU tensors without the interpreter
@@ -68,15 +100,24 @@ IGNORE_INDEX = -100
 TORCH_CHUNK_ELEMENTS = 1 << 24
 """Logit elements converted to fp32 at once by the PyTorch local math (64 MiB of fp32)."""
 
-# One vocabulary block per program: 2-32 KB of bf16 each; the autotuner weighs fewer, larger
-# programs (fewer partials, longer reductions) against more, smaller ones.
-_BLOCKS = configs(
-    [triton.Config({"BLOCK_V": v}, num_warps=w)
-     for v, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16))],
-    triton.Config({"BLOCK_V": 32}, num_warps=1),
+# The gradient: one vocabulary block per program, 2-32 KB of bf16 each; the autotuner weighs
+# fewer, larger programs (fewer partials, longer reductions) against more, smaller ones.
+_BLOCK_WARPS = ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16))
+_BLOCKS = configs([triton.Config({"BLOCK_V": v}, num_warps=w) for v, w in _BLOCK_WARPS],
+                  triton.Config({"BLOCK_V": 32}, num_warps=1))
+# The block stats: those blocks one per program (CHUNK=1, the design before the loop), and
+# CHUNK consecutive blocks per program: the five fastest, over four shapes, of 19 such
+# configurations timed on the H200 (module docstring). The interpreter's CHUNK=2 runs the
+# loop in tests.
+_STATS = configs(
+    [triton.Config({"BLOCK_V": v, "CHUNK": c}, num_warps=w)
+     for v, c, w in [(v, 1, w) for v, w in _BLOCK_WARPS]
+     + [(1024, 8, 1), (2048, 4, 1), (2048, 4, 2), (4096, 2, 4), (4096, 4, 4)]],
+    triton.Config({"BLOCK_V": 32, "CHUNK": 2}, num_warps=1),
 )
-_MIN_BLOCK_V = min(config.kwargs["BLOCK_V"] for config in _BLOCKS)
-"""The partials have room for the most blocks any configuration makes."""
+_MIN_PART_V = min(config.kwargs["BLOCK_V"] * config.kwargs["CHUNK"] for config in _STATS)
+"""Vocabulary ids per partial in the finest configuration: the partials have room for the
+most partials per row any configuration makes."""
 
 _COMBINE_ROWS = 4 if INTERPRET else 16
 """Rows per combine program (not tuned: the combine moves well under 1% of the bytes)."""
@@ -84,37 +125,52 @@ _MEAN_BLOCK = 16 if INTERPRET else 1024
 """Partial sums the mean kernel adds per step (a few hundred at training shapes)."""
 
 
-@triton.autotune(configs=_BLOCKS, key=["n_cols"])
+@triton.autotune(configs=_STATS, key=["n_cols"])
 @triton.jit
-def _block_stats_kernel(x_ptr, max_ptr, sumexp_ptr, n_blocks_ptr, n_cols, row_stride, max_blocks,
-                        BLOCK_V: tl.constexpr):
+def _block_stats_kernel(x_ptr, max_ptr, sumexp_ptr, n_parts_ptr, n_cols, row_stride, max_parts,
+                        BLOCK_V: tl.constexpr, CHUNK: tl.constexpr):
+    """One partial (max, sum of exp(x - max)) per CHUNK consecutive blocks of BLOCK_V of a row,
+    merged online; the max is -inf (and the sum 0) where every logit of the partial is -inf.
+    exp(x - max) is computed as 2^(x log2(e) - max log2(e)): one FMA and an ex2 per logit."""
     pid = tl.program_id(0)
-    n_blocks = tl.cdiv(n_cols, BLOCK_V)
-    row = pid // n_blocks
-    block = pid % n_blocks
+    n_parts = tl.cdiv(n_cols, BLOCK_V * CHUNK)
+    row = pid // n_parts
+    part = pid % n_parts
     if pid == 0:  # how many partials each row has, for the combine kernel
-        tl.store(n_blocks_ptr, n_blocks)
-    cols = block * BLOCK_V + tl.arange(0, BLOCK_V)
-    x = tl.load(x_ptr + row.to(tl.int64) * row_stride + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-    m = tl.max(x, axis=0)
-    shift = tl.where(m == float("-inf"), 0.0, m)  # a block of -inf logits: sum 0, no NaN
-    out = row.to(tl.int64) * max_blocks + block
-    tl.store(max_ptr + out, shift)
-    tl.store(sumexp_ptr + out, tl.sum(tl.exp(x - shift), axis=0))
+        tl.store(n_parts_ptr, n_parts)
+    x_row = x_ptr + row.to(tl.int64) * row_stride
+    cols = part * (BLOCK_V * CHUNK) + tl.arange(0, BLOCK_V)
+    x_next = tl.load(x_row + cols, mask=cols < n_cols, other=float("-inf"))
+    log2e = 1.4426950408889634
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    for i in tl.static_range(CHUNK):
+        x = x_next.to(tl.float32)
+        if i + 1 < CHUNK:  # prefetch: the next block is in flight during this one's exp
+            cols += BLOCK_V
+            x_next = tl.load(x_row + cols, mask=cols < n_cols, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new * log2e)  # only -inf so far: sum 0, no NaN
+        s = s * tl.exp2(m * log2e - shift) + tl.sum(tl.exp2(x * log2e - shift), axis=0)
+        m = m_new
+    out = row.to(tl.int64) * max_parts + part
+    tl.store(max_ptr + out, m)
+    tl.store(sumexp_ptr + out, s)
 
 
 @triton.jit
-def _combine_kernel(max_ptr, sumexp_ptr, n_blocks_ptr, x_ptr, labels_ptr, lse_ptr, loss_sum_ptr, count_ptr,
-                    n_rows, n_cols, row_stride, max_blocks, vocab_start, ignore_index, FINALIZE: tl.constexpr,
+def _combine_kernel(max_ptr, sumexp_ptr, n_parts_ptr, x_ptr, labels_ptr, lse_ptr, loss_sum_ptr, count_ptr,
+                    n_rows, n_cols, row_stride, max_parts, vocab_start, ignore_index, FINALIZE: tl.constexpr,
                     BLOCK_ROWS: tl.constexpr, BLOCK_SLOTS: tl.constexpr):
     """FINALIZE (one shard): lse per row, and this program's loss sum and counted rows.
-    Otherwise the local (max, sum-exp, label logit) per row, into lse_ptr's [3, n_rows]."""
+    Otherwise the local (max, sum-exp, label logit) per row, into lse_ptr's [3, n_rows]; the
+    max is -inf where the shard's logits of the row all are, so it never outweighs the others."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     in_rows = rows < n_rows
     slots = tl.arange(0, BLOCK_SLOTS)
-    mask = in_rows[:, None] & (slots < tl.load(n_blocks_ptr))[None, :]
-    offs = rows.to(tl.int64)[:, None] * max_blocks + slots[None, :]
+    mask = in_rows[:, None] & (slots < tl.load(n_parts_ptr))[None, :]
+    offs = rows.to(tl.int64)[:, None] * max_parts + slots[None, :]
     m = tl.load(max_ptr + offs, mask=mask, other=float("-inf"))
     row_max = tl.max(m, axis=1)
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)
@@ -130,7 +186,7 @@ def _combine_kernel(max_ptr, sumexp_ptr, n_blocks_ptr, x_ptr, labels_ptr, lse_pt
         tl.store(loss_sum_ptr + pid, tl.sum(tl.where(counted, lse - target, 0.0), axis=0))
         tl.store(count_ptr + pid, tl.sum(counted.to(tl.float32), axis=0))
     else:
-        tl.store(lse_ptr + rows, shift, mask=in_rows)
+        tl.store(lse_ptr + rows, row_max, mask=in_rows)
         tl.store(lse_ptr + n_rows + rows, sumexp, mask=in_rows)
         tl.store(lse_ptr + 2 * n_rows + rows, target, mask=in_rows)
 
@@ -204,25 +260,25 @@ def _all_reduce(op: Any, group: dist.ProcessGroup | None) -> Callable[[torch.Ten
 
 @dataclass(frozen=True, slots=True)
 class _BlockStats:
-    """Per (row, vocabulary block) max and sum of exp, [rows, max_blocks] fp32, and the number
-    of blocks per row the kernel used (an int32 on the device: the autotuner picked BLOCK_V)."""
+    """Per (row, partial) max and sum of exp, [rows, max_parts] fp32, and the number of partials
+    per row the kernel wrote (an int32 on the device: the autotuner picked BLOCK_V and CHUNK)."""
 
     max: torch.Tensor
     sumexp: torch.Tensor
-    n_blocks: torch.Tensor
+    n_parts: torch.Tensor
 
 
 def _block_stats(logits: torch.Tensor) -> _BlockStats:
     n_rows, n_cols = logits.shape
-    max_blocks = triton.cdiv(n_cols, _MIN_BLOCK_V)
-    partial = torch.empty(2, n_rows, max_blocks, dtype=torch.float32, device=logits.device)
-    n_blocks = torch.empty(1, dtype=torch.int32, device=logits.device)
+    max_parts = triton.cdiv(n_cols, _MIN_PART_V)
+    partial = torch.empty(2, n_rows, max_parts, dtype=torch.float32, device=logits.device)
+    n_parts = torch.empty(1, dtype=torch.int32, device=logits.device)
 
     def grid(meta: dict[str, Any]) -> tuple[int]:
-        return (n_rows * triton.cdiv(n_cols, meta["BLOCK_V"]),)
+        return (n_rows * triton.cdiv(n_cols, meta["BLOCK_V"] * meta["CHUNK"]),)
 
-    _block_stats_kernel[grid](logits, partial[0], partial[1], n_blocks, n_cols, logits.stride(0), max_blocks)
-    return _BlockStats(max=partial[0], sumexp=partial[1], n_blocks=n_blocks)
+    _block_stats_kernel[grid](logits, partial[0], partial[1], n_parts, n_cols, logits.stride(0), max_parts)
+    return _BlockStats(max=partial[0], sumexp=partial[1], n_parts=n_parts)
 
 
 def _combine(logits: torch.Tensor, labels: torch.Tensor, stats: _BlockStats, vocab_start: int, ignore_index: int,
@@ -234,11 +290,11 @@ def _combine(logits: torch.Tensor, labels: torch.Tensor, stats: _BlockStats, voc
     out = torch.empty(n_rows if finalize else 3 * n_rows, dtype=torch.float32, device=logits.device)
     loss_sum = torch.empty(programs if finalize else 1, dtype=torch.float32, device=logits.device)
     count = torch.empty_like(loss_sum)
-    max_blocks = stats.max.shape[1]
-    _combine_kernel[(programs,)](stats.max, stats.sumexp, stats.n_blocks, logits, labels, out, loss_sum, count,
-                                 n_rows, n_cols, logits.stride(0), max_blocks, vocab_start, ignore_index,
+    max_parts = stats.max.shape[1]
+    _combine_kernel[(programs,)](stats.max, stats.sumexp, stats.n_parts, logits, labels, out, loss_sum, count,
+                                 n_rows, n_cols, logits.stride(0), max_parts, vocab_start, ignore_index,
                                  FINALIZE=finalize, BLOCK_ROWS=_COMBINE_ROWS,
-                                 BLOCK_SLOTS=next_power_of_2(max_blocks))
+                                 BLOCK_SLOTS=next_power_of_2(max_parts))
     if finalize:
         return out, loss_sum, count
     local = out.view(3, n_rows)
@@ -256,7 +312,7 @@ def _mean(loss_sum: torch.Tensor, count: torch.Tensor, dtype: torch.dtype) -> tu
 def _torch_local_stats(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int,
                        ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of the local shard: (max, sum exp(x - max), the label's logit or 0), in fp32
-    (float64 for float64 logits)."""
+    (float64 for float64 logits); a row of -inf logits has max -inf and sum 0."""
     n_rows, n_cols = logits.shape
     stats = torch.empty(3, n_rows, dtype=_accumulation_dtype(logits), device=logits.device)
     local = labels - vocab_start
@@ -264,7 +320,7 @@ def _torch_local_stats(logits: torch.Tensor, labels: torch.Tensor, vocab_start: 
     for rows in _row_chunks(n_rows, n_cols):
         x = logits[rows].to(stats.dtype)
         stats[0, rows] = x.max(-1).values
-        stats[1, rows] = (x - stats[0, rows, None]).exp().sum(-1)
+        stats[1, rows] = (x - _finite(stats[0, rows, None])).exp().sum(-1)
         picked = x.gather(1, local[rows].clamp(0, n_cols - 1)[:, None])[:, 0]
         stats[2, rows] = torch.where(mine[rows], picked, 0.0)
     return stats[0], stats[1], stats[2]
@@ -291,6 +347,11 @@ def _local_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, d
         probs[hit.nonzero()[:, 0], local[rows][hit]] -= 1.0
         grad[rows] = (probs * row_scale[rows, None]).to(grad.dtype)
     return grad
+
+
+def _finite(row_max: torch.Tensor) -> torch.Tensor:
+    """The shift for exp(x - shift): the max, or 0 where it is -inf (every exp is then 0, not NaN)."""
+    return torch.where(row_max == float("-inf"), 0.0, row_max)
 
 
 def _accumulation_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -329,7 +390,7 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
             else:
                 local = _torch_local_stats(logits, labels, vocab_start, ignore_index)
             local_max, local_sumexp, local_target = local
-            global_max = reductions.all_reduce_max(local_max.clone())
+            global_max = _finite(reductions.all_reduce_max(local_max.clone()))
             sums = reductions.all_reduce_sum(torch.stack([local_sumexp * (local_max - global_max).exp(), local_target]))
             lse = global_max + sums[0].log()
             valid = labels != ignore_index
