@@ -30,10 +30,12 @@ from mplan.kernels import (
     cross_entropy_reference,
     layer_norm_residual,
     layer_norm_residual_reference,
+    layernorm,
     rms_norm,
     rms_norm_reference,
     rms_norm_residual,
     rms_norm_residual_reference,
+    rmsnorm,
     rope,
     rope_reference,
     swiglu,
@@ -120,6 +122,43 @@ def test_layer_norm_residual(dtype: torch.dtype, with_bias: bool) -> None:
     b = _leaf(40, dtype=dtype, scale=0.1) if with_bias else None
     _check(layer_norm_residual, layer_norm_residual_reference, [x, r, w, b, 1e-5], dtype,
            "LayerNormResidualFunction")
+
+
+@pytest.mark.parametrize("op", ["rms", "layer"])
+@pytest.mark.parametrize("with_dsum", [True, False], ids=["dsum", "no_dsum"])
+@pytest.mark.parametrize(("n_rows", "programs", "tile_rows"), [(15, 2, 4), (7, 3, 2), (2, 3, 8)],
+                         ids=["15_rows_2_programs_x4", "7_rows_3_programs_x2", "2_rows_3_programs_x8"])
+def test_norm_backward_row_tiles(op: str, with_dsum: bool, n_rows: int, programs: int, tile_rows: int) -> None:
+    """The backward kernels launched directly at tile heights and program counts that the
+    autograd path (the interpreter's one config: tiles of 2 rows on at most 2 programs) does not
+    reach: a last tile half past the end, programs with one tile fewer than others, programs
+    with no row at all (their partials must still be written: the buffers start as NaN). dx,
+    dw (and db) against autograd through the reference, all fp32."""
+    torch.manual_seed(0)
+    n_cols, eps = 40, 1e-5
+    stream = (0.5 + torch.randn(n_rows, n_cols)).requires_grad_()
+    weight = (1.0 + 0.1 * torch.randn(n_cols)).requires_grad_()
+    bias = (0.1 * torch.randn(n_cols)).requires_grad_()
+    dy, dsum = torch.randn(n_rows, n_cols), torch.randn(n_rows, n_cols)
+    values = stream.detach()
+    if op == "rms":
+        kernel, leaves = rmsnorm._backward_kernel, (stream, weight)
+        normed = rms_norm_reference(stream, weight, eps)
+        stats: tuple[torch.Tensor, ...] = (torch.rsqrt(values.pow(2).mean(-1) + eps),)
+    else:
+        kernel, leaves = layernorm._backward_kernel, (stream, weight, bias)
+        normed = F.layer_norm(stream, (n_cols,), weight, bias, eps)
+        var, mean = torch.var_mean(values, -1, correction=0)
+        stats = (mean, torch.rsqrt(var + eps))
+    want = list(torch.autograd.grad(normed, leaves, dy))
+    if with_dsum:
+        want[0] = want[0] + dsum
+    dx = torch.full_like(values, float("nan"))
+    partials = [torch.full((programs, n_cols), float("nan")) for _ in leaves[1:]]
+    kernel.fn[(programs,)](dy, dsum if with_dsum else dy, values, weight.detach(), *stats, dx, *partials,
+                           n_rows, n_cols, HAS_DSUM=with_dsum, BLOCK=64, ROWS=tile_rows)
+    for name, got, expected in zip(["dx", "dw", "db"], [dx, *(p.sum(0) for p in partials)], want):
+        assert rel_err(got, expected) < FP32_TOL, f"{name}: {rel_err(got, expected):.3g}"
 
 
 @pytest.mark.parametrize("op", ["rms", "layer"])
@@ -240,13 +279,41 @@ def test_cross_entropy_with_ignored_rows(dtype: torch.dtype) -> None:
            "VocabParallelCrossEntropyFunction")
 
 
-def _sharded_cross_entropy_on_gloo() -> tuple[float, float]:
-    """On each rank: its vocabulary slice (uneven: 33 and 37 ids) of one set of logits."""
+def _logits_with_masked_blocks(rows: int, vocab: int) -> torch.Tensor:
+    """fp32 logits with -inf runs that fill a whole partial of the block stats (2 blocks of 32
+    ids under the interpreter), straddle two partials, or end a row. Row 1 sits near -120:
+    were a -inf partial's max taken as 0, its sum would underflow to 0 and its loss be inf."""
+    logits = 2.0 * torch.randn(rows, vocab, dtype=torch.float32)
+    logits[1] -= 120.0
+    logits[1, :70] = float("-inf")
+    logits[3, 32:96] = float("-inf")
+    logits[5, 64:] = float("-inf")
+    return logits
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cross_entropy_with_masked_blocks(dtype: torch.dtype) -> None:
+    """150 ids: partials [0, 64), [64, 128) and [128, 150) (a partial block and an empty one);
+    labels on finite logits, and an ignored row among the masked ones."""
     torch.manual_seed(0)
-    logits = 2.0 * torch.randn(9, 70, dtype=torch.float32)
-    labels = torch.randint(0, 70, (9,))
+    logits = _logits_with_masked_blocks(9, 150)
+    labels = torch.randint(0, 150, (9,))
+    labels[[1, 3]] = torch.tensor([100, 10])
+    labels[[2, 5]] = -100
+    _check(cross_entropy, cross_entropy_reference, [logits.to(dtype).requires_grad_(), labels], dtype,
+           "VocabParallelCrossEntropyFunction")
+
+
+def _sharded_cross_entropy_on_gloo() -> tuple[float, float]:
+    """On each rank: its vocabulary slice (uneven: 70 and 80 ids, each ending in a partial block
+    and an empty one) of one set of logits; rank 0's slice of row 1 and rank 1's of row 5 are
+    all -inf."""
+    torch.manual_seed(0)
+    logits = _logits_with_masked_blocks(9, 150)
+    labels = torch.randint(0, 150, (9,))
+    labels[[1, 3, 5]] = torch.tensor([100, 10, 40])
     labels[4] = -100
-    start, stop = (0, 33) if dist.get_rank() == 0 else (33, 70)
+    start, stop = (0, 70) if dist.get_rank() == 0 else (70, 150)
     local = logits[:, start:stop].clone().requires_grad_()
     assert use_triton(local), "the rank did not inherit TRITON_INTERPRET=1"
     loss = vocab_parallel_cross_entropy(local, labels, start, VocabReductions.from_group(None))

@@ -12,17 +12,28 @@ device's autocast policy makes of the chain (fp32 on CUDA, which runs pow and rs
 
 Kernels: the forward reads x and residual once and writes new_residual, normed and one fp32
 rstd per row (one program per row, the row in registers: tens of thousands of programs keep
-every SM full). The backward runs a few programs per SM, each walking rows and accumulating
-its fp32 weight-gradient partial (summed by torch); it reads d_normed, d_new_residual (when
-the residual is used later), new_residual and rstd, and writes the input gradient once (x and
-residual share it). Each iteration issues the next row's loads before this row's two
-reductions, so loads stay in flight while a program computes: without that, the H200
-measured the backward at 0.37 ms for 16384 x 4096 bf16 (a third of copy bandwidth), one
-program per SM waiting on each row in turn.
+every SM full). The backward runs a few programs per SM, each walking tiles of ROWS
+consecutive rows (its own first, then every `programs`-th tile) and accumulating its fp32
+weight-gradient partial over them (one row of partials per program, summed by torch); it
+reads d_normed, d_new_residual (when the residual is used later), new_residual and rstd, and
+writes the input gradient once (x and residual share it). Each iteration issues the next
+tile's loads before this tile's reductions, so loads stay in flight while a program computes:
+without that, the H200 measured the backward at 0.37 ms for 16384 x 4096 bf16 (a third of
+copy bandwidth), one program per SM waiting on each row in turn.
+
+Row tiles: with one row per iteration the H200 measured the backward (16384 rows, bf16) at
+72% of copy bandwidth (4.22 TB/s) at hidden 2048, where forward and backward took 0.154 ms
+against torch.compile's 0.152, 87% at 4096 and 92% at 8192. A short row moves a few KB per
+tensor per iteration: too few bytes in flight per SM, and the row reductions and the loop
+control of every row dominate. So the tile height ROWS is tuned with the warps (ROWS = 1
+kept; 2, 4, 8 where the doubled, prefetched tile fits in registers: `fitting_tiles`), and one
+iteration moves ROWS rows and reduces them together. The taller tiles' GPU timing is pending
+until the next H200 run.
 
 Invariants: the normalisation is computed in fp32 from new_residual as stored (rounded to its
-dtype), so the forward and the backward see the same values; rows longer than `MAX_ROW_SIZE`
-and devices without Triton run `*_reference`, the model's own ops.
+dtype), so the forward and the backward see the same values; a tile's rows past the last row
+load zeros, so they add nothing to the partials and store nothing; rows longer than
+`MAX_ROW_SIZE` and devices without Triton run `*_reference`, the model's own ops.
 """
 from __future__ import annotations
 
@@ -41,12 +52,35 @@ from mplan.kernels.dispatch import (
     use_triton,
 )
 
-# Only the warp count is tuned (the block is the row). Forward, one row per program: 2-4 warps
-# suit hidden <= 2048, 16 pay off for hidden >= 8192 on H100/H200. Backward: the prefetched row
-# doubles the registers of a program (sm_90 at hidden 4096: 244 at 4 warps, 128 at 8, 83 at 16),
-# so the tuner weighs warps against programs resident per SM.
+# Forward, one row per program: only the warp count is tuned (the block is the row); 2-4 warps
+# suit hidden <= 2048, 16 pay off for hidden >= 8192 on H100/H200.
 _WARPS = configs([triton.Config({}, num_warps=w) for w in (2, 4, 8, 16)], triton.Config({}, num_warps=1))
-_BACKWARD_WARPS = configs([triton.Config({}, num_warps=w) for w in (4, 8, 16)], triton.Config({}, num_warps=1))
+# Backward: the tile height and the warps are tuned together. ROWS = 1 with 4, 8 or 16 warps is
+# the set tuned before tiles came, always offered so that no shape can get slower; the taller
+# tiles only where they fit in registers (`fitting_tiles`). The interpreter's tile of 2 rows
+# makes its tests run the tile code, partial last tiles included.
+BACKWARD_TILES = configs([triton.Config({"ROWS": r}, num_warps=w) for r in (1, 2, 4, 8) for w in (4, 8, 16)],
+                         triton.Config({"ROWS": 2}, num_warps=1))
+
+
+def fitting_tiles(tiles: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    """The backward configs worth timing for a launch (Triton's `early_config_prune`): every
+    one-row config, and the taller tiles whose prefetched copy does not spill registers.
+
+    Each thread holds ROWS * BLOCK / threads elements of every input tile, twice (this tile and
+    the next). Compiled for sm_90 with HAS_DSUM (tests/test_kernels_compile.py's toolchain),
+    both kernels: 32 bf16 elements a thread take 218-245 registers of the 255 a thread may
+    have, 16 fp32 ones 145-166 and 32 spill; at 16 warps 512 threads share the 64K registers,
+    128 each, which 16 bf16 elements just fill. So a thread may hold 64 bytes of each input
+    tile, 32 at 16 warps, counted in the wider of the gradient's and the stream's dtypes (they
+    differ under autocast). Rows of 8192 bf16 thus get no taller tiles."""
+    itemsize = max(named_args["dy_ptr"].element_size(), named_args["s_ptr"].element_size())
+
+    def fits(tile: Any) -> bool:
+        bytes_per_thread = tile.kwargs["ROWS"] * kwargs["BLOCK"] * itemsize // (32 * tile.num_warps)
+        return bytes_per_thread <= (32 if tile.num_warps >= 16 else 64)
+
+    return [tile for tile in tiles if tile.kwargs["ROWS"] == 1 or fits(tile)]
 
 
 @triton.autotune(configs=_WARPS, key=["n_cols", "HAS_RESIDUAL"])
@@ -70,46 +104,52 @@ def _forward_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, rstd_ptr, n_cols, eps
     tl.store(y_ptr + offs, (s * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=_BACKWARD_WARPS, key=["n_cols", "HAS_DSUM"])
+@triton.jit
+def row_tile(first_row, n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Offsets and mask of the [ROWS, BLOCK] tile of rows `first_row...`; rows past the end
+    are masked off, so their loads read zeros and their stores write nothing."""
+    rows = first_row + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+    return rows, offs, (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+
+
+@triton.autotune(configs=BACKWARD_TILES, key=["n_cols", "HAS_DSUM"],
+                 prune_configs_by={"early_config_prune": fitting_tiles})
 @triton.jit
 def _backward_kernel(dy_ptr, dsum_ptr, s_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, n_rows, n_cols,
-                     HAS_DSUM: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_DSUM: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)
-    step = tl.num_programs(0)
+    step = tl.num_programs(0) * ROWS
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK], dtype=tl.float32)
-    # row `pid` exists: the launch has at most one program per row
-    offs = pid.to(tl.int64) * n_cols + cols
+    rows, offs, mask = row_tile(pid * ROWS, n_rows, n_cols, ROWS, BLOCK)
     dy_next = tl.load(dy_ptr + offs, mask=mask, other=0.0)
     s_next = tl.load(s_ptr + offs, mask=mask, other=0.0)
     dsum_next = dy_next
     if HAS_DSUM:
         dsum_next = tl.load(dsum_ptr + offs, mask=mask, other=0.0)
-    rstd_next = tl.load(rstd_ptr + pid)
-    for row in range(pid, n_rows, step):
-        offs = tl.cast(row, tl.int64) * n_cols + cols
+    rstd_next = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)
+    for first_row in range(pid * ROWS, n_rows, step):
+        _, offs, mask = row_tile(first_row, n_rows, n_cols, ROWS, BLOCK)
         dy = dy_next.to(tl.float32)
-        rstd = rstd_next
+        rstd = rstd_next[:, None]
         xhat = s_next.to(tl.float32) * rstd
         dsum = dsum_next.to(tl.float32)
-        following = row + step
-        live = following < n_rows
-        next_mask = cols < tl.where(live, n_cols, 0)  # all false past the last row
-        next_offs = tl.cast(following, tl.int64) * n_cols + cols
+        next_rows, next_offs, next_mask = row_tile(first_row + step, n_rows, n_cols, ROWS, BLOCK)
         dy_next = tl.load(dy_ptr + next_offs, mask=next_mask, other=0.0)
         s_next = tl.load(s_ptr + next_offs, mask=next_mask, other=0.0)
         if HAS_DSUM:
             dsum_next = tl.load(dsum_ptr + next_offs, mask=next_mask, other=0.0)
-        rstd_next = tl.load(rstd_ptr + following, mask=live, other=0.0)
-        g = dy * w
-        ds = rstd * (g - xhat * (tl.sum(g * xhat, axis=0) / n_cols))
+        rstd_next = tl.load(rstd_ptr + next_rows, mask=next_rows < n_rows, other=0.0)
+        g = dy * w[None, :]
+        ds = rstd * (g - xhat * (tl.sum(g * xhat, axis=1) / n_cols)[:, None])
         if HAS_DSUM:
             ds += dsum
         tl.store(dx_ptr + offs, ds.to(dx_ptr.dtype.element_ty), mask=mask)
-        dw += dy * xhat
-    tl.store(dw_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=mask)
+        dw += tl.sum(dy * xhat, axis=0)  # rows past the end loaded dy = 0: they add nothing
+    tl.store(dw_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=cols < n_cols)
 
 
 class RMSNormResidualFunction(torch.autograd.Function):
