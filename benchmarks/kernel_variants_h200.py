@@ -17,8 +17,8 @@ forward+backward totals were faster. The candidates, each timed by GPU kernel ti
     tiles      the first design: [heads, positions, d/2] tiles on a 3-D grid
     flat       one program per BLOCK_R head vectors in the output's dense order, the position
                and the input offset from divisions by compile-time constants
-    shipped    mplan.kernels.rotary since this comparison: flat, the sizes and strides at run
-               time (any layout), with and without L2 eviction hints
+    shipped    mplan.kernels.rotary since this comparison: flat, the strides at run time (any
+               layout), the inner sizes compile-time constants, with and without L2 eviction hints
 Every configuration is timed; torch.compile of the reference is timed in the same run. The
 shipped kernels' designs and autotune lists come from these figures.
 
@@ -245,8 +245,8 @@ def rope_variants(device: torch.device) -> list[dict[str, Any]]:
             for evict in (False, True):
                 grid = (triton.cdiv(x.numel() // d, block),)
                 row["forward"][f"shipped {block} w{w}{' evict' if evict else ''}"] = _time(
-                    lambda: rotary._rope_kernel.fn[grid](x, cos, sin, y, x.numel() // d, sizes[1], sizes[2], *strides,
-                                                         d // 2, cos.stride(0), BACKWARD=False,
+                    lambda: rotary._rope_kernel.fn[grid](x, cos, sin, y, x.numel() // d, *strides, d // 2,
+                                                         cos.stride(0), n1=sizes[1], n2=sizes[2], BACKWARD=False,
                                                          POS_AXIS=order.index(2), BLOCK_R=block, BLOCK_HALF=d // 2,
                                                          EVICT=evict, num_warps=w),
                     lambda: _rel(y, want))

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow,
 
 ACT, F32 = "*bf16", "*fp32"
 SIZES = {"n_cols", "n_elements", "row_stride", "half", "table_stride", "x_stride0", "x_stride1", "x_stride2",
-         "n1", "n2", "n_vectors", "max_parts"}
+         "n_vectors", "max_parts"}
 """integer arguments that are multiples of 16 at training shapes (Triton specializes on it)"""
 
 # kernel -> (argument types that are not bf16 activations, constexpr values at an H200 training shape);
@@ -52,8 +52,10 @@ KERNELS = {
     "rmsnorm.backward.mixed": (rmsnorm._backward_kernel, {"rstd_ptr": F32, "dw_ptr": F32, "dsum_ptr": F32,
                                                           "s_ptr": F32, "dx_ptr": F32, "w_ptr": F32},
                                {"HAS_DSUM": True, "BLOCK": 2048}),
-    "rotary.forward": (rotary._rope_kernel, {}, {"BACKWARD": False, "POS_AXIS": 1, "BLOCK_HALF": 64}),
-    "rotary.backward": (rotary._rope_kernel, {}, {"BACKWARD": True, "POS_AXIS": 1, "BLOCK_HALF": 64}),
+    "rotary.forward": (rotary._rope_kernel, {}, {"BACKWARD": False, "POS_AXIS": 1, "BLOCK_HALF": 64,
+                                                   "n1": 2048, "n2": 16}),
+    "rotary.backward": (rotary._rope_kernel, {}, {"BACKWARD": True, "POS_AXIS": 1, "BLOCK_HALF": 64,
+                                                    "n1": 2048, "n2": 16}),
     "cross_entropy.block_stats": (cross_entropy_loss._block_stats_kernel,
                                   {"max_ptr": F32, "sumexp_ptr": F32, "n_parts_ptr": "*i32"},
                                   {}),

@@ -11,12 +11,15 @@ inverse rotation: dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1. One kernel does 
 
 Kernel: flat over the output's head vectors in its dense order (the order of x's strides):
 each program takes BLOCK_R consecutive vectors, finds each one's (batch, head, position) by
-two divisions per vector (not per element), reads its halves with x's strides and its table
-row, and writes the output densely. Why this shape: on the H200 it ran 2-5% faster than the
-earlier [heads, positions] tiles on a 3-D grid (0.0334 vs 0.0351 ms for the transposed
-[8, 16, 2048, 128] projection, 0.0655 vs 0.0672 for contiguous [4, 32, 4096, 128];
+divisions by the two inner sizes, compile-time constants (one compile per heads x positions
+shape: a multiply and shift, not an integer division), reads its halves with x's strides and
+its table row, and writes the output densely. Why this shape: on the H200 it ran 2-5% faster
+than the earlier [heads, positions] tiles on a 3-D grid (0.0334 vs 0.0351 ms for the
+transposed [8, 16, 2048, 128] projection, 0.0655 vs 0.0672 for contiguous [4, 32, 4096, 128];
 torch.compile 0.0329 and 0.0648), because consecutive programs write consecutive memory and
 small programs keep many loads in flight (benchmarks/results/kernel_variants_h200-2026-11-29.json).
+With the sizes as run-time integers it lost that gain (0.069 and 0.035 ms in
+kernels_h200-2026-11-29-all-shapes.json).
 The tables are re-read per vector, mostly from L2; EVICT (tuned) asks L2 to keep them and let
 the streamed x go first. Arithmetic is fp32.
 
@@ -50,9 +53,9 @@ _VECTORS = configs(
 
 @triton.autotune(configs=_VECTORS, key=["n_vectors", "half", "BACKWARD"])
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, n1, n2, x_stride0, x_stride1, x_stride2, half,
-                 table_stride, BACKWARD: tl.constexpr, POS_AXIS: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr, EVICT: tl.constexpr):
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1, x_stride2, half, table_stride,
+                 n1: tl.constexpr, n2: tl.constexpr, BACKWARD: tl.constexpr, POS_AXIS: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, EVICT: tl.constexpr):
     """Vector r of y (dense, sizes [n0, n1, n2] outermost first) is x's vector (r // (n1 n2),
     r // n2 % n1, r % n2) in that order; its table row is that index on axis POS_AXIS."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -105,7 +108,7 @@ def _launch(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dst: torch.
     def grid(meta: dict[str, Any]) -> tuple[int]:
         return (triton.cdiv(n_vectors, meta["BLOCK_R"]),)
 
-    _rope_kernel[grid](src, cos, sin, dst, n_vectors, sizes[1], sizes[2], *strides, head_dim // 2, cos.stride(0),
+    _rope_kernel[grid](src, cos, sin, dst, n_vectors, *strides, head_dim // 2, cos.stride(0), n1=sizes[1], n2=sizes[2],
                        BACKWARD=backward, POS_AXIS=order.index(2), BLOCK_HALF=next_power_of_2(head_dim // 2))
 
 
