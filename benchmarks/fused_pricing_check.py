@@ -5,10 +5,10 @@ For the two models of benchmarks/e2e_h200.py, predicts one training step on one 
 its own (as eager runs them), with the memory-bound chains priced as mplan's fused kernels
 (mplan/planner/fused_pricing.py), and with the block linears as FP8 GEMMs on top. Compares them
 with the eager, mplan and mplan_fp8 step times measured in one run
-(benchmarks/results/e2e_h200-2026-11-29.json), and the predicted gains with the measured ones.
+(benchmarks/results/e2e_h200-2026-11-29*.json), and the predicted gains with the measured ones.
 
-    python benchmarks/fused_pricing_check.py benchmarks/results/e2e_h200-2026-11-29.json \
-        -o benchmarks/results/fused_pricing_check-2026-11-29.json
+    python benchmarks/fused_pricing_check.py benchmarks/results/e2e_h200-2026-11-29-session3.json \
+        -o benchmarks/results/fused_pricing_check-2026-11-29-session3.json
 """
 from __future__ import annotations
 
