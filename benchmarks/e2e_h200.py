@@ -47,11 +47,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
 import functools
 import gc
 import os
-import platform
 import statistics
 import sys
 import time
@@ -66,7 +64,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mplan  # noqa: E402
-from benchmarks.report import triton_version, write_report  # noqa: E402
+from benchmarks.report import Clock, run_header, write_report  # noqa: E402
 from mplan.kernels import sdpa_autotune  # noqa: E402
 from mplan.models import GPTConfig, LlamaConfig, build_model, example_inputs  # noqa: E402
 from mplan.passes.fuse_kernels import fuse_kernels  # noqa: E402
@@ -338,21 +336,20 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def select_workloads(small: bool, models: str | None) -> tuple[Workload, ...]:
+    """The tiny (smoke test) or full workloads, only those named in `models` (comma-separated) if given."""
+    workloads = SMALL if small else FULL
+    return tuple(w for w in workloads if w.name in models.split(",")) if models else workloads
+
+
 def main() -> None:
     args = parse_args()
-    began = time.perf_counter()
+    clock = Clock()
+    log = clock.log
     setting = Setting(device=torch.device(args.device), precision=args.precision)
-    workloads = SMALL if args.small else FULL
-    if args.models:
-        workloads = tuple(w for w in workloads if w.name in args.models.split(","))
-
-    def log(message: str) -> None:
-        print(f"[{time.perf_counter() - began:6.1f}s] {message}", file=sys.stderr, flush=True)
-
+    workloads = select_workloads(args.small, args.models)
     report: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name() if setting.device.type == "cuda" else "cpu (smoke test)",
-        "torch": torch.__version__, "python": platform.python_version(), "triton": triton_version(),
+        **run_header(setting.device),
         "precision": ("bf16 parameters and activations" if args.precision == "bf16"
                       else "fp32 parameters, bf16 autocast"),
         "training": f"fused AdamW lr {LR}, global-norm clipping {MAX_GRAD_NORM}, loss read back every step",
@@ -372,7 +369,7 @@ def main() -> None:
         }
         running: dict[str, Running] = {}
         for name in args.systems.split(","):
-            if time.perf_counter() - began > args.budget_s:
+            if clock.elapsed() > args.budget_s:
                 entry["systems"][name] = {"error": f"skipped: past the {args.budget_s:.0f} s budget"}
                 log(f"{workload.name} {name}: skipped (time budget)")
                 continue
@@ -402,7 +399,7 @@ def main() -> None:
         {"q": case.shapes[0], "k": case.shapes[1], "dtype": str(case.dtype), "backward": case.backward,
          "chosen": choice.backend.name if choice.backend is not None else None, "ms": choice.milliseconds}
         for case, choice in sdpa_autotune.tuned_cases()]
-    report["wall_s"] = round(time.perf_counter() - began, 1)
+    report["wall_s"] = round(clock.elapsed(), 1)
     write_report(args.out, report)
     log(f"wrote {args.out}")
 

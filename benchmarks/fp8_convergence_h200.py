@@ -50,11 +50,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -67,8 +65,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.e2e_h200 import FULL, MAX_GRAD_NORM, SMALL, Setting, Workload, mplan_module, start_timer  # noqa: E402
-from benchmarks.report import triton_version, write_report  # noqa: E402
+from benchmarks.e2e_h200 import MAX_GRAD_NORM, Setting, Workload, mplan_module, select_workloads, start_timer  # noqa: E402
+from benchmarks.report import Clock, run_header, write_report  # noqa: E402
 from mplan.kernels.fp8 import fp8_unavailable_reason  # noqa: E402
 from mplan.runtime.parallel_module import ParallelModule  # noqa: E402
 
@@ -272,21 +270,14 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    began = time.perf_counter()
+    clock = Clock()
+    log = clock.log
     default = SMOKE_RECIPE if args.small else GPU_RECIPE
     recipe = Recipe(steps=args.steps or default.steps, states=args.states or default.states, lr=args.lr or default.lr)
     setting = Setting(device=torch.device(args.device), precision="bf16", lr=recipe.lr)
-    workloads = SMALL if args.small else FULL
-    if args.models:
-        workloads = tuple(w for w in workloads if w.name in args.models.split(","))
-
-    def log(message: str) -> None:
-        print(f"[{time.perf_counter() - began:6.1f}s] {message}", file=sys.stderr, flush=True)
-
+    workloads = select_workloads(args.small, args.models)
     report: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name() if setting.device.type == "cuda" else "cpu (smoke test)",
-        "torch": torch.__version__, "python": platform.python_version(), "triton": triton_version(),
+        **run_header(setting.device),
         "precision": "bf16 parameters and activations; mplan_fp8: the blocks' linears as FP8 GEMMs",
         "training": f"fused AdamW, lr {recipe.lr} warmed up linearly over the first {WARMUP_FRACTION:.0%} of "
                     f"{recipe.steps} steps then constant, global-norm clipping {MAX_GRAD_NORM}, loss read back "
@@ -320,7 +311,7 @@ def main() -> None:
             f"H(pi) {chain.context_free_loss:.4f}")
         for name, fp8 in (("mplan", False), ("mplan_fp8", True)):
             reason = fp8_unavailable_reason(setting.device) if fp8 else None
-            if reason is None and time.perf_counter() - began > args.budget_s:
+            if reason is None and clock.elapsed() > args.budget_s:
                 reason = f"past the {args.budget_s:.0f} s budget"
             if reason is not None:
                 entry["systems"][name] = {"skipped": reason}
@@ -345,7 +336,7 @@ def main() -> None:
         else:
             entry["comparison"] = {"skipped": f"needs both systems' losses; ran: {ran or 'none'}"}
             log(f"{workload.name}: no comparison ({entry['comparison']['skipped']})")
-    report["wall_s"] = round(time.perf_counter() - began, 1)
+    report["wall_s"] = round(clock.elapsed(), 1)
     write_report(args.out, report)
     log(f"wrote {args.out}")
 

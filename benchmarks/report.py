@@ -2,12 +2,20 @@
 
     write_report(path, report)   the report as indented JSON with a final newline (folders made)
     triton_version()             Triton's version for the report, or None where it is not installed
+    run_header(device)           a report's first keys: date, GPU (or the CPU smoke test), versions
+    Clock()                      seconds since the script began: time-stamped log lines and budgets
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import platform
+import sys
+import time
 from typing import Any
+
+import torch
 
 
 def write_report(path: str, report: dict[str, Any]) -> None:
@@ -23,3 +31,22 @@ def triton_version() -> str | None:
     except ImportError:
         return None
     return triton.__version__
+
+
+def run_header(device: torch.device) -> dict[str, Any]:
+    return {"date": datetime.date.today().isoformat(),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke test)",
+            "torch": torch.__version__, "python": platform.python_version(), "triton": triton_version()}
+
+
+class Clock:
+    """Seconds since it was made; `log` prints a line stamped with them to stderr."""
+
+    def __init__(self) -> None:
+        self.began = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.began
+
+    def log(self, message: str) -> None:
+        print(f"[{self.elapsed():6.1f}s] {message}", file=sys.stderr, flush=True)
