@@ -18,7 +18,7 @@ import tempfile
 import pytest
 import torch
 
-from mplan.kernels import cross_entropy_loss, gelu, glu, layernorm, rmsnorm, rotary
+from mplan.kernels import cross_entropy_loss, gelu, glu, layernorm, partials, rmsnorm, rotary
 from mplan.kernels.dispatch import HAVE_TRITON, INTERPRET
 
 pytestmark = [pytest.mark.slow,
@@ -46,6 +46,7 @@ KERNELS = {
     "glu.packed_backward": (glu._packed_backward_kernel, {}, {}),
     "gelu.forward": (gelu._forward_kernel, {}, {}),
     "gelu.backward": (gelu._backward_kernel, {"db_ptr": F32}, {}),
+    "partials.sum": (partials._sum_partials_kernel, {"p_ptr": F32}, {}),
     "rmsnorm.forward.mixed": (rmsnorm._forward_kernel, {"res_ptr": F32, "w_ptr": F32, "y_ptr": F32, "sum_ptr": F32,
                                                         "rstd_ptr": F32, "eps": "fp32"},
                               {"HAS_RESIDUAL": True, "BLOCK": 2048}),

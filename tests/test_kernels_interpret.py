@@ -46,6 +46,7 @@ from mplan.kernels import (
     vocab_parallel_cross_entropy,
 )
 from mplan.kernels.dispatch import INTERPRET
+from mplan.kernels.partials import sum_partials
 from mplan.kernels.fp8 import cast_fp8
 from mplan.models import GPTConfig, GPTModel, LlamaConfig, LlamaModel
 from mplan.models.layers import rope_tables
@@ -159,6 +160,17 @@ def test_norm_backward_row_tiles(op: str, with_dsum: bool, n_rows: int, programs
                            n_rows, n_cols, HAS_DSUM=with_dsum, BLOCK=64, ROWS=tile_rows)
     for name, got, expected in zip(["dx", "dw", "db"], [dx, *(p.sum(0) for p in partials)], want):
         assert rel_err(got, expected) < FP32_TOL, f"{name}: {rel_err(got, expected):.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gradient_partials_sum_over_rows_into_the_parameter_dtype(dtype: torch.dtype) -> None:
+    """Two matrices of 11 x 21 partials (neither a multiple of the interpreter's 4 x 8 tiles),
+    summed in one launch and rounded once to the parameter dtype."""
+    torch.manual_seed(0)
+    partials = torch.randn(2, 11, 21)
+    got = sum_partials(partials, dtype)
+    assert got.dtype == dtype and got.shape == (2, 21)
+    assert rel_err(got, partials.double().sum(1)) < (FP32_TOL if dtype == torch.float32 else 1e-3)
 
 
 @pytest.mark.parametrize("op", ["rms", "layer"])

@@ -14,6 +14,7 @@ its `torch.autograd.Function`. Module names differ from the op names on purpose,
     op_bytes.py       fused_op_bytes: the bytes each fused op moves, for the cost model
     dispatch.py       use_triton: Triton on CUDA (or CPU under TRITON_INTERPRET=1), else reference
     sigmoid.py        a shared device function (sigmoid and its complement, both accurate)
+    partials.py       sum_partials: the fp32 gradient partials of the norm and bias+GELU backwards, summed
 
 The graph pass that swaps these into a captured model is mplan.passes.fuse_kernels.
 """

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from mplan.kernels.dispatch import autocast_dtype, configs, tl, triton, use_triton
+from mplan.kernels.partials import sum_partials
 from mplan.kernels.sigmoid import sigmoid_and_complement
 
 # Tiles of 4-16 K elements: wide in the contiguous feature dim for 16-byte vector loads.
@@ -105,7 +106,7 @@ class BiasGeluFunction(torch.autograd.Function):
         db = torch.empty(splits, n_cols, dtype=torch.float32, device=x2.device)
         _backward_kernel[lambda meta: (triton.cdiv(n_cols, meta["BLOCK_N"]), splits)](
             dy.contiguous().view(n_rows, n_cols), x2, bias, dx, db, n_rows, n_cols, rows_per_split)
-        return dx.view(ctx.shape), db.sum(0).to(bias.dtype)
+        return dx.view(ctx.shape), sum_partials(db[None], bias.dtype)[0]
 
 
 def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

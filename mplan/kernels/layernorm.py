@@ -42,6 +42,7 @@ from mplan.kernels.dispatch import (
     triton,
     use_triton,
 )
+from mplan.kernels.partials import sum_partials
 from mplan.kernels.rmsnorm import BACKWARD_TILES, fitting_tiles, row_tile
 
 # the forward tunes only its warp count; the backward takes rmsnorm.py's row tiles (their
@@ -148,14 +149,14 @@ class LayerNormResidualFunction(torch.autograd.Function):
         dsum2 = dsum.contiguous().view(n_rows, n_cols) if dsum is not None else dy2
         dx = torch.empty_like(new_res)
         programs = num_row_programs(n_rows, new_res)
-        dw = torch.empty(programs, n_cols, dtype=torch.float32, device=new_res.device)
-        db = torch.empty_like(dw)
-        _backward_kernel[(programs,)](dy2, dsum2, new_res, weight.contiguous(), mean, rstd, dx, dw, db,
-                                      n_rows, n_cols, HAS_DSUM=dsum is not None, BLOCK=next_power_of_2(n_cols))
+        partials = torch.empty(2, programs, n_cols, dtype=torch.float32, device=new_res.device)  # dw, db
+        _backward_kernel[(programs,)](dy2, dsum2, new_res, weight.contiguous(), mean, rstd, dx, partials[0],
+                                      partials[1], n_rows, n_cols, HAS_DSUM=dsum is not None,
+                                      BLOCK=next_power_of_2(n_cols))
         # autograd casts dx to the dtype of x or residual where it differs (mixed-precision stream)
         dx = dx.view(ctx.shape)
-        d_bias = db.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return dx, dx, dw.sum(0).to(weight.dtype), d_bias, None, None
+        sums = sum_partials(partials if ctx.has_bias else partials[:1], weight.dtype)
+        return dx, dx, sums[0], (sums[1] if ctx.has_bias else None), None, None
 
 
 def layer_norm_residual_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -51,6 +51,7 @@ from mplan.kernels.dispatch import (
     triton,
     use_triton,
 )
+from mplan.kernels.partials import sum_partials
 
 # Forward, one row per program: only the warp count is tuned (the block is the row); 2-4 warps
 # suit hidden <= 2048, 16 pay off for hidden >= 8192 on H100/H200.
@@ -191,7 +192,7 @@ class RMSNormResidualFunction(torch.autograd.Function):
                                       HAS_DSUM=dsum is not None, BLOCK=next_power_of_2(n_cols))
         # autograd casts dx to the dtype of x or residual where it differs (mixed-precision stream)
         dx = dx.view(ctx.shape)
-        return dx, (dx if ctx.has_residual else None), dw.sum(0).to(weight.dtype), None, None
+        return dx, (dx if ctx.has_residual else None), sum_partials(dw[None], weight.dtype)[0], None, None
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
