@@ -27,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report import write_report  # noqa: E402
-from benchmarks.gpu_time import kernel_ms  # noqa: E402
+from benchmarks.gpu_time import copy_tbps, kernel_ms  # noqa: E402
 from mplan.kernels.fp8 import E4M3, E5M2, Fp8LinearFunction, Fp8ScalingState, _cast_reference, cast_fp8  # noqa: E402
 
 TOKENS = 16384
@@ -35,12 +35,6 @@ LINEARS = {  # (in, out) of the blocks' linears
     "gpt qkv": (2048, 6144), "gpt out": (2048, 2048), "gpt fc_in": (2048, 8192), "gpt fc_out": (8192, 2048),
     "llama kv": (2048, 512), "llama gate/up": (2048, 5632), "llama down": (5632, 2048),
 }
-
-
-def copy_tbps() -> float:
-    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 2 / kernel_ms(lambda: dst.copy_(src)) / 1e9
 
 
 def check_cast(copy: float) -> list[dict[str, Any]]:

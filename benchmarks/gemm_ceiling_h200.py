@@ -37,7 +37,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.e2e_h200 import FULL, TARGET_VS_EAGER, Workload  # noqa: E402
-from benchmarks.gpu_time import kernel_ms  # noqa: E402
+from benchmarks.gpu_time import copy_tbps, kernel_ms  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
 from mplan.models import GPTConfig, build_model  # noqa: E402
 
@@ -86,13 +86,6 @@ def time_attention(workload: Workload, device: torch.device) -> float:
     return kernel_ms(step, iters=10)
 
 
-def copy_bandwidth(device: torch.device) -> float:
-    """bytes per ms of a 1 GiB device-to-device copy (read + written)"""
-    src = torch.empty(2**29, device=device, dtype=DTYPE)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * ITEM / kernel_ms(lambda: dst.copy_(src), iters=10)
-
-
 def rest_bytes(workload: Workload, num_params: int) -> int:
     """Fewest bytes of everything but GEMMs and attention in one step, with every chain fused:
     per layer two norm+residual forwards (read x and the branch, write the sum and the normed) and
@@ -117,7 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     e2e = json.load(open(args.e2e, encoding="utf-8"))["models"] if args.e2e else {}
-    bandwidth = copy_bandwidth(device)
+    bandwidth = copy_tbps() * 1e9  # bytes per ms
     report: dict[str, Any] = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
                               "torch": torch.__version__, "dtype": "bf16", "copy_TBps": round(bandwidth / 1e9, 3),
                               "e2e": args.e2e, "models": {}}

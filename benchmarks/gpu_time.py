@@ -7,6 +7,7 @@ are what the step pays on the GPU.
 
     kernel_ms(fn, iters)  -> mean GPU time of fn() per call (every kernel, memset and copy it issues)
     kernel_table(prof)    -> {kernel name: total ms} of a finished profile, largest first
+    copy_tbps()           -> TB/s (read + written) of a 1 GiB device-to-device copy, by the same clock
 """
 from __future__ import annotations
 
@@ -39,3 +40,11 @@ def kernel_ms(fn: Callable[[], Any], iters: int = 10) -> float:
             fn()
         torch.cuda.synchronize()
     return sum(kernel_table(prof).values()) / iters
+
+
+def copy_tbps() -> float:
+    """Read + written bytes of a 1 GiB bf16 copy on the current CUDA device per second, in TB/s:
+    the bandwidth the memory-bound kernels are held against."""
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / kernel_ms(lambda: dst.copy_(src)) / 1e9
