@@ -1,9 +1,15 @@
-"""Designs of the two kernels whose forward trailed torch.compile's on 2026-11-29, timed on one GPU.
+"""Designs of the kernels that trailed torch.compile or the 80%-of-copy bar on 2026-11-29, timed on one GPU.
 
 On the H200 the shipped packed-SwiGLU forward took 0.335 ms against compile's 0.321 (16384 x
 2 x 14336 bf16) and the RoPE forward 0.0668 ms against 0.0640 ([4, 32, 4096, 128]); both
-forward+backward totals were faster. The candidates, each timed by GPU kernel time
-(benchmarks/gpu_time.py) and checked against the reference:
+forward+backward totals were faster; the bias+GELU backward reached 77-79% of copy bandwidth
+at 16384 x 8192. The candidates, each timed by GPU kernel time (benchmarks/gpu_time.py) and
+checked against the reference:
+  bias + GELU (forward; backward with its d_bias partial sum, at 32-256 row slices)
+    previous     the first kernels: z and dz/du term by term, tl.sigmoid / sigmoid_and_complement
+    no_prefetch  the shipped math (mplan.kernels.gelu._gelu_sigmoid: exp2 of -|z|, s (1 - s)
+                 without selects), a fifth fewer instructions
+    shipped      the same with the next row tile's loads in flight (the backward only)
   packed SwiGLU (forward and backward)
     tiles      the first design: a 2-D grid of [rows, column] tiles, rows on grid axis 0,
                so consecutive programs start 2F elements apart
@@ -19,10 +25,12 @@ forward+backward totals were faster. The candidates, each timed by GPU kernel ti
                and the input offset from divisions by compile-time constants
     shipped    mplan.kernels.rotary since this comparison: flat, the strides at run time (any
                layout), the inner sizes compile-time constants, with and without L2 eviction hints
+    half_tables  shipped, reading only the first half of each table row (exact for rotation
+               tables): not faster (session 4), so not shipped
 Every configuration is timed; torch.compile of the reference is timed in the same run. The
 shipped kernels' designs and autotune lists come from these figures.
 
-Run on the GPU (from the repository root; about a minute):
+Run on the GPU (from the repository root; about two minutes):
     PYTHONPATH=. python3 benchmarks/kernel_variants_h200.py --out $OUT/kernel_variants.json
 """
 from __future__ import annotations
@@ -42,7 +50,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.gpu_time import kernel_ms  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
-from mplan.kernels import glu, rotary, rope_reference, swiglu_packed_reference  # noqa: E402
+from mplan.kernels import gelu, glu, rotary, rope_reference, swiglu_packed_reference  # noqa: E402
+from mplan.kernels.gelu import bias_gelu_reference  # noqa: E402
+from mplan.kernels.partials import sum_partials  # noqa: E402
 from mplan.kernels.sigmoid import sigmoid_and_complement  # noqa: E402
 from mplan.models.layers import rope_tables  # noqa: E402
 
@@ -55,7 +65,7 @@ FLAT_CONFIGS = ((1024, 4), (2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 
 ROPE_CONFIGS = ((1, 32, 4), (1, 64, 4), (2, 16, 4), (2, 32, 4), (4, 16, 4), (2, 64, 8), (4, 32, 8),
                 (1, 128, 8), (8, 16, 4), (8, 32, 8), (16, 8, 4), (16, 16, 8), (32, 4, 4), (32, 8, 8))
 """(BLOCK_HEADS, BLOCK_S, warps) of the first design"""
-ROPE_FLAT_CONFIGS = ((8, 2), (8, 4), (16, 4), (32, 4), (32, 8), (64, 8), (128, 8))
+ROPE_FLAT_CONFIGS = ((4, 1), (8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (32, 4), (32, 8), (64, 8), (128, 8))
 """(BLOCK_R head vectors, warps), for both flat kernels"""
 
 
@@ -152,6 +162,101 @@ def _rope_flat(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, INNER: tl.constexpr, O
     tl.store(y_ptr + y_offs + HALF, (x2 * c2 + x1 * s2).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+
+@triton.jit
+def _gelu_forward_previous(x_ptr, b_ptr, y_ptr, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """bias+GELU forward before `_gelu_sigmoid`: tl.sigmoid of z, z from u and u^3 term by term"""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    offs = rows[:, None] * n_cols + cols[None, :]
+    u = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u += tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+    z = 1.5957691216057308 * (u + 0.044715 * u * u * u)
+    tl.store(y_ptr + offs, (u * tl.sigmoid(z)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gelu_backward_previous(dy_ptr, x_ptr, b_ptr, dx_ptr, db_ptr, n_rows, n_cols, rows_per_split,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """bias+GELU backward before `_gelu_sigmoid` (1328 SASS instructions for an 8 x 512 tile, 1048 now)"""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    col_mask = cols < n_cols
+    bias = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    first = split.to(tl.int64) * rows_per_split
+    end = tl.minimum(first + rows_per_split, n_rows)
+    for start in range(0, rows_per_split, BLOCK_M):
+        rows = first + start + tl.arange(0, BLOCK_M)
+        mask = (rows[:, None] < end) & col_mask[None, :]
+        offs = rows[:, None] * n_cols + cols[None, :]
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) + bias[None, :]
+        z = 1.5957691216057308 * (u + 0.044715 * u * u * u)
+        sig, one_minus_sig = sigmoid_and_complement(z)
+        dz_du = 1.5957691216057308 * (1.0 + 0.134145 * u * u)
+        du = dy * (sig + u * sig * one_minus_sig * dz_du)
+        tl.store(dx_ptr + offs, du.to(dx_ptr.dtype.element_ty), mask=mask)
+        db += tl.where(mask, du, 0.0)
+    tl.store(db_ptr + split.to(tl.int64) * n_cols + cols, tl.sum(db, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _gelu_backward_no_prefetch(dy_ptr, x_ptr, b_ptr, dx_ptr, db_ptr, n_rows, n_cols, rows_per_split,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """the shipped backward's math without its prefetch: each tile's loads, then its math"""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    col_mask = cols < n_cols
+    bias = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    first = split.to(tl.int64) * rows_per_split
+    end = tl.minimum(first + rows_per_split, n_rows)
+    for start in range(0, rows_per_split, BLOCK_M):
+        rows = first + start + tl.arange(0, BLOCK_M)
+        mask = (rows[:, None] < end) & col_mask[None, :]
+        offs = rows[:, None] * n_cols + cols[None, :]
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) + bias[None, :]
+        sig, sig_one_minus_sig = gelu._gelu_sigmoid(u)
+        dz_du = 1.5957691216057308 + 0.21406444881780076 * u * u
+        du = dy * (sig + u * sig_one_minus_sig * dz_du)
+        tl.store(dx_ptr + offs, du.to(dx_ptr.dtype.element_ty), mask=mask)
+        db += du
+    tl.store(db_ptr + split.to(tl.int64) * n_cols + cols, tl.sum(db, axis=0), mask=col_mask)
+
+
+
+@triton.jit
+def _rope_half_tables(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1, x_stride2, half, table_stride,
+                      n1: tl.constexpr, n2: tl.constexpr, POS_AXIS: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_HALF: tl.constexpr):
+    """the shipped forward reading only the first half of each table row: exact for rotation tables
+    (both halves equal, as `rope_tables` builds them), half the table reads from L2"""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    i2 = r % n2
+    i1 = (r // n2) % n1
+    i0 = r // (n1 * n2)
+    if POS_AXIS == 0:
+        pos = i0
+    elif POS_AXIS == 1:
+        pos = i1
+    else:
+        pos = i2
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (r < n_vectors)[:, None] & (cols < half)
+    t_offs = pos[:, None] * table_stride + cols
+    x_offs = (i0 * x_stride0 + i1 * x_stride1 + i2 * x_stride2)[:, None] + cols
+    c = tl.load(cos_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
+    sn = tl.load(sin_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + x_offs + half, mask=mask, other=0.0).to(tl.float32)
+    y_offs = r[:, None] * (2 * half) + cols
+    tl.store(y_ptr + y_offs, (x1 * c - x2 * sn).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + y_offs + half, (x2 * c + x1 * sn).to(y_ptr.dtype.element_ty), mask=mask)
+
+
 def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
@@ -208,6 +313,52 @@ def swiglu_packed_variants(n_rows: int, half: int, device: torch.device) -> dict
     return rows
 
 
+GELU_SHAPES = ((16384, 8192), (16384, 16384))
+"""(rows, features): GPT-1.3B's fc_in output at 16k tokens, and the kernel benchmark's"""
+GELU_TILES = ((8, 512, 4), (16, 512, 8), (32, 256, 8), (8, 1024, 8), (4, 1024, 4), (4, 512, 2), (16, 256, 4))
+"""(BLOCK_M, BLOCK_N, warps) of the forward and backward"""
+GELU_SPLITS = (32, 64, 128, 256)
+"""row slices of the backward (each leaves one fp32 partial row of d_bias, summed by sum_partials)"""
+
+
+def bias_gelu_variants(n_rows: int, n_cols: int, device: torch.device) -> dict[str, Any]:
+    x = torch.randn(n_rows, n_cols, device=device, dtype=torch.bfloat16)
+    bias = torch.randn(n_cols, device=device, dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    y, dx = torch.empty_like(x), torch.empty_like(x)
+    x32 = x.float().requires_grad_()
+    b32 = bias.float().requires_grad_()
+    want = bias_gelu_reference(x32, b32)
+    want_dx, want_db = torch.autograd.grad(want, (x32, b32), dy.float())
+    row: dict[str, Any] = {"rows": n_rows, "cols": n_cols, "fwd_min_bytes": 2 * x.numel() * 2,
+                           "bwd_min_bytes": 3 * x.numel() * 2, "forward": {}, "backward": {}}
+    for m, n, w in GELU_TILES:
+        grid = (triton.cdiv(n_rows, m), triton.cdiv(n_cols, n))
+        for name, kernel in (("previous", _gelu_forward_previous), ("shipped", gelu._forward_kernel.fn)):
+            row["forward"][f"{name} {m}x{n} w{w}"] = _time(
+                lambda: kernel[grid](x, bias, y, n_rows, n_cols, BLOCK_M=m, BLOCK_N=n, num_warps=w),
+                lambda: _rel(y, want))
+        for splits in GELU_SPLITS:
+            rows_per_split = triton.cdiv(n_rows, splits)
+            db = torch.empty(splits, n_cols, dtype=torch.float32, device=device)
+            grid = (triton.cdiv(n_cols, n), splits)
+            for name, kernel in (("previous", _gelu_backward_previous), ("no_prefetch", _gelu_backward_no_prefetch),
+                                 ("shipped", gelu._backward_kernel.fn)):
+                def backward() -> torch.Tensor:
+                    kernel[grid](dy, x, bias, dx, db, n_rows, n_cols, rows_per_split, BLOCK_M=m, BLOCK_N=n,
+                                 num_warps=w)
+                    return sum_partials(db[None], bias.dtype)[0]
+
+                row["backward"][f"{name} {m}x{n} w{w} splits {splits}"] = _time(
+                    backward, lambda: max(_rel(dx, want_dx), _rel(backward(), want_db)))
+        print(f"bias+gelu {n_rows}x{n_cols} {m}x{n} w{w} done", file=sys.stderr, flush=True)
+    compiled = torch.compile(bias_gelu_reference)
+    with torch.no_grad():
+        row["forward"]["compile"] = _time(lambda: compiled(x, bias), lambda: _rel(compiled(x, bias), want))
+    torch._dynamo.reset()
+    return row
+
+
 def _rope_layouts(device: torch.device) -> dict[str, tuple[torch.Tensor, dict[str, int]]]:
     """name -> (x as attention sees it [b, h, s, d], the flat kernel's constants for it)"""
     b, h, s, d = 4, 32, 4096, 128
@@ -250,6 +401,12 @@ def rope_variants(device: torch.device) -> list[dict[str, Any]]:
                                                          POS_AXIS=order.index(2), BLOCK_R=block, BLOCK_HALF=d // 2,
                                                          EVICT=evict, num_warps=w),
                     lambda: _rel(y, want))
+            grid = (triton.cdiv(x.numel() // d, block),)
+            row["forward"][f"half_tables {block} w{w}"] = _time(
+                lambda: _rope_half_tables[grid](x, cos, sin, y, x.numel() // d, *strides, d // 2, cos.stride(0),
+                                                n1=sizes[1], n2=sizes[2], POS_AXIS=order.index(2), BLOCK_R=block,
+                                                BLOCK_HALF=d // 2, num_warps=w),
+                lambda: _rel(y, want))
         dense = torch.empty(x.shape, dtype=x.dtype, device=device)  # flat writes [b, h, s, d] order
         dense_view = dense if flat["POS_DIV"] == 1 else dense.view(b, s, h, d).transpose(1, 2)
         for block, w in ROPE_FLAT_CONFIGS:
@@ -281,14 +438,20 @@ def main() -> None:
     torch.manual_seed(0)
     report: dict[str, Any] = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
                               "torch": torch.__version__, "triton": triton.__version__, "dtype": "bf16",
-                              "swiglu_packed": [], "rope": []}
+                              "bias_gelu": [], "swiglu_packed": [], "rope": []}
+    for n_rows, n_cols in GELU_SHAPES:
+        row = bias_gelu_variants(n_rows, n_cols, device)
+        row["best"] = {direction: {design: _best(row[direction], design) for design in designs}
+                       for direction, designs in (("forward", ("previous", "shipped")),
+                                                  ("backward", ("previous", "no_prefetch", "shipped")))}
+        report["bias_gelu"].append(row)
     for n_rows, half in SWIGLU_SHAPES:
         row = swiglu_packed_variants(n_rows, half, device)
         row["best"] = {direction: {design: _best(row[direction], design) for design in ("tiles", "row_walk", "flat")}
                        for direction in ("forward", "backward")}
         report["swiglu_packed"].append(row)
     for row in rope_variants(device):
-        row["best"] = {design: _best(row["forward"], design) for design in ("tiles", "flat", "shipped")}
+        row["best"] = {design: _best(row["forward"], design) for design in ("tiles", "flat", "shipped", "half_tables")}
         report["rope"].append(row)
     write_report(args.out, report)
 
