@@ -85,6 +85,59 @@ def test_attention_is_fused_for_a_cuda_run(family: str) -> None:
     assert torch.equal(fused(ids, labels=labels), unfused(ids, labels=labels))
 
 
+EXPECTED_MARKS = {
+    # every norm feeds only linears: the grouped q/k/v, fc_in (its bias split off), the output head
+    "gpt": ({"linear": 4}, {}),
+    # the norms as GPT's; RoPE'd q and k feed attention only
+    "llama": ({"linear": 5}, {"attention": 4}),
+}
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_outputs_that_autocast_would_cast_are_marked_and_left_in_the_autocast_dtype(family: str) -> None:
+    """Under autocast a norm of an fp32 residual stream is fp32 (and RoPE with fp32 tables), which
+    the linear (attention) after it casts to bf16: marked with that consumer, the fused op returns
+    bf16 itself. The values are the same: a training step matches the unmarked graph's exactly."""
+    torch.manual_seed(0)
+    ids, labels = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    fused = fuse_kernels(_export(_model(family), ids, labels=labels))
+    marked = [node for node in fused.graph.nodes if "consumer" in node.kwargs]
+    marks: tuple[dict[str, int], dict[str, int]] = ({}, {})
+    for node in marked:
+        table = marks[1] if node.target.__name__ == "rope" else marks[0]
+        table[node.kwargs["consumer"]] = table.get(node.kwargs["consumer"], 0) + 1
+    assert marks == EXPECTED_MARKS[family]
+    assert fused.meta["fuse_kernels"].consumer_marks == len(marked)
+
+    unmarked = copy.deepcopy(fused)
+    for node in unmarked.graph.nodes:
+        node.kwargs = {key: value for key, value in node.kwargs.items() if key != "consumer"}
+    unmarked.recompile()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = [gm(ids, labels=labels) for gm in (unmarked, fused)]
+    for loss in losses:
+        loss.backward()
+    assert torch.equal(losses[0], losses[1])
+    marked_params = dict(fused.named_parameters())
+    for name, param in unmarked.named_parameters():
+        assert torch.equal(marked_params[name].grad, param.grad), name
+
+    dtypes = {}
+    interpreter = torch.fx.Interpreter(fused)
+    run_node = interpreter.run_node
+
+    def spy(node: torch.fx.Node) -> object:
+        value = run_node(node)
+        if node in marked:
+            dtypes[node.name] = (value[0] if isinstance(value, tuple) else value).dtype
+        return value
+
+    interpreter.run_node = spy  # type: ignore[method-assign]
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        interpreter.run(ids, labels)
+    assert len(dtypes) == len(marked) and set(dtypes.values()) == {torch.bfloat16}
+
+
 def test_every_inserted_node_carries_its_value_metadata() -> None:
     fused = fuse_kernels(_export(_model("llama"), torch.randint(0, 32, (2, 8))))
     assert "cross_entropy" not in _fired(fused)  # no labels: the graph ends at the logits

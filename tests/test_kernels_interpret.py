@@ -212,6 +212,33 @@ def test_fused_ops_return_what_their_references_return_under_autocast() -> None:
                 assert rel_err(a.double(), b.double()) < FP16_TOL, fused.__name__
 
 
+def test_marked_outputs_come_out_in_the_autocast_dtype() -> None:
+    """consumer= (fuse_kernels' mark: the output feeds only linears, or attention): under autocast
+    the kernel writes the dtype that consumer casts to, the very values of casting the unmarked
+    fp32 result (up to the interpreter's bf16 truncation); the gradient, arriving in that dtype,
+    gives the unmarked op's input gradients."""
+    torch.manual_seed(0)
+    x, r, w = torch.randn(5, 32), torch.randn(5, 32), 1.0 + 0.1 * torch.randn(32)
+    cos, sin = (t.float() for t in rope_tables(5, 8, 10000.0, device=torch.device("cpu")))
+    q = torch.randn(2, 3, 5, 8)
+    cases = [(rms_norm_residual, (x, r, w, 1e-5), "linear"), (rms_norm, (x, w, 1e-5), "linear"),
+             (layer_norm_residual, (x, r, w, w, 1e-5), "linear"), (rope, (q, cos, sin), "attention")]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for fused, args, consumer in cases:
+            leaves = [a.clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args]
+            plain = _outputs(fused(*leaves))[0]
+            marked = _outputs(fused(*leaves, consumer=consumer))[0]
+            assert plain.dtype == torch.float32 and marked.dtype == torch.bfloat16, fused.__name__
+            # within one bf16 step of the fp32 result (the interpreter truncates to bf16 where the
+            # compiled kernel rounds to nearest, as the cast does)
+            assert torch.allclose(marked.float(), plain, rtol=2**-7, atol=0), fused.__name__
+            tensors = [a for a in leaves if isinstance(a, torch.Tensor)][:1]  # the activation input
+            dy = torch.randn_like(marked)
+            (want,) = torch.autograd.grad(plain, tensors, dy.float())
+            (got,) = torch.autograd.grad(marked, tensors, dy)
+            assert rel_err(got.double(), want.double()) < 1e-6, fused.__name__
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_bias_gelu(dtype: torch.dtype) -> None:
     torch.manual_seed(0)

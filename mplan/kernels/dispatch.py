@@ -101,6 +101,39 @@ def _probe_under_autocast(probe: Callable[[torch.device, tuple[torch.dtype, ...]
         return probe(device, dtypes).dtype
 
 
+def _linear_probe(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    (dtype,) = dtypes
+    return torch.nn.functional.linear(torch.ones(1, 2, dtype=dtype, device=device),
+                                      torch.ones(2, 2, dtype=dtype, device=device))
+
+
+def _attention_probe(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    (dtype,) = dtypes
+    q = torch.ones(1, 1, 2, 2, dtype=dtype, device=device)
+    return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+
+CONSUMER_PROBES: dict[str, Callable[[torch.device, tuple[torch.dtype, ...]], torch.Tensor]] = {
+    "linear": _linear_probe, "attention": _attention_probe}
+"""The ops a fused op's output may be marked as feeding (`consumer=`), each as a probe on tiny tensors."""
+
+
+def consumer_cast_dtype(consumer: str | None, tensor: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype, when autocast is on for `tensor`'s device and casts a float32 input of
+    `consumer` ("linear" or "attention") to it; else None.
+
+    A fused op whose output feeds only such consumers (fuse_kernels marks it) then returns that
+    output in this dtype itself: the consumer's cast becomes a no-op, and the values are the
+    same (the kernel rounds its fp32 result once, as the cast would round the fp32 output). Under
+    autocast that saves, per such output, an fp32 write, the cast's read and write, and in the
+    backward the gradient's cast back to fp32 and the kernel's fp32 read of it."""
+    cast_to = autocast_dtype(tensor)
+    if consumer is None or cast_to is None:
+        return None
+    probed = _probe_under_autocast(CONSUMER_PROBES[consumer], tensor.device, cast_to, (torch.float32,))
+    return cast_to if probed == cast_to else None
+
+
 def configs(gpu: list[Any], interpret: Any) -> list[Any]:
     """The autotune candidates: `gpu` when compiling, the single `interpret` config otherwise
     (one config means Triton's autotuner launches it without benchmarking)."""

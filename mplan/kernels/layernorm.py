@@ -14,12 +14,15 @@ numbers per row (mean, rstd); one program per row with the row in registers. The
 runs a few programs per SM, each walking tiles of ROWS consecutive rows, reading d_normed,
 d_new_residual (when used later), new_residual, mean and rstd, writing the input gradient once
 (x and residual share it) and accumulating the weight and bias gradients over the tile's rows
-in fp32 ([programs, hidden] partials summed by torch); it issues the next tile's loads before
-this tile's reductions (see rmsnorm.py: a program that waits on each row in turn leaves most
-of the bandwidth idle). The tiles and their tuning are rmsnorm.py's: with one row per
+in fp32 ([programs, hidden] partials summed by `sum_partials`); it issues the next tile's loads
+before this tile's reductions (see rmsnorm.py: a program that waits on each row in turn leaves
+most of the bandwidth idle). The tiles and their tuning are rmsnorm.py's: with one row per
 iteration the H200 measured this backward (16384 rows, bf16) at 58% of copy bandwidth at
-hidden 2048, where forward and backward took 0.177 ms against torch.compile's 0.167, 77% at
-4096 and 82% at 8192; the taller tiles' GPU timing is pending until the next H200 run.
+hidden 2048, 77% at 4096 and 82% at 8192; with the row tiles and `sum_partials`, 85 / 91 / 90%
+(benchmarks/results/kernels_h200-2026-11-29-norms-sum-partials.json).
+
+Under autocast with `consumer="linear"` (fuse_kernels' mark: the normed output feeds only
+linears) normed comes out in the autocast dtype, which the linear would cast it to anyway.
 
 Invariants: statistics are computed in fp32 (two-pass over the register-resident row, so no
 cancellation) from new_residual as stored; rows longer than `MAX_ROW_SIZE` and devices
@@ -36,6 +39,7 @@ from mplan.kernels.dispatch import (
     MAX_ROW_SIZE,
     autocast_result_dtype,
     configs,
+    consumer_cast_dtype,
     next_power_of_2,
     num_row_programs,
     tl,
@@ -173,11 +177,15 @@ def _probe(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> torch.Tenso
     return F.layer_norm(total, (2,), weight, weight, 1e-5)
 
 
-def layer_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                        bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(layernorm(x + residual), x + residual); Triton where `use_triton`, else the reference."""
+def layer_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        eps: float, consumer: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layernorm(x + residual), x + residual); Triton where `use_triton`, else the reference.
+    `consumer`: what every use of the normed output is ("linear"), so that under autocast it
+    comes out in the dtype autocast would cast it to there (`consumer_cast_dtype`)."""
+    cast_to = consumer_cast_dtype(consumer, x)
     if use_triton(x) and x.shape[-1] <= MAX_ROW_SIZE and residual.shape == x.shape:
-        out_dtype = (autocast_result_dtype(_probe, x, (x.dtype, residual.dtype, weight.dtype))
+        out_dtype = (cast_to or autocast_result_dtype(_probe, x, (x.dtype, residual.dtype, weight.dtype))
                      or torch.promote_types(x.dtype, residual.dtype))
         return LayerNormResidualFunction.apply(x, residual, weight, bias, eps, out_dtype)
-    return layer_norm_residual_reference(x, residual, weight, bias, eps)
+    normed, new_residual = layer_norm_residual_reference(x, residual, weight, bias, eps)
+    return (normed if cast_to is None else normed.to(cast_to)), new_residual

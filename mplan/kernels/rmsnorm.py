@@ -45,6 +45,7 @@ from mplan.kernels.dispatch import (
     MAX_ROW_SIZE,
     autocast_result_dtype,
     configs,
+    consumer_cast_dtype,
     next_power_of_2,
     num_row_programs,
     tl,
@@ -222,16 +223,23 @@ def _fusable(x: torch.Tensor) -> bool:
     return use_triton(x) and x.shape[-1] <= MAX_ROW_SIZE
 
 
-def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rmsnorm(x + residual) * weight, x + residual); Triton where `use_triton`, else the reference."""
+def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                      consumer: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual) * weight, x + residual); Triton where `use_triton`, else the reference.
+    `consumer` as in `rms_norm`."""
+    cast_to = consumer_cast_dtype(consumer, x)
     if _fusable(x) and residual.shape == x.shape:
-        return RMSNormResidualFunction.apply(x, residual, weight, eps, _normed_dtype(x, residual, weight))
-    return rms_norm_residual_reference(x, residual, weight, eps)
+        return RMSNormResidualFunction.apply(x, residual, weight, eps, cast_to or _normed_dtype(x, residual, weight))
+    normed, new_residual = rms_norm_residual_reference(x, residual, weight, eps)
+    return (normed if cast_to is None else normed.to(cast_to)), new_residual
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """rmsnorm(x) * weight; Triton where `use_triton`, else the reference."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, consumer: str | None = None) -> torch.Tensor:
+    """rmsnorm(x) * weight; Triton where `use_triton`, else the reference. `consumer`: what every
+    use of the result is ("linear"), so that under autocast it comes out in the dtype autocast
+    would cast it to there (`consumer_cast_dtype`)."""
+    cast_to = consumer_cast_dtype(consumer, x)
     if _fusable(x):
-        return RMSNormResidualFunction.apply(x, None, weight, eps, _normed_dtype(x, None, weight))
-    return rms_norm_reference(x, weight, eps)
+        return RMSNormResidualFunction.apply(x, None, weight, eps, cast_to or _normed_dtype(x, None, weight))
+    normed = rms_norm_reference(x, weight, eps)
+    return normed if cast_to is None else normed.to(cast_to)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from mplan.kernels.dispatch import configs, next_power_of_2, tl, triton, use_triton
+from mplan.kernels.dispatch import configs, consumer_cast_dtype, next_power_of_2, tl, triton, use_triton
 
 # (head vectors per program, warps, L2 eviction hints): the H200 ran 8-16 vectors of 4 warps fastest
 # (kernel_variants); 8 vectors get 2 warps here so every thread loads 16 bytes at head_dim 128
@@ -129,9 +129,9 @@ class RopeFunction(torch.autograd.Function):
     """Triton forward/backward of `rope`; no gradient for the tables."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         order = _order(x)
-        y = _dense_like(x, torch.promote_types(x.dtype, cos.dtype), order)
+        y = _dense_like(x, out_dtype, order)
         _launch(x, cos, sin, y, order, backward=False)
         ctx.save_for_backward(cos, sin)
         ctx.x_dtype, ctx.order = x.dtype, order
@@ -144,7 +144,7 @@ class RopeFunction(torch.autograd.Function):
             dy = dy.contiguous()
         dx = _dense_like(dy, ctx.x_dtype, ctx.order)
         _launch(dy, cos, sin, dx, ctx.order, backward=True)
-        return dx, None, None
+        return dx, None, None, None
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -160,8 +160,13 @@ def _fusable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
             and not (cos.requires_grad or sin.requires_grad))
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin; Triton where `use_triton` (and the layout fits), else the reference."""
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, consumer: str | None = None) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin; Triton where `use_triton` (and the layout fits), else the reference.
+    `consumer`: what every use of the result is ("attention"), so that under autocast it comes out
+    in the dtype autocast would cast it to there (`consumer_cast_dtype`; with fp32 tables the
+    product is fp32 otherwise)."""
+    cast_to = consumer_cast_dtype(consumer, x)
     if _fusable(x, cos, sin):
-        return RopeFunction.apply(x, cos, sin)
-    return rope_reference(x, cos, sin)
+        return RopeFunction.apply(x, cos, sin, cast_to or torch.promote_types(x.dtype, cos.dtype))
+    y = rope_reference(x, cos, sin)
+    return y if cast_to is None else y.to(cast_to)

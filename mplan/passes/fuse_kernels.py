@@ -87,13 +87,16 @@ class FusionRule:
 
 @dataclass(frozen=True, slots=True)
 class FusionReport:
-    """How many chains each rule replaced."""
+    """How many chains each rule replaced, and how many fused outputs were marked with the op
+    that consumes them (`_mark_consumers`)."""
 
     counts: dict[str, int] = field(default_factory=dict)
+    consumer_marks: int = 0
 
     def __str__(self) -> str:
         fired = ", ".join(f"{name} x{count}" for name, count in self.counts.items())
-        return f"fuse_kernels: {fired or 'no rule fired'}"
+        marks = f"; {self.consumer_marks} outputs marked for autocast's casts" if self.consumer_marks else ""
+        return f"fuse_kernels: {fired or 'no rule fired'}{marks}"
 
 
 # ---- node predicates -------------------------------------------------------------------------
@@ -498,11 +501,54 @@ def fuse_kernels(gm: GraphModule, rules: tuple[FusionRule, ...] | None = None, *
                 if match is not None and _rewrite(graph, match, erased):
                     counts[rule.name] += 1
                     break
+    marks = _mark_consumers(graph)
     graph.lint()
     gm.recompile()
-    gm.meta["fuse_kernels"] = report = FusionReport(dict(counts))
+    gm.meta["fuse_kernels"] = report = FusionReport(dict(counts), consumer_marks=marks)
     logger.info("%s", report)
     return gm
+
+
+_MARKED_OUTPUTS: dict[Any, int | None] = {
+    layer_norm_residual: 0, rms_norm_residual: 0, rms_norm: None, rope: None}
+"""Fused ops whose output autocast would otherwise leave in fp32 (norms of an fp32 residual
+stream, RoPE with fp32 tables) -> which of their outputs is marked (None: the op's only one)."""
+_ATTENTION_OPS = (aten.scaled_dot_product_attention.default, attention)
+
+
+def _consumer(value: Node) -> str | None:
+    """"linear" when every use of `value`, through views, is a linear's input (not its weight),
+    "attention" when every use is attention's q, k or v; else None."""
+    kinds = set()
+    for user in value.users:
+        if _is(user, *_VIEWS) and user.args[0] is value:
+            kinds.add(_consumer(user))
+        elif _is(user, aten.linear.default) and user.args[0] is value and value not in user.args[1:]:
+            kinds.add("linear")
+        elif _is(user, *_ATTENTION_OPS) and value in user.args[:3]:
+            kinds.add("attention")
+        else:
+            return None
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def _mark_consumers(graph: Graph) -> int:
+    """Give each fused norm or RoPE whose output only feeds linears (or attention) a `consumer=`
+    keyword: under autocast, which casts those inputs to its lower dtype, the kernel then writes
+    that dtype itself (`mplan.kernels.dispatch.consumer_cast_dtype`), the same values without
+    the fp32 round trip. Outside autocast the keyword changes nothing. Returns how many."""
+    marked = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _MARKED_OUTPUTS:
+            continue
+        index = _MARKED_OUTPUTS[node.target]
+        outputs = [node] if index is None else [u for u in node.users if _is(u, operator.getitem)
+                                                  and u.args[1] == index]
+        consumer = _consumer(outputs[0]) if len(outputs) == 1 else None
+        if consumer is not None:
+            node.kwargs = {**node.kwargs, "consumer": consumer}
+            marked += 1
+    return marked
 
 
 def _rewrite(graph: Graph, match: Match, erased: set[Node]) -> bool:
