@@ -3,9 +3,10 @@
 Input: local parameters (or parameter groups), an element-wise torch optimizer factory such
 as `functools.partial(torch.optim.AdamW, lr=3e-4)`, `ProcessGroups` and placements.
 Output: `step()` = reduce-scatter of the averaged gradients -> optional global-norm clipping
--> the torch optimizer's update of this rank's shard of master weights -> all-gather of the
-updated shards into the model's parameters. Optimizer state and master weights exist only
-for the shard: 1/dp of them per rank.
+-> the torch optimizer's update of this rank's shard of master weights (a torch Adam/AdamW by
+mplan's multi-tensor kernel where `adamw.applies`) -> all-gather of the updated shards into
+the model's parameters. Optimizer state and master weights exist only for the shard: 1/dp of
+them per rank.
 
 Layout: parameters of one group, placement, dtype and device form a *partition*. Its
 parameters are laid end to end and cut into buckets at parameter boundaries (at most
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mplan.kernels import adamw
 from mplan.runtime.collectives import all_gather_flat, reduce_scatter_flat
 from mplan.runtime.data_parallel import (
     DEFAULT_BUCKET_BYTES,
@@ -168,7 +170,10 @@ class ShardedOptimizer:
             self._reduce_scatter_grads(part)
         norm = None
         if max_grad_norm is None:
-            self.optimizer.step()
+            if adamw.applies(self.optimizer):
+                adamw.step(self.optimizer)
+            else:
+                self.optimizer.step()
         else:
             norm = global_grad_norm(
                 (part.master.grad for part in self._partitions
