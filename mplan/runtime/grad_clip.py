@@ -19,15 +19,18 @@ at least float32 and combined in float64, so bf16 gradients do not lose the norm
 Cost: gradients are grouped by device and dtype and each group is handled by torch's
 multi-tensor (`_foreach_*`) kernels, as `torch.nn.utils.clip_grad_norm_(foreach=True)` does:
 a few launches per group instead of several per parameter (a 24-layer GPT has ~300).
+`step_clipped` folds the clip coefficient into the optimizer's own pass where it can: mplan's
+multi-tensor Adam/AdamW (`mplan.kernels.adamw`, where it applies), else torch's fused Adam/AdamW.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 
+from mplan.kernels import adamw
 from mplan.runtime.param_placement import Placements, counts_in_norm, placement_of
 from mplan.runtime.process_groups import ProcessGroups, group_size
 
@@ -84,19 +87,26 @@ def folds_clipping(optimizer: torch.optim.Optimizer) -> bool:
 
 @torch.no_grad()
 def step_clipped(optimizer: torch.optim.Optimizer, grads: Iterable[torch.Tensor], max_norm: float,
-                 total_norm: torch.Tensor) -> None:
+                 total_norm: torch.Tensor, *, copies: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
     """`optimizer.step()` on `grads` clipped to a global norm of at most `max_norm`.
 
-    For fused Adam/AdamW (`folds_clipping`) the coefficient's reciprocal is the kernel's
-    `grad_scale`: it divides each gradient as it reads it (and stores it so divided, as clipping
-    leaves it), one pass over the gradients fewer than scaling them first (~1 ms a step for 1B
-    bf16 parameters on an H200). Otherwise the gradients are scaled, then the optimizer steps."""
-    if not folds_clipping(optimizer):
+    For mplan's Adam/AdamW kernel (`adamw.applies`) and torch's fused Adam/AdamW
+    (`folds_clipping`) the coefficient's reciprocal is the kernel's `grad_scale`: it divides each
+    gradient as it reads it (and stores it so divided, as clipping leaves it), one pass over the
+    gradients fewer than scaling them first (~1 ms a step for 1B bf16 parameters on an H200).
+    Otherwise the gradients are scaled, then the optimizer steps. `copies` (master -> compute
+    copy, `compute_copies.py`) goes to mplan's kernel, which reads those masters' gradients from
+    the copies and rewrites the copies."""
+    by_mplan = adamw.applies(optimizer)
+    if not by_mplan and not folds_clipping(optimizer):
         scale_by_clip_coefficient_(grads, max_norm, total_norm)
         optimizer.step()
         return
-    coefficient = torch.clamp(max_norm / (total_norm + CLIP_EPS), max=1.0)
-    optimizer.grad_scale = coefficient.reciprocal().float()  # type: ignore[attr-defined]
+    grad_scale = torch.clamp(max_norm / (total_norm + CLIP_EPS), max=1.0).reciprocal().float()
+    if by_mplan:
+        adamw.step(optimizer, grad_scale, copies=copies)
+        return
+    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
     try:
         optimizer.step()
     finally:
@@ -131,11 +141,13 @@ def clip_grad_norm_(
 
 
 def replicated_grad_norm(params: list[torch.Tensor], groups: ProcessGroups, *,
-                         placements: Placements | None = None, norm_type: float = 2.0) -> torch.Tensor:
-    """The global norm of the full gradients held by `params` (after DP sync); collective."""
+                         placements: Placements | None = None, norm_type: float = 2.0,
+                         grad_of: Callable[[torch.Tensor], torch.Tensor | None] = lambda p: p.grad) -> torch.Tensor:
+    """The global norm of the full gradients held by `params` (after DP sync); collective.
+    `grad_of(param)` is its gradient (a compute copy's, where it has one)."""
     return global_grad_norm(
-        (p.grad for p in params
-         if p.grad is not None and counts_in_norm(placement_of(p, placements), groups, dp_sharded=False)),
+        (grad for p, grad in ((p, grad_of(p)) for p in params)
+         if grad is not None and counts_in_norm(placement_of(p, placements), groups, dp_sharded=False)),
         groups,
         norm_type=norm_type,
         device=params[0].device if params else torch.device("cpu"),

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from mplan.runtime.compute_copies import ComputeCopies
 from mplan.runtime.data_parallel import DEFAULT_BUCKET_BYTES
 from mplan.runtime.optimizer_state import ParamsArg
 from mplan.runtime.param_placement import Placements
@@ -47,9 +48,15 @@ def build_optimizer(
     zero: int = 0,
     placements: Placements | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    copies: ComputeCopies | None = None,
 ) -> DistributedOptimizer:
-    """The data-parallel optimizer for a plan's `zero` level (0 or 1)."""
-    kinds = {0: ReplicatedOptimizer, 1: ShardedOptimizer}
-    if zero not in kinds:
+    """The data-parallel optimizer for a plan's `zero` level (0 or 1); `copies` (compute copies
+    of some parameters, `compute_copies.py`) only with zero=0."""
+    if zero not in (0, 1):
         raise ValueError(f"zero must be 0 or 1, got {zero!r}")
-    return kinds[zero](params, optimizer, groups, placements=placements, bucket_bytes=bucket_bytes)
+    if zero == 1:
+        if copies is not None:
+            raise ValueError("compute copies are kept by the zero=0 optimizer only")
+        return ShardedOptimizer(params, optimizer, groups, placements=placements, bucket_bytes=bucket_bytes)
+    return ReplicatedOptimizer(params, optimizer, groups, placements=placements, bucket_bytes=bucket_bytes,
+                               copies=copies)

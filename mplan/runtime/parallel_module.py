@@ -14,7 +14,9 @@ Building (`parallelize`), in this order:
 3. `shard_parameters` -> this rank's leaf parameters; `insert_collectives` -> the local program,
    then `fuse_kernels` when asked (see `local_program`);
 4. the data-parallel optimizer (`build_optimizer`: zero=0 bucketed all-reduce, zero=1 ZeRO-1),
-   told which parameters are TP shards and which replicated ones carry partial gradients.
+   told which parameters are TP shards and which replicated ones carry partial gradients;
+   under autocast (zero=0) the compute copies of the weights autocast would cast every step
+   (`compute_copies.py`), which the training program then reads.
 
 A step: each DP replica takes its rows of the global batch (or `local=True` rows it already
 holds), splits them into `num_micro_batches` micro-batches, runs forward and backward of each
@@ -49,6 +51,8 @@ from mplan.passes.insert_collectives import INPUTS, LocalInput, insert_collectiv
 from mplan.passes.parameter_layout import ParamLayout, parameter_layouts
 from mplan.passes.shard_parameters import ParameterSource, materialize_buffers, shard_parameters
 from mplan.runtime.checkpoint import load_checkpoint, save_checkpoint
+from mplan.runtime.compute_copies import ComputeCopies, autocast_cast_parameters
+from mplan.runtime.data_parallel import needs_reduction
 from mplan.runtime.execution_plan import ExecutionPlan
 from mplan.runtime.optimizer import DistributedOptimizer, build_optimizer
 from mplan.runtime.param_placement import ParamPlacement
@@ -149,8 +153,9 @@ class ParallelModule:
         self._inference: dict[tuple[tuple[int, ...], ...], fx.GraphModule] = {}
         placements = {params[name]: ParamPlacement(tp_sharded=layout.tp_sharded, tp_reduce=layout.grad_partial)
                       for name, layout in layouts.items()}
+        self.copies = _compute_copies(program, params, placements, groups, autocast, zero=plan.zero)
         self.optimizer: DistributedOptimizer = build_optimizer(
-            list(params.values()), optimizer, groups, zero=plan.zero, placements=placements)
+            list(params.values()), optimizer, groups, zero=plan.zero, placements=placements, copies=self.copies)
         self._last_grad_norm: torch.Tensor | None = None
 
     @property
@@ -204,8 +209,10 @@ class ParallelModule:
         if wanted != len(user):
             raise ValueError(f"the captured program takes {wanted} inputs, got {len(user)}")
         given = iter(user)
-        return [self.params[s.name] if s.kind == "PARAMETER" else
-                next(given) if s.kind == "USER_INPUT" else self.statics[s.name] for s in specs]
+        # the training program reads compute copies where there are (`_compute_copies`)
+        copies = self.copies if program is self.program else None
+        return [(self.params[s.name] if copies is None else copies.of(self.params[s.name])) if s.kind == "PARAMETER"
+                else next(given) if s.kind == "USER_INPUT" else self.statics[s.name] for s in specs]
 
     # -- inference ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -243,6 +250,23 @@ class ParallelModule:
     def load(self, directory: str) -> None:
         """Restore parameters and optimizer state saved by `save` under the same plan."""
         load_checkpoint(directory, self)
+        if self.copies is not None:
+            self.copies.refresh()
+
+
+def _compute_copies(program: fx.GraphModule, params: Mapping[str, nn.Parameter],
+                    placements: Mapping[nn.Parameter, ParamPlacement], groups: ProcessGroups,
+                    autocast: torch.dtype | None, *, zero: int) -> ComputeCopies | None:
+    """Under autocast, copies in its dtype of the wider parameters that the training program
+    only feeds to inputs autocast casts (linears' weights and biases), where their gradient needs
+    no collective and the optimizer is zero=0's (compute_copies.py); None where there are none."""
+    if autocast is None or zero != 0:
+        return None
+    placeholders = {s.placeholder: s.name for s in program.meta[INPUTS] if s.kind == "PARAMETER"}
+    names = sorted(n for n in autocast_cast_parameters(program, placeholders)
+                   if params[n].dtype.itemsize > autocast.itemsize and params[n].requires_grad
+                   and not needs_reduction(placements[params[n]], groups))
+    return ComputeCopies([params[n] for n in names], autocast) if names else None
 
 
 def _as_tuple(inputs: Batch) -> tuple[torch.Tensor, ...]:

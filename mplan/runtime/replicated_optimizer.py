@@ -3,7 +3,12 @@
 Input: local parameters (or parameter groups), a torch optimizer factory such as
 `functools.partial(torch.optim.AdamW, lr=3e-4)`, `ProcessGroups` and parameter placements.
 Output: `step()` = data-parallel gradient sync -> optional global-norm clipping -> the torch
-optimizer's step; every replica applies the same update to the same averaged gradients.
+optimizer's step (a torch Adam/AdamW by mplan's multi-tensor kernel where `adamw.applies`);
+every replica applies the same update to the same averaged gradients.
+
+Compute copies (`compute_copies.py`, autocast runs): parameters that have one keep their
+gradient on the copy, outside the gradient buckets (they are given copies only when their
+gradient needs no collective).
 
 Invariants: call `step()` once per global batch, after the backward of the last
 micro-batch; `zero_grad()` between steps (it keeps the gradients as bucket views).
@@ -14,6 +19,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from mplan.kernels import adamw
+from mplan.runtime.compute_copies import ComputeCopies
 from mplan.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientSync
 from mplan.runtime.grad_clip import replicated_grad_norm, step_clipped
 from mplan.runtime.optimizer_state import (
@@ -40,28 +47,50 @@ class ReplicatedOptimizer:
         *,
         placements: Placements | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        copies: ComputeCopies | None = None,
     ) -> None:
         param_groups = as_param_groups(params)
         self.params = [p for group in param_groups for p in group["params"]]
-        self.groups, self.placements = groups, placements
+        self.groups, self.placements, self.copies = groups, placements, copies
+        # a parameter with a compute copy gets its gradient there, and needs no collective
         self.grad_sync = GradientSync(
-            self.params, groups, placements=placements, bucket_bytes=bucket_bytes
+            [p for p in self.params if copies is None or copies.of(p) is p], groups, placements=placements,
+            bucket_bytes=bucket_bytes,
         )
         self.optimizer = optimizer(param_groups)
         """The torch optimizer; attach learning-rate schedulers to it."""
 
     def zero_grad(self) -> None:
         self.grad_sync.zero_grad()
+        if self.copies is not None:
+            self.copies.zero_grad()
 
     def step(self, *, max_grad_norm: float | None = None) -> torch.Tensor | None:
-        """Synchronize gradients, clip them if asked, update; returns the global norm if clipped."""
+        """Synchronize gradients, clip them if asked, update; returns the global norm if clipped.
+
+        With compute copies, mplan's AdamW reads their gradients and rewrites them as it updates
+        the masters; any other optimizer gets the gradients widened onto the masters, and the
+        copies are refreshed after its step."""
         self.grad_sync.sync_gradients()
+        copies, by_kernel = self.copies, adamw.applies(self.optimizer)
+        if copies is not None:
+            copies.fill_missing_grads()
+            if not by_kernel:
+                copies.widen_grads()
+        linked = copies.copies if copies is not None and by_kernel else None
+        norm = None
         if max_grad_norm is None:
-            self.optimizer.step()
-            return None
-        params = self.grad_sync.params
-        norm = replicated_grad_norm(params, self.groups, placements=self.placements)
-        step_clipped(self.optimizer, (p.grad for p in params if p.grad is not None), max_grad_norm, norm)
+            if by_kernel:
+                adamw.step(self.optimizer, copies=linked)
+            else:
+                self.optimizer.step()
+        else:
+            grad_of = copies.grad_of if linked is not None else (lambda p: p.grad)
+            norm = replicated_grad_norm(self.params, self.groups, placements=self.placements, grad_of=grad_of)
+            grads = [grad for grad in map(grad_of, self.params) if grad is not None]
+            step_clipped(self.optimizer, grads, max_grad_norm, norm, copies=linked)
+        if copies is not None and not by_kernel:
+            copies.refresh()
         return norm
 
     def state_dict(self) -> dict[str, torch.Tensor]:
