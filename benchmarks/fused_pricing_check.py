@@ -7,8 +7,8 @@ its own (as eager runs them), with the memory-bound chains priced as mplan's fus
 with the eager, mplan and mplan_fp8 step times measured in one run
 (benchmarks/results/e2e_h200-2026-11-29*.json), and the predicted gains with the measured ones.
 
-    python benchmarks/fused_pricing_check.py benchmarks/results/e2e_h200-2026-11-29-session3.json \
-        -o benchmarks/results/fused_pricing_check-2026-11-29-session3.json
+    python benchmarks/fused_pricing_check.py benchmarks/results/e2e_h200-2026-11-29-session4.json \
+        -o benchmarks/results/fused_pricing_check-2026-11-29-session4.json
 """
 from __future__ import annotations
 

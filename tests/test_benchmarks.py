@@ -105,10 +105,11 @@ def test_step_profile_on_tiny_models(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_fused_kernel_prices_match_the_h200_run(tmp_path: Path) -> None:
     """Re-predicts the latest committed H200 steps (run with today's kernels): mplan's (fused) step
-    within 5%, eager's and FP8's within 8% (the FP8 step is partly host-bound: 195 and 217 ms in
-    two runs of GPT-1.3B)."""
+    within 5%, eager's and FP8's within 8% (the FP8 step is partly host-bound: 189-217 ms in three
+    runs of GPT-1.3B). mplan's is predicted high (+4%): the optimizer term, fitted on an older
+    runtime, does not know mplan's own AdamW kernel."""
     out = tmp_path / "check.json"
-    _run("fused_pricing_check.py", str(RESULTS / "e2e_h200-2026-11-29-session3.json"), "-o", str(out))
+    _run("fused_pricing_check.py", str(RESULTS / "e2e_h200-2026-11-29-session4.json"), "-o", str(out))
     for name, row in json.loads(out.read_text())["rows"].items():
         assert abs(row["fused_error"]) < 0.05 and abs(row["unfused_error"]) < 0.08, (name, row)
         assert abs(row["fp8_error"]) < 0.08, (name, row)
