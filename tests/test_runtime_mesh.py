@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from distributed import run_checks
+from mplan.runtime import launch, parallel_module
 from mplan.runtime.launch import init_distributed_from_env
 from mplan.runtime.mesh import AXES, MeshShape, mesh_for_world
 from mplan.runtime.process_groups import init_process_groups
@@ -77,6 +78,33 @@ def test_launch_without_torchrun_runs_alone(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(RuntimeError, match="WORLD_SIZE, MASTER_ADDR, MASTER_PORT missing"):
         init_distributed_from_env()
+
+
+def test_collectives_go_on_the_device_the_backend_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL takes only CUDA tensors (a CPU tensor's all-gather failed on 2 H200s), gloo CPU ones."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    for backend, device in (("nccl", torch.device("cuda", 1)), ("gloo", torch.device("cpu"))):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, backend=backend: backend)
+        assert launch.collective_device(None) == device
+
+
+def test_the_plan_check_all_gathers_where_collective_device_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """autoparallel's first collective, the plan-hash all-gather, takes its tensor's device from
+    `collective_device` (meta stands in for a GPU this machine lacks)."""
+    seen = []
+
+    def all_gather(every: list[torch.Tensor], mine: torch.Tensor, group: object = None) -> None:
+        seen.append(mine.device)
+
+    class World:
+        def size(self) -> int:
+            return 2
+
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    monkeypatch.setattr(parallel_module, "collective_device", lambda group: torch.device("meta"))
+    with pytest.raises(RuntimeError, match="meta"):  # reading a meta tensor's value back: it went there
+        parallel_module.check_same_plan("0" * 16, World())
+    assert seen == [torch.device("meta")]
 
 
 def _expected_ranks(mesh: MeshShape, axis: str, rank: int) -> list[int]:

@@ -41,3 +41,12 @@ def init_distributed_from_env() -> dist.ProcessGroup | None:
     else:
         dist.init_process_group("gloo", init_method="env://")
     return dist.group.WORLD
+
+
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a collective's tensors must live for `group`'s backend: NCCL takes only CUDA tensors
+    (the current device, which `init_distributed_from_env` binds), gloo takes CPU ones. (On 2
+    H200s a CPU tensor's all-gather failed with "No backend type associated with device type cpu".)"""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

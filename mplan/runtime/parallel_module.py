@@ -54,6 +54,7 @@ from mplan.runtime.checkpoint import load_checkpoint, save_checkpoint
 from mplan.runtime.compute_copies import ComputeCopies, autocast_cast_parameters
 from mplan.runtime.data_parallel import needs_reduction
 from mplan.runtime.execution_plan import ExecutionPlan
+from mplan.runtime.launch import collective_device
 from mplan.runtime.optimizer import DistributedOptimizer, build_optimizer
 from mplan.runtime.param_placement import ParamPlacement
 from mplan.runtime.process_groups import ProcessGroups, group_size, init_process_groups
@@ -72,7 +73,7 @@ def check_same_plan(digest: str, world: dist.ProcessGroup | None) -> None:
     """All-gather every rank's plan hash; raise on every rank, naming the ranks, unless equal."""
     if world is None or world.size() == 1:
         return
-    mine = torch.tensor([int(digest[:15], 16)], dtype=torch.int64)
+    mine = torch.tensor([int(digest[:15], 16)], dtype=torch.int64, device=collective_device(world))
     every = [torch.zeros_like(mine) for _ in range(world.size())]
     dist.all_gather(every, mine, group=world)
     by_hash: dict[int, list[int]] = {}
