@@ -123,6 +123,8 @@ def _bench(args: argparse.Namespace) -> int:
     with status:
         rows = bench_plans(args.model, _cluster(args), args.global_batch, args.plans, seq_len=args.seq_len,
                            measure=args.measure, progress=progress)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # under torchrun (--measure) every rank ran the plans; rank 0 reports
     if args.csv:
         write_csv(rows, args.csv)
     if args.json:
@@ -147,8 +149,14 @@ def _print_bench(rows: list[dict[str, Any]]) -> None:
                       "yes" if r["fits"] else "no",
                       f"{p['step_time_s'] * 1e3:.1f}" if p else "-", f"{p['tflops_per_gpu']:.1f}" if p else "-",
                       f"{p['mfu']:.1%}" if p else "-", f"{p['memory_gib']:.1f}" if p else "-",
-                      f"{r['measured']['step_time_s'] * 1e3:.1f}" if r.get("measured") else "-", r["error"] or "")
+                      _measured_ms(r.get("measured")), r["error"] or "")
     Console().print(table)
+
+
+def _measured_ms(measured: dict[str, Any] | None) -> str:
+    if not measured:
+        return "-"
+    return f"{measured['step_time_s'] * 1e3:.1f}" if "step_time_s" in measured else f"not run: {measured['error']}"
 
 
 def _profile(args: argparse.Namespace) -> int:

@@ -11,8 +11,11 @@ Output: ``LinkProfile``: every timing (the slowest rank's median) and one ``Alph
 Method: the world is laid out node-major (rank = node * ranks_per_node + local rank, as torchrun
 numbers ranks). A shape ``(size, g)`` partitions it into groups of ``g`` consecutive local ranks on
 ``size / g`` consecutive nodes; all groups run at once, as the mesh axes of a plan do. Each
-collective gets warm-up calls, then ``iters`` timed calls (device-synchronised
-``time.perf_counter``); every rank's median is reduced with MAX over the world once at the end.
+collective gets warm-up calls, then ``iters`` timed samples; a sample is a burst of back-to-back
+calls (``burst_calls``: many for small messages, one from 64 MiB) between two device
+synchronisations, divided by its length, as nccl-tests times them: training queues collectives on a
+stream, so the host's synchronisation (tens of microseconds on NCCL) is not part of a call. Every
+rank's median is reduced with MAX over the world once at the end.
 ``send_recv`` pairs members 2j -> 2j+1 of each group. Backends lacking a collective are skipped.
 Invariants: collective over all ranks; every rank returns the same profile; torch is imported lazily.
 """
@@ -33,6 +36,14 @@ from mplan.cost_models.profile import CollectiveTiming, LinkProfile
 MEASURED_COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 DEFAULT_SIZES: tuple[int, ...] = tuple(1 << p for p in range(10, 29, 2))
 """1 KiB to 256 MiB in steps of 4x: latency-bound to bandwidth-bound."""
+BURST_BYTES = 64 << 20
+"""A timed burst moves at least this many bytes, in at most MAX_BURST calls."""
+MAX_BURST = 64
+
+
+def burst_calls(nbytes: int) -> int:
+    """Back-to-back calls per timed sample: the same on every rank (it depends on the size alone)."""
+    return max(1, min(MAX_BURST, -(-BURST_BYTES // max(nbytes, 1))))
 
 
 def default_group_shapes(world_size: int, ranks_per_node: int) -> list[GroupShape]:
@@ -133,12 +144,14 @@ def _time(dist: Any, torch: Any, kind: str, buffers: dict[str, Any], group: Any,
         _run_collective(dist, torch, kind, buffers, group, members, me)
     sync()
     dist.barrier(group=group)
+    calls = burst_calls(buffers["full"].numel() * buffers["full"].element_size())
     samples = []
     for _ in range(iters):
         start = time.perf_counter()
-        _run_collective(dist, torch, kind, buffers, group, members, me)
+        for _ in range(calls):
+            _run_collective(dist, torch, kind, buffers, group, members, me)
         sync()
-        samples.append(time.perf_counter() - start)
+        samples.append((time.perf_counter() - start) / calls)
     return statistics.median(samples)
 
 

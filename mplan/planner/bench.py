@@ -3,7 +3,8 @@
 Each entry of `--plans` is `auto` (the planner's choice) or a manual spec (`tp=8,pp=4`): keys it
 fixes are honoured, keys it leaves out are searched. One capture and one cache of sharding solves
 serve every entry. A plan that cannot run gets `error` (why) instead of figures. Figures are
-predictions; `measured` is filled only by a measurement (`--measure`).
+predictions; `measured` is filled only by a measurement (`--measure`), or says why the runtime
+cannot run that plan (pipeline and expert parallelism are planned, not yet executed).
 """
 from __future__ import annotations
 
@@ -44,7 +45,10 @@ def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequ
             from mplan.runtime.measure import measure_plan
 
             progress(f"measuring {c.spec()}")
-            row["measured"] = measure_plan(model, c.spec(), global_batch=global_batch, seq_len=seq_len)
+            try:
+                row["measured"] = measure_plan(model, c.spec(), global_batch=global_batch, seq_len=seq_len)
+            except NotImplementedError as exc:  # raised alike on every rank, before any collective
+                row["measured"] = {"error": str(exc)}
         rows.append(row)
     return rows
 
