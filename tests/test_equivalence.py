@@ -1,4 +1,4 @@
-"""Parallel training equals one process: TP2, SP, DP2, ZeRO-1, Hugging Face Llama (gloo, 2 ranks).
+"""Parallel training equals one process: TP2, SP, DP2, ZeRO-1, recomputation, Hugging Face Llama (gloo, 2 ranks).
 
 Every check trains a model with `mplan.autoparallel` for 5 AdamW steps with global-norm clipping
 (active: the norm exceeds the limit) and compares the loss of every step and every parameter at
@@ -115,6 +115,7 @@ def compare(make: Callable[[], nn.Module], plan: str, global_batch: int, **optio
     fused = pm.program.meta.get("fuse_kernels")
     return {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)), "param": errors[worst],
             "worst": worst, "clipped": max(norms) > MAX_NORM, "ran": pm.plan.describe(),
+            "recomputed_units": len(pm.recomputed_units),
             "strategies": sorted({s.name for s in pm.choice.values()}),
             "fused": dict(fused.counts) if fused is not None else {}}
 
@@ -163,6 +164,15 @@ def tp2_sp_llama_kernels() -> dict[str, Any]:
 
 def tp2_sp_gpt_kernels() -> dict[str, Any]:
     return compare(family("tiny-gpt"), "tp=2,sp=1", 4, kernels=True)
+
+
+def tp2_sp_llama_recompute_full() -> dict[str, Any]:
+    """Full recomputation re-runs each unit's forward in backward, its TP collectives included."""
+    return compare(family("tiny-llama"), "tp=2,sp=1,recompute=full", 4, micro_batch_size=2, kernels=True)
+
+
+def tp2_sp_gpt_recompute_selective() -> dict[str, Any]:
+    return compare(family("tiny-gpt"), "tp=2,sp=1,recompute=selective", 4, kernels=True)
 
 
 def hf_tp2_sp_float64() -> dict[str, Any]:
@@ -271,10 +281,12 @@ def ranks_disagree() -> str:
 
 
 CHECKS = [tp2_gpt, tp2_sp_llama, tp2_sp_gpt, dp2_llama, dp2_zero1_gpt, tp2_ilp_llama, tp2_sp_ilp_llama,
-          tp2_sp_llama_kernels, tp2_sp_gpt_kernels, hf_tp2_sp_float64, hf_tp2_stock, inference_logits,
+          tp2_sp_llama_kernels, tp2_sp_gpt_kernels, tp2_sp_llama_recompute_full, tp2_sp_gpt_recompute_selective,
+          hf_tp2_sp_float64, hf_tp2_stock, inference_logits,
           meta_model_shards, checkpoint_round_trip, local_rows, bf16_runs, ranks_disagree]
 EQUIVALENCE = [tp2_gpt, tp2_sp_llama, tp2_sp_gpt, dp2_llama, dp2_zero1_gpt, tp2_ilp_llama, tp2_sp_ilp_llama,
-               tp2_sp_llama_kernels, tp2_sp_gpt_kernels, hf_tp2_sp_float64]
+               tp2_sp_llama_kernels, tp2_sp_gpt_kernels, tp2_sp_llama_recompute_full, tp2_sp_gpt_recompute_selective,
+               hf_tp2_sp_float64]
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +305,13 @@ def test_ilp_mix_is_not_megatron(outcomes) -> None:
     for check in (tp2_ilp_llama, tp2_sp_ilp_llama):
         strategies = set(outcomes.assert_passed(check)[0]["strategies"])
         assert strategies - {"replicate", "column", "row", "heads", "vocab"}, strategies
+
+
+def test_recomputation_ran_under_tp(outcomes) -> None:
+    """Prologue, both blocks and the epilogue ran as checkpointed units (their equivalence is above)."""
+    for check, mode in ((tp2_sp_llama_recompute_full, "full"), (tp2_sp_gpt_recompute_selective, "selective")):
+        for result in outcomes.assert_passed(check):
+            assert f"recompute={mode}" in result["ran"] and result["recomputed_units"] == 4, result
 
 
 def test_fused_kernels_are_exact_under_tp(outcomes) -> None:

@@ -9,12 +9,12 @@ every rank, before any collective) and, once the model is captured, the TP choic
 `resolve_execution_plan` is the one hook between planning and execution:
 - None or "auto"  the planner searches (`mplan.planner.planning.plan`), restricted to what this
                   runtime executes (pp=1, ep=1); its Plan is then used as below;
-- a Plan / path   mesh, SP, ZeRO and micro-batching from the plan; the TP strategy of every op
+- a Plan / path   mesh, SP, ZeRO, micro-batching and recomputation from the plan; the TP strategy of every op
                   from `plan.ops` (per segment, in node order), zipped onto the re-captured graph;
                   `plan.check_runs_on` refuses another world size or another model's graph;
 - a spec string   keys as in DESIGN.md (dp, tp, pp, sp, zero, mbs); keys left out take defaults
                   here (tp=1, sp=0, zero=0, dp fills the world, mbs = the whole replica batch
-                  unless `micro_batch_size` says otherwise); TP strategies are Megatron's
+                  unless `micro_batch_size` says otherwise, recompute=none); TP strategies are Megatron's
                   (`megatron_required`), solved deterministically on the captured graph, or,
                   with tp_strategies="ilp", any valid mix the sharding ILP finds cheapest.
 
@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 
 from mplan.ir.graph import Graph, OpNode, TensorMeta
 from mplan.ir.graph_hash import graph_hash
-from mplan.planner.parallel_config import PlanSpec, parse_plan_spec
+from mplan.planner.parallel_config import RECOMPUTE, PlanSpec, parse_plan_spec
 from mplan.planner.op_cost import Cost
 from mplan.planner.placement import Placement, R, Shard, can_transition, transition
 from mplan.planner.plan import Plan, PlanError
@@ -54,12 +54,15 @@ class ExecutionPlan:
     tp_strategies: str  # "megatron" (spec strings), "ilp" (any valid mix), "plan" (a Plan's ops)
     source: str  # what the user passed, for messages
     plan: Plan | None = None  # the planner's Plan, when there is one (its ops and graph hash)
+    recompute: str = "none"  # activation recomputation per unit (`passes/recompute.py`)
 
     def __post_init__(self) -> None:
         if self.mesh.pp != 1 or self.mesh.ep != 1:
             raise NotImplementedError(f"{self.source}: pp={self.mesh.pp}, ep={self.mesh.ep}: {LATER_ISSUE}")
         if self.zero not in (0, 1):
             raise ValueError(f"{self.source}: zero must be 0 or 1, got {self.zero}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"{self.source}: recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         share = self.mesh.dp * self.micro_batch_size * self.num_micro_batches
         if share != self.global_batch:
             raise ValueError(f"{self.source}: dp*micro_batch_size*num_micro_batches = {self.mesh.dp}*"
@@ -69,7 +72,7 @@ class ExecutionPlan:
     def describe(self) -> str:
         m = self.mesh
         return (f"dp={m.dp},tp={m.tp},sp={int(self.sequence_parallel)},zero={self.zero},"
-                f"mbs={self.micro_batch_size},micro_batches={self.num_micro_batches}")
+                f"mbs={self.micro_batch_size},micro_batches={self.num_micro_batches},recompute={self.recompute}")
 
 
 def resolve_execution_plan(plan: Plan | str | None, *, world_size: int, global_batch: int,
@@ -105,7 +108,8 @@ def _from_plan(plan: Plan, world_size: int, global_batch: int) -> ExecutionPlan:
     return ExecutionPlan(mesh=MeshShape(dp=m.dp, tp=m.tp, pp=m.pp, ep=m.ep),
                          sequence_parallel=plan.sequence_parallel, zero=plan.zero,
                          micro_batch_size=plan.micro_batch_size, num_micro_batches=plan.num_micro_batches,
-                         global_batch=global_batch, tp_strategies="plan", source=plan.spec(), plan=plan)
+                         global_batch=global_batch, tp_strategies="plan", source=plan.spec(), plan=plan,
+                         recompute=plan.recompute)
 
 
 def _from_spec(text: str, world_size: int, global_batch: int, micro_batch_size: int | None,
@@ -132,7 +136,7 @@ def _from_spec(text: str, world_size: int, global_batch: int, micro_batch_size: 
                          f"the micro-batch size {mbs} ({replica} % {mbs} = {replica % mbs})")
     return ExecutionPlan(mesh=mesh, sequence_parallel=bool(spec.sp), zero=spec.zero or 0,
                          micro_batch_size=mbs, num_micro_batches=replica // mbs, global_batch=global_batch,
-                         tp_strategies=tp_strategies, source=text)
+                         tp_strategies=tp_strategies, source=text, recompute=spec.recompute or "none")
 
 
 def megatron_required(n: int, stream: tuple[int, ...] | None = None) -> Callable[[OpNode, Strategy], bool]:

@@ -16,7 +16,9 @@ Building (`parallelize`), in this order:
 4. the data-parallel optimizer (`build_optimizer`: zero=0 bucketed all-reduce, zero=1 ZeRO-1),
    told which parameters are TP shards and which replicated ones carry partial gradients;
    under autocast (zero=0) the compute copies of the weights autocast would cast every step
-   (`compute_copies.py`), which the training program then reads.
+   (`compute_copies.py`), which the training program then reads;
+5. the plan's activation recomputation: each unit of the training program (prologue, block
+   instances, epilogue) under activation checkpointing (`passes/recompute.py`).
 
 A step: each DP replica takes its rows of the global batch (or `local=True` rows it already
 holds), splits them into `num_micro_batches` micro-batches, runs forward and backward of each
@@ -49,6 +51,7 @@ from mplan.planner.placement import R
 from mplan.planner.strategies import Strategy
 from mplan.passes.insert_collectives import INPUTS, LocalInput, insert_collectives
 from mplan.passes.parameter_layout import ParamLayout, parameter_layouts
+from mplan.passes.recompute import checkpoint_units
 from mplan.passes.shard_parameters import ParameterSource, materialize_buffers, shard_parameters
 from mplan.runtime.checkpoint import load_checkpoint, save_checkpoint
 from mplan.runtime.compute_copies import ComputeCopies, autocast_cast_parameters
@@ -155,6 +158,8 @@ class ParallelModule:
         placements = {params[name]: ParamPlacement(tp_sharded=layout.tp_sharded, tp_reduce=layout.grad_partial)
                       for name, layout in layouts.items()}
         self.copies = _compute_copies(program, params, placements, groups, autocast, zero=plan.zero)
+        # after the copies, whose analysis reads which ops use each parameter in the flat program
+        self.recomputed_units = checkpoint_units(program, graph, plan.recompute)
         self.optimizer: DistributedOptimizer = build_optimizer(
             list(params.values()), optimizer, groups, zero=plan.zero, placements=placements, copies=self.copies)
         self._last_grad_norm: torch.Tensor | None = None

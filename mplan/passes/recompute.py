@@ -1,0 +1,136 @@
+"""Activation recomputation: run each unit of the local program under activation checkpointing.
+
+Input: one rank's local program (`insert_collectives`, after `fuse_kernels`), the captured
+`Graph` (its segments: prologue, each block instance, glue, epilogue, as the planner's units),
+and the plan's recompute mode. Output: the same program, edited in place, with each segment's
+ops moved into a submodule that runs under `torch.utils.checkpoint` (non-reentrant), so that
+memory holds what the planner priced for the mode (`planner/unit_costs.py`):
+
+- none       the program is left as it is: every tensor an op saves for backward stays.
+- full       only each unit's inputs stay; backward re-runs the unit's forward, collectives
+             included, in the same order on every rank of a TP group (Megatron's full
+             recomputation).
+- selective  the outputs of GEMMs, attention, embeddings and FP8 GEMMs are kept (a selective
+             checkpoint policy caches them); norms, activations, residual adds, casts and the
+             reshards between them re-run in backward. The planner keeps the tensors GEMMs and
+             attention save (their inputs) rather than their outputs; in a transformer block the
+             two are the same few tensors of hidden width plus one of FFN width, so the policy
+             holds what the planner prices up to that one tensor's choice.
+
+Why segments: they are the units the planner prices memory and recomputation time by, and
+they are contiguous in program order. A node the planner never saw (a reshard, a fused kernel,
+a `getitem`) belongs to the segment of the next op that it feeds in program order.
+Exactness: checkpointing changes when values are computed, never what: the recomputed forward
+is the same ops on the same inputs (RNG state preserved), so losses and gradients are bitwise
+those of the plain program.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from mplan.ir.graph import Graph
+
+MODES: tuple[str, ...] = ("none", "selective", "full")
+
+_aten = torch.ops.aten
+KEPT_UNDER_SELECTIVE = frozenset({
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.linear.default,
+    _aten._scaled_mm.default, _aten.embedding.default,
+    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
+})
+"""Ops whose outputs a selective region caches instead of recomputing (as ATen dispatches them)."""
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in KEPT_UNDER_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+class CheckpointedUnit(nn.Module):
+    """One unit of the program; under autograd its activations are recomputed in backward."""
+
+    def __init__(self, unit: fx.GraphModule, mode: str) -> None:
+        super().__init__()
+        self.unit, self.mode = unit, mode
+
+    def forward(self, *args: Any) -> Any:
+        if not torch.is_grad_enabled():  # inference keeps nothing for backward anyway
+            return self.unit(*args)
+        if self.mode == "selective":
+            return checkpoint(self.unit, *args, use_reentrant=False, context_fn=_selective_contexts)
+        return checkpoint(self.unit, *args, use_reentrant=False)
+
+
+def checkpoint_units(program: fx.GraphModule, graph: Graph, mode: str) -> list[str]:
+    """Move each segment's ops of `program` into a `CheckpointedUnit` (in place); the unit names."""
+    if mode not in MODES:
+        raise ValueError(f"recompute must be one of {MODES}, got {mode!r}")
+    if mode == "none":
+        return []
+    runs = _contiguous_runs(program, {name: seg.name for seg in graph.segments for name in seg.nodes})
+    names = []
+    for k, (segment, nodes) in enumerate(runs):
+        name = f"recompute_{k}_{segment.replace('.', '_')}"
+        _extract(program, nodes, name, mode)
+        names.append(name)
+    program.delete_all_unused_submodules()  # the reshard and attention modules now live in units
+    program.graph.lint()
+    program.recompile()
+    return names
+
+
+def _contiguous_runs(program: fx.GraphModule, segment_of: dict[str, str]) -> list[tuple[str, list[fx.Node]]]:
+    """The program's op nodes cut into maximal runs of one segment, in program order."""
+    ops = [n for n in program.graph.nodes if n.op in ("call_function", "call_module", "call_method")]
+    labels: list[str | None] = [segment_of.get(n.name) for n in ops]
+    following: str | None = None
+    for i in range(len(ops) - 1, -1, -1):  # unlabelled nodes join the next labelled op's segment
+        if labels[i] is None:
+            labels[i] = following
+        following = labels[i]
+    last = next((label for label in reversed(labels) if label is not None), None)
+    runs: list[tuple[str, list[fx.Node]]] = []
+    for node, label in zip(ops, labels):
+        label = label or last  # trailing nodes (none labelled after them) join the last segment
+        if label is None:
+            continue
+        if runs and runs[-1][0] == label:
+            runs[-1][1].append(node)
+        else:
+            runs.append((label, [node]))
+    return runs
+
+
+def _extract(program: fx.GraphModule, nodes: list[fx.Node], name: str, mode: str) -> None:
+    """Replace the contiguous `nodes` by one call of a `CheckpointedUnit` submodule `name`."""
+    inside = set(nodes)
+    inputs = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in inside))
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        env[node] = sub.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    for node in nodes:
+        env[node] = sub.node_copy(node, lambda x: env[x])
+    sub.output(tuple(env[o] for o in outputs))
+    program.add_submodule(name, CheckpointedUnit(fx.GraphModule(program, sub), mode))
+    # contiguous in program order: every input is defined before the first node
+    with program.graph.inserting_before(nodes[0]):
+        call = program.graph.call_module(name, tuple(inputs))
+        results = [program.graph.call_function(operator.getitem, (call, k)) for k in range(len(outputs))]
+    for old, new in zip(outputs, results):
+        new.meta = dict(old.meta)
+        old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in inside)
+    for node in reversed(nodes):
+        program.graph.erase_node(node)
