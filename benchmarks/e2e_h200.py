@@ -27,9 +27,12 @@ every step, set-up and first-step (compile/autotune) times; per model mplan_vs_e
 mplan_vs_compile (step-time ratios, > 1 means mplan is faster), the same for mplan_fp8, mplan's
 peak memory against eager's, the issue's targets (>= 1.15x eager, >= compile, peak <= eager)
 and correctness checks, step for step as a fraction of the first loss: mplan's losses within
-LOSS_RTOL of eager's, mplan_fp8's within FP8_LOSS_RTOL of mplan's; torch.compile's against
-eager's under the same bound, for scale (a loss spike that one rounding order takes and another
-does not can put two correct implementations past it: GPT-1.3B under autocast, 2026-11-29).
+LOSS_RTOL of eager's or of torch.compile's (of those that ran; both differences reported, and
+which passed), mplan_fp8's within FP8_LOSS_RTOL of mplan's; torch.compile's against eager's
+under the same bound, for scale. Two references because two correct roundings of one model can
+part by more than LOSS_RTOL after a loss spike one takes and the other does not (GPT-1.3B under
+autocast, 2026-11-29: eager spiked to 10.14 at step 12, compile and mplan stayed at 9.69, 4% of
+the first loss from eager and within 0.11% of each other); mplan must agree with at least one.
 
 Model FLOPs (no recomputation; attention counted whole, not halved for the causal mask):
     GPT    Megatron-LM: 72 B s l h^2 (1 + s / (6 h) + V / (12 h l))
@@ -75,11 +78,13 @@ from mplan.runtime.parallel_module import ParallelModule  # noqa: E402
 LR = 1e-4
 MAX_GRAD_NORM = 1.0
 LOSS_RTOL = 1e-2
-"""bf16 tolerance for mplan's losses against eager's, step for step, as a fraction of the first
-loss: the fused kernels round differently (fp32 inside, one rounding at the end), ~1e-3 on a
-single loss. Measured against the first loss because every system memorizes its one batch
-(Llama's loss falls from 10.8 to 0.005 in 15 steps), where relative differences of losses near
-zero mean nothing"""
+"""bf16 tolerance for mplan's losses against eager's or torch.compile's (it must be within it of
+at least one), step for step, as a fraction of the first loss: the fused kernels round
+differently (fp32 inside, one rounding at the end), ~1e-3 on a single loss. Either reference may
+take a loss spike the other does not (eager alone on GPT-1.3B under autocast: 4% apart), so one
+reference alone would fail mplan on rounding-order chaos rather than on a bug. Measured against
+the first loss because every system memorizes its one batch (Llama's loss falls from 10.8 to
+0.005 in 15 steps), where relative differences of losses near zero mean nothing"""
 FP8_LOSS_RTOL = 5e-2
 """FP8 against bf16 (mplan's own) losses, the same way: e4m3 keeps 3 mantissa bits, e5m2
 (gradients) 2. Set after the first H200 run, where Llama's FP8 curve ran up to 4.9% of the
@@ -307,8 +312,14 @@ def compare(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 "first_step_rel_diff": diffs[0], "tolerance": tolerance, "passed": max(diffs) <= tolerance}
 
     out["correctness"] = {}
-    if "mplan" in ok and "eager" in ok:
-        out["correctness"]["mplan"] = losses_close("mplan", "eager", LOSS_RTOL)
+    references = [name for name in ("eager", "compile") if name in ok]
+    if "mplan" in ok and references:
+        # within LOSS_RTOL of at least one of the two references that ran (LOSS_RTOL says why)
+        rows = {name: losses_close("mplan", name, LOSS_RTOL) for name in references}
+        passed_against = [name for name, row in rows.items() if row["passed"]]
+        out["correctness"]["mplan"] = {"against": references, **{f"vs_{name}": row for name, row in rows.items()},
+                                       "passed_against": passed_against, "tolerance": LOSS_RTOL,
+                                       "passed": bool(passed_against)}
     if "mplan_fp8" in ok and "mplan" in ok:
         out["correctness"]["mplan_fp8"] = losses_close("mplan_fp8", "mplan", FP8_LOSS_RTOL)
     if "compile" in ok and "eager" in ok:
