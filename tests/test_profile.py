@@ -15,7 +15,7 @@ from mplan.cost_models.alpha_beta import AlphaBetaFit, fit_alpha_beta, max_relat
 from mplan.cost_models.collective_cost import GroupShape
 from mplan.cost_models.collectives import bus_factor
 from mplan.cost_models.measure_device import profile_device
-from mplan.cost_models.measure_links import (MAX_BURST, burst_calls, default_group_shapes, fit_levels, group_ranks,
+from mplan.cost_models.measure_links import (MAX_BURST, MIN_BURST, burst_calls, default_group_shapes, fit_levels, group_ranks,
                                              profile_links)
 from mplan.cost_models.profile import (AttentionTiming, ClusterProfile, CollectiveTiming, CopyTiming, DeviceProfile,
                                        GemmTiming, LinkProfile, ProfileError)
@@ -113,9 +113,9 @@ def test_group_ranks_tile_a_node_major_world() -> None:
 
 def test_small_messages_are_timed_in_bursts_that_every_rank_agrees_on() -> None:
     # A host synchronisation per call would add tens of microseconds to every small message on NCCL.
-    assert burst_calls(1 << 10) == MAX_BURST
-    assert burst_calls(16 * MiB) == 4
-    assert burst_calls(64 * MiB) == burst_calls(256 * MiB) == 1
+    assert burst_calls(1 << 10) == burst_calls(4 * MiB) == MAX_BURST
+    assert burst_calls(16 * MiB) == 16
+    assert burst_calls(64 * MiB) == burst_calls(256 * MiB) == MIN_BURST
     sizes = [1 << p for p in range(10, 29)]
     assert [burst_calls(n) for n in sizes] == sorted((burst_calls(n) for n in sizes), reverse=True)
 

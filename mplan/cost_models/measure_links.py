@@ -12,7 +12,7 @@ Method: the world is laid out node-major (rank = node * ranks_per_node + local r
 numbers ranks). A shape ``(size, g)`` partitions it into groups of ``g`` consecutive local ranks on
 ``size / g`` consecutive nodes; all groups run at once, as the mesh axes of a plan do. Each
 collective gets warm-up calls, then ``iters`` timed samples; a sample is a burst of back-to-back
-calls (``burst_calls``: many for small messages, one from 64 MiB) between two device
+calls (``burst_calls``: 64 for small messages, 4 from 64 MiB) between two device
 synchronisations, divided by its length, as nccl-tests times them: training queues collectives on a
 stream, so the host's synchronisation (tens of microseconds on NCCL) is not part of a call. Every
 rank's median is reduced with MAX over the world once at the end.
@@ -36,14 +36,15 @@ from mplan.cost_models.profile import CollectiveTiming, LinkProfile
 MEASURED_COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 DEFAULT_SIZES: tuple[int, ...] = tuple(1 << p for p in range(10, 29, 2))
 """1 KiB to 256 MiB in steps of 4x: latency-bound to bandwidth-bound."""
-BURST_BYTES = 64 << 20
-"""A timed burst moves at least this many bytes, in at most MAX_BURST calls."""
-MAX_BURST = 64
+BURST_BYTES = 256 << 20
+"""A timed burst moves at least this many bytes, in MIN_BURST to MAX_BURST calls."""
+MIN_BURST, MAX_BURST = 4, 64
+"""At least 4 calls, so that no size pays a whole synchronisation (~30 us on NCCL) on one call."""
 
 
 def burst_calls(nbytes: int) -> int:
     """Back-to-back calls per timed sample: the same on every rank (it depends on the size alone)."""
-    return max(1, min(MAX_BURST, -(-BURST_BYTES // max(nbytes, 1))))
+    return max(MIN_BURST, min(MAX_BURST, -(-BURST_BYTES // max(nbytes, 1))))
 
 
 def default_group_shapes(world_size: int, ranks_per_node: int) -> list[GroupShape]:
