@@ -2,13 +2,14 @@
 
 For the two models of benchmarks/e2e_h200.py, predicts one training step on one H200 (the
 `h200` preset, which carries the profile measured on that GPU) three ways: every op priced on
-its own (as eager runs them), with the memory-bound chains priced as mplan's fused kernels
-(mplan/planner/fused_pricing.py), and with the block linears as FP8 GEMMs on top. Compares them
-with the eager, mplan and mplan_fp8 step times measured in one run
+its own and the optimizer as torch's fused AdamW (as eager runs them), with the memory-bound
+chains priced as mplan's fused kernels (mplan/planner/fused_pricing.py) and the optimizer as
+mplan's AdamW kernel (mplan/planner/evaluate.py), and with the block linears as FP8 GEMMs on
+top. Compares them with the eager, mplan and mplan_fp8 step times measured in one run
 (benchmarks/results/e2e_h200-2026-11-29*.json), and the predicted gains with the measured ones.
 
     python benchmarks/fused_pricing_check.py benchmarks/results/e2e_h200-2026-11-29-session4.json \
-        -o benchmarks/results/fused_pricing_check-2026-11-29-session4.json
+        -o benchmarks/results/fused_pricing_check-2026-11-29-session5.json
 """
 from __future__ import annotations
 

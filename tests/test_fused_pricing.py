@@ -1,15 +1,19 @@
-"""The planner prices the chains `fuse_kernels` fuses as the fused kernels (fused_pricing.py)."""
+"""The planner prices the chains `fuse_kernels` fuses as the fused kernels (fused_pricing.py), and
+the optimizer step as the AdamW that runs it (evaluate.py)."""
 from __future__ import annotations
 
 import json
 import math
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.collective_cost import GroupShape
+from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.kernels.op_bytes import fused_op_bytes
+from mplan.planner.evaluate import adamw_time, optimizer_time, zero1_copy_time
 from mplan.planner.fused_pricing import MEASURED_COPY_FRACTION, find_fp8_linears, find_fused_chains
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.parallel_config import ParallelConfig
@@ -68,6 +72,41 @@ def test_kernels_make_a_step_cheaper_and_plans_say_they_were_priced() -> None:
     assert made.planner["fused_kernels_priced"] == 1.0
     cpu = plan("tiny-gpt", cluster=ClusterSpec.preset("cpu", nodes=1, gpus_per_node=2), global_batch=4)
     assert cpu.planner["fused_kernels_priced"] == 0.0
+
+
+def test_the_optimizer_step_is_priced_as_the_adamw_that_runs_it() -> None:
+    """Kernels on: mplan's AdamW kernel, else torch's fused AdamW; over the parameters' bf16 at
+    zero=0, over ZeRO-1's fp32 master shard (1/dp of them) at zero=1, plus ZeRO-1's copies."""
+    graph = capture_for_planning("gpt3-1.3b")
+    cluster = ClusterSpec.preset("h200", nodes=1, gpus_per_node=2)
+    compute = ComputeCostModel(cluster)
+    steps = {}
+    for kernels in (False, True):
+        planner = Planner(graph, cluster, kernels=kernels)
+        for zero, dp, itemsize in ((0, 1, 2), (1, 2, 4)):
+            config = ParallelConfig(dp=dp, tp=1, pp=1, mbs=1, num_micro_batches=1, zero=zero)
+            estimate = planner.evaluate(config, fast=True)
+            params = estimate.memory[0].params_bytes / 2  # the rank's bf16 parameters
+            steps[kernels, zero] = estimate.optimizer_s
+            copies = zero1_copy_time(compute, params, dp, 2) if zero else 0.0
+            assert steps[kernels, zero] == pytest.approx(
+                optimizer_time(compute, params / dp, itemsize, mplan_adamw=kernels) + copies)
+    assert steps[False, 0] > 1.3 * steps[True, 0] and steps[False, 1] > steps[True, 1]
+
+
+def test_adamw_prices_reproduce_the_h200_optimizer_benchmark() -> None:
+    """Both AdamWs at both dtypes and both models' sizes against their GPU kernel times with a
+    grad_scale (benchmarks/results/optimizer_h200-2026-11-29.json): within 2% (the planner's copy
+    rate comes from the h200 profile, not from that run)."""
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    report = json.loads((results / "optimizer_h200-2026-11-29.json").read_text())
+    compute = ComputeCostModel(ClusterSpec.preset("h200"))
+    for row in report["rows"]:
+        itemsize = {"bf16": 2, "fp32": 4}[row["dtype"]]
+        for name, mplan in (("torch_fused", False), ("mplan_device_steps", True)):
+            measured = row["timing"]["grad_scale"][name]["ms"] * 1e-3
+            predicted = adamw_time(compute, row["num_params"], itemsize, mplan_adamw=mplan)
+            assert predicted == pytest.approx(measured, rel=0.02), (row["model"], row["dtype"], name)
 
 
 def test_fp8_prices_the_block_linears_but_not_the_output_head() -> None:

@@ -12,7 +12,9 @@ Model (each term from the cost models, nothing fitted here):
 - DP gradient sync per rank: all-reduce of fp32 gradients (zero=0) or reduce-scatter of gradients
   plus all-gather of updated bf16 parameters (zero=1), started after the rank's last backward, so
   only its tail past the pipeline's end is exposed; TP all-reduce of partial parameter gradients;
-- the optimizer step is memory-bound over the rank's optimizer shard (`OPTIMIZER_BYTES_PER_PARAM`);
+- the optimizer step is memory-bound over the rank's optimizer shard: clipping's gradient norm,
+  then one multi-tensor AdamW, mplan's kernel or torch's fused one (`optimizer_time`), and under
+  ZeRO-1 the copies between parameters, flat gradients and master shard (`zero1_copy_time`);
 - `fast=True` uses the closed form of the schedule, `fast=False` runs the event simulator on the
   same per-stage numbers (what the final ranking and `explain` use).
 """
@@ -33,13 +35,57 @@ from mplan.planner.parallel_config import ParallelConfig
 from mplan.planner.stage_partition import Partition, partition
 from mplan.planner.unit_costs import UnitCost
 
-OPTIMIZER_BYTES_PER_PARAM = 69.0
-"""Device-memory traffic of one optimizer step of mplan's runtime, per parameter updated, as copy-
-bandwidth bytes: fitted on benchmarks/results/h200_step-2026-11-29.json ((step - forward+backward) /
-parameters x the 4.25 TB/s copy rate: 70.5, 65.2, 71.6, 69.4 for the four models, mean 69.2).
-Counted, the runtime moves ~60: gradient norm (2), 16-bit gradient into the fp32 shard (6), fused
-AdamW on master and moments (36), clipping scale (8), fp32 -> bf16 parameter all-gather (6),
-gradient zeroing (2); the rest is launch overhead of its per-bucket kernels."""
+ADAMW_STREAMS = 8
+"""Elements an AdamW step with a grad_scale (the clip coefficient folded in, as the runtime clips)
+moves per parameter: reads param, grad, exp_avg, exp_avg_sq; writes param, exp_avg, exp_avg_sq and
+the gradient so divided, all in the dtype it steps (mplan/kernels/adamw.py, Cost; the "fewest
+bytes" of benchmarks/optimizer_h200.py, which counts the same for torch's fused AdamW)."""
+
+MPLAN_ADAMW_COPY_FRACTION: dict[int, float] = {2: 0.945, 4: 0.961}
+"""Share of copy bandwidth mplan's AdamW kernel reached on the H200 with a grad_scale, by bytes per
+element: fewest_bytes_ms / ms of `mplan_device_steps` under `grad_scale` in
+benchmarks/results/optimizer_h200-2026-11-29.json, GPT-1.3B and Llama-1.1B averaged (bf16
+5.361 / 5.667 = 0.946 and 4.243 / 4.495 = 0.944; fp32 10.721 / 11.148 = 0.962 and 8.487 / 8.829 = 0.961)."""
+
+TORCH_ADAMW_COPY_FRACTION: dict[int, float] = {2: 0.632, 4: 0.809}
+"""The same for torch's fused AdamW (`torch_fused` under `grad_scale`, same file): bf16
+5.361 / 8.511 = 0.630 and 4.243 / 6.693 = 0.634; fp32 10.721 / 13.248 = 0.809 and 8.487 / 10.501 = 0.808."""
+
+GRAD_NORM_COPY_FRACTION: dict[int, float] = {2: 0.547, 4: 0.832}
+"""Share of copy bandwidth (the 4.235 TB/s of optimizer_h200-2026-11-29.json) torch's `_foreach_norm`
+(LpNorm kernel), which computes clipping's global norm, reached reading the gradients in mplan's
+H200 steps: bf16 1.238 ms for GPT-1.3B (0.541) and 0.959 ms for Llama-1.1B (0.553), averaged, in
+benchmarks/results/step_profile_h200-2026-11-29-session3.json; fp32 1.611 ms for GPT-1.3B (0.832)
+in benchmarks/results/step_profile_autocast_h200-2026-11-29-session4.json."""
+
+
+def adamw_time(compute: ComputeCostModel, params: float, itemsize: int, *, mplan_adamw: bool) -> float:
+    """Seconds of one AdamW step with a grad_scale over `params` elements in a dtype of `itemsize`
+    bytes, by mplan's kernel (`mplan_adamw`) or torch's fused AdamW: one multi-tensor launch
+    moving `ADAMW_STREAMS` elements a parameter at its measured share of copy bandwidth (dtypes
+    wider than 4 bytes at the fp32 share, unmeasured)."""
+    fraction = (MPLAN_ADAMW_COPY_FRACTION if mplan_adamw else TORCH_ADAMW_COPY_FRACTION)[min(itemsize, 4)]
+    return compute.memory_bound_time(ADAMW_STREAMS * params * itemsize / fraction)
+
+
+def optimizer_time(compute: ComputeCostModel, params: float, itemsize: int, *, mplan_adamw: bool) -> float:
+    """Seconds of the clipped optimizer step the runtime takes (clipping is on by default,
+    max_grad_norm=1.0): clipping's global gradient norm (one read of the gradients), then
+    `adamw_time` with the clip coefficient as its grad_scale (mplan/runtime/grad_clip.py)."""
+    norm = compute.memory_bound_time(params * itemsize / GRAD_NORM_COPY_FRACTION[min(itemsize, 4)])
+    return norm + adamw_time(compute, params, itemsize, mplan_adamw=mplan_adamw)
+
+
+def zero1_copy_time(compute: ComputeCostModel, params: float, dp: int, param_bytes: int) -> float:
+    """Seconds of ZeRO-1's own copies around its collectives over a rank's `params` (elements of
+    `param_bytes` bytes), counted in mplan/runtime/sharded_optimizer.py: the gradients flattened
+    into a zeroed fp32 buffer (write 4; read p, write 4), divided by dp when dp > 1 (read and write
+    4), at dp = 1 copied into the master shard's gradient (read and write 4 per shard element), the
+    master shard narrowed to the parameter dtype (read 4, write p per shard element) and the gathered
+    buckets copied into the parameters (read and write p), all at copy bandwidth."""
+    whole = params * (8 + 3 * param_bytes + (8 if dp > 1 else 0))
+    shard = params / dp * (4 + param_bytes + (8 if dp == 1 else 0))
+    return compute.memory_bound_time(whole + shard)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,6 +97,9 @@ class ModelFacts:
     param_dtype: str  # "bf16" for mixed-precision training
     grad_dtype: str = "fp32"  # dtype gradients are accumulated and reduced in (Megatron: fp32)
     fp32_grad_copy: bool = True  # Megatron keeps an fp32 copy of 16-bit gradients; mplan's runtime does not
+    # plans priced with mplan's kernels step by its AdamW kernel (mplan/kernels/adamw.py), as the runtime
+    # does on CUDA; others by torch's fused AdamW (eager training)
+    mplan_adamw: bool = False
     stream_bytes_per_sequence: int  # one sequence's residual-stream activation (bytes, full)
 
 
@@ -109,6 +158,8 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     k = config.pp * config.vpp
     per = bytes_per_param(facts.param_dtype, facts.grad_dtype, fp32_grad_copy=facts.fp32_grad_copy)
     grad_bytes = per.grad
+    # the dtype AdamW steps: the parameters', or ZeRO-1's master shard (at least fp32, sharded_optimizer.py)
+    step_bytes = max(per.param, 4) if config.zero else per.param
     param_state = per.total(zero=config.zero, dp=config.dp)
 
     def act_bytes(u: UnitCost) -> float:
@@ -149,7 +200,11 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
             sync = collective_time(cluster, "all_reduce", params * grad_bytes, dp_group)
         sync += collective_time(cluster, "all_reduce", tp_sync * grad_bytes / max(1, per.param), tp_group)
         syncs.append(sync)
-        opt = max(opt, compute.memory_bound_time(OPTIMIZER_BYTES_PER_PARAM * params / (config.dp if config.zero else 1)))
+        step = optimizer_time(compute, params / (config.dp if config.zero else 1), step_bytes,
+                              mplan_adamw=facts.mplan_adamw)
+        if config.zero:
+            step += zero1_copy_time(compute, params, config.dp, per.param)
+        opt = max(opt, step)
         acts = sum(act_bytes(units[u]) for u in rank_units) / config.vpp * _in_flight(config, rank)
         if config.recompute == "full" and rank_units:
             acts += max(units[u].saved_bytes for u in rank_units)  # one unit re-run at a time

@@ -88,7 +88,8 @@ class Planner:
         self.fp8_linears = find_fp8_linears(graph) if fp8 else frozenset()
         self.progress = progress or (lambda _: None)
         self._sharded: dict[tuple[int, bool], ShardedModel] = {}
-        self.facts = replace(_facts(self.graph), grad_dtype=grad_dtype, fp32_grad_copy=fp32_grad_copy)
+        self.facts = replace(_facts(self.graph), grad_dtype=grad_dtype, fp32_grad_copy=fp32_grad_copy,
+                             mplan_adamw=kernels)
         self.limits = _limits(self.graph)
 
     def sharded(self, tp: int, sp: bool) -> ShardedModel:
