@@ -8,8 +8,10 @@ backward under each recomputation mode, and its input (what full recomputation c
 
 Recomputation modes, as the planner defines them for fused-attention models:
 - none: every tensor an op keeps for backward stays in memory.
-- selective: only tensors the GEMMs and attention keep stay; norms and elementwise ops (cheap,
-  memory-bound, and the bulk of the bytes after fused attention) are re-run in backward.
+- selective: the unit's input and the outputs of its GEMMs, attention and embeddings stay (the
+  runtime's selective checkpoint policy caches exactly those, `passes/recompute.py`); norms and
+  elementwise ops (cheap, memory-bound, and the bulk of the bytes after fused attention) are
+  re-run in backward.
 - full: only the unit's input stays; the whole forward is re-run in backward.
 """
 from __future__ import annotations
@@ -50,6 +52,7 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
     """Costs of one segment under its solved sharding."""
     n = sharding.axis_size
     selective_saved: set[str] = set()
+    kept_extra = 0
     extra = 0.0
     largest = 0
     seen_params: set[str] = set()
@@ -58,7 +61,8 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
     for node in graph.nodes_of(nodes):
         s = sharding.choice[node.name]
         if node.kind in _KEEP_UNDER_SELECTIVE:
-            selective_saved.update(graph.storage_root(x) for x in node.saved)
+            selective_saved.add(graph.storage_root(node.name))
+            kept_extra += node.saved_extra_bytes  # attention's logsumexp
         elif node.kind not in ("view", "getitem", "scalar"):
             extra += coster.op(node, s).forward_s
         if node.outputs:
@@ -71,11 +75,11 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
             numel = graph.params[param].meta.numel // (n if isinstance(placement, Shard) else 1)
             num_params += numel
             glue.append((param, numel))
-    selective_bytes = sum(shard_bytes(value_meta(graph, r), sharding.choice[r].output if r in sharding.choice
-                                      else sharding.boundary, n)
-                          for r in selective_saved if r not in graph.params and value_meta(graph, r) is not None)
     stream = stream_meta(graph)
     input_bytes = 0 if stream is None else shard_bytes(stream, sharding.boundary, n)
+    selective_bytes = input_bytes + kept_extra // n + sum(
+        shard_bytes(value_meta(graph, r), sharding.choice[r].output if r in sharding.choice else sharding.boundary, n)
+        for r in selective_saved if r not in graph.params and value_meta(graph, r) is not None)
     return UnitCost(name=name, block_type=block_type, forward_s=sharding.forward_s, backward_s=sharding.backward_s,
                     comm_forward_s=sharding.comm_forward_s, comm_backward_s=sharding.comm_backward_s,
                     num_params=num_params, glue_params=tuple(glue) if block_type is None else (),

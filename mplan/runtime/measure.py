@@ -2,7 +2,8 @@
 
 Called on every rank of a torchrun job (or alone, for a one-device plan): builds the model on the
 meta device (each rank initializes only its shards), parallelizes it with `autoparallel` under the
-plan, trains `warmup + steps` steps on synthetic tokens and returns the median step time (the
+plan (bf16 parameters on GPUs, as the planner prices them: ZeRO-1 keeps fp32 masters of them),
+trains `warmup + steps` steps on synthetic tokens and returns the median step time (the
 slowest rank's, all-reduced), the tokens per second and the peak device memory (CUDA only).
 A plan whose world size differs from the job's fails with the plan's own clear error.
 """
@@ -30,7 +31,8 @@ def measure_plan(model_spec: str, plan_spec: str, *, global_batch: int, seq_len:
     labels = torch.roll(ids, -1, dims=1)
     on_gpu = torch.cuda.is_available()
     pm = mplan.autoparallel(model, example_inputs=(ids,), global_batch=global_batch, plan=plan_spec,
-                            optimizer=functools.partial(torch.optim.AdamW, lr=1e-4), autocast=on_gpu)
+                            optimizer=functools.partial(torch.optim.AdamW, lr=1e-4),
+                            dtype=torch.bfloat16 if on_gpu else None)
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     ids, labels = ids.to(device), labels.to(device)
     if on_gpu:
