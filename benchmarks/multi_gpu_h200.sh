@@ -25,8 +25,8 @@ if [ "$n" -ge 4 ]; then
     hand=("tp=$n,sp=1" "tp=$half,dp=2,sp=1,zero=1" "tp=2,dp=$half,sp=1,zero=1")
     batch=64 seq=4096
 else
-    plans="tp=$n;tp=$n,sp=1;dp=$n,zero=1"
-    hand=("tp=$n,sp=1" "dp=$n,zero=1" "tp=$n")
+    plans="tp=$n;tp=$n,sp=1,recompute=selective;dp=$n,zero=1"
+    hand=("tp=$n,sp=1" "dp=$n,zero=1" "tp=$n" "dp=$n,zero=1,recompute=full")
     batch=16 seq=2048  # two GPUs: a few steps of seconds each, not tens
 fi
 run benchmarks/equivalence_gpus.py --out "$out/equivalence-x$n.json" --plans "$plans" 2>&1 | grep '^\[' || true
