@@ -4,7 +4,8 @@ Each entry of `--plans` is `auto` (the planner's choice) or a manual spec (`tp=8
 fixes are honoured, keys it leaves out are searched. One capture and one cache of sharding solves
 serve every entry. A plan that cannot run gets `error` (why) instead of figures. Figures are
 predictions; `measured` is filled only by a measurement (`--measure`), or says why the runtime
-cannot run that plan (pipeline and expert parallelism are planned, not yet executed).
+cannot run that plan (pipeline and expert parallelism are planned, not yet executed), or that it
+ran out of device memory (on every rank alike, for the symmetric plans the runtime executes).
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequ
                    mesh={"dp": c.dp, "tp": c.tp, "pp": c.pp, "ep": c.ep, "vpp": c.vpp},
                    predicted=_predicted_dict(best))
         if measure:
+            import torch
+
             from mplan.runtime.measure import measure_plan
 
             progress(f"measuring {c.spec()}")
@@ -49,8 +52,21 @@ def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequ
                 row["measured"] = measure_plan(model, c.spec(), global_batch=global_batch, seq_len=seq_len)
             except NotImplementedError as exc:  # raised alike on every rank, before any collective
                 row["measured"] = {"error": str(exc)}
+            except torch.OutOfMemoryError as exc:  # a plan predicted to fit did not
+                row["measured"] = {"error": f"out of memory: {str(exc).splitlines()[0]}"}
+                _release_device_memory()
         rows.append(row)
     return rows
+
+
+def _release_device_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _predicted_dict(estimate: Any) -> dict[str, Any]:
