@@ -14,6 +14,7 @@ import mplan
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.collective_cost import GroupShape
 from mplan.models import build_model
+from mplan.passes.recompute import CheckpointedUnit
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.placement import R
 from mplan.planner.sharding_ilp import solve_graph_sharding
@@ -110,6 +111,36 @@ def test_the_planner_prices_what_the_runtime_keeps(family: str) -> None:
     planned = {"none": sum(u.saved_bytes for u in units), "selective": sum(u.selective_bytes for u in units)}
     for mode, priced in planned.items():
         assert priced == pytest.approx(_bytes_live_after_forward(family, mode), rel=0.2), mode
+
+
+_untuned = [True]
+
+
+def _tunes_on_first_use(x: torch.Tensor) -> torch.Tensor:
+    """Like attention's backend autotuner: times a forward and backward of its own on first use."""
+    if _untuned[0]:
+        _untuned[0] = False
+        probe = torch.randn(3, 3, requires_grad=True)
+        torch.autograd.grad((probe @ probe).sin().sum(), probe)
+    return x.sin()
+
+
+torch.fx.wrap("_tunes_on_first_use")
+
+
+class _Tuned(torch.nn.Module):
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (_tunes_on_first_use(x @ w) @ w).cos().sum()
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_an_autotuner_running_its_own_backward_on_first_use_is_kept_out_of_the_checkpoint(mode: str) -> None:
+    """Seen on two H200s: attention's autotuner inside a selective region failed the first step."""
+    x, w = torch.randn(3, 3, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    _untuned[0] = True
+    CheckpointedUnit(torch.fx.symbolic_trace(_Tuned()), mode)(x, w).backward()
+    expected = torch.autograd.grad(_Tuned()(x, w), w)[0]
+    assert torch.equal(w.grad, expected)
 
 
 def test_an_unknown_mode_is_refused_naming_it() -> None:

@@ -57,15 +57,26 @@ def _selective_contexts() -> tuple[Any, Any]:
 
 
 class CheckpointedUnit(nn.Module):
-    """One unit of the program; under autograd its activations are recomputed in backward."""
+    """One unit of the program; under autograd its activations are recomputed in backward.
+
+    The first call at each input shape runs the unit once more, plainly, before the checkpointed
+    call: autotuners time kernels on first use (attention's backend choice runs its own backward),
+    and a backward run inside a checkpointed forward unpacks through that region's hooks, which
+    then recomputes it at the wrong time (a selective region fails outright: torch counts that as
+    a second backward through it)."""
 
     def __init__(self, unit: fx.GraphModule, mode: str) -> None:
         super().__init__()
         self.unit, self.mode = unit, mode
+        self._tuned: set[tuple[Any, ...]] = set()
 
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():  # inference keeps nothing for backward anyway
             return self.unit(*args)
+        shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)
+        if shapes not in self._tuned:
+            self.unit(*args)  # its graph is dropped at once; only the autotuners' choices stay
+            self._tuned.add(shapes)
         if self.mode == "selective":
             return checkpoint(self.unit, *args, use_reentrant=False, context_fn=_selective_contexts)
         return checkpoint(self.unit, *args, use_reentrant=False)
