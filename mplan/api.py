@@ -86,7 +86,8 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     def search(spec: Any) -> Plan:
         from mplan.planner.planning import plan as make_plan
 
-        return make_plan(model, inputs, cluster=cluster, global_batch=global_batch, spec=spec, loss_fn=loss_fn)
+        return make_plan(model, inputs, cluster=cluster, global_batch=global_batch, spec=spec, loss_fn=loss_fn,
+                         runtime="mplan")
 
     resolved = resolve_execution_plan(plan, world_size=world_size, global_batch=global_batch,
                                       micro_batch_size=micro_batch_size, tp_strategies=tp_strategies,

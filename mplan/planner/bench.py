@@ -27,7 +27,8 @@ def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequ
     progress = progress or (lambda _: None)
     progress(f"capturing {model}")
     graph = capture_for_planning(model, seq_len=seq_len)
-    planner = Planner(graph, cluster, progress=progress)
+    # priced as mplan runs them: its fused kernels on GPUs and its optimizer's memory
+    planner = Planner(graph, cluster, kernels=cluster.device.name != "cpu", runtime="mplan", progress=progress)
     rows: list[Row] = []
     for text in specs:
         progress(f"planning {text}")

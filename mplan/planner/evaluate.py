@@ -28,7 +28,8 @@ from typing import Sequence
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.collective_cost import GroupShape, collective_time
 from mplan.cost_models.compute_cost import ComputeCostModel
-from mplan.cost_models.memory_model import FRAGMENTATION_FRACTION, MemoryBreakdown, bytes_per_param
+from mplan.cost_models.memory_model import (FRAGMENTATION_FRACTION, MemoryBreakdown, bytes_per_param,
+                                            mplan_bytes_per_param)
 from mplan.cost_models.simulator import PipelineCosts, SimResult, simulate
 from mplan.ir.schedule import Schedule, build_schedule, check_schedule, interleaved_warmup
 from mplan.planner.parallel_config import ParallelConfig
@@ -100,6 +101,9 @@ class ModelFacts:
     # plans priced with mplan's kernels step by its AdamW kernel (mplan/kernels/adamw.py), as the runtime
     # does on CUDA; others by torch's fused AdamW (eager training)
     mplan_adamw: bool = False
+    # whose optimizer memory: "megatron" (fp32 masters, grads and moments at any zero) or "mplan"
+    # (mplan's runtime: zero=0 steps bf16 parameters in place, zero=1 keeps fp32 master shards)
+    runtime: str = "megatron"
     stream_bytes_per_sequence: int  # one sequence's residual-stream activation (bytes, full)
 
 
@@ -156,7 +160,8 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     bwd = [u.backward_s + {"none": 0.0, "selective": u.selective_extra_s, "full": u.forward_s}[config.recompute]
            for u in units]
     k = config.pp * config.vpp
-    per = bytes_per_param(facts.param_dtype, facts.grad_dtype, fp32_grad_copy=facts.fp32_grad_copy)
+    per = (mplan_bytes_per_param(facts.param_dtype, zero=config.zero) if facts.runtime == "mplan" else
+           bytes_per_param(facts.param_dtype, facts.grad_dtype, fp32_grad_copy=facts.fp32_grad_copy))
     grad_bytes = per.grad
     # the dtype AdamW steps: the parameters', or ZeRO-1's master shard (at least fp32, sharded_optimizer.py)
     step_bytes = max(per.param, 4) if config.zero else per.param

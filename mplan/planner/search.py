@@ -73,7 +73,9 @@ class Planner:
 
     def __init__(self, graph: Graph, cluster: ClusterSpec, *, allow: StrategyFilter | None = None,
                  grad_dtype: str = "fp32", fp32_grad_copy: bool = True, kernels: bool = False,
-                 fp8: bool = False, progress: Callable[[str], None] | None = None) -> None:
+                 fp8: bool = False, runtime: str = "megatron", progress: Callable[[str], None] | None = None) -> None:
+        if runtime not in ("megatron", "mplan"):
+            raise ValueError(f"runtime must be 'megatron' or 'mplan', got {runtime!r}")
         self.dynamic = any(m.sym is not None for m in graph.graph_inputs.values())
         if not self.dynamic and graph.batch_size != 1:
             raise ValueError("the planner prices micro-batches from a graph captured with a dynamic batch, "
@@ -89,7 +91,7 @@ class Planner:
         self.progress = progress or (lambda _: None)
         self._sharded: dict[tuple[int, bool], ShardedModel] = {}
         self.facts = replace(_facts(self.graph), grad_dtype=grad_dtype, fp32_grad_copy=fp32_grad_copy,
-                             mplan_adamw=kernels)
+                             mplan_adamw=kernels, runtime=runtime)
         self.limits = _limits(self.graph)
 
     def sharded(self, tp: int, sp: bool) -> ShardedModel:
