@@ -142,6 +142,17 @@ def test_fp8_on_a_cpu_is_refused_naming_why() -> None:
                            plan="dp=1", fp8=True)
 
 
+def test_fp8_with_recomputation_is_refused_naming_why() -> None:
+    """Delayed scaling records each cast's amax in forward: a recomputed forward would quantize
+    differently from the forward it stands for, so the two are not combined."""
+    import mplan
+
+    data = batches(4, steps=1)
+    with pytest.raises(ValueError, match="recompute=full with fp8=True: FP8's delayed scaling"):
+        mplan.autoparallel(family("tiny-gpt")(), example_inputs=(data[0][0],), optimizer=OPTIMIZER, global_batch=4,
+                           plan="dp=1,recompute=full", fp8=True)
+
+
 def test_a_plan_made_for_fp8_runs_fp8_or_refuses_naming_why() -> None:
     import mplan
     from mplan.cost_models.cluster import ClusterSpec

@@ -85,6 +85,16 @@ def folds_clipping(optimizer: torch.optim.Optimizer) -> bool:
             and all(p.dtype.itemsize <= 4 for group in optimizer.param_groups for p in group["params"]))
 
 
+def step_unclipped(optimizer: torch.optim.Optimizer, *,
+                   copies: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """`optimizer.step()`, by mplan's Adam/AdamW kernel where it applies (with `copies`, as in
+    `step_clipped`)."""
+    if adamw.applies(optimizer):
+        adamw.step(optimizer, copies=copies)
+    else:
+        optimizer.step()
+
+
 @torch.no_grad()
 def step_clipped(optimizer: torch.optim.Optimizer, grads: Iterable[torch.Tensor], max_norm: float,
                  total_norm: torch.Tensor, *, copies: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:

@@ -94,6 +94,11 @@ def parallelize(*, graph: Graph, choice: dict[str, Strategy], plan: ExecutionPla
                 max_grad_norm: float | None = 1.0, autocast: torch.dtype | None = None, kernels: bool = False,
                 fp8: bool = False, prepare_inference: InferencePreparer | None = None) -> ParallelModule:
     """Build this rank's `ParallelModule` (collective: every rank of the job calls it)."""
+    if fp8 and plan.recompute != "none":
+        # raised alike on every rank, before the first collective
+        raise ValueError(f"plan {plan.source}: recompute={plan.recompute} with fp8=True: FP8's delayed scaling "
+                         "records each cast's amax in forward, so a recomputed forward would quantize with "
+                         "another scale than the forward it replaces; use recompute=none with fp8")
     world = dist.group.WORLD if dist.is_initialized() else None
     check_same_plan(digest, world)
     groups = init_process_groups(plan.mesh)

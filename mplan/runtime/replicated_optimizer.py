@@ -22,7 +22,7 @@ import torch
 from mplan.kernels import adamw
 from mplan.runtime.compute_copies import ComputeCopies
 from mplan.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradientSync
-from mplan.runtime.grad_clip import replicated_grad_norm, step_clipped
+from mplan.runtime.grad_clip import replicated_grad_norm, step_clipped, step_unclipped
 from mplan.runtime.optimizer_state import (
     ParamsArg,
     as_param_groups,
@@ -80,10 +80,7 @@ class ReplicatedOptimizer:
         linked = copies.copies if copies is not None and by_kernel else None
         norm = None
         if max_grad_norm is None:
-            if by_kernel:
-                adamw.step(self.optimizer, copies=linked)
-            else:
-                self.optimizer.step()
+            step_unclipped(self.optimizer, copies=linked)
         else:
             grad_of = copies.grad_of if linked is not None else (lambda p: p.grad)
             norm = replicated_grad_norm(self.params, self.groups, placements=self.placements, grad_of=grad_of)

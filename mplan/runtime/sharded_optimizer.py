@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 import torch
 
-from mplan.kernels import adamw
 from mplan.runtime.collectives import all_gather_flat, reduce_scatter_flat
 from mplan.runtime.data_parallel import (
     DEFAULT_BUCKET_BYTES,
@@ -47,7 +46,7 @@ from mplan.runtime.data_parallel import (
     split_into_buckets,
     unique_trainable,
 )
-from mplan.runtime.grad_clip import global_grad_norm, step_clipped
+from mplan.runtime.grad_clip import global_grad_norm, step_clipped, step_unclipped
 from mplan.runtime.optimizer_state import (
     ParamsArg,
     as_param_groups,
@@ -170,10 +169,7 @@ class ShardedOptimizer:
             self._reduce_scatter_grads(part)
         norm = None
         if max_grad_norm is None:
-            if adamw.applies(self.optimizer):
-                adamw.step(self.optimizer)
-            else:
-                self.optimizer.step()
+            step_unclipped(self.optimizer)
         else:
             norm = global_grad_norm(
                 (part.master.grad for part in self._partitions
