@@ -56,6 +56,15 @@ def test_skinny_gemm_is_memory_bound() -> None:
     assert seconds == pytest.approx(bytes_moved / (device.memory_bandwidth_Bps * device.memory_efficiency))
 
 
+def test_a_cpu_gemm_has_no_gpu_tile_waves() -> None:
+    """The shape curve is one H200 wave of output tiles; on the `cpu` preset a small GEMM is its
+    plain roofline, not the 0.2 s that curve gave [128, 64] @ [64, 64]."""
+    cluster = ClusterSpec.preset("cpu")
+    flops = 2 * 128 * 64 * 64
+    assert ComputeCostModel(cluster).matmul_time(128, 64, 64, "fp32") == pytest.approx(
+        max(flops / cluster.device.peak_flops("fp32"), 4 * (128 * 64 + 64 * 64 + 128 * 64) / 1e10))
+
+
 def test_batched_matmul_is_priced_like_stacked_rows() -> None:
     model = roofline()
     assert model.matmul_time(512, 1024, 1024, "bf16", batch=8) == pytest.approx(

@@ -31,6 +31,9 @@ wave cuBLAS splits the K loop across SMs, so the occupancy factor counts ``m n m
 SPLIT_K_CHUNK)`` output work, up to one wave: ``W = max(m n, min(C_MN, m n k / SPLIT_K_CHUNK))``.
 Without it a skinny [1, 8192] @ [8192, 8192] product would be priced above its memory-bound time.
 Its use on other GPUs (A100, H100) assumes the same tile shapes: an assumption, not a measurement.
+The `cpu` preset's GEMMs take no shape factor: priced with one wave of H200 tiles, a [128, 64] @
+[64, 64] product cost 0.2 s at the preset's 20 GFLOP/s, and a 2-layer model's step 4.8 s where it
+measured 0.02 s on two gloo ranks.
 
 Attention FLOPs: forward ``4 b h sq skv d`` (QK^T and PV), times the unmasked fraction
 ``1 - (sq - 1) / (2 skv)`` when causal; backward ``2.5x`` forward (five matmuls against two, with
@@ -156,7 +159,9 @@ class ComputeCostModel:
             rate = table((rows, n, k)) * min(1.0, gemm_shape_efficiency(rows, n, k) / gemm_shape_efficiency(*edge))
             return max(flops / rate, memory)
         device = self.cluster.device
-        rate = device.peak_flops(dtype) * device.gemm_efficiency * gemm_shape_efficiency(rows, n, k)
+        # the shape curve describes a GPU's waves of output tiles; a CPU has none (cpu preset)
+        shape = 1.0 if device.name == "cpu" else gemm_shape_efficiency(rows, n, k)
+        rate = device.peak_flops(dtype) * device.gemm_efficiency * shape
         return max(flops / rate, memory)
 
     # -- attention --------------------------------------------------------------------------------
