@@ -143,6 +143,24 @@ def test_an_autotuner_running_its_own_backward_on_first_use_is_kept_out_of_the_c
     assert torch.equal(w.grad, expected)
 
 
+class _Dropout(torch.nn.Module):
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout((x @ w).sin(), p=0.5, training=True).sum()
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_dropout_masks_are_those_of_the_plain_program(mode: str) -> None:
+    """The first call's extra plain run and the recomputation both leave the RNG stream as it was."""
+    x, w = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(0)
+    plain = _Dropout()(x, w)
+    (expected,) = torch.autograd.grad(plain, w)
+    torch.manual_seed(0)
+    checkpointed = CheckpointedUnit(torch.fx.symbolic_trace(_Dropout()), mode)(x, w)
+    checkpointed.backward()
+    assert torch.equal(checkpointed, plain) and torch.equal(w.grad, expected)
+
+
 def test_an_unknown_mode_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match="recompute"):
         resolve_execution_plan("dp=1,recompute=sometimes", world_size=1, global_batch=4)

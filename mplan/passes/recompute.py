@@ -75,7 +75,9 @@ class CheckpointedUnit(nn.Module):
             return self.unit(*args)
         shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)
         if shapes not in self._tuned:
-            self.unit(*args)  # its graph is dropped at once; only the autotuners' choices stay
+            cuda = sorted({a.device.index for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
+            with torch.random.fork_rng(devices=cuda):  # a dropout here must not shift the real call's masks
+                self.unit(*args)  # its graph is dropped at once; only the autotuners' choices stay
             self._tuned.add(shapes)
         if self.mode == "selective":
             return checkpoint(self.unit, *args, use_reentrant=False, context_fn=_selective_contexts)
