@@ -120,11 +120,18 @@ def _bench(args: argparse.Namespace) -> int:
     from mplan.planner.bench import bench_plans, write_csv
 
     status, progress = _stderr_progress()
+    reports = int(os.environ.get("RANK", "0")) == 0  # under torchrun (--measure) every rank runs the plans
+
+    def write_so_far(rows: list[dict[str, Any]]) -> None:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"plans": rows}, f, indent=1)
+
     with status:
         rows = bench_plans(args.model, _cluster(args), args.global_batch, args.plans, seq_len=args.seq_len,
-                           measure=args.measure, progress=progress)
-    if int(os.environ.get("RANK", "0")) != 0:
-        return 0  # under torchrun (--measure) every rank ran the plans; rank 0 reports
+                           measure=args.measure, progress=progress,
+                           on_row=write_so_far if args.out and reports else None)
+    if not reports:
+        return 0
     if args.csv:
         write_csv(rows, args.csv)
     if args.json:
@@ -249,6 +256,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plans", nargs="+", default=["auto"], help="plan specs: auto, tp=8,pp=4, dp=64, ...")
     p.add_argument("--measure", action="store_true", help="also run each plan for real on this machine's ranks")
     p.add_argument("--csv", default=None, help="also write the table as CSV")
+    p.add_argument("--out", default=None, help="also write the rows as JSON here, rewritten after each plan")
     p.add_argument("--json", action="store_true", help="print one JSON document and nothing else")
     p.set_defaults(func=_bench)
 

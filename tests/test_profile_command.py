@@ -45,6 +45,26 @@ def test_bench_measure_runs_the_plan_for_real(capsys):
     assert row["measured"]["tokens_per_s"] == pytest.approx(4 * 16 / row["measured"]["step_time_s"])
 
 
+def test_bench_writes_each_row_as_it_finishes(tmp_path, monkeypatch):
+    """--out is rewritten after every plan: a measured run cut short keeps the plans it finished."""
+    from mplan.planner import bench
+
+    out, seen = tmp_path / "rows.json", []
+    real = bench.bench_plans
+
+    def spy(*args, on_row=None, **kwargs):
+        def record(rows):
+            on_row(rows)
+            seen.append([row["spec"] for row in json.loads(out.read_text())["plans"]])
+        return real(*args, on_row=record, **kwargs)
+
+    monkeypatch.setattr(bench, "bench_plans", spy)
+    assert cli_main(["bench", "tiny-llama", "--cluster", "cpu", "--global-batch", "4", "--plans", "dp=1", "tp=3",
+                     "auto", "--out", str(out)]) == 0
+    assert seen == [["dp=1"], ["dp=1", "tp=3"], ["dp=1", "tp=3", "auto"]]
+    assert json.loads(out.read_text())["plans"][1]["error"]  # tp=3 cannot run on one device: its row says why
+
+
 def test_the_planners_own_plan_for_four_cpu_ranks_trains_like_one_process(tmp_path):
     """The planner and the passes agree on what a plan means: plan for a 4-rank CPU cluster with
     everything searched, then train that plan file on 4 gloo ranks under torchrun."""

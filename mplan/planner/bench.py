@@ -23,7 +23,10 @@ Row = dict[str, Any]
 
 def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequence[str], *,
                 seq_len: int | None = None, measure: bool = False,
-                progress: Callable[[str], None] | None = None) -> list[Row]:
+                progress: Callable[[str], None] | None = None,
+                on_row: Callable[[list[Row]], None] | None = None) -> list[Row]:
+    """One row per spec, in order; `on_row` sees the rows so far after each one (a measured bench
+    on large models takes minutes a plan: what finished survives a run that is cut short)."""
     progress = progress or (lambda _: None)
     progress(f"capturing {model}")
     graph = capture_for_planning(model, seq_len=seq_len)
@@ -38,6 +41,8 @@ def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequ
         except (PlanSpecError, PlanningError) as exc:
             row["error"] = str(exc)
             rows.append(row)
+            if on_row is not None:
+                on_row(rows)
             continue
         c = best.config
         row.update(spec=text, resolved_spec=c.spec(), fits=best.fits,
@@ -57,6 +62,8 @@ def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequ
                 row["measured"] = {"error": f"out of memory: {str(exc).splitlines()[0]}"}
                 _release_device_memory()
         rows.append(row)
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
