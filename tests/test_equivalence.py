@@ -149,13 +149,25 @@ def dp2_zero1_gpt() -> dict[str, Any]:
     return compare(family("tiny-gpt"), "dp=2,zero=1", 4)
 
 
+def compute_bound_cluster() -> Any:
+    """Two CPU ranks whose arithmetic is priced a million times slower than the `cpu` preset's:
+    against its links every split then pays, so the ILP's mix reaches beyond Megatron's."""
+    import dataclasses
+
+    from mplan.cost_models.cluster import ClusterSpec
+
+    cpu = ClusterSpec.preset("cpu", gpus_per_node=2)
+    slow = {f"peak_{dtype}": getattr(cpu.device, f"peak_{dtype}") * 1e-6 for dtype in ("bf16", "fp16", "fp32", "fp64")}
+    return dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, **slow))
+
+
 def tp2_ilp_llama() -> dict[str, Any]:
-    return compare(family("tiny-llama"), "tp=2", 4, tp_strategies="ilp")
+    return compare(family("tiny-llama"), "tp=2", 4, tp_strategies="ilp", cluster=compute_bound_cluster())
 
 
 def tp2_sp_ilp_llama() -> dict[str, Any]:
     return compare(family("llama:layers=2,hidden=64,heads=8,kv_heads=4,ffn=128,seq=16,vocab=64"),
-                   "tp=2,sp=1", 4, tp_strategies="ilp")
+                   "tp=2,sp=1", 4, tp_strategies="ilp", cluster=compute_bound_cluster())
 
 
 def tp2_sp_llama_kernels() -> dict[str, Any]:
@@ -318,10 +330,12 @@ def test_fused_kernels_are_exact_under_tp(outcomes) -> None:
     """fuse_kernels on TP programs (reference dispatch): the rules fire on local shards (the
     local q/k/v column shards, all reading the gathered sequence, become one GEMM), and the run
     matches one process as closely as the unfused one does."""
-    # the loss is vocabulary-parallel there: a module, never the ATen loss the rule matches
+    # the loss is vocabulary-parallel there: a module, which runs the vocabulary-parallel kernel
     expected = {tp2_sp_llama_kernels: (tp2_sp_llama, {"rms_norm": 1, "linear_group": 2, "rms_norm_residual": 4,
-                                                      "rope": 4, "linear_swiglu": 2}),
-                tp2_sp_gpt_kernels: (tp2_sp_gpt, {"linear_group": 2, "layer_norm_residual": 4, "bias_gelu": 2})}
+                                                      "rope": 4, "linear_swiglu": 2,
+                                                      "vocab_parallel_cross_entropy": 1}),
+                tp2_sp_gpt_kernels: (tp2_sp_gpt, {"linear_group": 2, "layer_norm_residual": 4, "bias_gelu": 2,
+                                                  "vocab_parallel_cross_entropy": 1})}
     for check, (unfused, fired) in expected.items():
         for a, b in zip(outcomes.assert_passed(check), outcomes.assert_passed(unfused)):
             assert a["fused"] == fired

@@ -53,6 +53,7 @@ from mplan.kernels import (
     swiglu_packed,
 )
 from mplan.kernels.fp8 import Fp8Linear, Fp8Unavailable, fp8_unavailable_reason
+from mplan.passes.local_ops import VocabParallelCrossEntropy
 from mplan.kernels.op_bytes import FUSED_OP_TRAFFIC, FusedOpTraffic, fused_op_bytes
 
 __all__ = ["ATTENTION_RULE", "FP8_LINEAR_RULE", "FUSED_OP_TRAFFIC", "FUSION_RULES", "FusedOpTraffic", "FusionReport",
@@ -501,12 +502,24 @@ def fuse_kernels(gm: GraphModule, rules: tuple[FusionRule, ...] | None = None, *
                 if match is not None and _rewrite(graph, match, erased):
                     counts[rule.name] += 1
                     break
+    counts.update(_fuse_vocab_parallel_losses(gm))
     marks = _mark_consumers(graph)
     graph.lint()
     gm.recompile()
     gm.meta["fuse_kernels"] = report = FusionReport(dict(counts), consumer_marks=marks)
     logger.info("%s", report)
     return gm
+
+
+def _fuse_vocab_parallel_losses(gm: GraphModule) -> Counter[str]:
+    """TP programs compute a vocabulary-sharded loss in a module (`insert_collectives`), which no
+    ATen rule sees: its mean runs mplan's vocabulary-parallel cross-entropy kernel instead."""
+    fused: Counter[str] = Counter()
+    for module in gm.modules():
+        if isinstance(module, VocabParallelCrossEntropy) and module.reduction == "mean":
+            module.fused = True
+            fused["vocab_parallel_cross_entropy"] += 1
+    return fused
 
 
 _MARKED_OUTPUTS: dict[Any, int | None] = {
