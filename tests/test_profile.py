@@ -33,9 +33,11 @@ def _full_profile() -> ClusterProfile:
         copy=(CopyTiming(bytes_moved=1 << 30, seconds=2.5e-4),))
     fit = AlphaBetaFit(collective="all_reduce", level="intra_node", alpha_s=2e-5, beta_Bps=3.7e11, group_size=8,
                        num_points=10, max_rel_error=0.03)
+    large = AlphaBetaFit(collective="all_reduce", level="intra_node", alpha_s=1e-5, beta_Bps=2.9e11, group_size=8,
+                         num_points=4, max_rel_error=0.05, min_bus_bytes=8 * MiB)
     links = LinkProfile(backend="nccl", world_size=16, ranks_per_node=8, measured_on="2026-11-29",
                         timings=(CollectiveTiming(collective="all_reduce", level="intra_node", group_size=8,
-                                                  ranks_per_node=8, nbytes=MiB, seconds=3e-5),), fits=(fit,))
+                                                  ranks_per_node=8, nbytes=MiB, seconds=3e-5),), fits=(fit, large))
     return ClusterProfile(note="synthetic", device=device, links=links)
 
 
@@ -99,6 +101,47 @@ def test_fits_are_per_collective_and_level_on_bus_bytes() -> None:
     (fit,) = fit_levels(timings)
     assert (fit.collective, fit.level, fit.group_size, fit.num_points) == ("all_gather", "intra_node", 4, 3)
     assert fit.beta_Bps == pytest.approx(100e9, rel=1e-6) and fit.max_rel_error < 1e-9
+
+
+def _two_regimes() -> tuple[CollectiveTiming, ...]:
+    """A protocol switch at 8 MiB: latency-bound below, a slower bus bandwidth above."""
+    return tuple(CollectiveTiming(collective="all_reduce", level="intra_node", group_size=2, ranks_per_node=2,
+                                  nbytes=s, seconds=(30e-6 + s / 600e9) if s < 8 * MiB else (10e-6 + s / 250e9))
+                 for s in (1 << p for p in range(10, 29)))
+
+
+def test_a_protocol_switch_gets_a_segment_of_its_own() -> None:
+    low, high = fit_levels(_two_regimes())
+    assert (low.min_bus_bytes, high.min_bus_bytes) == (0.0, 8 * MiB)
+    assert low.num_points + high.num_points == 19
+    assert high.beta_Bps == pytest.approx(250e9, rel=1e-6) and max(low.max_rel_error, high.max_rel_error) < 1e-6
+    links = LinkProfile(backend="nccl", world_size=2, ranks_per_node=2, measured_on="2026-11-29",
+                        timings=_two_regimes(), fits=(low, high))
+    assert links.fit("all_reduce", "intra_node", 1 * MiB) is low
+    assert links.fit("all_reduce", "intra_node", 64 * MiB) is high
+    assert links.fit("all_gather", "intra_node", MiB) is None
+
+
+def test_one_regime_stays_one_line() -> None:
+    rng = random.Random(3)
+    timings = tuple(CollectiveTiming(collective="all_gather", level="intra_node", group_size=2, ranks_per_node=2,
+                                     nbytes=s, seconds=(25e-6 + s / 240e9) * rng.uniform(0.98, 1.02))
+                    for s in (1 << p for p in range(10, 29)))
+    (fit,) = fit_levels(timings)
+    assert fit.num_points == 19 and fit.max_rel_error < 0.05
+
+
+def test_two_h200s_measured_links_are_reproduced_above_one_mib() -> None:
+    """Refitted on the committed 2-H200 NCCL timings (2026-11-29, sizes in steps of 4x): every
+    collective but send/recv within 10% above 1 MiB (one line per collective: 12-30%); send/recv
+    (4-256 MiB grow at two rates, and steps of 4x leave one segment too few points) 23%."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks/results/profile_h200x2-2026-11-29-session5.json"
+    links = ClusterProfile.from_dict(json.loads(path.read_text())["profile"]).links
+    worst: dict[str, float] = {}
+    for fit in fit_levels(links.timings):
+        worst[fit.collective] = max(worst.get(fit.collective, 0.0), fit.max_rel_error)
+    assert all(error < 0.10 for kind, error in worst.items() if kind != "send_recv"), worst
+    assert worst["send_recv"] < 0.25, worst
 
 
 def test_group_ranks_tile_a_node_major_world() -> None:

@@ -147,11 +147,11 @@ class ClusterSpec:
     def world_size(self) -> int:
         return self.num_nodes * self.gpus_per_node
 
-    def link_fit(self, collective: str, level: str) -> AlphaBetaFit | None:
-        """The measured alpha-beta fit for ``collective`` on ``level``, if the profile has one."""
+    def link_fit(self, collective: str, level: str, bus_bytes: float = 0.0) -> AlphaBetaFit | None:
+        """The measured alpha-beta fit for ``collective`` on ``level`` at ``bus_bytes``, if the profile has one."""
         if self.profile is None or self.profile.links is None:
             return None
-        return self.profile.links.fit(collective, level)
+        return self.profile.links.fit(collective, level, bus_bytes)
 
     def with_profile(self, profile: ClusterProfile | None) -> ClusterSpec:
         return dataclasses.replace(self, profile=profile)

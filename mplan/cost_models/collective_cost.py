@@ -112,7 +112,7 @@ class _Phases:
     def bus_time(self, level: str, kind: str, bus_bytes: float, steps: int) -> float:
         if steps == 0:
             return 0.0
-        fit = self.cluster.link_fit(kind, level)
+        fit = self.cluster.link_fit(kind, level, bus_bytes)
         if fit is not None:
             return fit.time(bus_bytes)
         self.analytic = True

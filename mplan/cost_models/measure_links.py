@@ -28,14 +28,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from mplan.cost_models.alpha_beta import LEVELS, AlphaBetaFit, fit_alpha_beta, max_relative_error
+from mplan.cost_models.alpha_beta import LEVELS, AlphaBetaFit, fit_segments
 from mplan.cost_models.collective_cost import GroupShape
 from mplan.cost_models.collectives import bus_factor
 from mplan.cost_models.profile import CollectiveTiming, LinkProfile
 
 MEASURED_COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
-DEFAULT_SIZES: tuple[int, ...] = tuple(1 << p for p in range(10, 29, 2))
-"""1 KiB to 256 MiB in steps of 4x: latency-bound to bandwidth-bound."""
+DEFAULT_SIZES: tuple[int, ...] = tuple(1 << p for p in range(10, 29))
+"""1 KiB to 256 MiB in steps of 2x: latency-bound to bandwidth-bound, dense enough for each of
+the fit's size segments to hold several points (steps of 4x left five sizes above 1 MiB)."""
 BURST_BYTES = 256 << 20
 """A timed burst moves at least this many bytes, in MIN_BURST to MAX_BURST calls."""
 MIN_BURST, MAX_BURST = 4, 64
@@ -157,7 +158,8 @@ def _time(dist: Any, torch: Any, kind: str, buffers: dict[str, Any], group: Any,
 
 
 def fit_levels(timings: Sequence[CollectiveTiming]) -> tuple[AlphaBetaFit, ...]:
-    """One alpha-beta fit per (collective, level) with at least two sizes, on bus bytes."""
+    """Alpha-beta fits per (collective, level) with at least two sizes, on bus bytes: one per
+    size segment (``fit_segments``)."""
     fits = []
     for kind in dict.fromkeys(t.collective for t in timings):
         for level in LEVELS:
@@ -166,8 +168,11 @@ def fit_levels(timings: Sequence[CollectiveTiming]) -> tuple[AlphaBetaFit, ...]:
                 continue
             bus = [bus_factor(kind, t.group_size) * t.nbytes for t in rows]
             seconds = [t.seconds for t in rows]
-            alpha, beta = fit_alpha_beta(bus, seconds)
-            fits.append(AlphaBetaFit(collective=kind, level=level, alpha_s=alpha, beta_Bps=beta,
-                                     group_size=max(t.group_size for t in rows), num_points=len(rows),
-                                     max_rel_error=max_relative_error((alpha, beta), bus, seconds)))
+            segments = fit_segments(bus, seconds)
+            bounds = [start for start, *_ in segments[1:]] + [float("inf")]
+            for (start, alpha, beta, error), end in zip(segments, bounds):
+                fits.append(AlphaBetaFit(collective=kind, level=level, alpha_s=alpha, beta_Bps=beta,
+                                         group_size=max(t.group_size for t in rows),
+                                         num_points=sum(start <= x < end for x in bus), max_rel_error=error,
+                                         min_bus_bytes=start))
     return tuple(fits)

@@ -119,11 +119,11 @@ class LinkProfile:
     timings: tuple[CollectiveTiming, ...] = ()
     fits: tuple[AlphaBetaFit, ...] = ()
 
-    def fit(self, collective: str, level: str) -> AlphaBetaFit | None:
-        for item in self.fits:
-            if item.collective == collective and item.level == level:
-                return item
-        return None
+    def fit(self, collective: str, level: str, bus_bytes: float = 0.0) -> AlphaBetaFit | None:
+        """The fit of the size segment holding `bus_bytes` (the last one starting at or below it)."""
+        segments = [f for f in self.fits if f.collective == collective and f.level == level]
+        below = [f for f in segments if f.min_bus_bytes <= bus_bytes]
+        return max(below, key=lambda f: f.min_bus_bytes) if below else (segments[0] if segments else None)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -222,7 +222,8 @@ def _read_fit(f: FieldReader) -> AlphaBetaFit:
         collective=f.string("collective", choices=COLLECTIVES), level=f.string("level", choices=LEVELS),
         alpha_s=f.number("alpha_s", allow_equal=True), beta_Bps=f.number("beta_Bps"),
         group_size=f.integer("group_size"), num_points=f.integer("num_points"),
-        max_rel_error=f.number("max_rel_error", allow_equal=True)))
+        max_rel_error=f.number("max_rel_error", allow_equal=True),
+        min_bus_bytes=f.number("min_bus_bytes", allow_equal=True) if f.has("min_bus_bytes") else 0.0))
 
 
 def _read_links(r: FieldReader) -> LinkProfile:
