@@ -16,7 +16,7 @@ from mplan.cost_models.collective_cost import GroupShape
 from mplan.models import build_model
 from mplan.passes.recompute import CheckpointedUnit
 from mplan.planner.op_cost import OpCoster
-from mplan.planner.placement import R
+from mplan.planner.placement import R, Shard
 from mplan.planner.sharding_ilp import solve_graph_sharding
 from mplan.planner.unit_costs import unit_costs
 from mplan.runtime.execution_plan import resolve_execution_plan
@@ -159,6 +159,22 @@ def test_dropout_masks_are_those_of_the_plain_program(mode: str) -> None:
     checkpointed = CheckpointedUnit(torch.fx.symbolic_trace(_Dropout()), mode)(x, w)
     checkpointed.backward()
     assert torch.equal(checkpointed, plain) and torch.equal(w.grad, expected)
+
+
+def test_selective_recomputation_is_priced_with_the_collectives_it_reruns() -> None:
+    """Under TP with SP the runtime's selective units re-run their reshards' all-gathers and
+    reduce-scatters in backward: the planner's re-run time includes each unit's forward collectives."""
+    graph = _pm("llama", "none").graph
+    cluster = ClusterSpec.preset("h200", gpus_per_node=2)
+    coster = OpCoster(cluster, 2, GroupShape(size=2, ranks_per_node=2))
+    sharding = solve_graph_sharding(graph, coster, Shard(1))
+    block = next(u for u in unit_costs(graph, sharding, coster) if u.block_type is not None)
+    template = graph.block_types[0].template
+    choice = sharding.segments[block.block_type].choice
+    cheap = sum(coster.op(node, choice[node.name]).forward_s for node in graph.nodes_of(template)
+                if node.kind not in ("matmul", "attention", "embedding", "loss", "view", "getitem", "scalar"))
+    assert block.comm_forward_s > 0
+    assert block.selective_extra_s == pytest.approx(cheap + block.comm_forward_s)
 
 
 def test_an_unknown_mode_is_refused_naming_it() -> None:

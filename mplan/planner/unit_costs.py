@@ -42,7 +42,7 @@ class UnitCost:
     tp_grad_sync_bytes: int  # replicated parameters with partial gradients, all-reduced over TP
     saved_bytes: int  # activations kept for backward, recompute none
     selective_bytes: int  # activations kept under selective recomputation
-    selective_extra_s: float  # forward seconds re-run in backward under selective recomputation
+    selective_extra_s: float  # forward seconds re-run in backward under selective recomputation (collectives included)
     input_bytes: int  # the unit's input activation (local): what full recomputation keeps
     largest_op_bytes: int  # largest single op's local output: a transient bound
 
@@ -85,7 +85,9 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
                     num_params=num_params, glue_params=tuple(glue) if block_type is None else (),
                     tp_grad_sync_bytes=sharding.tp_grad_sync_bytes,
                     saved_bytes=sharding.saved_bytes, selective_bytes=min(selective_bytes, sharding.saved_bytes),
-                    selective_extra_s=extra, input_bytes=input_bytes, largest_op_bytes=largest)
+                    # the reshards' collectives re-run too: the runtime's policy caches no collective
+                    selective_extra_s=extra + sharding.comm_forward_s, input_bytes=input_bytes,
+                    largest_op_bytes=largest)
 
 
 def unit_costs(graph: Graph, sharding: GraphSharding, coster: OpCoster) -> list[UnitCost]:
