@@ -34,5 +34,5 @@ run benchmarks/equivalence_gpus.py --out "$out/equivalence-x$n.json" --plans "$p
 # 3. auto against hand-written plans on a Llama-3-8B, measured and predicted side by side ("pp=1":
 #    the planner's choice among the plans the runtime executes; pipelines are planned, not yet run)
 run -m mplan bench llama3-8b --cluster "$out/profile-x$n.json" --global-batch $batch --seq-len $seq \
-    --plans auto pp=1 "${hand[@]}" --measure --out "$out/bench-llama3-8b-x$n.json" > /dev/null
+    --plans auto pp=1 "${hand[@]}" --measure --profile --out "$out/bench-llama3-8b-x$n.json" > /dev/null
 tail -c 2000 "$out/bench-llama3-8b-x$n.json"

@@ -128,7 +128,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     with status:
         rows = bench_plans(args.model, _cluster(args), args.global_batch, args.plans, seq_len=args.seq_len,
-                           measure=args.measure, progress=progress,
+                           measure=args.measure, profile=args.profile, progress=progress,
                            on_row=write_so_far if args.out and reports else None)
     if not reports:
         return 0
@@ -255,6 +255,8 @@ def _parser() -> argparse.ArgumentParser:
     cluster_args(p)
     p.add_argument("--plans", nargs="+", default=["auto"], help="plan specs: auto, tp=8,pp=4, dp=64, ...")
     p.add_argument("--measure", action="store_true", help="also run each plan for real on this machine's ranks")
+    p.add_argument("--profile", action="store_true",
+                   help="with --measure on GPUs: one more step under the profiler, its kernel time by kind")
     p.add_argument("--csv", default=None, help="also write the table as CSV")
     p.add_argument("--out", default=None, help="also write the rows as JSON here, rewritten after each plan")
     p.add_argument("--json", action="store_true", help="print one JSON document and nothing else")

@@ -65,6 +65,16 @@ def test_bench_writes_each_row_as_it_finishes(tmp_path, monkeypatch):
     assert json.loads(out.read_text())["plans"][1]["error"]  # tp=3 cannot run on one device: its row says why
 
 
+def test_profiled_kernels_are_sorted_by_kind():
+    """Kernel names as the H200 runs recorded them (step profiles, 2026-11-29)."""
+    from mplan.runtime.measure import kernel_kind
+
+    assert kernel_kind("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "nccl"
+    assert kernel_kind("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN") == "gemm"
+    assert kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention"
+    assert kernel_kind("_backward_kernel") == kernel_kind("triton_poi_fused_gelu_5") == "other"
+
+
 def test_the_planners_own_plan_for_four_cpu_ranks_trains_like_one_process(tmp_path):
     """The planner and the passes agree on what a plan means: plan for a 4-rank CPU cluster with
     everything searched, then train that plan file on 4 gloo ranks under torchrun."""

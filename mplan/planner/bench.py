@@ -22,7 +22,7 @@ Row = dict[str, Any]
 
 
 def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequence[str], *,
-                seq_len: int | None = None, measure: bool = False,
+                seq_len: int | None = None, measure: bool = False, profile: bool = False,
                 progress: Callable[[str], None] | None = None,
                 on_row: Callable[[list[Row]], None] | None = None) -> list[Row]:
     """One row per spec, in order; `on_row` sees the rows so far after each one (a measured bench
@@ -55,7 +55,8 @@ def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequ
 
             progress(f"measuring {c.spec()}")
             try:
-                row["measured"] = measure_plan(model, c.spec(), global_batch=global_batch, seq_len=seq_len)
+                row["measured"] = measure_plan(model, c.spec(), global_batch=global_batch, seq_len=seq_len,
+                                               profile=profile)
             except NotImplementedError as exc:  # raised alike on every rank, before any collective
                 row["measured"] = {"error": str(exc)}
             except torch.OutOfMemoryError as exc:  # a plan predicted to fit did not

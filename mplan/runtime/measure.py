@@ -5,6 +5,10 @@ meta device (each rank initializes only its shards), parallelizes it with `autop
 plan (bf16 parameters on GPUs, as the planner prices them: ZeRO-1 keeps fp32 masters of them),
 trains `warmup + steps` steps on synthetic tokens and returns the median step time (the
 slowest rank's, all-reduced), the tokens per second and the peak device memory (CUDA only).
+With `profile=True` one more step runs under torch.profiler and this rank's GPU kernel time is
+reported by kind (`step_kernel_split`): NCCL, GEMM, attention and the rest, beside the step's
+wall time, so that a step slower than predicted shows whether its links, its kernels or its host
+(wall time the kernels do not fill) took the difference.
 A plan whose world size differs from the job's fails with the plan's own clear error.
 """
 from __future__ import annotations
@@ -12,11 +16,44 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 
+KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "cublas", "xmma", "_scaled_mm")),
+)
+"""Kernel kinds by substrings of the kernel name, first match wins; anything else is "other"."""
+
+
+def kernel_kind(name: str) -> str:
+    """The kind (`KERNEL_KINDS`) of a GPU kernel, by its name."""
+    lowered = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(key in lowered for key in keys)), "other")
+
+
+def step_kernel_split(step: Callable[[], Any]) -> dict[str, float]:
+    """Wall seconds of one `step()` and this rank's GPU kernel seconds by kind (CUDA)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    split = {"wall_s": time.perf_counter() - start, **{kind: 0.0 for kind, _ in KERNEL_KINDS}, "other": 0.0}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA or event.is_user_annotation:
+            continue
+        split[kernel_kind(event.name)] += event.device_time / 1e6
+    return split
+
+
 def measure_plan(model_spec: str, plan_spec: str, *, global_batch: int, seq_len: int | None = None,
-                 steps: int = 5, warmup: int = 2) -> dict[str, Any]:
+                 steps: int = 5, warmup: int = 2, profile: bool = False) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -52,6 +89,9 @@ def measure_plan(model_spec: str, plan_spec: str, *, global_batch: int, seq_len:
         slowest = torch.tensor([step_s], dtype=torch.float64, device=device if on_gpu else "cpu")
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         step_s = float(slowest.item())
-    return {"step_time_s": step_s, "tokens_per_s": global_batch * seq / step_s,
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
-            "steps": steps, "device": torch.cuda.get_device_name() if on_gpu else "cpu"}
+    result = {"step_time_s": step_s, "tokens_per_s": global_batch * seq / step_s,
+              "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
+              "steps": steps, "device": torch.cuda.get_device_name() if on_gpu else "cpu"}
+    if profile and on_gpu:
+        result["step_kernel_split"] = step_kernel_split(lambda: pm.train_step(ids, labels))
+    return result
