@@ -82,7 +82,7 @@ def _plan(args: argparse.Namespace) -> int:
         progress(f"capturing {args.model}")
         made = plan(args.model, cluster=_cluster(args), global_batch=args.global_batch, spec=args.spec,
                     seq_len=args.seq_len, allow_cross_node_tp=args.allow_cross_node_tp, kernels=args.kernels,
-                    fp8=args.fp8, progress=progress)
+                    fp8=args.fp8, runtime=args.runtime, progress=progress)
     if args.output:
         made.save(args.output)
     if args.json:
@@ -240,6 +240,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="price memory-bound chains as mplan's fused kernels (default: on for GPU clusters)")
     p.add_argument("--fp8", action="store_true", help="a plan whose block linears run as FP8 GEMMs, priced so")
+    p.add_argument("--runtime", choices=("megatron", "mplan"), default="megatron",
+                   help="whose optimizer memory to price: Megatron-LM's (fp32 masters at any zero) or "
+                        "mplan's runtime (bf16 in place at zero=0, fp32 master shards at zero=1)")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON and nothing else")
     p.set_defaults(func=_plan)

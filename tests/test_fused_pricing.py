@@ -94,6 +94,22 @@ def test_the_optimizer_step_is_priced_as_the_adamw_that_runs_it() -> None:
     assert steps[False, 0] > 1.3 * steps[True, 0] and steps[False, 1] > steps[True, 1]
 
 
+def test_mplans_runtime_is_priced_with_its_own_optimizer_memory() -> None:
+    """runtime="mplan" (autoparallel, bench, `mplan plan --runtime mplan`): at zero=0 AdamW steps
+    the bf16 parameters in place (bf16 gradient and moments), where Megatron-LM keeps an fp32
+    gradient, fp32 masters and fp32 moments."""
+    graph = capture_for_planning("gpt3-1.3b")
+    cluster = ClusterSpec.preset("h200")
+    config = ParallelConfig(dp=1, tp=1, pp=1, mbs=1, num_micro_batches=1, zero=0)
+    megatron, mine = (Planner(graph, cluster, runtime=runtime).evaluate(config, fast=True).memory[0]
+                      for runtime in ("megatron", "mplan"))
+    params = megatron.params_bytes / 2
+    assert (megatron.grads_bytes, megatron.optimizer_bytes) == (4 * params, 12 * params)
+    assert (mine.params_bytes, mine.grads_bytes, mine.optimizer_bytes) == (2 * params, 2 * params, 4 * params)
+    with pytest.raises(ValueError, match="runtime must be"):
+        Planner(graph, cluster, runtime="deepspeed")
+
+
 def test_adamw_prices_reproduce_the_h200_optimizer_benchmark() -> None:
     """Both AdamWs at both dtypes and both models' sizes against their GPU kernel times with a
     grad_scale (benchmarks/results/optimizer_h200-2026-11-29.json): within 2% (the planner's copy
