@@ -75,8 +75,10 @@ def _train_steps(model: nn.Module, optimizer, groups: ProcessGroups, steps: rang
         inputs, targets = inputs[rank * local:(rank + 1) * local], targets[rank * local:(rank + 1) * local]
         optimizer.zero_grad()
         local_loss = torch.zeros(())
-        for x, y in zip(inputs.chunk(MICRO_BATCHES), targets.chunk(MICRO_BATCHES)):
+        for i, (x, y) in enumerate(zip(inputs.chunk(MICRO_BATCHES), targets.chunk(MICRO_BATCHES))):
             loss = nn.functional.mse_loss(model(x), y) / MICRO_BATCHES
+            if i == MICRO_BATCHES - 1:
+                optimizer.before_last_backward()  # zero=0: buckets reduce while backward goes on
             loss.backward()
             local_loss += loss.detach()
         optimizer.step(max_grad_norm=MAX_NORM)
@@ -117,6 +119,17 @@ def check_one_bucket() -> dict[str, float]:
 
 def check_small_padded_buckets() -> dict[str, float]:
     return _check_against_reference(bucket_bytes=SMALL_BUCKET_BYTES)
+
+
+def check_zero0_buckets_reduce_during_the_last_backward() -> int:
+    """Every 100-byte bucket (three: [b2, w2], [b1], [w1], last layer first) starts its all-reduce
+    from backward's hooks; none waits for the step (the results above are exact with this overlap)."""
+    model = _model()
+    optimizer = build_optimizer(_param_groups(model), ADAMW, _groups(), zero=0, bucket_bytes=SMALL_BUCKET_BYTES)
+    _train_steps(model, optimizer, _groups(), range(1))
+    sync = optimizer.grad_sync
+    assert sync.started_in_backward == sync.num_buckets == 3, (sync.started_in_backward, sync.num_buckets)
+    return sync.started_in_backward
 
 
 def _check_resume(zero: int) -> float:
@@ -174,6 +187,7 @@ def check_zero1_holds_one_shard_of_state() -> int:
 CHECKS = [
     check_one_bucket,
     check_small_padded_buckets,
+    check_zero0_buckets_reduce_during_the_last_backward,
     check_zero0_resume_is_exact,
     check_zero1_resume_is_exact,
     check_zero1_refuses_a_checkpoint_of_another_layout,

@@ -12,6 +12,13 @@ no copy. Gradient accumulation needs nothing: run backward on every micro-batch,
 (`optimizer.zero_grad()` does that) is copied back into its bucket at sync time, so results
 stay correct; `zero_grad()` here keeps the views and avoids that copy.
 
+Overlap with backward (as DDP and Megatron do): `arm()` before the last micro-batch's backward
+makes each bucket start its reduction from a post-accumulate-grad hook as soon as its last
+gradient lands, while backward goes on with the earlier layers. Buckets are laid out in reverse
+parameter order (the order backward produces gradients) and start strictly in that order, so
+every replica issues the same collectives in the same sequence; a bucket whose gradients did
+not all arrive (an unused parameter) waits for `sync_gradients()`, and so do the ones after it.
+
 Parameters whose gradient needs no collective and no scaling (dp=1, unless it is a TP partial
 sum over tp > 1: every parameter of a one-rank or pure-TP run) get no bucket: autograd makes
 their `.grad` and `zero_grad()` sets it to None, as eager PyTorch does. A bucket would hold
@@ -138,7 +145,7 @@ class GradientSync:
         self.params = unique_trainable(params)
         bucketed: list[torch.Tensor] = []
         self._unbucketed: list[torch.Tensor] = []
-        for param in self.params:
+        for param in reversed(self.params):  # the order backward produces their gradients
             reduced = needs_reduction(placement_of(param, placements), groups)
             (bucketed if reduced else self._unbucketed).append(param)
         self._buckets = [
@@ -146,19 +153,62 @@ class GradientSync:
             for (placement, _, _), members in group_by_reduction(bucketed, placements).items()
             for bucket in split_into_buckets(members, bucket_bytes)
         ]
-        for bucket in self._buckets:
+        self._bucket_of: dict[int, int] = {}
+        for index, bucket in enumerate(self._buckets):
             for param, view in bucket.views():
                 if param.grad is not None:
                     view.copy_(param.grad)
                 param.grad = view
+                self._bucket_of[id(param)] = index
+                param.register_post_accumulate_grad_hook(self._gradient_landed)
+        self._armed = False
+        self._arrived = [0] * len(self._buckets)
+        self._started = 0  # buckets [0, _started) have their reduction under way
+        self._pending: list[dist.Work] = []
+        self.started_in_backward = 0
+        """Buckets of the last step whose reduction backward started (the rest waited for the sync)."""
 
     @property
     def num_buckets(self) -> int:
         return len(self._buckets)
 
+    def arm(self) -> None:
+        """The next backward is the step's last: start each bucket's reduction once it is complete."""
+        self._armed, self._arrived, self._started = True, [0] * len(self._buckets), 0
+
+    def _gradient_landed(self, param: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        self._arrived[self._bucket_of[id(param)]] += 1
+        while self._started < len(self._buckets) and \
+                self._arrived[self._started] == len(self._buckets[self._started].params):
+            self._start(self._buckets[self._started])
+            self._started += 1
+
+    @torch.no_grad()
+    def _start(self, bucket: _Bucket) -> None:
+        """TP sum (if partial), the division by dp, then the asynchronous data-parallel sum."""
+        self._adopt_foreign_grads(bucket)
+        if bucket.placement.tp_reduce and group_size(self.groups.tp) > 1:
+            dist.all_reduce(bucket.buffer, group=self.groups.tp)
+        # Divide before summing, as DDP and Megatron do: a sum of low-precision gradients
+        # over many replicas can overflow where their mean would not.
+        if self.groups.mesh.dp > 1:
+            bucket.buffer.div_(self.groups.mesh.dp)
+        if group_size(bucket.group) > 1:
+            self._pending.append(dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True))
+
+    def _finish(self) -> None:
+        for work in self._pending:
+            work.wait()
+        self._pending = []
+        self._armed = False
+
     @torch.no_grad()
     def zero_grad(self) -> None:
         """Zero every bucketed gradient, keeping them as views into the buckets; drop the others."""
+        self._finish()  # a step that failed after arming may have reductions in flight
+        self._started = 0
         for bucket in self._buckets:
             bucket.buffer.zero_()
             for param, view in bucket.views():
@@ -172,23 +222,11 @@ class GradientSync:
         for param in self._unbucketed:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        for bucket in self._buckets:
-            self._adopt_foreign_grads(bucket)
-        if group_size(self.groups.tp) > 1:
-            for bucket in self._buckets:
-                if bucket.placement.tp_reduce:
-                    dist.all_reduce(bucket.buffer, group=self.groups.tp)
-        # Divide before summing, as DDP and Megatron do: a sum of low-precision gradients
-        # over many replicas can overflow where their mean would not.
-        dp = self.groups.mesh.dp
-        pending = []
-        for bucket in self._buckets:
-            if dp > 1:
-                bucket.buffer.div_(dp)
-            if group_size(bucket.group) > 1:
-                pending.append(dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True))
-        for work in pending:
-            work.wait()
+        self.started_in_backward = self._started if self._armed else 0
+        for bucket in self._buckets[self.started_in_backward:]:  # the rest, in the same order
+            self._start(bucket)
+        self._started = len(self._buckets)
+        self._finish()
 
     @staticmethod
     def _adopt_foreign_grads(bucket: _Bucket) -> None:

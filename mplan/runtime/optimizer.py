@@ -31,6 +31,10 @@ class DistributedOptimizer(Protocol):
 
     def zero_grad(self) -> None: ...
 
+    def before_last_backward(self) -> None:
+        """Called before the step's last backward (gradient reductions may start during it)."""
+        ...
+
     def step(self, *, max_grad_norm: float | None = None) -> torch.Tensor | None:
         """Reduce gradients over replicas, clip by the global norm if asked, update."""
         ...

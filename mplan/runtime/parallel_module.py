@@ -197,6 +197,8 @@ class ParallelModule:
                 micro = tuple(t[i * mbs:(i + 1) * mbs] for t in tensors)
                 with self._autocast():
                     loss = self.program(*self._feed(self.program, micro))
+                if i == count - 1:
+                    self.optimizer.before_last_backward()
                 (loss if count == 1 else loss / count).backward()
                 total += loss.detach().to(torch.float64)
             self._last_grad_norm = self.optimizer.step(max_grad_norm=self.max_grad_norm)

@@ -60,6 +60,10 @@ class ReplicatedOptimizer:
         self.optimizer = optimizer(param_groups)
         """The torch optimizer; attach learning-rate schedulers to it."""
 
+    def before_last_backward(self) -> None:
+        """The step's last backward comes next: buckets start reducing as they complete."""
+        self.grad_sync.arm()
+
     def zero_grad(self) -> None:
         self.grad_sync.zero_grad()
         if self.copies is not None:

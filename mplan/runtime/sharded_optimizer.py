@@ -146,6 +146,9 @@ class ShardedOptimizer:
         self.optimizer = optimizer(inner_groups)
         """The torch optimizer over the shards; attach learning-rate schedulers to it."""
 
+    def before_last_backward(self) -> None:
+        """Nothing: ZeRO-1 reduce-scatters after backward (no overlap yet)."""
+
     def zero_grad(self) -> None:
         for param in self.params:
             param.grad = None
