@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mplan.cost_models.cluster import ClusterSpec
-from mplan.cost_models.collective_cost import GroupShape
+from mplan.cost_models.collective_cost import GroupShape, collective_time
 from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.kernels.op_bytes import fused_op_bytes
 from mplan.planner.evaluate import adamw_time, optimizer_time, zero1_copy_time
@@ -108,6 +108,23 @@ def test_mplans_runtime_is_priced_with_its_own_optimizer_memory() -> None:
     assert (mine.params_bytes, mine.grads_bytes, mine.optimizer_bytes) == (2 * params, 2 * params, 4 * params)
     with pytest.raises(ValueError, match="runtime must be"):
         Planner(graph, cluster, runtime="deepspeed")
+
+
+def test_mplans_overlapped_gradient_sync_is_priced_as_what_outlasts_backward() -> None:
+    """At zero=0 mplan's runtime starts each gradient bucket's all-reduce during the last
+    backward: only what outlasts that backward, and at least the last bucket, is exposed."""
+    graph = capture_for_planning("gpt3-1.3b")
+    cluster = ClusterSpec.preset("dgx-h100", nodes=2)  # dp=16 over two nodes: the sync rides InfiniBand
+    config = ParallelConfig(dp=16, tp=1, pp=1, mbs=1, num_micro_batches=4, zero=0)
+    megatron, mine = (Planner(graph, cluster, runtime=runtime).evaluate(config, fast=True)
+                      for runtime in ("megatron", "mplan"))
+    grad_bytes = mine.memory[0].params_bytes  # bf16 gradients, as many bytes as the bf16 parameters
+    dp_group = GroupShape(size=16, ranks_per_node=8)
+    whole = collective_time(cluster, "all_reduce", grad_bytes, dp_group)
+    last_bucket = collective_time(cluster, "all_reduce", 25 * 2**20, dp_group)
+    (exposed,) = mine.grad_sync_s
+    assert exposed == pytest.approx(max(whole - mine.chunk_backward_s[0], last_bucket))
+    assert exposed < whole and mine.step_time_s < megatron.step_time_s
 
 
 def test_adamw_prices_reproduce_the_h200_optimizer_benchmark() -> None:

@@ -12,6 +12,7 @@ Model (each term from the cost models, nothing fitted here):
 - DP gradient sync per rank: all-reduce of fp32 gradients (zero=0) or reduce-scatter of gradients
   plus all-gather of updated bf16 parameters (zero=1), started after the rank's last backward, so
   only its tail past the pipeline's end is exposed; TP all-reduce of partial parameter gradients;
+  under mplan's runtime at zero=0 the buckets start during the last backward (`overlapped_sync`);
 - the optimizer step is memory-bound over the rank's optimizer shard: clipping's gradient norm,
   then one multi-tensor AdamW, mplan's kernel or torch's fused one (`optimizer_time`), and under
   ZeRO-1 the copies between parameters, flat gradients and master shard (`zero1_copy_time`);
@@ -35,6 +36,7 @@ from mplan.ir.schedule import Schedule, build_schedule, check_schedule, interlea
 from mplan.planner.parallel_config import ParallelConfig
 from mplan.planner.stage_partition import Partition, partition
 from mplan.planner.unit_costs import UnitCost
+from mplan.runtime.data_parallel import DEFAULT_BUCKET_BYTES
 
 ADAMW_STREAMS = 8
 """Elements an AdamW step with a grad_scale (the clip coefficient folded in, as the runtime clips)
@@ -87,6 +89,15 @@ def zero1_copy_time(compute: ComputeCostModel, params: float, dp: int, param_byt
     whole = params * (8 + 3 * param_bytes + (8 if dp > 1 else 0))
     shard = params / dp * (4 + param_bytes + (8 if dp == 1 else 0))
     return compute.memory_bound_time(whole + shard)
+
+
+def overlapped_sync(cluster: ClusterSpec, sync_s: float, last_backward_s: float, grad_bytes: float,
+                    dp_group: GroupShape) -> float:
+    """What is left of a zero=0 gradient sync that mplan's runtime overlaps with the rank's last
+    micro-batch backward (mplan/runtime/data_parallel.py): the part that outlasts that backward,
+    and at least the last bucket's all-reduce, which starts only when backward ends."""
+    last_bucket = collective_time(cluster, "all_reduce", min(grad_bytes, DEFAULT_BUCKET_BYTES), dp_group)
+    return max(sync_s - last_backward_s, last_bucket)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -204,6 +215,8 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         else:
             sync = collective_time(cluster, "all_reduce", params * grad_bytes, dp_group)
         sync += collective_time(cluster, "all_reduce", tp_sync * grad_bytes / max(1, per.param), tp_group)
+        if facts.runtime == "mplan" and not config.zero and config.dp > 1:
+            sync = overlapped_sync(cluster, sync, sum(chunk_b[c] for c in chunks), params * grad_bytes, dp_group)
         syncs.append(sync)
         step = optimizer_time(compute, params / (config.dp if config.zero else 1), step_bytes,
                               mplan_adamw=facts.mplan_adamw)
