@@ -132,6 +132,17 @@ def check_zero0_buckets_reduce_during_the_last_backward() -> int:
     return sync.started_in_backward
 
 
+def check_zero1_buckets_reduce_scatter_during_the_last_backward() -> int:
+    """ZeRO-1's buckets (two parameter groups: weights [w1], [w2], biases [b1, b2]) start their
+    reduce-scatter from backward's hooks too, last first."""
+    model = _model()
+    optimizer = build_optimizer(_param_groups(model), ADAMW, _groups(), zero=1, bucket_bytes=SMALL_BUCKET_BYTES)
+    _train_steps(model, optimizer, _groups(), range(1))
+    slots = len(optimizer._slots)
+    assert optimizer.started_in_backward == slots >= 3, (optimizer.started_in_backward, slots)
+    return optimizer.started_in_backward
+
+
 def _check_resume(zero: int) -> float:
     """3 steps, save, restore into a fresh (differently initialized) model, 2 more steps."""
     groups = _groups()
@@ -188,6 +199,7 @@ CHECKS = [
     check_one_bucket,
     check_small_padded_buckets,
     check_zero0_buckets_reduce_during_the_last_backward,
+    check_zero1_buckets_reduce_scatter_during_the_last_backward,
     check_zero0_resume_is_exact,
     check_zero1_resume_is_exact,
     check_zero1_refuses_a_checkpoint_of_another_layout,

@@ -12,7 +12,7 @@ Model (each term from the cost models, nothing fitted here):
 - DP gradient sync per rank: all-reduce of fp32 gradients (zero=0) or reduce-scatter of gradients
   plus all-gather of updated bf16 parameters (zero=1), started after the rank's last backward, so
   only its tail past the pipeline's end is exposed; TP all-reduce of partial parameter gradients;
-  under mplan's runtime at zero=0 the buckets start during the last backward (`overlapped_sync`);
+  under mplan's runtime the buckets' reduction starts during the last backward (`overlapped_sync`);
 - the optimizer step is memory-bound over the rank's optimizer shard: clipping's gradient norm,
   then one multi-tensor AdamW, mplan's kernel or torch's fused one (`optimizer_time`), and under
   ZeRO-1 the copies between parameters, flat gradients and master shard (`zero1_copy_time`);
@@ -91,12 +91,13 @@ def zero1_copy_time(compute: ComputeCostModel, params: float, dp: int, param_byt
     return compute.memory_bound_time(whole + shard)
 
 
-def overlapped_sync(cluster: ClusterSpec, sync_s: float, last_backward_s: float, grad_bytes: float,
-                    dp_group: GroupShape) -> float:
-    """What is left of a zero=0 gradient sync that mplan's runtime overlaps with the rank's last
-    micro-batch backward (mplan/runtime/data_parallel.py): the part that outlasts that backward,
-    and at least the last bucket's all-reduce, which starts only when backward ends."""
-    last_bucket = collective_time(cluster, "all_reduce", min(grad_bytes, DEFAULT_BUCKET_BYTES), dp_group)
+def overlapped_sync(cluster: ClusterSpec, reduction: str, sync_s: float, last_backward_s: float,
+                    grad_bytes: float, dp_group: GroupShape) -> float:
+    """What is left of a gradient reduction (all-reduce at zero=0, reduce-scatter at zero=1) that
+    mplan's runtime overlaps with the rank's last micro-batch backward (data_parallel.py,
+    sharded_optimizer.py): the part that outlasts that backward, and at least the last bucket's,
+    which starts only when backward ends."""
+    last_bucket = collective_time(cluster, reduction, min(grad_bytes, DEFAULT_BUCKET_BYTES), dp_group)
     return max(sync_s - last_backward_s, last_bucket)
 
 
@@ -209,14 +210,14 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         rank_units = [u for c in chunks for u in range(*cut.bounds[c])]
         params = _rank_params(units, rank_units)
         tp_sync = sum(units[u].tp_grad_sync_bytes for u in rank_units)
-        if config.zero:
-            sync = collective_time(cluster, "reduce_scatter", params * grad_bytes, dp_group) + \
-                collective_time(cluster, "all_gather", params * per.param, dp_group)
-        else:
-            sync = collective_time(cluster, "all_reduce", params * grad_bytes, dp_group)
+        reduction = "reduce_scatter" if config.zero else "all_reduce"
+        sync = collective_time(cluster, reduction, params * grad_bytes, dp_group)
         sync += collective_time(cluster, "all_reduce", tp_sync * grad_bytes / max(1, per.param), tp_group)
-        if facts.runtime == "mplan" and not config.zero and config.dp > 1:
-            sync = overlapped_sync(cluster, sync, sum(chunk_b[c] for c in chunks), params * grad_bytes, dp_group)
+        if facts.runtime == "mplan" and config.dp > 1:
+            sync = overlapped_sync(cluster, reduction, sync, sum(chunk_b[c] for c in chunks), params * grad_bytes,
+                                   dp_group)
+        if config.zero:  # the updated parameters, gathered after the step: never overlapped
+            sync += collective_time(cluster, "all_gather", params * per.param, dp_group)
         syncs.append(sync)
         step = optimizer_time(compute, params / (config.dp if config.zero else 1), step_bytes,
                               mplan_adamw=facts.mplan_adamw)
