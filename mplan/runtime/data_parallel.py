@@ -37,8 +37,10 @@ Invariants:
 """
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +110,70 @@ def all_reduce_tp_partials(grads: list[torch.Tensor], groups: ProcessGroups) -> 
         offset += grad.numel()
 
 
+class ReductionStarts:
+    """Numbered gradient reductions started in a fixed order: during an armed backward each as
+    soon as every gradient it reads has landed (post-accumulate-grad hooks), the rest at the step.
+    Strictly in order, so every replica issues the same collectives in the same sequence; a unit
+    whose gradients did not all arrive (an unused parameter) waits for the step, and so do the
+    units after it. Shared by the zero=0 buckets and ZeRO-1's.
+
+    No reference cycles, so that deleting a module frees its weights without a garbage
+    collection: the hooks hold this object weakly, and `start` must not hold its owner."""
+
+    def __init__(self, members: Sequence[Sequence[torch.Tensor]], start: Callable[[int], dist.Work | None]) -> None:
+        self._sizes = [len(params) for params in members]
+        self._start = start
+        self._unit_of = {id(param): index for index, params in enumerate(members) for param in params}
+        hook = functools.partial(_gradient_landed, weakref.ref(self))
+        for params in members:
+            for param in params:
+                param.register_post_accumulate_grad_hook(hook)
+        self._armed = False
+        self._arrived = [0] * len(self._sizes)
+        self._started = 0  # units [0, _started) have their reduction under way
+        self._pending: list[dist.Work] = []
+        self.started_in_backward = 0
+        """Units of the last step whose reduction backward started (the rest waited for the step)."""
+
+    def arm(self) -> None:
+        """The next backward is the step's last: start each unit once its gradients are all in."""
+        self._armed, self._arrived, self._started = True, [0] * len(self._sizes), 0
+
+    def _landed(self, param: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        self._arrived[self._unit_of[id(param)]] += 1
+        while self._started < len(self._sizes) and self._arrived[self._started] == self._sizes[self._started]:
+            self._launch()
+
+    def _launch(self) -> None:
+        work = self._start(self._started)
+        if work is not None:
+            self._pending.append(work)
+        self._started += 1
+
+    def start_rest_and_wait(self) -> None:
+        """At the step: start the units backward did not, in the same order, and wait for all."""
+        self.started_in_backward = self._started if self._armed else 0
+        self._started = self.started_in_backward
+        while self._started < len(self._sizes):
+            self._launch()
+        self.wait()
+
+    def wait(self) -> None:
+        """Wait for every started reduction (also what a step that failed after arming left in flight)."""
+        for work in self._pending:
+            work.wait()
+        self._pending = []
+        self._armed = False
+
+
+def _gradient_landed(starts: weakref.ref[ReductionStarts], param: torch.Tensor) -> None:
+    alive = starts()
+    if alive is not None:
+        alive._landed(param)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Bucket:
     params: tuple[torch.Tensor, ...]
@@ -153,62 +219,31 @@ class GradientSync:
             for (placement, _, _), members in group_by_reduction(bucketed, placements).items()
             for bucket in split_into_buckets(members, bucket_bytes)
         ]
-        self._bucket_of: dict[int, int] = {}
-        for index, bucket in enumerate(self._buckets):
+        for bucket in self._buckets:
             for param, view in bucket.views():
                 if param.grad is not None:
                     view.copy_(param.grad)
                 param.grad = view
-                self._bucket_of[id(param)] = index
-                param.register_post_accumulate_grad_hook(self._gradient_landed)
-        self._armed = False
-        self._arrived = [0] * len(self._buckets)
-        self._started = 0  # buckets [0, _started) have their reduction under way
-        self._pending: list[dist.Work] = []
-        self.started_in_backward = 0
-        """Buckets of the last step whose reduction backward started (the rest waited for the sync)."""
+        self._starts = ReductionStarts([bucket.params for bucket in self._buckets],
+                                       functools.partial(_start_all_reduce, groups, self._buckets))
 
     @property
     def num_buckets(self) -> int:
         return len(self._buckets)
 
+    @property
+    def started_in_backward(self) -> int:
+        """Buckets of the last step whose reduction backward started (the rest waited for the sync)."""
+        return self._starts.started_in_backward
+
     def arm(self) -> None:
         """The next backward is the step's last: start each bucket's reduction once it is complete."""
-        self._armed, self._arrived, self._started = True, [0] * len(self._buckets), 0
-
-    def _gradient_landed(self, param: torch.Tensor) -> None:
-        if not self._armed:
-            return
-        self._arrived[self._bucket_of[id(param)]] += 1
-        while self._started < len(self._buckets) and \
-                self._arrived[self._started] == len(self._buckets[self._started].params):
-            self._start(self._buckets[self._started])
-            self._started += 1
-
-    @torch.no_grad()
-    def _start(self, bucket: _Bucket) -> None:
-        """TP sum (if partial), the division by dp, then the asynchronous data-parallel sum."""
-        self._adopt_foreign_grads(bucket)
-        if bucket.placement.tp_reduce and group_size(self.groups.tp) > 1:
-            dist.all_reduce(bucket.buffer, group=self.groups.tp)
-        # Divide before summing, as DDP and Megatron do: a sum of low-precision gradients
-        # over many replicas can overflow where their mean would not.
-        if self.groups.mesh.dp > 1:
-            bucket.buffer.div_(self.groups.mesh.dp)
-        if group_size(bucket.group) > 1:
-            self._pending.append(dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True))
-
-    def _finish(self) -> None:
-        for work in self._pending:
-            work.wait()
-        self._pending = []
-        self._armed = False
+        self._starts.arm()
 
     @torch.no_grad()
     def zero_grad(self) -> None:
         """Zero every bucketed gradient, keeping them as views into the buckets; drop the others."""
-        self._finish()  # a step that failed after arming may have reductions in flight
-        self._started = 0
+        self._starts.wait()  # a step that failed after arming may have reductions in flight
         for bucket in self._buckets:
             bucket.buffer.zero_()
             for param, view in bucket.views():
@@ -222,18 +257,33 @@ class GradientSync:
         for param in self._unbucketed:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        self.started_in_backward = self._started if self._armed else 0
-        for bucket in self._buckets[self.started_in_backward:]:  # the rest, in the same order
-            self._start(bucket)
-        self._started = len(self._buckets)
-        self._finish()
+        self._starts.start_rest_and_wait()
 
-    @staticmethod
-    def _adopt_foreign_grads(bucket: _Bucket) -> None:
-        for param, view in bucket.views():
-            grad = param.grad
-            if grad is None:
-                view.zero_()
-            elif grad.data_ptr() != view.data_ptr():
-                view.copy_(grad)
-            param.grad = view
+
+
+@torch.no_grad()
+def _start_all_reduce(groups: ProcessGroups, buckets: list[_Bucket], index: int) -> dist.Work | None:
+    """Bucket `index`: TP sum (if partial), the division by dp, then the asynchronous
+    data-parallel sum."""
+    bucket = buckets[index]
+    _adopt_foreign_grads(bucket)
+    if bucket.placement.tp_reduce and group_size(groups.tp) > 1:
+        dist.all_reduce(bucket.buffer, group=groups.tp)
+    # Divide before summing, as DDP and Megatron do: a sum of low-precision gradients
+    # over many replicas can overflow where their mean would not.
+    if groups.mesh.dp > 1:
+        bucket.buffer.div_(groups.mesh.dp)
+    if group_size(bucket.group) > 1:
+        return dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
+    return None
+
+
+def _adopt_foreign_grads(bucket: _Bucket) -> None:
+    """Gradients that are not the bucket's views (replaced, or None) copied into it."""
+    for param, view in bucket.views():
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+        param.grad = view

@@ -8,10 +8,10 @@ mplan's multi-tensor kernel where `adamw.applies`) -> all-gather of the updated 
 the model's parameters. Optimizer state and master weights exist only for the shard: 1/dp of
 them per rank.
 
-Overlap: `before_last_backward()` arms post-accumulate-grad hooks, so that during the last
-micro-batch's backward each bucket starts its reduce-scatter as soon as its last gradient lands,
-buckets in reverse order (the order backward completes them) and strictly so, as every replica
-must issue the same collectives in the same sequence; the rest start at `step()`.
+Overlap: `before_last_backward()` arms `ReductionStarts` (data_parallel.py), so that during the
+last micro-batch's backward each bucket starts its reduce-scatter as soon as its last gradient
+lands, buckets in reverse layout order (the order backward completes them); the rest start at
+`step()`.
 
 Layout: parameters of one group, placement, dtype and device form a *partition*. Its
 parameters are laid end to end and cut into buckets at parameter boundaries (at most
@@ -38,15 +38,17 @@ Invariants:
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mplan.runtime.collectives import all_gather_flat, reduce_scatter_flat
 from mplan.runtime.data_parallel import (
     DEFAULT_BUCKET_BYTES,
+    ReductionStarts,
     all_reduce_tp_partials,
     group_by_reduction,
     split_into_buckets,
@@ -124,6 +126,26 @@ def _flatten_padded(tensors: list[torch.Tensor], size: int, dtype: torch.dtype) 
     return flat
 
 
+@torch.no_grad()
+def _start_reduce_scatter(groups: ProcessGroups, slots: list[tuple[_Partition, _Bucket]],
+                          index: int) -> dist.Work | None:
+    """Slot `index`: TP sum of partial gradients (if any), then the bucket's reduce-scatter into
+    its slice of the master gradient (asynchronous over more than one replica)."""
+    part, bucket = slots[index]
+    grads = [p.grad for p in bucket.params]
+    if part.placement.tp_reduce:
+        all_reduce_tp_partials(grads, groups)
+    n = part.num_replicas
+    flat = _flatten_padded(grads, bucket.shard_numel * n, part.master.dtype)
+    if groups.mesh.dp > 1:
+        flat.div_(groups.mesh.dp)  # before the sum, as data_parallel.py explains
+    shard_grad = part.master.grad[bucket.in_shard]
+    if n > 1:  # the work keeps `flat` alive until it completes (c10d holds its tensors)
+        return reduce_scatter_flat(shard_grad, flat, group=part.group, async_op=True)
+    shard_grad.copy_(flat)
+    return None
+
+
 class ShardedOptimizer:
     """ZeRO-1: gradients reduce-scattered, optimizer state and fp32 masters sharded over DP."""
 
@@ -151,43 +173,22 @@ class ShardedOptimizer:
         self.params = [p for part in self._partitions for b in part.buckets for p in b.params]
         self.optimizer = optimizer(inner_groups)
         """The torch optimizer over the shards; attach learning-rate schedulers to it."""
-        # Overlap (as data_parallel.py does for zero=0): (partition, bucket) slots start their
-        # reduce-scatter in reverse order, the order backward completes them, strictly, so that
-        # every replica issues the same collectives in the same sequence.
-        self._slots = [(part, bucket) for part in self._partitions for bucket in part.buckets]
-        self._slot_of: dict[int, int] = {}
-        for index, (_, bucket) in enumerate(self._slots):
-            for param in bucket.params:
-                self._slot_of[id(param)] = index
-                param.register_post_accumulate_grad_hook(self._gradient_landed)
-        self._armed = False
-        self._arrived = [0] * len(self._slots)
-        self._next = len(self._slots) - 1  # slots (_next, end) have their reduce-scatter under way
-        self._pending: list[tuple[Any, torch.Tensor]] = []  # (work, the flat gradient it reads)
-        self.started_in_backward = 0
-        """Slots of the last step whose reduce-scatter backward started (the rest waited for the step)."""
+        # (partition, bucket) slots in the order backward completes them: the reverse of the layout
+        self._slots = [(part, bucket) for part in reversed(self._partitions) for bucket in reversed(part.buckets)]
+        self._starts = ReductionStarts([bucket.params for _, bucket in self._slots],
+                                       functools.partial(_start_reduce_scatter, groups, self._slots))
+
+    @property
+    def started_in_backward(self) -> int:
+        """Buckets of the last step whose reduce-scatter backward started (the rest waited for the step)."""
+        return self._starts.started_in_backward
 
     def before_last_backward(self) -> None:
         """The step's last backward comes next: buckets start reduce-scattering as they complete."""
-        self._armed, self._arrived, self._next = True, [0] * len(self._slots), len(self._slots) - 1
-
-    def _gradient_landed(self, param: torch.Tensor) -> None:
-        if not self._armed:
-            return
-        self._arrived[self._slot_of[id(param)]] += 1
-        while self._next >= 0 and self._arrived[self._next] == len(self._slots[self._next][1].params):
-            self._start(*self._slots[self._next])
-            self._next -= 1
-
-    def _finish(self) -> None:
-        for work, _ in self._pending:
-            work.wait()
-        self._pending = []
-        self._armed = False
+        self._starts.arm()
 
     def zero_grad(self) -> None:
-        self._finish()  # a step that failed after arming may have reduce-scatters in flight
-        self._next = len(self._slots) - 1
+        self._starts.wait()  # a step that failed after arming may have reduce-scatters in flight
         for param in self.params:
             param.grad = None
 
@@ -201,11 +202,7 @@ class ShardedOptimizer:
         for param in self.params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        self.started_in_backward = len(self._slots) - 1 - self._next if self._armed else 0
-        for index in range(len(self._slots) - 1 - self.started_in_backward, -1, -1):  # the rest, same order
-            self._start(*self._slots[index])
-        self._next = -1
-        self._finish()
+        self._starts.start_rest_and_wait()
         norm = None
         if max_grad_norm is None:
             step_unclipped(self.optimizer)
@@ -220,23 +217,6 @@ class ShardedOptimizer:
         for part in self._partitions:
             self._all_gather_params(part)
         return norm
-
-    @torch.no_grad()
-    def _start(self, part: _Partition, bucket: _Bucket) -> None:
-        """TP sum of partial gradients (if any), then the bucket's reduce-scatter into its slice of
-        the master gradient (asynchronous over more than one replica)."""
-        grads = [p.grad for p in bucket.params]
-        if part.placement.tp_reduce:
-            all_reduce_tp_partials(grads, self.groups)
-        n = part.num_replicas
-        flat = _flatten_padded(grads, bucket.shard_numel * n, part.master.dtype)
-        if self.groups.mesh.dp > 1:
-            flat.div_(self.groups.mesh.dp)  # before the sum, as data_parallel.py explains
-        shard_grad = part.master.grad[bucket.in_shard]
-        if n > 1:
-            self._pending.append((reduce_scatter_flat(shard_grad, flat, group=part.group, async_op=True), flat))
-        else:
-            shard_grad.copy_(flat)
 
     @staticmethod
     def _all_gather_params(part: _Partition) -> None:
