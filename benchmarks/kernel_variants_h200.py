@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
+import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +47,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from torch._inductor.utils import run_and_get_code
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -257,6 +260,106 @@ def _rope_half_tables(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_st
     tl.store(y_ptr + y_offs + half, (x2 * c + x1 * sn).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rope_int32(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1, x_stride2, half, table_stride,
+                n1: tl.constexpr, n2: tl.constexpr, POS_AXIS: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_HALF: tl.constexpr, STREAM: tl.constexpr):
+    """the shipped forward with 32-bit index arithmetic (Inductor's, for tensors under 2^31
+    elements); STREAM marks the output stores evict-first so L2 keeps the tables"""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    i2 = r % n2
+    i1 = (r // n2) % n1
+    i0 = r // (n1 * n2)
+    if POS_AXIS == 0:
+        pos = i0
+    elif POS_AXIS == 1:
+        pos = i1
+    else:
+        pos = i2
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (r < n_vectors)[:, None] & (cols < half)
+    t_offs = pos[:, None] * table_stride + cols
+    x_offs = (i0 * x_stride0 + i1 * x_stride1 + i2 * x_stride2)[:, None] + cols
+    c1 = tl.load(cos_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + t_offs + half, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + t_offs + half, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + x_offs + half, mask=mask, other=0.0).to(tl.float32)
+    y_offs = r[:, None] * (2 * half) + cols
+    if STREAM:
+        tl.store(y_ptr + y_offs, (x1 * c1 - x2 * s1).to(y_ptr.dtype.element_ty), mask=mask,
+                 eviction_policy="evict_first")
+        tl.store(y_ptr + y_offs + half, (x2 * c2 + x1 * s2).to(y_ptr.dtype.element_ty), mask=mask,
+                 eviction_policy="evict_first")
+    else:
+        tl.store(y_ptr + y_offs, (x1 * c1 - x2 * s1).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + y_offs + half, (x2 * c2 + x1 * s2).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_rows(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1, x_stride2, table_stride,
+               n1: tl.constexpr, n2: tl.constexpr, POS_AXIS: tl.constexpr, BLOCK_R: tl.constexpr,
+               HEAD_DIM: tl.constexpr):
+    """Inductor's shape of the math on the shipped indexing: whole [BLOCK_R, head_dim] rows, the
+    rotated partner x[(j + d/2) mod d] as a second load of the same row (an L1 hit), y = x cos +
+    sign partner sin, 32-bit indices"""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    i2 = r % n2
+    i1 = (r // n2) % n1
+    i0 = r // (n1 * n2)
+    if POS_AXIS == 0:
+        pos = i0
+    elif POS_AXIS == 1:
+        pos = i1
+    else:
+        pos = i2
+    cols = tl.arange(0, HEAD_DIM)[None, :]
+    partner = (cols + HEAD_DIM // 2) % HEAD_DIM
+    mask = (r < n_vectors)[:, None]
+    base = (i0 * x_stride0 + i1 * x_stride1 + i2 * x_stride2)[:, None]
+    x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptr + base + partner, mask=mask, other=0.0).to(tl.float32)
+    t_offs = pos[:, None] * table_stride + cols
+    c = tl.load(cos_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
+    sn = tl.load(sin_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
+    sign = tl.where(cols < HEAD_DIM // 2, -1.0, 1.0)
+    tl.store(y_ptr + r[:, None] * HEAD_DIM + cols, (x * c + sign * xp * sn).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_persistent(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1, x_stride2, half, table_stride,
+                     n1: tl.constexpr, n2: tl.constexpr, POS_AXIS: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_HALF: tl.constexpr, STAGES: tl.constexpr):
+    """the shipped math on a grid of a few programs per multiprocessor, each striding over the
+    vector tiles (tl.range pipelining STAGES deep): fewer, longer programs"""
+    n_tiles = tl.cdiv(n_vectors, BLOCK_R)
+    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+        r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        i2 = r % n2
+        i1 = (r // n2) % n1
+        i0 = r // (n1 * n2)
+        if POS_AXIS == 0:
+            pos = i0
+        elif POS_AXIS == 1:
+            pos = i1
+        else:
+            pos = i2
+        cols = tl.arange(0, BLOCK_HALF)[None, :]
+        mask = (r < n_vectors)[:, None] & (cols < half)
+        t_offs = pos[:, None] * table_stride + cols
+        x_offs = (i0 * x_stride0 + i1 * x_stride1 + i2 * x_stride2)[:, None] + cols
+        c1 = tl.load(cos_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + t_offs + half, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + t_offs + half, mask=mask, other=0.0).to(tl.float32)
+        x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + x_offs + half, mask=mask, other=0.0).to(tl.float32)
+        y_offs = r[:, None] * (2 * half) + cols
+        tl.store(y_ptr + y_offs, (x1 * c1 - x2 * s1).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + y_offs + half, (x2 * c2 + x1 * s2).to(y_ptr.dtype.element_ty), mask=mask)
+
+
 def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
@@ -375,8 +478,15 @@ def _rope_layouts(device: torch.device) -> dict[str, tuple[torch.Tensor, dict[st
     }
 
 
-def rope_variants(device: torch.device) -> list[dict[str, Any]]:
+ROPE_DESIGNS = ("tiles", "flat", "shipped", "half_tables", "int32", "rows", "persistent")
+ROPE_PERSISTENT_CONFIGS = tuple((block, 4, per_sm, stages) for block in (8, 16) for per_sm in (8, 16)
+                                for stages in (1, 3))
+"""(BLOCK_R, warps, programs per multiprocessor, tl.range stages) of the persistent design"""
+
+
+def rope_variants(device: torch.device, designs: tuple[str, ...] = ROPE_DESIGNS) -> list[dict[str, Any]]:
     results = []
+    n_sm = torch.cuda.get_device_properties(device).multi_processor_count
     for name, (x, flat) in _rope_layouts(device).items():
         b, h, s, d = x.shape
         cos, sin = (t.to(torch.bfloat16) for t in rope_tables(s, d, 500000.0, device=device))
@@ -385,42 +495,68 @@ def rope_variants(device: torch.device) -> list[dict[str, Any]]:
         y = rotary._dense_like(x, x.dtype, order)
         row: dict[str, Any] = {"layout": name, "shape": [b, h, s, d], "min_bytes": 2 * x.numel() * 2,
                                "forward": {}}
-        for bh, bs, w in ROPE_CONFIGS:
-            grid = (triton.cdiv(s, bs), triton.cdiv(h, bh), b)
-            row["forward"][f"tiles {bh}x{bs} w{w}"] = _time(
-                lambda: _rope_tiles[grid](x, cos, sin, y, h, s, d // 2, *x.stride()[:3], *y.stride()[:3],
-                                          cos.stride(0), BLOCK_HEADS=bh, BLOCK_S=bs, BLOCK_HALF=d // 2, num_warps=w),
-                lambda: _rel(y, want))
+        variants: dict[str, Callable[[], Any]] = {}
+        if "tiles" in designs:
+            for bh, bs, w in ROPE_CONFIGS:
+                grid = (triton.cdiv(s, bs), triton.cdiv(h, bh), b)
+                variants[f"tiles {bh}x{bs} w{w}"] = functools.partial(
+                    _rope_tiles[grid], x, cos, sin, y, h, s, d // 2, *x.stride()[:3], *y.stride()[:3],
+                    cos.stride(0), BLOCK_HEADS=bh, BLOCK_S=bs, BLOCK_HALF=d // 2, num_warps=w)
         sizes, strides = [x.shape[i] for i in order[:3]], [x.stride(i) for i in order[:3]]
+        n_vectors = x.numel() // d
+        common = dict(n1=sizes[1], n2=sizes[2], POS_AXIS=order.index(2), BLOCK_HALF=d // 2)
         for block, w in ROPE_FLAT_CONFIGS:
-            for evict in (False, True):
-                grid = (triton.cdiv(x.numel() // d, block),)
-                row["forward"][f"shipped {block} w{w}{' evict' if evict else ''}"] = _time(
-                    lambda: rotary._rope_kernel.fn[grid](x, cos, sin, y, x.numel() // d, *strides, d // 2,
-                                                         cos.stride(0), n1=sizes[1], n2=sizes[2], BACKWARD=False,
-                                                         POS_AXIS=order.index(2), BLOCK_R=block, BLOCK_HALF=d // 2,
-                                                         EVICT=evict, num_warps=w),
-                    lambda: _rel(y, want))
-            grid = (triton.cdiv(x.numel() // d, block),)
-            row["forward"][f"half_tables {block} w{w}"] = _time(
-                lambda: _rope_half_tables[grid](x, cos, sin, y, x.numel() // d, *strides, d // 2, cos.stride(0),
-                                                n1=sizes[1], n2=sizes[2], POS_AXIS=order.index(2), BLOCK_R=block,
-                                                BLOCK_HALF=d // 2, num_warps=w),
-                lambda: _rel(y, want))
-        dense = torch.empty(x.shape, dtype=x.dtype, device=device)  # flat writes [b, h, s, d] order
-        dense_view = dense if flat["POS_DIV"] == 1 else dense.view(b, s, h, d).transpose(1, 2)
-        for block, w in ROPE_FLAT_CONFIGS:
-            grid = (triton.cdiv(x.numel() // d, block),)
-            row["forward"][f"flat {block} w{w}"] = _time(
-                lambda: _rope_flat[grid](x, cos, sin, dense, x.numel() // d, SEQ=s, HALF=d // 2, BLOCK_R=block,
-                                         num_warps=w, **flat),
-                lambda: _rel(dense_view, want))
+            grid = (triton.cdiv(n_vectors, block),)
+            for evict in (False, True) if "shipped" in designs else ():
+                variants[f"shipped {block} w{w}{' evict' if evict else ''}"] = functools.partial(
+                    rotary._rope_kernel.fn[grid], x, cos, sin, y, n_vectors, *strides, d // 2, cos.stride(0),
+                    BACKWARD=False, INDEX_64=False, BLOCK_R=block, EVICT=evict, num_warps=w, **common)
+            if "half_tables" in designs:
+                variants[f"half_tables {block} w{w}"] = functools.partial(
+                    _rope_half_tables[grid], x, cos, sin, y, n_vectors, *strides, d // 2, cos.stride(0),
+                    BLOCK_R=block, num_warps=w, **common)
+            for stream in (False, True) if "int32" in designs else ():
+                variants[f"int32 {block} w{w}{' stream' if stream else ''}"] = functools.partial(
+                    _rope_int32[grid], x, cos, sin, y, n_vectors, *strides, d // 2, cos.stride(0),
+                    BLOCK_R=block, STREAM=stream, num_warps=w, **common)
+            if "rows" in designs:
+                variants[f"rows {block} w{w}"] = functools.partial(
+                    _rope_rows[grid], x, cos, sin, y, n_vectors, *strides, cos.stride(0), n1=sizes[1], n2=sizes[2],
+                    POS_AXIS=order.index(2), BLOCK_R=block, HEAD_DIM=d, num_warps=w)
+        for block, w, per_sm, stages in ROPE_PERSISTENT_CONFIGS if "persistent" in designs else ():
+            grid = (min(triton.cdiv(n_vectors, block), per_sm * n_sm),)
+            variants[f"persistent {block} w{w} x{per_sm} s{stages}"] = functools.partial(
+                _rope_persistent[grid], x, cos, sin, y, n_vectors, *strides, d // 2, cos.stride(0),
+                BLOCK_R=block, STAGES=stages, num_warps=w, **common)
+        for variant, launch in variants.items():
+            row["forward"][variant] = _time(launch, lambda: _rel(y, want))
+        if "flat" in designs:
+            dense = torch.empty(x.shape, dtype=x.dtype, device=device)  # flat writes [b, h, s, d] order
+            dense_view = dense if flat["POS_DIV"] == 1 else dense.view(b, s, h, d).transpose(1, 2)
+            for block, w in ROPE_FLAT_CONFIGS:
+                grid = (triton.cdiv(n_vectors, block),)
+                row["forward"][f"flat {block} w{w}"] = _time(
+                    lambda: _rope_flat[grid](x, cos, sin, dense, n_vectors, SEQ=s, HALF=d // 2, BLOCK_R=block,
+                                             num_warps=w, **flat),
+                    lambda: _rel(dense_view, want))
         compiled = torch.compile(rope_reference)
         with torch.no_grad():
+            row["compile_source"] = run_and_get_code(compiled, x, cos, sin)[1]  # compiles: Inductor's kernel
             row["forward"]["compile"] = _time(lambda: compiled(x, cos, sin), lambda: _rel(compiled(x, cos, sin), want))
+            # the closest finishers again, interleaved with compile, 5 rounds: medians and spread
+            ranked = sorted((v["ms"], k) for k, v in row["forward"].items() if k != "compile" and v["correct"])
+            finalists = {k: variants[k] for _, k in ranked[:4] if k in variants}
+            finalists["compile"] = lambda: compiled(x, cos, sin)
+            rounds: dict[str, list[float]] = {k: [] for k in finalists}
+            for _ in range(5):
+                for k, launch in finalists.items():
+                    rounds[k].append(kernel_ms(launch, iters=50))
+        row["rematch"] = {k: {"median_ms": round(statistics.median(v), 5), "min_ms": round(min(v), 5),
+                              "max_ms": round(max(v), 5)} for k, v in rounds.items()}
         torch._dynamo.reset()
         best = min((v["ms"], k) for k, v in row["forward"].items() if k != "compile" and v["correct"])
-        print(f"rope {name}: best {best}, compile {row['forward']['compile']['ms']}", file=sys.stderr, flush=True)
+        print(f"rope {name}: best {best}, compile {row['forward']['compile']['ms']}; rematch {row['rematch']}",
+              file=sys.stderr, flush=True)
         results.append(row)
     return results
 
@@ -433,25 +569,28 @@ def _best(variants: dict[str, Any], prefix: str) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--only", choices=("bias_gelu", "swiglu_packed", "rope"), help="one kernel's designs")
+    parser.add_argument("--rope-designs", default=",".join(ROPE_DESIGNS), help="comma-separated RoPE designs")
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
     report: dict[str, Any] = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
                               "torch": torch.__version__, "triton": triton.__version__, "dtype": "bf16",
                               "bias_gelu": [], "swiglu_packed": [], "rope": []}
-    for n_rows, n_cols in GELU_SHAPES:
+    for n_rows, n_cols in GELU_SHAPES if args.only in (None, "bias_gelu") else ():
         row = bias_gelu_variants(n_rows, n_cols, device)
         row["best"] = {direction: {design: _best(row[direction], design) for design in designs}
                        for direction, designs in (("forward", ("previous", "shipped")),
                                                   ("backward", ("previous", "no_prefetch", "shipped")))}
         report["bias_gelu"].append(row)
-    for n_rows, half in SWIGLU_SHAPES:
+    for n_rows, half in SWIGLU_SHAPES if args.only in (None, "swiglu_packed") else ():
         row = swiglu_packed_variants(n_rows, half, device)
         row["best"] = {direction: {design: _best(row[direction], design) for design in ("tiles", "row_walk", "flat")}
                        for direction in ("forward", "backward")}
         report["swiglu_packed"].append(row)
-    for row in rope_variants(device):
-        row["best"] = {design: _best(row["forward"], design) for design in ("tiles", "flat", "shipped", "half_tables")}
+    designs = tuple(args.rope_designs.split(","))
+    for row in rope_variants(device, designs) if args.only in (None, "rope") else ():
+        row["best"] = {design: _best(row["forward"], design) for design in designs}
         report["rope"].append(row)
     write_report(args.out, report)
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import rel_err, run_ranks
 
+from mplan.kernels import rotary
 from mplan.kernels import (
     VocabReductions,
     bias_gelu,
@@ -275,6 +276,25 @@ def test_rope_on_a_transposed_input(dtype: torch.dtype, head_dim: int) -> None:
         return rope_reference(x.transpose(1, 2), c, s)
 
     _check(fused, reference, [projected, cos, sin], dtype, "RopeFunction")
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 6, 8), (2, 5, 3, 8)], ids=["no masks", "masked"])
+def test_rope_with_and_without_masks(shape: tuple[int, int, int, int]) -> None:
+    """[2, 4, 6, 8] has 48 head vectors (a multiple of every BLOCK_R) of a power-of-two half, so
+    the kernel runs unmasked (EVEN); [2, 5, 3, 8] leaves a partial block, masked."""
+    torch.manual_seed(0)
+    cos, sin = (t.float() for t in rope_tables(shape[1], shape[-1], 10000.0, device=torch.device("cpu")))
+    _check(lambda x, c, s: rope(x.transpose(1, 2), c, s), lambda x, c, s: rope_reference(x.transpose(1, 2), c, s),
+           [_leaf(*shape, dtype=torch.float32), cos, sin], torch.float32, "RopeFunction")
+
+
+def test_rope_indexes_in_64_bits_only_past_2_31_elements() -> None:
+    """32-bit offsets are what Inductor uses below 2^31 elements (and what ran fastest on the
+    H200); a tensor whose strides reach past that takes 64-bit offsets."""
+    small = torch.empty(4, 8, 16, 128, device="meta")
+    assert not rotary._needs_64_bit_offsets(small, small.transpose(1, 2))
+    assert rotary._needs_64_bit_offsets(small, torch.empty(2, device="meta").as_strided((2, 128), (2**31, 1)))
+    assert not rotary._needs_64_bit_offsets(torch.empty(2, device="meta").as_strided((2, 128), (2**31 - 128, 1)))
 
 
 def test_rope_keeps_the_layout_of_its_input_and_gradient() -> None:

@@ -57,6 +57,10 @@ except ImportError:  # no Triton wheel for this platform (macOS, Windows, aarch6
             return lambda fn: fn
 
         @staticmethod
+        def heuristics(_: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+            return lambda fn: fn
+
+        @staticmethod
         def cdiv(a: int, b: int) -> int:
             return -(-a // b)
 

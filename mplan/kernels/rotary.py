@@ -52,13 +52,20 @@ _VECTORS = configs(
 
 
 @triton.autotune(configs=_VECTORS, key=["n_vectors", "half", "BACKWARD"])
+@triton.heuristics({"EVEN": lambda args: args["n_vectors"] % args["BLOCK_R"] == 0 and args["half"] == args["BLOCK_HALF"]})
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1, x_stride2, half, table_stride,
                  n1: tl.constexpr, n2: tl.constexpr, BACKWARD: tl.constexpr, POS_AXIS: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, EVICT: tl.constexpr):
+                 INDEX_64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, EVICT: tl.constexpr,
+                 EVEN: tl.constexpr):
     """Vector r of y (dense, sizes [n0, n1, n2] outermost first) is x's vector (r // (n1 n2),
-    r // n2 % n1, r % n2) in that order; its table row is that index on axis POS_AXIS."""
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r // n2 % n1, r % n2) in that order; its table row is that index on axis POS_AXIS.
+    INDEX_64: offsets in 64 bits (only where some tensor spans 2^31 elements or more);
+    EVEN: no vector or column out of range, so no masks."""
+    program = tl.program_id(0)
+    if INDEX_64:
+        program = program.to(tl.int64)
+    r = program * BLOCK_R + tl.arange(0, BLOCK_R)
     i2 = r % n2
     i1 = (r // n2) % n1
     i0 = r // (n1 * n2)
@@ -69,23 +76,19 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1
     else:
         pos = i2
     cols = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (r < n_vectors)[:, None] & (cols < half)
     t_offs = pos[:, None] * table_stride + cols
     x_offs = (i0 * x_stride0 + i1 * x_stride1 + i2 * x_stride2)[:, None] + cols
-    if EVICT:
-        c1 = tl.load(cos_ptr + t_offs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        c2 = tl.load(cos_ptr + t_offs + half, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        s1 = tl.load(sin_ptr + t_offs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        s2 = tl.load(sin_ptr + t_offs + half, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        x2 = tl.load(x_ptr + x_offs + half, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    table_policy, x_policy = ("evict_last", "evict_first") if EVICT else ("", "")
+    if EVEN:
+        mask, other = None, None
     else:
-        c1 = tl.load(cos_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_ptr + t_offs + half, mask=mask, other=0.0).to(tl.float32)
-        s1 = tl.load(sin_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_ptr + t_offs + half, mask=mask, other=0.0).to(tl.float32)
-        x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + x_offs + half, mask=mask, other=0.0).to(tl.float32)
+        mask, other = (r < n_vectors)[:, None] & (cols < half), 0.0
+    c1 = tl.load(cos_ptr + t_offs, mask=mask, other=other, eviction_policy=table_policy).to(tl.float32)
+    c2 = tl.load(cos_ptr + t_offs + half, mask=mask, other=other, eviction_policy=table_policy).to(tl.float32)
+    s1 = tl.load(sin_ptr + t_offs, mask=mask, other=other, eviction_policy=table_policy).to(tl.float32)
+    s2 = tl.load(sin_ptr + t_offs + half, mask=mask, other=other, eviction_policy=table_policy).to(tl.float32)
+    x1 = tl.load(x_ptr + x_offs, mask=mask, other=other, eviction_policy=x_policy).to(tl.float32)
+    x2 = tl.load(x_ptr + x_offs + half, mask=mask, other=other, eviction_policy=x_policy).to(tl.float32)
     if BACKWARD:
         y1 = x1 * c1 + x2 * s2
         y2 = x2 * c2 - x1 * s1
@@ -95,6 +98,12 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1
     y_offs = r[:, None] * (2 * half) + cols
     tl.store(y_ptr + y_offs, y1.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(y_ptr + y_offs + half, y2.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _needs_64_bit_offsets(*tensors: torch.Tensor) -> bool:
+    """True when some tensor addresses an element at offset 2^31 or more (storage offset included)."""
+    return any(t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) >= 2**31
+               for t in tensors)
 
 
 def _launch(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dst: torch.Tensor, order: list[int],
@@ -109,7 +118,8 @@ def _launch(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dst: torch.
         return (triton.cdiv(n_vectors, meta["BLOCK_R"]),)
 
     _rope_kernel[grid](src, cos, sin, dst, n_vectors, *strides, head_dim // 2, cos.stride(0), n1=sizes[1], n2=sizes[2],
-                       BACKWARD=backward, POS_AXIS=order.index(2), BLOCK_HALF=next_power_of_2(head_dim // 2))
+                       BACKWARD=backward, POS_AXIS=order.index(2), INDEX_64=_needs_64_bit_offsets(src, dst, cos, sin),
+                       BLOCK_HALF=next_power_of_2(head_dim // 2))
 
 
 def _order(x: torch.Tensor) -> list[int]:
