@@ -51,6 +51,16 @@ _VECTORS = configs(
 )
 
 
+@triton.jit
+def _load_f32(ptr, mask, EVEN: tl.constexpr, POLICY: tl.constexpr):
+    """ptr's values in fp32, masked unless EVEN; POLICY: an L2 eviction hint ("" for none)."""
+    if EVEN:
+        value = tl.load(ptr, eviction_policy=POLICY)
+    else:
+        value = tl.load(ptr, mask=mask, other=0.0, eviction_policy=POLICY)
+    return value.to(tl.float32)
+
+
 @triton.autotune(configs=_VECTORS, key=["n_vectors", "half", "BACKWARD"])
 @triton.heuristics({"EVEN": lambda args: args["n_vectors"] % args["BLOCK_R"] == 0 and args["half"] == args["BLOCK_HALF"]})
 @triton.jit
@@ -78,17 +88,15 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     t_offs = pos[:, None] * table_stride + cols
     x_offs = (i0 * x_stride0 + i1 * x_stride1 + i2 * x_stride2)[:, None] + cols
-    table_policy, x_policy = ("evict_last", "evict_first") if EVICT else ("", "")
-    if EVEN:
-        mask, other = None, None
-    else:
-        mask, other = (r < n_vectors)[:, None] & (cols < half), 0.0
-    c1 = tl.load(cos_ptr + t_offs, mask=mask, other=other, eviction_policy=table_policy).to(tl.float32)
-    c2 = tl.load(cos_ptr + t_offs + half, mask=mask, other=other, eviction_policy=table_policy).to(tl.float32)
-    s1 = tl.load(sin_ptr + t_offs, mask=mask, other=other, eviction_policy=table_policy).to(tl.float32)
-    s2 = tl.load(sin_ptr + t_offs + half, mask=mask, other=other, eviction_policy=table_policy).to(tl.float32)
-    x1 = tl.load(x_ptr + x_offs, mask=mask, other=other, eviction_policy=x_policy).to(tl.float32)
-    x2 = tl.load(x_ptr + x_offs + half, mask=mask, other=other, eviction_policy=x_policy).to(tl.float32)
+    mask = (r < n_vectors)[:, None] & (cols < half)
+    table_policy: tl.constexpr = "evict_last" if EVICT else ""
+    x_policy: tl.constexpr = "evict_first" if EVICT else ""
+    c1 = _load_f32(cos_ptr + t_offs, mask, EVEN, table_policy)
+    c2 = _load_f32(cos_ptr + t_offs + half, mask, EVEN, table_policy)
+    s1 = _load_f32(sin_ptr + t_offs, mask, EVEN, table_policy)
+    s2 = _load_f32(sin_ptr + t_offs + half, mask, EVEN, table_policy)
+    x1 = _load_f32(x_ptr + x_offs, mask, EVEN, x_policy)
+    x2 = _load_f32(x_ptr + x_offs + half, mask, EVEN, x_policy)
     if BACKWARD:
         y1 = x1 * c1 + x2 * s2
         y2 = x2 * c2 - x1 * s1
@@ -96,8 +104,12 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1
         y1 = x1 * c1 - x2 * s1
         y2 = x2 * c2 + x1 * s2
     y_offs = r[:, None] * (2 * half) + cols
-    tl.store(y_ptr + y_offs, y1.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(y_ptr + y_offs + half, y2.to(y_ptr.dtype.element_ty), mask=mask)
+    if EVEN:
+        tl.store(y_ptr + y_offs, y1.to(y_ptr.dtype.element_ty))
+        tl.store(y_ptr + y_offs + half, y2.to(y_ptr.dtype.element_ty))
+    else:
+        tl.store(y_ptr + y_offs, y1.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + y_offs + half, y2.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _needs_64_bit_offsets(*tensors: torch.Tensor) -> bool:
