@@ -13,7 +13,8 @@ batch 8, measured in one run on the same weights (seed 0) and the same batch:
     mplan_graph   the export + fuse_kernels GraphModule trained directly (no autoparallel
               runtime), so the kernels' effect and the runtime's can be told apart
 Every system trains alike: bf16 parameters (or, with --precision autocast, fp32 parameters under
-bf16 autocast), fused AdamW (lr 1e-4), global-norm clipping at 1.0, the loss read back every step.
+bf16 autocast), fused AdamW (lr 1e-4 after LR_WARMUP steps of linear warm-up), global-norm
+clipping at 1.0, the loss read back every step.
 
 Method: each system is built and warmed up in turn (--warmup steps; its peak memory is measured
 then, as torch.cuda.max_memory_allocated above what the other systems already hold); then all
@@ -76,6 +77,11 @@ from mplan.passes.fuse_kernels import fuse_kernels  # noqa: E402
 from mplan.runtime.parallel_module import ParallelModule  # noqa: E402
 
 LR = 1e-4
+LR_WARMUP = 10
+"""Without warm-up GPT-1.3B's loss jumped at steps 3, 7 and 12 in every system, by amounts that
+changed from run to run of the same code (eager's step-12 loss under autocast: 10.18 and 10.08 in
+two runs on 2026-11-29), so the loss checks compared chaos; Adam's first steps move every weight
+by about lr, which warm-up keeps small, as Megatron's and torchtitan's recipes do."""
 MAX_GRAD_NORM = 1.0
 LOSS_RTOL = 1e-2
 """bf16 tolerance for mplan's losses against eager's or torch.compile's (it must be within it of
@@ -140,6 +146,14 @@ class Setting:
     """bf16: bf16 parameters; autocast: fp32 parameters, bf16 autocast"""
     lr: float = LR
     """AdamW's learning rate (a schedule, where a script has one, scales it)"""
+    lr_warmup: int = 0
+    """steps of linear learning-rate warm-up (step k of them at lr (k + 1) / lr_warmup), 0 for none"""
+
+    def set_lr(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        """The learning rate of 0-based `step` into every parameter group."""
+        scale = min(1.0, (step + 1) / self.lr_warmup) if self.lr_warmup else 1.0
+        for group in optimizer.param_groups:
+            group["lr"] = self.lr * scale
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -160,8 +174,12 @@ Step = Callable[[], float]
 
 def _plain_step(forward: Callable[[], torch.Tensor], params: list[nn.Parameter], setting: Setting) -> Step:
     optimizer = setting.optimizer()(params)
+    taken = 0
 
     def step() -> float:
+        nonlocal taken
+        setting.set_lr(optimizer, taken)
+        taken += 1
         optimizer.zero_grad(set_to_none=True)
         with setting.autocast():
             loss = forward()
@@ -224,7 +242,15 @@ def mplan_module(workload: Workload, setting: Setting, fp8: bool = False) -> tup
 def build_mplan(workload: Workload, setting: Setting, fp8: bool = False) -> tuple[Step, dict[str, Any]]:
     pm, info = mplan_module(workload, setting, fp8)
     ids, labels = example_inputs(workload.config, workload.batch, device=setting.device)  # _model_and_batch's
-    return lambda: pm.train_step(ids, labels), info
+    taken = 0
+
+    def step() -> float:
+        nonlocal taken
+        setting.set_lr(pm.optimizer.optimizer, taken)  # mplan's AdamW kernel reads group["lr"] every step
+        taken += 1
+        return pm.train_step(ids, labels)
+
+    return step, info
 
 
 SYSTEMS: dict[str, Callable[[Workload, Setting], tuple[Step, dict[str, Any]]]] = {
@@ -347,6 +373,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="steps before timing (their losses are checked)")
     parser.add_argument("--steps", type=int, default=12, help="timed steps per system (the median is reported)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds the timed steps are spread over")
+    parser.add_argument("--lr-warmup", type=int, default=LR_WARMUP, help="steps of linear learning-rate warm-up")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="start no system after this many seconds (a compile may take 1-2 minutes)")
     return parser.parse_args()
@@ -362,13 +389,14 @@ def main() -> None:
     args = parse_args()
     clock = Clock()
     log = clock.log
-    setting = Setting(device=torch.device(args.device), precision=args.precision)
+    setting = Setting(device=torch.device(args.device), precision=args.precision, lr_warmup=args.lr_warmup)
     workloads = select_workloads(args.small, args.models)
     report: dict[str, Any] = {
         **run_header(setting.device),
         "precision": ("bf16 parameters and activations" if args.precision == "bf16"
                       else "fp32 parameters, bf16 autocast"),
-        "training": f"fused AdamW lr {LR}, global-norm clipping {MAX_GRAD_NORM}, loss read back every step",
+        "training": f"fused AdamW lr {LR} after {args.lr_warmup} steps of linear warm-up, global-norm clipping "
+                    f"{MAX_GRAD_NORM}, loss read back every step",
         "flops": "GPT: 72 B s l h^2 (1 + s/(6h) + V/(12 h l)) (Megatron-LM); Llama: 6 N B s + 12 l h s B s, "
                  "N = parameters a token multiplies (all but the input embedding, output head included)",
         "method": f"{args.warmup} warm-up steps per system, then {args.steps} timed steps per system in "
@@ -406,6 +434,7 @@ def main() -> None:
         entry.update(compare(entry["systems"]))
         log(f"{workload.name}: " + ", ".join(f"{k} {v:.3f}" for k, v in entry.items() if k.endswith(("eager", "compile")))
             + f"; correctness {entry['correctness']}; targets {entry['targets']}")
+        write_report(args.out, report)  # after every workload: a later one's failure loses nothing
         running.clear()
         gc.collect()
         torch._dynamo.reset()
