@@ -26,11 +26,18 @@ checked against the reference:
     shipped    mplan.kernels.rotary since this comparison: flat, the strides at run time (any
                layout), the inner sizes compile-time constants, with and without L2 eviction hints
     half_tables  shipped, reading only the first half of each table row (exact for rotation
-               tables): not faster (session 4), so not shipped
+               tables): 0.2-1% faster (session 6), but the kernel cannot know its tables are
+               rotation tables without a check, so not shipped
+    int32      the kernel shipped before session 6, with 32-bit offsets (and, `stream`, evict-first stores)
+    rows       Inductor's math: whole head vectors, the rotated partner as a second load
+    persistent a few programs per multiprocessor striding over the tiles: 5-7% slower
+  The RoPE rows end with a rematch of the four fastest designs and compile in 5 interleaved
+  rounds of 50 calls (single samples of a 0.03 ms kernel move by ~2% from run to run), and keep
+  Inductor's generated source (`compile_source`).
 Every configuration is timed; torch.compile of the reference is timed in the same run. The
 shipped kernels' designs and autotune lists come from these figures.
 
-Run on the GPU (from the repository root; about two minutes):
+Run on the GPU (from the repository root; about two minutes; `--only rope` about one):
     PYTHONPATH=. python3 benchmarks/kernel_variants_h200.py --out $OUT/kernel_variants.json
 """
 from __future__ import annotations

@@ -21,7 +21,11 @@ small programs keep many loads in flight (benchmarks/results/kernel_variants_h20
 With the sizes as run-time integers it lost that gain (0.069 and 0.035 ms in
 kernels_h200-2026-11-29-all-shapes.json).
 The tables are re-read per vector, mostly from L2; EVICT (tuned) asks L2 to keep them and let
-the streamed x go first. Arithmetic is fp32.
+the streamed x go first. Arithmetic is fp32. Offsets are 32-bit unless some tensor reaches 2^31
+elements, and a launch whose blocks are all full runs unmasked (EVEN), Inductor's two
+specializations: with them the forward went from 0.3% behind torch.compile to 0.7-0.9% ahead
+(0.0642 vs 0.0648 ms, 0.0326 vs 0.0329 ms transposed; medians of 5 interleaved rounds,
+benchmarks/results/kernels_h200-2026-11-29-session6.json).
 
 Layout: the result has x's dimension order (dense, so x's strides when x is dense, e.g. the
 transposed q/k projection, and [batch, seq, heads, head_dim] order when x is a slice of a grouped
