@@ -33,7 +33,9 @@ which passed), mplan_fp8's within FP8_LOSS_RTOL of mplan's; torch.compile's agai
 under the same bound, for scale. Two references because two correct roundings of one model can
 part by more than LOSS_RTOL after a loss spike one takes and the other does not (GPT-1.3B under
 autocast, 2026-11-29: eager spiked to 10.14 at step 12, compile and mplan stayed at 9.69, 4% of
-the first loss from eager and within 0.11% of each other); mplan must agree with at least one.
+the first loss from eager and within 0.11% of each other); mplan must agree with at least one,
+and its first loss and first gradient norm must be within FIRST_STEP_RTOL of the first
+reference's (nothing has been updated yet, so no spike can part them).
 
 Model FLOPs (no recomputation; attention counted whole, not halved for the causal mask):
     GPT    Megatron-LM: 72 B s l h^2 (1 + s / (6 h) + V / (12 h l))
@@ -91,6 +93,13 @@ take a loss spike the other does not (eager alone on GPT-1.3B under autocast: 4%
 reference alone would fail mplan on rounding-order chaos rather than on a bug. Measured against
 the first loss because every system memorizes its one batch (Llama's loss falls from 10.8 to
 0.005 in 15 steps), where relative differences of losses near zero mean nothing"""
+FIRST_STEP_RTOL = 1e-2
+"""mplan's first loss and first global gradient norm (before clipping) against the first
+reference's: the same weights and batch, so no update has amplified a rounding yet. Session 6
+measured the first losses 4e-6 apart under autocast (identical bf16 values in bf16). The norm
+is a coarse backward check (a wrong term in a large gradient moves it, one in a small gradient
+may not), not a per-tensor comparison; torch's clip_grad_norm_ returns a bf16 norm for bf16
+gradients (8 bits of mantissa, 0.4%): 0.33% apart on the CPU smoke test's tiny models"""
 FP8_LOSS_RTOL = 5e-2
 """FP8 against bf16 (mplan's own) losses, the same way: e4m3 keeps 3 mantissa bits, e5m2
 (gradients) 2. Set after the first H200 run, where Llama's FP8 curve ran up to 4.9% of the
@@ -168,8 +177,9 @@ class Setting:
         return functools.partial(torch.optim.AdamW, lr=self.lr, fused=True)
 
 
-Step = Callable[[], float]
-"""One optimizer step; returns the loss (reading it back syncs, as pm.train_step does)."""
+Step = Callable[[], tuple[float, float]]
+"""One optimizer step; returns the loss (reading it back syncs, as pm.train_step does) and the
+global gradient norm before clipping."""
 
 
 def _plain_step(forward: Callable[[], torch.Tensor], params: list[nn.Parameter], setting: Setting) -> Step:
@@ -184,9 +194,9 @@ def _plain_step(forward: Callable[[], torch.Tensor], params: list[nn.Parameter],
         with setting.autocast():
             loss = forward()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM, foreach=True)
+        norm = torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM, foreach=True)
         optimizer.step()
-        return float(loss.detach())
+        return float(loss.detach()), float(norm)
 
     return step
 
@@ -248,7 +258,8 @@ def build_mplan(workload: Workload, setting: Setting, fp8: bool = False) -> tupl
         nonlocal taken
         setting.set_lr(pm.optimizer.optimizer, taken)  # mplan's AdamW kernel reads group["lr"] every step
         taken += 1
-        return pm.train_step(ids, labels)
+        loss = pm.train_step(ids, labels)
+        return loss, pm.last_grad_norm
 
     return step, info
 
@@ -296,12 +307,13 @@ def warm_up(name: str, workload: Workload, setting: Setting, warmup: int) -> Run
         step, info = SYSTEMS[name](workload, setting)
         info["setup_s"] = round(time.perf_counter() - start, 2)
         start = time.perf_counter()
-        losses = [step()]  # compiles, autotunes, allocates optimizer state
+        results = [step()]  # compiles, autotunes, allocates optimizer state
         info["first_step_s"] = round(time.perf_counter() - start, 2)
-        losses += [step() for _ in range(warmup - 1)]
+        results += [step() for _ in range(warmup - 1)]
     except Exception:  # noqa: BLE001 - one system's failure must not lose the others' numbers
         return {"error": traceback.format_exc()}
-    info["losses"] = losses
+    info["losses"] = [loss for loss, _ in results]
+    info["grad_norms"] = [norm for _, norm in results]
     info["peak_gib"] = (torch.cuda.max_memory_allocated() - held) / GiB if cuda else None
     info["step_s_all"] = []
     return Running(step=step, row=info)
@@ -316,8 +328,10 @@ def timed_rounds(running: dict[str, Running], setting: Setting, rounds: int, ste
             system = running[name]
             for _ in range(per_round):
                 elapsed = start_timer(setting.device)
-                system.row["losses"].append(system.step())
+                loss, norm = system.step()
                 system.row["step_s_all"].append(round(elapsed(), 5))
+                system.row["losses"].append(loss)
+                system.row["grad_norms"].append(norm)
 
 
 def compare(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -334,8 +348,11 @@ def compare(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
     def losses_close(mine: str, reference: str, tolerance: float) -> dict[str, Any]:
         first = abs(ok[reference]["losses"][0])
         diffs = [abs(a - b) / first for a, b in zip(ok[mine]["losses"], ok[reference]["losses"])]
+        norms = ok[mine]["grad_norms"][0], ok[reference]["grad_norms"][0]
         return {"against": reference, "steps": len(diffs), "max_loss_diff_over_first_loss": max(diffs),
-                "first_step_rel_diff": diffs[0], "tolerance": tolerance, "passed": max(diffs) <= tolerance}
+                "first_step_rel_diff": diffs[0], "tolerance": tolerance, "passed": max(diffs) <= tolerance,
+                # the same weights and batch: forward and backward before any update can amplify a rounding
+                "first_step_grad_norm_rel_diff": abs(norms[0] - norms[1]) / norms[1]}
 
     out["correctness"] = {}
     references = [name for name in ("eager", "compile") if name in ok]
@@ -343,9 +360,14 @@ def compare(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
         # within LOSS_RTOL of at least one of the two references that ran (LOSS_RTOL says why)
         rows = {name: losses_close("mplan", name, LOSS_RTOL) for name in references}
         passed_against = [name for name, row in rows.items() if row["passed"]]
+        first_step = {"loss_rel_diff": rows[references[0]]["first_step_rel_diff"],
+                      "grad_norm_rel_diff": rows[references[0]]["first_step_grad_norm_rel_diff"],
+                      "against": references[0], "tolerance": FIRST_STEP_RTOL}
+        first_step["passed"] = max(first_step["loss_rel_diff"], first_step["grad_norm_rel_diff"]) <= FIRST_STEP_RTOL
         out["correctness"]["mplan"] = {"against": references, **{f"vs_{name}": row for name, row in rows.items()},
                                        "passed_against": passed_against, "tolerance": LOSS_RTOL,
-                                       "passed": bool(passed_against)}
+                                       "first_step": first_step,
+                                       "passed": bool(passed_against) and first_step["passed"]}
     if "mplan_fp8" in ok and "mplan" in ok:
         out["correctness"]["mplan_fp8"] = losses_close("mplan_fp8", "mplan", FP8_LOSS_RTOL)
     if "compile" in ok and "eager" in ok:

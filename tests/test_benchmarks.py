@@ -30,7 +30,10 @@ def test_end_to_end_benchmark_on_tiny_models(tmp_path: Path) -> None:
     for name, entry in report["models"].items():
         systems = entry["systems"]
         assert len(systems["mplan"]["losses"]) == len(systems["eager"]["losses"]) == 4, name
+        assert len(systems["mplan"]["grad_norms"]) == len(systems["eager"]["grad_norms"]) == 4, name
         assert entry["correctness"]["mplan"]["passed"], entry["correctness"]
+        first_step = entry["correctness"]["mplan"]["first_step"]
+        assert first_step["passed"] and first_step["loss_rel_diff"] < 1e-3, first_step
         assert "FP8 linear needs a CUDA device" in systems["mplan_fp8"]["error"]  # refused, not faked
 
 
