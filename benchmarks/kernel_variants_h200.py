@@ -154,6 +154,18 @@ def _rope_tiles(x_ptr, cos_ptr, sin_ptr, y_ptr, n_heads, seq, half, x_stride_b, 
 
 
 @triton.jit
+def _rotate_halves(x_ptr, x_offs, cos_ptr, sin_ptr, t_offs, half, mask):
+    """Both rotated halves in fp32 of the head vectors at x_offs, with the table rows at t_offs."""
+    c1 = tl.load(cos_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + t_offs + half, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + t_offs + half, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + x_offs + half, mask=mask, other=0.0).to(tl.float32)
+    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+
+
+@triton.jit
 def _rope_flat(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, INNER: tl.constexpr, OUTER_STRIDE: tl.constexpr,
                POS_DIV: tl.constexpr, SEQ: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr):
     """Vector r (of the output's dense order) reads x at (r // INNER) * OUTER_STRIDE + (r % INNER) * 2 HALF
@@ -163,15 +175,10 @@ def _rope_flat(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, INNER: tl.constexpr, O
     mask = (r < n_vectors)[:, None]
     t_offs = ((r // POS_DIV) % SEQ)[:, None] * (2 * HALF) + cols
     x_offs = ((r // INNER) * OUTER_STRIDE + (r % INNER) * (2 * HALF))[:, None] + cols
-    c1 = tl.load(cos_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + t_offs + HALF, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + t_offs + HALF, mask=mask, other=0.0).to(tl.float32)
-    x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + x_offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    y1, y2 = _rotate_halves(x_ptr, x_offs, cos_ptr, sin_ptr, t_offs, HALF, mask)
     y_offs = r[:, None] * (2 * HALF) + cols
-    tl.store(y_ptr + y_offs, (x1 * c1 - x2 * s1).to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(y_ptr + y_offs + HALF, (x2 * c2 + x1 * s2).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + y_offs, y1.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + y_offs + HALF, y2.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 
@@ -247,15 +254,7 @@ def _rope_half_tables(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_st
     """the shipped forward reading only the first half of each table row: exact for rotation tables
     (both halves equal, as `rope_tables` builds them), half the table reads from L2"""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    i2 = r % n2
-    i1 = (r // n2) % n1
-    i0 = r // (n1 * n2)
-    if POS_AXIS == 0:
-        pos = i0
-    elif POS_AXIS == 1:
-        pos = i1
-    else:
-        pos = i2
+    i0, i1, i2, pos = rotary._vector_index(r, n1, n2, POS_AXIS)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (r < n_vectors)[:, None] & (cols < half)
     t_offs = pos[:, None] * table_stride + cols
@@ -270,40 +269,33 @@ def _rope_half_tables(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_st
 
 
 @triton.jit
-def _rope_int32(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1, x_stride2, half, table_stride,
-                n1: tl.constexpr, n2: tl.constexpr, POS_AXIS: tl.constexpr, BLOCK_R: tl.constexpr,
-                BLOCK_HALF: tl.constexpr, STREAM: tl.constexpr):
-    """the shipped forward with 32-bit index arithmetic (Inductor's, for tensors under 2^31
-    elements); STREAM marks the output stores evict-first so L2 keeps the tables"""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    i2 = r % n2
-    i1 = (r // n2) % n1
-    i0 = r // (n1 * n2)
-    if POS_AXIS == 0:
-        pos = i0
-    elif POS_AXIS == 1:
-        pos = i1
-    else:
-        pos = i2
+def _rope_vectors(r, x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1, x_stride2, half, table_stride,
+                  n1: tl.constexpr, n2: tl.constexpr, POS_AXIS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  STREAM: tl.constexpr):
+    """the shipped math, masked, on the head vectors r; STREAM: evict-first output stores"""
+    i0, i1, i2, pos = rotary._vector_index(r, n1, n2, POS_AXIS)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (r < n_vectors)[:, None] & (cols < half)
     t_offs = pos[:, None] * table_stride + cols
     x_offs = (i0 * x_stride0 + i1 * x_stride1 + i2 * x_stride2)[:, None] + cols
-    c1 = tl.load(cos_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + t_offs + half, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + t_offs + half, mask=mask, other=0.0).to(tl.float32)
-    x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + x_offs + half, mask=mask, other=0.0).to(tl.float32)
+    y1, y2 = _rotate_halves(x_ptr, x_offs, cos_ptr, sin_ptr, t_offs, half, mask)
     y_offs = r[:, None] * (2 * half) + cols
     if STREAM:
-        tl.store(y_ptr + y_offs, (x1 * c1 - x2 * s1).to(y_ptr.dtype.element_ty), mask=mask,
-                 eviction_policy="evict_first")
-        tl.store(y_ptr + y_offs + half, (x2 * c2 + x1 * s2).to(y_ptr.dtype.element_ty), mask=mask,
-                 eviction_policy="evict_first")
+        tl.store(y_ptr + y_offs, y1.to(y_ptr.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+        tl.store(y_ptr + y_offs + half, y2.to(y_ptr.dtype.element_ty), mask=mask, eviction_policy="evict_first")
     else:
-        tl.store(y_ptr + y_offs, (x1 * c1 - x2 * s1).to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_ptr + y_offs + half, (x2 * c2 + x1 * s2).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + y_offs, y1.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + y_offs + half, y2.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_int32(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1, x_stride2, half, table_stride,
+                n1: tl.constexpr, n2: tl.constexpr, POS_AXIS: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_HALF: tl.constexpr, STREAM: tl.constexpr):
+    """the forward shipped before session 6, with 32-bit index arithmetic (Inductor's, for tensors under 2^31
+    elements), masked; STREAM marks the output stores evict-first so L2 keeps the tables"""
+    _rope_vectors(tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R), x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors,
+                  x_stride0, x_stride1, x_stride2, half, table_stride, n1, n2, POS_AXIS, BLOCK_HALF, STREAM)
 
 
 @triton.jit
@@ -314,15 +306,7 @@ def _rope_rows(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1, 
     rotated partner x[(j + d/2) mod d] as a second load of the same row (an L1 hit), y = x cos +
     sign partner sin, 32-bit indices"""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    i2 = r % n2
-    i1 = (r // n2) % n1
-    i0 = r // (n1 * n2)
-    if POS_AXIS == 0:
-        pos = i0
-    elif POS_AXIS == 1:
-        pos = i1
-    else:
-        pos = i2
+    i0, i1, i2, pos = rotary._vector_index(r, n1, n2, POS_AXIS)
     cols = tl.arange(0, HEAD_DIM)[None, :]
     partner = (cols + HEAD_DIM // 2) % HEAD_DIM
     mask = (r < n_vectors)[:, None]
@@ -340,33 +324,12 @@ def _rope_rows(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1, 
 def _rope_persistent(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1, x_stride2, half, table_stride,
                      n1: tl.constexpr, n2: tl.constexpr, POS_AXIS: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_HALF: tl.constexpr, STAGES: tl.constexpr):
-    """the shipped math on a grid of a few programs per multiprocessor, each striding over the
+    """the same math on a grid of a few programs per multiprocessor, each striding over the
     vector tiles (tl.range pipelining STAGES deep): fewer, longer programs"""
     n_tiles = tl.cdiv(n_vectors, BLOCK_R)
     for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
-        r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
-        i2 = r % n2
-        i1 = (r // n2) % n1
-        i0 = r // (n1 * n2)
-        if POS_AXIS == 0:
-            pos = i0
-        elif POS_AXIS == 1:
-            pos = i1
-        else:
-            pos = i2
-        cols = tl.arange(0, BLOCK_HALF)[None, :]
-        mask = (r < n_vectors)[:, None] & (cols < half)
-        t_offs = pos[:, None] * table_stride + cols
-        x_offs = (i0 * x_stride0 + i1 * x_stride1 + i2 * x_stride2)[:, None] + cols
-        c1 = tl.load(cos_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_ptr + t_offs + half, mask=mask, other=0.0).to(tl.float32)
-        s1 = tl.load(sin_ptr + t_offs, mask=mask, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_ptr + t_offs + half, mask=mask, other=0.0).to(tl.float32)
-        x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + x_offs + half, mask=mask, other=0.0).to(tl.float32)
-        y_offs = r[:, None] * (2 * half) + cols
-        tl.store(y_ptr + y_offs, (x1 * c1 - x2 * s1).to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_ptr + y_offs + half, (x2 * c2 + x1 * s2).to(y_ptr.dtype.element_ty), mask=mask)
+        _rope_vectors(tile * BLOCK_R + tl.arange(0, BLOCK_R), x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors,
+                      x_stride0, x_stride1, x_stride2, half, table_stride, n1, n2, POS_AXIS, BLOCK_HALF, False)
 
 
 @triton.jit
@@ -387,6 +350,21 @@ def _swiglu_even_forward(g_ptr, u_ptr, y_ptr, n_elements, BLOCK: tl.constexpr, E
 
 def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def _rematch(timed: dict[str, Any], variants: dict[str, Callable[[], Any]], compiled: Callable[[], Any],
+             count: int) -> dict[str, dict[str, float]]:
+    """The `count` fastest correct variants of `timed` (single samples) and torch.compile again,
+    in 5 interleaved rounds of 50 calls: the median and range of each (a 0.03 ms kernel's single
+    samples move by ~2% between runs)."""
+    ranked = sorted((v["ms"], k) for k, v in timed.items() if k in variants and v["correct"])
+    finalists = {**{k: variants[k] for _, k in ranked[:count]}, "compile": compiled}
+    rounds: dict[str, list[float]] = {k: [] for k in finalists}
+    for _ in range(5):
+        for k, launch in finalists.items():
+            rounds[k].append(kernel_ms(launch, iters=50))
+    return {k: {"median_ms": round(statistics.median(v), 5), "min_ms": round(min(v), 5), "max_ms": round(max(v), 5)}
+            for k, v in rounds.items()}
 
 
 def _time(fn: Callable[[], Any], check: Callable[[], float]) -> dict[str, Any]:
@@ -468,15 +446,7 @@ def swiglu_variants(n_rows: int, n_cols: int, device: torch.device) -> dict[str,
     compiled = torch.compile(swiglu_reference)
     with torch.no_grad():
         row["forward"]["compile"] = _time(lambda: compiled(gate, up), lambda: _rel(compiled(gate, up), want))
-        ranked = sorted((v["ms"], k) for k, v in row["forward"].items() if k != "compile" and v["correct"])
-        finalists = {k: variants[k] for _, k in ranked[:3]}
-        finalists["compile"] = lambda: compiled(gate, up)
-        rounds: dict[str, list[float]] = {k: [] for k in finalists}
-        for _ in range(5):
-            for k, launch in finalists.items():
-                rounds[k].append(kernel_ms(launch, iters=50))
-    row["rematch"] = {k: {"median_ms": round(statistics.median(v), 5), "min_ms": round(min(v), 5),
-                          "max_ms": round(max(v), 5)} for k, v in rounds.items()}
+        row["rematch"] = _rematch(row["forward"], variants, lambda: compiled(gate, up), count=3)
     torch._dynamo.reset()
     print(f"swiglu {n_rows}x{n_cols}: rematch {row['rematch']}", file=sys.stderr, flush=True)
     return row
@@ -609,16 +579,7 @@ def rope_variants(device: torch.device, designs: tuple[str, ...] = ROPE_DESIGNS)
         with torch.no_grad():
             row["compile_source"] = run_and_get_code(compiled, x, cos, sin)[1]  # compiles: Inductor's kernel
             row["forward"]["compile"] = _time(lambda: compiled(x, cos, sin), lambda: _rel(compiled(x, cos, sin), want))
-            # the closest finishers again, interleaved with compile, 5 rounds: medians and spread
-            ranked = sorted((v["ms"], k) for k, v in row["forward"].items() if k != "compile" and v["correct"])
-            finalists = {k: variants[k] for _, k in ranked[:4] if k in variants}
-            finalists["compile"] = lambda: compiled(x, cos, sin)
-            rounds: dict[str, list[float]] = {k: [] for k in finalists}
-            for _ in range(5):
-                for k, launch in finalists.items():
-                    rounds[k].append(kernel_ms(launch, iters=50))
-        row["rematch"] = {k: {"median_ms": round(statistics.median(v), 5), "min_ms": round(min(v), 5),
-                              "max_ms": round(max(v), 5)} for k, v in rounds.items()}
+            row["rematch"] = _rematch(row["forward"], variants, lambda: compiled(x, cos, sin), count=4)
         torch._dynamo.reset()
         best = min((v["ms"], k) for k, v in row["forward"].items() if k != "compile" and v["correct"])
         print(f"rope {name}: best {best}, compile {row['forward']['compile']['ms']}; rematch {row['rematch']}",

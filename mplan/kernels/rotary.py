@@ -56,6 +56,21 @@ _VECTORS = configs(
 
 
 @triton.jit
+def _vector_index(r, n1: tl.constexpr, n2: tl.constexpr, POS_AXIS: tl.constexpr):
+    """Dense vector index r over sizes [n0, n1, n2] -> (i0, i1, i2, the index on axis POS_AXIS)."""
+    i2 = r % n2
+    i1 = (r // n2) % n1
+    i0 = r // (n1 * n2)
+    if POS_AXIS == 0:
+        pos = i0
+    elif POS_AXIS == 1:
+        pos = i1
+    else:
+        pos = i2
+    return i0, i1, i2, pos
+
+
+@triton.jit
 def _load_f32(ptr, mask, EVEN: tl.constexpr, POLICY: tl.constexpr):
     """ptr's values in fp32, masked unless EVEN; POLICY: an L2 eviction hint ("" for none)."""
     if EVEN:
@@ -80,15 +95,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1
     if INDEX_64:
         program = program.to(tl.int64)
     r = program * BLOCK_R + tl.arange(0, BLOCK_R)
-    i2 = r % n2
-    i1 = (r // n2) % n1
-    i0 = r // (n1 * n2)
-    if POS_AXIS == 0:
-        pos = i0
-    elif POS_AXIS == 1:
-        pos = i1
-    else:
-        pos = i2
+    i0, i1, i2, pos = _vector_index(r, n1, n2, POS_AXIS)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     t_offs = pos[:, None] * table_stride + cols
     x_offs = (i0 * x_stride0 + i1 * x_stride1 + i2 * x_stride2)[:, None] + cols
