@@ -34,8 +34,9 @@ checked against the reference:
     rows       Inductor's math: whole head vectors, the rotated partner as a second load
     persistent a few programs per multiprocessor striding over the tiles: 5-7% slower
   The RoPE rows end with a rematch of the four fastest designs and compile in 5 interleaved
-  rounds of 50 calls (single samples of a 0.03 ms kernel move by ~2% from run to run), and keep
-  Inductor's generated source (`compile_source`).
+  rounds of 50 calls (single samples of a 0.03 ms kernel move by ~2% from run to run), keep
+  Inductor's generated source (`compile_source`), and time the shipped backward against its
+  64-bit masked form (session 4's) side by side (`backward`; added after session 6's run).
 Every configuration is timed; torch.compile of the reference is timed in the same run. The
 shipped kernels' designs and autotune lists come from these figures.
 
@@ -358,13 +359,17 @@ def _rematch(timed: dict[str, Any], variants: dict[str, Callable[[], Any]], comp
     in 5 interleaved rounds of 50 calls: the median and range of each (a 0.03 ms kernel's single
     samples move by ~2% between runs)."""
     ranked = sorted((v["ms"], k) for k, v in timed.items() if k in variants and v["correct"])
-    finalists = {**{k: variants[k] for _, k in ranked[:count]}, "compile": compiled}
-    rounds: dict[str, list[float]] = {k: [] for k in finalists}
-    for _ in range(5):
-        for k, launch in finalists.items():
-            rounds[k].append(kernel_ms(launch, iters=50))
+    return _interleaved({**{k: variants[k] for _, k in ranked[:count]}, "compile": compiled})
+
+
+def _interleaved(launches: dict[str, Callable[[], Any]], rounds: int = 5) -> dict[str, dict[str, float]]:
+    """GPU kernel time of each launch in `rounds` interleaved rounds of 50 calls: median and range."""
+    samples: dict[str, list[float]] = {k: [] for k in launches}
+    for _ in range(rounds):
+        for k, launch in launches.items():
+            samples[k].append(kernel_ms(launch, iters=50))
     return {k: {"median_ms": round(statistics.median(v), 5), "min_ms": round(min(v), 5), "max_ms": round(max(v), 5)}
-            for k, v in rounds.items()}
+            for k, v in samples.items()}
 
 
 def _time(fn: Callable[[], Any], check: Callable[[], float]) -> dict[str, Any]:
@@ -520,6 +525,39 @@ ROPE_PERSISTENT_CONFIGS = tuple((block, 4, per_sm, stages) for block in (8, 16) 
 """(BLOCK_R, warps, programs per multiprocessor, tl.range stages) of the persistent design"""
 
 
+ROPE_BACKWARD_CONFIGS = ((8, 2), (8, 4), (16, 4))
+"""(BLOCK_R, warps) the autotuner chose or nearly chose for RoPE's backward on the H200"""
+
+
+def _rope_backward_forms(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, order: list[int],
+                         want_upstream: torch.Tensor) -> dict[str, Any]:
+    """RoPE's backward (dx from dy) in the shipped form (32-bit offsets, unmasked when every block
+    is full) and in session 4's (64-bit, masked), same kernel source, in 5 interleaved rounds of 50
+    calls. Why: across runs the forward gained 0.5% from the change while forward+backward
+    measured 0.2-1% slower (session 6 against session 4, different machines); this times both
+    forms side by side."""
+    dy = want_upstream
+    x32 = x.detach().float().requires_grad_()
+    (want,) = torch.autograd.grad(rope_reference(x32, cos.float(), sin.float()), x32, dy.float())
+    dx = rotary._dense_like(dy, dy.dtype, order)
+    sizes, strides = [dy.shape[i] for i in order[:3]], [dy.stride(i) for i in order[:3]]
+    n_vectors, d = dy.numel() // dy.shape[-1], dy.shape[-1]
+    common = dict(n1=sizes[1], n2=sizes[2], POS_AXIS=order.index(2), BLOCK_HALF=d // 2, BACKWARD=True, EVICT=False)
+    forms: dict[str, Callable[[], Any]] = {}
+    for block, w in ROPE_BACKWARD_CONFIGS:
+        grid = (triton.cdiv(n_vectors, block),)
+        args = (dy, cos, sin, dx, n_vectors, *strides, d // 2, cos.stride(0))
+        forms[f"shipped {block} w{w}"] = functools.partial(  # heuristics pick EVEN
+            rotary._rope_kernel.fn[grid], *args, INDEX_64=False, BLOCK_R=block, num_warps=w, **common)
+        forms[f"64-bit masked {block} w{w}"] = functools.partial(
+            rotary._rope_kernel.fn.fn[grid], *args, INDEX_64=True, EVEN=False, BLOCK_R=block, num_warps=w, **common)
+    errors = {}
+    for name, launch in forms.items():
+        launch()
+        errors[name] = _rel(dx, want)
+    return {k: {**timing, "error": errors[k], "correct": errors[k] < 1e-2} for k, timing in _interleaved(forms).items()}
+
+
 def rope_variants(device: torch.device, designs: tuple[str, ...] = ROPE_DESIGNS) -> list[dict[str, Any]]:
     results = []
     n_sm = torch.cuda.get_device_properties(device).multi_processor_count
@@ -581,6 +619,8 @@ def rope_variants(device: torch.device, designs: tuple[str, ...] = ROPE_DESIGNS)
             row["forward"]["compile"] = _time(lambda: compiled(x, cos, sin), lambda: _rel(compiled(x, cos, sin), want))
             row["rematch"] = _rematch(row["forward"], variants, lambda: compiled(x, cos, sin), count=4)
         torch._dynamo.reset()
+        if "shipped" in designs:
+            row["backward"] = _rope_backward_forms(x, cos, sin, order, want_upstream=torch.randn_like(y))
         best = min((v["ms"], k) for k, v in row["forward"].items() if k != "compile" and v["correct"])
         print(f"rope {name}: best {best}, compile {row['forward']['compile']['ms']}; rematch {row['rematch']}",
               file=sys.stderr, flush=True)
