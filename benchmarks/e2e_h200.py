@@ -46,6 +46,11 @@ Run on the GPU (from the repository root; about 5 minutes: two CPU model builds,
 torch.compile warm-ups and mplan's Triton autotuning; a system not started within --budget-s
 is skipped and says so):
     PYTHONPATH=. python3 benchmarks/e2e_h200.py --out $OUT/e2e.json
+Budget a fresh machine's first run by its cold caches: on 2026-11-29 torch.compile's first step
+took 50-67 s and mplan's 15-24 s per model there (3-5 s once the caches were warm), so four
+single-model runs under a 110 s limit each all died before timing. With fp32 parameters
+(--precision autocast) the five systems of Llama-1.1B do not fit in 141 GB together: run
+--systems eager,mplan,compile there.
 Smoke test of the same code path on a CPU (tiny models, mplan's kernels on their references;
 FP8 refuses the CPU, which the report records as that system's error):
     PYTHONPATH=. python3 benchmarks/e2e_h200.py --device cpu --small --out /tmp/e2e.json
