@@ -47,7 +47,7 @@ torch.compile warm-ups and mplan's Triton autotuning; a system not started withi
 is skipped and says so):
     PYTHONPATH=. python3 benchmarks/e2e_h200.py --out $OUT/e2e.json
 Budget a fresh machine's first run by its cold caches: on 2026-11-29 torch.compile's first step
-took 50-67 s and mplan's 15-24 s per model there (3-5 s once the caches were warm), so four
+took 50-68 s and mplan's 13-24 s per model there (compile 4-5 s, mplan 7-18 s once warm), so four
 single-model runs under a 110 s limit each all died before timing. With fp32 parameters
 (--precision autocast) the five systems of Llama-1.1B do not fit in 141 GB together: run
 --systems eager,mplan,compile there.
