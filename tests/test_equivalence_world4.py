@@ -1,9 +1,10 @@
-"""Parallel training equals one process on 4 ranks: TP4, TP2 x DP2, SP + ZeRO-1, kv_heads < tp.
+"""Parallel training equals one process on 4 ranks: TP4, TP2 x DP2, SP + ZeRO-1, kv_heads < tp,
+activation recomputation under DP and ZeRO-1.
 
 Same comparison as test_equivalence.py (5 AdamW steps, active global-norm clipping, float64,
 relative error < 1e-9 on every step's loss and every parameter), plus a hypothesis property:
-random small Llama configurations under random valid (tp, dp, sp, zero, micro-batching) stay
-equivalent. Hypothesis runs derandomized inside the ranks, so every rank draws the same examples
+random small Llama configurations under random valid (tp, dp, sp, zero, recompute,
+micro-batching) stay equivalent. Hypothesis runs derandomized inside the ranks, so every rank draws the same examples
 (the group needs all ranks in every collective); all checks share one gloo group of 4 ranks.
 """
 from __future__ import annotations
@@ -39,6 +40,16 @@ def tp2_dp2_sp_zero1_llama() -> dict[str, Any]:
     return compare(family("tiny-llama"), "tp=2,dp=2,sp=1,zero=1", 8, micro_batch_size=2)
 
 
+def dp2_tp2_zero1_llama_recompute_full() -> dict[str, Any]:
+    # recomputed forwards inside the last backward, whose gradient buckets start their
+    # reduce-scatters from post-accumulate-grad hooks as they fill
+    return compare(family("tiny-llama"), "tp=2,dp=2,sp=1,zero=1,recompute=full", 8, micro_batch_size=2)
+
+
+def dp4_gpt_recompute_selective() -> dict[str, Any]:
+    return compare(family("tiny-gpt"), "dp=4,recompute=selective", 8, micro_batch_size=1)
+
+
 @st.composite
 def llama_and_plan(draw: Any) -> tuple[str, str, int, int]:
     kv = draw(st.sampled_from([1, 2, 4]))
@@ -51,7 +62,8 @@ def llama_and_plan(draw: Any) -> tuple[str, str, int, int]:
     tp = draw(st.sampled_from([1, 2, 4]))
     dp = 4 // tp
     mbs, micro = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
-    plan = f"tp={tp},dp={dp},sp={draw(st.sampled_from([0, 1]))},zero={draw(st.sampled_from([0, 1]))}"
+    plan = (f"tp={tp},dp={dp},sp={draw(st.sampled_from([0, 1]))},zero={draw(st.sampled_from([0, 1]))},"
+            f"recompute={draw(st.sampled_from(['none', 'selective', 'full']))}")
     return spec, plan, dp * mbs * micro, mbs
 
 
@@ -72,7 +84,7 @@ def random_llama_plans() -> list[tuple[str, str, dict[str, Any]]]:
 
 
 CHECKS = [tp4_gpt, tp4_sp_llama_kv2, tp2_dp2_llama, tp2_dp2_sp_zero1_gpt, tp2_dp2_sp_zero1_llama,
-          random_llama_plans]
+          dp2_tp2_zero1_llama_recompute_full, dp4_gpt_recompute_selective, random_llama_plans]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +94,10 @@ def outcomes():
 
 @pytest.mark.parametrize("check", CHECKS[:-1], ids=lambda c: c.__name__)
 def test_matches_one_process(outcomes, check) -> None:
-    assert_equivalent(outcomes.assert_passed(check))
+    values = outcomes.assert_passed(check)
+    assert_equivalent(values)
+    if "recompute" in check.__name__:  # the plan's recomputation ran, not just parsed
+        assert all(v["recomputed_units"] > 0 and "recompute=" in v["ran"] for v in values), values
 
 
 def test_random_llama_plans_stay_equivalent(outcomes) -> None:
