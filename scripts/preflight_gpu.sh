@@ -3,7 +3,7 @@
 # Device time is scarce and a fresh machine spends minutes starting; a kernel that the Triton
 # interpreter accepts can still fail Triton's compiler (2026-11-29: a tuple of eviction-hint
 # strings cost one H200 call), so every kernel is compiled for sm_90 here first, and each
-# benchmark script's CPU smoke test runs. About 2 minutes.
+# benchmark script's CPU smoke test runs. About 30 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/python -m pytest -q -x tests/test_kernels_compile.py tests/test_kernels.py tests/test_benchmarks.py
