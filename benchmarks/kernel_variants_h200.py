@@ -32,7 +32,7 @@ checked against the reference:
                rotation tables without a check, so not shipped
     int32      the kernel shipped before session 6, with 32-bit offsets (and, `stream`, evict-first stores)
     rows       Inductor's math: whole head vectors, the rotated partner as a second load
-    persistent a few programs per multiprocessor striding over the tiles: 5-7% slower
+    persistent a few programs per multiprocessor striding over the tiles: 5% slower
   The RoPE rows end with a rematch of the four fastest designs and compile in 5 interleaved
   rounds of 50 calls (single samples of a 0.03 ms kernel move by ~2% from run to run), keep
   Inductor's generated source (`compile_source`), and time the shipped backward against its
