@@ -6,13 +6,16 @@ host runs ahead while GEMMs keep the GPU busy. The profiler's per-kernel device 
 are what the step pays on the GPU.
 
     kernel_ms(fn, iters)  -> mean GPU time of fn() per call (every kernel, memset and copy it issues)
+    interleaved_kernel_ms(calls, rounds, iters) -> each call's kernel_ms in rounds taken in turn
     kernel_table(prof)    -> {kernel name: total ms} of a finished profile, largest first
     copy_tbps()           -> TB/s (read + written) of a 1 GiB device-to-device copy, by the same clock
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+Key = TypeVar("Key")
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -40,6 +43,19 @@ def kernel_ms(fn: Callable[[], Any], iters: int = 10) -> float:
             fn()
         torch.cuda.synchronize()
     return sum(kernel_table(prof).values()) / iters
+
+
+def interleaved_kernel_ms(calls: Mapping[Key, Callable[[], Any]], *, rounds: int = 5,
+                          iters: int = 20) -> dict[Key, list[float]]:
+    """`kernel_ms` of every call, `rounds` times, the calls taken in turn within each round: the
+    samples per call. Why interleaved: single samples of a ~0.03 ms kernel taken one
+    implementation after another moved by up to 3% between runs of the same code (H200,
+    2026-11-29), more than the gaps being judged; clock drift now falls on every call alike."""
+    samples: dict[Key, list[float]] = {key: [] for key in calls}
+    for _ in range(rounds):
+        for key, call in calls.items():
+            samples[key].append(kernel_ms(call, iters))
+    return samples
 
 
 def copy_tbps() -> float:

@@ -61,7 +61,7 @@ from torch._inductor.utils import run_and_get_code
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.gpu_time import kernel_ms  # noqa: E402
+from benchmarks.gpu_time import interleaved_kernel_ms, kernel_ms  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
 from mplan.kernels import gelu, glu, rotary, rope_reference, swiglu_packed_reference, swiglu_reference  # noqa: E402
 from mplan.kernels.gelu import bias_gelu_reference  # noqa: E402
@@ -362,14 +362,10 @@ def _rematch(timed: dict[str, Any], variants: dict[str, Callable[[], Any]], comp
     return _interleaved({**{k: variants[k] for _, k in ranked[:count]}, "compile": compiled})
 
 
-def _interleaved(launches: dict[str, Callable[[], Any]], rounds: int = 5) -> dict[str, dict[str, float]]:
-    """GPU kernel time of each launch in `rounds` interleaved rounds of 50 calls: median and range."""
-    samples: dict[str, list[float]] = {k: [] for k in launches}
-    for _ in range(rounds):
-        for k, launch in launches.items():
-            samples[k].append(kernel_ms(launch, iters=50))
+def _interleaved(launches: dict[str, Callable[[], Any]]) -> dict[str, dict[str, float]]:
+    """GPU kernel time of each launch in 5 interleaved rounds of 50 calls: median and range."""
     return {k: {"median_ms": round(statistics.median(v), 5), "min_ms": round(min(v), 5), "max_ms": round(max(v), 5)}
-            for k, v in samples.items()}
+            for k, v in interleaved_kernel_ms(launches, rounds=5, iters=50).items()}
 
 
 def _time(fn: Callable[[], Any], check: Callable[[], float]) -> dict[str, Any]:

@@ -73,7 +73,7 @@ from mplan.kernels import (  # noqa: E402
     swiglu_reference,
     use_triton,
 )
-from benchmarks.gpu_time import kernel_ms  # noqa: E402
+from benchmarks.gpu_time import interleaved_kernel_ms  # noqa: E402
 from mplan.models.layers import rope_tables  # noqa: E402
 
 COPY_TARGET = 0.8
@@ -246,10 +246,8 @@ ROUNDS = 5
 def time_case(case: Case, device: torch.device, dtype: torch.dtype, shape: dict[str, int], copy_tbps: float,
               compile_reference: bool) -> dict[str, Any]:
     """Every implementation built and warmed first, then timed by GPU kernel time in ROUNDS
-    interleaved rounds (triton, eager, compile, triton, ...): single samples of a ~0.03 ms kernel
-    taken one implementation after another differed by up to 3% between two runs of the same
-    code (2026-11-29), more than the gaps being judged; the median of each is reported with the
-    rounds' range."""
+    interleaved rounds (`interleaved_kernel_ms`, which says why); the median of each is reported
+    with the rounds' range."""
     timer = _timer(device)
     torch.manual_seed(0)
     inputs = case.make(shape, device, dtype)
@@ -269,15 +267,11 @@ def time_case(case: Case, device: torch.device, dtype: torch.dtype, shape: dict[
         rows[name] = {"warmup_s": time.perf_counter() - start,
                       "event_fwd_ms": timer(calls[name]["fwd"]), "event_fwd_bwd_ms": timer(calls[name]["fwd_bwd"])}
     if device.type == "cuda":  # the GPU's own time: what a GPU-bound training step pays
-        samples = {name: {"fwd": [], "fwd_bwd": []} for name in impls}
-        for _ in range(ROUNDS):
-            for name in impls:
-                for what, call in calls[name].items():
-                    samples[name][what].append(kernel_ms(call, iters=20))
-        for name, by_what in samples.items():
-            for what, values in by_what.items():
-                rows[name][f"{what}_ms"] = statistics.median(values)
-                rows[name][f"{what}_range_ms"] = [round(min(values), 5), round(max(values), 5)]
+        samples = interleaved_kernel_ms({(name, what): call for name, by_what in calls.items()
+                                         for what, call in by_what.items()}, rounds=ROUNDS, iters=20)
+        for (name, what), values in samples.items():
+            rows[name][f"{what}_ms"] = statistics.median(values)
+            rows[name][f"{what}_range_ms"] = [round(min(values), 5), round(max(values), 5)]
     else:
         for row in rows.values():
             row["fwd_ms"], row["fwd_bwd_ms"] = row["event_fwd_ms"], row["event_fwd_bwd_ms"]
