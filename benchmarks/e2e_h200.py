@@ -62,6 +62,7 @@ import contextlib
 import copy
 import functools
 import gc
+import itertools
 import os
 import statistics
 import sys
@@ -163,11 +164,17 @@ class Setting:
     lr_warmup: int = 0
     """steps of linear learning-rate warm-up (step k of them at lr (k + 1) / lr_warmup), 0 for none"""
 
-    def set_lr(self, optimizer: torch.optim.Optimizer, step: int) -> None:
-        """The learning rate of 0-based `step` into every parameter group."""
-        scale = min(1.0, (step + 1) / self.lr_warmup) if self.lr_warmup else 1.0
-        for group in optimizer.param_groups:
-            group["lr"] = self.lr * scale
+    def lr_schedule(self, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+        """Called before each step: writes that step's learning rate into every parameter group."""
+        steps = itertools.count()
+
+        def next_step() -> None:
+            step = next(steps)
+            scale = min(1.0, (step + 1) / self.lr_warmup) if self.lr_warmup else 1.0
+            for group in optimizer.param_groups:
+                group["lr"] = self.lr * scale
+
+        return next_step
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -189,12 +196,10 @@ global gradient norm before clipping."""
 
 def _plain_step(forward: Callable[[], torch.Tensor], params: list[nn.Parameter], setting: Setting) -> Step:
     optimizer = setting.optimizer()(params)
-    taken = 0
+    schedule = setting.lr_schedule(optimizer)
 
-    def step() -> float:
-        nonlocal taken
-        setting.set_lr(optimizer, taken)
-        taken += 1
+    def step() -> tuple[float, float]:
+        schedule()
         optimizer.zero_grad(set_to_none=True)
         with setting.autocast():
             loss = forward()
@@ -257,12 +262,10 @@ def mplan_module(workload: Workload, setting: Setting, fp8: bool = False) -> tup
 def build_mplan(workload: Workload, setting: Setting, fp8: bool = False) -> tuple[Step, dict[str, Any]]:
     pm, info = mplan_module(workload, setting, fp8)
     ids, labels = example_inputs(workload.config, workload.batch, device=setting.device)  # _model_and_batch's
-    taken = 0
+    schedule = setting.lr_schedule(pm.optimizer.optimizer)  # mplan's AdamW kernel reads group["lr"] every step
 
-    def step() -> float:
-        nonlocal taken
-        setting.set_lr(pm.optimizer.optimizer, taken)  # mplan's AdamW kernel reads group["lr"] every step
-        taken += 1
+    def step() -> tuple[float, float]:
+        schedule()
         loss = pm.train_step(ids, labels)
         return loss, pm.last_grad_norm
 
