@@ -12,6 +12,8 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
+from mplan.planner.parallel_config import RUNTIMES
+
 
 def _inspect(args: argparse.Namespace) -> int:
     from mplan.ir.summary import capture_spec, summarize
@@ -240,7 +242,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="price memory-bound chains as mplan's fused kernels (default: on for GPU clusters)")
     p.add_argument("--fp8", action="store_true", help="a plan whose block linears run as FP8 GEMMs, priced so")
-    p.add_argument("--runtime", choices=("megatron", "mplan"), default="megatron",
+    p.add_argument("--runtime", choices=RUNTIMES, default="megatron",
                    help="whose optimizer memory to price: Megatron-LM's (fp32 masters at any zero) or "
                         "mplan's runtime (bf16 in place at zero=0, fp32 master shards at zero=1)")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")

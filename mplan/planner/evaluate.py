@@ -113,8 +113,8 @@ class ModelFacts:
     # plans priced with mplan's kernels step by its AdamW kernel (mplan/kernels/adamw.py), as the runtime
     # does on CUDA; others by torch's fused AdamW (eager training)
     mplan_adamw: bool = False
-    # whose optimizer memory: "megatron" (fp32 masters, grads and moments at any zero) or "mplan"
-    # (mplan's runtime: zero=0 steps bf16 parameters in place, zero=1 keeps fp32 master shards)
+    # whose optimizer memory (RUNTIMES): "megatron" (fp32 masters, grads and moments at any zero) or
+    # "mplan" (mplan's runtime: zero=0 steps bf16 parameters in place, zero=1 keeps fp32 master shards)
     runtime: str = "megatron"
     stream_bytes_per_sequence: int  # one sequence's residual-stream activation (bytes, full)
 

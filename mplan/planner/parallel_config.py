@@ -13,6 +13,8 @@ from typing import Iterator
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe")
 RECOMPUTE = ("none", "selective", "full")
+RUNTIMES = ("megatron", "mplan")
+"""Whose optimizer memory a plan is priced with (`ModelFacts.runtime`): Megatron-LM's or mplan's runtime's."""
 _INT_KEYS = ("dp", "tp", "pp", "vpp", "ep", "mbs", "sp", "zero")
 _KEYS = _INT_KEYS + ("recompute", "schedule")
 

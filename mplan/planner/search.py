@@ -24,7 +24,7 @@ from mplan.ir.graph import Graph
 from mplan.planner.evaluate import Estimate, ModelFacts, evaluate
 from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains
 from mplan.planner.op_cost import OpCoster
-from mplan.planner.parallel_config import (ModelLimits, ParallelConfig, PlanSpec, PlanSpecError,
+from mplan.planner.parallel_config import (RUNTIMES, ModelLimits, ParallelConfig, PlanSpec, PlanSpecError,
                                            enumerate_configs)
 from mplan.planner.placement import R, Shard
 from mplan.ir.rebatch import rebatch
@@ -74,8 +74,8 @@ class Planner:
     def __init__(self, graph: Graph, cluster: ClusterSpec, *, allow: StrategyFilter | None = None,
                  grad_dtype: str = "fp32", fp32_grad_copy: bool = True, kernels: bool = False,
                  fp8: bool = False, runtime: str = "megatron", progress: Callable[[str], None] | None = None) -> None:
-        if runtime not in ("megatron", "mplan"):
-            raise ValueError(f"runtime must be 'megatron' or 'mplan', got {runtime!r}")
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
         self.dynamic = any(m.sym is not None for m in graph.graph_inputs.values())
         if not self.dynamic and graph.batch_size != 1:
             raise ValueError("the planner prices micro-batches from a graph captured with a dynamic batch, "

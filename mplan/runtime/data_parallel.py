@@ -260,7 +260,6 @@ class GradientSync:
         self._starts.start_rest_and_wait()
 
 
-
 @torch.no_grad()
 def _start_all_reduce(groups: ProcessGroups, buckets: list[_Bucket], index: int) -> dist.Work | None:
     """Bucket `index`: TP sum (if partial), the division by dp, then the asynchronous
