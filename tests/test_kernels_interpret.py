@@ -22,7 +22,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import rel_err, run_ranks
 
-from mplan.kernels import rotary
 from mplan.kernels import (
     VocabReductions,
     bias_gelu,
@@ -39,6 +38,7 @@ from mplan.kernels import (
     rmsnorm,
     rope,
     rope_reference,
+    rotary,
     swiglu,
     swiglu_packed,
     swiglu_packed_reference,
