@@ -446,6 +446,7 @@ def swiglu_variants(n_rows: int, n_cols: int, device: torch.device) -> dict[str,
         row["forward"][name] = _time(launch, lambda: _rel(out, want))
     compiled = torch.compile(swiglu_reference)
     with torch.no_grad():
+        row["compile_source"] = run_and_get_code(compiled, gate, up)[1]  # compiles: Inductor's kernel
         row["forward"]["compile"] = _time(lambda: compiled(gate, up), lambda: _rel(compiled(gate, up), want))
         row["rematch"] = _rematch(row["forward"], variants, lambda: compiled(gate, up), count=3)
     torch._dynamo.reset()
