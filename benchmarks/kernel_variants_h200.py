@@ -349,6 +349,18 @@ def _swiglu_even_forward(g_ptr, u_ptr, y_ptr, n_elements, BLOCK: tl.constexpr, E
         tl.store(y_ptr + offs, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _swiglu_stream_forward(g_ptr, u_ptr, y_ptr, n_elements, BLOCK: tl.constexpr):
+    """the shipped SwiGLU forward with streaming cache hints: its inputs are read once (evicted
+    first from L2) and its output is written around L1 and marked for early eviction (.cs), so the
+    stream leaves L2 to the writes in flight"""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    tl.store(y_ptr + offs, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), mask=mask, cache_modifier=".cs")
+
+
 def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
@@ -421,14 +433,17 @@ def swiglu_packed_variants(n_rows: int, half: int, device: torch.device) -> dict
 
 
 SWIGLU_BLOCKS = ((1024, 4), (2048, 4), (4096, 8), (8192, 8), (8192, 16))
-"""(BLOCK, warps): mplan.kernels.glu's autotune list"""
+"""(BLOCK, warps): mplan.kernels.glu's backward autotune list, which the forward offered too until session 7"""
+SWIGLU_STREAM_BLOCKS = ((512, 2), (1024, 2), (1024, 4), (2048, 4), (2048, 8))
+"""(BLOCK, warps) of the streaming-hint form: around the shipped kernel's choice, 1024 x 4 warps
+(one 16-byte vector per thread and tensor), with two vectors per thread at 1024 x 2"""
 
 
 def swiglu_variants(n_rows: int, n_cols: int, device: torch.device) -> dict[str, Any]:
-    """SwiGLU on two tensors (forward): the shipped kernel against its 32-bit, unmasked form and
-    torch.compile, every configuration once, then the three fastest and compile in 5 interleaved
-    rounds of 50 calls (session 6: the shipped forward 0.02-0.13% behind compile, both at the DRAM
-    limit)."""
+    """SwiGLU on two tensors (forward): the shipped kernel against its 32-bit, unmasked form, its
+    streaming-hint form and torch.compile, every configuration once, then the four fastest and
+    compile in 5 interleaved rounds of 50 calls (session 6: the shipped forward 0.02-0.13% behind
+    compile, both at the DRAM limit; session 7: neither form helped, streaming hints cost 4-5%)."""
     gate = 2 * torch.randn(n_rows, n_cols, device=device, dtype=torch.bfloat16)
     up = torch.randn_like(gate)
     out = torch.empty_like(gate)
@@ -442,13 +457,17 @@ def swiglu_variants(n_rows: int, n_cols: int, device: torch.device) -> dict[str,
                                                               BLOCK=block, num_warps=w)
         variants[f"int32_even {block} w{w}"] = functools.partial(_swiglu_even_forward[grid], gate, up, out, n,
                                                                  BLOCK=block, EVEN=n % block == 0, num_warps=w)
+    for block, w in SWIGLU_STREAM_BLOCKS:
+        grid = (triton.cdiv(n, block),)
+        variants[f"stream {block} w{w}"] = functools.partial(_swiglu_stream_forward[grid], gate, up, out, n,
+                                                             BLOCK=block, num_warps=w)
     for name, launch in variants.items():
         row["forward"][name] = _time(launch, lambda: _rel(out, want))
     compiled = torch.compile(swiglu_reference)
     with torch.no_grad():
         row["compile_source"] = run_and_get_code(compiled, gate, up)[1]  # compiles: Inductor's kernel
         row["forward"]["compile"] = _time(lambda: compiled(gate, up), lambda: _rel(compiled(gate, up), want))
-        row["rematch"] = _rematch(row["forward"], variants, lambda: compiled(gate, up), count=3)
+        row["rematch"] = _rematch(row["forward"], variants, lambda: compiled(gate, up), count=4)
     torch._dynamo.reset()
     print(f"swiglu {n_rows}x{n_cols}: rematch {row['rematch']}", file=sys.stderr, flush=True)
     return row

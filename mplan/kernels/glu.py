@@ -24,15 +24,19 @@ import torch.nn.functional as F
 from mplan.kernels.dispatch import configs, tl, triton, use_triton
 from mplan.kernels.sigmoid import sigmoid_and_complement
 
-# Memory-bound elementwise: large blocks keep enough bytes in flight per SM; 4096 x 8 warps is
-# what Inductor-like schedules settle on for 1e8-element tensors on H100-class parts.
+# The forward runs one 16-byte vector per thread and tensor, 1024 elements on 4 warps, as
+# Inductor's pointwise kernel does: on the H200 every other block size was 0.4-5% slower at both
+# Llama widths in three runs, and offering them let the autotuner's single samples pick 2048 x 4
+# (0.7% behind torch.compile at F 5632, benchmarks/results/kernels_h200-2026-11-29-session7-first.json).
+_FORWARD_BLOCKS = configs([triton.Config({"BLOCK": 1024}, num_warps=4)], triton.Config({"BLOCK": 128}, num_warps=1))
+# The backward (three loads, two stores) is tuned over larger blocks as well.
 _BLOCKS = configs(
     [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((1024, 4), (2048, 4), (4096, 8), (8192, 8), (8192, 16))],
     triton.Config({"BLOCK": 128}, num_warps=1),
 )
 
 
-@triton.autotune(configs=_BLOCKS, key=["n_elements"])
+@triton.autotune(configs=_FORWARD_BLOCKS, key=["n_elements"])
 @triton.jit
 def _forward_kernel(g_ptr, u_ptr, y_ptr, n_elements, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
