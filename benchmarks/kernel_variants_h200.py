@@ -57,6 +57,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 from torch._inductor.utils import run_and_get_code
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -362,6 +363,18 @@ def _swiglu_stream_forward(g_ptr, u_ptr, y_ptr, n_elements, BLOCK: tl.constexpr)
     tl.store(y_ptr + offs, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), mask=mask, cache_modifier=".cs")
 
 
+@triton.jit
+def _swiglu_inductor_forward(g_ptr, u_ptr, y_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+    """Inductor's SwiGLU forward, statement for statement (its source is in the session-7
+    results): the size a compile-time constant, no masks, 32-bit offsets, silu as x / (1 + exp(-x))
+    with libdevice's exp and a true division, where the shipped kernel calls tl.sigmoid"""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.load(g_ptr + offs, None).to(tl.float32)
+    u = tl.load(u_ptr + offs, None).to(tl.float32)
+    silu = g / (libdevice.exp(-g) + 1.0)
+    tl.store(y_ptr + offs, (silu * u).to(y_ptr.dtype.element_ty), None)
+
+
 def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
@@ -462,13 +475,17 @@ def swiglu_variants(n_rows: int, n_cols: int, device: torch.device) -> dict[str,
         grid = (triton.cdiv(n, block),)
         variants[f"stream {block} w{w}"] = functools.partial(_swiglu_stream_forward[grid], gate, up, out, n,
                                                              BLOCK=block, num_warps=w)
+    if n % 1024 == 0:  # Inductor's launch: 1024 elements on 4 warps, one pipeline stage (and Triton's default 3)
+        for stages in (1, 3):
+            variants[f"inductor_copy 1024 w4 s{stages}"] = functools.partial(
+                _swiglu_inductor_forward[(n // 1024,)], gate, up, out, N=n, BLOCK=1024, num_warps=4, num_stages=stages)
     for name, launch in variants.items():
         row["forward"][name] = _time(launch, lambda: _rel(out, want))
     compiled = torch.compile(swiglu_reference)
     with torch.no_grad():
         row["compile_source"] = run_and_get_code(compiled, gate, up)[1]  # compiles: Inductor's kernel
         row["forward"]["compile"] = _time(lambda: compiled(gate, up), lambda: _rel(compiled(gate, up), want))
-        row["rematch"] = _rematch(row["forward"], variants, lambda: compiled(gate, up), count=4)
+        row["rematch"] = _rematch(row["forward"], variants, lambda: compiled(gate, up), count=5)
     row["ops"] = _swiglu_ops(gate, up)
     torch._dynamo.reset()
     print(f"swiglu {n_rows}x{n_cols}: rematch {row['rematch']}; ops {row['ops']}", file=sys.stderr, flush=True)
