@@ -134,8 +134,9 @@ def test_kernel_compiles_for_sm90_without_spills(name: str) -> None:
             # (8 vectors on 4 warps, which the H200 ran fastest in session 7) they are 8-byte vectors
             per_thread = (values["BLOCK_R"] * values["BLOCK_HALF"] // (32 * config.num_warps)
                           if "BLOCK_HALF" in values else 8)
-            vector = r"\.v4" if per_thread >= 8 else r"\.v[24]"
-            assert re.search(rf"ld\.global\S*{vector}", compiled.asm["ptx"]), f"{name} {config}: loads are narrower"
+            width, vector = (16, r"\.v4") if per_thread >= 8 else (8, r"\.v[24]")
+            assert re.search(rf"ld\.global\S*{vector}", compiled.asm["ptx"]), \
+                f"{name} {config}: loads are narrower than {width}-byte vectors"
         usage = _resource_usage(compiled.asm["cubin"])
         # ptxas reports spilled registers as STACK (the per-thread frame) or LOCAL
         assert usage.get("STACK", 0) == 0 and usage.get("LOCAL", 0) == 0, f"{name} {config}: spills {usage}"

@@ -27,7 +27,8 @@ from mplan.kernels.sigmoid import sigmoid_and_complement
 # The forward runs one 16-byte vector per thread and tensor, 1024 elements on 4 warps, as
 # Inductor's pointwise kernel does: on the H200 every other block size was 0.4-5% slower at both
 # Llama widths in three runs, and offering them let the autotuner's single samples pick 2048 x 4
-# (0.7% behind torch.compile at F 5632, benchmarks/results/kernels_h200-2026-11-29-session7-first.json).
+# (0.7% behind torch.compile at F 5632,
+# benchmarks/results/kernels_h200-2026-11-29-session7-first.json).
 _FORWARD_BLOCKS = configs([triton.Config({"BLOCK": 1024}, num_warps=4)], triton.Config({"BLOCK": 128}, num_warps=1))
 # The backward (three loads, two stores) is tuned over larger blocks as well.
 _BLOCKS = configs(
