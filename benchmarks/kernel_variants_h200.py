@@ -17,8 +17,12 @@ checked against the reference:
                (shipped since this comparison: mplan.kernels.glu)
     flat       Inductor's shape: flat over the output with the half width a compile-time
                constant, so row and column come from a division by a constant
-  SwiGLU on two tensors (forward; `swiglu_variants`): the shipped kernel against its 32-bit,
-  unmasked form (`int32_even`), not yet run on the GPU
+  SwiGLU on two tensors (forward; `swiglu_variants`), tied with compile at the DRAM limit
+    shipped        mplan.kernels.glu (1024 elements on 4 warps since session 7)
+    int32_even     32-bit offsets, unmasked when every block is full: ties (session 7)
+    stream         inputs evicted first, output stored `.cs`: 4-5% slower (session 7)
+    inductor_copy  Inductor's generated kernel statement for statement: within 0.07% (session 7)
+    and, as training calls them (`ops`), mplan's op against torch.compile's training graph
   RoPE (forward), on the benchmark's contiguous [b, h, s, d] and on the two layouts the
   models hand it: the transpose of a [b, s, h, d] projection and a q slice of a grouped
   [b, s, (h + 2 kv) d] q/k/v projection
