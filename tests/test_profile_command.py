@@ -45,10 +45,10 @@ def test_bench_measure_runs_the_plan_for_real(capsys):
     assert row["measured"]["tokens_per_s"] == pytest.approx(4 * 16 / row["measured"]["step_time_s"])
     # the measurement set against the prediction: step time, and (on GPUs) the peak memory against
     # the prediction without the fragmentation margin, which max_memory_allocated does not see
-    versus = row["measured"]["vs_predicted"]
-    assert versus["step_time"] == pytest.approx(row["measured"]["step_time_s"] / row["predicted"]["step_time_s"] - 1)
-    assert 0 < versus["predicted_allocated_gib"] < row["predicted"]["memory_gib"]
-    assert versus["peak_memory"] is None  # no device peak on the CPU
+    error = row["measured"]["prediction_error"]
+    assert error["step_time"] == pytest.approx(row["predicted"]["step_time_s"] / row["measured"]["step_time_s"] - 1)
+    assert 0 < error["predicted_allocated_gib"] < row["predicted"]["memory_gib"]
+    assert error["peak_memory"] is None  # no device peak on the CPU
 
 
 def test_bench_writes_each_row_as_it_finishes(tmp_path, monkeypatch):

@@ -3,9 +3,9 @@
 Each entry of `--plans` is `auto` (the planner's choice) or a manual spec (`tp=8,pp=4`): keys it
 fixes are honoured, keys it leaves out are searched. One capture and one cache of sharding solves
 serve every entry. A plan that cannot run gets `error` (why) instead of figures. Figures are
-predictions; `measured` is filled only by a measurement (`--measure`), with `vs_predicted`
-(measured over predicted, minus one: the step time, and the peak memory against the prediction
-without the planner's fragmentation margin), or says why the runtime cannot run that plan
+predictions; `measured` is filled only by a measurement (`--measure`), with `prediction_error`
+(predicted over measured, minus one: the step time, and the peak memory predicted without the
+planner's fragmentation margin), or says why the runtime cannot run that plan
 (pipeline and expert parallelism are planned, not yet executed), or that it ran out of device
 memory (on every rank alike, for the symmetric plans the runtime executes).
 """
@@ -60,8 +60,8 @@ def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequ
                 row["measured"] = measure_plan(model, c.spec(), global_batch=global_batch, seq_len=seq_len,
                                                profile=profile)
                 if row["measured"].get("step_time_s"):
-                    row["measured"]["vs_predicted"] = _against_prediction(row["measured"], best,
-                                                                          planner.evaluate(c, fragmentation=0.0))
+                    row["measured"]["prediction_error"] = _prediction_error(row["measured"], best,
+                                                                            planner.evaluate(c, fragmentation=0.0))
             except NotImplementedError as exc:  # raised alike on every rank, before any collective
                 row["measured"] = {"error": str(exc)}
             except torch.OutOfMemoryError as exc:  # a plan predicted to fit did not
@@ -73,15 +73,15 @@ def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequ
     return rows
 
 
-def _against_prediction(measured: dict[str, Any], predicted: Any, allocated: Any) -> dict[str, Any]:
-    """Measured over predicted, minus one: the step time, and the peak memory against the
-    prediction without the planner's fragmentation margin (`allocated`), the like of what
-    torch.cuda.max_memory_allocated counts (None off CUDA, where no peak is measured)."""
+def _prediction_error(measured: dict[str, Any], predicted: Any, allocated: Any) -> dict[str, Any]:
+    """Predicted over measured, minus one (below zero: the planner was low): the step time, and the
+    peak memory as the prediction without the planner's fragmentation margin (`allocated`), the
+    like of what torch.cuda.max_memory_allocated counts (None off CUDA, where no peak is measured)."""
     peak = measured.get("peak_memory_gib")
     allocated_gib = allocated.peak_memory_bytes / 2**30
-    return {"step_time": measured["step_time_s"] / predicted.step_time_s - 1,
+    return {"step_time": predicted.step_time_s / measured["step_time_s"] - 1,
             "predicted_allocated_gib": allocated_gib,
-            "peak_memory": peak / allocated_gib - 1 if peak is not None else None}
+            "peak_memory": allocated_gib / peak - 1 if peak else None}
 
 
 def _release_device_memory() -> None:
