@@ -1,0 +1,103 @@
+"""What the fused kernels keep for backward, against their references and the planner's count (CPU).
+
+The planner counts the activations an op keeps for backward from the captured (unfused) graph;
+mplan's fused kernels keep other tensors than their references (a fused norm keeps its input and
+rstd, not the normalized tensor; a fused SwiGLU keeps gate and up, not silu(gate)). This script
+measures one block of a small Llama and GPT trained through `mplan.autoparallel(kernels=True)` in
+fp32 at tp=1: the bytes the forward leaves allocated for backward with the Triton kernels (run by
+the Triton interpreter, in a child process started with TRITON_INTERPRET=1) and with their
+PyTorch references, beside the planner's count (`unit_costs`, recompute none). One block is half
+the difference between 4 and 2 layers, so the embedding, head and loss cancel.
+
+Why: on 2 H200s Llama-3-8B at tp=2 with SP and no recomputation peaked 18% under the planner's
+prediction (benchmarks/results/bench_llama3-8b_h200x2-2026-11-29-session7.json); this tells
+whether the planner's count of a block is off for the fused kernels already at tp=1.
+
+    PYTHONPATH=. python3 benchmarks/fused_activation_bytes.py --out /tmp/fused_activation_bytes.json
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import mplan  # noqa: E402
+from mplan.cost_models.cluster import ClusterSpec  # noqa: E402
+from mplan.cost_models.collective_cost import GroupShape  # noqa: E402
+from mplan.models import build_model  # noqa: E402
+from mplan.planner.op_cost import OpCoster  # noqa: E402
+from mplan.planner.placement import R  # noqa: E402
+from mplan.planner.sharding_ilp import solve_graph_sharding  # noqa: E402
+from mplan.planner.unit_costs import unit_costs  # noqa: E402
+
+MODELS = {"llama": "llama:layers={layers},hidden=128,heads=4,kv_heads=2,ffn=352,seq=64,vocab=64",
+          "gpt": "gpt:layers={layers},hidden=128,heads=4,seq=64,vocab=64"}
+"""each at 2 and 4 layers: half the difference is one block's bytes (embedding, head and loss cancel)"""
+BATCH = 4
+
+
+def _program(spec: str) -> Any:
+    model = build_model(spec, device="cpu", dtype=torch.float32, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    ids, labels = (torch.randint(0, 64, (BATCH, model.config.seq_len), generator=gen) for _ in range(2))
+    pm = mplan.autoparallel(model, example_inputs=(ids,), optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
+                            global_batch=BATCH, plan="dp=1,tp=1", device="cpu", kernels=True)
+    return pm, pm._feed(pm.program, (ids, labels))
+
+
+def kept_after_forward(spec: str) -> int:
+    """Bytes the forward allocates and has not freed when backward would start (CPU allocator)."""
+    pm, feed = _program(spec)
+    pm.program(*feed)  # first call: any one-time work out of the measurement
+    with torch.profiler.profile(profile_memory=True) as prof:
+        loss = pm.program(*feed)
+    del loss
+    return sum(event.self_cpu_memory_usage for event in prof.events())
+
+
+def planner_saved_bytes(spec: str) -> int:
+    """The planner's count of what the forward keeps (`unit_costs`, recompute none), on the graph
+    the runtime runs."""
+    pm, _ = _program(spec)
+    graph = pm.graph
+    coster = OpCoster(ClusterSpec.preset("cpu"), 1, GroupShape(size=1, ranks_per_node=1))
+    return sum(u.saved_bytes for u in unit_costs(graph, solve_graph_sharding(graph, coster, R), coster))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--measure-only", help=argparse.SUPPRESS)  # the child's job: one model spec
+    args = parser.parse_args()
+    if args.measure_only:
+        print(kept_after_forward(args.measure_only))
+        return
+    report: dict[str, Any] = {"torch": torch.__version__, "dtype": "float32", "batch": BATCH,
+                              "per_block": "half the difference between 4 and 2 layers", "models": {}}
+    for name, template in MODELS.items():
+        figures: dict[int, dict[str, int]] = {}
+        for layers in (2, 4):
+            spec = template.format(layers=layers)
+            child = subprocess.run([sys.executable, __file__, "--out", "-", "--measure-only", spec], check=True,
+                                   capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"})
+            figures[layers] = {"kept_with_kernels_bytes": int(child.stdout.split()[-1]),
+                               "kept_with_references_bytes": kept_after_forward(spec),
+                               "planner_saved_bytes": planner_saved_bytes(spec)}
+        row = {key: (figures[4][key] - figures[2][key]) // 2 for key in figures[2]}
+        row["planner_vs_kernels"] = row["planner_saved_bytes"] / row["kept_with_kernels_bytes"] - 1
+        report["models"][name] = {"spec": template, "per_block": row}
+        print(name, row, file=sys.stderr)
+    with open(args.out, "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
