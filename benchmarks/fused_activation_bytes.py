@@ -53,9 +53,8 @@ def _program(spec: str) -> Any:
     return pm, pm._feed(pm.program, (ids, labels))
 
 
-def kept_after_forward(spec: str) -> int:
+def kept_after_forward(pm: Any, feed: Any) -> int:
     """Bytes the forward allocates and has not freed when backward would start (CPU allocator)."""
-    pm, feed = _program(spec)
     pm.program(*feed)  # first call: any one-time work out of the measurement
     with torch.profiler.profile(profile_memory=True) as prof:
         loss = pm.program(*feed)
@@ -63,11 +62,9 @@ def kept_after_forward(spec: str) -> int:
     return sum(event.self_cpu_memory_usage for event in prof.events())
 
 
-def planner_saved_bytes(spec: str) -> int:
+def planner_saved_bytes(graph: Any) -> int:
     """The planner's count of what the forward keeps (`unit_costs`, recompute none), on the graph
     the runtime runs."""
-    pm, _ = _program(spec)
-    graph = pm.graph
     coster = OpCoster(ClusterSpec.preset("cpu"), 1, GroupShape(size=1, ranks_per_node=1))
     return sum(u.saved_bytes for u in unit_costs(graph, solve_graph_sharding(graph, coster, R), coster))
 
@@ -78,7 +75,7 @@ def main() -> None:
     parser.add_argument("--measure-only", help=argparse.SUPPRESS)  # the child's job: one model spec
     args = parser.parse_args()
     if args.measure_only:
-        print(kept_after_forward(args.measure_only))
+        print(kept_after_forward(*_program(args.measure_only)))
         return
     report: dict[str, Any] = {"torch": torch.__version__, "dtype": "float32", "batch": BATCH,
                               "per_block": "half the difference between 4 and 2 layers", "models": {}}
@@ -88,9 +85,10 @@ def main() -> None:
             spec = template.format(layers=layers)
             child = subprocess.run([sys.executable, __file__, "--out", "-", "--measure-only", spec], check=True,
                                    capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"})
+            pm, feed = _program(spec)
             figures[layers] = {"kept_with_kernels_bytes": int(child.stdout.split()[-1]),
-                               "kept_with_references_bytes": kept_after_forward(spec),
-                               "planner_saved_bytes": planner_saved_bytes(spec)}
+                               "kept_with_references_bytes": kept_after_forward(pm, feed),
+                               "planner_saved_bytes": planner_saved_bytes(pm.graph)}
         row = {key: (figures[4][key] - figures[2][key]) // 2 for key in figures[2]}
         row["planner_vs_kernels"] = row["planner_saved_bytes"] / row["kept_with_kernels_bytes"] - 1
         report["models"][name] = {"spec": template, "per_block": row}

@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-Key = TypeVar("Key")
-
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+Key = TypeVar("Key")
 
 
 def kernel_table(prof: profile) -> dict[str, float]:

@@ -392,10 +392,10 @@ def _rematch(timed: dict[str, Any], variants: dict[str, Callable[[], Any]], comp
     return _interleaved({**{k: variants[k] for _, k in ranked[:count]}, "compile": compiled})
 
 
-def _interleaved(launches: dict[str, Callable[[], Any]]) -> dict[str, dict[str, float]]:
-    """GPU kernel time of each launch in 5 interleaved rounds of 50 calls: median and range."""
+def _interleaved(launches: dict[str, Callable[[], Any]], rounds: int = 5) -> dict[str, dict[str, float]]:
+    """GPU kernel time of each launch in `rounds` interleaved rounds of 50 calls: median and range."""
     return {k: {"median_ms": round(statistics.median(v), 5), "min_ms": round(min(v), 5), "max_ms": round(max(v), 5)}
-            for k, v in interleaved_kernel_ms(launches, rounds=5, iters=50).items()}
+            for k, v in interleaved_kernel_ms(launches, rounds=rounds, iters=50).items()}
 
 
 def _time(fn: Callable[[], Any], check: Callable[[], float]) -> dict[str, Any]:
@@ -459,8 +459,8 @@ SWIGLU_STREAM_BLOCKS = ((512, 2), (1024, 2), (1024, 4), (2048, 4), (2048, 8))
 
 def swiglu_variants(n_rows: int, n_cols: int, device: torch.device) -> dict[str, Any]:
     """SwiGLU on two tensors (forward): the shipped kernel against its 32-bit, unmasked form, its
-    streaming-hint form and torch.compile, every configuration once, then the four fastest and
-    compile in 5 interleaved rounds of 50 calls (session 6: the shipped forward 0.02-0.13% behind
+    streaming-hint form, Inductor's kernel copied and torch.compile, every configuration once,
+    then the five fastest and compile in 5 interleaved rounds of 50 calls (session 6: the shipped forward 0.02-0.13% behind
     compile, both at the DRAM limit; session 7: neither form helped, streaming hints cost 4-5%)."""
     gate = 2 * torch.randn(n_rows, n_cols, device=device, dtype=torch.bfloat16)
     up = torch.randn_like(gate)
@@ -492,7 +492,8 @@ def swiglu_variants(n_rows: int, n_cols: int, device: torch.device) -> dict[str,
         row["rematch"] = _rematch(row["forward"], variants, lambda: compiled(gate, up), count=5)
     row["ops"] = _swiglu_ops(gate, up)
     torch._dynamo.reset()
-    print(f"swiglu {n_rows}x{n_cols}: rematch {row['rematch']}; ops {row['ops']}", file=sys.stderr, flush=True)
+    timed_ops = {k: v for k, v in row["ops"].items() if k != "compile_train_source"}
+    print(f"swiglu {n_rows}x{n_cols}: rematch {row['rematch']}; ops {timed_ops}", file=sys.stderr, flush=True)
     return row
 
 
@@ -507,9 +508,7 @@ def _swiglu_ops(gate: torch.Tensor, up: torch.Tensor) -> dict[str, Any]:
     ops = {"mplan": lambda: swiglu(g, u), "compile_train": lambda: compiled(g, u)}
     for op in ops.values():
         op()
-    timed = {k: {"median_ms": round(statistics.median(v), 5), "min_ms": round(min(v), 5), "max_ms": round(max(v), 5)}
-             for k, v in interleaved_kernel_ms(ops, rounds=9, iters=50).items()}
-    return {**timed, "compile_train_source": source}
+    return {**_interleaved(ops, rounds=9), "compile_train_source": source}
 
 
 GELU_SHAPES = ((16384, 8192), (16384, 16384))
