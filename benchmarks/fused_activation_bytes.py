@@ -34,7 +34,7 @@ from mplan.cost_models.cluster import ClusterSpec  # noqa: E402
 from mplan.cost_models.collective_cost import GroupShape  # noqa: E402
 from mplan.models import build_model  # noqa: E402
 from mplan.planner.op_cost import OpCoster  # noqa: E402
-from mplan.planner.placement import R  # noqa: E402
+from mplan.ir.placement import R  # noqa: E402
 from mplan.planner.sharding_ilp import solve_graph_sharding  # noqa: E402
 from mplan.planner.unit_costs import unit_costs  # noqa: E402
 

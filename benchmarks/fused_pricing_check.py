@@ -32,7 +32,7 @@ from mplan.planner.search import Planner  # noqa: E402
 
 
 def predict_step_s(workload: Any, kernels: bool, fp8: bool = False) -> float:
-    model = build_model(workload.config, device="meta")
+    model = build_model(workload.config, device="meta", dtype=torch.bfloat16)  # priced in the dtype it trains in
     graph = capture_for_planning(model, (torch.zeros(1, workload.config.seq_len, dtype=torch.long),))
     planner = Planner(graph, ClusterSpec.preset("h200"), grad_dtype="bf16", fp32_grad_copy=False, kernels=kernels,
                       fp8=fp8)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import torch
+
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.models import GPTConfig, LlamaConfig
 from mplan.planner.parallel_config import ParallelConfig
@@ -34,8 +36,8 @@ def model_of(row: dict):  # noqa: ANN201 - a model config
 
 def predict(row: dict) -> dict:
     config = model_of(row)
-    model = build_model(config, device="meta")
-    graph = capture_for_planning(model, (__import__("torch").zeros(1, config.seq_len, dtype=__import__("torch").long),))
+    model = build_model(config, device="meta", dtype=torch.bfloat16)  # priced in the dtype it trains in
+    graph = capture_for_planning(model, (torch.zeros(1, config.seq_len, dtype=torch.long),))
     planner = Planner(graph, ClusterSpec.preset("h200"), grad_dtype="bf16", fp32_grad_copy=True)
     estimate = planner.evaluate(ParallelConfig(dp=1, tp=1, pp=1, mbs=row["batch"], num_micro_batches=1, zero=1),
                                 fast=False, fragmentation=0.0)

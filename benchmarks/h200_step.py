@@ -25,7 +25,7 @@ import time
 import torch
 
 from mplan.models import GPTConfig, LlamaConfig, build_model, example_inputs
-from mplan.runtime.mesh import MeshShape
+from mplan.ir.mesh import MeshShape
 from mplan.runtime.optimizer import build_optimizer
 from mplan.runtime.process_groups import init_process_groups
 

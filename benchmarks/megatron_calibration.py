@@ -49,7 +49,7 @@ def own_configs(run: MegatronRun) -> list[ParallelConfig]:
 def calibrate(run: MegatronRun, *, with_auto: bool = True) -> dict:
     config = GPTConfig(name=run.id, num_layers=run.layers, hidden=run.hidden, num_heads=run.heads,
                        seq_len=run.seq_len, vocab=run.vocab, tie_embeddings=True, fused_attention=False)
-    model = build_model(config, device="meta")
+    model = build_model(config, device="meta", dtype=torch.bfloat16)  # priced in the dtype it trains in
     graph = capture_for_planning(model, (torch.zeros(1, run.seq_len, dtype=torch.long),))
     cluster = ClusterSpec.preset("dgx-a100", nodes=run.num_gpus // run.gpus_per_node)
     planner = Planner(graph, cluster, grad_dtype="fp32", fp32_grad_copy=True)

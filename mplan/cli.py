@@ -119,7 +119,7 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from mplan.planner.bench import bench_plans, write_csv
+    from mplan.bench import bench_plans, write_csv
 
     status, progress = _stderr_progress()
     reports = int(os.environ.get("RANK", "0")) == 0  # under torchrun (--measure) every rank runs the plans
@@ -170,10 +170,12 @@ def _measured_ms(measured: dict[str, Any] | None) -> str:
 
 def _profile(args: argparse.Namespace) -> int:
     from mplan.cost_models.profile_cluster import profile_cluster
+    from mplan.runtime.launch import init_distributed_from_env
 
     status, progress = _stderr_progress()
     with status:
-        cluster = profile_cluster(args.output, quick=args.quick, links=not args.no_links, progress=progress)
+        cluster = profile_cluster(args.output, init_distributed_from_env(), quick=args.quick,
+                                  links=not args.no_links, progress=progress)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # every rank measured; rank 0 reports
     if args.json:
@@ -184,7 +186,7 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from mplan.runtime.verify import verify_plan
+    from mplan.verify import verify_plan
 
     model, plan = args.target, args.plan
     if args.target.endswith(".json"):

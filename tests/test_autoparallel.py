@@ -1,15 +1,16 @@
 """`mplan.autoparallel` end to end: plans from the planner, plan files, refusals, one device,
 and `verify_plan` (what `mplan verify` calls).
 
-Distributed checks share one gloo group of 2 ranks: a Plan made by `mplan.plan` (its per-op TP
-strategies zipped onto the re-captured graph) and the planner's own search (plan=None) train like
-one process; a plan for another world size or another model is refused with one clear error,
-raised on every rank before any collective (a collective on one rank only would hang the test).
+Distributed checks share one gloo group of 2 ranks: a Plan made by `mplan.plan` on the module
+(run as the planner made it: its per-op strategies, bound to the graph autoparallel captures by
+node key) and the planner's own search (plan=None) train like one process; a plan for another
+world size or another model is refused with one clear error, raised on every rank before any
+collective (a collective on one rank only would hang the test).
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import functools
 import os
 import tempfile
 from collections.abc import Iterator
@@ -19,43 +20,31 @@ import torch
 import torch.distributed as dist
 
 from distributed import rel_err, run_checks
-from mplan.planner.placement import R
 from test_equivalence import OPTIMIZER, assert_equivalent, batches, compare, family, single_device
 
 
 def _planned(spec: str, gpus: int, name: str) -> str:
-    """Rank 0 plans tiny-gpt for `gpus` H100s and writes the plan; every rank gets the path.
-
-    On a model this small the planner rightly keeps every op replicated; so that the plan's per-op
-    strategies exercise real splits, they are replaced by Megatron's, solved on the planner's own
-    capture (symbolic batch, shallow) and serialized as the planner serializes them."""
+    """Rank 0 plans tiny-gpt for `gpus` H100s and writes the plan; every rank gets the path."""
     import mplan
-    from mplan.planner.plan_builder import strategy_key
-    from mplan.planner.planning import capture_for_planning
-    from mplan.planner.sharding_ilp import solve_graph_sharding
-    from mplan.runtime.execution_plan import CollectiveCountCoster, megatron_required
 
     where = [None]
     if dist.get_rank() == 0:
         model, ids = family("tiny-gpt")(), batches(4, steps=1)[0][0]
         cluster = mplan.ClusterSpec.preset("dgx-h100", nodes=1, gpus_per_node=gpus)
-        plan = mplan.plan(model, (ids,), cluster=cluster, global_batch=4, spec=spec)
-        graph = capture_for_planning(model, (ids,))
-        choice = solve_graph_sharding(graph, CollectiveCountCoster(plan.mesh.tp), R,
-                                      allow=megatron_required(plan.mesh.tp)).choice
-        ops = {b.name: [strategy_key(choice[n]) for n in b.template] for b in graph.block_types}
-        ops.update({s.name: [strategy_key(choice[n]) for n in s.nodes]
-                    for s in graph.segments if s.block_type is None and s.nodes})
+        plan = mplan.plan(model, (ids,), cluster=cluster, global_batch=4, spec=spec, runtime="mplan")
         where[0] = os.path.join(tempfile.mkdtemp(prefix="mplan_plan_"), name)
-        dataclasses.replace(plan, ops=ops).save(where[0])
+        plan.save(where[0])
     dist.broadcast_object_list(where)
     return where[0]
 
 
 def plan_file_tp2() -> dict:
+    from mplan.planner.plan import Plan
+
     path = _planned("tp=2,pp=1", 2, "tp2.json")
     result = compare(family("tiny-gpt"), path, 4)
-    return {**result, "path": path}
+    planned = {text for entries in Plan.load(path).ops.values() for text in entries.values()}
+    return {**result, "path": path, "as_planned": result["strategy_texts"] <= planned}
 
 
 def planner_search() -> dict:
@@ -92,10 +81,11 @@ def outcomes():
     return run_checks(2, CHECKS, timeout_s=240)
 
 
-def test_executes_a_planner_plan(outcomes) -> None:
+def test_executes_a_planner_plan_as_planned(outcomes) -> None:
     values = outcomes.assert_passed(plan_file_tp2)
     assert_equivalent(values)
-    assert "column" in values[0]["strategies"] and "tp=2" in values[0]["ran"]
+    assert values[0]["as_planned"] and "tp=2" in values[0]["ran"]
+    assert set(values[0]["strategies"]) - {"replicate", "partial"}, values[0]["strategies"]  # real splits ran
 
 
 def test_plan_none_searches_and_runs(outcomes) -> None:
@@ -168,34 +158,52 @@ def test_a_plan_made_for_fp8_runs_fp8_or_refuses_naming_why() -> None:
 
 
 def test_verify_plan_scales_a_plan_down() -> None:
-    from mplan.runtime.verify import verify_plan
+    from mplan.verify import verify_plan
 
     report = verify_plan("gpt3-175b", "tp=8,dp=8,sp=1,zero=1", world_size=2, steps=2)
     assert report.passed, report
-    assert report.executed.startswith("dp=1,tp=2,sp=1,zero=1"), report.executed
+    assert report.executed.startswith("dp=1,tp=2,pp=1") and "sp=1,zero=1" in report.executed, report.executed
     assert "num_layers=2" in report.scaled_model and "tie_embeddings=True" in report.scaled_model
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_graph():
+    from mplan.ir.trace import capture_for_training
+
+    return capture_for_training(family("tiny-gpt")(), (batches(4, steps=1)[0][0],))
+
+
+def _resolve(spec: str, world: int, batch: int, **options):
+    from mplan.cost_models.presets import local_cluster
+    from mplan.planner.resolve import resolve_plan
+
+    cluster = local_cluster({"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)})
+    return resolve_plan(spec, _tiny_graph(), cluster=cluster, world_size=world, global_batch=batch, **options)
 
 
 @pytest.mark.parametrize("spec,world,batch,error,match", [
     ("tp=2,dp=2", 2, 4, ValueError, r"dp\*tp\*pp = 2\*2\*1 = 4 ranks but the world has 2"),
-    ("tp=2,pp=2", 4, 4, NotImplementedError, "later issue"),
     ("dp=2,mbs=3", 2, 8, ValueError, "not a multiple of the micro-batch size 3"),
     ("dp=4", 4, 6, ValueError, "not divisible by dp=4"),
-    ("tp=3", 4, 4, ValueError, "tp=3 does not divide the world size 4"),
+    ("tp=3", 4, 4, ValueError, r"tp\*pp = 3\*1 = 3 does not divide the world size 4"),
 ])
 def test_spec_strings_fail_with_the_arithmetic(spec, world, batch, error, match) -> None:
-    from mplan.runtime.execution_plan import resolve_execution_plan
-
     with pytest.raises(error, match=match):
-        resolve_execution_plan(spec, world_size=world, global_batch=batch)
+        _resolve(spec, world, batch)
 
 
 def test_spec_fills_left_out_keys() -> None:
-    from mplan.runtime.execution_plan import resolve_execution_plan
-
-    plan = resolve_execution_plan("tp=2,sp=1,zero=1", world_size=8, global_batch=16, micro_batch_size=2)
+    plan = _resolve("tp=2,sp=1,zero=1", 8, 16, micro_batch_size=2)
     assert (plan.mesh.dp, plan.mesh.tp, plan.micro_batch_size, plan.num_micro_batches) == (4, 2, 2, 2)
-    assert plan.sequence_parallel and plan.zero == 1 and plan.tp_strategies == "megatron"
+    assert plan.sequence_parallel and plan.zero == 1 and plan.tp_layout == "megatron"
+
+
+def test_pipeline_plans_are_refused_naming_what_to_use_instead() -> None:
+    from mplan.runtime.parallel_module import UnsupportedPlan, check_executable
+
+    with pytest.raises(UnsupportedPlan, match=r"needs pipeline parallelism \(pp=2\), which mplan's runtime does "
+                                              r"not run yet; use a plan with pp=1"):
+        check_executable(_resolve("tp=2,pp=2", 4, 4))
 
 
 @contextlib.contextmanager

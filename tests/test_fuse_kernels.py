@@ -4,12 +4,16 @@ tests/test_kernels_interpret.py."""
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mplan.ir.fusion_patterns import FUSION_PATTERNS
 from mplan.kernels.dispatch import INTERPRET
 from mplan.models import GPTConfig, GPTModel, LlamaConfig, LlamaModel
 from mplan.passes.fuse_kernels import FUSION_RULES, FusionReport, fuse_kernels
@@ -75,13 +79,15 @@ def test_fused_graph_trains_like_the_unfused_one(family: str) -> None:
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_attention_is_fused_for_a_cuda_run(family: str) -> None:
     """device="cuda" adds the attention rule; the op it emits is SDPA itself off CUDA, so the
-    fused graph still computes exactly the unfused one here."""
+    fused graph still computes exactly the unfused one here. RoPE'd q and k feed the fused
+    attention op, which still counts as attention for the autocast marks."""
     torch.manual_seed(0)
     ids, labels = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
     unfused = _export(_model(family), ids, labels=labels)
     fused = fuse_kernels(copy.deepcopy(unfused), device="cuda")
     assert _fired(fused) == {**EXPECTED_FIRED[family], "attention": 2}
     assert aten.scaled_dot_product_attention.default not in {node.target for node in fused.graph.nodes}
+    assert fused.meta["fuse_kernels"].consumer_marks == sum(sum(kinds.values()) for kinds in EXPECTED_MARKS[family])
     assert torch.equal(fused(ids, labels=labels), unfused(ids, labels=labels))
 
 
@@ -147,9 +153,22 @@ def test_every_inserted_node_carries_its_value_metadata() -> None:
 
 
 def test_rules_are_documented_data() -> None:
-    names = [rule.name for rule in FUSION_RULES]
+    names = [pattern.name for pattern in FUSION_PATTERNS]
     assert len(set(names)) == len(names)
     assert names.index("rms_norm_residual") < names.index("rms_norm")  # the longer chain first
+    # the planner prices the chains the patterns find in this order: the pass must try them so
+    assert [rule.pattern for rule in FUSION_RULES] == list(FUSION_PATTERNS)
+
+
+def test_the_patterns_import_without_the_kernels_or_the_passes() -> None:
+    """The planner matches the patterns for every plan: they must not load Triton or the pass."""
+    script = ("import sys, mplan.ir.fusion_patterns\n"
+              "print(sorted(m for m in sys.modules\n"
+              "             if m == 'triton' or m.startswith(('mplan.kernels', 'mplan.passes'))))")
+    run = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "[]"
 
 
 class _NormWithLeakedStatistic(nn.Module):

@@ -20,7 +20,7 @@ from mplan.planner.parallel_config import ParallelConfig
 from mplan.planner.plan import Plan, PlanError
 from mplan.planner.planning import capture_for_planning, plan
 from mplan.planner.search import Planner
-from mplan.planner.strategies import replicated
+from mplan.planner.op_registry import replicated
 
 # what fuse_kernels fires on the same shallow (two-block) capture, GEMM groups and attention aside
 # (Llama's gate/up GEMM + packed SwiGLU is priced as the SwiGLU it contains: the same bytes)

@@ -40,7 +40,7 @@ from distributed import rel_err
 from mplan.kernels import adamw
 from mplan.kernels.dispatch import HAVE_TRITON, INTERPRET, tl
 from mplan.runtime.compute_copies import ComputeCopies
-from mplan.runtime.mesh import MeshShape
+from mplan.ir.mesh import MeshShape
 from mplan.runtime.optimizer import build_optimizer
 from mplan.runtime.process_groups import init_process_groups
 

@@ -14,18 +14,19 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from mplan.collectives.redistribute import AxisGroup as TensorParallelAxis
+from mplan.collectives.redistribute import apply_transition
+from mplan.ir.placement import P, R, S
+from mplan.ir.sharding import (ParameterPlacementConflict, UnexecutableStrategy, check_sharding, parameter_layouts,
+                               tp_reduced_parameters)
+from mplan.ir.strategy import Strategy
 from mplan.ir.trace import capture
 from mplan.models import build_model
 from mplan.passes.insert_collectives import insert_collectives
-from mplan.passes.local_ops import UnexecutableStrategy
-from mplan.passes.parameter_layout import ParameterPlacementConflict, parameter_layouts, tp_reduced_parameters
 from mplan.passes.shard_parameters import shard_parameters, shard_tensor
-from mplan.passes.verifier import LocalGraphMismatch, check_local_graph, check_sharding
-from mplan.planner.placement import P, R, S
-from mplan.planner.strategies import Strategy, replicated
-from mplan.runtime.execution_plan import ExecutionPlan, tp_choice
-from mplan.runtime.mesh import MeshShape
-from mplan.runtime.redistribute import TensorParallelAxis, apply_transition
+from mplan.passes.verifier import LocalGraphMismatch, check_local_graph
+from mplan.planner.op_registry import replicated
+from mplan.planner.tp_layout import solve_tp_layout
 
 
 @functools.lru_cache(maxsize=None)
@@ -35,22 +36,21 @@ def graph_of(spec: str, batch: int = 2):
     return capture(model, (ids,), labels=ids.clone())
 
 
-def _plan(tp: int, sp: bool, strategies: str = "megatron") -> ExecutionPlan:
-    return ExecutionPlan(mesh=MeshShape(tp=tp), sequence_parallel=sp, zero=0, micro_batch_size=2,
-                         num_micro_batches=1, global_batch=2, tp_strategies=strategies, source="test")
-
-
 def _coster(n: int):
-    from mplan.cost_models.collective_cost import GroupShape
     from mplan.cost_models.presets import local_cluster
+    from mplan.ir.mesh import GroupShape
     from mplan.planner.op_cost import OpCoster
 
     return OpCoster(local_cluster({"WORLD_SIZE": str(n)}), n, GroupShape(size=n, ranks_per_node=n))
 
 
+def layout_of(graph, tp: int, sp: bool, strategies: str = "megatron"):
+    return solve_tp_layout(graph, _coster(tp), sp=sp, layout=strategies).choice
+
+
 @functools.lru_cache(maxsize=None)
 def choice_of(spec: str, tp: int, sp: bool, strategies: str = "megatron"):
-    return tp_choice(graph_of(spec), _plan(tp, sp, strategies), _coster)
+    return layout_of(graph_of(spec), tp, sp, strategies)
 
 
 CASES = [("tiny-llama", 2, False, "megatron"), ("tiny-llama", 2, True, "megatron"),
@@ -61,7 +61,7 @@ CASES = [("tiny-llama", 2, False, "megatron"), ("tiny-llama", 2, True, "megatron
 @pytest.mark.parametrize("spec,tp,sp,strategies", CASES, ids=lambda v: str(v))
 def test_local_program_shapes_on_every_rank(spec, tp, sp, strategies) -> None:
     graph, choice = graph_of(spec), choice_of(spec, tp, sp, strategies)
-    check_sharding(graph, choice, tp)
+    check_sharding(graph, choice)
     for rank in range(tp):
         program = insert_collectives(graph, choice, TensorParallelAxis(group=None, size=tp, rank=rank), device="meta")
         out = check_local_graph(program, graph)
@@ -101,7 +101,7 @@ def test_row_parallel_bias_is_reduced_once_per_step() -> None:
 
 def test_consumers_disagreeing_on_a_parameter_fail_clearly() -> None:
     graph = graph_of("gpt:layers=1,hidden=32,heads=4,seq=16,vocab=64,tie=1")
-    choice = dict(tp_choice(graph, _plan(2, False), _coster))
+    choice = dict(layout_of(graph, 2, False))
     head = next(n for n in graph.nodes if n.op.startswith("aten.linear") and "embed.weight" in n.inputs)
     choice[head.name] = replicated(head)  # the tied embedding is S(0) for its lookup
     with pytest.raises(ParameterPlacementConflict, match="embed.weight"):
@@ -109,22 +109,23 @@ def test_consumers_disagreeing_on_a_parameter_fail_clearly() -> None:
 
 
 def test_tied_embedding_gets_one_placement() -> None:
-    """The ILP prices ops alone; tp_choice re-solves with the tied weight pinned (found by the
+    """The ILP prices ops alone; solve_graph_sharding re-solves with the tied weight pinned (found by the
     hypothesis test: vocabulary-parallel lookup and a row-parallel head on one tensor)."""
     spec = "llama:layers=2,hidden=8,heads=2,kv_heads=1,ffn=16,seq=16,vocab=64,tie=1"
     graph, choice = graph_of(spec), choice_of(spec, 2, False)
     layout = parameter_layouts(graph, choice)["embed.weight"]
     assert layout.placement == S(0) and len(layout.consumers) == 2
-    check_sharding(graph, choice, 2)
+    check_sharding(graph, choice)
 
 
 def test_unexecutable_strategy_names_node_and_strategy() -> None:
     graph = graph_of("tiny-gpt")
     choice = dict(choice_of("tiny-gpt", 2, False))
     arange = next(n for n in graph.nodes if n.op.startswith("aten.arange"))
-    choice[arange.name] = Strategy(name="invented", inputs=(), output=S(0), input_grads=(), split=True)
-    with pytest.raises(UnexecutableStrategy, match=f"node {arange.name}.*invented"):
-        check_sharding(graph, choice, 2)
+    choice[arange.name] = Strategy(name="invented", inputs=(), output=S(0), input_grads=(), split=True,
+                                   lowering="sharded_arange")
+    with pytest.raises(UnexecutableStrategy, match=f"node {arange.name}.*invented.*sharded_arange"):
+        check_sharding(graph, choice)
 
 
 def test_impossible_edge_is_refused() -> None:
@@ -134,7 +135,7 @@ def test_impossible_edge_is_refused() -> None:
                 and choice[n.inputs[0]].output != P)  # its input is not a partial sum
     choice[node.name] = Strategy(name="partial", inputs=(P,), output=P, input_grads=(R,), split=False)
     with pytest.raises(UnexecutableStrategy, match="no collective turns"):
-        check_sharding(graph, choice, 2)
+        check_sharding(graph, choice)
 
 
 def test_verifier_catches_a_wrong_local_size() -> None:
@@ -155,8 +156,8 @@ def test_hugging_face_llama_local_program() -> None:
     model = LlamaForCausalLM(config)
     ids = torch.zeros(2, 8, dtype=torch.int64)
     graph = capture(model, (ids,), labels=ids.clone())
-    choice = tp_choice(graph, _plan(2, True), _coster)
-    check_sharding(graph, choice, 2)
+    choice = layout_of(graph, 2, True)
+    check_sharding(graph, choice)
     program = insert_collectives(graph, choice, TensorParallelAxis(group=None, size=2, rank=1), device="meta")
     check_local_graph(program, graph)
     # HF's assertions about captured tensors are dropped; its logits output is not returned

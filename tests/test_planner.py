@@ -17,15 +17,14 @@ from mplan.ir import capture
 from mplan.models import GPTConfig, LlamaConfig, build_model
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.parallel_config import PlanSpecError, enumerate_configs, parse_plan_spec
-from mplan.planner.placement import P, R, S, parse_placement, transition
+from mplan.ir.placement import P, R, S, parse_placement, transition
 from mplan.planner.plan import Plan, PlanError
 from mplan.planner.plan_builder import build_plan
 from mplan.planner.planning import capture_for_planning, plan
 from mplan.planner.search import Planner, PlanningError
-from mplan.planner.sharding_ilp import (_price, _problem, megatron_style, solve_block_sharding,
-                                        solve_segment_sharding)
+from mplan.planner.op_registry import megatron_style, strategies_for, view_dim_map
+from mplan.planner.sharding_ilp import _price, _problem, solve_block_sharding, solve_segment_sharding
 from mplan.planner.stage_partition import partition, partition_exhaustive
-from mplan.planner.strategies import strategies_for, view_dim_map
 
 
 def gpt(layers: int, hidden: int, heads: int, seq: int = 2048, vocab: int = 51200) -> GPTConfig:
@@ -33,7 +32,8 @@ def gpt(layers: int, hidden: int, heads: int, seq: int = 2048, vocab: int = 5120
 
 
 def planning_graph(config):  # noqa: ANN001, ANN201
-    model = build_model(config, device="meta")
+    # a module is priced in its own dtype, as autoparallel would train it: bf16 here
+    model = build_model(config, device="meta", dtype=torch.bfloat16)
     return capture_for_planning(model, (torch.zeros(1, config.seq_len, dtype=torch.long),))
 
 

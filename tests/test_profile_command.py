@@ -53,7 +53,7 @@ def test_bench_measure_runs_the_plan_for_real(capsys):
 
 def test_bench_writes_each_row_as_it_finishes(tmp_path, monkeypatch):
     """--out is rewritten after every plan: a measured run cut short keeps the plans it finished."""
-    from mplan.planner import bench
+    from mplan import bench
 
     out, seen = tmp_path / "rows.json", []
     real = bench.bench_plans
@@ -73,7 +73,7 @@ def test_bench_writes_each_row_as_it_finishes(tmp_path, monkeypatch):
 
 def test_profiled_kernels_are_sorted_by_kind():
     """Kernel names as the H200 runs recorded them (step profiles, 2026-11-29)."""
-    from mplan.runtime.measure import kernel_kind
+    from mplan.measure import kernel_kind
 
     assert kernel_kind("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "nccl"
     assert kernel_kind("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN") == "gemm"

@@ -16,10 +16,10 @@ from mplan.cost_models.collective_cost import GroupShape
 from mplan.models import build_model
 from mplan.passes.recompute import CheckpointedUnit
 from mplan.planner.op_cost import OpCoster
-from mplan.planner.placement import R, Shard
+from mplan.ir.placement import R, Shard
 from mplan.planner.sharding_ilp import solve_graph_sharding
 from mplan.planner.unit_costs import unit_costs
-from mplan.runtime.execution_plan import resolve_execution_plan
+from mplan.planner.parallel_config import parse_plan_spec
 
 OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 MODELS = {"gpt": "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=64",
@@ -178,5 +178,5 @@ def test_selective_recomputation_is_priced_with_the_collectives_it_reruns() -> N
 
 
 def test_an_unknown_mode_is_refused_naming_it() -> None:
-    with pytest.raises(ValueError, match="recompute"):
-        resolve_execution_plan("dp=1,recompute=sometimes", world_size=1, global_batch=4)
+    with pytest.raises(ValueError, match="recompute must be one of none, selective, full, got 'sometimes'"):
+        parse_plan_spec("dp=1,recompute=sometimes")

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distributed import rel_err, run_checks
-from mplan.runtime.collectives import (
+from mplan.collectives.redistribute import (
     all_to_all,
     copy_to_region,
     gather_from_region,

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed import rel_err, run_checks
-from mplan.runtime.mesh import MeshShape, mesh_for_world
+from mplan.ir.mesh import MeshShape, mesh_for_world
 from mplan.runtime.optimizer import build_optimizer
 from mplan.runtime.process_groups import ProcessGroups, init_process_groups
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from distributed import rel_err, run_checks
-from mplan.runtime.collectives import all_to_all
-from mplan.runtime.mesh import MeshShape
+from mplan.collectives.redistribute import all_to_all
+from mplan.ir.mesh import MeshShape
 from mplan.runtime.optimizer import build_optimizer
 from mplan.runtime.param_placement import ParamPlacement
 from mplan.runtime.process_groups import ProcessGroups, init_process_groups

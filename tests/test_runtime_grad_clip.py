@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import rel_err, run_checks
-from mplan.runtime.collectives import (
+from mplan.collectives.redistribute import (
     copy_to_region,
     gather_sequence,
     reduce_from_region,
@@ -23,7 +23,7 @@ from mplan.runtime.collectives import (
 )
 from mplan.runtime.data_parallel import GradientSync
 from mplan.runtime.grad_clip import clip_grad_norm_
-from mplan.runtime.mesh import MeshShape
+from mplan.ir.mesh import MeshShape
 from mplan.runtime.optimizer import build_optimizer
 from mplan.runtime.param_placement import ParamPlacement
 from mplan.runtime.process_groups import ProcessGroups, init_process_groups

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from distributed import run_checks
 from mplan.runtime import launch, parallel_module
 from mplan.runtime.launch import init_distributed_from_env
-from mplan.runtime.mesh import AXES, MeshShape, mesh_for_world
+from mplan.ir.mesh import AXES, MeshShape, mesh_for_world
 from mplan.runtime.process_groups import init_process_groups
 
 meshes = st.builds(
@@ -66,7 +66,7 @@ def test_bad_meshes_show_the_arithmetic() -> None:
 def test_one_process_without_a_group_gets_groups_of_one() -> None:
     groups = init_process_groups(MeshShape())
     assert groups.tp is None and groups.dp is None and groups.world is None
-    assert groups.dp_ranks == (0,) and groups.pp_rank == 0
+    assert groups.ranks("dp") == (0,) and groups.pp_rank == 0 and groups.device_mesh is None
     with pytest.raises(ValueError, match="but the world size is 1"):
         init_process_groups(MeshShape(dp=2))
 
@@ -116,10 +116,15 @@ def _check_groups(mesh: MeshShape) -> None:
     rank = dist.get_rank()
     for axis in AXES:
         expected = _expected_ranks(mesh, axis, rank)
-        assert dist.get_process_group_ranks(groups.group(axis)) == expected, axis
         assert list(groups.ranks(axis)) == expected, axis
+        if groups.group(axis) is None:  # a group of one rank
+            assert expected == [rank], axis
+            continue
+        assert dist.get_process_group_ranks(groups.group(axis)) == expected, axis
         # Collectives on the group really stay inside it.
         assert groups.group(axis).size() == len(expected)
+    named = groups.device_mesh.mesh_dim_names  # torch's own mesh carries the same layout
+    assert named == ("pp", "dp", "tp") and groups.device_mesh.mesh.flatten().tolist() == list(range(mesh.size))
     assert (groups.tp_rank, groups.dp_rank, groups.pp_rank) == (
         mesh.coord(rank).tp, mesh.coord(rank).dp, mesh.coord(rank).pp)
 

@@ -38,57 +38,18 @@ conservative).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.collectives import bus_factor, check_collective, ring_steps
+from mplan.ir.mesh import GroupShape
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+"""Gradient bucket of the DP reductions, bytes: 25 MiB, torch DDP's default `bucket_cap_mb`, large
+enough to amortize collective latency. The runtime's buckets (runtime/data_parallel.py) take this
+size, so the planner prices the collectives the runtime issues."""
 
 NCCL_BASE_LATENCY_S = 10.0e-6
 """Per-call latency, seconds: NCCL's tuning model baseLat for Ring/LL128 (src/graph/tuning.cc, 01afd20)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class GroupShape:
-    """A process group as the cost model sees it: ``size`` ranks, ``ranks_per_node`` of them per node."""
-
-    size: int
-    ranks_per_node: int
-
-    def __post_init__(self) -> None:
-        if self.size < 1 or self.ranks_per_node < 1 or self.size % self.ranks_per_node:
-            raise ValueError(f"GroupShape needs size >= 1 and ranks_per_node dividing it, "
-                             f"got size={self.size}, ranks_per_node={self.ranks_per_node}")
-
-    @property
-    def num_nodes(self) -> int:
-        return self.size // self.ranks_per_node
-
-    @property
-    def level(self) -> str:
-        """"intra_node", "inter_node" (one rank per node) or "hierarchical"; "intra_node" for one rank."""
-        if self.num_nodes == 1:
-            return "intra_node"
-        return "inter_node" if self.ranks_per_node == 1 else "hierarchical"
-
-    @classmethod
-    def from_mesh_axis(cls, *, size: int, stride: int, gpus_per_node: int) -> GroupShape:
-        """The group of a mesh axis whose consecutive members are ``stride`` ranks apart.
-
-        Ranks fill nodes in order, so members ``0, stride, 2*stride, ...`` share a node while they
-        stay within ``gpus_per_node``: e.g. TP innermost (stride 1) of size 8 on 8-GPU nodes is one
-        node; DP outside TP=8 (stride 8) puts one rank per node.
-        """
-        if size < 1 or stride < 1:
-            raise ValueError(f"mesh axis needs size >= 1 and stride >= 1, got size={size}, stride={stride}")
-        if stride >= gpus_per_node:
-            return cls(size=size, ranks_per_node=1)
-        if gpus_per_node % stride:
-            raise ValueError(f"stride {stride} does not divide gpus_per_node {gpus_per_node}: "
-                             f"the axis would straddle node boundaries unevenly")
-        per_node = min(size, gpus_per_node // stride)
-        if size % per_node:
-            raise ValueError(f"axis of size {size} with {per_node} ranks per node spans a partial node")
-        return cls(size=size, ranks_per_node=per_node)
 
 
 def check_group_fits(cluster: ClusterSpec, group: GroupShape) -> None:

@@ -16,18 +16,17 @@ from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.profile import ClusterProfile
 
 
-def profile_cluster(output: str | None, *, quick: bool = False, links: bool = True,
+def profile_cluster(output: str | None, world: object | None, *, quick: bool = False, links: bool = True,
                     progress: Callable[[str], None] | None = None) -> ClusterSpec:
-    """Measure, build the cluster spec with its profile, and (rank 0) write it to `output`."""
+    """Measure, build the cluster spec with its profile, and (rank 0) write it to `output`.
+    `world` is the job's default process group (None: this process alone)."""
     import torch
     import torch.distributed as dist
 
     from mplan.cost_models.measure_device import profile_device
     from mplan.cost_models.measure_links import profile_links
-    from mplan.runtime.launch import init_distributed_from_env
 
     say = progress or (lambda _msg: None)
-    world = init_distributed_from_env()
     rank = dist.get_rank() if world is not None else 0
     device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     say(f"rank {rank}: timing kernels on {device}")

@@ -76,6 +76,7 @@ class OpNode:
     saved_extra_bytes: int  # small side tensors saved by the op itself (norm stats, logsumexp)
     module_path: str  # innermost module FQN ("" for the root)
     block: str | None  # instance prefix of the repeated block holding it ("layers.3"), if any
+    key: str  # stable name inside its segment, shared by every instance of a block (`trace._node_keys`)
     known: bool  # False when no rule in op_table describes the op: later stages replicate it
 
     @property
@@ -137,10 +138,25 @@ class Graph:
     shallow: bool
     num_parameters: int  # exact: counted on the full model, also under shallow capture
     program: Any = field(default=None, repr=False, compare=False)  # the torch.export ExportedProgram
+    # the other names of tied parameters -> the name in `params` (`lm_head.weight` -> `wte.weight`):
+    # one tensor, trained once, reported under every name
+    tied: dict[str, str] = field(default_factory=dict)
     _by_name: dict[str, OpNode] = field(default_factory=dict, repr=False)
+    _segment_of: dict[str, Segment] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self._by_name = {n.name: n for n in self.nodes}
+        self._segment_of = {name: seg for seg in self.segments for name in seg.nodes}
+
+    def plan_key(self, node_name: str) -> tuple[str, str]:
+        """(segment key, node key) under which a Plan stores this node's strategy: the block type
+        for nodes of a repeated block (one entry serves every instance), else the glue segment."""
+        segment = self._segment_of[node_name]
+        return segment.block_type or segment.name, self._by_name[node_name].key
+
+    def names_of(self, param: str) -> tuple[str, ...]:
+        """Every name of a parameter in `params`: its own, then those it is tied under."""
+        return (param, *(alias for alias, name in self.tied.items() if name == param))
 
     def node(self, name: str) -> OpNode:
         return self._by_name[name]

@@ -54,6 +54,18 @@ def _addmm(ins: Sequence[TensorMeta], outs: Sequence[TensorMeta]) -> int:
     return 2 * outs[0].numel * ins[1].shape[-1]
 
 
+def einsum_flops(equation: str, ins: Sequence[TensorMeta]) -> int:
+    """2 x the product of every letter's size: each output element is a sum over the contracted
+    letters (0 for an equation with an ellipsis, which this does not read)."""
+    lhs = equation.replace(" ", "").partition("->")[0]
+    if "." in lhs:
+        return 0
+    sizes: dict[str, int] = {}
+    for spec, meta in zip(lhs.split(","), ins):
+        sizes.update(zip(spec, meta.shape))
+    return 2 * math.prod(sizes.values())
+
+
 def _sdpa(ins: Sequence[TensorMeta], outs: Sequence[TensorMeta]) -> int:
     # q [b, hq, sq, d], k [b, hk, sk, d], v [b, hk, sk, dv]: QK^T and PV over all sq x sk
     # pairs (the causal half is still counted, as Megatron's 72BsLh^2(1+s/6h) does).
@@ -108,6 +120,8 @@ RULES: dict[str, OpRule] = {
     "bmm": OpRule(kind="matmul", flops=_matmul, saves=(0, 1), cross=True),
     "baddbmm": OpRule(kind="matmul", flops=_addmm, saves=(1, 2), cross=True),
     "addmm": OpRule(kind="matmul", flops=_addmm, saves=(1, 2), cross=True),
+    # torch.einsum stays whole in torch.export's graph (its equation is in the node's arguments).
+    "einsum": OpRule(kind="matmul", flops=_zero, saves=(1,), cross=True),  # FLOPs from the equation: op_cost
     # Grouped GEMMs of MoE layers (Hugging Face's experts): tokens x hidden against E weights.
     "_grouped_mm": OpRule(kind="matmul", flops=_matmul, saves=(0, 1), cross=True),
     "grouped_mm_fallback": OpRule(kind="matmul", flops=_matmul, saves=(0, 1), cross=True),
@@ -194,9 +208,13 @@ class OpCost:
     saved_extra_bytes: int
 
 
-def op_cost(rule: OpRule | None, kind: str, inputs: Sequence[TensorMeta], outputs: Sequence[TensorMeta]) -> OpCost:
-    """FLOPs, bytes moved and side tensors kept of one op on these shapes (capture and rebatch)."""
+def op_cost(rule: OpRule | None, kind: str, inputs: Sequence[TensorMeta], outputs: Sequence[TensorMeta],
+            args: Sequence[object] = ()) -> OpCost:
+    """FLOPs, bytes moved and side tensors kept of one op on these shapes (capture and rebatch);
+    `args` the op's arguments (an einsum's equation)."""
     flops = int(rule.flops(inputs, outputs)) if rule and outputs and inputs else 0
+    if rule is RULES["einsum"] and args and isinstance(args[0], str):
+        flops = einsum_flops(args[0], inputs)
     extra = int(rule.extra_saved(inputs, outputs)) if rule and rule.extra_saved and inputs else 0
     moves = kind not in ("view", "getitem")
     return OpCost(flops=flops, bytes_read=sum(m.nbytes for m in inputs) if moves else 0,

@@ -46,7 +46,7 @@ def rebatch(graph: Graph, batch: int) -> Graph:
     for node in graph.nodes:
         inputs = tuple(_at(m, batch, cache) for m in node.input_metas)
         outputs = tuple(_at(m, batch, cache) for m in node.outputs)
-        cost = op_cost(rule_for(node.op), node.kind, inputs, outputs)
+        cost = op_cost(rule_for(node.op), node.kind, inputs, outputs, node.args)
         nodes.append(replace(node, input_metas=inputs, outputs=outputs, flops=cost.flops,
                              bytes_read=cost.bytes_read, bytes_written=cost.bytes_written,
                              saved_extra_bytes=cost.saved_extra_bytes))
@@ -54,7 +54,8 @@ def rebatch(graph: Graph, batch: int) -> Graph:
                 graph_inputs={k: _at(m, batch, cache) for k, m in graph.graph_inputs.items()},
                 params=graph.params, block_types=[], segments=graph.segments, batch_size=batch,
                 seq_len=graph.seq_len, has_loss=graph.has_loss, capture_seconds=graph.capture_seconds,
-                shallow=graph.shallow, num_parameters=graph.num_parameters, program=graph.program)
+                shallow=graph.shallow, num_parameters=graph.num_parameters, program=graph.program,
+                tied=graph.tied)
     out.block_types = [_block_at(out, bt) for bt in graph.block_types]
     return out
 

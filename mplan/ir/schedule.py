@@ -33,7 +33,8 @@ from dataclasses import dataclass
 COMPUTE_KINDS: tuple[str, ...] = ("F", "B")
 COMM_KINDS: tuple[str, ...] = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 ACTION_KINDS: tuple[str, ...] = (*COMPUTE_KINDS, *COMM_KINDS, "GRAD_SYNC")
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "gpipe")
+"""The schedules by the names plan specs, Plans and this IR use alike."""
 
 
 class ScheduleError(ValueError):
@@ -210,16 +211,16 @@ def interleaved_1f1b(pp: int, m: int, vpp: int, *, grad_sync: bool = False) -> S
             order += [unit("F", k + warmup, r), unit("B", k, r)]
         order += [unit("B", k, r) for k in range(total - warmup, total)]
         compute.append(order)
-    return _lower("interleaved_1f1b", pp, m, vpp, compute, grad_sync)
+    return _lower("interleaved", pp, m, vpp, compute, grad_sync)
 
 
 def build_schedule(name: str, pp: int, m: int, vpp: int = 1, *, grad_sync: bool = False) -> Schedule:
-    """A schedule by name: ``gpipe``, ``1f1b`` or ``interleaved_1f1b`` (``vpp`` only for the last)."""
+    """A schedule by name: ``gpipe``, ``1f1b`` or ``interleaved`` (``vpp`` only for the last)."""
     if name == "gpipe" or name == "1f1b":
         if vpp != 1:
-            raise ScheduleError(f"schedule {name!r} has one stage per rank; vpp={vpp} needs interleaved_1f1b")
+            raise ScheduleError(f"schedule {name!r} has one stage per rank; vpp={vpp} needs interleaved")
         return gpipe(pp, m, grad_sync=grad_sync) if name == "gpipe" else one_f_one_b(pp, m, grad_sync=grad_sync)
-    if name == "interleaved_1f1b":
+    if name == "interleaved":
         return interleaved_1f1b(pp, m, vpp, grad_sync=grad_sync)
     raise ScheduleError(f"unknown schedule {name!r}; schedules: {', '.join(SCHEDULES)}")
 

@@ -37,17 +37,58 @@ class CaptureError(RuntimeError):
     """torch.export could not trace the model; the message names the construct and where."""
 
 
-class _WithLoss(nn.Module):
-    """Forward + loss as one module, so the loss ops are part of the captured graph."""
+class _TrainingCall(nn.Module):
+    """The call a training step makes, as one module: `model(*args, **fixed)` and its loss.
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]) -> None:
+    Outputs, in this order: the loss (when there are labels), then the model's own outputs
+    (all of them: a loss it computed from `labels=`, logits, ...), so that one captured graph
+    serves training (output 0) and inference (the model's first output after the loss).
+    `fixed` holds keyword arguments the capture always passes (`use_cache=False`)."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None, fixed: dict[str, Any]) -> None:
         super().__init__()
-        self.model = model
-        self.loss_fn = loss_fn
+        self.model, self.loss_fn, self.fixed = model, loss_fn, fixed
 
-    def forward(self, *args: Any, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        out = self.model(*args, **kwargs)
-        return self.loss_fn(out, labels)
+    def forward(self, *args: Any, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        if labels is not None and self.loss_fn is None:
+            return self.model(*args, labels=labels, **self.fixed, **kwargs)
+        out = self.model(*args, **self.fixed, **kwargs)
+        return out if labels is None else (self.loss_fn(out, labels), out)
+
+
+def _named_call(names: Sequence[str]) -> type[_TrainingCall]:
+    """`_TrainingCall` whose forward declares `names` as its parameters: torch.export names the
+    program's inputs after them (`input_ids`, `labels`) and takes dynamic shapes by them, which it
+    cannot do through `**kwargs`."""
+    def forward(self: _TrainingCall, *args: Any, **kwargs: Any) -> Any:
+        return _TrainingCall.forward(self, *args, **kwargs)
+
+    P = inspect.Parameter
+    forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [P("self", P.POSITIONAL_OR_KEYWORD)] + [P(n, P.POSITIONAL_OR_KEYWORD, default=None) for n in names])
+    return type("TrainingCall", (_TrainingCall,), {"forward": forward})
+
+
+class MissingLoss(CaptureError):
+    """The model computes no loss from labels and no `loss_fn` was given."""
+
+
+def training_keywords(model: nn.Module, *, labels: bool, loss_fn: Callable[..., Any] | None) -> dict[str, Any]:
+    """Keyword arguments every training capture passes: `use_cache=False` where the forward
+    takes it (Hugging Face models build a key/value cache in training otherwise, which only adds
+    outputs and ops, and a `DynamicCache` output that torch.export cannot return). Raises
+    `MissingLoss`, naming what to pass, when labels are asked for, no loss_fn is given and the
+    forward takes no `labels`."""
+    parameters = inspect.signature(model.forward).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    if labels and loss_fn is None and "labels" not in parameters and not takes_any:
+        shown = ", ".join(parameters)
+        raise MissingLoss(
+            f"{type(model).__name__}.forward({shown}) takes no labels, so mplan cannot compute its training "
+            f"loss: pass loss_fn=, a function (model output, labels) -> scalar loss, e.g. "
+            f"loss_fn=lambda logits, labels: torch.nn.functional.cross_entropy(logits.flatten(0, -2), "
+            f"labels.flatten())")
+    return {"use_cache": False} if "use_cache" in parameters else {}
 
 
 def capture(
@@ -72,30 +113,84 @@ def capture(
     any batch without tracing again.
     """
     kwargs = dict(example_kwargs or {})
-    target: nn.Module = model
-    if labels is not None and loss_fn is not None:
-        target = _WithLoss(model, loss_fn)
+    fixed = training_keywords(model, labels=labels is not None, loss_fn=loss_fn)
+    if labels is not None:
         kwargs["labels"] = labels
-    elif labels is not None:
-        kwargs["labels"] = labels
-    prefix = "model." if target is not model else ""
+    args, named = _by_name(model, tuple(example_inputs))
+    target = (_named_call([*named, *kwargs]) if named or not args else _TrainingCall)(model, loss_fn, fixed)
+    prefix = "model."
     if dtype is not None:
         if any(p.device.type != "meta" for p in model.parameters()):
             raise ValueError("capture(dtype=...) casts the model in place; pass a meta-device model")
         model.to(dtype)
 
     num_parameters = sum(p.numel() for p in _unique_params(model))
+    aliases = _tied_names(model)
     containers = find_containers(model)
     start = time.perf_counter()
     with truncate_containers(model, containers if shallow else [], SHALLOW_KEEP):
-        exported = _export(target, tuple(example_inputs), kwargs, dynamic_batch)
+        exported = _export(target, args, {**named, **kwargs}, dynamic_batch)
         param_modules = {n: n.rpartition(".")[0] for n, _ in model.named_parameters()}
     seconds = time.perf_counter() - start
 
-    builder = _GraphBuilder(exported, prefix, containers, param_modules)
+    builder = _GraphBuilder(exported, prefix, containers, param_modules, aliases)
     return builder.build(
         model_name=name or type(model).__name__, has_loss=labels is not None,
         capture_seconds=seconds, shallow=shallow, num_parameters=num_parameters)
+
+
+def capture_for_training(model: nn.Module, example_inputs: Sequence[torch.Tensor], *,
+                         loss_fn: Callable[..., torch.Tensor] | None = None, with_loss: bool = True) -> Graph:
+    """The one capture `autoparallel` plans and executes (and `mplan.plan(module, ...)` plans).
+
+    The model as the user built it (its device, dtypes and tied weights; nothing is copied or
+    cast), at two rows of the example inputs with a symbolic batch, so that one graph prices and
+    runs every micro-batch size (`ir.rebatch`); the labels a zero template of the first input
+    (their values do not matter to the trace); `use_cache=False` where the forward takes it. A
+    model torch.export cannot trace with a symbolic batch (it specializes on the batch size) is
+    captured at a fixed batch of one sequence: only micro-batches of one run it then.
+    `with_loss=False` captures the forward alone (inference)."""
+    name = type(model).__name__
+    device = next(iter(model.parameters())).device
+    rows = tuple(_rows(x, 2).to(device) for x in example_inputs)
+    labels = torch.zeros_like(rows[0]) if with_loss else None
+    try:
+        return capture(model, rows, labels=labels, loss_fn=loss_fn, dynamic_batch=True, name=name)
+    except MissingLoss:
+        raise
+    except CaptureError:
+        one = tuple(x[:1] for x in rows)
+        return capture(model, one, labels=None if labels is None else labels[:1], loss_fn=loss_fn, name=name)
+
+
+def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`x`'s first `rows` rows, repeated when it has fewer."""
+    if x.shape[0] >= rows:
+        return x[:rows]
+    return x.repeat(-(-rows // x.shape[0]), *([1] * (x.dim() - 1)))[:rows]
+
+
+def _by_name(model: nn.Module, inputs: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The inputs as keyword arguments named after the forward's parameters (`input_ids`), so the
+    captured program's placeholders carry the user's names; positional where the forward takes
+    `*args`."""
+    first = list(inspect.signature(model.forward).parameters.values())[:len(inputs)]
+    if len(first) < len(inputs) or any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in first):
+        return inputs, {}
+    return (), {p.name: x for p, x in zip(first, inputs)}
+
+
+def _tied_names(model: nn.Module) -> dict[str, str]:
+    """Every other name of a tied parameter -> its first name (the one `named_parameters()`
+    yields): `lm_head.weight` -> `transformer.wte.weight` when the head shares the embedding."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
 
 
 def _unique_params(model: nn.Module) -> list[nn.Parameter]:
@@ -117,7 +212,8 @@ def _dynamic_shapes(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     for pname, value in bound.arguments.items():
         kind = inspect.signature(module.forward).parameters[pname].kind
         if kind is inspect.Parameter.VAR_POSITIONAL:
-            shapes[pname] = tuple(spec(v) for v in value)
+            if value:
+                shapes[pname] = tuple(spec(v) for v in value)
         elif kind is inspect.Parameter.VAR_KEYWORD:
             shapes[pname] = {k: spec(v) for k, v in value.items()}
         else:
@@ -130,7 +226,7 @@ def _export(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dy
         shapes = _dynamic_shapes(module, args, kwargs) if dynamic_batch else None
         return torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
     except Exception as exc:  # torch raises many types here; all mean "cannot trace"
-        raise CaptureError(_describe_failure(type(module.model if isinstance(module, _WithLoss)
+        raise CaptureError(_describe_failure(type(module.model if isinstance(module, _TrainingCall)
                                                   else module).__name__, exc)) from exc
 
 
@@ -216,11 +312,12 @@ class _GraphBuilder:
     """Walks the exported FX graph once and assembles the typed Graph."""
 
     def __init__(self, exported: Any, prefix: str, containers: list[Container],
-                 param_modules: dict[str, str]) -> None:
+                 param_modules: dict[str, str], aliases: dict[str, str]) -> None:
         self.exported = exported
         self.prefix = prefix
         self.containers = containers
         self.param_modules = param_modules
+        self.aliases = aliases  # other name of a tied parameter -> its first name
         self.names: dict[str, str] = {}  # fx placeholder name -> param FQN or input name
         self.metas: dict[str, TensorMeta] = {}
         self.param_names: set[str] = set()
@@ -254,10 +351,12 @@ class _GraphBuilder:
         block_types, segments, node_block = self._blocks(raw, instance, params)
         params = {k: ParamInfo(name=p.name, meta=p.meta, module_path=p.module_path,
                                block=self._param_block(k)) for k, p in params.items()}
-        nodes = [self._typed(r, node_block.get(r.fx_name)) for r in raw]
+        keys = _node_keys(raw, segments)
+        nodes = [self._typed(r, node_block.get(r.fx_name), keys[r.fx_name]) for r in raw]
         batch, seq = _batch_and_seq(graph_inputs)
+        tied = {alias: name for alias, name in self.aliases.items() if name in params}
         graph = Graph(nodes=nodes, graph_inputs=graph_inputs, params=params, block_types=[],
-                      segments=segments, batch_size=batch, seq_len=seq, program=self.exported, **summary)
+                      segments=segments, batch_size=batch, seq_len=seq, program=self.exported, tied=tied, **summary)
         graph.block_types = [
             BlockType(name=bt.name, container=bt.container, instances=bt.instances,
                       captured_instances=bt.captured_instances, template=bt.template,
@@ -272,7 +371,8 @@ class _GraphBuilder:
         meta = _meta_of(fx_node.meta.get("val"))
         kind = getattr(getattr(spec, "kind", None), "name", "USER_INPUT")
         if kind == "PARAMETER":
-            name = self._strip(spec.target)
+            # both names of a tied weight are placeholders of the export; the IR knows one
+            name = self.aliases.get(self._strip(spec.target), self._strip(spec.target))
             self.param_names.add(name)
             self.requires_grad.add(name)
         elif kind in ("BUFFER", "CONSTANT_TENSOR"):
@@ -422,7 +522,7 @@ class _GraphBuilder:
         node_block = {r.fx_name: instance[r.fx_name] for r in raw if instance[r.fx_name]}
         return block_types, segments, node_block
 
-    def _typed(self, r: _RawNode, block: str | None) -> OpNode:
+    def _typed(self, r: _RawNode, block: str | None, key: str) -> OpNode:
         rule = rule_for(r.target)
         input_metas = tuple(self.metas[v] for _, v in r.args if v in self.metas)
         params = tuple((pos, v) for pos, v in r.args if v in self.param_names)
@@ -448,13 +548,34 @@ class _GraphBuilder:
             kind = "getitem"
         elif not r.outputs:
             kind = "scalar"  # works on Python numbers or dtypes only (sym_size, promote_types)
-        cost = op_cost(rule, kind, input_metas, r.outputs)
+        cost = op_cost(rule, kind, input_metas, r.outputs, r.plain_args)
         return OpNode(
             name=r.fx_name, op=_op_name(r.target), kind=kind, inputs=tuple(v for _, v in r.args),
             args=r.plain_args, kwargs=r.plain_kwargs, input_metas=input_metas, outputs=r.outputs,
             params=params, flops=cost.flops, bytes_read=cost.bytes_read, bytes_written=cost.bytes_written,
             saved=saved, saved_extra_bytes=cost.saved_extra_bytes, module_path=r.module_path, block=block,
-            known=rule is not None or kind in ("getitem", "scalar"))
+            key=key, known=rule is not None or kind in ("getitem", "scalar"))
+
+
+def _node_keys(raw: list[_RawNode], segments: list[Segment]) -> dict[str, str]:
+    """Each node's stable key inside its segment: `<module path>:<op>#<k>`, the k-th op of that
+    kind in that module, the path relative to the block instance for nodes of a repeated block
+    (`self_attn.q_proj:linear#0`), so every instance of a block type shares its keys. Keys name
+    the same op across captures of one model (shallow or full, any batch, another dtype) where
+    FX node names, numbered over the whole graph, shift; a Plan stores strategies by them."""
+    segment_of = {name: seg for seg in segments for name in seg.nodes}
+    counts: dict[tuple[str, str, str], int] = {}
+    keys: dict[str, str] = {}
+    for r in raw:
+        segment = segment_of[r.fx_name]
+        path = r.module_path
+        if segment.block_type is not None:
+            path = relative_name(path, segment.name) if path != segment.name else ""
+        packet = op_packet(r.target)
+        index = counts.get((segment.name, path, packet), 0)
+        counts[(segment.name, path, packet)] = index + 1
+        keys[r.fx_name] = f"{path}:{packet}#{index}"
+    return keys
 
 
 def _op_name(target: Any) -> str:

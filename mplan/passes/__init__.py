@@ -22,8 +22,8 @@ from typing import Any
 _EXPORTS = {
     "check_sharding": "mplan.passes.verifier",
     "check_local_graph": "mplan.passes.verifier",
-    "parameter_layouts": "mplan.passes.parameter_layout",
-    "ParamLayout": "mplan.passes.parameter_layout",
+    "parameter_layouts": "mplan.ir.sharding",
+    "ParamLayout": "mplan.ir.sharding",
     "shard_parameters": "mplan.passes.shard_parameters",
     "materialize_buffers": "mplan.passes.shard_parameters",
     "insert_collectives": "mplan.passes.insert_collectives",

@@ -1,10 +1,12 @@
 """Rewrite the captured ATen graph into one rank's local program: shards in, collectives inside.
 
-Input: a captured `Graph` (its `program` is the torch.export ExportedProgram), the TP choice
-(node name -> `Strategy` for every node, from `solve_graph_sharding`), and the TP axis.
+Input: a captured `Graph` (its `program` is the torch.export ExportedProgram; its shapes those of
+the batch the program will run at, `ir.rebatch`), the TP choice (node name -> `Strategy` for every
+node, read from the Plan), the TP axis, and which user output to return: 0, the loss of a training
+capture; 1, the model's own first output after it (the logits), for inference.
 Output: a `torch.fx.GraphModule` whose placeholders are those of the exported graph (parameters,
-buffers, lifted constants, user inputs, in the signature's order) and that returns one value,
-the graph's first user output (the loss, or the logits of an inference capture), replicated.
+buffers, lifted constants, user inputs, in the signature's order; an inference program drops the
+user inputs it no longer reads, the labels) and that returns that one value, replicated.
 Parameters are fed as local shards (`shard_parameters`), everything else whole.
 
 Why the exported graph itself: its node names are the `OpNode` names the planner chose for, it
@@ -19,7 +21,7 @@ Per node (in order):
    `transition(input_grad, grad_placement(out))`); consumers that want the same value in the
    same (placement, gradient placement) share one copy, as Megatron's single all-gather feeds
    q, k and v;
-2. the op is emitted under its local rule (`local_ops.rule_for`): unchanged, with local shape
+2. the op is emitted under its strategy's lowering (`local_ops.LOWERINGS`): unchanged, with local shape
    arguments, or through a vocabulary-/batch-parallel module;
 3. device constants are rewritten to the execution device (a meta-device capture says `meta`).
 Every emitted tensor node carries `meta["mplan_local_shape"]`, its expected local shape, which
@@ -37,15 +39,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from mplan.collectives.redistribute import AxisGroup, redistribute
 from mplan.ir.graph import Graph, OpNode, TensorMeta
-from mplan.planner.op_cost import grad_placement
-from mplan.planner.placement import Placement, R, can_transition, local_shape
-from mplan.planner.strategies import Strategy
+from mplan.ir.placement import Placement, R, can_transition, grad_placement, local_shape
+from mplan.ir.strategy import Strategy
 from mplan.passes.local_ops import (UnexecutableStrategy, attention_module, embedding_module, loss_module,
-                                    normalized_kwargs, rule_for)
-from mplan.passes.parameter_layout import ParamLayout, parameter_layouts
-from mplan.runtime.process_groups import ProcessGroups
-from mplan.runtime.redistribute import TensorParallelAxis, redistribute, tp_axis
+                                    lowering_of, normalized_kwargs)
+from mplan.ir.sharding import ParamLayout, parameter_layouts
 
 LOCAL_SHAPE = "mplan_local_shape"  # fx node meta key: the shape this rank's value must have
 INPUTS = "mplan_inputs"  # GraphModule.meta key: the program's inputs, as `LocalInput`s in order
@@ -62,10 +62,10 @@ class LocalInput:
 
 
 class Redistribute(nn.Module):
-    """One reshard edge of the local program (see runtime/redistribute.py)."""
+    """One reshard edge of the local program (see collectives/redistribute.py)."""
 
     def __init__(self, *, src: Placement, dst: Placement, grad_src: Placement, grad_dst: Placement,
-                 axis: TensorParallelAxis, value: str) -> None:
+                 axis: AxisGroup, value: str) -> None:
         super().__init__()
         self.src, self.dst, self.grad_src, self.grad_dst = src, dst, grad_src, grad_dst
         self.axis, self.value = axis, value
@@ -77,18 +77,17 @@ class Redistribute(nn.Module):
         return f"{self.value}: {self.src}->{self.dst}, grad {self.grad_src}->{self.grad_dst}"
 
 
-def insert_collectives(graph: Graph, choice: Mapping[str, Strategy], groups: TensorParallelAxis | ProcessGroups,
-                       *, device: torch.device | str | None = None) -> fx.GraphModule:
-    """The local program of this TP rank (see the module docstring). `groups` is the rank's
-    `ProcessGroups`, or just its TP axis (`group=None` with any size: shape checks on meta)."""
-    axis = tp_axis(groups) if isinstance(groups, ProcessGroups) else groups
-    return _Rewriter(graph, choice, axis, device).run()
+def insert_collectives(graph: Graph, choice: Mapping[str, Strategy], axis: AxisGroup,
+                       *, device: torch.device | str | None = None, output: int = 0) -> fx.GraphModule:
+    """The local program of this TP rank (see the module docstring). `axis` is the rank's TP
+    axis (`group=None` with any size: shape checks on meta tensors)."""
+    return _Rewriter(graph, choice, axis, device, output).run()
 
 
 class _Rewriter:
-    def __init__(self, graph: Graph, choice: Mapping[str, Strategy], axis: TensorParallelAxis,
-                 device: torch.device | str | None) -> None:
-        self.graph, self.choice, self.axis = graph, choice, axis
+    def __init__(self, graph: Graph, choice: Mapping[str, Strategy], axis: AxisGroup,
+                 device: torch.device | str | None, output: int) -> None:
+        self.graph, self.choice, self.axis, self.output_index = graph, choice, axis, output
         self.device = torch.device(device) if device is not None else None
         self.layouts = parameter_layouts(graph, choice)
         self.root = nn.Module()
@@ -121,6 +120,12 @@ class _Rewriter:
         self.out.output(result)
         module = fx.GraphModule(self.root, self.out, class_name="LocalProgram")
         module.graph.eliminate_dead_code()  # e.g. HF's logits output, not returned in training
+        if self.output_index:  # inference: the labels (and the loss they fed) are gone
+            unused = {n.name for n in module.graph.nodes if n.op == "placeholder" and not n.users}
+            for n in [n for n in module.graph.nodes if n.name in unused and n.op == "placeholder"]:
+                if next(spec for spec in inputs if spec.placeholder == n.name).kind == "USER_INPUT":
+                    module.graph.erase_node(n)
+            inputs = [spec for spec in inputs if not (spec.kind == "USER_INPUT" and spec.placeholder in unused)]
         module.delete_all_unused_submodules()
         module.recompile()
         module.meta[INPUTS] = tuple(inputs)
@@ -149,8 +154,9 @@ class _Rewriter:
         if target is None:
             return placeholder
         known = self.graph.params.keys() | self.graph.graph_inputs.keys()
-        # capture(loss_fn=...) wraps the model as `model.`; the IR strips that prefix
-        return target if target in known or not target.startswith("model.") else target[len("model."):]
+        # capture wraps the model as `model.`; the IR strips that prefix and names a tied weight once
+        name = target if target in known or not target.startswith("model.") else target[len("model."):]
+        return self.graph.tied.get(name, name)
 
     def _reshard(self, name: str, dst: Placement, grad_src: Placement, consumer: str) -> fx.Node:
         src, grad_dst = self.place[name], self.grad_needed.get(name, R)
@@ -180,8 +186,10 @@ class _Rewriter:
             self._getitem(fx_node)
             return
         node = self.graph.node(fx_node.name)
+        if node.kind == "scalar" and self._fold(fx_node, node):
+            return
         strategy = self.choice[fx_node.name]
-        rule = rule_for(node, strategy)
+        rule = lowering_of(node, strategy)
         if rule == "dropped":
             return
         args = self._args(fx_node, node, strategy)
@@ -191,6 +199,21 @@ class _Rewriter:
         args, kwargs = _on_device(args, self.device), _on_device(kwargs, self.device)
         new = self._emit(rule, fx_node, node, strategy, args, kwargs)
         self._record(fx_node.name, new, node, strategy.output)
+
+    def _fold(self, fx_node: fx.Node, node: OpNode) -> bool:
+        """A symbolic size (a symbolic-batch capture's `sym_size`, and arithmetic on sizes) becomes
+        the number it is at the batch this program runs: the graph's shapes are those of that
+        batch, global ones, as the captured program's size arguments are. The local program is then
+        static, as a capture at that batch would be (what `fuse_kernels` matches on)."""
+        if fx_node.target is torch.ops.aten.sym_size.int and node.input_metas:
+            value: Any = node.input_metas[0].shape[int(fx_node.args[1])]
+        else:
+            args = [self.env.get(a.name) if isinstance(a, fx.Node) else a for a in fx_node.args]
+            if fx_node.kwargs or not all(isinstance(a, (int, float, bool)) for a in args):
+                return False
+            value = fx_node.target(*args)
+        self.env[fx_node.name], self.place[fx_node.name] = value, R
+        return True
 
     def _args(self, fx_node: fx.Node, node: OpNode, strategy: Strategy) -> tuple[Any, ...]:
         slot = iter(range(len(node.inputs)))
@@ -211,7 +234,7 @@ class _Rewriter:
     def _kwarg(self, value: Any, node: OpNode, strategy: Strategy) -> Any:
         if not isinstance(value, fx.Node):
             return value
-        if rule_for(node, strategy) != "replicated":
+        if strategy.lowering != "replicated":
             raise UnexecutableStrategy(f"node {node.name}: tensor keyword argument {value.name} "
                                        f"under the split strategy {strategy}")
         return self._reshard(value.name, R, R, node.name)
@@ -235,7 +258,8 @@ class _Rewriter:
             operands = (call["weight"], call["indices"])
         elif rule == "kv_replicated_attention":
             module = attention_module(node, call, self.axis)
-            operands = (call["query"], call["key"], call["value"])
+            mask = call.get("attn_mask")
+            operands = (call["query"], call["key"], call["value"]) + (() if mask is None else (mask,))
         else:
             module = loss_module(rule, node, call, self.axis)
             operands = (call["self"], call["target"])
@@ -272,8 +296,11 @@ class _Rewriter:
             kinds = sorted({spec.kind.name for spec in user} - {"USER_OUTPUT"})
             raise UnexecutableStrategy(f"the model's forward has side outputs {kinds} (e.g. buffer "
                                        f"mutations), which the local program does not carry")
-        first = fx_node.args[0][0]
-        return self._reshard(first.name, R, R, "output")
+        outputs = fx_node.args[0]
+        if self.output_index >= len(outputs):
+            raise UnexecutableStrategy(f"the captured program has {len(outputs)} outputs, none at index "
+                                       f"{self.output_index}")
+        return self._reshard(outputs[self.output_index].name, R, R, "output")
 
 
 def _annotate(node: fx.Node, meta: TensorMeta, placement: Placement, size: int, *, value: bool = True) -> None:

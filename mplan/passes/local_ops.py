@@ -1,13 +1,18 @@
-"""How one ATen op runs on a rank's local shards under the strategy the planner chose for it.
+"""How one ATen op runs on a rank's local shards under the strategy the Plan chose for it.
 
-Input: a typed `OpNode`, its `Strategy` and the TP axis. Output: a rule name (`rule_for`) and,
-when the op needs one, a small module that computes its local result (`VocabParallelEmbedding`,
-`VocabParallelCrossEntropy`, `BatchShardedCrossEntropy`). `insert_collectives` emits the rule.
+Input: a typed `OpNode` and its `Strategy`, whose `lowering` names the rule (the planner's op
+registry set it; `planner/op_registry.py`). Output: what `insert_collectives` emits for it and,
+where the op needs one, a small module that computes its local result (`VocabParallelEmbedding`,
+`VocabParallelCrossEntropy`, `BatchShardedCrossEntropy`, `KVReplicatedAttention`).
 
-Rules, tried in this order (each says why the local result is exact):
+The lowerings (`mplan.ir.strategy.LOWERINGS`), each saying why the local result is exact:
 
     replicated      every input R, output R, op not split: the single-device op, unchanged
-    reshape_local   view/reshape/squeeze/... with a sharded output: `reshape` to the local output
+    dropped         an assertion about the captured (global) tensors: not true of local shards
+    local           ops for which running on the shards gives the shard of the result under
+                    the strategy (elementwise and masked selects, matmuls, heads- or batch-split
+                    attention, norms over unsplit dims, transposes, cuts of unsharded dims, ...)
+    reshape_local   view/reshape/flatten/... with a sharded output: `reshape` to the local output
                     shape; strategies only shard the outermost dim of a merged group, so local
                     row-major order is the global order restricted to the shard
     expand_local    expand with a sharded output: expand to the local output shape
@@ -22,11 +27,8 @@ Rules, tried in this order (each says why the local result is exact):
                     of exponentials and the target logit; no rank holds full logits
     batch_loss      cross-entropy on row-sharded logits (output P): the local sum divided by the
                     number of counted rows over ALL ranks, so the partial values sum to the mean
-    local           ops for which running on the shards gives the shard of the result under
-                    every strategy strategies.py emits for them (elementwise, matmuls, heads- or
-                    batch-split attention, norms over unsplit dims, transposes, slices, ...)
 
-Anything else raises `UnexecutableStrategy` naming the node and strategy: never a guess.
+A strategy naming no rule of this list raises `UnexecutableStrategy` naming node and strategy.
 """
 from __future__ import annotations
 
@@ -35,69 +37,25 @@ from typing import Any
 import torch
 from torch import nn
 
+from mplan.collectives.redistribute import AxisGroup, all_reduce_no_grad
 from mplan.ir.graph import OpNode
-from mplan.ir.op_table import op_packet
-from mplan.planner.placement import Partial, R, Shard
-from mplan.planner.strategies import Strategy
-from mplan.runtime.redistribute import TensorParallelAxis, all_reduce_no_grad
+from mplan.ir.sharding import UnexecutableStrategy
+from mplan.ir.strategy import LOWERINGS, Strategy
+
+MODULE_LOWERINGS = frozenset({"kv_replicated_attention", "vocab_embedding", "vocab_loss", "batch_loss"})
+"""The lowerings that run the op through a module of this file (`attention_module`,
+`embedding_module`, `loss_module`); the others emit an ATen call (`insert_collectives._emit`)."""
+ATEN_LOWERINGS = frozenset({"replicated", "dropped", "local", "reshape_local", "expand_local", "row_bias"})
+"""The lowerings `insert_collectives` emits as ATen calls: with `MODULE_LOWERINGS`, all of `LOWERINGS`."""
 
 
-class UnexecutableStrategy(ValueError):
-    """The planner chose a strategy the passes cannot run exactly."""
-
-
-SHAPE_OPS = frozenset({"view", "_unsafe_view", "reshape", "view_copy", "squeeze", "unsqueeze",
-                       "flatten", "unflatten"})
-_LOCAL = frozenset({
-    # elementwise (nonlinear ones only ever get Shard strategies, linear ones also P)
-    "add", "sub", "rsub", "mul", "div", "neg", "gelu", "silu", "relu", "sigmoid", "tanh", "exp",
-    "rsqrt", "sqrt", "pow", "log", "sin", "cos", "reciprocal", "abs", "clamp",
-    # contractions: a sharded contracted dim yields the partial sum the strategy declares
-    "linear", "matmul", "mm", "bmm",
-    "scaled_dot_product_attention", "layer_norm", "rms_norm",
-    "softmax", "_softmax", "log_softmax", "_log_softmax", "cat", "sum", "mean",
-    # data movement that keeps its dims' sizes, or cuts an unsharded dim
-    "transpose", "t", "permute", "slice", "narrow", "select", "split", "split_with_sizes",
-    "chunk", "unbind", "alias", "detach", "contiguous", "clone", "_to_copy", "to", "type_as",
-    "lift_fresh_copy", "getitem",
-})
-DROPPED = frozenset({"_assert_tensor_metadata", "_assert_scalar", "_assert_async",
-                     "sym_constrain_range_for_size"})
-"""Assertions about the captured (global, possibly meta) tensors: not true of local shards."""
-
-
-def is_replicated(strategy: Strategy) -> bool:
-    return not strategy.split and strategy.output == R and all(p == R for p in strategy.inputs)
-
-
-def rule_for(node: OpNode, strategy: Strategy) -> str:
-    """The local execution rule of `node` under `strategy` (see the module docstring)."""
-    packet = op_packet(node.op)
-    if packet in DROPPED:
-        return "dropped"
-    if is_replicated(strategy):
-        return "replicated"
-    sharded_out = isinstance(strategy.output, Shard)
-    if packet in SHAPE_OPS:
-        return "reshape_local" if sharded_out else "local"
-    if packet == "expand":
-        return "expand_local" if sharded_out else "local"
-    if packet == "linear" and isinstance(strategy.output, Partial) and len(node.inputs) == 3:
-        return "row_bias"
-    if packet == "scaled_dot_product_attention" and strategy.name == "heads_kv_replicated":
-        return "kv_replicated_attention"
-    if packet == "embedding":
-        return "vocab_embedding" if isinstance(strategy.output, Partial) else "local"
-    if packet == "cross_entropy_loss":
-        if strategy.inputs[0] == Shard(1) and strategy.output == R:
-            return "vocab_loss"
-        if strategy.inputs[0] == Shard(0) and isinstance(strategy.output, Partial):
-            return "batch_loss"
-    elif packet in _LOCAL:
-        return "local"
-    raise UnexecutableStrategy(
-        f"node {node.name} ({node.op}): strategy {strategy} has no local execution rule in "
-        f"mplan.passes.local_ops; replicate this op or add a rule")
+def lowering_of(node: OpNode, strategy: Strategy) -> str:
+    """The strategy's lowering, checked against `LOWERINGS` (see the module docstring)."""
+    if strategy.lowering not in LOWERINGS:
+        raise UnexecutableStrategy(
+            f"node {node.name} ({node.op}): strategy {strategy} names lowering {strategy.lowering!r}, which "
+            f"mplan.passes.local_ops does not implement (it has {', '.join(sorted(LOWERINGS))})")
+    return strategy.lowering
 
 
 def normalized_kwargs(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -115,7 +73,7 @@ def normalized_kwargs(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 class VocabParallelEmbedding(nn.Module):
     """embedding(weight[V/n, H], ids) with this rank's vocabulary slice; zeros for foreign ids."""
 
-    def __init__(self, *, axis: TensorParallelAxis, padding_idx: int, node: str) -> None:
+    def __init__(self, *, axis: AxisGroup, padding_idx: int, node: str) -> None:
         super().__init__()
         self.axis, self.padding_idx, self.node = axis, padding_idx, node
 
@@ -139,7 +97,7 @@ _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # at::Reduction
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
-                reduction: str, axis: TensorParallelAxis) -> torch.Tensor:
+                reduction: str, axis: AxisGroup) -> torch.Tensor:
         z = logits.to(torch.promote_types(logits.dtype, torch.float32))
         width = z.shape[1]
         row_max = all_reduce_no_grad(z.max(dim=1).values, axis, torch.distributed.ReduceOp.MAX)
@@ -177,7 +135,7 @@ class VocabParallelCrossEntropy(nn.Module):
     plain path saves their fp32 exponentials, 2 GiB a micro-batch of 8k tokens at a 128k
     vocabulary over tp=2."""
 
-    def __init__(self, *, axis: TensorParallelAxis, ignore_index: int, reduction: str, node: str) -> None:
+    def __init__(self, *, axis: AxisGroup, ignore_index: int, reduction: str, node: str) -> None:
         super().__init__()
         self.axis, self.ignore_index, self.reduction, self.node = axis, ignore_index, reduction, node
         self.fused = False
@@ -198,7 +156,7 @@ class VocabParallelCrossEntropy(nn.Module):
 class BatchShardedCrossEntropy(nn.Module):
     """cross_entropy on this rank's rows; a partial value whose sum over ranks is the loss."""
 
-    def __init__(self, *, axis: TensorParallelAxis, ignore_index: int, reduction: str,
+    def __init__(self, *, axis: AxisGroup, ignore_index: int, reduction: str,
                  label_smoothing: float, node: str) -> None:
         super().__init__()
         self.axis, self.ignore_index, self.reduction = axis, ignore_index, reduction
@@ -217,7 +175,7 @@ class BatchShardedCrossEntropy(nn.Module):
         return f"node={self.node}, reduction={self.reduction}, tp={self.axis.size}"
 
 
-def loss_module(rule: str, node: OpNode, call: dict[str, Any], axis: TensorParallelAxis) -> nn.Module:
+def loss_module(rule: str, node: OpNode, call: dict[str, Any], axis: AxisGroup) -> nn.Module:
     """The module that runs a vocabulary- or batch-sharded cross-entropy node."""
     reduction = _REDUCTIONS[int(call.get("reduction", 1))]
     ignore_index = int(call.get("ignore_index", -100))
@@ -239,7 +197,7 @@ def loss_module(rule: str, node: OpNode, call: dict[str, Any], axis: TensorParal
 class KVReplicatedAttention(nn.Module):
     """SDPA on this rank's query heads and the key/value heads they read (from whole k and v)."""
 
-    def __init__(self, *, axis: TensorParallelAxis, query_heads: int, kv_heads: int,
+    def __init__(self, *, axis: AxisGroup, query_heads: int, kv_heads: int,
                  options: dict[str, Any], node: str) -> None:
         super().__init__()
         local, group = query_heads // axis.size, query_heads // kv_heads
@@ -248,21 +206,24 @@ class KVReplicatedAttention(nn.Module):
         self.gqa = local != self.count
         self.axis, self.options, self.node = axis, options, node
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         k, v = k.narrow(1, self.start, self.count), v.narrow(1, self.start, self.count)
-        return torch.ops.aten.scaled_dot_product_attention.default(q, k, v, **self.options, enable_gqa=self.gqa)
+        # a mask broadcasts over heads (the strategy admits no other), so it applies unchanged
+        return torch.ops.aten.scaled_dot_product_attention.default(q, k, v, mask, **self.options,
+                                                                   enable_gqa=self.gqa)
 
     def extra_repr(self) -> str:
         return f"node={self.node}, kv heads [{self.start}, {self.start + self.count}), tp={self.axis.size}"
 
 
-def attention_module(node: OpNode, call: dict[str, Any], axis: TensorParallelAxis) -> nn.Module:
+def attention_module(node: OpNode, call: dict[str, Any], axis: AxisGroup) -> nn.Module:
     options = {key: call[key] for key in ("dropout_p", "is_causal", "scale") if key in call}
     return KVReplicatedAttention(axis=axis, query_heads=node.input_metas[0].shape[1],
                                  kv_heads=node.input_metas[1].shape[1], options=options, node=node.name)
 
 
-def embedding_module(node: OpNode, call: dict[str, Any], axis: TensorParallelAxis) -> nn.Module:
+def embedding_module(node: OpNode, call: dict[str, Any], axis: AxisGroup) -> nn.Module:
     if call.get("scale_grad_by_freq") or call.get("sparse"):
         raise UnexecutableStrategy(f"node {node.name}: scale_grad_by_freq/sparse embedding under "
                                    f"a vocabulary-parallel strategy")

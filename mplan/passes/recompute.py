@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from mplan.ir.graph import Graph
-from mplan.planner.parallel_config import RECOMPUTE
+from mplan.cost_models.memory_model import RECOMPUTE_MODES
 
 _aten = torch.ops.aten
 KEPT_UNDER_SELECTIVE = frozenset({
@@ -85,8 +85,8 @@ class CheckpointedUnit(nn.Module):
 
 def checkpoint_units(program: fx.GraphModule, graph: Graph, mode: str) -> list[str]:
     """Move each segment's ops of `program` into a `CheckpointedUnit` (in place); the unit names."""
-    if mode not in RECOMPUTE:
-        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {mode!r}")
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
     if mode == "none":
         return []
     runs = _contiguous_runs(program, {name: seg.name for seg in graph.segments for name in seg.nodes})

@@ -28,7 +28,7 @@ tp=1) on the source's own device and dtype is the source's tensor itself, detach
 shares the module's parameters: no parameter is ever held twice, and training updates the
 source in place.
 
-Invariants: chunk i of a sharded dim goes to TP rank i (as in runtime/collectives.py); returned
+Invariants: chunk i of a sharded dim goes to TP rank i (as in collectives/redistribute.py); returned
 tensors are contiguous and detached.
 """
 from __future__ import annotations
@@ -40,10 +40,10 @@ import torch
 from torch import nn
 
 from mplan.ir.graph import Graph
+from mplan.ir.placement import Placement, Shard
+from mplan.ir.strategy import Strategy
 from mplan.models.decoder import DecoderLM, parameter_seed
-from mplan.planner.placement import Placement, Shard
-from mplan.planner.strategies import Strategy
-from mplan.passes.parameter_layout import parameter_layouts
+from mplan.ir.sharding import parameter_layouts
 
 ParameterSource = nn.Module | Mapping[str, torch.Tensor]
 

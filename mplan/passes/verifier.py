@@ -1,10 +1,5 @@
-"""Checks run between passes: the sharding a pass consumes, and the local program it produces.
-
-`check_sharding(graph, choice, tp_size)` (before the passes): every node has a strategy with one
-placement per input; every edge's forward and backward transitions exist (no R -> P); every
-parameter has one storage placement; every non-replicated strategy has a local execution rule.
-It raises the error the passes would raise, naming node and strategy, but before any tensor is
-touched or any collective issued.
+"""The check run after `insert_collectives`: the local program computes the shapes its placements
+imply. (The check before the passes, `check_sharding`, is the IR's: `mplan/ir/sharding.py`.)
 
 `check_local_graph(module, graph)` (after `insert_collectives`): runs the local program on meta
 tensors (no data, no communication: reshards take their shape-only path) and compares every
@@ -14,49 +9,17 @@ argument, a missing reshard or a shard on the wrong dim shows up here, in one pr
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from mplan.ir.graph import Graph, TensorMeta
-from mplan.planner.op_cost import grad_placement
-from mplan.planner.placement import R, can_transition
-from mplan.planner.strategies import Strategy
 from mplan.passes.insert_collectives import INPUTS, LOCAL_SHAPE, LocalInput
-from mplan.passes.local_ops import UnexecutableStrategy, rule_for
-from mplan.passes.parameter_layout import parameter_layouts
 
 
 class LocalGraphMismatch(AssertionError):
     """The local program computes a shape other than the one its placement implies."""
-
-
-def check_sharding(graph: Graph, choice: Mapping[str, Strategy], tp_size: int) -> None:
-    """Validate `choice` for execution on a TP axis of `tp_size` (see the module docstring)."""
-    missing = [node.name for node in graph.nodes if node.name not in choice]
-    if missing:
-        raise UnexecutableStrategy(f"no strategy for nodes {missing[:5]}")
-    layouts = parameter_layouts(graph, choice)
-    produced = {node.name: choice[node.name].output for node in graph.nodes}
-    for node in graph.nodes:
-        strategy = choice[node.name]
-        if len(strategy.inputs) != len(node.inputs) or len(strategy.input_grads) != len(node.inputs):
-            raise UnexecutableStrategy(f"node {node.name}: strategy {strategy} has "
-                                       f"{len(strategy.inputs)} input placements for {len(node.inputs)} inputs")
-        if tp_size > 1:
-            rule_for(node, strategy)
-        for slot, value in enumerate(node.inputs):
-            if value in layouts:
-                out, grad_needed = layouts[value].placement, layouts[value].grad_placement
-            else:
-                out = produced.get(value, R)
-                grad_needed = grad_placement(out)
-            wanted, grad = strategy.inputs[slot], strategy.input_grads[slot]
-            if not can_transition(out, wanted) or not can_transition(grad, grad_needed):
-                raise UnexecutableStrategy(
-                    f"edge {value} -> {node.name} ({strategy}): no collective turns {out} into "
-                    f"{wanted} forward or {grad} into {grad_needed} backward")
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -22,12 +22,12 @@ Model (each term from the cost models, nothing fitted here):
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from mplan.cost_models.cluster import ClusterSpec
-from mplan.cost_models.collective_cost import GroupShape, collective_time
+from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES, collective_time
+from mplan.ir.mesh import GroupShape
 from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.cost_models.memory_model import (FRAGMENTATION_FRACTION, MemoryBreakdown, bytes_per_param,
                                             mplan_bytes_per_param)
@@ -36,7 +36,6 @@ from mplan.ir.schedule import Schedule, build_schedule, check_schedule, interlea
 from mplan.planner.parallel_config import ParallelConfig
 from mplan.planner.stage_partition import Partition, partition
 from mplan.planner.unit_costs import UnitCost
-from mplan.runtime.data_parallel import DEFAULT_BUCKET_BYTES
 
 ADAMW_STREAMS = 8
 """Elements an AdamW step with a grad_scale (the clip coefficient folded in, as the runtime clips)
@@ -155,14 +154,6 @@ def _in_flight(config: ParallelConfig, rank: int) -> int:
     return min(p - rank, m)
 
 
-def _group(size: int, stride: int, gpus_per_node: int) -> GroupShape:
-    """A mesh-axis group: `size` ranks `stride` apart; how many of them share a node. A group that
-    fills nodes unevenly (60 ranks on 8-GPU nodes) is priced as if only gcd(size, fit) shared one:
-    the slower, conservative layout."""
-    fit = gpus_per_node // stride if stride < gpus_per_node else 1
-    return GroupShape(size=size, ranks_per_node=math.gcd(size, max(1, fit)))
-
-
 def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: ClusterSpec, facts: ModelFacts, *,
              fast: bool = True, fragmentation: float = FRAGMENTATION_FRACTION) -> Estimate:
     """Predict `config`. `fragmentation` is the allocator's share on top of allocated bytes (0 to
@@ -198,9 +189,8 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     chunk_b = tuple(sum(bwd[a:b]) for a, b in cut.bounds)
 
     gpn = cluster.gpus_per_node
-    dp_group = _group(config.dp, config.tp, gpn)
-    tp_group = _group(config.tp, 1, gpn)
-    pp_group = _group(2, config.tp * config.dp, gpn) if config.pp > 1 else GroupShape(size=1, ranks_per_node=1)
+    mesh = config.mesh
+    dp_group, tp_group, pp_group = mesh.group_shape("dp", gpn), mesh.group_shape("tp", gpn), mesh.p2p_shape(gpn)
     stream = facts.stream_bytes_per_sequence * config.mbs / (config.tp if config.sp else 1)
     p2p = collective_time(cluster, "send_recv", stream, pp_group) if config.pp > 1 else 0.0
 
@@ -259,8 +249,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
 def schedule_of(config: ParallelConfig) -> Schedule:
     """The schedule IR (per-rank action lists) a config runs: the simulator, `explain` and the
     runtime all read this one definition. Built and deadlock-checked once per shape."""
-    name = {"interleaved": "interleaved_1f1b"}.get(config.schedule, config.schedule)
-    return _checked_schedule(name if config.pp > 1 else "1f1b", config.pp, config.num_micro_batches, config.vpp)
+    return _checked_schedule(config.schedule if config.pp > 1 else "1f1b", config.pp, config.num_micro_batches, config.vpp)
 
 
 @functools.lru_cache(maxsize=64)

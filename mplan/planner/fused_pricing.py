@@ -4,11 +4,11 @@ Without kernels every memory-bound op is charged its own reads and writes (op_co
 them (`autoparallel(kernels=True)`, the default on CUDA) a whole chain (norm + residual add,
 bias + GELU, SwiGLU, RoPE, cross-entropy) runs as one kernel that moves `fused_op_bytes` at the
 fraction of copy bandwidth the H200 measured for it. `find_fused_chains` finds the chains with
-the pass's own matchers, dry-run on the captured program (nothing is rewritten); `OpCoster`
-then charges a chain's anchor the fused kernel and its other ops nothing. GEMMs and attention
-keep their prices (the grouped q/k/v GEMM is priced as its parts; bias+GELU's GEMM stays a GEMM),
-except under FP8 (`find_fp8_linears`, `fp8_linear_time`): the block linears as FP8 GEMMs plus
-their casts.
+the patterns the pass fuses (mplan.ir.fusion_patterns, in the pass's order), matched on the
+captured program (nothing is rewritten); `OpCoster` then charges a chain's anchor the fused
+kernel and its other ops nothing. GEMMs and attention keep their prices (the grouped q/k/v
+GEMM is priced as its parts; bias+GELU's GEMM stays a GEMM), except under FP8
+(`find_fp8_linears`, `fp8_linear_time`): the block linears as FP8 GEMMs plus their casts.
 
 Measured: `MEASURED_COPY_FRACTION` is the share of the device-to-device copy bandwidth each
 kernel reached on the H200, forward and backward separately, by GPU kernel time at the kernel
@@ -49,24 +49,24 @@ class FusedChain:
 def find_fused_chains(graph: Graph) -> dict[str, FusedChain]:
     """Node name -> the memory-bound fused chain it belongs to, for the IR nodes of `graph`
     (needs the captured program; an empty map without one)."""
-    # imported here: the pass loads the Triton kernels, which planning alone should not pay for
-    from mplan.passes.fuse_kernels import FUSION_RULES
+    # imported here: the patterns need torch, which this module (and the IR graph) does not load
+    from mplan.ir.fusion_patterns import FUSION_PATTERNS
 
     if graph.program is None:
         return {}
-    rules = [rule for rule in FUSION_RULES if rule.name in MEASURED_COPY_FRACTION]
+    patterns = [pattern for pattern in FUSION_PATTERNS if pattern.name in MEASURED_COPY_FRACTION]
     chains: dict[str, FusedChain] = {}
     for node in graph.program.graph.nodes:
         if node.op != "call_function" or node.name in chains:
             continue
-        for rule in rules:
-            if node.target not in rule.anchors:
+        for pattern in patterns:
+            if node.target not in pattern.anchors:
                 continue
-            match = rule.match(node)
+            match = pattern.match(node)
             names = {n.name for n in match.chain} if match is not None else set()
             if not names or names & chains.keys():
                 continue
-            chain = FusedChain(op=rule.name, anchor=node.name)
+            chain = FusedChain(op=pattern.name, anchor=node.name)
             chains.update({name: chain for name in names if name in graph and graph.node(name).kind != "matmul"})
             break
     return chains
@@ -76,7 +76,7 @@ def find_fp8_linears(graph: Graph) -> frozenset[str]:
     """The linears `fuse_kernels(fp8=True)` runs in FP8: every `aten.linear` but the output head
     (whose value reaches the loss). Their GEMM dimensions are checked where they are priced, on
     local shapes (`fp8_linear_time`)."""
-    from mplan.passes.fuse_kernels import feeds_the_loss
+    from mplan.ir.fusion_patterns import feeds_the_loss
 
     if graph.program is None:
         return frozenset()

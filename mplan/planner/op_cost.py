@@ -23,8 +23,8 @@ from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.ir.graph import OpNode, TensorMeta
 from mplan.ir.op_table import op_packet
 from mplan.planner.fused_pricing import MEASURED_COPY_FRACTION, FusedChain, fp8_linear_time, fused_bytes
-from mplan.planner.placement import Partial, Placement, R, can_transition, local_shape, transition
-from mplan.planner.strategies import Strategy
+from mplan.ir.placement import Partial, Placement, R, can_transition, local_shape, transition
+from mplan.ir.strategy import Strategy
 
 MEMORY_BOUND_BACKWARD_FACTOR = 2.0  # backward bytes / forward bytes of elementwise and norm ops
 IMPOSSIBLE_S = 1.0e3  # price of a transition no pass can emit; far above any real block time
@@ -34,12 +34,6 @@ IMPOSSIBLE_S = 1.0e3  # price of a transition no pass can emit; far above any re
 class Cost:
     forward_s: float
     backward_s: float
-
-
-def grad_placement(output: Placement) -> Placement:
-    """The gradient of a value arrives with its forward placement, except that the gradient of a
-    partial sum is replicated (every rank's addend receives the whole gradient)."""
-    return R if isinstance(output, Partial) else output
 
 
 class OpCoster:
@@ -89,8 +83,14 @@ class OpCoster:
         dtype = node.output.dtype
         locals_ = [local_shape(m.shape, p, self.n) for m, p in zip(node.input_metas, strategy.inputs)]
         packet = op_packet(node.op)
+        if packet == "einsum" and len(locals_) == 2:
+            m, cols, k, batch = _einsum_gemm(str(node.args[0]), locals_)
+            fwd = self.compute.matmul_time(m, cols, k, dtype, batch=batch)
+            return fwd, self.compute.matmul_time(m, k, cols, dtype, batch=batch) + \
+                self.compute.matmul_time(cols, k, m, dtype, batch=batch)
         if node.kind == "matmul" and len(locals_) >= 2:
-            a, b = locals_[0], locals_[1]
+            # addmm(bias, a, b) and baddbmm(c, a, b) multiply their second and third operands
+            a, b = (locals_[1], locals_[2]) if packet in ("addmm", "baddbmm") and len(locals_) >= 3 else locals_[:2]
             if packet == "linear":
                 m, k, cols = math.prod(a[:-1]), a[-1], b[0]
                 batch = 1
@@ -120,6 +120,20 @@ class OpCoster:
         moved = (node.bytes_read + node.bytes_written) / n
         fwd = self.compute.memory_bound_time(moved)
         return fwd, MEMORY_BOUND_BACKWARD_FACTOR * fwd
+
+
+def _einsum_gemm(equation: str, shapes: list[tuple[int, ...]]) -> tuple[int, int, int, int]:
+    """A two-operand einsum as the batched GEMM it runs: (rows, columns, contracted, batch) sizes,
+    letters of both operands and the output being the batch, of one operand and the output its
+    rows or columns, of both operands only the contraction."""
+    lhs, _, out = equation.replace(" ", "").partition("->")
+    a, b = lhs.split(",")
+    size = {c: d for spec, shape in zip((a, b), shapes) for c, d in zip(spec, shape)}
+
+    def product(letters: set[str]) -> int:
+        return math.prod(size[c] for c in letters)
+    sa, sb, so = set(a), set(b), set(out)
+    return product((sa & so) - sb), product((sb & so) - sa), product((sa & sb) - so), product(sa & sb & so)
 
 
 def partial_param_grad_bytes(node: OpNode, strategy: Strategy, metas: dict[str, TensorMeta]) -> int:

@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Iterator
 
-SCHEDULES = ("1f1b", "interleaved", "gpipe")
-RECOMPUTE = ("none", "selective", "full")
+from mplan.cost_models.memory_model import RECOMPUTE_MODES
+from mplan.ir.mesh import MeshShape
+from mplan.ir.schedule import SCHEDULES
+
 RUNTIMES = ("megatron", "mplan")
 """Whose optimizer memory a plan is priced with (`ModelFacts.runtime`): Megatron-LM's or mplan's runtime's."""
 _INT_KEYS = ("dp", "tp", "pp", "vpp", "ep", "mbs", "sp", "zero")
@@ -40,6 +42,10 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def mesh(self) -> MeshShape:
+        return MeshShape(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep)
 
     def spec(self) -> str:
         """The manual spec string that reproduces this config."""
@@ -114,7 +120,7 @@ def parse_plan_spec(text: str) -> PlanSpec:
                 raise PlanSpecError(f"plan spec {text!r}: {key} must be 0 or 1, got {raw!r}")
             values[key] = number
         else:
-            choices = RECOMPUTE if key == "recompute" else SCHEDULES
+            choices = RECOMPUTE_MODES if key == "recompute" else SCHEDULES
             if raw not in choices:
                 raise PlanSpecError(f"plan spec {text!r}: {key} must be one of {', '.join(choices)}, got {raw!r}")
             values[key] = raw
@@ -146,7 +152,7 @@ def enumerate_configs(*, world_size: int, gpus_per_node: int, global_batch: int,
         if limits.num_heads % tp:
             continue
         for pp in divisors(world_size // tp):
-            if pp > limits.num_layers:
+            if pp > max(1, limits.num_layers):  # a model without repeated blocks is one stage
                 continue
             dp = world_size // (tp * pp)
             if global_batch % dp:
@@ -173,7 +179,7 @@ def _variants(base: ParallelConfig, limits: ModelLimits, spec: PlanSpec) -> Iter
     for schedule, vpp in schedules:
         for sp in ((False, True) if base.tp > 1 else (False,)):
             for zero in ((0, 1) if base.dp > 1 else (0,)):
-                for recompute in RECOMPUTE:
+                for recompute in RECOMPUTE_MODES:
                     config = replace(base, schedule=schedule, vpp=vpp, sp=sp, zero=zero, recompute=recompute)
                     if spec.admits(config):
                         yield config

@@ -2,8 +2,14 @@
 
 A `Plan` records the mesh, the schedule, micro-batching, recomputation, optimizer sharding, the
 stages with their layers, every parameter's placement on each mesh axis, the TP strategy of every
-op (per segment, in node order), the predicted figures and the best rejected alternatives.
-`model.graph_hash` and `cluster` let a rank refuse a plan made for another model or world size.
+op, the predicted figures and the best rejected alternatives. `model.graph_hash` and `cluster`
+let a rank refuse a plan made for another model or world size.
+
+`ops` maps a segment key (a block type, whose entry serves every instance, or a glue segment:
+"prologue", "glue.N", "epilogue") to {node key: strategy text} (`OpNode.key`, `ir/strategy.py`).
+A Plan the resolver (`planner/resolve.py`) hands to the runtime has an entry for every node of
+the graph the runtime executes; `op_strategies` reads them back, and is all the runtime knows of
+sharding: it never solves, searches or consults the op registry.
 
 JSON is validated field by field on load (`PlanError` names the field); nothing is unpickled.
 """
@@ -14,8 +20,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mplan.cost_models.json_fields import FieldReader, load_json_file
+from mplan.cost_models.memory_model import RECOMPUTE_MODES
+from mplan.ir.graph import Graph
+from mplan.ir.mesh import MeshShape
+from mplan.ir.schedule import SCHEDULES
+from mplan.ir.strategy import Strategy, StrategyParseError, parse_strategy
+from mplan.planner.parallel_config import RUNTIMES
 
 PLAN_VERSION = 1
+TP_LAYOUTS = ("ilp", "megatron")
+"""`ilp`: the sharding ILP's cheapest valid mix on the plan's cluster; `megatron`: Megatron-LM's
+layout (columns, rows, heads, vocabulary), as a hand-written Megatron plan has it."""
 
 
 class PlanError(ValueError):
@@ -110,11 +125,13 @@ class Plan:
     recompute: str
     stages: tuple[Stage, ...]
     sharding: dict[str, dict[str, str]] = field(hash=False)  # parameter -> {axis: placement}
-    ops: dict[str, list[str]] = field(hash=False)  # segment or block type -> TP strategy per node
+    ops: dict[str, dict[str, str]] = field(hash=False)  # segment key -> {node key: strategy} (module doc)
     predicted: Predicted
     alternatives: tuple[Alternative, ...] = ()
     planner: dict[str, float] = field(default_factory=dict, hash=False)  # seconds, candidates, ...
     fp8: bool = False  # the blocks' linears run as FP8 GEMMs (optional in the file; absent = False)
+    tp_layout: str = "ilp"  # how the op strategies were chosen: TP_LAYOUTS (optional in the file)
+    runtime: str = "megatron"  # whose runtime the memory and overlap are priced for: RUNTIMES (optional)
     version: int = PLAN_VERSION
 
     def spec(self) -> str:
@@ -123,6 +140,39 @@ class Plan:
         return (f"dp={m.dp},tp={m.tp},pp={m.pp},vpp={m.vpp},ep={m.ep},mbs={self.micro_batch_size},"
                 f"sp={int(self.sequence_parallel)},zero={self.zero},recompute={self.recompute},"
                 f"schedule={self.schedule}")
+
+    def mesh_shape(self) -> MeshShape:
+        """The rank layout of this plan's mesh (ep and vpp do not add ranks)."""
+        m = self.mesh
+        return MeshShape(dp=m.dp, tp=m.tp, pp=m.pp, ep=m.ep)
+
+    def describe(self) -> str:
+        """The layout in one line, for messages: the spec and the micro-batching."""
+        return f"{self.spec()},micro_batches={self.num_micro_batches}"
+
+    def op_strategies(self, graph: Graph) -> dict[str, Strategy]:
+        """The strategy of every node of `graph`, read from `ops` by its stable key; a node the
+        plan has no entry for is a PlanError (the resolver binds a Plan to the graph first)."""
+        choice: dict[str, Strategy] = {}
+        missing: list[str] = []
+        parsed: dict[str, Strategy] = {}
+        for node in graph.nodes:
+            segment, key = graph.plan_key(node.name)
+            text = self.ops.get(segment, {}).get(key)
+            if text is None:
+                missing.append(f"{segment}/{key}")
+                continue
+            if text not in parsed:
+                try:
+                    parsed[text] = parse_strategy(text)
+                except StrategyParseError as exc:
+                    raise PlanError(f"plan ops[{segment}][{key}]: {exc}") from None
+            choice[node.name] = parsed[text]
+        if missing:
+            raise PlanError(f"the plan has no strategy for {len(missing)} ops of this graph ({', '.join(missing[:4])}"
+                            f"{', ...' if len(missing) > 4 else ''}): resolve it against this model first "
+                            f"(mplan.planner.resolve.resolve_plan)")
+        return choice
 
     def to_dict(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -150,13 +200,15 @@ class Plan:
                    sequence_parallel=r.boolean("sequence_parallel"), zero=_choice(r, "zero", (0, 1)),
                    micro_batch_size=r.integer("micro_batch_size"), num_micro_batches=r.integer("num_micro_batches"),
                    global_batch=r.integer("global_batch"),
-                   schedule=r.string("schedule", choices=("1f1b", "interleaved", "gpipe")),
-                   recompute=r.string("recompute", choices=("none", "selective", "full")),
+                   schedule=r.string("schedule", choices=SCHEDULES),
+                   recompute=r.string("recompute", choices=RECOMPUTE_MODES),
                    stages=tuple(_stage(s) for s in r.objects("stages")),
-                   sharding=_string_table(r, "sharding"), ops=_string_lists(r, "ops"),
+                   sharding=_string_table(r, "sharding"), ops=_op_table(r, "ops"),
                    predicted=_predicted(r.obj("predicted")),
                    alternatives=tuple(_alternative(a) for a in r.objects("alternatives")),
                    planner=_numbers(r, "planner"), fp8=r.boolean("fp8") if r.has("fp8") else False,
+                   tp_layout=r.string("tp_layout", choices=TP_LAYOUTS) if r.has("tp_layout") else "ilp",
+                   runtime=r.string("runtime", choices=RUNTIMES) if r.has("runtime") else "megatron",
                    version=version)
         r.finish()
         _check_consistent(plan, file)
@@ -246,11 +298,19 @@ def _string_table(r: FieldReader, key: str) -> dict[str, dict[str, str]]:
     return value
 
 
-def _string_lists(r: FieldReader, key: str) -> dict[str, list[str]]:
+def _op_table(r: FieldReader, key: str) -> dict[str, dict[str, str]]:
     value = r.raw(key)
     if not isinstance(value, dict) or not all(
-            isinstance(k, str) and isinstance(v, list) and all(isinstance(s, str) for s in v) for k, v in value.items()):
-        raise r.error(key, "must map segment names to lists of strategy strings")
+            isinstance(k, str) and isinstance(v, dict) and all(isinstance(n, str) and isinstance(s, str)
+                                                              for n, s in v.items()) for k, v in value.items()):
+        raise r.error(key, "must map segment keys to {node key: strategy} objects of strings (plans written "
+                           "before 2026-12-01 listed strategies by position: re-plan)")
+    for segment, entries in value.items():
+        for node_key, text in entries.items():
+            try:
+                parse_strategy(text)
+            except StrategyParseError as exc:
+                raise r.error(key, f"[{segment}][{node_key}]: {exc}") from None
     return value
 
 

@@ -1,10 +1,13 @@
 """Turn a search result into a `Plan`: stages, per-parameter placements, op strategies, figures.
 
-The TP strategy of every op is stored per segment in node order (block types once, glue segments
-by name), so the passes can re-capture the model and zip strategies onto nodes; parameters of
-block instances a shallow capture did not trace take the placements of the first instance.
+The TP strategy of every op is stored under its stable key (`OpNode.key`): block types once (the
+first traced instance's nodes stand for every instance), glue segments by name (`Plan.ops`).
+Parameters of block instances a shallow capture did not trace take the placements of the first
+instance; a tied parameter is listed under each of its names.
 """
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.ir.blocks import relative_name
@@ -14,15 +17,20 @@ from mplan.planner.evaluate import Estimate
 from mplan.planner.plan import (Alternative, ClusterInfo, Mesh, ModelInfo, Plan, Predicted, Stage,
                                 StageMemory)
 from mplan.planner.search import SearchResult, ShardedModel
-from mplan.planner.strategies import Strategy
+from mplan.ir.strategy import Strategy
 
 GiB = float(1 << 30)
 
 
-def strategy_key(strategy: Strategy) -> str:
-    """Serialized strategy: name, input placements, output, input-gradient placements."""
-    grads = ",".join(map(str, strategy.input_grads))
-    return f"{strategy}|{grads}"
+def op_table(graph: Graph, choice: Mapping[str, Strategy]) -> dict[str, dict[str, str]]:
+    """`Plan.ops` for `choice` on `graph`: {segment key: {node key: strategy text}}."""
+    ops: dict[str, dict[str, str]] = {}
+    for bt in graph.block_types:
+        ops[bt.name] = {graph.node(n).key: str(choice[n]) for n in bt.template}
+    for segment in graph.segments:
+        if segment.block_type is None and segment.nodes:
+            ops[segment.name] = {graph.node(n).key: str(choice[n]) for n in segment.nodes}
+    return ops
 
 
 def predicted_of(estimate: Estimate) -> Predicted:
@@ -88,12 +96,13 @@ def _param_placements(graph: Graph, model: ShardedModel, estimate: Estimate, uni
         else:
             continue  # a later traced instance: covered by its block type's fan-out
         for target, unit in pairs:
-            placements[target] = {"tp": tp_of.get(name, "R"), "dp": "R", "pp": str(stage_of_unit.get(unit, 0))}
+            for alias in graph.names_of(target) if target in graph.params else (target,):
+                placements[alias] = {"tp": tp_of.get(name, "R"), "dp": "R", "pp": str(stage_of_unit.get(unit, 0))}
     return placements
 
 
 def build_plan(result: SearchResult, graph: Graph, cluster: ClusterSpec, global_batch: int,
-               best: Estimate | None = None) -> Plan:
+               best: Estimate | None = None, *, tp_layout: str = "ilp", runtime: str = "megatron") -> Plan:
     best = best or result.best
     config = best.config
     model = result.sharded[(config.tp, config.sp)]
@@ -103,10 +112,7 @@ def build_plan(result: SearchResult, graph: Graph, cluster: ClusterSpec, global_
                          forward_ms=best.chunk_forward_s[i] * 1e3, backward_ms=best.chunk_backward_s[i] * 1e3,
                          grad_sync_ms=best.grad_sync_s[i % config.pp] / config.vpp * 1e3)
                    for i, (a, b) in enumerate(best.stage_bounds))
-    ops = {bt.name: [strategy_key(choice[n]) for n in bt.template] for bt in graph.block_types}
-    for segment in graph.segments:
-        if segment.block_type is None and segment.nodes:
-            ops[segment.name] = [strategy_key(choice[n]) for n in segment.nodes]
+    ops = op_table(graph, choice)
     alternatives = tuple(Alternative(spec=e.config.spec(), predicted=predicted_of(e) if e.fits else None,
                                      why=_why_lost(best, e))
                          for e in [*_diverse(result.ranked, best), *result.rejected[:2]])
@@ -119,6 +125,6 @@ def build_plan(result: SearchResult, graph: Graph, cluster: ClusterSpec, global_
         sequence_parallel=config.sp, zero=config.zero, micro_batch_size=config.mbs,
         num_micro_batches=config.num_micro_batches, global_batch=global_batch, schedule=config.schedule,
         recompute=config.recompute, stages=stages, sharding=_param_placements(graph, model, best, units), ops=ops,
-        predicted=predicted_of(best), alternatives=alternatives,
+        predicted=predicted_of(best), alternatives=alternatives, tp_layout=tp_layout, runtime=runtime,
         planner={"search_seconds": round(result.seconds, 3), "candidates": result.num_candidates,
                  "capture_seconds": round(graph.capture_seconds, 3)})

@@ -1,12 +1,13 @@
 """`mplan.plan(...)`: capture a model for planning, search, and return a `Plan`.
 
-The model is captured on the meta device in bf16 (the training dtype) with one sequence per
-micro-batch and two instances per repeated block (shallow): costs are per unit, so the full depth
-is never traced. A user's real-device model is copied to meta first; nothing touches its weights.
+A model spec (`llama3-70b`, a config.json) is captured on the meta device in bf16 (the training
+dtype) with a symbolic batch and two instances per repeated block (shallow): costs are per unit,
+so the full depth is never traced. A user's `nn.Module` is captured as `autoparallel` captures it
+(`ir.trace.capture_for_training`: the module as built, its dtype, its tied weights, a symbolic
+batch), so a Plan made here binds to the very graph `autoparallel` runs, op for op.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from typing import Any, Callable, Sequence
@@ -15,8 +16,8 @@ import torch
 import torch.nn as nn
 
 from mplan.cost_models.cluster import ClusterSpec
-from mplan.ir.trace import CaptureError, capture
 from mplan.ir.graph import Graph
+from mplan.ir.trace import capture_for_training
 from mplan.ir.summary import capture_spec
 from mplan.planner.parallel_config import PlanSpec, parse_plan_spec
 from mplan.planner.plan import Plan, PlanError
@@ -33,28 +34,7 @@ def capture_for_planning(model: nn.Module | str, example_inputs: Sequence[Any] |
         return capture_spec(model, batch=2, seq_len=seq_len, shallow=True, dtype=torch.bfloat16, dynamic_batch=True)
     if not example_inputs:
         raise ValueError("planning an nn.Module needs example_inputs, e.g. (input_ids,)")
-    # Always a copy: the bf16 cast below must not touch the caller's model (even a meta one, whose
-    # dtype decides how its shards are initialized later).
-    meta = copy.deepcopy(model).to("meta")
-    inputs = tuple(_two_rows(x) for x in example_inputs)
-    ids = inputs[0]
-    labels = torch.zeros_like(ids) if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else None
-    name = type(model).__name__
-    try:
-        return capture(meta, inputs, labels=labels, loss_fn=loss_fn, dtype=torch.bfloat16, shallow=True,
-                       dynamic_batch=True, name=name)
-    except CaptureError:
-        # Some models specialize on the batch; then plan with one sequence per micro-batch only.
-        one = tuple(x[:1] if isinstance(x, torch.Tensor) else x for x in inputs)
-        return capture(meta, one, labels=None if labels is None else labels[:1], loss_fn=loss_fn,
-                       dtype=torch.bfloat16, shallow=True, name=name)
-
-
-def _two_rows(x: Any) -> Any:
-    if not isinstance(x, torch.Tensor):
-        return x
-    x = x.to("meta")
-    return torch.cat([x[:1], x[:1]]) if x.shape[0] < 2 else x[:2]
+    return capture_for_training(model, tuple(example_inputs), loss_fn=loss_fn)
 
 
 def search_plans(graph: Graph, cluster: ClusterSpec, global_batch: int, spec: PlanSpec | str = "auto", *,
@@ -86,7 +66,7 @@ def plan(model: nn.Module | str, example_inputs: Sequence[Any] | None = None, *,
     graph = capture_for_planning(model, example_inputs, seq_len=seq_len, loss_fn=loss_fn)
     _, result = search_plans(graph, cluster, global_batch, spec, allow_cross_node_tp=allow_cross_node_tp,
                              kernels=kernels, fp8=fp8, runtime=runtime, progress=progress)
-    made = dataclasses.replace(build_plan(result, graph, cluster, global_batch), fp8=fp8)
+    made = dataclasses.replace(build_plan(result, graph, cluster, global_batch, runtime=runtime), fp8=fp8)
     made.planner["total_seconds"] = round(time.perf_counter() - start, 3)
     made.planner["fused_kernels_priced"] = float(kernels)
     return made

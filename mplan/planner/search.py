@@ -19,17 +19,19 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from mplan.cost_models.cluster import ClusterSpec
-from mplan.cost_models.collective_cost import GroupShape
-from mplan.ir.graph import Graph
+from mplan.ir.mesh import GroupShape
+from mplan.ir.graph import Graph, OpNode
 from mplan.planner.evaluate import Estimate, ModelFacts, evaluate
 from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.parallel_config import (RUNTIMES, ModelLimits, ParallelConfig, PlanSpec, PlanSpecError,
                                            enumerate_configs)
-from mplan.planner.placement import R, Shard
 from mplan.ir.rebatch import rebatch
+from mplan.planner.plan import TP_LAYOUTS
+from mplan.ir.strategy import Strategy
 from mplan.planner.sharding_ilp import (GraphSharding, ShardingInfeasible, StrategyFilter, reprice_graph,
-                                        solve_graph_sharding, stream_meta)
+                                        reprice_segment, stream_meta)
+from mplan.planner.tp_layout import solve_tp_layout
 from mplan.planner.unit_costs import UnitCost, unit_costs
 
 SIMULATED_FINALISTS = 8  # candidates re-ranked by the event simulator
@@ -73,9 +75,13 @@ class Planner:
 
     def __init__(self, graph: Graph, cluster: ClusterSpec, *, allow: StrategyFilter | None = None,
                  grad_dtype: str = "fp32", fp32_grad_copy: bool = True, kernels: bool = False,
-                 fp8: bool = False, runtime: str = "megatron", progress: Callable[[str], None] | None = None) -> None:
+                 fp8: bool = False, runtime: str = "megatron", tp_layout: str = "ilp",
+                 progress: Callable[[str], None] | None = None) -> None:
         if runtime not in RUNTIMES:
             raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
+        if tp_layout not in TP_LAYOUTS:
+            raise ValueError(f"tp_layout must be one of {TP_LAYOUTS}, got {tp_layout!r}")
+        self.tp_layout = tp_layout
         self.dynamic = any(m.sym is not None for m in graph.graph_inputs.values())
         if not self.dynamic and graph.batch_size != 1:
             raise ValueError("the planner prices micro-batches from a graph captured with a dynamic batch, "
@@ -97,19 +103,20 @@ class Planner:
     def sharded(self, tp: int, sp: bool) -> ShardedModel:
         key = (tp, sp)
         if key not in self._sharded:
-            group = GroupShape(size=tp, ranks_per_node=min(tp, self.cluster.gpus_per_node))
+            group = GroupShape.from_mesh_axis(size=tp, stride=1, gpus_per_node=self.cluster.gpus_per_node)
             coster = OpCoster(self.cluster, tp, group, fused=self.fused, fp8_linears=self.fp8_linears)
-            boundary = Shard(1) if sp else R
             self.progress(f"solving the sharding ILP for tp={tp}{' with SP' if sp else ''}")
-            sharding = solve_graph_sharding(self.graph, coster, boundary, allow=self.allow)
+            sharding = self._solve(self.graph, coster, sp)
             self._sharded[key] = ShardedModel(tp=tp, sp=sp, coster=coster, shardings={1: sharding},
                                               units={1: unit_costs(self.graph, sharding, coster)})
         return self._sharded[key]
 
     def units(self, tp: int, sp: bool, mbs: int) -> list[UnitCost]:
-        """Unit costs at micro-batch `mbs`: the mbs=1 strategies re-priced on the rebatched graph, or
-        solved again where a strategy is not valid at that batch (a reshape that merges batch and
-        sequence shards differently once the batch is more than one)."""
+        """Unit costs at micro-batch `mbs`: the mbs=1 strategies re-priced on the rebatched graph, or,
+        where a segment's strategy is not valid at that batch (a reshape that merges batch and
+        sequence shards differently once the batch is more than one), that segment solved again
+        with every other segment held to its mbs=1 strategies (solving all again lets the ILP, which
+        does not price memory, trade the weights' sharding for a batch split)."""
         model = self.sharded(tp, sp)
         if mbs not in model.units:
             if mbs not in self._at_batch:
@@ -118,10 +125,21 @@ class Planner:
             try:
                 sharding = reprice_graph(graph, model.sharding, model.coster)
             except ShardingInfeasible:
-                sharding = solve_graph_sharding(graph, model.coster, model.sharding.boundary, allow=self.allow)
+                sharding = self._solve(graph, model.coster, sp, keep=_still_valid(graph, model.sharding, model.coster))
             model.shardings[mbs] = sharding
             model.units[mbs] = unit_costs(graph, sharding, model.coster)
         return model.units[mbs]
+
+    def _solve(self, graph: Graph, coster: OpCoster, sp: bool,
+               keep: dict[str, tuple[object, ...]] | None = None) -> GraphSharding:
+        allow = self.allow
+        if keep:
+            base = allow
+
+            def allow(node: OpNode, strategy: Strategy) -> bool:  # type: ignore[no-redef]
+                held = keep.get(node.name)
+                return (base is None or base(node, strategy)) and (held is None or _strategy_id(strategy) == held)
+        return solve_tp_layout(graph, coster, sp=sp, layout=self.tp_layout, allow=allow)
 
     def evaluate(self, config: ParallelConfig, *, fast: bool = False, **options: float) -> Estimate:
         units = self.units(config.tp, config.sp, config.mbs)
@@ -157,6 +175,29 @@ class Planner:
                             facts=self.facts, num_candidates=len(configs), seconds=time.perf_counter() - start)
 
 
+def _strategy_id(strategy: Strategy) -> tuple[object, ...]:
+    return (strategy.name, strategy.inputs, strategy.output, strategy.input_grads)
+
+
+def _still_valid(graph: Graph, sharding: GraphSharding, coster: OpCoster) -> dict[str, tuple[object, ...]]:
+    """The strategies of `sharding` (solved at another batch) of every segment whose strategies all
+    exist on `graph`, by node."""
+    keep: dict[str, tuple[object, ...]] = {}
+    segments = [(bt.name, bt.template, sharding.segments[bt.name].choice) for bt in graph.block_types]
+    segments += [(s.name, s.nodes, sharding.choice) for s in graph.segments if s.block_type is None and s.nodes]
+    for name, nodes, choice in segments:
+        try:
+            reprice_segment(graph, name, nodes, choice, coster, sharding.boundary)
+        except ShardingInfeasible:
+            continue
+        keep.update({n: _strategy_id(choice[n]) for n in nodes})
+    for seg in graph.segments:  # every traced instance holds its block type's strategies
+        if seg.block_type and seg.nodes and graph.block_type(seg.block_type).template[0] in keep:
+            template = graph.block_type(seg.block_type).template
+            keep.update({n: keep[t] for n, t in zip(seg.nodes, template)})
+    return keep
+
+
 def _what_would_fit(estimate: Estimate, cluster: ClusterSpec) -> str:
     need = estimate.peak_memory_bytes
     have = cluster.device.memory_bytes
@@ -179,7 +220,7 @@ def _no_config_reason(world: int, gpus_per_node: int, global_batch: int, limits:
         return f"tp={spec.tp} does not divide the model's {limits.num_heads} attention heads"
     if spec.tp is not None and spec.tp > gpus_per_node:
         return f"tp={spec.tp} would cross nodes ({gpus_per_node} GPUs per node)"
-    if spec.pp is not None and spec.pp > limits.num_layers:
+    if spec.pp is not None and spec.pp > max(1, limits.num_layers):
         return f"pp={spec.pp} exceeds the model's {limits.num_layers} layers"
     if spec.dp is not None and global_batch % spec.dp:
         return f"global batch {global_batch} is not divisible by dp={spec.dp}"

@@ -38,10 +38,26 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
+import pulp
+
 from mplan.ir.graph import BlockType, Graph, OpNode, TensorMeta
-from mplan.planner.op_cost import OpCoster, grad_placement, partial_param_grad_bytes
-from mplan.planner.placement import Placement, R
-from mplan.planner.strategies import Strategy, shard_bytes, strategies_for
+from mplan.ir.placement import Placement, R, grad_placement
+from mplan.ir.strategy import Strategy
+from mplan.planner.op_cost import OpCoster, partial_param_grad_bytes
+from mplan.planner.op_registry import shard_bytes, strategies_for
+
+
+def _available_solver() -> pulp.LpSolver:
+    if "HiGHS" in pulp.listSolvers(onlyAvailable=True):
+        return pulp.HiGHS(msg=False)
+    return pulp.PULP_CBC_CMD(msg=False)
+
+
+# Chosen once, at import: listing PuLP's solvers imports their optional packages, and PuLP keeps
+# each failed import's exception (and so the traceback's frames) in its modules for later
+# messages. Done inside a solve, those frames would be the planner's own and keep its graph,
+# and with it the captured model's weights, alive for the rest of the process.
+_SOLVER = _available_solver()
 
 
 class ShardingInfeasible(RuntimeError):
@@ -102,14 +118,6 @@ def stream_shape(graph: Graph) -> tuple[int, ...] | None:
 
 
 StrategyFilter = Callable[[OpNode, Strategy], bool]
-
-
-def megatron_style(node: OpNode, strategy: Strategy) -> bool:
-    """The hand-written Megatron plan as a filter: weights and attention split by columns, rows,
-    heads or vocabulary, never by batch or sequence on the TP axis (that is DP's job there)."""
-    if node.kind in ("matmul", "attention", "embedding", "loss") and strategy.split:
-        return strategy.name in ("column", "row", "heads", "vocab") or not node.params and node.kind == "matmul"
-    return True
 
 
 def _problem(graph: Graph, name: str, node_names: Sequence[str], n: int, boundary: Placement,
@@ -216,8 +224,6 @@ def solve_segment_sharding(graph: Graph, name: str, node_names: Sequence[str], c
     `memory_budget_bytes` bounds sum m[v,s] x[v,s] (parameter bytes x `param_state_factor` +
     saved activations x `activation_factor`); None leaves memory to the outer search.
     """
-    import pulp
-
     n = coster.n
     start = time.perf_counter()
     problem = _problem(graph, name, node_names, n, boundary, allow)
@@ -256,7 +262,7 @@ def solve_segment_sharding(graph: Graph, name: str, node_names: Sequence[str], c
         mem = _memory_coefficients(problem, n, param_state_factor, activation_factor)
         lp += pulp.lpSum(c * var for v in x for c, var in zip(mem[v], x[v])) <= memory_budget_bytes
     lp += pulp.lpSum(objective)
-    solver = _solver()
+    solver = _SOLVER
     with _quiet_stdout():
         status = lp.solve(solver)
     if pulp.LpStatus[status] != "Optimal":
@@ -339,14 +345,6 @@ def _quiet_stdout() -> Iterator[None]:
         os.close(saved)
 
 
-def _solver():
-    import pulp
-
-    if "HiGHS" in pulp.listSolvers(onlyAvailable=True):
-        return pulp.HiGHS(msg=False)
-    return pulp.PULP_CBC_CMD(msg=False)
-
-
 def _summarize(problem: _Problem, choice: dict[str, Strategy], node_cost: dict,
                copies: list[tuple[float, float]], coster: OpCoster, boundary: Placement,
                **extra: Any) -> SegmentSharding:
@@ -409,9 +407,42 @@ class GraphSharding:
     segments: dict[str, SegmentSharding] = field(hash=False)  # by block type or glue segment name
 
 
-def solve_graph_sharding(graph: Graph, coster: OpCoster, boundary: Placement, **options: Any) -> GraphSharding:
+def solve_graph_sharding(graph: Graph, coster: OpCoster, boundary: Placement, *,
+                         allow: StrategyFilter | None = None, **options: Any) -> GraphSharding:
     """Solve each block type once and each glue segment on its own; map the block solution onto
-    every traced instance by position (instances share one op sequence by construction)."""
+    every traced instance by position (instances share one op sequence by construction).
+
+    A parameter is stored once per rank, but segments are solved apart and each ILP prices its
+    ops alone: a tied embedding can come out read vocabulary-parallel by the lookup and replicated
+    by the head. Such a parameter is pinned to its first consumer's placement (then to R if that
+    fails too) and the graph solved again (`ir.sharding.parameter_layouts` names any that still
+    disagree)."""
+    pins: dict[str, Placement] = {}
+
+    def pinned(node: OpNode, strategy: Strategy) -> bool:
+        return (allow is None or allow(node, strategy)) and all(
+            strategy.inputs[slot] == pins[name] for slot, name in enumerate(node.inputs) if name in pins)
+
+    for _ in range(3):
+        sharding = _solve_segments(graph, coster, boundary, allow=pinned if pins else allow, **options)
+        conflicts = _disagreeing_parameters(graph, sharding.choice)
+        if not conflicts:
+            break
+        for name, first in conflicts.items():
+            pins[name] = R if name in pins else first
+    return sharding
+
+
+def _disagreeing_parameters(graph: Graph, choice: dict[str, Strategy]) -> dict[str, Placement]:
+    seen: dict[str, list[Placement]] = {}
+    for node in graph.nodes:
+        for slot, name in enumerate(node.inputs):
+            if name in graph.params and node.name in choice:
+                seen.setdefault(name, []).append(choice[node.name].inputs[slot])
+    return {name: placements[0] for name, placements in seen.items() if len(set(placements)) > 1}
+
+
+def _solve_segments(graph: Graph, coster: OpCoster, boundary: Placement, **options: Any) -> GraphSharding:
     solved: dict[str, SegmentSharding] = {}
     for block in graph.block_types:
         solved[block.name] = solve_block_sharding(graph, block, coster, boundary, **options)

@@ -20,9 +20,9 @@ from dataclasses import dataclass, replace
 
 from mplan.ir.graph import Graph
 from mplan.planner.op_cost import OpCoster
-from mplan.planner.placement import Shard
+from mplan.ir.placement import Shard
 from mplan.planner.sharding_ilp import GraphSharding, SegmentSharding, stream_meta, value_meta
-from mplan.planner.strategies import shard_bytes
+from mplan.planner.op_registry import shard_bytes
 
 _KEEP_UNDER_SELECTIVE = ("matmul", "attention", "embedding", "loss")
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mplan.cost_models.json_fields import FieldReader, load_json_file
-from mplan.planner.placement import local_shape
+from mplan.ir.placement import local_shape
 
 if TYPE_CHECKING:
     from mplan.runtime.parallel_module import ParallelModule
@@ -52,7 +52,7 @@ def save_checkpoint(directory: str, pm: ParallelModule) -> None:
 
 
 def _manifest(pm: ParallelModule) -> dict[str, Any]:
-    m = pm.plan.mesh
+    m = pm.plan.mesh_shape()
     return {
         "format": FORMAT, "version": VERSION, "world_size": m.size,
         "mesh": {"dp": m.dp, "tp": m.tp, "pp": m.pp, "ep": m.ep},
@@ -89,7 +89,7 @@ def read_manifest(directory: str) -> dict[str, Any]:
 def load_checkpoint(directory: str, pm: ParallelModule) -> None:
     doc = read_manifest(directory)
     path = os.path.join(directory, MANIFEST)
-    m = pm.plan.mesh
+    m = pm.plan.mesh_shape()
     for field, want in (("world_size", m.size), ("mesh", {"dp": m.dp, "tp": m.tp, "pp": m.pp, "ep": m.ep}),
                         ("zero", pm.plan.zero), ("plan_hash", pm.digest)):
         if doc[field] != want:

@@ -48,9 +48,8 @@ import torch.distributed as dist
 
 from mplan.runtime.param_placement import ParamPlacement, Placements, placement_of, replica_group
 from mplan.runtime.process_groups import ProcessGroup, ProcessGroups, group_size
+from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20
-"""25 MiB, torch DDP's default `bucket_cap_mb`: large enough to amortize collective latency."""
 
 
 def unique_trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:

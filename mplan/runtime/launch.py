@@ -10,6 +10,7 @@ torchrun environment is an error naming the missing variables, not a silent sing
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -18,11 +19,18 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """What `init_method="env://"` reads; torchrun and most cluster launchers set all four."""
 
 
+TRACEBACK_VARIABLE = "MPLAN_TRACEBACK"
+"""Set to 1 to see the Python traceback of a job-wide error under torchrun (`install_error_hook`)."""
+
+
 def init_distributed_from_env() -> dist.ProcessGroup | None:
-    """The world process group: existing, or initialized from torchrun's variables, or None."""
+    """The world process group: existing, or initialized from torchrun's variables, or None.
+    Under torchrun it also installs `install_error_hook`."""
+    present = [name for name in TORCHRUN_VARIABLES if name in os.environ]
+    if present:
+        install_error_hook()
     if dist.is_initialized():
         return dist.group.WORLD
-    present = [name for name in TORCHRUN_VARIABLES if name in os.environ]
     if not present:
         return None
     missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
@@ -41,6 +49,36 @@ def init_distributed_from_env() -> dist.ProcessGroup | None:
     else:
         dist.init_process_group("gloo", init_method="env://")
     return dist.group.WORLD
+
+
+def install_error_hook() -> None:
+    """Under torchrun, an mplan error that escapes the user's script (a refused plan, a model that
+    cannot be captured, a bad argument: raised alike on every rank) prints once, on rank 0, as
+    one line naming the cause and the fix, and every rank exits with status 2, instead of one
+    traceback per rank; other exceptions keep Python's report. `MPLAN_TRACEBACK=1` keeps
+    tracebacks for everything."""
+    if os.environ.get(TRACEBACK_VARIABLE) == "1" or getattr(sys.excepthook, "mplan", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, trace: object) -> None:
+        if not _is_mplan_error(kind):
+            previous(kind, error, trace)  # type: ignore[arg-type]
+            return
+        if os.environ.get("RANK", "0") == "0":
+            print(f"mplan: error: {error} (set {TRACEBACK_VARIABLE}=1 for the traceback)", file=sys.stderr)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(2)
+
+    hook.mplan = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _is_mplan_error(kind: type[BaseException]) -> bool:
+    """An exception type mplan raises for the user to act on: defined in mplan (PlanError,
+    CaptureError, PlanSpecError, UnsupportedPlan, ...)."""
+    return any(k.__module__.startswith("mplan.") for k in kind.__mro__ if issubclass(k, Exception))
 
 
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:

@@ -16,8 +16,8 @@ from typing import Protocol
 
 import torch
 
+from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES
 from mplan.runtime.compute_copies import ComputeCopies
-from mplan.runtime.data_parallel import DEFAULT_BUCKET_BYTES
 from mplan.runtime.optimizer_state import ParamsArg
 from mplan.runtime.param_placement import Placements
 from mplan.runtime.process_groups import ProcessGroups

@@ -1,7 +1,8 @@
-"""`ParallelModule`: one rank's share of a model under an execution plan, trained step by step.
+"""`ParallelModule`: one rank's share of a model under a Plan, trained step by step.
 
-Input: the captured training `Graph`, its TP choice and `ExecutionPlan`, the user's model (or a
-state dict) as the source of weights, an optimizer factory, and the job's world group.
+Input: the captured training `Graph` (the one the Plan was resolved for: `planner.resolve`), the
+`Plan` (read, never solved: every op's strategy comes from `Plan.op_strategies`), the user's
+model (or a state dict) as the source of weights, an optimizer factory, and the job's world group.
 Output: `pm.train_step(inputs, labels)` runs one optimizer step over the global batch and returns
 the same loss on every rank; `pm(inputs)` runs inference and returns whole logits;
 `pm.full_state_dict()`, `pm.save(dir)`, `pm.load(dir)`.
@@ -10,9 +11,10 @@ Building (`parallelize`), in this order:
 1. every rank all-gathers its plan hash over the world and fails, naming the ranks, unless all
    agree: this is the first collective, so a rank with another plan or model never deadlocks
    the others inside a later one;
-2. the mesh's process groups (`init_process_groups`, explicit, nothing global);
-3. `shard_parameters` -> this rank's leaf parameters; `insert_collectives` -> the local program,
-   then `fuse_kernels` when asked (see `local_program`);
+2. the mesh's process groups (`init_process_groups`: a torch DeviceMesh with named axes);
+3. `shard_parameters` -> this rank's leaf parameters (a tied weight is one parameter, read under
+   each of its names); `insert_collectives` on the graph at the plan's micro-batch -> the local
+   program, then `fuse_kernels` when asked (see `local_program`);
 4. the data-parallel optimizer (`build_optimizer`: zero=0 bucketed all-reduce, zero=1 ZeRO-1),
    told which parameters are TP shards and which replicated ones carry partial gradients;
    under autocast (zero=0) the compute copies of the weights autocast would cast every step
@@ -24,10 +26,17 @@ A step: each DP replica takes its rows of the global batch (or `local=True` rows
 holds), splits them into `num_micro_batches` micro-batches, runs forward and backward of each
 with the loss scaled by 1/num_micro_batches (gradients accumulate in `.grad`, a view into the
 optimizer's buckets where gradients are reduced over ranks), then the optimizer averages over
-DP, sums partial gradients over TP, clips by the global norm across all shards, updates, and
-zeroes the gradients (None where unbucketed, as an eager loop leaves them). The returned loss is the mean over micro-batches and replicas,
-which equals the single-device loss of the global batch when every micro-batch counts the same
-number of target tokens (no ignored labels, or the same number per micro-batch).
+DP, sums partial gradients over TP, clips by the global norm across all shards when asked
+(`max_grad_norm`; never by default, as the user's own loop does not), updates, and zeroes the
+gradients (None where unbucketed, as an eager loop leaves them). The returned loss is the mean
+over micro-batches and replicas, which equals the single-device loss of the global batch when
+every micro-batch counts the same number of target tokens (no ignored labels, or the same number
+per micro-batch).
+
+Inference (`pm(inputs)`) runs the training graph's own program up to the model's output (the
+logits the capture keeps beside the loss), rebuilt for the inputs' batch under the same Plan;
+a model that returns only its loss when given labels gets its inference graph from the caller
+(`inference_graph`), bound to the Plan by node keys, never solved.
 
 Overhead against a plain PyTorch loop on the same model (the trivial plan must cost nothing):
 the local program runs the exported graph's own ATen ops as generated Python code; parameters
@@ -39,6 +48,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -46,30 +57,59 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from mplan.collectives.redistribute import AxisGroup, apply_transition
 from mplan.ir.graph import Graph
-from mplan.planner.placement import R
-from mplan.planner.strategies import Strategy
+from mplan.ir.placement import R
+from mplan.ir.rebatch import rebatch
+from mplan.ir.sharding import ParamLayout, parameter_layouts
+from mplan.ir.strategy import Strategy
 from mplan.passes.insert_collectives import INPUTS, LocalInput, insert_collectives
-from mplan.passes.parameter_layout import ParamLayout, parameter_layouts
 from mplan.passes.recompute import checkpoint_units
 from mplan.passes.shard_parameters import ParameterSource, materialize_buffers, shard_parameters
+from mplan.planner.plan import Plan, PlanError
 from mplan.runtime.checkpoint import load_checkpoint, save_checkpoint
 from mplan.runtime.compute_copies import ComputeCopies, autocast_cast_parameters
 from mplan.runtime.data_parallel import needs_reduction
-from mplan.runtime.execution_plan import ExecutionPlan
 from mplan.runtime.launch import collective_device
 from mplan.runtime.optimizer import DistributedOptimizer, build_optimizer
 from mplan.runtime.param_placement import ParamPlacement
 from mplan.runtime.process_groups import ProcessGroups, group_size, init_process_groups
-from mplan.runtime.redistribute import TensorParallelAxis, apply_transition, tp_axis
 from mplan.runtime.replicated_optimizer import OptimizerFactory
 
 Batch = torch.Tensor | Sequence[torch.Tensor]
-InferencePreparer = Callable[[tuple[torch.Tensor, ...], Mapping[str, ParamLayout]], tuple[Graph, dict[str, Strategy]]]
+InferenceGraph = Callable[[], tuple[Graph, Plan]]
+"""Gives the model's inference capture (no labels, symbolic batch) and the Plan bound to it, for
+models whose training graph holds only their loss; called once, at the first `pm(inputs)`."""
 
 
 class PlanMismatch(RuntimeError):
     """Ranks of one job hold different plans (or models)."""
+
+
+class UnsupportedPlan(PlanError):
+    """A plan this runtime cannot execute yet; the message says what to use instead."""
+
+
+def check_executable(plan: Plan) -> None:
+    """Refuse, naming what to use instead, a plan with parallelisms this runtime does not run yet
+    (raised alike on every rank, before any collective)."""
+    m = plan.mesh
+    missing = [f"{what} ({key}={value})" for what, key, value in
+               (("pipeline parallelism", "pp", m.pp), ("virtual pipeline stages", "vpp", m.vpp),
+                ("expert parallelism", "ep", m.ep)) if value != 1]
+    if missing:
+        raise UnsupportedPlan(
+            f"plan {plan.spec()} needs {' and '.join(missing)}, which mplan's runtime does not run yet; "
+            f"use a plan with pp=1, vpp=1 and ep=1 (tensor, sequence and data parallelism with ZeRO-1), "
+            f"e.g. plan='tp={m.tp},dp={m.dp * m.pp * m.vpp // max(1, m.vpp)}', or plan=None to let mplan choose one it runs")
+
+
+def plan_hash(graph: Graph, plan: Plan) -> str:
+    """What every rank must agree on: the model's ops and shapes, and the plan that runs them
+    (its search statistics, which differ from rank to rank, left out)."""
+    nodes = [[n.name, n.op, [list(o.shape) for o in n.outputs]] for n in graph.nodes]
+    doc = {**plan.to_dict(), "planner": None, "nodes": nodes}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
 def check_same_plan(digest: str, world: dist.ProcessGroup | None) -> None:
@@ -88,23 +128,37 @@ def check_same_plan(digest: str, world: dist.ProcessGroup | None) -> None:
                            f"Every rank must call autoparallel with the same model, inputs and plan")
 
 
-def parallelize(*, graph: Graph, choice: dict[str, Strategy], plan: ExecutionPlan, digest: str,
-                source: ParameterSource, model: nn.Module, optimizer: OptimizerFactory,
+def at_batch(graph: Graph, rows: int) -> Graph:
+    """`graph` with its shapes at `rows` sequences (a symbolic-batch capture is re-priced; a
+    static one runs only at the batch it was traced at)."""
+    if rows == graph.batch_size:
+        return graph
+    if not any(m.sym is not None for m in graph.graph_inputs.values()):
+        raise PlanError(f"{graph.model_name} was captured at a fixed batch of {graph.batch_size} sequences "
+                        f"(it specializes on the batch size); it cannot run {rows}")
+    return rebatch(graph, rows)
+
+
+def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.Module, optimizer: OptimizerFactory,
                 device: torch.device, dtype: torch.dtype | None = None, seed: int = 0,
-                max_grad_norm: float | None = 1.0, autocast: torch.dtype | None = None, kernels: bool = False,
-                fp8: bool = False, prepare_inference: InferencePreparer | None = None) -> ParallelModule:
+                max_grad_norm: float | None = None, autocast: torch.dtype | None = None, kernels: bool = False,
+                fp8: bool = False, inference_graph: InferenceGraph | None = None) -> ParallelModule:
     """Build this rank's `ParallelModule` (collective: every rank of the job calls it)."""
+    check_executable(plan)
     if fp8 and plan.recompute != "none":
         # raised alike on every rank, before the first collective
-        raise ValueError(f"plan {plan.source}: recompute={plan.recompute} with fp8=True: FP8's delayed scaling "
+        raise ValueError(f"plan {plan.spec()}: recompute={plan.recompute} with fp8=True: FP8's delayed scaling "
                          "records each cast's amax in forward, so a recomputed forward would quantize with "
                          "another scale than the forward it replaces; use recompute=none with fp8")
+    program_graph = at_batch(graph, plan.micro_batch_size)
+    choice = plan.op_strategies(program_graph)
+    digest = plan_hash(program_graph, plan)
     world = dist.group.WORLD if dist.is_initialized() else None
     check_same_plan(digest, world)
-    groups = init_process_groups(plan.mesh)
-    axis = tp_axis(groups)
+    groups = init_process_groups(plan.mesh_shape())
+    axis = groups.axis("tp")
     shards = shard_parameters(graph, choice, axis.rank, axis.size, source, seed=seed, device=device, dtype=dtype)
-    program = local_program(graph, choice, axis, device=device, kernels=kernels, fp8=fp8)
+    program = local_program(program_graph, choice, axis, device=device, kernels=kernels, fp8=fp8)
     buffers = [spec.name for spec in program.meta[INPUTS] if spec.kind == "BUFFER"]
     statics = materialize_buffers(graph, model, buffers, device=device)
     if dtype is not None:  # as model.to(dtype) would: floating buffers (RoPE tables) follow
@@ -113,17 +167,38 @@ def parallelize(*, graph: Graph, choice: dict[str, Strategy], plan: ExecutionPla
         if spec.kind == "CONSTANT_TENSOR":
             statics[spec.name] = graph.program.constants[spec.target].to(device)
     # The exported program holds the model's parameters (its state_dict): the module keeps the
-    # graph's records but not the program, so deleting the model frees them.
-    return ParallelModule(graph=dataclasses.replace(graph, program=None), plan=plan, choice=choice, digest=digest,
-                          groups=groups, axis=axis, program=program,
+    # graph's records (and the program's graph, without its weights) but not the program itself,
+    # so deleting the model frees them.
+    return ParallelModule(graph=dataclasses.replace(program_graph, program=_weightless_program(graph)), plan=plan,
+                          choice=choice, digest=digest, groups=groups, axis=axis, program=program,
                           params={k: nn.Parameter(v) for k, v in shards.items()}, statics=statics,
                           layouts=parameter_layouts(graph, choice), optimizer=optimizer, device=device,
                           max_grad_norm=max_grad_norm, autocast=autocast, kernels=kernels, fp8=fp8,
-                          prepare_inference=prepare_inference)
+                          inference_graph=inference_graph)
 
 
-def local_program(graph: Graph, choice: Mapping[str, Strategy], axis: TensorParallelAxis, *,
-                  device: torch.device, kernels: bool, fp8: bool = False) -> fx.GraphModule:
+def _weightless_program(graph: Graph) -> object | None:
+    """What inference needs of the exported program (its graph and signature), without the model's
+    weights, or None when the training graph has no model output to run inference from."""
+    program = graph.program
+    if program is None or len(program.graph_signature.output_specs) < 2:
+        return None
+    return _ProgramGraph(graph_module=program.graph_module, graph=program.graph,
+                         graph_signature=program.graph_signature, constants=dict(program.constants))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _ProgramGraph:
+    """The parts of an ExportedProgram `insert_collectives` reads, without its state dict."""
+
+    graph_module: fx.GraphModule
+    graph: fx.Graph
+    graph_signature: object
+    constants: dict[str, torch.Tensor]
+
+
+def local_program(graph: Graph, choice: Mapping[str, Strategy], axis: AxisGroup, *,
+                  device: torch.device, kernels: bool, fp8: bool = False, output: int = 0) -> fx.GraphModule:
     """`insert_collectives`, then (`kernels`) `fuse_kernels` on the local program, and (`fp8`)
     its FP8 linears (which raise `Fp8Unavailable` naming why where FP8 GEMMs cannot run).
 
@@ -133,7 +208,7 @@ def local_program(graph: Graph, choice: Mapping[str, Strategy], axis: TensorPara
     follow the device's autocast policy and mixed-precision residual streams (mplan.kernels),
     so the fp32 capture's dtypes need not be the run's. `program.meta["fuse_kernels"]` reports
     what fired."""
-    program = insert_collectives(graph, choice, axis, device=device)
+    program = insert_collectives(graph, choice, axis, device=device, output=output)
     if kernels or fp8:
         # imported here: it loads the Triton kernels, which `import mplan` should not pay for
         from mplan.passes.fuse_kernels import fuse_kernels
@@ -144,22 +219,21 @@ def local_program(graph: Graph, choice: Mapping[str, Strategy], axis: TensorPara
 
 
 class ParallelModule:
-    """The `pm` of DESIGN.md: local program, local parameters, groups, optimizer."""
+    """The `pm` of the public contract: local program, local parameters, groups, optimizer."""
 
-    def __init__(self, *, graph: Graph, plan: ExecutionPlan, choice: dict[str, Strategy], digest: str,
-                 groups: ProcessGroups,
-                 axis: TensorParallelAxis, program: fx.GraphModule, params: dict[str, nn.Parameter],
+    def __init__(self, *, graph: Graph, plan: Plan, choice: dict[str, Strategy], digest: str,
+                 groups: ProcessGroups, axis: AxisGroup, program: fx.GraphModule, params: dict[str, nn.Parameter],
                  statics: dict[str, torch.Tensor], layouts: dict[str, ParamLayout],
                  optimizer: OptimizerFactory, device: torch.device, max_grad_norm: float | None,
-                 autocast: torch.dtype | None, kernels: bool, prepare_inference: InferencePreparer | None,
+                 autocast: torch.dtype | None, kernels: bool, inference_graph: InferenceGraph | None,
                  fp8: bool = False) -> None:
         self.graph, self.plan, self.digest, self.groups, self.axis = graph, plan, digest, groups, axis
         self.choice = choice  # the TP strategy of every node of the training graph
         self.program, self.params, self.statics, self.layouts = program, params, statics, layouts
         self.device, self.max_grad_norm, self.autocast, self.kernels = device, max_grad_norm, autocast, kernels
         self.fp8 = fp8
-        self._prepare_inference = prepare_inference
-        self._inference: dict[tuple[tuple[int, ...], ...], fx.GraphModule] = {}
+        self._inference_graph = inference_graph
+        self._inference: dict[int, fx.GraphModule] = {}
         placements = {params[name]: ParamPlacement(tp_sharded=layout.tp_sharded, tp_reduce=layout.grad_partial)
                       for name, layout in layouts.items()}
         self.copies = _compute_copies(program, params, placements, groups, autocast, zero=plan.zero)
@@ -232,28 +306,40 @@ class ParallelModule:
     def __call__(self, inputs: Batch) -> torch.Tensor:
         """Forward only, on every rank alike; logits whole (gathered when vocabulary-sharded)."""
         tensors = tuple(t.to(self.device) for t in _as_tuple(inputs))
-        key = tuple(tuple(t.shape) for t in tensors)
-        if key not in self._inference:
-            if self._prepare_inference is None:
-                raise RuntimeError("this ParallelModule was built without a model to capture for inference")
-            graph, choice = self._prepare_inference(tensors, self.layouts)
-            for name, layout in parameter_layouts(graph, choice).items():
-                if name in self.layouts and layout.placement != self.layouts[name].placement:
-                    raise RuntimeError(f"inference sharding stores {name} as {layout.placement}, "
-                                       f"training as {self.layouts[name].placement}")
-            self._inference[key] = local_program(graph, choice, self.axis, device=self.device,
-                                                 kernels=self.kernels, fp8=self.fp8)
-        program = self._inference[key]
+        rows = tensors[0].shape[0]
+        if rows not in self._inference:
+            self._inference[rows] = self._inference_program(rows)
+        program = self._inference[rows]
         with self._autocast():
             return program(*self._feed(program, tensors))
+
+    def _inference_program(self, rows: int) -> fx.GraphModule:
+        """The local program of the model's forward at `rows` sequences, under this Plan."""
+        if self.graph.program is not None:
+            graph, plan, output = self.graph, self.plan, 1  # the training capture kept the model's output
+        elif self._inference_graph is not None:
+            (graph, plan), output = self._inference_graph(), 0
+        else:
+            raise RuntimeError("this ParallelModule has no graph of the model's forward to run inference with")
+        graph = at_batch(graph, rows)
+        choice = plan.op_strategies(graph)
+        for name, layout in parameter_layouts(graph, choice).items():
+            if name in self.layouts and layout.placement != self.layouts[name].placement:
+                raise RuntimeError(f"inference sharding stores {name} as {layout.placement}, "
+                                   f"training as {self.layouts[name].placement}")
+        return local_program(graph, choice, self.axis, device=self.device, kernels=self.kernels, fp8=self.fp8,
+                             output=output)
 
     # -- state --------------------------------------------------------------------------------
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Whole parameters under their original names (collective over TP: call on every rank)."""
+        """Whole parameters under their original names, tied ones under each of their names
+        (collective over TP: call on every rank)."""
         out: dict[str, torch.Tensor] = {}
         for name, layout in self.layouts.items():
-            out[name] = apply_transition(self.params[name].detach(), layout.placement, R, self.axis).clone()
+            whole = apply_transition(self.params[name].detach(), layout.placement, R, self.axis).clone()
+            for alias in self.graph.names_of(name):
+                out[alias] = whole
         return out
 
     def save(self, directory: str) -> None:

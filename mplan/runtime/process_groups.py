@@ -1,16 +1,20 @@
-"""Process groups of a mesh, created once and passed explicitly to everything that communicates.
+"""Process groups of a mesh, from torch's `DeviceMesh`, passed explicitly to everything that
+communicates.
 
-Input: a `MeshShape` and an initialized default process group (or none, on one device).
-Output: a frozen `ProcessGroups` holding this rank's group along every mesh axis, the ranks
-in it and its coordinates. Nothing is stored globally: code that communicates receives a
-`ProcessGroups` (or one of its groups) as an argument, so two meshes can coexist in one
-process (tests do this) and no function can reach for the wrong grid.
+Input: a `MeshShape` (`ir/mesh.py`) and an initialized default process group (or none, on one
+device). Output: a frozen `ProcessGroups` holding the job's `DeviceMesh` with named axes
+("pp", "dp", "tp", and, with expert parallelism, "expert_dp" and "ep" splitting "dp"), this rank's
+group along every axis, the ranks in it and its coordinates. The mesh is torch's own, so
+torch.distributed.checkpoint, DTensor and users' code read the same layout; nothing is stored
+globally: code that communicates receives a `ProcessGroups` (or one of its groups) as an argument,
+so two meshes can coexist in one process (tests do this) and no function can reach for the
+wrong grid.
 
 Invariants:
-- `torch.distributed.new_group` is collective over the whole world, even for ranks outside
-  the new group, and every rank must create the groups in the same order. So every rank
-  creates every group of every axis, in the order of `AXES` and then `MeshShape.groups`.
-- A group of one rank still exists (collectives skip it, see `collectives.py`).
+- The DeviceMesh's rank grid is `MeshShape`'s layout (tp fastest, then dp = ep + ep * expert_dp,
+  then pp), so each axis group holds exactly the ranks `MeshShape.groups(axis)` lists.
+- Creating a DeviceMesh is collective over the whole world: every rank calls
+  `init_process_groups` with the same mesh, in the same order.
 - With no default process group the world is one rank: all groups are `None`, which in mplan
   always means "a group of one rank" and never torch's implicit default group.
 """
@@ -19,8 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from mplan.runtime.mesh import AXES, Axis, MeshCoord, MeshShape
+from mplan.collectives.redistribute import AxisGroup
+from mplan.ir.mesh import Axis, MeshCoord, MeshShape
 
 ProcessGroup = dist.ProcessGroup
 
@@ -43,6 +49,10 @@ class ProcessGroups:
     rank: int
     """Global rank of this process."""
     coord: MeshCoord
+    device_mesh: DeviceMesh | None
+    """torch's mesh over ("pp", "dp", "tp"); None on one device"""
+    expert_mesh: DeviceMesh | None
+    """("pp", "expert_dp", "ep", "tp"), the dp axis split for expert parallelism; None when ep == 1"""
     world: ProcessGroup | None
     tp: ProcessGroup | None
     dp: ProcessGroup | None
@@ -50,12 +60,6 @@ class ProcessGroups:
     ep: ProcessGroup | None
     expert_dp: ProcessGroup | None
     """Replicas of this rank's experts: the dp group divided by ep."""
-    tp_ranks: tuple[int, ...]
-    dp_ranks: tuple[int, ...]
-    pp_ranks: tuple[int, ...]
-    """Global ranks of the pipeline stages, first to last (p2p sends address these)."""
-    ep_ranks: tuple[int, ...]
-    expert_dp_ranks: tuple[int, ...]
 
     @property
     def tp_rank(self) -> int:
@@ -81,36 +85,38 @@ class ProcessGroups:
         return getattr(self, axis)
 
     def ranks(self, axis: Axis) -> tuple[int, ...]:
-        return getattr(self, f"{axis}_ranks")
+        """Global ranks of this rank's group along `axis`, in coordinate order."""
+        return tuple(next(g for g in self.mesh.groups(axis) if self.rank in g))
+
+    def axis(self, axis: Axis) -> AxisGroup:
+        """This rank's view of one axis (group, size, index), as the collectives take it."""
+        return AxisGroup(group=self.group(axis), size=self.mesh.degree(axis), rank=getattr(self.coord, axis))
 
 
-def init_process_groups(mesh: MeshShape, backend: str | None = None) -> ProcessGroups:
-    """Create the groups of `mesh` on every rank (collective: call it on all ranks alike).
-
-    `backend` is passed to `new_group` (e.g. "gloo" for CPU-side groups in an NCCL world);
-    `None` inherits the default group's backend.
-    """
+def init_process_groups(mesh: MeshShape) -> ProcessGroups:
+    """Create the groups of `mesh` on every rank (collective: call it on all ranks alike)."""
     if not dist.is_initialized():
         mesh.check_world_size(1)
-        return _single_rank_groups(mesh)
+        return ProcessGroups(mesh=mesh, rank=0, coord=mesh.coord(0), device_mesh=None, expert_mesh=None,
+                             world=None, tp=None, dp=None, pp=None, ep=None, expert_dp=None)
     rank = dist.get_rank()
     mesh.check_world_size(dist.get_world_size())
-    mine: dict[str, ProcessGroup | None] = {}
-    ranks: dict[str, tuple[int, ...]] = {}
-    for axis in AXES:
-        for members in mesh.groups(axis):
-            group = dist.new_group(members, backend=backend)
-            if rank in members:
-                mine[axis], ranks[f"{axis}_ranks"] = group, tuple(members)
-    return ProcessGroups(
-        mesh=mesh, rank=rank, coord=mesh.coord(rank), world=dist.group.WORLD, **mine, **ranks
-    )
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    main = init_device_mesh(device, (mesh.pp, mesh.dp, mesh.tp), mesh_dim_names=("pp", "dp", "tp"))
+    groups = {axis: main.get_group(axis) for axis in ("pp", "dp", "tp")}
+    expert = None
+    if mesh.ep > 1:
+        expert = init_device_mesh(device, (mesh.pp, mesh.expert_dp, mesh.ep, mesh.tp),
+                                  mesh_dim_names=("pp", "expert_dp", "ep", "tp"))
+        groups.update(ep=expert.get_group("ep"), expert_dp=expert.get_group("expert_dp"))
+    else:  # every rank holds all its experts; their replicas are the data-parallel ones
+        groups.update(ep=None, expert_dp=groups["dp"])
+    made = ProcessGroups(mesh=mesh, rank=rank, coord=mesh.coord(rank), device_mesh=main, expert_mesh=expert,
+                         world=dist.group.WORLD, **groups)
+    for axis in ("tp", "dp", "pp"):
+        mine = tuple(int(r) for r in main[axis].mesh.flatten().tolist())
+        assert mine == made.ranks(axis), f"DeviceMesh's {axis} group {mine} is not the mesh's {made.ranks(axis)}"
+    return made
 
 
-def _single_rank_groups(mesh: MeshShape) -> ProcessGroups:
-    alone = (0,)
-    return ProcessGroups(
-        mesh=mesh, rank=0, coord=mesh.coord(0), world=None,
-        tp=None, dp=None, pp=None, ep=None, expert_dp=None,
-        tp_ranks=alone, dp_ranks=alone, pp_ranks=alone, ep_ranks=alone, expert_dp_ranks=alone,
-    )
+__all__ = ["ProcessGroups", "group_rank", "group_size", "init_process_groups"]

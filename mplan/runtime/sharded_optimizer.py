@@ -45,9 +45,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mplan.runtime.collectives import all_gather_flat, reduce_scatter_flat
+from mplan.collectives.flat import all_gather_flat, reduce_scatter_flat
+from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES
 from mplan.runtime.data_parallel import (
-    DEFAULT_BUCKET_BYTES,
     ReductionStarts,
     all_reduce_tp_partials,
     group_by_reduction,

@@ -1,5 +1,9 @@
 """Placements on one mesh axis: a tiny frozen algebra printed `S(d)`, `R`, `P`.
 
+The vocabulary shared by the planner (which chooses placements), the passes (which emit the
+collectives between them) and the runtime (which stores parameters under them), so it lives
+below all three, as DTensor's placements live below their users.
+
 A tensor on a mesh axis of size n is either split along tensor dim d (`Shard(d)`), whole on
 every rank (`Replicate()`), or a sum of per-rank partial values (`Partial()`). Moving between
 placements costs a collective (`transition`): the planner prices each one with the cost
@@ -72,6 +76,12 @@ def transition(src: Placement, dst: Placement) -> str | None:
 
 def can_transition(src: Placement, dst: Placement) -> bool:
     return src == dst or not isinstance(dst, Partial)
+
+
+def grad_placement(output: Placement) -> Placement:
+    """The gradient of a value arrives with its forward placement, except that the gradient of a
+    partial sum is replicated (every rank's addend receives the whole gradient)."""
+    return R if isinstance(output, Partial) else output
 
 
 def local_shape(shape: tuple[int, ...], placement: Placement, n: int) -> tuple[int, ...]:

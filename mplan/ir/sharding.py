@@ -1,8 +1,13 @@
-"""How each parameter is stored on a TP rank, read off the chosen strategies.
+"""What a TP choice implies, and whether it can run: parameter storage and edge transitions.
 
-Input: a captured `Graph` and a TP choice (node name -> `Strategy`, from the sharding ILP).
-Output: one `ParamLayout` per parameter: the placement every rank stores it under (the
-consumers' input placement at the parameter's slot) and how its gradient comes out.
+Input: a captured `Graph` and a TP choice (node name -> `Strategy`, one for every node).
+Output: one `ParamLayout` per parameter (`parameter_layouts`): the placement every rank stores it
+under (the consumers' input placement at the parameter's slot) and how its gradient comes out;
+and `check_sharding`, which raises `UnexecutableStrategy` naming node and strategy unless every
+node has a strategy with one placement per input and a lowering the passes implement
+(`strategy.LOWERINGS`), every edge's forward and backward transitions exist (no R -> P), and
+every parameter has one storage placement. The planner checks its Plans with it before handing
+them on, and the passes before touching a tensor or issuing a collective.
 
 Invariants:
 - A parameter is stored once per rank, so all its consumers must read it under the same
@@ -21,11 +26,15 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from mplan.ir.graph import Graph
-from mplan.planner.placement import P, Partial, Placement, R, Replicate
-from mplan.planner.strategies import Strategy
+from mplan.ir.placement import P, Partial, Placement, R, Replicate, can_transition, grad_placement
+from mplan.ir.strategy import LOWERINGS, Strategy
 
 
-class ParameterPlacementConflict(ValueError):
+class UnexecutableStrategy(ValueError):
+    """A strategy (or a mix of them) that the passes cannot run exactly."""
+
+
+class ParameterPlacementConflict(UnexecutableStrategy):
     """Two consumers of one parameter want it stored differently."""
 
 
@@ -80,3 +89,31 @@ def tp_reduced_parameters(layouts: Mapping[str, ParamLayout]) -> list[str]:
     """Replicated parameters whose gradient is summed over TP once per step (SP norm weights,
     row-parallel biases), in graph order."""
     return [name for name, layout in layouts.items() if layout.grad_partial]
+
+
+def check_sharding(graph: Graph, choice: Mapping[str, Strategy]) -> None:
+    """Validate `choice` for execution (see the module docstring)."""
+    missing = [node.name for node in graph.nodes if node.name not in choice]
+    if missing:
+        raise UnexecutableStrategy(f"no strategy for nodes {missing[:5]}")
+    layouts = parameter_layouts(graph, choice)
+    produced = {node.name: choice[node.name].output for node in graph.nodes}
+    for node in graph.nodes:
+        strategy = choice[node.name]
+        if len(strategy.inputs) != len(node.inputs) or len(strategy.input_grads) != len(node.inputs):
+            raise UnexecutableStrategy(f"node {node.name}: strategy {strategy} has "
+                                       f"{len(strategy.inputs)} input placements for {len(node.inputs)} inputs")
+        if strategy.lowering not in LOWERINGS:
+            raise UnexecutableStrategy(f"node {node.name} ({node.op}): strategy {strategy} names lowering "
+                                       f"{strategy.lowering!r}; the passes implement {', '.join(sorted(LOWERINGS))}")
+        for slot, value in enumerate(node.inputs):
+            if value in layouts:
+                out, grad_needed = layouts[value].placement, layouts[value].grad_placement
+            else:
+                out = produced.get(value, R)
+                grad_needed = grad_placement(out)
+            wanted, grad = strategy.inputs[slot], strategy.input_grads[slot]
+            if not can_transition(out, wanted) or not can_transition(grad, grad_needed):
+                raise UnexecutableStrategy(
+                    f"edge {value} -> {node.name} ({strategy}): no collective turns {out} into "
+                    f"{wanted} forward or {grad} into {grad_needed} backward")

@@ -19,6 +19,7 @@ from mplan.planner.parallel_config import PlanSpecError, parse_plan_spec
 from mplan.planner.plan_builder import predicted_of
 from mplan.planner.planning import capture_for_planning
 from mplan.planner.search import Planner, PlanningError
+from mplan.runtime.parallel_module import UnsupportedPlan
 
 Row = dict[str, Any]
 
@@ -53,7 +54,7 @@ def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequ
         if measure:
             import torch
 
-            from mplan.runtime.measure import measure_plan
+            from mplan.measure import measure_plan
 
             progress(f"measuring {c.spec()}")
             try:
@@ -62,7 +63,7 @@ def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequ
                 if row["measured"].get("step_time_s"):
                     row["measured"]["prediction_error"] = _prediction_error(row["measured"], best,
                                                                             planner.evaluate(c, fast=True, fragmentation=0.0))
-            except NotImplementedError as exc:  # raised alike on every rank, before any collective
+            except UnsupportedPlan as exc:  # raised alike on every rank, before any collective
                 row["measured"] = {"error": str(exc)}
             except torch.OutOfMemoryError as exc:  # a plan predicted to fit did not
                 row["measured"] = {"error": f"out of memory: {str(exc).splitlines()[0]}"}

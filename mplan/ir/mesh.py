@@ -1,8 +1,10 @@
-"""The device mesh: how a world of ranks is laid out over the parallel axes.
+"""The device mesh: how a world of ranks is laid out over the parallel axes, the one home of
+rank-layout arithmetic.
 
-Input: the degrees `dp`, `tp`, `pp` and `ep` of a plan. Output: rank <-> coordinate maps
-and the rank lists of every group along every axis. Pure arithmetic, no torch.distributed:
-the planner's tests and `explain` can use it without a process group.
+Input: the degrees `dp`, `tp`, `pp` and `ep` of a plan. Output: rank <-> coordinate maps, the
+rank lists of every group along every axis (the runtime's process groups), and each axis's
+`GroupShape` on a cluster (how many of a group's ranks share a node: what the cost model prices).
+Pure arithmetic, no torch.distributed: the planner and `explain` use it without a process group.
 
 Axis order (fastest-varying first), as Megatron-LM's default `tp-cp-ep-dp-pp`:
 
@@ -18,12 +20,14 @@ Axis order (fastest-varying first), as Megatron-LM's default `tp-cp-ep-dp-pp`:
   traffic, so they are the axis that crosses nodes first.
 
 Invariants: every degree is positive, `dp * tp * pp == world_size`, `ep` divides `dp`.
+Ranks fill nodes in order (rank r on node r // gpus_per_node).
 Every rank appears in exactly one group per axis; groups along an axis are listed in
 increasing order of their smallest rank, and ranks inside a group in increasing order
 (which is also increasing coordinate along that axis).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -110,6 +114,61 @@ class MeshShape:
 
     def __str__(self) -> str:
         return f"dp={self.dp},tp={self.tp},pp={self.pp},ep={self.ep}"
+
+
+    def stride(self, axis: Axis) -> int:
+        """Rank distance between consecutive members of a group along `axis`."""
+        return {"tp": 1, "ep": self.tp, "dp": self.tp, "expert_dp": self.tp * self.ep,
+                "pp": self.tp * self.dp}[axis]
+
+    def group_shape(self, axis: Axis, gpus_per_node: int) -> GroupShape:
+        """How a group along `axis` sits on nodes of `gpus_per_node` (see `GroupShape.from_mesh_axis`)."""
+        return GroupShape.from_mesh_axis(size=self.degree(axis), stride=self.stride(axis), gpus_per_node=gpus_per_node)
+
+    def p2p_shape(self, gpus_per_node: int) -> GroupShape:
+        """Two neighbouring pipeline stages (a send/recv pair): on one node or across two."""
+        if self.pp == 1:
+            return GroupShape(size=1, ranks_per_node=1)
+        return GroupShape.from_mesh_axis(size=2, stride=self.stride("pp"), gpus_per_node=gpus_per_node)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupShape:
+    """A process group as the cost model sees it: ``size`` ranks, ``ranks_per_node`` of them per node."""
+
+    size: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or self.ranks_per_node < 1 or self.size % self.ranks_per_node:
+            raise ValueError(f"GroupShape needs size >= 1 and ranks_per_node dividing it, "
+                             f"got size={self.size}, ranks_per_node={self.ranks_per_node}")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.size // self.ranks_per_node
+
+    @property
+    def level(self) -> str:
+        """"intra_node", "inter_node" (one rank per node) or "hierarchical"; "intra_node" for one rank."""
+        if self.num_nodes == 1:
+            return "intra_node"
+        return "inter_node" if self.ranks_per_node == 1 else "hierarchical"
+
+    @classmethod
+    def from_mesh_axis(cls, *, size: int, stride: int, gpus_per_node: int) -> GroupShape:
+        """The group of a mesh axis whose consecutive members are ``stride`` ranks apart.
+
+        Ranks fill nodes in order, so members ``0, stride, 2*stride, ...`` share a node while they
+        stay within ``gpus_per_node``: e.g. TP innermost (stride 1) of size 8 on 8-GPU nodes is one
+        node; DP outside TP=8 (stride 8) puts one rank per node. A group that fills nodes unevenly
+        (60 ranks on 8-GPU nodes) is priced as if only gcd(size, fit) shared one: the slower,
+        conservative layout.
+        """
+        if size < 1 or stride < 1:
+            raise ValueError(f"mesh axis needs size >= 1 and stride >= 1, got size={size}, stride={stride}")
+        fit = gpus_per_node // stride if stride < gpus_per_node else 1
+        return cls(size=size, ranks_per_node=math.gcd(size, max(1, fit)))
 
 
 def _fixed_coords(coord: MeshCoord, axis: Axis) -> tuple[int, ...]:

@@ -1,0 +1,166 @@
+"""The one bridge from planning to execution: whatever `autoparallel(plan=...)` was given, as one
+complete `Plan` for the graph the runtime will execute.
+
+Input: the plan argument (None or "auto", a spec string such as `tp=2,dp=2,sp=1,zero=1`, a `Plan`,
+or a plan.json path), the captured training graph (`ir.trace.capture_for_training`: the very
+graph the runtime rewrites and runs), the cluster, world size and global batch, and `within`: the
+keys the runtime can execute (pp=1 and ep=1 today), which a search respects. Output: a `Plan` whose
+`ops` hold a strategy for every node of that graph under its stable key, so the runtime only
+reads it (`Plan.op_strategies`): it never solves, searches or re-captures.
+
+- None / "auto"  the planner searches (`search.Planner`) on this graph, within `within`;
+- a spec string  keys as in the plan-spec grammar; keys left out take defaults here (tp=1, sp=0,
+                 zero=0, dp fills the world, mbs = the whole replica batch unless
+                 `micro_batch_size` says otherwise, recompute=none); the TP strategies are
+                 Megatron-LM's layout (`tp_layout="megatron"`) or the ILP's cheapest valid mix on
+                 the cluster (`"ilp"`), solved on this graph; the figures priced on the cluster;
+- a Plan / path  checked against this job (world size, global batch, the model's hash) and bound
+                 to this graph by node keys: a node the plan does not name (a plan made from a
+                 shallow bf16 capture of a model spec has no `slice` that a symbolic batch adds)
+                 runs replicated, which is always exact, and the Plan records how many did.
+
+Every resolved Plan passes `ir.sharding.check_sharding` on the graph before it is returned, so a
+plan the passes cannot run fails here, on every rank alike, before any collective.
+Invariants: dp*tp*pp == world size; dp * micro_batch_size * num_micro_batches == global_batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from mplan.cost_models.cluster import ClusterSpec
+from mplan.ir.graph import Graph
+from mplan.ir.graph_hash import graph_hash
+from mplan.ir.placement import Shard
+from mplan.ir.rebatch import rebatch
+from mplan.ir.sharding import UnexecutableStrategy, check_sharding
+from mplan.ir.strategy import Strategy, parse_strategy
+from mplan.planner.op_registry import replicated
+from mplan.planner.parallel_config import ParallelConfig, PlanSpec, PlanSpecError, parse_plan_spec
+from mplan.planner.plan import TP_LAYOUTS, Plan, PlanError
+from mplan.planner.plan_builder import build_plan
+from mplan.planner.search import Planner, SearchResult
+
+
+def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec, world_size: int,
+                 global_batch: int, micro_batch_size: int | None = None, tp_layout: str = "megatron",
+                 within: PlanSpec = PlanSpec(), kernels: bool = False, fp8: bool = False,
+                 progress: Callable[[str], None] | None = None) -> Plan:
+    """One complete Plan for `graph` (see the module docstring)."""
+    if tp_layout not in TP_LAYOUTS:
+        raise PlanSpecError(f"tp_layout must be one of {TP_LAYOUTS}, got {tp_layout!r}")
+    if global_batch < 1:
+        raise PlanSpecError(f"global_batch must be a positive number of sequences, got {global_batch}")
+    if isinstance(plan, str) and plan.strip().endswith(".json"):
+        plan = Plan.load(plan.strip())
+
+    def planner(layout: str) -> Planner:
+        # FP8 GEMMs priced where the cluster has them; elsewhere the runtime refuses fp8, naming why
+        return Planner(graph, cluster, kernels=kernels, fp8=fp8 and bool(cluster.device.peak_fp8), runtime="mplan",
+                       tp_layout=layout, progress=progress)
+
+    if plan is None or (isinstance(plan, str) and plan.strip() in ("", "auto")):
+        result = planner("ilp").search(global_batch, within)
+        made = build_plan(result, graph, cluster, global_batch, tp_layout="ilp", runtime="mplan")
+    elif isinstance(plan, Plan):
+        made = _bind(plan, graph, world_size, global_batch)
+    elif isinstance(plan, str):
+        config = _config_of(plan, world_size, global_batch, micro_batch_size, graph)
+        search = planner(tp_layout)
+        estimate = search.evaluate(config)
+        result = SearchResult(best=estimate, ranked=[estimate], rejected=[], sharded=search._sharded,
+                              facts=search.facts, num_candidates=1, seconds=0.0)
+        made = build_plan(result, graph, cluster, global_batch, tp_layout=tp_layout, runtime="mplan")
+    else:
+        raise TypeError(f"plan must be None, a Plan, a plan.json path or a spec string, not {type(plan).__name__}")
+    made = dataclasses.replace(made, fp8=made.fp8 or fp8)
+    _check(made, graph)
+    return made
+
+
+def _config_of(text: str, world_size: int, global_batch: int, micro_batch_size: int | None,
+               graph: Graph) -> ParallelConfig:
+    """The complete config a spec string asks for, with every refusal showing its arithmetic."""
+    spec = parse_plan_spec(text)
+    tp, pp = spec.tp or 1, spec.pp or 1
+    if spec.dp is None and world_size % (tp * pp):
+        raise PlanSpecError(f"plan {text!r}: tp*pp = {tp}*{pp} = {tp * pp} does not divide the world size {world_size}")
+    dp = spec.dp or world_size // (tp * pp)
+    if dp * tp * pp != world_size:
+        raise PlanSpecError(f"plan {text!r}: dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} ranks but the world has "
+                         f"{world_size}")
+    if spec.mbs is not None and micro_batch_size is not None and spec.mbs != micro_batch_size:
+        raise PlanSpecError(f"plan {text!r} says mbs={spec.mbs} but micro_batch_size={micro_batch_size}")
+    if global_batch % dp:
+        raise PlanSpecError(f"global batch {global_batch} is not divisible by dp={dp} "
+                         f"({global_batch} % {dp} = {global_batch % dp})")
+    replica = global_batch // dp
+    mbs = spec.mbs or micro_batch_size or replica
+    if replica % mbs:
+        raise PlanSpecError(f"each of dp={dp} replicas gets {replica} sequences, not a multiple of "
+                         f"the micro-batch size {mbs} ({replica} % {mbs} = {replica % mbs})")
+    static = not any(m.sym is not None for m in graph.graph_inputs.values())
+    if static and mbs != graph.batch_size:
+        raise PlanError(f"plan {text!r}: {graph.model_name} could only be captured at a fixed batch of "
+                        f"{graph.batch_size} (it specializes on the batch size), so micro-batches of {mbs} cannot "
+                        f"run it; use mbs={graph.batch_size}")
+    return ParallelConfig(dp=dp, tp=tp, pp=pp, vpp=spec.vpp or 1, ep=spec.ep or 1, mbs=mbs,
+                          num_micro_batches=replica // mbs, sp=bool(spec.sp), zero=spec.zero or 0,
+                          recompute=spec.recompute or "none", schedule=spec.schedule or "1f1b")
+
+
+def _bind(plan: Plan, graph: Graph, world_size: int, global_batch: int) -> Plan:
+    """`plan` checked against this job and completed for `graph` (see the module docstring)."""
+    plan.check_runs_on(world_size=world_size, graph_hash=graph_hash(graph))
+    if plan.global_batch != global_batch:
+        raise PlanError(f"plan was made for a global batch of {plan.global_batch}, "
+                        f"autoparallel was given {global_batch}")
+    ops = {segment: dict(entries) for segment, entries in plan.ops.items()}
+    unbound = 0
+    at = _at_micro_batch(graph, plan.micro_batch_size)
+    for node in at.nodes:
+        segment, key = at.plan_key(node.name)
+        text = ops.get(segment, {}).get(key)
+        if text is not None and _fits(parse_strategy(text), node):
+            continue
+        ops.setdefault(segment, {})[key] = str(replicated(node))
+        unbound += 1
+    planner = {**plan.planner, "unbound_ops": float(unbound)}
+    return dataclasses.replace(plan, ops=ops, planner=planner)
+
+
+def _fits(strategy: Strategy, node: object) -> bool:
+    """A stored strategy can serve this node: one placement per input (a node the plan's capture
+    saw with other inputs, e.g. a view reading a symbolic size, does not bind)."""
+    return len(strategy.inputs) == len(node.inputs)  # type: ignore[attr-defined]
+
+
+def _at_micro_batch(graph: Graph, mbs: int) -> Graph:
+    symbolic = any(m.sym is not None for m in graph.graph_inputs.values())
+    return rebatch(graph, mbs) if symbolic else graph
+
+
+def _check(plan: Plan, graph: Graph) -> None:
+    """The Plan runs on `graph` at its micro-batch: a strategy for every node, valid edges, one
+    storage placement per parameter, lowerings the passes implement, shards that divide."""
+    at = _at_micro_batch(graph, plan.micro_batch_size)
+    choice = plan.op_strategies(at)
+    try:
+        check_sharding(at, choice)
+        _check_divisible(at, choice, plan.mesh.tp)
+    except UnexecutableStrategy as exc:
+        raise PlanError(f"plan {plan.spec()} cannot run on {graph.model_name}: {exc}") from None
+
+
+def _check_divisible(graph: Graph, choice: dict[str, Strategy], n: int) -> None:
+    for node in graph.nodes:
+        strategy = choice[node.name]
+        if len(node.input_metas) != len(node.inputs):
+            continue  # symbolic sizes among the inputs: the tensors' slots are not known here
+        for meta, placement in zip(node.input_metas, strategy.inputs):
+            if isinstance(placement, Shard) and (placement.dim >= len(meta.shape) or meta.shape[placement.dim] % n):
+                raise UnexecutableStrategy(f"node {node.name} ({node.op}) reads {meta} as {placement} on "
+                                           f"{n} ranks: that dim does not divide")
+
+
+__all__ = ["resolve_plan"]
