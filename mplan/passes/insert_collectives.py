@@ -42,10 +42,10 @@ from torch import nn
 from mplan.collectives.redistribute import AxisGroup, redistribute
 from mplan.ir.graph import Graph, OpNode, TensorMeta
 from mplan.ir.placement import Placement, R, can_transition, grad_placement, local_shape
+from mplan.ir.sharding import ParamLayout, parameter_layouts
 from mplan.ir.strategy import Strategy
 from mplan.passes.local_ops import (UnexecutableStrategy, attention_module, embedding_module, loss_module,
                                     lowering_of, normalized_kwargs)
-from mplan.ir.sharding import ParamLayout, parameter_layouts
 
 LOCAL_SHAPE = "mplan_local_shape"  # fx node meta key: the shape this rank's value must have
 INPUTS = "mplan_inputs"  # GraphModule.meta key: the program's inputs, as `LocalInput`s in order

@@ -34,8 +34,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from mplan.ir.graph import Graph
 from mplan.cost_models.memory_model import RECOMPUTE_MODES
+from mplan.ir.graph import Graph
 
 _aten = torch.ops.aten
 KEPT_UNDER_SELECTIVE = frozenset({

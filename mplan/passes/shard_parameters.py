@@ -41,9 +41,9 @@ from torch import nn
 
 from mplan.ir.graph import Graph
 from mplan.ir.placement import Placement, Shard
+from mplan.ir.sharding import parameter_layouts
 from mplan.ir.strategy import Strategy
 from mplan.models.decoder import DecoderLM, parameter_seed
-from mplan.ir.sharding import parameter_layouts
 
 ParameterSource = nn.Module | Mapping[str, torch.Tensor]
 

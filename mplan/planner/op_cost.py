@@ -22,9 +22,9 @@ from mplan.cost_models.collective_cost import GroupShape, collective_time
 from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.ir.graph import OpNode, TensorMeta
 from mplan.ir.op_table import op_packet
-from mplan.planner.fused_pricing import MEASURED_COPY_FRACTION, FusedChain, fp8_linear_time, fused_bytes
 from mplan.ir.placement import Partial, Placement, R, can_transition, local_shape, transition
 from mplan.ir.strategy import Strategy
+from mplan.planner.fused_pricing import MEASURED_COPY_FRACTION, FusedChain, fp8_linear_time, fused_bytes
 
 MEMORY_BOUND_BACKWARD_FACTOR = 2.0  # backward bytes / forward bytes of elementwise and norm ops
 IMPOSSIBLE_S = 1.0e3  # price of a transition no pass can emit; far above any real block time

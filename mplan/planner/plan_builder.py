@@ -13,11 +13,11 @@ from mplan.cost_models.cluster import ClusterSpec
 from mplan.ir.blocks import relative_name
 from mplan.ir.graph import Graph
 from mplan.ir.graph_hash import graph_hash
+from mplan.ir.strategy import Strategy
 from mplan.planner.evaluate import Estimate
 from mplan.planner.plan import (Alternative, ClusterInfo, Mesh, ModelInfo, Plan, Predicted, Stage,
                                 StageMemory)
 from mplan.planner.search import SearchResult, ShardedModel
-from mplan.ir.strategy import Strategy
 
 GiB = float(1 << 30)
 

@@ -17,8 +17,8 @@ import torch.nn as nn
 
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.ir.graph import Graph
-from mplan.ir.trace import capture_for_training
 from mplan.ir.summary import capture_spec
+from mplan.ir.trace import capture_for_training
 from mplan.planner.parallel_config import PlanSpec, parse_plan_spec
 from mplan.planner.plan import Plan, PlanError
 from mplan.planner.plan_builder import build_plan

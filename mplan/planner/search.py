@@ -19,16 +19,16 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from mplan.cost_models.cluster import ClusterSpec
-from mplan.ir.mesh import GroupShape
 from mplan.ir.graph import Graph, OpNode
+from mplan.ir.mesh import GroupShape
+from mplan.ir.rebatch import rebatch
+from mplan.ir.strategy import Strategy
 from mplan.planner.evaluate import Estimate, ModelFacts, evaluate
 from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.parallel_config import (RUNTIMES, ModelLimits, ParallelConfig, PlanSpec, PlanSpecError,
                                            enumerate_configs)
-from mplan.ir.rebatch import rebatch
 from mplan.planner.plan import TP_LAYOUTS
-from mplan.ir.strategy import Strategy
 from mplan.planner.sharding_ilp import (GraphSharding, ShardingInfeasible, StrategyFilter, reprice_graph,
                                         reprice_segment, stream_meta)
 from mplan.planner.tp_layout import solve_tp_layout

@@ -46,9 +46,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES
 from mplan.runtime.param_placement import ParamPlacement, Placements, placement_of, replica_group
 from mplan.runtime.process_groups import ProcessGroup, ProcessGroups, group_size
-from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES
 
 
 

@@ -19,9 +19,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES
 from mplan.kernels import adamw
 from mplan.runtime.compute_copies import ComputeCopies
-from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES
 from mplan.runtime.data_parallel import GradientSync
 from mplan.runtime.grad_clip import replicated_grad_norm, step_clipped, step_unclipped
 from mplan.runtime.optimizer_state import (
