@@ -91,11 +91,11 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     check_executable(resolved)
     # a model that returns only its loss when given labels leaves no logits in the training graph
     forward_only = len(graph.program.graph_signature.output_specs) < 2
-    inference = _inference_graph(model, inputs, resolved, cluster, world_size) if forward_only else None
+    inference = _forward_graph(model, inputs, resolved, cluster, world_size) if forward_only else None
     pm = parallelize(graph=graph, plan=resolved, source=state_dict if state_dict is not None else model,
                      model=model, optimizer=optimizer, device=run_on, dtype=dtype, seed=seed,
                      max_grad_norm=max_grad_norm, autocast=_autocast_dtype(autocast), kernels=use_kernels,
-                     fp8=resolved.fp8, inference_graph=inference)
+                     fp8=resolved.fp8, inference=inference)
     # torch.export leaves reference cycles that reach the model (the trace's frames and
     # closures). Collected now, `del model` frees the model's memory at once rather than at
     # Python's next full collection, which no device allocation waits for.
@@ -118,33 +118,13 @@ def _check_numbers(*, global_batch: int, micro_batch_size: int | None, max_grad_
         raise ArgumentError(f"max_grad_norm must be positive (or None: no clipping), got {max_grad_norm!r}")
 
 
-def _inference_graph(model: nn.Module, inputs: tuple[torch.Tensor, ...], plan: Plan, cluster: ClusterSpec,
-                     world_size: int) -> Callable[[], tuple[Graph, Plan]]:
-    """For a model whose training capture holds only its loss: its forward captured at the first
-    `pm(inputs)` and the Plan bound to it by node keys (nothing solved). The capture reads a
-    weightless copy of the model, so `pm` keeps none of the model's weights alive."""
-    weightless = _weightless(model)
-
-    def capture() -> tuple[Graph, Plan]:
-        graph = capture_for_training(weightless, inputs, with_loss=False)
-        bound = resolve_plan(plan, graph, cluster=cluster, world_size=world_size, global_batch=plan.global_batch,
-                             fp8=plan.fp8)
-        return graph, bound
-    return capture
-
-
-def _weightless(model: nn.Module) -> nn.Module:
-    """A copy of `model` whose parameters and buffers are meta tensors of the same shapes and
-    dtypes (no data is copied; tied parameters stay tied): enough to capture it."""
-    import copy
-    import itertools
-
-    memo: dict[int, Any] = {}
-    for tensor in itertools.chain(model.parameters(), model.buffers()):
-        meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = (nn.Parameter(meta, requires_grad=tensor.requires_grad)
-                            if isinstance(tensor, nn.Parameter) else meta)
-    return copy.deepcopy(model, memo)
+def _forward_graph(model: nn.Module, inputs: tuple[torch.Tensor, ...], plan: Plan, cluster: ClusterSpec,
+                   world_size: int) -> tuple[Graph, Plan]:
+    """For a model whose training capture holds only its loss: its forward, captured now (so that
+    the runtime never captures) and the Plan bound to it by node keys (nothing solved)."""
+    graph = capture_for_training(model, inputs, with_loss=False)
+    return graph, resolve_plan(plan, graph, cluster=cluster, world_size=world_size, global_batch=plan.global_batch,
+                               fp8=plan.fp8)
 
 
 def _default_device() -> torch.device:

@@ -144,3 +144,27 @@ def test_fused_kernels_train_like_the_graph(spec: str, fired: dict[str, int]) ->
     assert pm.program.meta["fuse_kernels"].counts == fired
     assert max(abs(a - b) / b for a, b in zip(runs[1][0], runs[0][0])) < 1e-13
     assert rel_err(runs[1][1], runs[0][1]) < 1e-13
+
+
+def test_the_first_call_into_mplan_pins_nothing_of_its_caller(tmp_path) -> None:
+    """The frames on the stack when mplan first loads its planner are the user's: a package that
+    keeps an import error's traceback (PuLP keeps one per optional solver) would keep the model,
+    the optimizer state and the graph alive forever (18 GiB on the H200, 2026-12-01)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "first_call.py"
+    script.write_text(
+        "import gc, weakref, torch, mplan\n"
+        "from mplan.models import build_model\n"
+        "def train():\n"
+        "    model = build_model('tiny-gpt', device='cpu', dtype=torch.float64, seed=0)\n"
+        "    ids = torch.randint(0, 64, (2, 16))\n"
+        "    pm = mplan.autoparallel(model, example_inputs=(ids,), global_batch=2, plan='dp=1')\n"
+        "    pm.train_step(ids, ids)\n"
+        "    return weakref.ref(next(iter(pm.params.values())))\n"
+        "alive = train()\n"
+        "gc.collect()\n"
+        "assert alive() is None, 'a parameter outlived the function that trained it'\n", encoding="utf-8")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

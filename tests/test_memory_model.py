@@ -1,11 +1,16 @@
-"""Memory model: Megatron's distributed-optimizer bytes per parameter, activations by recompute mode."""
+"""Memory model: Megatron's distributed-optimizer bytes per parameter, activations by recompute mode,
+and the planner's evaluation of every pipeline rank through it (in-flight counts from the schedule IR)."""
 from __future__ import annotations
 
 import pytest
 
+from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.memory_model import (FRAGMENTATION_FRACTION, activation_bytes_kept, bytes_per_param,
                                             estimate_memory, mplan_bytes_per_param)
 from mplan.ir.schedule import max_in_flight, one_f_one_b
+from mplan.planner.evaluate import ModelFacts, evaluate, schedule_of
+from mplan.planner.parallel_config import ParallelConfig
+from mplan.planner.unit_costs import UnitCost
 
 
 @pytest.mark.parametrize("param, grad, whole, fixed, sharded", [
@@ -39,8 +44,8 @@ def test_fp64_and_sgd_states() -> None:
 
 def test_a_one_billion_parameter_stage_with_the_distributed_optimizer() -> None:
     act = 3.0e9
-    result = estimate_memory(num_params=1e9, zero=1, dp=8, activation_bytes=act, num_in_flight=4,
-                             largest_workspace_bytes=0.5e9)
+    result = estimate_memory(num_params=1e9, per_param=bytes_per_param("bf16", "fp32"), zero=1, dp=8,
+                             activation_bytes=act, num_in_flight=4, largest_workspace_bytes=0.5e9)
     assert (result.params_bytes, result.grads_bytes, result.optimizer_bytes) == (2e9, 4e9, 1.5e9)
     assert result.activations_bytes == 4 * act
     steady = 2e9 + 4e9 + 1.5e9 + 12e9 + 0.5e9
@@ -55,8 +60,9 @@ def test_a_one_billion_parameter_stage_with_the_distributed_optimizer() -> None:
 
 def test_in_flight_microbatches_come_from_the_schedule() -> None:
     schedule = one_f_one_b(4, 16)
-    per_rank = [estimate_memory(num_params=0, activation_bytes=1e9, num_in_flight=max_in_flight(schedule, r),
-                                fragmentation=0.0).activations_bytes for r in range(4)]
+    per_rank = [estimate_memory(num_params=0, per_param=bytes_per_param(), activation_bytes=1e9,
+                                num_in_flight=max_in_flight(schedule, r), fragmentation=0.0).activations_bytes
+                for r in range(4)]
     assert per_rank == [4e9, 3e9, 2e9, 1e9]
 
 
@@ -77,4 +83,49 @@ def test_recompute_modes() -> None:
 
 def test_zero_must_be_0_or_1() -> None:
     with pytest.raises(ValueError, match="zero must be 0 or 1"):
-        estimate_memory(num_params=1, zero=2, dp=2, activation_bytes=0, num_in_flight=1)
+        estimate_memory(num_params=1, per_param=bytes_per_param(), zero=2, dp=2, activation_bytes=0, num_in_flight=1)
+
+
+# --- the planner's evaluation goes through this model ------------------------------------------
+
+def _units(count: int) -> list[UnitCost]:
+    """Identical blocks of 1M parameters that keep 2 GB, 1 GB selectively and a 0.25 GB input."""
+    return [UnitCost(name=f"layers.{i}", block_type="Block", forward_s=1e-3, backward_s=2e-3, comm_forward_s=0.0,
+                     comm_backward_s=0.0, num_params=1_000_000, tp_grad_sync_bytes=0, saved_bytes=2_000_000_000,
+                     selective_bytes=1_000_000_000, selective_extra_s=1e-4, input_bytes=250_000_000,
+                     largest_op_bytes=50_000_000) for i in range(count)]
+
+
+@pytest.mark.parametrize("runtime", ["megatron", "mplan"])
+@pytest.mark.parametrize("config", [
+    # all m * vpp forwards run before the first backward: 4 chunks in flight on rank 0, not 5
+    ParallelConfig(dp=1, tp=1, pp=2, vpp=2, num_micro_batches=2, schedule="interleaved", recompute="full"),
+    ParallelConfig(dp=2, tp=1, pp=2, vpp=2, num_micro_batches=6, schedule="interleaved", recompute="none"),
+    ParallelConfig(dp=2, tp=1, pp=4, num_micro_batches=8, recompute="selective", zero=1),
+    ParallelConfig(dp=1, tp=1, pp=2, num_micro_batches=3, schedule="gpipe"),
+    # one stage runs its micro-batches one at a time whatever the schedule is called
+    ParallelConfig(dp=1, tp=1, pp=1, num_micro_batches=4, schedule="gpipe"),
+], ids=lambda c: c.short())
+def test_evaluate_prices_every_rank_by_the_memory_model_with_the_schedules_in_flight_counts(
+        config: ParallelConfig, runtime: str) -> None:
+    units = _units(8)
+    facts = ModelFacts(training_flops_per_sequence=1e12, seq_len=2048, param_dtype="bf16", runtime=runtime,
+                       fp32_grad_copy=runtime == "megatron", stream_bytes_per_sequence=1 << 20)
+    per = mplan_bytes_per_param("bf16", zero=config.zero) if runtime == "mplan" else bytes_per_param("bf16", "fp32")
+    fast = evaluate(config, units, ClusterSpec.preset("dgx-a100"), facts, fast=True)
+    simulated = evaluate(config, units, ClusterSpec.preset("dgx-a100"), facts, fast=False)
+    assert fast.memory == simulated.memory
+    schedule = schedule_of(config)
+    for rank, got in enumerate(fast.memory):
+        mine = [u for c in range(rank, config.pp * config.vpp, config.pp) for u in units[slice(*fast.stage_bounds[c])]]
+        assert got == estimate_memory(
+            num_params=sum(u.num_params for u in mine), per_param=per, zero=config.zero, dp=config.dp,
+            recompute=config.recompute, num_in_flight=max_in_flight(schedule, rank),
+            activation_bytes=sum(u.saved_bytes for u in mine) / config.vpp,
+            selective_activation_bytes=sum(u.selective_bytes for u in mine) / config.vpp,
+            checkpoint_bytes=sum(u.input_bytes for u in mine) / config.vpp,
+            layer_activation_bytes=max(u.saved_bytes for u in mine), largest_workspace_bytes=2 * 50_000_000)
+    if config.schedule == "interleaved" and config.num_micro_batches == config.pp:
+        assert max_in_flight(schedule, 0) == config.num_micro_batches * config.vpp
+    if config.pp == 1:
+        assert max_in_flight(schedule, 0) == 1

@@ -131,3 +131,12 @@ def test_same_rank_order_is_checked_for_interleaved_chunks() -> None:
     s = Schedule.from_text(name="local", pp=1, num_microbatches=1, num_virtual=2, lines=["1F0 0F0 1B0 0B0"])
     with pytest.raises(ScheduleError, match=r"\(1F0\): runs before 0F0 on the same rank"):
         check_schedule(s)
+
+
+@pytest.mark.parametrize("name,pp,m,vpp", [("gpipe", 4, 6, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1),
+                                           ("interleaved", 4, 8, 2), ("interleaved", 2, 2, 3), ("1f1b", 1, 5, 1)])
+def test_in_flight_by_rank_counts_what_the_schedule_holds(name, pp, m, vpp) -> None:
+    from mplan.ir.schedule import build_schedule, max_in_flight_by_rank
+
+    schedule = build_schedule(name, pp, m, vpp)
+    assert max_in_flight_by_rank(name, pp, m, vpp) == tuple(max_in_flight(schedule, r) for r in range(pp))

@@ -1,12 +1,15 @@
 """Peak memory of one GPU under a plan: parameters, gradients, optimizer state, activations, transients.
 
-Role: pure arithmetic the planner evaluates for every candidate (stage, mesh, schedule,
-recomputation, optimizer sharding) to reject plans that do not fit. It knows nothing of graphs: the
-planner feeds it numbers measured on the captured graph.
-Input: ``estimate_memory(...)``: the rank's local parameter count (after TP/PP/EP), the parameter,
-gradient and optimizer-state formats, ZeRO stage and DP size, activation bytes per microbatch per
-stage chunk, the number of microbatches in flight (``ir.schedule.max_in_flight``), the
-recomputation mode, and the largest single-op workspace.
+Role: the one memory model. The planner (`planner/evaluate.py`) calls `estimate_memory` for every
+pipeline rank of every candidate (stage, mesh, schedule, recomputation, optimizer sharding) to
+reject plans that do not fit, and reports its `MemoryBreakdown`. It knows nothing of graphs: the
+planner feeds it numbers measured on the captured graph (`planner/unit_costs.py`).
+Input: ``estimate_memory(...)``: the rank's local parameter count (after TP/PP/EP), whose
+per-parameter accounting (``BytesPerParam``: Megatron's ``bytes_per_param`` or mplan's runtime's
+``mplan_bytes_per_param``), ZeRO stage and DP size, activation bytes per microbatch per stage chunk
+under each recomputation mode, the number of (chunk, microbatch) activations in flight
+(``ir.schedule.max_in_flight`` on the schedule the rank runs), the recomputation mode, and the
+largest single-op workspace.
 Output: ``MemoryBreakdown`` in bytes (``.gib`` for GiB, ``.as_dict()`` for JSON).
 
 Optimizer accounting (Megatron-LM's distributed optimizer, docs/source/api-guide/dist_optimizer.md):
@@ -21,7 +24,8 @@ fp32 copy of the gradient when gradients are kept in 16 bits. That reproduces Me
 Activations: ``none`` keeps every in-flight microbatch's activations; ``selective`` keeps
 ``selective_activation_bytes`` per microbatch (Korthikanti et al. 2022: attention's softmax/dropout
 recomputed, 34sbh instead of 34sbh + 5as^2b per layer); ``full`` keeps only each layer's input
-(``checkpoint_bytes`` per microbatch) plus one layer's full activations while it is recomputed.
+(``checkpoint_bytes`` per microbatch) plus one layer's full activations while it is recomputed
+(``layer_activation_bytes``: one unit re-runs at a time).
 Transient: the largest single-op workspace plus FRAGMENTATION_FRACTION of everything else.
 Invariants: every term >= 0; ``total == params + grads + optimizer + activations + transient``.
 """
@@ -125,13 +129,12 @@ def activation_bytes_kept(*, recompute: str, activation_bytes: float, num_in_fli
     return num_in_flight * checkpoint_bytes + (layer_activation_bytes if num_in_flight else 0.0)
 
 
-def estimate_memory(*, num_params: float, param_dtype: object = "bf16", grad_dtype: object = "fp32",
-                    optimizer: str = "adam", zero: int = 0, dp: int = 1, activation_bytes: float,
-                    num_in_flight: int, recompute: str = "none", selective_activation_bytes: float | None = None,
-                    checkpoint_bytes: float | None = None, layer_activation_bytes: float = 0.0,
-                    largest_workspace_bytes: float = 0.0,
+def estimate_memory(*, num_params: float, per_param: BytesPerParam, zero: int = 0, dp: int = 1,
+                    activation_bytes: float, num_in_flight: int, recompute: str = "none",
+                    selective_activation_bytes: float | None = None, checkpoint_bytes: float | None = None,
+                    layer_activation_bytes: float = 0.0, largest_workspace_bytes: float = 0.0,
                     fragmentation: float = FRAGMENTATION_FRACTION) -> MemoryBreakdown:
-    """Peak memory of one rank.
+    """Peak memory of one rank whose parameters cost `per_param` each (before ZeRO sharding).
 
     ``activation_bytes`` (and ``selective_activation_bytes``, ``checkpoint_bytes``) are per
     microbatch per stage chunk; ``num_in_flight`` counts (chunk, microbatch) pairs, as
@@ -141,9 +144,8 @@ def estimate_memory(*, num_params: float, param_dtype: object = "bf16", grad_dty
         raise ValueError(f"zero must be 0 or 1 (ZeRO-1: optimizer state sharded over DP), got {zero}")
     if dp < 1 or num_params < 0 or activation_bytes < 0 or largest_workspace_bytes < 0 or not 0 <= fragmentation < 1:
         raise ValueError("estimate_memory: dp >= 1, non-negative sizes and 0 <= fragmentation < 1 required")
-    per = bytes_per_param(param_dtype, grad_dtype, optimizer)
-    params, grads = num_params * per.param, num_params * per.grad
-    opt = num_params * per.optimizer / (dp if zero else 1)
+    params, grads = num_params * per_param.param, num_params * per_param.grad
+    opt = num_params * per_param.optimizer / (dp if zero else 1)
     acts = activation_bytes_kept(recompute=recompute, activation_bytes=activation_bytes, num_in_flight=num_in_flight,
                                  selective_activation_bytes=selective_activation_bytes,
                                  checkpoint_bytes=checkpoint_bytes, layer_activation_bytes=layer_activation_bytes)

@@ -3,9 +3,11 @@
 One `OpRule` per op packet (`aten.linear`, any overload). FLOPs follow Megatron's convention:
 a multiply-add is 2 FLOPs, attention counts the full (non-causal) score matrix, and elementwise
 work counts one FLOP per output element (a few for transcendental ops). `saves` lists what
-autograd keeps for backward: argument positions and/or "out". An op with no rule is marked
-unknown: capture still records it, saves all its tensor inputs (an upper bound for memory),
-and the planner replicates it rather than guess a sharding.
+autograd keeps for backward: argument positions and/or "out"; `converts` the saved arguments the
+kernel keeps as a copy of its own in its first input's dtype when theirs differs; `extra_saved`
+the small side outputs it keeps (statistics in the kernel's accumulation dtype). An op with no
+rule is marked unknown: capture still records it, saves all its tensor inputs (an upper bound
+for memory), and the planner replicates it rather than guess a sharding.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from mplan.ir.graph import TensorMeta
+from mplan.ir.graph import Graph, TensorMeta
 
 FlopFn = Callable[[Sequence[TensorMeta], Sequence[TensorMeta]], int]
 
@@ -24,6 +26,9 @@ class OpRule:
     flops: FlopFn
     saves: tuple[int | str, ...] = ()  # argument positions and/or "out"
     cross: bool = False  # a product: each saved operand is needed only for the others' gradients
+    # saved arguments kept as the kernel's own copy in input 0's dtype when theirs differs: a new
+    # tensor per call, not the producer's storage (SDPA turns a boolean mask into an additive one)
+    converts: tuple[int, ...] = ()
     # bytes of small side outputs kept for backward, from (inputs, outputs)
     extra_saved: Callable[[Sequence[TensorMeta], Sequence[TensorMeta]], int] | None = None
 
@@ -75,14 +80,22 @@ def _sdpa(ins: Sequence[TensorMeta], outs: Sequence[TensorMeta]) -> int:
     return 2 * b * hq * sq * sk * (d + dv)
 
 
+def _accumulation_bytes(meta: TensorMeta) -> int:
+    """Bytes per element of a kernel's accumulation type on `meta`'s dtype: fp32 for 16- and 32-bit
+    floats, fp64 for fp64 (ATen's `acc_type`, on CUDA and CPU alike)."""
+    return max(4, meta.nbytes // max(1, meta.numel))
+
+
 def _sdpa_lse(ins: Sequence[TensorMeta], outs: Sequence[TensorMeta]) -> int:
-    q = ins[0]  # logsumexp kept by flash/efficient kernels: fp32 [b, h, sq]
-    return math.prod(q.shape[:-1]) * 4
+    # logsumexp [b, h, sq] kept by the flash/efficient kernels in their accumulation type (fp32 for
+    # bf16; fp64 under fp64 on the CPU: counting fp32 there missed half of it)
+    q = ins[0]
+    return math.prod(q.shape[:-1]) * _accumulation_bytes(q)
 
 
 def _norm_stats(ins: Sequence[TensorMeta], outs: Sequence[TensorMeta]) -> int:
-    x = ins[0]  # mean and rstd in fp32 per normalized row
-    return math.prod(x.shape[:-1]) * 4 * 2
+    x = ins[0]  # mean and rstd per normalized row, in the accumulation type (as the logsumexp above)
+    return math.prod(x.shape[:-1]) * _accumulation_bytes(x) * 2
 
 
 def _cross_entropy(ins: Sequence[TensorMeta], outs: Sequence[TensorMeta]) -> int:
@@ -125,9 +138,11 @@ RULES: dict[str, OpRule] = {
     # Grouped GEMMs of MoE layers (Hugging Face's experts): tokens x hidden against E weights.
     "_grouped_mm": OpRule(kind="matmul", flops=_matmul, saves=(0, 1), cross=True),
     "grouped_mm_fallback": OpRule(kind="matmul", flops=_matmul, saves=(0, 1), cross=True),
-    # Fused attention keeps q, k, v, its output and the row logsumexp (no s x s matrix).
+    # Fused attention keeps q, k, v, its output and the row logsumexp (no s x s matrix), and its
+    # mask when given one: a boolean mask (Hugging Face's, materialized by the export) becomes an
+    # additive mask in q's dtype inside the op, a new [b, 1, sq, sk] tensor every call keeps.
     "scaled_dot_product_attention": OpRule(
-        kind="attention", flops=_sdpa, saves=(0, 1, 2, "out"), extra_saved=_sdpa_lse),
+        kind="attention", flops=_sdpa, saves=(0, 1, 2, 3, "out"), converts=(3,), extra_saved=_sdpa_lse),
     # Embedding lookup: backward scatters into the table by index, so only the ids are kept.
     "embedding": OpRule(kind="embedding", flops=_zero, saves=(1,)),
     # LayerNorm / RMSNorm kernels: input plus per-row statistics.
@@ -198,6 +213,16 @@ def op_packet(target: object) -> str:
 
 def rule_for(target: object) -> OpRule | None:
     return RULES.get(op_packet(target))
+
+
+def persistent_inputs(graph: Graph) -> frozenset[str]:
+    """The graph inputs that live for the whole run (buffers, lifted constants: RoPE tables), by IR
+    name: what an op keeps of them for backward is a view that allocates nothing per micro-batch.
+    Read from the export's signature, whose user inputs (token ids, labels) are the rest; a graph
+    without its program counts every input as an activation."""
+    if graph.program is None:
+        return frozenset()
+    return frozenset(graph.graph_inputs.keys() - set(graph.program.graph_signature.user_inputs))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

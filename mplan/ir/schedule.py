@@ -27,7 +27,7 @@ in order; grad sync follows the stage's last backward; and all ranks run to comp
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 COMPUTE_KINDS: tuple[str, ...] = ("F", "B")
@@ -144,11 +144,19 @@ def _check_sizes(pp: int, m: int, vpp: int = 1) -> None:
                             f"got pp={pp}, num_microbatches={m}, vpp={vpp}")
 
 
+Compute = list[list[tuple[str, int, int]]]
+"""Per rank, its compute actions in order as (kind, stage, microbatch): what a builder decides;
+`_lower` adds the communication around them."""
+
+
 def gpipe(pp: int, m: int, *, grad_sync: bool = False) -> Schedule:
     """GPipe: all forwards, then all backwards (in microbatch order, as torch's ScheduleGPipe)."""
+    return _lower("gpipe", pp, m, 1, _gpipe_compute(pp, m), grad_sync)
+
+
+def _gpipe_compute(pp: int, m: int) -> Compute:
     _check_sizes(pp, m)
-    compute = [[("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)] for r in range(pp)]
-    return _lower("gpipe", pp, m, 1, compute, grad_sync)
+    return [[("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)] for r in range(pp)]
 
 
 def one_f_one_b(pp: int, m: int, *, grad_sync: bool = False) -> Schedule:
@@ -157,8 +165,12 @@ def one_f_one_b(pp: int, m: int, *, grad_sync: bool = False) -> Schedule:
     Rank r runs ``warmup = min(pp - r - 1, m)`` forwards, then alternates one forward and one
     backward, then drains the remaining backwards: at most ``min(pp - r, m)`` microbatches in flight.
     """
+    return _lower("1f1b", pp, m, 1, _one_f_one_b_compute(pp, m), grad_sync)
+
+
+def _one_f_one_b_compute(pp: int, m: int) -> Compute:
     _check_sizes(pp, m)
-    compute: list[list[tuple[str, int, int]]] = []
+    compute: Compute = []
     for r in range(pp):
         warmup = min(pp - r - 1, m)
         order = [("F", r, i) for i in range(warmup)]
@@ -166,7 +178,7 @@ def one_f_one_b(pp: int, m: int, *, grad_sync: bool = False) -> Schedule:
             order += [("F", r, i + warmup), ("B", r, i)]
         order += [("B", r, i) for i in range(m - warmup, m)]
         compute.append(order)
-    return _lower("1f1b", pp, m, 1, compute, grad_sync)
+    return compute
 
 
 def interleaved_warmup(pp: int, m: int, vpp: int, rank: int) -> int:
@@ -190,6 +202,10 @@ def interleaved_1f1b(pp: int, m: int, vpp: int, *, grad_sync: bool = False) -> S
     ``pp`` microbatches go through one chunk, then the next. Requires ``m % pp == 0``, as Megatron did
     when it introduced the schedule.
     """
+    return _lower("interleaved", pp, m, vpp, _interleaved_compute(pp, m, vpp), grad_sync)
+
+
+def _interleaved_compute(pp: int, m: int, vpp: int) -> Compute:
     _check_sizes(pp, m, vpp)
     if m % pp:
         raise ScheduleError(f"interleaved 1F1B needs the number of microbatches to be a multiple of the pipeline "
@@ -203,7 +219,7 @@ def interleaved_1f1b(pp: int, m: int, vpp: int, *, grad_sync: bool = False) -> S
             chunk = vpp - 1 - chunk
         return (kind, chunk * pp + rank, (k // group) * pp + k % pp)
 
-    compute: list[list[tuple[str, int, int]]] = []
+    compute: Compute = []
     for r in range(pp):
         warmup = interleaved_warmup(pp, m, vpp, r)
         order = [unit("F", k, r) for k in range(warmup)]
@@ -211,18 +227,36 @@ def interleaved_1f1b(pp: int, m: int, vpp: int, *, grad_sync: bool = False) -> S
             order += [unit("F", k + warmup, r), unit("B", k, r)]
         order += [unit("B", k, r) for k in range(total - warmup, total)]
         compute.append(order)
-    return _lower("interleaved", pp, m, vpp, compute, grad_sync)
+    return compute
 
 
 def build_schedule(name: str, pp: int, m: int, vpp: int = 1, *, grad_sync: bool = False) -> Schedule:
     """A schedule by name: ``gpipe``, ``1f1b`` or ``interleaved`` (``vpp`` only for the last)."""
+    return _lower(name, pp, m, vpp, _compute(name, pp, m, vpp), grad_sync)
+
+
+def _compute(name: str, pp: int, m: int, vpp: int) -> Compute:
     if name == "gpipe" or name == "1f1b":
         if vpp != 1:
             raise ScheduleError(f"schedule {name!r} has one stage per rank; vpp={vpp} needs interleaved")
-        return gpipe(pp, m, grad_sync=grad_sync) if name == "gpipe" else one_f_one_b(pp, m, grad_sync=grad_sync)
+        return _gpipe_compute(pp, m) if name == "gpipe" else _one_f_one_b_compute(pp, m)
     if name == "interleaved":
-        return interleaved_1f1b(pp, m, vpp, grad_sync=grad_sync)
+        return _interleaved_compute(pp, m, vpp)
     raise ScheduleError(f"unknown schedule {name!r}; schedules: {', '.join(SCHEDULES)}")
+
+
+def max_in_flight_by_rank(name: str, pp: int, m: int, vpp: int = 1) -> tuple[int, ...]:
+    """`max_in_flight` of every rank of `build_schedule(name, pp, m, vpp)`, counted on the
+    builders' compute orders (communication moves no activation in or out): the same numbers,
+    without building the action lists, for a search that asks for hundreds of shapes."""
+    return tuple(max(_running(order), default=0) for order in _compute(name, pp, m, vpp))
+
+
+def _running(order: Sequence[tuple[str, int, int]]) -> Iterator[int]:
+    live = 0
+    for kind, _, _ in order:
+        live += 1 if kind == "F" else -1
+        yield live
 
 
 # -- analysis ---------------------------------------------------------------------------------------

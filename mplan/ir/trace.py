@@ -267,6 +267,15 @@ def _user_frame(exc: BaseException) -> str | None:
     return best
 
 
+def _shares_storage(a: Any, b: Any) -> bool:
+    """The traced output is a view of the input (ATen returned a view: a same-shape reshape of a
+    strided tensor, a reshape its strides allow), by the fake tensors' storages."""
+    try:
+        return isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # a storage-less tensor: decide by contiguity alone
+        return False
+
+
 def _meta_of(value: Any) -> TensorMeta | None:
     if isinstance(value, torch.Tensor):
         dims = tuple(value.shape)
@@ -410,9 +419,10 @@ class _GraphBuilder:
             self.sequence_major.add(fx_node.name)
         if packet == "scaled_dot_product_attention":
             self.sdpa_outputs.add(fx_node.name)
-        copies = packet in _COPY_IF_STRIDED and isinstance(first_val, torch.Tensor) \
-            and not first_val.is_contiguous() and first_name not in self.sequence_major
         val = fx_node.meta.get("val")
+        copies = packet in _COPY_IF_STRIDED and isinstance(first_val, torch.Tensor) \
+            and not first_val.is_contiguous() and first_name not in self.sequence_major \
+            and not (packet != "clone" and _shares_storage(val, first_val))
         differentiable = isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex())
         if differentiable and any(v in self.requires_grad for _, v in args):
             self.requires_grad.add(fx_node.name)

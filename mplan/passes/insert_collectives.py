@@ -247,11 +247,11 @@ class _Rewriter:
         if rule in ("reshape_local", "expand_local"):
             shape = list(local_shape(node.output.shape, strategy.output, self.axis.size))
             target = aten.reshape.default if rule == "reshape_local" else aten.expand.default
-            return self.out.call_function(target, (args[0], shape))
+            return self.out.create_node("call_function", target, (args[0], shape), {}, name=fx_node.name)
         if rule == "row_bias":
             x, weight, bias = args[:3]
             share = self.out.call_function(aten.div.Tensor, (bias, float(self.axis.size)))
-            return self.out.call_function(fx_node.target, (x, weight, share))
+            return self.out.create_node("call_function", fx_node.target, (x, weight, share), {}, name=fx_node.name)
         call = normalized_kwargs(fx_node.target, args, kwargs)
         if rule == "vocab_embedding":
             module = embedding_module(node, call, self.axis)
@@ -265,7 +265,8 @@ class _Rewriter:
             operands = (call["self"], call["target"])
         attr = f"{rule}_{node.name}"
         self.root.add_module(attr, module)
-        return self.out.call_module(attr, operands)
+        # named after the IR node, as every emitted op is, so later passes (recompute) know its segment
+        return self.out.create_node("call_module", attr, tuple(operands), {}, name=fx_node.name)
 
     def _getitem(self, fx_node: fx.Node) -> None:
         # A multi-output producer's placement holds for each element; the getitem's own strategy

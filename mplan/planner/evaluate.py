@@ -8,6 +8,10 @@ Model (each term from the cost models, nothing fitted here):
 - units come priced for one micro-batch of `config.mbs` sequences (the planner re-prices the graph
   at each micro-batch size, `ir.rebatch`); recomputation adds the re-run forward to backward;
 - units are cut into pp * vpp chunks by `stage_partition.partition` under each chunk's memory;
+- memory per pipeline rank is `cost_models.memory_model.estimate_memory` (the one memory model) on
+  the rank's parameters and per-chunk activations, with the micro-batches it holds in flight
+  counted on the schedule it runs (`ir.schedule.max_in_flight` on `schedule_of(config)`, tabled
+  once per schedule shape, so the closed form reads the same counts as the simulator);
 - activations cross stage borders with a send/recv per micro-batch (p2p over the pipeline axis);
 - DP gradient sync per rank: all-reduce of fp32 gradients (zero=0) or reduce-scatter of gradients
   plus all-gather of updated bf16 parameters (zero=1), started after the rank's last backward, so
@@ -29,10 +33,10 @@ from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES, collective_time
 from mplan.ir.mesh import GroupShape
 from mplan.cost_models.compute_cost import ComputeCostModel
-from mplan.cost_models.memory_model import (FRAGMENTATION_FRACTION, MemoryBreakdown, bytes_per_param,
-                                            mplan_bytes_per_param)
+from mplan.cost_models.memory_model import (FRAGMENTATION_FRACTION, MemoryBreakdown, activation_bytes_kept,
+                                            bytes_per_param, estimate_memory, mplan_bytes_per_param)
 from mplan.cost_models.simulator import PipelineCosts, SimResult, simulate
-from mplan.ir.schedule import Schedule, build_schedule, check_schedule, interleaved_warmup
+from mplan.ir.schedule import Schedule, build_schedule, check_schedule, max_in_flight_by_rank
 from mplan.planner.parallel_config import ParallelConfig
 from mplan.planner.stage_partition import Partition, partition
 from mplan.planner.unit_costs import UnitCost
@@ -144,16 +148,6 @@ class Estimate:
         return max(m.total_bytes for m in self.memory)
 
 
-def _in_flight(config: ParallelConfig, rank: int) -> int:
-    """Micro-batch activations rank `rank` holds at its peak, summed over its chunks (chunk units)."""
-    p, m, v = config.pp, config.num_micro_batches, config.vpp
-    if config.schedule == "gpipe":
-        return m * v
-    if config.schedule == "interleaved" and v > 1:
-        return interleaved_warmup(p, m, v, rank) + 1
-    return min(p - rank, m)
-
-
 def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: ClusterSpec, facts: ModelFacts, *,
              fast: bool = True, fragmentation: float = FRAGMENTATION_FRACTION) -> Estimate:
     """Predict `config`. `fragmentation` is the allocator's share on top of allocated bytes (0 to
@@ -169,13 +163,14 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     # the dtype AdamW steps: the parameters', or ZeRO-1's master shard (at least fp32, sharded_optimizer.py)
     step_bytes = max(per.param, 4) if config.zero else per.param
     param_state = per.total(zero=config.zero, dp=config.dp)
-
-    def act_bytes(u: UnitCost) -> float:
-        return {"none": u.saved_bytes, "selective": u.selective_bytes, "full": u.input_bytes}[config.recompute]
+    in_flight = in_flight_of(config)
+    # what a unit keeps of one micro-batch under the plan's recomputation, for the stage cut's memory
+    kept = [activation_bytes_kept(recompute=config.recompute, activation_bytes=u.saved_bytes, num_in_flight=1,
+                                  selective_activation_bytes=u.selective_bytes, checkpoint_bytes=u.input_bytes)
+            for u in units]
 
     def unit_memory(u: int, chunk: int) -> float:
-        rank = chunk % config.pp
-        return units[u].num_params * param_state + act_bytes(units[u]) * _in_flight(config, rank) / config.vpp
+        return units[u].num_params * param_state + kept[u] * in_flight[chunk % config.pp] / config.vpp
 
     capacity = cluster.device.memory_bytes / (1 + fragmentation)
     times = [f + b for f, b in zip(fwd, bwd)]
@@ -214,12 +209,16 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         if config.zero:
             step += zero1_copy_time(compute, params, config.dp, per.param)
         opt = max(opt, step)
-        acts = sum(act_bytes(units[u]) for u in rank_units) / config.vpp * _in_flight(config, rank)
-        if config.recompute == "full" and rank_units:
-            acts += max(units[u].saved_bytes for u in rank_units)  # one unit re-run at a time
         # Backward of the largest op holds its output's gradient and its input's at once.
         workspace = 2 * max((units[u].largest_op_bytes for u in rank_units), default=0.0)
-        memory.append(_breakdown(params, per, config, acts, workspace, fragmentation))
+        memory.append(estimate_memory(
+            num_params=params, per_param=per, zero=config.zero, dp=config.dp, recompute=config.recompute,
+            activation_bytes=sum(units[u].saved_bytes for u in rank_units) / config.vpp,
+            selective_activation_bytes=sum(units[u].selective_bytes for u in rank_units) / config.vpp,
+            checkpoint_bytes=sum(units[u].input_bytes for u in rank_units) / config.vpp,
+            # full recomputation re-runs one unit at a time: the largest one's activations on top
+            layer_activation_bytes=max((units[u].saved_bytes for u in rank_units), default=0),
+            num_in_flight=in_flight[rank], largest_workspace_bytes=workspace, fragmentation=fragmentation))
     peak = max(m.total_bytes for m in memory)
     fits = not reason and peak <= cluster.device.memory_bytes
     if not reason and not fits:
@@ -249,7 +248,20 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
 def schedule_of(config: ParallelConfig) -> Schedule:
     """The schedule IR (per-rank action lists) a config runs: the simulator, `explain` and the
     runtime all read this one definition. Built and deadlock-checked once per shape."""
-    return _checked_schedule(config.schedule if config.pp > 1 else "1f1b", config.pp, config.num_micro_batches, config.vpp)
+    return _checked_schedule(*_schedule_shape(config))
+
+
+def in_flight_of(config: ParallelConfig) -> tuple[int, ...]:
+    """Per pipeline rank, the most (chunk, micro-batch) activations it holds at once: what
+    `max_in_flight` counts on the schedule `schedule_of(config)` returns (`ir.schedule`'s
+    `max_in_flight_by_rank`, from the same builders' compute orders), tabled per shape: a search
+    asks for a few hundred shapes thousands of times."""
+    return _in_flight_table(*_schedule_shape(config))
+
+
+def _schedule_shape(config: ParallelConfig) -> tuple[str, int, int, int]:
+    # one stage runs its micro-batches one after the other whatever the schedule's name
+    return config.schedule if config.pp > 1 else "1f1b", config.pp, config.num_micro_batches, config.vpp
 
 
 @functools.lru_cache(maxsize=64)
@@ -257,6 +269,11 @@ def _checked_schedule(name: str, pp: int, m: int, vpp: int) -> Schedule:
     schedule = build_schedule(name, pp, m, vpp)
     check_schedule(schedule)
     return schedule
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_flight_table(name: str, pp: int, m: int, vpp: int) -> tuple[int, ...]:
+    return max_in_flight_by_rank(name, pp, m, vpp)
 
 
 def _rank_params(units: Sequence[UnitCost], indices: Sequence[int]) -> int:
@@ -275,15 +292,6 @@ def _rank_params(units: Sequence[UnitCost], indices: Sequence[int]) -> int:
 def _fallback(times: Sequence[float], k: int) -> Partition:
     bounds = tuple((min(c, len(times) - 1), min(c + 1, len(times))) for c in range(k))
     return Partition(bounds=bounds, bottleneck_s=max(times), chunk_times=tuple(times[a] for a, _ in bounds))
-
-
-def _breakdown(params: int, per, config: ParallelConfig, acts: float, workspace: float,  # noqa: ANN001
-               fragmentation: float) -> MemoryBreakdown:
-    p, g = params * per.param, params * per.grad
-    o = params * per.optimizer / (config.dp if config.zero else 1)
-    transient = workspace + fragmentation * (p + g + o + acts + workspace)
-    return MemoryBreakdown(params_bytes=p, grads_bytes=g, optimizer_bytes=o, activations_bytes=acts,
-                           transient_bytes=transient)
 
 
 def _closed_form(config: ParallelConfig, costs: PipelineCosts) -> tuple[float, float, float]:

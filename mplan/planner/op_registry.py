@@ -395,7 +395,15 @@ def _cat(node: OpNode, n: int) -> list[Strategy]:
         if d != cat_dim and all(e or _divisible(m.shape[d], n) for m, e in zip(node.input_metas, empty)):
             ins = tuple(R if e else Shard(d) for e in empty)
             strategies.append(Strategy(name=f"shard({d})", inputs=ins, output=Shard(d), input_grads=ins, split=True))
-    return strategies
+    return strategies + _partial_join(node, empty)
+
+
+def _partial_join(node: OpNode, empty: list[bool] | None = None) -> list[Strategy]:
+    """Joining partial sums is the partial sum of the join (cat, stack are linear)."""
+    k = len(node.inputs)
+    if empty and any(empty):
+        return []  # an empty input is held whole, and nothing turns R into P
+    return [Strategy(name="partial", inputs=(P,) * k, output=P, input_grads=(R,) * k, split=False)]
 
 
 def _stack(node: OpNode, n: int) -> list[Strategy]:
@@ -408,7 +416,7 @@ def _stack(node: OpNode, n: int) -> list[Strategy]:
             out = d if d < new else d + 1
             strategies.append(Strategy(name=f"shard({d})", inputs=(Shard(d),) * k, output=Shard(out),
                                        input_grads=(Shard(d),) * k, split=True))
-    return strategies
+    return strategies + _partial_join(node)
 
 
 def _getitem(node: OpNode, n: int) -> list[Strategy]:

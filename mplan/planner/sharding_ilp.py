@@ -34,30 +34,45 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-import pulp
-
 from mplan.ir.graph import BlockType, Graph, OpNode, TensorMeta
+from mplan.ir.op_table import persistent_inputs, rule_for
 from mplan.ir.placement import Placement, R, grad_placement
 from mplan.ir.strategy import Strategy
 from mplan.planner.op_cost import OpCoster, partial_param_grad_bytes
 from mplan.planner.op_registry import shard_bytes, strategies_for
 
 
-def _available_solver() -> pulp.LpSolver:
-    if "HiGHS" in pulp.listSolvers(onlyAvailable=True):
-        return pulp.HiGHS(msg=False)
-    return pulp.PULP_CBC_CMD(msg=False)
+def _load_pulp() -> tuple[Any, Any]:
+    """PuLP and the solver to use: HiGHS through PuLP where it is installed, else CBC.
+
+    Imported on a thread of its own: importing PuLP imports its optional solver packages, and
+    PuLP keeps each failed import's exception, with its traceback and so every frame on the
+    stack at the time, for later messages. On the caller's stack those frames would be the user's
+    and mplan's (the script that first touched `mplan.autoparallel`, the planner with its graph)
+    and would keep the model, its optimizer state and the graph alive for the rest of the process
+    (seen on the H200: 18 GiB left allocated after `del pm, model`)."""
+    loaded: dict[str, Any] = {}
+
+    def load() -> None:
+        import pulp
+
+        loaded["pulp"] = pulp
+        loaded["solver"] = (pulp.HiGHS(msg=False) if "HiGHS" in pulp.listSolvers(onlyAvailable=True)
+                            else pulp.PULP_CBC_CMD(msg=False))
+    thread = threading.Thread(target=load, name="mplan-import-pulp")
+    thread.start()
+    thread.join()
+    if "solver" not in loaded:
+        raise ImportError("mplan's planner needs PuLP (pip install pulp; highspy makes it faster)")
+    return loaded["pulp"], loaded["solver"]
 
 
-# Chosen once, at import: listing PuLP's solvers imports their optional packages, and PuLP keeps
-# each failed import's exception (and so the traceback's frames) in its modules for later
-# messages. Done inside a solve, those frames would be the planner's own and keep its graph,
-# and with it the captured model's weights, alive for the rest of the process.
-_SOLVER = _available_solver()
+pulp, _SOLVER = _load_pulp()
 
 
 class ShardingInfeasible(RuntimeError):
@@ -193,6 +208,10 @@ def _copy_cost(coster: OpCoster, meta: TensorMeta, out: Placement, layout: Layou
 
 def _memory_coefficients(problem: _Problem, n: int, param_state_factor: float,
                          activation_factor: float) -> dict[str, list[float]]:
+    """m[v,s]: v's parameter shards x `param_state_factor`, plus x `activation_factor` what
+    `_saved_bytes` charges v alone under s: its output's shard when backward keeps it and its own
+    side tensors (statistics, logsumexp). The copies consumers keep of resharded values depend on
+    two nodes' strategies at once and are not in this linear bound."""
     graph = problem.graph
     saved_roots = {graph.storage_root(s) for v in problem.nodes for s in v.saved}
     coeff: dict[str, list[float]] = {}
@@ -201,9 +220,10 @@ def _memory_coefficients(problem: _Problem, n: int, param_state_factor: float,
         for s in problem.strategies[v.name]:
             m = sum(shard_bytes(graph.params[name].meta, s.inputs[v.inputs.index(name)], n)
                     for _, name in v.params) * param_state_factor
+            kept = v.saved_extra_bytes // (n if s.split else 1)
             if v.name in saved_roots and v.outputs:
-                m += shard_bytes(v.output, s.output, n) * activation_factor
-            row.append(m)
+                kept += shard_bytes(v.output, s.output, n)
+            row.append(m + kept * activation_factor)
         coeff[v.name] = row
     return coeff
 
@@ -227,6 +247,10 @@ def solve_segment_sharding(graph: Graph, name: str, node_names: Sequence[str], c
     n = coster.n
     start = time.perf_counter()
     problem = _problem(graph, name, node_names, n, boundary, allow)
+    if memory_budget_bytes is None and all(len(ss) == 1 for ss in problem.strategies.values()):
+        # nothing to choose (tp=1): priced, not solved
+        return _price(problem, {v: ss[0] for v, ss in problem.strategies.items()}, coster, boundary,
+                      grad_sync_share, solve_seconds=time.perf_counter() - start)
     node_cost = _node_costs(problem, coster, grad_sync_share)
     lp = pulp.LpProblem(f"shard_{n}", pulp.LpMinimize)
     x = {v: [pulp.LpVariable(f"x_{i}_{j}", cat="Binary") for j in range(len(ss))]
@@ -371,30 +395,44 @@ def _summarize(problem: _Problem, choice: dict[str, Strategy], node_cost: dict,
 
 
 def _saved_bytes(problem: _Problem, choice: dict[str, Strategy], n: int, boundary: Placement) -> int:
-    """Activations kept for backward under the chosen placements, each storage counted once."""
+    """Activations one instance keeps for backward under the chosen placements, as the local program
+    (`passes/insert_collectives.py`) holds them: each storage counted once, at its producer's placement,
+    plus the copies consumers keep of their own (below) and the ops' side tensors."""
     graph = problem.graph
     placement_of: dict[str, Placement] = {v.name: choice[v.name].output for v in problem.nodes}
-    roots: dict[str, int] = {}
+    persistent = persistent_inputs(graph)
+    kept: dict[tuple[str, ...], int] = {}
     extra = 0
     for v in problem.nodes:
         s = choice[v.name]
         extra += v.saved_extra_bytes // (n if s.split else 1)
+        rule = rule_for(v.op)
         for saved in v.saved:
             root = graph.storage_root(saved)
-            if root in graph.params:
+            # parameters, and buffers such as RoPE tables (a view of them is kept), are no activations
+            if root in graph.params or root in persistent or (meta := value_meta(graph, root)) is None:
                 continue
-            meta = value_meta(graph, root)
-            if meta is None:
-                continue
-            # A value is kept in the layout its producer left it in; a consumer that resharded it
-            # (e.g. all-gathered under SP) keeps its own copy, counted at the consumer's placement.
-            if saved in v.inputs and placement_of.get(root) is not None and \
-                    s.inputs[v.inputs.index(saved)] != placement_of[root]:
-                key, placement = f"{root}@{v.name}", s.inputs[v.inputs.index(saved)]
-            else:
-                key, placement = root, placement_of.get(root, _fixed_input(problem, root, boundary))
-            roots[key] = max(roots.get(key, 0), shard_bytes(meta, placement, n))
-    return extra + sum(roots.values())
+            key, placement = (root,), placement_of.get(root, _fixed_input(problem, root, boundary))
+            if saved in v.inputs:
+                slot = v.inputs.index(saved)
+                wanted, value = s.inputs[slot], value_meta(graph, saved) or meta
+                if rule is not None and slot in rule.converts and \
+                        value.dtype != (dtype := value_meta(graph, v.inputs[0]).dtype):  # type: ignore[union-attr]
+                    # the op keeps a converted copy of its own (SDPA's boolean mask in q's dtype), one per call
+                    key, placement = ("converted", v.name, saved), wanted
+                    meta = TensorMeta(shape=value.shape, dtype=dtype)
+                elif wanted != placement_of.get(saved, _fixed_input(problem, saved, boundary)):
+                    # The consumer keeps the reshard it reads (e.g. the all-gathered norm output under
+                    # SP). The runtime makes one copy per (value, placement, gradient placement), shared
+                    # by every consumer that wants it so (q, k and v read one gathered tensor: a copy
+                    # per consumer counted it three times), and the copy is of the value itself. A view
+                    # its producer left in the wanted placement is no copy (attention's output read by
+                    # o_proj through a transpose and a reshape: comparing with the storage root's
+                    # placement counted that output twice under TP); its storage is the root's.
+                    key, placement = ("copy", saved, str(wanted), str(s.input_grads[slot])), wanted
+                    meta = value
+            kept[key] = max(kept.get(key, 0), shard_bytes(meta, placement, n))
+    return extra + sum(kept.values())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -4,25 +4,34 @@ A unit is one segment of the captured graph in execution order: the prologue (em
 block instance, glue between blocks, and the epilogue (final norm, head, loss). Given the TP
 sharding solved for every segment (`GraphSharding`), each unit gets its forward and backward
 seconds per micro-batch of the captured batch, its local parameters, the activations it keeps for
-backward under each recomputation mode, and its input (what full recomputation checkpoints).
+backward under each recomputation mode, and its inputs (what full recomputation checkpoints).
 
 Recomputation modes, as the planner defines them for fused-attention models:
-- none: every tensor an op keeps for backward stays in memory.
-- selective: the unit's input and the outputs of its GEMMs, attention and embeddings stay (the
+- none: every tensor an op keeps for backward stays in memory (`sharding_ilp._saved_bytes`).
+- selective: the unit's inputs and the outputs of its GEMMs, attention and embeddings stay (the
   runtime's selective checkpoint policy caches exactly those, `passes/recompute.py`); norms and
   elementwise ops (cheap, memory-bound, and the bulk of the bytes after fused attention) are
   re-run in backward.
-- full: only the unit's input stays; the whole forward is re-run in backward.
+- full: only the unit's inputs stay; the whole forward is re-run in backward.
+
+A checkpointed unit keeps its inputs as they reach it (`_kept_inputs`): every activation its ops
+read from an earlier unit, in the placement its producer left it in, since the reshards into the
+unit's own layout run inside the unit (re-run in backward), each storage once per micro-batch over
+the whole model: the first unit that reads a side input (a mask, RoPE's cos and sin, computed once
+by the prologue for every block) keeps it for all the others. Invariant: every activation storage
+of a micro-batch is counted by one unit under selective and full recomputation.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from mplan.ir.graph import Graph
+from mplan.ir.op_table import persistent_inputs
+from mplan.ir.placement import R, Shard
+from mplan.ir.strategy import Strategy
 from mplan.planner.op_cost import OpCoster
-from mplan.ir.placement import Shard
-from mplan.planner.sharding_ilp import GraphSharding, SegmentSharding, stream_meta, value_meta
 from mplan.planner.op_registry import shard_bytes
+from mplan.planner.sharding_ilp import GraphSharding, SegmentSharding, stream_meta, value_meta
 
 _KEEP_UNDER_SELECTIVE = ("matmul", "attention", "embedding", "loss")
 
@@ -41,16 +50,20 @@ class UnitCost:
     glue_params: tuple[tuple[str, int], ...] = ()
     tp_grad_sync_bytes: int  # replicated parameters with partial gradients, all-reduced over TP
     saved_bytes: int  # activations kept for backward, recompute none
-    selective_bytes: int  # activations kept under selective recomputation
+    selective_bytes: int  # activations kept under selective recomputation (its inputs included)
     selective_extra_s: float  # forward seconds re-run in backward under selective recomputation (collectives included)
-    input_bytes: int  # the unit's input activation (local): what full recomputation keeps
+    input_bytes: int  # the unit's inputs (local) as it keeps them: what full recomputation keeps
     largest_op_bytes: int  # largest single op's local output: a transient bound
 
 
 def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[str, ...],
-                 sharding: SegmentSharding, coster: OpCoster) -> UnitCost:
-    """Costs of one segment under its solved sharding."""
+                 sharding: SegmentSharding, coster: OpCoster, input_bytes: int) -> UnitCost:
+    """Costs of one segment under its solved sharding, keeping `input_bytes` of inputs when checkpointed."""
     n = sharding.axis_size
+    inside = set(nodes)
+    # A kept output that a later unit reads is kept there, as that unit's input (`_kept_inputs`):
+    # the prologue's embedding output is the first block's input.
+    read_outside = {graph.storage_root(a) for v in graph.nodes if v.name not in inside for a in v.inputs}
     selective_saved: set[str] = set()
     kept_extra = 0
     extra = 0.0
@@ -62,7 +75,7 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
         s = sharding.choice[node.name]
         if node.kind in _KEEP_UNDER_SELECTIVE:
             selective_saved.add(graph.storage_root(node.name))
-            kept_extra += node.saved_extra_bytes  # attention's logsumexp
+            kept_extra += node.saved_extra_bytes // (n if s.split else 1)  # attention's logsumexp
         elif node.kind not in ("view", "getitem", "scalar"):
             extra += coster.op(node, s).forward_s
         if node.outputs:
@@ -75,32 +88,60 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
             numel = graph.params[param].meta.numel // (n if isinstance(placement, Shard) else 1)
             num_params += numel
             glue.append((param, numel))
-    stream = stream_meta(graph)
-    input_bytes = 0 if stream is None else shard_bytes(stream, sharding.boundary, n)
-    selective_bytes = input_bytes + kept_extra // n + sum(
-        shard_bytes(value_meta(graph, r), sharding.choice[r].output if r in sharding.choice else sharding.boundary, n)
-        for r in selective_saved if r not in graph.params and value_meta(graph, r) is not None)
+    selective_bytes = input_bytes + kept_extra + sum(
+        shard_bytes(meta, sharding.choice[r].output if r in sharding.choice else sharding.boundary, n)
+        for r in selective_saved - read_outside if r not in graph.params and (meta := value_meta(graph, r)) is not None)
     return UnitCost(name=name, block_type=block_type, forward_s=sharding.forward_s, backward_s=sharding.backward_s,
                     comm_forward_s=sharding.comm_forward_s, comm_backward_s=sharding.comm_backward_s,
                     num_params=num_params, glue_params=tuple(glue) if block_type is None else (),
-                    tp_grad_sync_bytes=sharding.tp_grad_sync_bytes,
-                    saved_bytes=sharding.saved_bytes, selective_bytes=min(selective_bytes, sharding.saved_bytes),
+                    tp_grad_sync_bytes=sharding.tp_grad_sync_bytes, saved_bytes=sharding.saved_bytes,
+                    selective_bytes=selective_bytes,
                     # the reshards' collectives re-run too: the runtime's policy caches no collective
                     selective_extra_s=extra + sharding.comm_forward_s, input_bytes=input_bytes,
                     largest_op_bytes=largest)
 
 
+def _kept_inputs(graph: Graph, nodes: tuple[str, ...], choice: dict[str, Strategy], n: int,
+                 counted: set[str]) -> int:
+    """Local bytes of what a checkpointed unit of `nodes` keeps as its inputs, adding each storage
+    to `counted` (the storages earlier units keep: a storage is kept once whoever reads it). Each
+    input is held in its producer's placement (the stream at the first block under SP arrives
+    whole or partial, as the prologue made it, and is split inside the unit); parameters and
+    buffers are not activations."""
+    inside = set(nodes)
+    persistent = persistent_inputs(graph)
+    total = 0
+    for node in graph.nodes_of(nodes):
+        for name in node.inputs:
+            root = graph.storage_root(name)
+            if name in inside or root in counted or root in graph.params or root in persistent or \
+                    (meta := value_meta(graph, root)) is None:
+                continue
+            counted.add(root)
+            total += shard_bytes(meta, choice[root].output if root in choice else R, n)
+    return total
+
+
 def unit_costs(graph: Graph, sharding: GraphSharding, coster: OpCoster) -> list[UnitCost]:
     """Every unit of the model in execution order (untraced block instances included)."""
-    per_type: dict[str, UnitCost] = {}
-    for bt in graph.block_types:
-        per_type[bt.name] = segment_unit(graph, bt.name, bt.name, bt.template, sharding.segments[bt.name], coster)
+    n = sharding.axis_size
+    # a block type is priced once without inputs; each instance adds the inputs it keeps
+    per_type = {bt.name: segment_unit(graph, bt.name, bt.name, bt.template, sharding.segments[bt.name], coster, 0)
+                for bt in graph.block_types}
+    stream = stream_meta(graph)
+    # an untraced instance reads the residual stream from the block before it, in the boundary placement
+    untraced_input = 0 if stream is None else shard_bytes(stream, sharding.boundary, n)
+    counted: set[str] = set()
     units = []
     for segment in graph.segments:
+        if segment.block_type is None and not segment.nodes:
+            continue
+        inputs = _kept_inputs(graph, segment.nodes, sharding.choice, n, counted) if segment.nodes else untraced_input
         if segment.block_type is not None:
             template = per_type[segment.block_type]
-            units.append(replace(template, name=segment.name))
-        elif segment.nodes:
-            units.append(segment_unit(graph, segment.name, None, segment.nodes,
-                                      sharding.segments[segment.name], coster))
+            units.append(replace(template, name=segment.name, input_bytes=inputs,
+                                 selective_bytes=template.selective_bytes + inputs))
+        else:
+            units.append(segment_unit(graph, segment.name, None, segment.nodes, sharding.segments[segment.name],
+                                      coster, inputs))
     return units

@@ -36,7 +36,8 @@ per micro-batch).
 Inference (`pm(inputs)`) runs the training graph's own program up to the model's output (the
 logits the capture keeps beside the loss), rebuilt for the inputs' batch under the same Plan;
 a model that returns only its loss when given labels gets its inference graph from the caller
-(`inference_graph`), bound to the Plan by node keys, never solved.
+(`inference`: its forward captured and bound to the Plan by node keys before the runtime is built,
+never solved, and kept without the model's weights).
 
 Overhead against a plain PyTorch loop on the same model (the trivial plan must cost nothing):
 the local program runs the exported graph's own ATen ops as generated Python code; parameters
@@ -77,9 +78,9 @@ from mplan.runtime.process_groups import ProcessGroups, group_size, init_process
 from mplan.runtime.replicated_optimizer import OptimizerFactory
 
 Batch = torch.Tensor | Sequence[torch.Tensor]
-InferenceGraph = Callable[[], tuple[Graph, Plan]]
-"""Gives the model's inference capture (no labels, symbolic batch) and the Plan bound to it, for
-models whose training graph holds only their loss; called once, at the first `pm(inputs)`."""
+Inference = tuple[Graph, Plan]
+"""The model's forward (captured without labels, symbolic batch) and the Plan bound to it, for
+models whose training graph holds only their loss."""
 
 
 class PlanMismatch(RuntimeError):
@@ -142,7 +143,7 @@ def at_batch(graph: Graph, rows: int) -> Graph:
 def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.Module, optimizer: OptimizerFactory,
                 device: torch.device, dtype: torch.dtype | None = None, seed: int = 0,
                 max_grad_norm: float | None = None, autocast: torch.dtype | None = None, kernels: bool = False,
-                fp8: bool = False, inference_graph: InferenceGraph | None = None) -> ParallelModule:
+                fp8: bool = False, inference: Inference | None = None) -> ParallelModule:
     """Build this rank's `ParallelModule` (collective: every rank of the job calls it)."""
     check_executable(plan)
     if fp8 and plan.recompute != "none":
@@ -169,20 +170,22 @@ def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.
     # The exported program holds the model's parameters (its state_dict): the module keeps the
     # graph's records (and the program's graph, without its weights) but not the program itself,
     # so deleting the model frees them.
-    return ParallelModule(graph=dataclasses.replace(program_graph, program=_weightless_program(graph)), plan=plan,
+    if inference is not None:
+        inference = (dataclasses.replace(inference[0], program=_weightless_program(inference[0])), inference[1])
+    keep = graph.program is not None and len(graph.program.graph_signature.output_specs) > 1
+    return ParallelModule(graph=dataclasses.replace(program_graph, program=_weightless_program(graph) if keep else None),
+                          plan=plan,
                           choice=choice, digest=digest, groups=groups, axis=axis, program=program,
                           params={k: nn.Parameter(v) for k, v in shards.items()}, statics=statics,
                           layouts=parameter_layouts(graph, choice), optimizer=optimizer, device=device,
                           max_grad_norm=max_grad_norm, autocast=autocast, kernels=kernels, fp8=fp8,
-                          inference_graph=inference_graph)
+                          inference=inference)
 
 
-def _weightless_program(graph: Graph) -> object | None:
+def _weightless_program(graph: Graph) -> object:
     """What inference needs of the exported program (its graph and signature), without the model's
-    weights, or None when the training graph has no model output to run inference from."""
+    weights."""
     program = graph.program
-    if program is None or len(program.graph_signature.output_specs) < 2:
-        return None
     return _ProgramGraph(graph_module=program.graph_module, graph=program.graph,
                          graph_signature=program.graph_signature, constants=dict(program.constants))
 
@@ -225,14 +228,14 @@ class ParallelModule:
                  groups: ProcessGroups, axis: AxisGroup, program: fx.GraphModule, params: dict[str, nn.Parameter],
                  statics: dict[str, torch.Tensor], layouts: dict[str, ParamLayout],
                  optimizer: OptimizerFactory, device: torch.device, max_grad_norm: float | None,
-                 autocast: torch.dtype | None, kernels: bool, inference_graph: InferenceGraph | None,
+                 autocast: torch.dtype | None, kernels: bool, inference: Inference | None,
                  fp8: bool = False) -> None:
         self.graph, self.plan, self.digest, self.groups, self.axis = graph, plan, digest, groups, axis
         self.choice = choice  # the TP strategy of every node of the training graph
         self.program, self.params, self.statics, self.layouts = program, params, statics, layouts
         self.device, self.max_grad_norm, self.autocast, self.kernels = device, max_grad_norm, autocast, kernels
         self.fp8 = fp8
-        self._inference_graph = inference_graph
+        self._forward = inference
         self._inference: dict[int, fx.GraphModule] = {}
         placements = {params[name]: ParamPlacement(tp_sharded=layout.tp_sharded, tp_reduce=layout.grad_partial)
                       for name, layout in layouts.items()}
@@ -317,8 +320,8 @@ class ParallelModule:
         """The local program of the model's forward at `rows` sequences, under this Plan."""
         if self.graph.program is not None:
             graph, plan, output = self.graph, self.plan, 1  # the training capture kept the model's output
-        elif self._inference_graph is not None:
-            (graph, plan), output = self._inference_graph(), 0
+        elif self._forward is not None:
+            (graph, plan), output = self._forward, 0
         else:
             raise RuntimeError("this ParallelModule has no graph of the model's forward to run inference with")
         graph = at_batch(graph, rows)
