@@ -140,7 +140,8 @@ def capture(
 
 
 def capture_for_training(model: nn.Module, example_inputs: Sequence[torch.Tensor], *,
-                         loss_fn: Callable[..., torch.Tensor] | None = None, with_loss: bool = True) -> Graph:
+                         loss_fn: Callable[..., torch.Tensor] | None = None, with_loss: bool = True,
+                         shallow: bool = False) -> Graph:
     """The one capture `autoparallel` plans and executes (and `mplan.plan(module, ...)` plans).
 
     The model as the user built it (its device, dtypes and tied weights; nothing is copied or
@@ -149,18 +150,21 @@ def capture_for_training(model: nn.Module, example_inputs: Sequence[torch.Tensor
     (their values do not matter to the trace); `use_cache=False` where the forward takes it. A
     model torch.export cannot trace with a symbolic batch (it specializes on the batch size) is
     captured at a fixed batch of one sequence: only micro-batches of one run it then.
-    `with_loss=False` captures the forward alone (inference)."""
+    `with_loss=False` captures the forward alone (inference); `shallow` traces two instances of
+    each repeated block (planning only: the nodes' keys are those of the full capture, so a Plan
+    made on it binds to the full graph `autoparallel` runs op for op)."""
     name = type(model).__name__
     device = next(iter(model.parameters())).device
     rows = tuple(_rows(x, 2).to(device) for x in example_inputs)
     labels = torch.zeros_like(rows[0]) if with_loss else None
     try:
-        return capture(model, rows, labels=labels, loss_fn=loss_fn, dynamic_batch=True, name=name)
+        return capture(model, rows, labels=labels, loss_fn=loss_fn, dynamic_batch=True, name=name, shallow=shallow)
     except MissingLoss:
         raise
     except CaptureError:
         one = tuple(x[:1] for x in rows)
-        return capture(model, one, labels=None if labels is None else labels[:1], loss_fn=loss_fn, name=name)
+        return capture(model, one, labels=None if labels is None else labels[:1], loss_fn=loss_fn, name=name,
+                       shallow=shallow)
 
 
 def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ A model spec (`llama3-70b`, a config.json) is captured on the meta device in bf1
 dtype) with a symbolic batch and two instances per repeated block (shallow): costs are per unit,
 so the full depth is never traced. A user's `nn.Module` is captured as `autoparallel` captures it
 (`ir.trace.capture_for_training`: the module as built, its dtype, its tied weights, a symbolic
-batch), so a Plan made here binds to the very graph `autoparallel` runs, op for op.
+batch), shallow too, so a Plan made here binds to the very graph `autoparallel` runs, op for op.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def capture_for_planning(model: nn.Module | str, example_inputs: Sequence[Any] |
         return capture_spec(model, batch=2, seq_len=seq_len, shallow=True, dtype=torch.bfloat16, dynamic_batch=True)
     if not example_inputs:
         raise ValueError("planning an nn.Module needs example_inputs, e.g. (input_ids,)")
-    return capture_for_training(model, tuple(example_inputs), loss_fn=loss_fn)
+    return capture_for_training(model, tuple(example_inputs), loss_fn=loss_fn, shallow=True)
 
 
 def search_plans(graph: Graph, cluster: ClusterSpec, global_batch: int, spec: PlanSpec | str = "auto", *,
