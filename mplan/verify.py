@@ -7,12 +7,15 @@ this; the correctness bar of DESIGN.md is a relative error under 1e-9 in float64
 
 Scaling down, so any model and plan verify in seconds on a laptop:
 - the model keeps its family and its structure (tied or not, grouped-query ratio, kv_heads < tp
-  when the plan had it, experts) at 2 layers, head_dim 8, ffn 2x hidden, seq 16 and vocab 64;
-  Hugging Face configs get the same sizes through their attribute names;
-- the mesh keeps its ratios where the world allows: tp' = min(tp, world) (a divisor of the
-  world), dp' = world / tp', SP and ZeRO as planned, two micro-batches of one sequence each;
-- TP strategies are re-solved on the scaled model Megatron-style (`megatron_required`): the
-  plan's per-op choices were made for the full-size shapes and need not exist on the small ones.
+  when the plan had it, experts) at head_dim 8, ffn 2x hidden, seq 16 and vocab 64, with 2
+  layers or as many as the plan's pipeline stages need; Hugging Face configs get the same sizes
+  through their attribute names;
+- the mesh keeps the plan's parallelisms where the world allows (`scaled_plan`: tp' <= tp and
+  pp' <= pp, dp fills), with vpp, schedule, SP and ZeRO as planned, micro-batches of one
+  sequence (at least two, a multiple of pp');
+- TP strategies are Megatron's layout on the scaled model, and stage cuts are priced again on
+  it: the plan's per-op choices and cuts were made for the full-size shapes and need not exist
+  on the small ones.
 So this checks the plan's parallel layout and the passes and runtime that execute it, not the
 cost model's choice at full size.
 
@@ -125,23 +128,54 @@ def _rank_main(rank: int, world_size: int, port: int, model_spec: str, plan_spec
         dist.destroy_process_group()
 
 
-def scaled_plan(plan_spec: str, world_size: int) -> tuple[str, int]:
-    """The spec that runs on `world_size` ranks (tp' = min(tp, world), dp fills) and its tp'."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScaledPlan:
+    """The layout a plan runs with on the verifying ranks."""
+
+    spec: str  # what autoparallel is given
+    tp: int
+    pp: int
+    vpp: int
+    num_micro_batches: int  # per replica, one sequence each
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of the scaled model: two, or as many as the stages need (embedding and head
+        are units too, so pp * vpp stages need pp * vpp - 2 layers)."""
+        return max(SCALED["num_layers"], self.pp * self.vpp - 2)
+
+
+def scaled_plan(plan_spec: str, world_size: int) -> ScaledPlan:
+    """The layout that runs on `world_size` ranks: of the degrees tp' <= tp and pp' <= pp whose
+    product divides the world, the pair that keeps the most of the plan's parallelisms (TP, PP,
+    then DP), then the largest; dp fills; vpp, schedule, SP and ZeRO as planned; micro-batches of
+    one sequence, at least two and a multiple of pp' (the interleaved schedule needs it)."""
     from mplan.planner.parallel_config import parse_plan_spec
     from mplan.planner.plan import Plan
 
     if plan_spec.strip().endswith(".json"):
         made = Plan.load(plan_spec.strip())
-        tp, sp, zero = made.mesh.tp, int(made.sequence_parallel), made.zero
+        tp, pp, vpp, sp, zero = made.mesh.tp, made.mesh.pp, made.mesh.vpp, int(made.sequence_parallel), made.zero
+        schedule, dp = made.schedule, made.mesh.dp
     else:
         spec = parse_plan_spec(plan_spec)
-        tp, sp, zero = spec.tp or 1, spec.sp or 0, spec.zero or 0
-    tp = max(d for d in range(1, min(tp, world_size) + 1) if world_size % d == 0)
-    return f"dp={world_size // tp},tp={tp},sp={sp},zero={zero},mbs=1", tp
+        tp, pp, vpp, sp, zero = spec.tp or 1, spec.pp or 1, spec.vpp or 1, spec.sp or 0, spec.zero or 0
+        schedule, dp = spec.schedule or ("interleaved" if vpp > 1 else "1f1b"), spec.dp or 1
+    pairs = [(t, p) for t in range(1, min(tp, world_size) + 1) for p in range(1, min(pp, world_size) + 1)
+             if world_size % (t * p) == 0]
+    tp_, pp_ = max(pairs, key=lambda q: ((q[0] > 1) == (tp > 1), (q[1] > 1) == (pp > 1),
+                                           (world_size // (q[0] * q[1]) > 1) == (dp > 1), q[0] * q[1], q[1]))
+    vpp_ = vpp if pp_ > 1 else 1
+    micro = max(2, pp_) if pp_ > 1 else 2
+    layout = f"dp={world_size // (tp_ * pp_)},tp={tp_},sp={sp},zero={zero},mbs=1"
+    if pp_ > 1:
+        layout += f",pp={pp_},vpp={vpp_},schedule={schedule if vpp_ > 1 or schedule != 'interleaved' else '1f1b'}"
+    return ScaledPlan(spec=layout, tp=tp_, pp=pp_, vpp=vpp_, num_micro_batches=micro)
 
 
-def scaled_model(model_spec: str, tp: int) -> Any:
-    """A small config of the same family and structure (see the module docstring)."""
+def scaled_model(model_spec: str, tp: int, num_layers: int = SCALED["num_layers"]) -> Any:
+    """A small config of the same family and structure with `num_layers` layers (see the module
+    docstring)."""
     from mplan.models.spec import resolve_model
 
     source = resolve_model(model_spec)
@@ -155,7 +189,7 @@ def scaled_model(model_spec: str, tp: int) -> Any:
     q_small = -(-q_small // step) * step
     hidden = q_small * 8
     if source.family in ("gpt", "llama", "moe"):
-        fields = {**SCALED, "num_heads": q_small, "hidden": hidden}
+        fields = {**SCALED, "num_layers": num_layers, "num_heads": q_small, "hidden": hidden}
         if source.family != "gpt":
             fields.update(num_kv_heads=kv_small, ffn_hidden=2 * hidden)
         else:
@@ -165,7 +199,7 @@ def scaled_model(model_spec: str, tp: int) -> Any:
         return dataclasses.replace(config, **{k: v for k, v in fields.items() if hasattr(config, k)})
     if source.family == "hf":
         small = config.__class__.from_dict(config.to_dict())
-        for key, value in (("num_hidden_layers", 2), ("hidden_size", hidden), ("intermediate_size", 2 * hidden),
+        for key, value in (("num_hidden_layers", num_layers), ("hidden_size", hidden), ("intermediate_size", 2 * hidden),
                            ("num_attention_heads", q_small), ("num_key_value_heads", kv_small),
                            ("vocab_size", 64), ("max_position_embeddings", 32), ("head_dim", 8)):
             if hasattr(small, key):
@@ -183,10 +217,11 @@ def _run(model_spec: str, plan_spec: str, world_size: int, steps: int) -> Verify
     from mplan.api import autoparallel
     from mplan.models.spec import build_model
 
-    spec, tp = scaled_plan(plan_spec, world_size)
-    config = scaled_model(model_spec, tp)
-    dp = world_size // tp
-    global_batch = 2 * dp
+    layout = scaled_plan(plan_spec, world_size)
+    spec = layout.spec
+    config = scaled_model(model_spec, layout.tp, layout.num_layers)
+    dp = world_size // (layout.tp * layout.pp)
+    global_batch = layout.num_micro_batches * dp
     generator = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 64, (global_batch, 16), generator=generator),
                 torch.randint(0, 64, (global_batch, 16), generator=generator)) for _ in range(steps)]

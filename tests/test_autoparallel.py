@@ -186,6 +186,10 @@ def _resolve(spec: str, world: int, batch: int, **options):
     ("dp=2,mbs=3", 2, 8, ValueError, "not a multiple of the micro-batch size 3"),
     ("dp=4", 4, 6, ValueError, "not divisible by dp=4"),
     ("tp=3", 4, 4, ValueError, r"tp\*pp = 3\*1 = 3 does not divide the world size 4"),
+    ("pp=3", 4, 4, ValueError, r"tp\*pp = 1\*3 = 3 does not divide the world size 4"),
+    ("pp=8", 8, 8, ValueError, r"pp\*vpp = 8 pipeline stages but .* has 4 units to cut .*use pp\*vpp <= 4"),
+    ("pp=2,vpp=4", 2, 4, ValueError, r"pp\*vpp = 8 pipeline stages"),
+    ("pp=2,schedule=zb-h2", 2, 4, ValueError, r"schedule must be one of 1f1b, interleaved, gpipe, zb-h1, got .zb-h2."),
 ])
 def test_spec_strings_fail_with_the_arithmetic(spec, world, batch, error, match) -> None:
     with pytest.raises(error, match=match):
@@ -198,12 +202,40 @@ def test_spec_fills_left_out_keys() -> None:
     assert plan.sequence_parallel and plan.zero == 1 and plan.tp_layout == "megatron"
 
 
-def test_pipeline_plans_are_refused_naming_what_to_use_instead() -> None:
+def test_expert_parallel_plans_are_refused_naming_what_to_use_instead() -> None:
+    import dataclasses
+
+    from mplan.planner.plan import Mesh
     from mplan.runtime.parallel_module import UnsupportedPlan, check_executable
 
-    with pytest.raises(UnsupportedPlan, match=r"needs pipeline parallelism \(pp=2\), which mplan's runtime does "
-                                              r"not run yet; use a plan with pp=1"):
-        check_executable(_resolve("tp=2,pp=2", 4, 4))
+    plan = _resolve("dp=2", 2, 4)
+    with pytest.raises(UnsupportedPlan, match=r"needs expert parallelism \(ep=2\), which mplan's runtime does "
+                                              r"not run yet; use a plan with ep=1"):
+        check_executable(dataclasses.replace(plan, mesh=Mesh(dp=2, tp=1, pp=1, ep=2, vpp=1)))
+
+
+def test_pipeline_plans_that_cannot_run_fail_before_any_collective() -> None:
+    """A plan file whose stage cut does not list the model's units, and a schedule the micro-batches
+    do not fit, fail at resolve / check time with what is wrong."""
+    import dataclasses
+
+    from mplan.ir.schedule import ScheduleError
+    from mplan.planner.plan import PlanError
+    from mplan.planner.resolve import _check
+    from mplan.runtime.parallel_module import check_executable
+
+    plan = _resolve("pp=2", 2, 4, micro_batch_size=1)
+    first, second = plan.stages
+    swapped = dataclasses.replace(plan, stages=(dataclasses.replace(first, units=second.units),
+                                                dataclasses.replace(second, units=first.units)))
+    with pytest.raises(PlanError, match=r"the stages do not list .*'s units in order"):
+        _check(swapped, _tiny_graph())
+    dropped = dataclasses.replace(plan, stages=(first, dataclasses.replace(second, units=second.units[:-1])))
+    with pytest.raises(PlanError, match=r"missing \['epilogue'\]"):
+        _check(dropped, _tiny_graph())
+    interleaved = _resolve("pp=2,vpp=2,schedule=interleaved", 2, 4, micro_batch_size=1)
+    with pytest.raises(ScheduleError, match=r"multiple of the pipeline size"):
+        check_executable(dataclasses.replace(interleaved, num_micro_batches=3, global_batch=3))
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ import pytest
 
 from mplan.cost_models.simulator import PipelineCosts, simulate, uniform_bubble_fraction
 from mplan.ir.schedule import (ScheduleError, Schedule, gpipe, interleaved_1f1b, max_in_flight,
-                               max_in_flight_per_stage, one_f_one_b)
+                               max_in_flight_per_stage, one_f_one_b, zb_h1)
 
 SIZES = [(2, 1), (2, 4), (3, 7), (4, 8), (4, 3), (8, 16), (8, 32)]
 
@@ -35,9 +35,10 @@ def test_interleaving_divides_the_bubble_by_vpp(pp: int, m: int, vpp: int, tf: f
 
 
 @pytest.mark.parametrize("schedule", [gpipe(4, 6), one_f_one_b(4, 6), one_f_one_b(4, 2), interleaved_1f1b(4, 8, 2),
-                                      interleaved_1f1b(2, 2, 3)], ids=lambda s: f"{s.name}-{s.pp}-{s.num_microbatches}")
+                                      interleaved_1f1b(2, 2, 3), zb_h1(4, 8), zb_h1(4, 3)],
+                         ids=lambda s: f"{s.name}-{s.pp}-{s.num_microbatches}")
 def test_in_flight_peaks_match_the_schedule_analysis(schedule: Schedule) -> None:
-    costs = PipelineCosts.uniform(schedule.num_stages, forward_s=1.0, backward_s=2.0, p2p_s=0.1)
+    costs = PipelineCosts.uniform(schedule.num_stages, forward_s=1.0, backward_s=2.0, p2p_s=0.1, weight_s=1.0)
     result = simulate(schedule, costs)
     assert result.stage_peak_in_flight == max_in_flight_per_stage(schedule)
     assert [r.peak_in_flight for r in result.ranks] == [max_in_flight(schedule, r) for r in range(schedule.pp)]
@@ -54,11 +55,12 @@ def test_p2p_time_lies_on_the_critical_path() -> None:
     assert result.comm_s == pytest.approx(p2p)  # rank 0 (the busiest, first on ties) sent one activation
 
 
-def _longest_path_end(schedule: Schedule, tf: float, tb: float, p2p: float) -> float:
-    """Independent reference: each compute starts at max(previous compute on its rank, its input's arrival)."""
+def _longest_path_end(schedule: Schedule, tf: float, tb: float, p2p: float, tw: float = 0.0) -> float:
+    """Independent reference: each compute starts at max(previous compute on its rank, its input's
+    arrival); an I takes tb - tw, a W tw and waits only for its rank."""
     from functools import lru_cache
 
-    order = {r: [a for a in acts if a.kind in ("F", "B")] for r, acts in enumerate(schedule.actions)}
+    order = {r: [a for a in acts if a.kind in ("F", "B", "I", "W")] for r, acts in enumerate(schedule.actions)}
     index = {(a.kind, a.stage, a.microbatch): (r, i) for r, acts in order.items() for i, a in enumerate(acts)}
     last = schedule.num_stages - 1
 
@@ -71,21 +73,23 @@ def _longest_path_end(schedule: Schedule, tf: float, tb: float, p2p: float) -> f
             start = end(prev.kind, prev.stage, prev.microbatch)
         if kind == "F" and stage > 0:
             start = max(start, end("F", stage - 1, mb) + p2p)
-        if kind == "B":
-            start = max(start, end("F", stage, mb) if stage == last else end("B", stage + 1, mb) + p2p)
-        return start + (tf if kind == "F" else tb)
+        if kind in ("B", "I"):
+            upstream = "I" if ("I", stage + 1, mb) in index else "B"
+            start = max(start, end("F", stage, mb) if stage == last else end(upstream, stage + 1, mb) + p2p)
+        return start + {"F": tf, "B": tb, "I": tb - tw, "W": tw}[kind]
 
     return max(end(a.kind, a.stage, a.microbatch) for acts in order.values() for a in acts)
 
 
-@pytest.mark.parametrize("schedule", [one_f_one_b(4, 8), gpipe(3, 5), one_f_one_b(8, 3)],
+@pytest.mark.parametrize("schedule", [one_f_one_b(4, 8), gpipe(3, 5), one_f_one_b(8, 3), zb_h1(4, 8), zb_h1(8, 3)],
                          ids=lambda s: f"{s.name}-{s.pp}-{s.num_microbatches}")
 def test_event_simulation_equals_the_longest_path(schedule: Schedule) -> None:
-    tf, tb, p2p = 1.0, 2.0, 0.25
-    costs = PipelineCosts.uniform(schedule.num_stages, forward_s=tf, backward_s=tb, p2p_s=p2p)
+    tf, tb, p2p, tw = 1.0, 2.0, 0.25, 0.75
+    costs = PipelineCosts.uniform(schedule.num_stages, forward_s=tf, backward_s=tb, p2p_s=p2p, weight_s=tw)
     result = simulate(schedule, costs)
-    assert result.pipeline_time_s == pytest.approx(_longest_path_end(schedule, tf, tb, p2p))
-    assert result.pipeline_time_s > (schedule.num_microbatches + schedule.pp - 1) * (tf + tb)
+    assert result.pipeline_time_s == pytest.approx(_longest_path_end(schedule, tf, tb, p2p, tw))
+    free = PipelineCosts.uniform(schedule.num_stages, forward_s=tf, backward_s=tb, weight_s=tw)
+    assert result.pipeline_time_s > simulate(schedule, free).pipeline_time_s  # transfers lie on the path
 
 
 def test_grad_sync_overlaps_all_but_the_last_backward() -> None:
@@ -143,3 +147,68 @@ def test_broken_schedules_and_mismatched_costs_are_refused() -> None:
         simulate(one_f_one_b(2, 2), PipelineCosts.uniform(3, forward_s=1.0, backward_s=1.0))
     with pytest.raises(ValueError, match="one entry per stage"):
         PipelineCosts(forward_s=(1.0,), backward_s=(1.0, 1.0), p2p_s=(), grad_sync_s=(0.0,))
+
+
+# -- zero bubble (ZB-H1) ------------------------------------------------------------------------------
+def test_zb_h1_bubble_at_4_ranks_8_microbatches_is_the_papers() -> None:
+    """T_F = T_I = T_W = 1, free transfers: 1F1B idles (p-1)(T_F + T_I + T_W) = 9 on every rank,
+    ZB-H1 (p-1)(T_F + T_I - T_W) = 3 (Qi et al., arXiv 2401.10241, sec. 3), on the same 24 s of work."""
+    costs = PipelineCosts.uniform(4, forward_s=1.0, backward_s=2.0, weight_s=1.0)
+    plain, zero_bubble = simulate(one_f_one_b(4, 8), costs), simulate(zb_h1(4, 8), costs)
+    assert plain.compute_s == zero_bubble.compute_s == pytest.approx(8 * 3.0)
+    assert plain.pipeline_time_s == pytest.approx(24.0 + 9.0)
+    assert zero_bubble.pipeline_time_s == pytest.approx(24.0 + 3.0)
+    assert plain.bubble_fraction == pytest.approx(9 / 33)
+    assert zero_bubble.bubble_fraction == pytest.approx(3 / 27)
+    assert [r.peak_in_flight for r in zero_bubble.ranks] == [4, 4, 4, 4]
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (3, 7), (4, 4), (4, 8), (8, 16), (8, 9)])
+@pytest.mark.parametrize("tf, ti, tw", [(1.0, 1.0, 1.0), (1.0, 2.0, 1.0), (1.0, 1.0, 0.5), (2.0, 1.0, 0.5),
+                                        (1.0, 1.0, 2.0), (0.5, 2.0, 1.0)])
+def test_zb_h1_idles_p_minus_1_times_the_larger_of_f_plus_i_minus_w_f_and_i(pp: int, m: int, tf: float, ti: float,
+                                                                          tw: float) -> None:
+    """The uniform-stage law (m >= pp, free transfers) that planner/evaluate.py's closed form uses."""
+    costs = PipelineCosts.uniform(pp, forward_s=tf, backward_s=ti + tw, weight_s=tw)
+    result = simulate(zb_h1(pp, m), costs)
+    idle = (pp - 1) * max(tf + ti - tw, tf, ti)
+    assert result.pipeline_time_s == pytest.approx(m * (tf + ti + tw) + idle)
+    plain = simulate(one_f_one_b(pp, m), costs)
+    assert plain.pipeline_time_s - result.pipeline_time_s == pytest.approx((pp - 1) * (tf + ti + tw) - idle)
+    assert result.bubble_fraction < plain.bubble_fraction
+
+
+def test_i_and_w_take_the_backward_between_them() -> None:
+    costs = PipelineCosts(forward_s=(1.0, 1.5, 1.0), backward_s=(2.0, 3.0, 2.5), weight_s=(0.5, 1.25, 1.0),
+                          p2p_s=(0.1, 0.1), grad_sync_s=(0.0, 0.0, 0.0))
+    split, whole = simulate(zb_h1(3, 5), costs), simulate(one_f_one_b(3, 5), costs)
+    assert [r.busy_s for r in split.ranks] == pytest.approx([r.busy_s for r in whole.ranks])
+    for event in split.timeline:
+        stage, kind = event.action.stage, event.action.kind
+        expected = {"F": costs.forward_s[stage], "I": costs.backward_s[stage] - costs.weight_s[stage],
+                    "W": costs.weight_s[stage]}[kind]
+        assert event.end_s - event.start_s == pytest.approx(expected)
+    assert sorted({e.action.kind for e in split.timeline}) == ["F", "I", "W"]
+    assert len(split.timeline) == 3 * 3 * 5
+
+
+def test_zb_h1_grad_sync_starts_after_the_stages_last_w() -> None:
+    costs = PipelineCosts.uniform(2, forward_s=1.0, backward_s=2.0, weight_s=1.0, grad_sync_s=0.5)
+    result = simulate(zb_h1(2, 4, grad_sync=True), costs)
+    for rank in range(2):
+        last_w = max(e.end_s for e in result.timeline if e.rank == rank and e.action.kind == "W")
+        (sync,) = [e for e in result.timeline if e.rank == rank and e.stream == "comm"]
+        assert sync.start_s == pytest.approx(last_w) and sync.end_s == pytest.approx(last_w + 0.5)
+
+
+def test_a_split_backward_needs_its_weight_share() -> None:
+    with pytest.raises(ValueError, match=r"action 1I0 splits backward into I and W, but weight_s .* was not given"):
+        simulate(zb_h1(2, 2), PipelineCosts.uniform(2, forward_s=1.0, backward_s=2.0))
+    with pytest.raises(ValueError, match=r"weight_s\[1\] = 3.0 s is more than the whole backward_s\[1\] = 2.0 s"):
+        PipelineCosts(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0), weight_s=(1.0, 3.0), p2p_s=(0.0,),
+                      grad_sync_s=(0.0, 0.0))
+    with pytest.raises(ValueError, match="one entry per stage"):
+        PipelineCosts(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0), weight_s=(1.0,), p2p_s=(0.0,),
+                      grad_sync_s=(0.0, 0.0))
+    # schedules without I and W never read it
+    assert simulate(one_f_one_b(2, 2), PipelineCosts.uniform(2, forward_s=1.0, backward_s=2.0)).pipeline_time_s == 9.0

@@ -1,7 +1,8 @@
 """The outside-model zoo (tests/zoo_models.py: ten Hugging Face families from their shipped
 configs, sizes shrunk, and two models written the way researchers write them) trains under mplan
-as in the plain one-process loop: tp=2, tp=2 with SP, dp=2 with zero 0 and 1 and the planner's
-own choice (plan=None) on 2 gloo ranks; tp2 x dp2 and plan=None on 4. Every model, every plan,
+as in the plain one-process loop: tp=2, tp=2 with SP, dp=2 with zero 0 and 1, pp=2 (1F1B over 4
+micro-batches) and the planner's own choice (plan=None) on 2 gloo ranks; tp2 x dp2, tp2 x pp2 and
+plan=None on 4. Every model, every plan,
 losses and every parameter after 3 AdamW steps, float64: relative error under 1e-9, or, for a
 model whose own code computes in float32 (every Hugging Face loss does `logits.float()`),
 `zoo_models.FLOAT32_FACTOR` times the error plain PyTorch itself shows when the batch is split,
@@ -17,7 +18,8 @@ import zoo_models
 from distributed import run_checks
 
 NAMES = tuple(zoo_models.ZOO)
-PLANS = {2: ("tp=2", "tp=2,sp=1", "dp=2", "dp=2,zero=1", None), 4: ("tp=2,dp=2", None)}
+PLANS = {2: ("tp=2", "tp=2,sp=1", "dp=2", "dp=2,zero=1", "pp=2,mbs=1", None),
+         4: ("tp=2,dp=2", "tp=2,pp=2,mbs=2", None)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,6 +58,8 @@ def _assert_matches(outcomes, world: int, plan: str | None, name: str) -> None:
     assert row["error"] < bound(name), row
     if plan is not None and "tp=2" in plan:
         assert "tp=2" in row["ran"] and row["split"], f"nothing split under {row['ran']}"
+    if plan is not None and "pp=2" in plan:
+        assert "pp=2" in row["ran"], row
 
 
 @pytest.mark.parametrize("name", NAMES)

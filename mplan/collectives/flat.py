@@ -68,3 +68,29 @@ def all_to_all(x: torch.Tensor, group: ProcessGroup, split_dim: int, concat_dim:
     dist.all_to_all_single(received.view(-1), chunks.view(-1), group=group)
     # received[j] is the chunk rank j sent to us; concatenate them along concat_dim in rank order.
     return received.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
+
+
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+"""Dtypes `broadcast_tensor` can announce, by their index."""
+
+
+def broadcast_tensor(x: torch.Tensor | None, *, src: int, group: ProcessGroup | None,
+                     device: torch.device) -> torch.Tensor:
+    """`x` from global rank `src` to every rank of `group` (the others pass None and need not know
+    its dtype or shape: a small header of both goes first). A `group` of None is one rank."""
+    if group is None or group.size() == 1:
+        assert x is not None
+        return x
+    header = torch.zeros(1 + 8, dtype=torch.int64, device=device)
+    if x is not None:
+        if x.dim() > 8:
+            raise ValueError(f"broadcast_tensor: at most 8 dims, got {x.dim()}")
+        header[0] = _DTYPES.index(x.dtype)
+        header[1:1 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64) + 1
+    dist.broadcast(header, src=src, group=group)
+    shape = tuple(int(d) - 1 for d in header[1:].tolist() if d > 0)
+    out = x.contiguous() if x is not None else torch.empty(shape, dtype=_DTYPES[int(header[0])], device=device)
+    dist.broadcast(out, src=src, group=group)
+    return out

@@ -3,23 +3,26 @@
 Role: turn a ``Schedule`` (mplan/ir/schedule.py) and per-stage costs into the step time, the bubble
 and the timeline the planner ranks plans by and ``explain`` draws.
 Input: ``simulate(schedule, costs)`` with ``PipelineCosts``: per global stage the forward and
-backward seconds of one microbatch and its data-parallel gradient-sync seconds; per stage boundary
-the seconds to move one microbatch's activations (or their gradients) across it; the optimizer step.
+backward seconds of one microbatch, the weight-gradient part of that backward (needed only by
+schedules that split backward into I and W) and its data-parallel gradient-sync seconds; per stage
+boundary the seconds to move one microbatch's activations (or their gradients) across it; the
+optimizer step.
 Output: ``SimResult``.
 
 Model:
-  * Each rank runs its actions in order on one compute stream. F and B take their stage's time.
+  * Each rank runs its actions in order on one compute stream. F and B take their stage's time;
+    a split backward takes ``backward_s - weight_s`` for I and ``weight_s`` for W, so I + W = B.
   * A SEND is asynchronous: the rank goes on at once and the message arrives ``p2p_s[boundary]``
     later; a RECV waits for its message (the rank idles). Transfers do not contend.
-  * Gradient sync of a stage starts when its last B ends (or at its GRAD_SYNC action) on a separate
-    communication stream of the rank, one sync at a time; it overlaps with the rank's remaining
-    compute, so only the tail past the rank's last compute is exposed.
+  * Gradient sync of a stage starts when its last B or W ends (or at its GRAD_SYNC action) on a
+    separate communication stream of the rank, one sync at a time; it overlaps with the rank's
+    remaining compute, so only the tail past the rank's last compute is exposed.
   * Step time = max over ranks of (end of compute and grad sync) + optimizer step.
   * Bubble fraction, as Megatron defines the pipeline bubble: on the critical (busiest) rank, idle
-    compute time over the pipeline's total time (first action to the last B of any rank):
+    compute time over the pipeline's total time (first action to the last compute of any rank):
     ``1 - busy / pipeline_time``; for uniform GPipe and 1F1B with free transfers it is exactly
-    ``(p-1)/(m+p-1)``. ``bubble_ratio`` is idle / busy, Megatron's ``(p-1)/m`` form
-    (``(p-1)/(v m)`` for interleaving, Narayanan et al. SC'21 eq. 1-2).
+    ``(p-1)/(m+p-1)``; ZB-H1 fills part of it with deferred W's. ``bubble_ratio`` is idle / busy,
+    Megatron's ``(p-1)/m`` form (``(p-1)/(v m)`` for interleaving, Narayanan et al. SC'21 eq. 1-2).
 Invariants: deterministic; the schedule is checked (``check_schedule``) first; per-stage peak
 in-flight counts equal ``max_in_flight_per_stage``.
 """
@@ -29,7 +32,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mplan.ir.schedule import Action, Schedule, check_schedule
+from mplan.ir.schedule import COMPUTE_KINDS, IN_FLIGHT_STEP, Action, Schedule, check_schedule
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,26 +40,49 @@ class PipelineCosts:
     """Seconds per microbatch per global stage, per stage boundary, and per step."""
 
     forward_s: tuple[float, ...]  # [stage]: one microbatch's forward
-    backward_s: tuple[float, ...]  # [stage]: one microbatch's backward
+    backward_s: tuple[float, ...]  # [stage]: one microbatch's backward (B; I + W when split)
     p2p_s: tuple[float, ...]  # [boundary s -> s+1]: activations forward, gradients back (num_stages - 1)
     grad_sync_s: tuple[float, ...]  # [stage]: DP gradient synchronisation of the stage's parameters
     optimizer_s: float = 0.0  # optimizer step, after the last grad sync of the rank
+    # [stage]: the weight-gradient part of backward_s (a W; I takes the rest). None: not known, and
+    # then a schedule with I and W actions is refused rather than timed with a guessed split.
+    weight_s: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         stages = len(self.forward_s)
-        if len(self.backward_s) != stages or len(self.grad_sync_s) != stages or len(self.p2p_s) != max(stages - 1, 0):
-            raise ValueError(f"PipelineCosts: forward_s, backward_s and grad_sync_s need one entry per stage and "
-                             f"p2p_s one per boundary; got {len(self.forward_s)}, {len(self.backward_s)}, "
-                             f"{len(self.grad_sync_s)} and {len(self.p2p_s)}")
-        if min((*self.forward_s, *self.backward_s, *self.p2p_s, *self.grad_sync_s, self.optimizer_s)) < 0:
+        if len(self.backward_s) != stages or len(self.grad_sync_s) != stages or len(self.p2p_s) != max(stages - 1, 0) \
+                or (self.weight_s is not None and len(self.weight_s) != stages):
+            raise ValueError(f"PipelineCosts: forward_s, backward_s, grad_sync_s (and weight_s, if given) need one "
+                             f"entry per stage and p2p_s one per boundary; got {len(self.forward_s)}, "
+                             f"{len(self.backward_s)}, {len(self.grad_sync_s)}"
+                             f"{'' if self.weight_s is None else f', {len(self.weight_s)}'} and {len(self.p2p_s)}")
+        if min((*self.forward_s, *self.backward_s, *self.p2p_s, *self.grad_sync_s, *(self.weight_s or ()),
+                self.optimizer_s)) < 0:
             raise ValueError("PipelineCosts: times must be >= 0")
+        if self.weight_s is not None:
+            over = [s for s, (w, b) in enumerate(zip(self.weight_s, self.backward_s)) if w > b]
+            if over:
+                raise ValueError(f"PipelineCosts: weight_s[{over[0]}] = {self.weight_s[over[0]]} s is more than the "
+                                 f"whole backward_s[{over[0]}] = {self.backward_s[over[0]]} s it is part of")
 
     @classmethod
     def uniform(cls, num_stages: int, *, forward_s: float, backward_s: float, p2p_s: float = 0.0,
-                grad_sync_s: float = 0.0, optimizer_s: float = 0.0) -> PipelineCosts:
+                grad_sync_s: float = 0.0, optimizer_s: float = 0.0, weight_s: float | None = None) -> PipelineCosts:
         return cls(forward_s=(forward_s,) * num_stages, backward_s=(backward_s,) * num_stages,
                    p2p_s=(p2p_s,) * (num_stages - 1), grad_sync_s=(grad_sync_s,) * num_stages,
-                   optimizer_s=optimizer_s)
+                   optimizer_s=optimizer_s, weight_s=None if weight_s is None else (weight_s,) * num_stages)
+
+    def duration(self, action: Action) -> float:
+        """Seconds of one compute action (F, B, I or W) on the compute stream."""
+        if action.kind == "F":
+            return self.forward_s[action.stage]
+        if action.kind == "B":
+            return self.backward_s[action.stage]
+        if self.weight_s is None:
+            raise ValueError(f"PipelineCosts: action {action} splits backward into I and W, but weight_s (the "
+                             f"weight-gradient seconds of each stage's backward) was not given")
+        weight = self.weight_s[action.stage]
+        return weight if action.kind == "W" else self.backward_s[action.stage] - weight
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,7 +90,7 @@ class TimelineEvent:
     """One interval of a Gantt chart."""
 
     rank: int
-    action: Action  # F, B or GRAD_SYNC (p2p transfers are not drawn: they run beside compute)
+    action: Action  # F, B, I, W or GRAD_SYNC (p2p transfers are not drawn: they run beside compute)
     start_s: float
     end_s: float
     stream: str  # "compute" or "comm"
@@ -73,9 +99,9 @@ class TimelineEvent:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RankStats:
     rank: int
-    busy_s: float  # seconds of F and B
+    busy_s: float  # seconds of F, B, I and W
     idle_s: float  # pipeline_time_s - busy_s: bubble and waits on transfers
-    compute_end_s: float  # end of the rank's last F or B
+    compute_end_s: float  # end of the rank's last compute (F, B, I or W)
     grad_sync_s: float  # seconds of gradient sync issued (overlapped or not)
     grad_sync_end_s: float  # end of the rank's last grad sync (0 without)
     peak_in_flight: int  # most (chunk, microbatch) activations held at once
@@ -84,7 +110,7 @@ class RankStats:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SimResult:
     step_time_s: float  # one optimizer step over all microbatches
-    pipeline_time_s: float  # first action to the last backward of any rank
+    pipeline_time_s: float  # first action to the last compute of any rank
     bubble_fraction: float  # idle / pipeline_time on the critical rank
     bubble_ratio: float  # idle / busy on the critical rank (Megatron's (p-1)/m form)
     critical_rank: int  # the busiest rank
@@ -110,7 +136,7 @@ def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) ->
 
 
 class _Run:
-    __slots__ = ("s", "c", "clock", "pos", "arrivals", "timeline", "busy", "sent", "last_b_end", "sync_at",
+    __slots__ = ("s", "c", "clock", "pos", "arrivals", "timeline", "busy", "sent", "last_weight_grad_end", "sync_at",
                  "live", "peak_rank", "peak_stage")
 
     def __init__(self, schedule: Schedule, costs: PipelineCosts) -> None:
@@ -121,7 +147,7 @@ class _Run:
         self.timeline: list[TimelineEvent] = []
         self.busy = [0.0] * schedule.pp
         self.sent = [0.0] * schedule.pp  # p2p seconds issued per rank
-        self.last_b_end: dict[int, float] = {}
+        self.last_weight_grad_end: dict[int, float] = {}  # stage -> end of its last B or W
         self.sync_at: dict[int, float] = {}  # stage -> time its GRAD_SYNC action was reached
         self.live = [0] * schedule.num_stages
         self.peak_rank = [0] * schedule.pp
@@ -137,19 +163,19 @@ class _Run:
 
     def _step(self, rank: int) -> bool:
         a = self.s.actions[rank][self.pos[rank]]
-        if a.kind in ("F", "B"):
-            duration = (self.c.forward_s if a.kind == "F" else self.c.backward_s)[a.stage]
+        if a.kind in COMPUTE_KINDS:
+            duration = self.c.duration(a)
             start = self.clock[rank]
             self.clock[rank] = start + duration
             self.busy[rank] += duration
             self.timeline.append(TimelineEvent(rank=rank, action=a, start_s=start, end_s=start + duration,
                                                stream="compute"))
-            self.live[a.stage] += 1 if a.kind == "F" else -1
+            self.live[a.stage] += IN_FLIGHT_STEP[a.kind]
             self.peak_stage[a.stage] = max(self.peak_stage[a.stage], self.live[a.stage])
             on_rank = sum(self.live[s] for s in self.s.stages_of(rank))
             self.peak_rank[rank] = max(self.peak_rank[rank], on_rank)
-            if a.kind == "B":
-                self.last_b_end[a.stage] = self.clock[rank]
+            if a.kind in ("B", "W"):
+                self.last_weight_grad_end[a.stage] = self.clock[rank]
         elif a.kind in ("SEND_F", "SEND_B"):
             boundary = a.stage if a.kind == "SEND_F" else a.stage - 1
             dst = self.s.rank_of(a.stage + 1 if a.kind == "SEND_F" else a.stage - 1)
@@ -169,7 +195,7 @@ class _Run:
     def _grad_syncs(self, rank: int) -> tuple[float, float]:
         """Issue the rank's grad syncs on its comm stream; (seconds issued, end time)."""
         issued, free = 0.0, 0.0
-        starts = sorted((self.sync_at.get(stage, self.last_b_end.get(stage, 0.0)), stage)
+        starts = sorted((self.sync_at.get(stage, self.last_weight_grad_end.get(stage, 0.0)), stage)
                         for stage in self.s.stages_of(rank))
         for ready, stage in starts:
             duration = self.c.grad_sync_s[stage]

@@ -12,17 +12,27 @@ Conventions (those of torch.distributed.pipelining's action lists):
     ``s``'s output of microbatch ``i`` to stage ``s+1``, which takes it with ``RECV_F(s+1, i)``;
     ``SEND_B(s, i)`` sends the gradient of stage ``s``'s input to stage ``s-1`` (``RECV_B(s-1, i)``).
     Communication actions appear only where consecutive stages sit on different ranks.
+  * ``I``/``W``: a backward split in two, as zero-bubble schedules run it (Qi et al., "Zero Bubble
+    Pipeline Parallelism", arXiv 2401.10241): ``I`` computes the gradient of the stage's input (what
+    stage ``s-1`` waits for: it takes ``B``'s place between ``RECV_B`` and ``SEND_B``), ``W`` the
+    gradient of the stage's weights (no communication, nobody waits for it). A (stage, microbatch)
+    has either one ``B``, or one ``I`` and one later ``W`` on the same rank.
   * ``GRAD_SYNC(s)``: data-parallel gradient synchronisation of stage ``s``, placed right after its
-    last ``B`` (optional; the simulator overlaps it with the rank's remaining backward work).
-  * Text form ``{stage}{kind}{microbatch}``, e.g. ``0F0 1SEND_F0 3B2 2GRAD_SYNC``.
+    last weight gradient, ``B`` or ``W`` (optional; the simulator overlaps it with the rank's
+    remaining backward work).
+  * Text form ``{stage}{kind}{microbatch}``, e.g. ``0F0 1SEND_F0 3B2 2I5 2W5 2GRAD_SYNC``.
 Execution model the checker assumes: a SEND posts its message and returns (asynchronous, as
 ``isend``); a RECV blocks until the matching message is there; messages between one ordered pair of
 ranks are matched strictly in order (as NCCL and gloo match point-to-point operations per peer).
 
+Activations: a (stage, microbatch) holds its saved activations from its ``F`` until its weight
+gradient (``B`` or ``W``): ``I`` frees nothing, since ``W`` still reads the saved inputs.
+
 Invariants checked by ``check_schedule``: every action runs on its stage's rank; every microbatch
-has exactly one F and one B per stage; F of stage s follows F of stage s-1 for that microbatch,
-B of s follows B of s+1 and F of s; sends follow the compute that produced them and are received
-in order; grad sync follows the stage's last backward; and all ranks run to completion.
+has exactly one F per stage and one B or one I and one W; F of stage s follows F of stage s-1 for
+that microbatch, B or I of s follows F of s and the input gradient (B or I) of s+1, W follows I;
+sends follow the compute that produced them and are received in order; grad sync follows the
+stage's last weight gradient; and all ranks run to completion.
 """
 from __future__ import annotations
 
@@ -30,10 +40,10 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-COMPUTE_KINDS: tuple[str, ...] = ("F", "B")
+COMPUTE_KINDS: tuple[str, ...] = ("F", "B", "I", "W")
 COMM_KINDS: tuple[str, ...] = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 ACTION_KINDS: tuple[str, ...] = (*COMPUTE_KINDS, *COMM_KINDS, "GRAD_SYNC")
-SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "gpipe")
+SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "gpipe", "zb-h1")
 """The schedules by the names plan specs, Plans and this IR use alike."""
 
 
@@ -66,7 +76,7 @@ class Action:
         kind = rest.rstrip("0123456789")
         tail = rest[len(kind):]
         if head == 0 or kind not in ACTION_KINDS or (kind == "GRAD_SYNC") != (tail == ""):
-            raise ScheduleError(f"cannot parse action {text!r}; expected e.g. 0F0, 1SEND_B3, 2GRAD_SYNC")
+            raise ScheduleError(f"cannot parse action {text!r}; expected e.g. 0F0, 2I5, 1SEND_B3, 2GRAD_SYNC")
         return cls(kind=kind, stage=int(text[:head]), microbatch=int(tail) if tail else None)
 
 
@@ -119,7 +129,7 @@ def _lower(name: str, pp: int, m: int, vpp: int, compute: Sequence[Sequence[tupl
     num_stages = pp * vpp
     ranks: list[tuple[Action, ...]] = []
     for rank, order in enumerate(compute):
-        last_backward = {stage: i for i, (kind, stage, _) in enumerate(order) if kind == "B"}
+        last_weight_grad = {stage: i for i, (kind, stage, _) in enumerate(order) if kind in ("B", "W")}
         out: list[Action] = []
         for i, (kind, stage, mb) in enumerate(order):
             prev_remote = stage > 0 and (stage - 1) % pp != rank
@@ -128,12 +138,14 @@ def _lower(name: str, pp: int, m: int, vpp: int, compute: Sequence[Sequence[tupl
                 out += [Action(kind="RECV_F", stage=stage, microbatch=mb)] if prev_remote else []
                 out.append(Action(kind="F", stage=stage, microbatch=mb))
                 out += [Action(kind="SEND_F", stage=stage, microbatch=mb)] if next_remote else []
-            else:
+            elif kind in ("B", "I"):  # both take the next stage's gradient and hand one to the previous
                 out += [Action(kind="RECV_B", stage=stage, microbatch=mb)] if next_remote else []
-                out.append(Action(kind="B", stage=stage, microbatch=mb))
+                out.append(Action(kind=kind, stage=stage, microbatch=mb))
                 out += [Action(kind="SEND_B", stage=stage, microbatch=mb)] if prev_remote else []
-                if grad_sync and last_backward[stage] == i:
-                    out.append(Action(kind="GRAD_SYNC", stage=stage))
+            else:  # W: local work on what I left behind
+                out.append(Action(kind=kind, stage=stage, microbatch=mb))
+            if grad_sync and last_weight_grad.get(stage) == i:
+                out.append(Action(kind="GRAD_SYNC", stage=stage))
         ranks.append(tuple(out))
     return Schedule(name=name, pp=pp, num_microbatches=m, num_virtual=vpp, actions=tuple(ranks))
 
@@ -230,16 +242,56 @@ def _interleaved_compute(pp: int, m: int, vpp: int) -> Compute:
     return compute
 
 
+def zb_h1(pp: int, m: int, *, grad_sync: bool = False) -> Schedule:
+    """ZB-H1 (Qi et al., arXiv 2401.10241, sec. 3): 1F1B with each backward split into I and W.
+
+    Rank r runs 1F1B's ``warmup = min(pp - r - 1, m)`` forwards, then ``F(k + warmup), I(k)`` for
+    each steady step k, followed by ``W(k - r)`` once ``k >= r``: rank r defers up to r weight
+    gradients, so the input gradients, the only backward work upstream ranks wait for, leave the
+    later ranks earlier. In flight after ``F(k + warmup)``: ``warmup + 1 + min(k, r) <= pp``, never
+    above 1F1B's peak (that of rank 0), which every rank now reaches: ``min(pp, m)``. Cool-down:
+    each remaining ``I(k)`` is followed by the oldest pending W, which fills the wait for the next
+    gradient; the W's still pending run last, oldest first.
+    Simulated on uniform stages with free transfers and ``m >= pp``, each rank idles
+    ``(pp-1) max(T_F + T_I - T_W, T_F, T_I)`` instead of 1F1B's ``(pp-1)(T_F + T_I + T_W)``: the
+    paper's ``(pp-1)(T_F + T_I - T_W)`` while ``T_W <= T_F`` and ``T_W <= T_I``, so this placement
+    of the W's needs no improvement there (tests/test_simulator.py states the law).
+    """
+    return _lower("zb-h1", pp, m, 1, _zb_h1_compute(pp, m), grad_sync)
+
+
+def _zb_h1_compute(pp: int, m: int) -> Compute:
+    _check_sizes(pp, m)
+    compute: Compute = []
+    for r in range(pp):
+        warmup = min(pp - r - 1, m)
+        order = [("F", r, i) for i in range(warmup)]
+        pending: deque[int] = deque()  # microbatches whose I has run and W not, oldest first
+        for k in range(m - warmup):
+            order += [("F", r, k + warmup), ("I", r, k)]
+            pending.append(k)
+            if k >= r:
+                order.append(("W", r, pending.popleft()))
+        for k in range(m - warmup, m):
+            order.append(("I", r, k))
+            pending.append(k)
+            order.append(("W", r, pending.popleft()))
+        order += [("W", r, i) for i in pending]
+        compute.append(order)
+    return compute
+
+
 def build_schedule(name: str, pp: int, m: int, vpp: int = 1, *, grad_sync: bool = False) -> Schedule:
-    """A schedule by name: ``gpipe``, ``1f1b`` or ``interleaved`` (``vpp`` only for the last)."""
+    """A schedule by name (``SCHEDULES``; ``vpp`` only for ``interleaved``)."""
     return _lower(name, pp, m, vpp, _compute(name, pp, m, vpp), grad_sync)
 
 
 def _compute(name: str, pp: int, m: int, vpp: int) -> Compute:
-    if name == "gpipe" or name == "1f1b":
+    one_stage_per_rank = {"gpipe": _gpipe_compute, "1f1b": _one_f_one_b_compute, "zb-h1": _zb_h1_compute}
+    if name in one_stage_per_rank:
         if vpp != 1:
             raise ScheduleError(f"schedule {name!r} has one stage per rank; vpp={vpp} needs interleaved")
-        return _gpipe_compute(pp, m) if name == "gpipe" else _one_f_one_b_compute(pp, m)
+        return one_stage_per_rank[name](pp, m)
     if name == "interleaved":
         return _interleaved_compute(pp, m, vpp)
     raise ScheduleError(f"unknown schedule {name!r}; schedules: {', '.join(SCHEDULES)}")
@@ -249,39 +301,41 @@ def max_in_flight_by_rank(name: str, pp: int, m: int, vpp: int = 1) -> tuple[int
     """`max_in_flight` of every rank of `build_schedule(name, pp, m, vpp)`, counted on the
     builders' compute orders (communication moves no activation in or out): the same numbers,
     without building the action lists, for a search that asks for hundreds of shapes."""
-    return tuple(max(_running(order), default=0) for order in _compute(name, pp, m, vpp))
+    return tuple(max(_running(kind for kind, _, _ in order), default=0) for order in _compute(name, pp, m, vpp))
 
 
-def _running(order: Sequence[tuple[str, int, int]]) -> Iterator[int]:
+IN_FLIGHT_STEP: dict[str, int] = {"F": 1, "B": -1, "I": 0, "W": -1}
+"""How each compute kind changes the activations a rank holds: F saves a microbatch's, its weight
+gradient (B, or W after I) frees them; I frees nothing, W still reads the saved inputs."""
+
+
+def _running(kinds: Iterable[str]) -> Iterator[int]:
     live = 0
-    for kind, _, _ in order:
-        live += 1 if kind == "F" else -1
+    for kind in kinds:
+        live += IN_FLIGHT_STEP[kind]
         yield live
 
 
 # -- analysis ---------------------------------------------------------------------------------------
 def in_flight_counts(actions: Iterable[Action], stage: int | None = None) -> list[int]:
-    """Running count of (stage, microbatch) pairs whose F has run and B not, after each compute action."""
-    live, counts = 0, []
-    for action in actions:
-        if action.kind in COMPUTE_KINDS and (stage is None or action.stage == stage):
-            live += 1 if action.kind == "F" else -1
-            counts.append(live)
-    return counts
+    """Running count of (stage, microbatch) pairs whose F has run and weight gradient (B or W) not,
+    after each compute action."""
+    return list(_running(a.kind for a in actions if a.kind in COMPUTE_KINDS and (stage is None or a.stage == stage)))
 
 
 def max_in_flight(schedule: Schedule, rank: int) -> int:
     """Most microbatch activations a rank holds at once, counted in stage chunks.
 
-    Each (chunk, microbatch) whose forward has run and backward not yet counts once; the memory model
-    multiplies it by one chunk's activation bytes per microbatch. GPipe: m; 1F1B: min(pp - rank, m);
-    interleaved: Megatron's warm-up + 1 (all ``m * vpp`` when m == pp).
+    Each (chunk, microbatch) whose forward has run and weight gradient (B or W) not yet counts once;
+    the memory model multiplies it by one chunk's activation bytes per microbatch. GPipe: m; 1F1B:
+    min(pp - rank, m); ZB-H1: min(pp, m) on every rank (rank r holds up to r deferred W's on top of
+    1F1B's pp - r); interleaved: Megatron's warm-up + 1 (all ``m * vpp`` when m == pp).
     """
     return max(in_flight_counts(schedule.actions[rank]), default=0)
 
 
 def max_in_flight_per_stage(schedule: Schedule) -> tuple[int, ...]:
-    """For each global stage, the most microbatches whose forward through it has run and backward not."""
+    """For each global stage, the most microbatches whose forward through it has run and weight gradient not."""
     return tuple(max(in_flight_counts(schedule.actions[schedule.rank_of(s)], s), default=0)
                  for s in range(schedule.num_stages))
 
@@ -294,15 +348,18 @@ def check_schedule(schedule: Schedule) -> None:
 class _DryRun:
     """Executes all ranks' lists symbolically, advancing each rank until it blocks on a receive."""
 
-    __slots__ = ("s", "pos", "channels", "forward_done", "backward_done", "received")
+    __slots__ = ("s", "pos", "channels", "forward_done", "input_grad_done", "weight_grad_done", "received",
+                 "backward_kind")
 
     def __init__(self, schedule: Schedule) -> None:
         self.s = schedule
         self.pos = [0] * schedule.pp
         self.channels: dict[tuple[int, int], deque[tuple[str, int, int]]] = {}
         self.forward_done: set[tuple[int, int]] = set()
-        self.backward_done: set[tuple[int, int]] = set()
+        self.input_grad_done: set[tuple[int, int]] = set()  # B or I: the gradient stage s-1 waits for
+        self.weight_grad_done: set[tuple[int, int]] = set()  # B or W: what GRAD_SYNC waits for
         self.received: set[tuple[str, int, int]] = set()
+        self.backward_kind: dict[tuple[int, int], str] = {}  # (stage, mb) -> "B" or "I", from the static pass
 
     def fail(self, rank: int, what: str) -> ScheduleError:
         action = self.s.actions[rank][self.pos[rank]]
@@ -331,7 +388,7 @@ class _DryRun:
 
     def _check_static(self) -> None:
         s = self.s
-        seen: dict[tuple[str, int, int], int] = {}
+        seen: dict[tuple[str, int, int], int] = {}  # (kind, stage, mb) -> its index on its rank
         for rank, acts in enumerate(s.actions):
             for index, a in enumerate(acts):
                 where = f"schedule {s.name}: rank {rank}, action #{index} ({a})"
@@ -348,10 +405,33 @@ class _DryRun:
                     seen[key] = index
         for stage in range(s.num_stages):
             for mb in range(s.num_microbatches):
-                for kind in COMPUTE_KINDS:
-                    if (kind, stage, mb) not in seen:
-                        raise ScheduleError(f"schedule {s.name}: rank {s.rank_of(stage)} never runs "
-                                            f"{Action(kind=kind, stage=stage, microbatch=mb)}")
+                self.backward_kind[(stage, mb)] = self._static_backward(stage, mb, seen)
+
+    def _static_backward(self, stage: int, mb: int, seen: dict[tuple[str, int, int], int]) -> str:
+        """Check that (stage, mb) has one F and one B, or one I and one W; return "B" or "I"."""
+        s, rank = self.s, self.s.rank_of(stage)
+        has = {kind: (kind, stage, mb) in seen for kind in COMPUTE_KINDS}
+
+        def name(kind: str) -> Action:
+            return Action(kind=kind, stage=stage, microbatch=mb)
+
+        def at(kind: str) -> str:
+            return f"schedule {s.name}: rank {rank}, action #{seen[(kind, stage, mb)]} ({name(kind)})"
+        if not has["F"]:
+            raise ScheduleError(f"schedule {s.name}: rank {rank} never runs {name('F')}")
+        if has["B"] and (has["I"] or has["W"]):
+            raise ScheduleError(f"{at('I' if has['I'] else 'W')}: {name('B')} (action #{seen[('B', stage, mb)]}) "
+                                f"already runs this backward; a microbatch has one B, or one I and one W")
+        if has["W"] and not has["I"]:
+            raise ScheduleError(f"{at('W')}: no {name('I')}: W is the weight-gradient half of a backward split "
+                                f"in I and W")
+        if has["I"] and not has["W"]:
+            raise ScheduleError(f"{at('I')}: rank {rank} never runs {name('W')}: its weight gradient would be "
+                                f"missing")
+        if not has["B"] and not has["I"]:
+            raise ScheduleError(f"schedule {s.name}: rank {rank} never runs {name('B')} (or {name('I')} and "
+                                f"{name('W')})")
+        return "I" if has["I"] else "B"
 
     def _peer(self, a: Action) -> int:
         if a.kind in ("SEND_F", "RECV_B"):
@@ -369,18 +449,26 @@ class _DryRun:
             if a.stage > 0:
                 self._needs_input(rank, a, ("F", a.stage, mb), (a.stage - 1, mb) in self.forward_done, "F")
             self.forward_done.add((a.stage, mb))
-        elif a.kind == "B":
+        elif a.kind in ("B", "I"):
             if (a.stage, mb) not in self.forward_done:
                 raise self.fail(rank, f"backward before the forward {a.stage}F{mb}")
             if a.stage < last:
-                self._needs_input(rank, a, ("B", a.stage, mb), (a.stage + 1, mb) in self.backward_done, "B")
-            self.backward_done.add((a.stage, mb))
+                self._needs_input(rank, a, ("B", a.stage, mb), (a.stage + 1, mb) in self.input_grad_done,
+                                  self.backward_kind[(a.stage + 1, mb)])
+            self.input_grad_done.add((a.stage, mb))
+            if a.kind == "B":
+                self.weight_grad_done.add((a.stage, mb))
+        elif a.kind == "W":
+            if (a.stage, mb) not in self.input_grad_done:
+                raise self.fail(rank, f"weight gradient before its input gradient {a.stage}I{mb}")
+            self.weight_grad_done.add((a.stage, mb))
         elif a.kind in ("SEND_F", "SEND_B"):
             forward = a.kind == "SEND_F"
             if (forward and a.stage == last) or (not forward and a.stage == 0):
                 raise self.fail(rank, "no stage to send to")
-            if (a.stage, mb) not in (self.forward_done if forward else self.backward_done):
-                raise self.fail(rank, f"sends before computing {a.stage}{'F' if forward else 'B'}{mb}")
+            if (a.stage, mb) not in (self.forward_done if forward else self.input_grad_done):
+                producer = "F" if forward else self.backward_kind[(a.stage, mb)]
+                raise self.fail(rank, f"sends before computing {a.stage}{producer}{mb}")
             dst_stage = a.stage + 1 if forward else a.stage - 1
             message = ("F" if forward else "B", dst_stage, mb)
             self.channels.setdefault((rank, self.s.rank_of(dst_stage)), deque()).append(message)
@@ -400,19 +488,22 @@ class _DryRun:
             queue.popleft()
             self.received.add(expected)
         else:  # GRAD_SYNC
-            missing = [i for i in range(self.s.num_microbatches) if (a.stage, i) not in self.backward_done]
+            missing = [i for i in range(self.s.num_microbatches) if (a.stage, i) not in self.weight_grad_done]
             if missing:
-                raise self.fail(rank, f"gradient sync before the last backward of stage {a.stage} "
+                raise self.fail(rank, f"gradient sync before the last weight gradient (B or W) of stage {a.stage} "
                                       f"(microbatch {missing[0]} not done)")
         return True
 
     def _needs_input(self, rank: int, a: Action, message: tuple[str, int, int], producer_done: bool,
-                     kind: str) -> None:
-        producer = a.stage - 1 if kind == "F" else a.stage + 1
+                     producer_kind: str) -> None:
+        """`a` needs the output of `producer_kind` (F, or the next stage's B or I) of its microbatch:
+        run before it on this rank, or received from the producer's rank."""
+        forward = producer_kind == "F"
+        producer = a.stage - 1 if forward else a.stage + 1
         if self.s.rank_of(producer) == rank:
             if not producer_done:
-                raise self.fail(rank, f"runs before {producer}{kind}{message[2]} on the same rank")
+                raise self.fail(rank, f"runs before {producer}{producer_kind}{message[2]} on the same rank")
         elif message not in self.received:
-            recv = "RECV_F" if kind == "F" else "RECV_B"
+            recv = "RECV_F" if forward else "RECV_B"
             raise self.fail(rank, f"no {a.stage}{recv}{message[2]} before it: its input from rank "
                                   f"{self.s.rank_of(producer)} never arrives")

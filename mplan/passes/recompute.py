@@ -18,8 +18,8 @@ memory holds what the planner priced for the mode (`planner/unit_costs.py`):
              holds what the planner prices up to that one tensor's choice.
 
 Why segments: they are the units the planner prices memory and recomputation time by, and
-they are contiguous in program order. A node the planner never saw (a reshard, a fused kernel,
-a `getitem`) belongs to the segment of the next op that it feeds in program order.
+they are contiguous in program order. Nodes the planner never saw (reshards, fused kernels) are
+labelled as `program_segments.op_segments` says, as the pipeline cut labels them.
 Exactness: checkpointing changes when values are computed, never what: the recomputed forward
 is the same ops on the same inputs (RNG state preserved), so losses and gradients are bitwise
 those of the plain program.
@@ -36,6 +36,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from mplan.cost_models.memory_model import RECOMPUTE_MODES
 from mplan.ir.graph import Graph
+from mplan.passes.program_segments import op_segments
 
 _aten = torch.ops.aten
 KEPT_UNDER_SELECTIVE = frozenset({
@@ -89,7 +90,7 @@ def checkpoint_units(program: fx.GraphModule, graph: Graph, mode: str) -> list[s
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
     if mode == "none":
         return []
-    runs = _contiguous_runs(program, {name: seg.name for seg in graph.segments for name in seg.nodes})
+    runs = _contiguous_runs(program, graph)
     names = []
     for k, (segment, nodes) in enumerate(runs):
         name = f"recompute_{k}_{segment.replace('.', '_')}"
@@ -101,21 +102,10 @@ def checkpoint_units(program: fx.GraphModule, graph: Graph, mode: str) -> list[s
     return names
 
 
-def _contiguous_runs(program: fx.GraphModule, segment_of: dict[str, str]) -> list[tuple[str, list[fx.Node]]]:
+def _contiguous_runs(program: fx.GraphModule, graph: Graph) -> list[tuple[str, list[fx.Node]]]:
     """The program's op nodes cut into maximal runs of one segment, in program order."""
-    ops = [n for n in program.graph.nodes if n.op in ("call_function", "call_module", "call_method")]
-    labels: list[str | None] = [segment_of.get(n.name) for n in ops]
-    following: str | None = None
-    for i in range(len(ops) - 1, -1, -1):  # unlabelled nodes join the next labelled op's segment
-        if labels[i] is None:
-            labels[i] = following
-        following = labels[i]
-    last = next((label for label in reversed(labels) if label is not None), None)
     runs: list[tuple[str, list[fx.Node]]] = []
-    for node, label in zip(ops, labels):
-        label = label or last  # trailing nodes (none labelled after them) join the last segment
-        if label is None:
-            continue
+    for node, label in op_segments(program, graph):
         if runs and runs[-1][0] == label:
             runs[-1][1].append(node)
         else:

@@ -34,7 +34,7 @@ tensors are contiguous and detached.
 from __future__ import annotations
 
 import copy
-from typing import Callable, Mapping
+from typing import Callable, Collection, Mapping
 
 import torch
 from torch import nn
@@ -62,13 +62,16 @@ def shard_tensor(tensor: torch.Tensor, placement: Placement, rank: int, size: in
 
 def shard_parameters(graph: Graph, choice: Mapping[str, Strategy], tp_rank: int, tp_size: int,
                      source: ParameterSource, *, seed: int = 0, device: torch.device | str | None = None,
-                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """This rank's shard of every parameter of `graph` (see the module docstring)."""
+                     dtype: torch.dtype | None = None, names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+    """This rank's shard of every parameter of `graph`, or of those in `names` (the ones a
+    pipeline rank's stages read) (see the module docstring)."""
     layouts = parameter_layouts(graph, choice)
     read = _reader(graph, source, seed)
     target = _indexed(device) if device is not None else None
     shards: dict[str, torch.Tensor] = {}
     for name, layout in layouts.items():
+        if names is not None and name not in names:
+            continue
         full = read(name)
         expected = graph.params[name].meta.shape
         if tuple(full.shape) != expected:

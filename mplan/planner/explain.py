@@ -3,7 +3,8 @@ sharding of one block, and what each rejected alternative would have cost.
 
 `explain_data(plan)` is plain data (for `--json`); `render(plan, console)` prints it as rich
 tables, which also read fine as text without a terminal; `simulate_plan(plan)` re-runs the
-schedule simulator on the plan's own stage times (for the Gantt chart and per-rank figures).
+schedule simulator on the plan's own stage times, the weight-gradient part of each backward
+included (zero-bubble schedules run it as W), for the Gantt chart and per-rank figures.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def simulate_plan(plan: Plan) -> SimResult:
                           backward_s=tuple(s.backward_ms / 1e3 for s in stages),
                           p2p_s=(plan.predicted.p2p_s,) * (len(stages) - 1),
                           grad_sync_s=tuple(s.grad_sync_ms / 1e3 for s in stages),
-                          optimizer_s=plan.predicted.optimizer_s)
+                          optimizer_s=plan.predicted.optimizer_s, weight_s=tuple(s.weight_ms / 1e3 for s in stages))
     return simulate(schedule_of(config_of(plan)), costs)
 
 
@@ -60,7 +61,8 @@ def explain_data(plan: Plan) -> dict[str, Any]:
     for s in sorted(plan.stages, key=lambda s: s.index):
         mem = memory.get(s.rank)
         stages.append({"stage": s.index, "rank": s.rank, "layers": _span(s.units), "num_layers": len(s.layers),
-                       "forward_ms": s.forward_ms, "backward_ms": s.backward_ms, "grad_sync_ms": s.grad_sync_ms,
+                       "forward_ms": s.forward_ms, "backward_ms": s.backward_ms, "weight_ms": s.weight_ms,
+                       "grad_sync_ms": s.grad_sync_ms,
                        "memory_gib": None if mem is None else {
                            "params": mem.params_gib, "grads": mem.grads_gib, "optimizer": mem.optimizer_gib,
                            "activations": mem.activations_gib, "transient": mem.transient_gib, "total": mem.total_gib}})
@@ -140,7 +142,8 @@ def render(plan: Plan, console: Any) -> None:
 
 
 def draw_gantt(plan: Plan, path: str) -> None:
-    """The simulated schedule, one row per pipeline rank: forward, backward and DP sync bars."""
+    """The simulated schedule, one row per pipeline rank: forward, backward (or its input- and
+    weight-gradient halves) and DP sync bars."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -149,7 +152,7 @@ def draw_gantt(plan: Plan, path: str) -> None:
     sim = simulate_plan(plan)
     pp = plan.mesh.pp
     fig, ax = plt.subplots(figsize=(12, 1.0 + 0.6 * pp))
-    colors = {"F": "#4C72B0", "B": "#55A868", "GRAD_SYNC": "#999999"}
+    colors = {"F": "#4C72B0", "B": "#55A868", "I": "#55A868", "W": "#DD8452", "GRAD_SYNC": "#999999"}
     for ev in sim.timeline:
         kind = ev.action.kind
         y = ev.rank + (0.35 if ev.stream == "comm" else 0.0)
@@ -157,16 +160,18 @@ def draw_gantt(plan: Plan, path: str) -> None:
         ax.broken_barh([(ev.start_s * 1e3, (ev.end_s - ev.start_s) * 1e3)], (y - 0.3, height),
                        facecolors=colors.get(kind, "#C44E52"), edgecolor="white", linewidth=0.3)
         width = (ev.end_s - ev.start_s) / max(sim.step_time_s, 1e-12)
-        if kind in ("F", "B") and width > 0.012:
+        if kind in ("F", "B", "I", "W") and width > 0.012:
             ax.text((ev.start_s + ev.end_s) / 2 * 1e3, y, str(ev.action.microbatch), ha="center",
                     va="center", fontsize=6, color="white")
     ax.set_yticks(range(pp))
     ax.set_yticklabels([f"rank {r}" for r in range(pp)])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
+    backward = "green I (input grad), orange W (weight grad)" if any(
+        ev.action.kind == "W" for ev in sim.timeline) else "green B"
     ax.set_title(f"{plan.model.name}: {plan.schedule}, pp={pp}, vpp={plan.mesh.vpp}, "
                  f"{plan.num_micro_batches} micro-batches, step {sim.step_time_s * 1e3:.0f} ms, "
-                 f"bubble {sim.bubble_fraction:.1%} (blue F, green B, grey DP sync; numbers = micro-batch)",
+                 f"bubble {sim.bubble_fraction:.1%} (blue F, {backward}, grey DP sync; numbers = micro-batch)",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=130)

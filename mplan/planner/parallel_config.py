@@ -173,6 +173,8 @@ def _variants(base: ParallelConfig, limits: ModelLimits, spec: PlanSpec) -> Iter
     if base.pp > 1:
         if spec.schedule == "gpipe":  # same time as 1F1B, more memory: only when asked for
             schedules.append(("gpipe", 1))
+        # a smaller bubble than 1F1B's for up to pp micro-batches in flight on every rank, not pp - r
+        schedules.append(("zb-h1", 1))
         for vpp in (2, 3, 4, 6, 8):
             if limits.num_layers % (base.pp * vpp) == 0 and base.num_micro_batches % base.pp == 0:
                 schedules.append(("interleaved", vpp))

@@ -98,6 +98,9 @@ class Stage:
     forward_ms: float  # one micro-batch
     backward_ms: float
     grad_sync_ms: float = 0.0  # this stage's share of its rank's DP gradient sync
+    # the weight-gradient (W) part of backward_ms, which zero-bubble schedules run apart from the
+    # input gradient (I); optional in the file (plans written before it: 0.0, backward unsplit)
+    weight_ms: float = 0.0
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -261,7 +264,11 @@ def _stage(r: FieldReader) -> Stage:
     r.raw("layers")  # derived from units; read so that finish() accepts it
     stage = Stage(index=r.integer("index", minimum=0), rank=r.integer("rank", minimum=0), units=tuple(units),
                   forward_ms=r.number("forward_ms", allow_equal=True), backward_ms=r.number("backward_ms", allow_equal=True),
-                  grad_sync_ms=r.number("grad_sync_ms", allow_equal=True))
+                  grad_sync_ms=r.number("grad_sync_ms", allow_equal=True),
+                  weight_ms=r.number("weight_ms", allow_equal=True) if r.has("weight_ms") else 0.0)
+    if stage.weight_ms > stage.backward_ms:
+        raise r.error("weight_ms", f"{stage.weight_ms} is more than backward_ms {stage.backward_ms}, which it is "
+                                   f"part of")
     r.finish()
     return stage
 

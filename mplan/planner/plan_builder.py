@@ -110,7 +110,8 @@ def build_plan(result: SearchResult, graph: Graph, cluster: ClusterSpec, global_
     choice = model.shardings[config.mbs].choice
     stages = tuple(Stage(index=i, rank=i % config.pp, units=tuple(units[a:b]),
                          forward_ms=best.chunk_forward_s[i] * 1e3, backward_ms=best.chunk_backward_s[i] * 1e3,
-                         grad_sync_ms=best.grad_sync_s[i % config.pp] / config.vpp * 1e3)
+                         grad_sync_ms=best.grad_sync_s[i % config.pp] / config.vpp * 1e3,
+                         weight_ms=best.chunk_weight_s[i] * 1e3)
                    for i, (a, b) in enumerate(best.stage_bounds))
     ops = op_table(graph, choice)
     alternatives = tuple(Alternative(spec=e.config.spec(), predicted=predicted_of(e) if e.fits else None,

@@ -4,7 +4,7 @@ complete `Plan` for the graph the runtime will execute.
 Input: the plan argument (None or "auto", a spec string such as `tp=2,dp=2,sp=1,zero=1`, a `Plan`,
 or a plan.json path), the captured training graph (`ir.trace.capture_for_training`: the very
 graph the runtime rewrites and runs), the cluster, world size and global batch, and `within`: the
-keys the runtime can execute (pp=1 and ep=1 today), which a search respects. Output: a `Plan` whose
+keys the runtime can execute (ep=1 today), which a search respects. Output: a `Plan` whose
 `ops` hold a strategy for every node of that graph under its stable key, so the runtime only
 reads it (`Plan.op_strategies`): it never solves, searches or re-captures.
 
@@ -19,8 +19,9 @@ reads it (`Plan.op_strategies`): it never solves, searches or re-captures.
                  shallow bf16 capture of a model spec has no `slice` that a symbolic batch adds)
                  runs replicated, which is always exact, and the Plan records how many did.
 
-Every resolved Plan passes `ir.sharding.check_sharding` on the graph before it is returned, so a
-plan the passes cannot run fails here, on every rank alike, before any collective.
+Every resolved Plan passes `ir.sharding.check_sharding` and `ir.stage_cut.stage_of_units` on the
+graph before it is returned, so a plan the passes cannot run (a sharding no pass lowers, a stage
+cut that does not list the model's units) fails here, on every rank alike, before any collective.
 Invariants: dp*tp*pp == world size; dp * micro_batch_size * num_micro_batches == global_batch.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ from mplan.ir.graph_hash import graph_hash
 from mplan.ir.placement import Shard
 from mplan.ir.rebatch import rebatch
 from mplan.ir.sharding import UnexecutableStrategy, check_sharding
+from mplan.ir.stage_cut import StageCutError, stage_of_units
 from mplan.ir.strategy import Strategy, parse_strategy
 from mplan.planner.op_registry import replicated
 from mplan.planner.parallel_config import ParallelConfig, PlanSpec, PlanSpecError, parse_plan_spec
@@ -99,6 +101,11 @@ def _config_of(text: str, world_size: int, global_batch: int, micro_batch_size: 
     if replica % mbs:
         raise PlanSpecError(f"each of dp={dp} replicas gets {replica} sequences, not a multiple of "
                          f"the micro-batch size {mbs} ({replica} % {mbs} = {replica % mbs})")
+    stages = pp * (spec.vpp or 1)
+    if stages > len(graph.segments):
+        raise PlanSpecError(f"plan {text!r}: pp*vpp = {stages} pipeline stages but {graph.model_name} has "
+                            f"{len(graph.segments)} units to cut ({', '.join(s.name for s in graph.segments[:3])}, "
+                            f"...): use pp*vpp <= {len(graph.segments)}")
     static = not any(m.sym is not None for m in graph.graph_inputs.values())
     if static and mbs != graph.batch_size:
         raise PlanError(f"plan {text!r}: {graph.model_name} could only be captured at a fixed batch of "
@@ -145,6 +152,10 @@ def _check(plan: Plan, graph: Graph) -> None:
     storage placement per parameter, lowerings the passes implement, shards that divide."""
     at = _at_micro_batch(graph, plan.micro_batch_size)
     choice = plan.op_strategies(at)
+    try:
+        stage_of_units(graph, [s.units for s in plan.stages])
+    except StageCutError as exc:
+        raise PlanError(f"plan {plan.spec()} cannot run on {graph.model_name}: {exc}") from None
     try:
         check_sharding(at, choice)
         _check_divisible(at, choice, plan.mesh.tp)

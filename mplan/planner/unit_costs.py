@@ -3,8 +3,16 @@
 A unit is one segment of the captured graph in execution order: the prologue (embeddings), each
 block instance, glue between blocks, and the epilogue (final norm, head, loss). Given the TP
 sharding solved for every segment (`GraphSharding`), each unit gets its forward and backward
-seconds per micro-batch of the captured batch, its local parameters, the activations it keeps for
-backward under each recomputation mode, and its inputs (what full recomputation checkpoints).
+seconds per micro-batch of the captured batch, the weight-gradient part of that backward (what a
+zero-bubble schedule runs as W), its local parameters, the activations it keeps for backward under
+each recomputation mode, and its inputs (what full recomputation checkpoints).
+
+Weight gradients (`weight_backward_s`): every op that reads a parameter adds its forward compute
+seconds (collectives left out), at most its backward's: a GEMM's weight gradient is one GEMM with
+the forward's FLOPs (dW = dY^T X), so the forward time prices it; a norm's or an embedding's weight
+gradient reads the output gradient and the saved input once, about the bytes its forward moved, a
+small memory-bound share; a linear's bias gradient is a reduction inside that GEMM's share. The
+rest of backward (input gradients, activations' backward, the collectives) is the I part.
 
 Recomputation modes, as the planner defines them for fused-attention models:
 - none: every tensor an op keeps for backward stays in memory (`sharding_ilp._saved_bytes`).
@@ -42,6 +50,9 @@ class UnitCost:
     block_type: str | None
     forward_s: float  # one micro-batch of the captured batch, collectives included
     backward_s: float
+    # the weight-gradient share of backward_s (module docstring), <= backward_s; 0.0 when not
+    # priced (a backward never split: zero-bubble schedules then run it all as I)
+    weight_backward_s: float = 0.0
     comm_forward_s: float
     comm_backward_s: float
     num_params: int  # local parameters (elements) on one TP rank
@@ -68,6 +79,7 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
     kept_extra = 0
     extra = 0.0
     largest = 0
+    weight_grad = 0.0
     seen_params: set[str] = set()
     num_params = 0
     glue: list[tuple[str, int]] = []
@@ -80,6 +92,9 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
             extra += coster.op(node, s).forward_s
         if node.outputs:
             largest = max(largest, shard_bytes(node.output, s.output, n))
+        if node.params:
+            cost, own = coster.op(node, s), coster.op_comm(s)
+            weight_grad += max(0.0, min(cost.forward_s, cost.backward_s) - own)
         for _, param in node.params:
             if param in seen_params:
                 continue
@@ -92,6 +107,7 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
         shard_bytes(meta, sharding.choice[r].output if r in sharding.choice else sharding.boundary, n)
         for r in selective_saved - read_outside if r not in graph.params and (meta := value_meta(graph, r)) is not None)
     return UnitCost(name=name, block_type=block_type, forward_s=sharding.forward_s, backward_s=sharding.backward_s,
+                    weight_backward_s=min(weight_grad, sharding.backward_s),
                     comm_forward_s=sharding.comm_forward_s, comm_backward_s=sharding.comm_backward_s,
                     num_params=num_params, glue_params=tuple(glue) if block_type is None else (),
                     tp_grad_sync_bytes=sharding.tp_grad_sync_bytes, saved_bytes=sharding.saved_bytes,

@@ -58,6 +58,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
+from mplan.collectives.flat import broadcast_tensor
 from mplan.collectives.redistribute import AxisGroup, apply_transition
 from mplan.ir.graph import Graph
 from mplan.ir.placement import R
@@ -67,6 +68,7 @@ from mplan.ir.strategy import Strategy
 from mplan.passes.insert_collectives import INPUTS, LocalInput, insert_collectives
 from mplan.passes.recompute import checkpoint_units
 from mplan.passes.shard_parameters import ParameterSource, materialize_buffers, shard_parameters
+from mplan.passes.split_stages import StageProgram, split_stages
 from mplan.planner.plan import Plan, PlanError
 from mplan.runtime.checkpoint import load_checkpoint, save_checkpoint
 from mplan.runtime.compute_copies import ComputeCopies, autocast_cast_parameters
@@ -74,6 +76,8 @@ from mplan.runtime.data_parallel import needs_reduction
 from mplan.runtime.launch import collective_device
 from mplan.runtime.optimizer import DistributedOptimizer, build_optimizer
 from mplan.runtime.param_placement import ParamPlacement
+from mplan.runtime.pipeline_executor import PipelineExecutor, StageRunner
+from mplan.runtime.pipeline_stages import RankStages, pipeline_schedule, rank_stages
 from mplan.runtime.process_groups import ProcessGroups, group_size, init_process_groups
 from mplan.runtime.replicated_optimizer import OptimizerFactory
 
@@ -95,14 +99,13 @@ def check_executable(plan: Plan) -> None:
     """Refuse, naming what to use instead, a plan with parallelisms this runtime does not run yet
     (raised alike on every rank, before any collective)."""
     m = plan.mesh
-    missing = [f"{what} ({key}={value})" for what, key, value in
-               (("pipeline parallelism", "pp", m.pp), ("virtual pipeline stages", "vpp", m.vpp),
-                ("expert parallelism", "ep", m.ep)) if value != 1]
-    if missing:
+    if m.ep != 1:
         raise UnsupportedPlan(
-            f"plan {plan.spec()} needs {' and '.join(missing)}, which mplan's runtime does not run yet; "
-            f"use a plan with pp=1, vpp=1 and ep=1 (tensor, sequence and data parallelism with ZeRO-1), "
-            f"e.g. plan='tp={m.tp},dp={m.dp * m.pp * m.vpp // max(1, m.vpp)}', or plan=None to let mplan choose one it runs")
+            f"plan {plan.spec()} needs expert parallelism (ep={m.ep}), which mplan's runtime does not run yet; "
+            f"use a plan with ep=1, e.g. plan='tp={m.tp},pp={m.pp},dp={m.dp}', or plan=None to let mplan choose one "
+            f"it runs")
+    if m.pp > 1 or len(plan.stages) > 1:
+        pipeline_schedule(plan)  # an unknown schedule or a shape it cannot run: ScheduleError, here
 
 
 def plan_hash(graph: Graph, plan: Plan) -> str:
@@ -158,13 +161,16 @@ def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.
     check_same_plan(digest, world)
     groups = init_process_groups(plan.mesh_shape())
     axis = groups.axis("tp")
-    shards = shard_parameters(graph, choice, axis.rank, axis.size, source, seed=seed, device=device, dtype=dtype)
     program = local_program(program_graph, choice, axis, device=device, kernels=kernels, fp8=fp8)
-    buffers = [spec.name for spec in program.meta[INPUTS] if spec.kind == "BUFFER"]
+    pipeline = rank_stages(program, program_graph, plan, groups) if len(plan.stages) > 1 else None
+    inputs = pipeline.inputs if pipeline is not None else program.meta[INPUTS]
+    shards = shard_parameters(graph, choice, axis.rank, axis.size, source, seed=seed, device=device, dtype=dtype,
+                              names=pipeline.parameters if pipeline is not None else None)
+    buffers = [spec.name for spec in inputs if spec.kind == "BUFFER"]
     statics = materialize_buffers(graph, model, buffers, device=device)
     if dtype is not None:  # as model.to(dtype) would: floating buffers (RoPE tables) follow
         statics = {k: v.to(dtype) if v.is_floating_point() else v for k, v in statics.items()}
-    for spec in program.meta[INPUTS]:
+    for spec in inputs:
         if spec.kind == "CONSTANT_TENSOR":
             statics[spec.name] = graph.program.constants[spec.target].to(device)
     # The exported program holds the model's parameters (its state_dict): the module keeps the
@@ -179,7 +185,7 @@ def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.
                           params={k: nn.Parameter(v) for k, v in shards.items()}, statics=statics,
                           layouts=parameter_layouts(graph, choice), optimizer=optimizer, device=device,
                           max_grad_norm=max_grad_norm, autocast=autocast, kernels=kernels, fp8=fp8,
-                          inference=inference)
+                          inference=inference, pipeline=pipeline, dtype=dtype)
 
 
 def _weightless_program(graph: Graph) -> object:
@@ -229,22 +235,53 @@ class ParallelModule:
                  statics: dict[str, torch.Tensor], layouts: dict[str, ParamLayout],
                  optimizer: OptimizerFactory, device: torch.device, max_grad_norm: float | None,
                  autocast: torch.dtype | None, kernels: bool, inference: Inference | None,
-                 fp8: bool = False) -> None:
+                 fp8: bool = False, pipeline: RankStages | None = None, dtype: torch.dtype | None = None) -> None:
         self.graph, self.plan, self.digest, self.groups, self.axis = graph, plan, digest, groups, axis
         self.choice = choice  # the TP strategy of every node of the training graph
         self.program, self.params, self.statics, self.layouts = program, params, statics, layouts
         self.device, self.max_grad_norm, self.autocast, self.kernels = device, max_grad_norm, autocast, kernels
-        self.fp8 = fp8
+        self.fp8, self.dtype = fp8, dtype
+        self.pipeline = pipeline  # None: one stage, the flat program runs each micro-batch
         self._forward = inference
-        self._inference: dict[int, fx.GraphModule] = {}
-        placements = {params[name]: ParamPlacement(tp_sharded=layout.tp_sharded, tp_reduce=layout.grad_partial)
-                      for name, layout in layouts.items()}
-        self.copies = _compute_copies(program, params, placements, groups, autocast, zero=plan.zero)
+        self._inference: dict[int, Callable[[tuple[torch.Tensor, ...]], torch.Tensor]] = {}
+        shared = pipeline.copies if pipeline is not None else None
+        placements = {param: ParamPlacement(tp_sharded=layouts[name].tp_sharded, tp_reduce=layouts[name].grad_partial,
+                                            pp_copy=shared is not None and shared.copy_here(name))
+                      for name, param in params.items()}
+        # Compute copies are an optimization of the flat program (autocast's casts done once a
+        # step); a pipeline lets autocast cast as it runs, which computes the same values.
+        self.copies = (_compute_copies(program, params, placements, groups, autocast, zero=plan.zero)
+                       if pipeline is None else None)
         # after the copies, whose analysis reads which ops use each parameter in the flat program
-        self.recomputed_units = checkpoint_units(program, graph, plan.recompute)
+        self.recomputed_units = (checkpoint_units(program, graph, plan.recompute) if pipeline is None
+                                 else list(pipeline.recomputed_units))
         self.optimizer: DistributedOptimizer = build_optimizer(
             list(params.values()), optimizer, groups, zero=plan.zero, placements=placements, copies=self.copies)
         self._last_grad_norm: torch.Tensor | None = None
+        self._micro: list[tuple[torch.Tensor, ...]] = []  # the step's micro-batches, read by the stages' feeds
+        self.executor = self._executor() if pipeline is not None else None
+
+    def _executor(self) -> PipelineExecutor:
+        pipeline = self.pipeline
+        assert pipeline is not None
+        runners = {}
+        for s in pipeline.mine:
+            stage = pipeline.stages[s]
+            params = tuple(dict.fromkeys(self.params[n] for n in stage.parameters if self.params[n].requires_grad))
+            runners[s] = StageRunner(program=stage, feed=self._stage_feed(stage.inputs), params=params)
+        return PipelineExecutor(schedule=pipeline.schedule, pp_rank=self.groups.pp_rank, stages=runners,
+                                peers=self.groups.ranks("pp"), device=self.device, autocast=self._autocast)
+
+    def _stage_feed(self, specs: tuple[LocalInput, ...]) -> Callable[[int], list[torch.Tensor]]:
+        """A stage's own inputs for micro-batch i of the current step (`_micro`)."""
+        users = [s.placeholder for s in self.program.meta[INPUTS] if s.kind == "USER_INPUT"]
+        position = {name: k for k, name in enumerate(users)}
+
+        def feed(i: int) -> list[torch.Tensor]:
+            micro = self._micro[i]
+            return [self.params[s.name] if s.kind == "PARAMETER" else micro[position[s.placeholder]]
+                    if s.kind == "USER_INPUT" else self.statics[s.name] for s in specs]
+        return feed
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -268,6 +305,8 @@ class ParallelModule:
             tensors = tuple(t[start:start + replica] for t in tensors)
         tensors = tuple(t.to(self.device) for t in tensors)
         mbs, count = self.plan.micro_batch_size, self.plan.num_micro_batches
+        if self.executor is not None:
+            return self._pipeline_step([tuple(t[i * mbs:(i + 1) * mbs] for t in tensors) for i in range(count)])
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         try:
             for i in range(count):
@@ -286,6 +325,27 @@ class ParallelModule:
         total /= count * self.plan.mesh.dp
         if group_size(self.groups.dp) > 1:
             dist.all_reduce(total, group=self.groups.dp)
+        return float(total)
+
+    def _pipeline_step(self, micro: list[tuple[torch.Tensor, ...]]) -> float:
+        """`train_step` under a pipeline plan: the executor runs this rank's actions; stage copies
+        of shared parameters add up their gradients; the loss comes from the last stage."""
+        assert self.executor is not None and self.pipeline is not None
+        self._micro = micro
+        try:
+            losses = self.executor.run()
+            self.pipeline.copies.sum_gradients(self.params)
+            self._last_grad_norm = self.optimizer.step(max_grad_norm=self.max_grad_norm)
+        finally:
+            self._micro = []
+            self.optimizer.zero_grad()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for loss in losses:
+            total += loss.to(torch.float64)
+        total /= len(micro) * self.plan.mesh.dp
+        for group in (self.groups.pp, self.groups.dp):  # the last stage's sum, then over replicas
+            if group_size(group) > 1:
+                dist.all_reduce(total, group=group)
         return float(total)
 
     def _autocast(self) -> contextlib.AbstractContextManager[None]:
@@ -307,17 +367,18 @@ class ParallelModule:
     # -- inference ----------------------------------------------------------------------------
     @torch.no_grad()
     def __call__(self, inputs: Batch) -> torch.Tensor:
-        """Forward only, on every rank alike; logits whole (gathered when vocabulary-sharded)."""
+        """Forward only, on every rank alike; logits whole (gathered when vocabulary-sharded, sent
+        from the last pipeline stage to every rank under a pipeline plan)."""
         tensors = tuple(t.to(self.device) for t in _as_tuple(inputs))
         rows = tensors[0].shape[0]
         if rows not in self._inference:
-            self._inference[rows] = self._inference_program(rows)
-        program = self._inference[rows]
+            self._inference[rows] = self._inference_runner(rows)
         with self._autocast():
-            return program(*self._feed(program, tensors))
+            return self._inference[rows](tensors)
 
-    def _inference_program(self, rows: int) -> fx.GraphModule:
-        """The local program of the model's forward at `rows` sequences, under this Plan."""
+    def _inference_runner(self, rows: int) -> Callable[[tuple[torch.Tensor, ...]], torch.Tensor]:
+        """The model's forward at `rows` sequences under this Plan: the local program, or under a
+        pipeline plan its stages (`_pipeline_forward`)."""
         if self.graph.program is not None:
             graph, plan, output = self.graph, self.plan, 1  # the training capture kept the model's output
         elif self._forward is not None:
@@ -330,17 +391,54 @@ class ParallelModule:
             if name in self.layouts and layout.placement != self.layouts[name].placement:
                 raise RuntimeError(f"inference sharding stores {name} as {layout.placement}, "
                                    f"training as {self.layouts[name].placement}")
-        return local_program(graph, choice, self.axis, device=self.device, kernels=self.kernels, fp8=self.fp8,
-                             output=output)
+        program = local_program(graph, choice, self.axis, device=self.device, kernels=self.kernels, fp8=self.fp8,
+                                output=output)
+        if self.pipeline is not None:
+            return self._pipeline_forward(split_stages(program, graph, [s.units for s in self.plan.stages]))
+        return lambda tensors: program(*self._feed(program, tensors))
+
+    def _pipeline_forward(self, stages: tuple[StageProgram, ...]) -> Callable[[tuple[torch.Tensor, ...]], torch.Tensor]:
+        """Forward through the stages: each rank runs its own in order, receiving from the stage
+        before and sending to the next (a chain, so blocking transfers cannot deadlock); the last
+        stage's rank then broadcasts the output over the pipeline group."""
+        assert self.pipeline is not None
+        schedule, peers, last = self.pipeline.schedule, self.groups.ranks("pp"), len(stages) - 1
+        feeds = {s: self._stage_feed(stages[s].inputs) for s in self.pipeline.mine}
+
+        def run(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            self._micro, result = [tensors], None
+            try:
+                for s in self.pipeline.mine:  # type: ignore[union-attr]
+                    received = [torch.empty(v.shape, dtype=v.dtype, device=self.device) for v in stages[s].receives]
+                    for buffer in received:
+                        dist.recv(buffer, src=peers[schedule.rank_of(s - 1)])
+                    out = stages[s].module(*feeds[s](0), *received)
+                    if s == last:
+                        result = out
+                    else:
+                        for value in out:
+                            dist.send(value.contiguous(), dst=peers[schedule.rank_of(s + 1)])
+            finally:
+                self._micro = []
+            return broadcast_tensor(result, src=peers[schedule.rank_of(last)], group=self.groups.pp,
+                                    device=self.device)
+        return run
 
     # -- state --------------------------------------------------------------------------------
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Whole parameters under their original names, tied ones under each of their names
-        (collective over TP: call on every rank)."""
+        (collective: call on every rank; under a pipeline plan each parameter is sent from the
+        pipeline rank that owns it)."""
         out: dict[str, torch.Tensor] = {}
+        peers = self.groups.ranks("pp")
         for name, layout in self.layouts.items():
-            whole = apply_transition(self.params[name].detach(), layout.placement, R, self.axis).clone()
+            owner = self.pipeline.owner(name) if self.pipeline is not None else self.groups.pp_rank
+            whole = None
+            if owner == self.groups.pp_rank:
+                whole = apply_transition(self.params[name].detach(), layout.placement, R, self.axis).clone()
+            if self.pipeline is not None:
+                whole = broadcast_tensor(whole, src=peers[owner], group=self.groups.pp, device=self.device)
             for alias in self.graph.names_of(name):
                 out[alias] = whole
         return out

@@ -1,7 +1,7 @@
 """Where each local parameter sits relative to the single-device model, as the runtime needs it.
 
 Input: what the rewrite passes decided for each parameter (the plan's `sharding`), reduced to
-three facts. Output: which group averages its gradient, and whether this rank's copy counts
+four facts. Output: which group averages its gradient, and whether this rank's copy counts
 in the global gradient norm. Gradient sync (`data_parallel.py`), the sharded optimizer and
 gradient clipping read the same record, so they cannot disagree about a parameter.
 
@@ -38,6 +38,10 @@ class ParamPlacement:
     applied to sequence-parallel shards sees only its shard's tokens. Summed over TP first."""
     expert: bool = False
     """An expert's parameter: different on each EP rank, replicated over `expert_dp`."""
+    pp_copy: bool = False
+    """A copy of a parameter that a stage on an earlier pipeline rank also reads (a tied output
+    head): its gradient is summed with the owner's before the step (`stage_copies.py`), and it
+    counts in the global norm on the owner only."""
 
     def __post_init__(self) -> None:
         if self.tp_sharded and self.tp_reduce:
@@ -68,4 +72,4 @@ def counts_in_norm(placement: ParamPlacement, groups: ProcessGroups, *, dp_shard
     """
     tp_owner = placement.tp_sharded or groups.tp_rank == 0
     replica_rank = groups.expert_dp_rank if placement.expert else groups.dp_rank
-    return tp_owner and (dp_sharded or replica_rank == 0)
+    return not placement.pp_copy and tp_owner and (dp_sharded or replica_rank == 0)
