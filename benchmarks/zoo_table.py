@@ -6,7 +6,7 @@ it to, and the layout that ran (or the error that refused it).
     python benchmarks/zoo_table.py -o benchmarks/results/zoo-cpu-2026-12-01.json
 
 It runs the same function the test runs (`zoo_models.train_under_plan`) and prints the README's
-markdown table. About 4 minutes on the 2-core CPU machine.
+markdown table. About 8 minutes on the 2-core CPU machine.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import zoo_models  # noqa: E402
 from distributed import run_ranks  # noqa: E402
 
-PLANS = {2: ("tp=2", "tp=2,sp=1", "dp=2", "dp=2,zero=1", None), 4: ("tp=2,dp=2", None)}
+PLANS = zoo_models.PLANS
 
 
 def _all_plans(plans: tuple[str | None, ...]) -> dict[str, dict]:

@@ -62,14 +62,15 @@ def measure_plan(model_spec: str, plan_spec: str, *, global_batch: int, seq_len:
 
     source = resolve_model(model_spec)
     seq = seq_len or source.seq_len
-    model = build_model(source, device="meta")
+    on_gpu = torch.cuda.is_available()
+    # built in the dtype it trains in (bf16 on GPUs), so every stage's activations have the dtypes
+    # the capture recorded, which pipeline plans rely on
+    model = build_model(source, device="meta", dtype=torch.bfloat16 if on_gpu else torch.float32)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, source.vocab, (global_batch, seq), generator=generator)
     labels = torch.roll(ids, -1, dims=1)
-    on_gpu = torch.cuda.is_available()
     pm = mplan.autoparallel(model, example_inputs=(ids,), global_batch=global_batch, plan=plan_spec,
-                            optimizer=functools.partial(torch.optim.AdamW, lr=1e-4),
-                            dtype=torch.bfloat16 if on_gpu else None)
+                            optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     ids, labels = ids.to(device), labels.to(device)
     if on_gpu:

@@ -11,7 +11,7 @@ Scaling down, so any model and plan verify in seconds on a laptop:
   layers or as many as the plan's pipeline stages need; Hugging Face configs get the same sizes
   through their attribute names;
 - the mesh keeps the plan's parallelisms where the world allows (`scaled_plan`: tp' <= tp and
-  pp' <= pp, dp fills), with vpp, schedule, SP and ZeRO as planned, micro-batches of one
+  pp' <= pp, dp fills), with vpp, schedule, SP, ZeRO and recomputation as planned, micro-batches of one
   sequence (at least two, a multiple of pp');
 - TP strategies are Megatron's layout on the scaled model, and stage cuts are priced again on
   it: the plan's per-op choices and cuts were made for the full-size shapes and need not exist
@@ -148,7 +148,7 @@ class ScaledPlan:
 def scaled_plan(plan_spec: str, world_size: int) -> ScaledPlan:
     """The layout that runs on `world_size` ranks: of the degrees tp' <= tp and pp' <= pp whose
     product divides the world, the pair that keeps the most of the plan's parallelisms (TP, PP,
-    then DP), then the largest; dp fills; vpp, schedule, SP and ZeRO as planned; micro-batches of
+    then DP), then the largest; dp fills; vpp, schedule, SP, ZeRO and recomputation as planned; micro-batches of
     one sequence, at least two and a multiple of pp' (the interleaved schedule needs it)."""
     from mplan.planner.parallel_config import parse_plan_spec
     from mplan.planner.plan import Plan
@@ -156,18 +156,19 @@ def scaled_plan(plan_spec: str, world_size: int) -> ScaledPlan:
     if plan_spec.strip().endswith(".json"):
         made = Plan.load(plan_spec.strip())
         tp, pp, vpp, sp, zero = made.mesh.tp, made.mesh.pp, made.mesh.vpp, int(made.sequence_parallel), made.zero
-        schedule, dp = made.schedule, made.mesh.dp
+        schedule, dp, recompute = made.schedule, made.mesh.dp, made.recompute
     else:
         spec = parse_plan_spec(plan_spec)
         tp, pp, vpp, sp, zero = spec.tp or 1, spec.pp or 1, spec.vpp or 1, spec.sp or 0, spec.zero or 0
         schedule, dp = spec.schedule or ("interleaved" if vpp > 1 else "1f1b"), spec.dp or 1
+        recompute = spec.recompute or "none"
     pairs = [(t, p) for t in range(1, min(tp, world_size) + 1) for p in range(1, min(pp, world_size) + 1)
              if world_size % (t * p) == 0]
     tp_, pp_ = max(pairs, key=lambda q: ((q[0] > 1) == (tp > 1), (q[1] > 1) == (pp > 1),
                                            (world_size // (q[0] * q[1]) > 1) == (dp > 1), q[0] * q[1], q[1]))
     vpp_ = vpp if pp_ > 1 else 1
     micro = max(2, pp_) if pp_ > 1 else 2
-    layout = f"dp={world_size // (tp_ * pp_)},tp={tp_},sp={sp},zero={zero},mbs=1"
+    layout = f"dp={world_size // (tp_ * pp_)},tp={tp_},sp={sp},zero={zero},mbs=1,recompute={recompute}"
     if pp_ > 1:
         layout += f",pp={pp_},vpp={vpp_},schedule={schedule if vpp_ > 1 or schedule != 'interleaved' else '1f1b'}"
     return ScaledPlan(spec=layout, tp=tp_, pp=pp_, vpp=vpp_, num_micro_batches=micro)

@@ -28,6 +28,7 @@ from distributed import run_checks
 from test_equivalence import (MAX_NORM, OPTIMIZER, assert_equivalent, batches, compare, family, hf_llama,
                               rel_err)
 
+LLAMA3 = "llama:layers=3,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=64"
 LLAMA5 = "llama:layers=5,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=64"
 LLAMA7 = "llama:layers=7,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=64,tie=1"
 GPT4 = "gpt:layers=4,hidden=32,heads=4,seq=16,vocab=64"
@@ -78,6 +79,11 @@ def pp2_uneven_llama5() -> dict[str, Any]:  # 7 units (embedding, 5 layers, head
 
 def pp2_recompute_selective_gpt() -> dict[str, Any]:
     return compare(family("tiny-gpt"), "pp=2,recompute=selective", 4, micro_batch_size=1)
+
+
+def pp2_fused_kernels_llama3() -> dict[str, Any]:
+    # a residual add fused with the next block's norm may straddle the border; it runs where it ended
+    return compare(family(LLAMA3), "pp=2", 4, micro_batch_size=1, kernels=True)
 
 
 def pp2_hf_llama() -> dict[str, Any]:
@@ -194,7 +200,7 @@ def tied_copies() -> dict[str, Any]:
 
 
 WORLD2 = [pp2_gpipe_gpt, pp2_1f1b_llama, pp2_interleaved_vpp2_gpt, pp2_zb_h1_llama, pp2_uneven_llama5,
-          pp2_recompute_selective_gpt, pp2_hf_llama, pp2_hf_mistral]
+          pp2_recompute_selective_gpt, pp2_fused_kernels_llama3, pp2_hf_llama, pp2_hf_mistral]
 WORLD2_OTHER = [executed_as_listed, inference_and_state, checkpoint_under_pipeline, tied_copies]
 
 
@@ -266,6 +272,11 @@ def test_eight_ranks_match_one_process(world8, check) -> None:
     results = world8.assert_passed(check)
     assert_equivalent(results)
     assert "dp=2,tp=2,pp=2" in results[0]["ran"] and "sp=1,zero=1" in results[0]["ran"]
+
+
+def test_fused_kernels_run_inside_the_stages(world2) -> None:
+    fired = world2.assert_passed(pp2_fused_kernels_llama3)[0]["fused"]
+    assert fired["rms_norm_residual"] == 6 and fired["rope"] == 6, fired
 
 
 def test_uneven_stages_hold_what_the_plan_cut(world2, world4) -> None:

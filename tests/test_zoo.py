@@ -18,8 +18,7 @@ import zoo_models
 from distributed import run_checks
 
 NAMES = tuple(zoo_models.ZOO)
-PLANS = {2: ("tp=2", "tp=2,sp=1", "dp=2", "dp=2,zero=1", "pp=2,mbs=1", None),
-         4: ("tp=2,dp=2", "tp=2,pp=2,mbs=2", None)}
+PLANS = zoo_models.PLANS
 
 
 @functools.lru_cache(maxsize=None)

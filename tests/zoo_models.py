@@ -471,6 +471,12 @@ def split_batch_error(zoo: ZooModel, data: list[tuple[Tensor, Tensor]],
 OPTIMIZER = partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 GLOBAL_BATCH = 4
 STEPS = 3
+PLANS: dict[int, tuple[str | None, ...]] = {
+    2: ("tp=2", "tp=2,sp=1", "dp=2", "dp=2,zero=1", "pp=2,mbs=1", None),
+    4: ("tp=2,dp=2", "tp=2,pp=2,mbs=2", None),
+}
+"""The plans every zoo model trains under, by world size (None: the planner's own search):
+tests/test_zoo.py and benchmarks/zoo_table.py read this one list."""
 TOLERANCE = 1e-9
 """Relative error allowed where the model computes in float64 throughout."""
 FLOAT32_FACTOR = 200

@@ -18,7 +18,9 @@ Model (each term from the cost models, nothing fitted here):
 - DP gradient sync per rank: all-reduce of fp32 gradients (zero=0) or reduce-scatter of gradients
   plus all-gather of updated bf16 parameters (zero=1), started after the rank's last backward, so
   only its tail past the pipeline's end is exposed; TP all-reduce of partial parameter gradients;
-  under mplan's runtime the buckets' reduction starts during the last backward (`overlapped_sync`);
+  under mplan's runtime the buckets' reduction starts during the last backward (`overlapped_sync`)
+  of a one-stage plan, and under a pipeline it runs at the step, after every rank's last action
+  (the pipeline executor reduces gradients once the schedule is done: nothing overlaps);
 - the optimizer step is memory-bound over the rank's optimizer shard: clipping's gradient norm,
   then one multi-tensor AdamW, mplan's kernel or torch's fused one (`optimizer_time`), and under
   ZeRO-1 the copies between parameters, flat gradients and master shard (`zero1_copy_time`);
@@ -205,7 +207,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         reduction = "reduce_scatter" if config.zero else "all_reduce"
         sync = collective_time(cluster, reduction, params * grad_bytes, dp_group)
         sync += collective_time(cluster, "all_reduce", tp_sync * grad_bytes / max(1, per.param), tp_group)
-        if facts.runtime == "mplan" and config.dp > 1:
+        if facts.runtime == "mplan" and config.dp > 1 and config.pp == 1:
             sync = overlapped_sync(cluster, reduction, sync, sum(chunk_b[c] for c in chunks), params * grad_bytes,
                                    dp_group)
         if config.zero:  # the updated parameters, gathered after the step: never overlapped
@@ -231,9 +233,10 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     if not reason and not fits:
         reason = f"needs {peak / 2**30:.1f} GiB per GPU, has {cluster.device.memory_bytes / 2**30:.1f}"
 
+    at_step = facts.runtime == "mplan" and config.pp > 1  # the sync waits for the schedule's end
     costs = PipelineCosts(forward_s=chunk_f, backward_s=chunk_b, p2p_s=(p2p,) * (k - 1),
-                          grad_sync_s=tuple(syncs[c % config.pp] / config.vpp for c in range(k)), optimizer_s=opt,
-                          weight_s=chunk_w)
+                          grad_sync_s=tuple(0.0 if at_step else syncs[c % config.pp] / config.vpp for c in range(k)),
+                          optimizer_s=opt + (max(syncs) if at_step else 0.0), weight_s=chunk_w)
     if fast:
         step, bubble, busy = _closed_form(config, costs)
         sim = None

@@ -154,6 +154,12 @@ def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.
         raise ValueError(f"plan {plan.spec()}: recompute={plan.recompute} with fp8=True: FP8's delayed scaling "
                          "records each cast's amax in forward, so a recomputed forward would quantize with "
                          "another scale than the forward it replaces; use recompute=none with fp8")
+    if len(plan.stages) > 1 and dtype is not None:
+        other = sorted({p.meta.dtype for p in graph.params.values()} - {str(dtype).removeprefix("torch.")})
+        if other:  # raised alike on every rank, before the first collective
+            raise PlanError(f"plan {plan.spec()}: a pipeline sends each stage's activations in the dtypes the "
+                            f"capture recorded, and dtype={dtype} would change them (the model holds {other}): "
+                            f"build the model in the dtype it trains in (model.to({dtype})) and leave dtype unset")
     program_graph = at_batch(graph, plan.micro_batch_size)
     choice = plan.op_strategies(program_graph)
     digest = plan_hash(program_graph, plan)
