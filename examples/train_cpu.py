@@ -1,7 +1,8 @@
-"""Train a small Llama with tensor, sequence and data parallelism and ZeRO-1 on 4 CPU ranks.
+"""Train a small Llama with tensor, sequence, pipeline and data parallelism and ZeRO-1 on 4 CPU ranks.
 
     torchrun --nproc-per-node 4 examples/train_cpu.py
     torchrun --nproc-per-node 4 examples/train_cpu.py --plan tp=4,sp=1 --steps 10
+    torchrun --nproc-per-node 4 examples/train_cpu.py --plan tp=2,pp=2,schedule=zb-h1 --micro-batch 1
     python examples/train_cpu.py --plan dp=1        # one process, no torchrun
 
 Every rank builds the same model (on the meta device: each rank initializes only its shards),

@@ -8,10 +8,12 @@ mkdir -p out
 echo "== mplan plan: GPT-3 175B on 128 DGX A100 nodes (1024 GPUs), global batch 1536 (predicted figures)"
 .venv/bin/mplan plan gpt3-175b --cluster dgx-a100 --nodes 128 --global-batch 1536 -o out/gpt3-175b.plan.json
 .venv/bin/mplan explain out/gpt3-175b.plan.json --gantt out/gpt3-175b.schedule.png > /dev/null
-echo "== mplan plan: a small Llama on 4 local CPU ranks, then the same plan trained for real"
-.venv/bin/mplan plan "llama:layers=2,hidden=64,heads=8,kv_heads=4,ffn=128,seq=32,vocab=128" \
-    --cluster cpu --gpus-per-node 4 --global-batch 8 --spec tp=2,dp=2,pp=1 -o out/small-llama.plan.json
-.venv/bin/torchrun --nproc-per-node 4 examples/train_cpu.py --plan out/small-llama.plan.json --check
+SMALL="llama:layers=4,hidden=64,heads=8,kv_heads=4,ffn=128,seq=32,vocab=128"
+echo "== mplan plan: a small Llama on 4 local CPU ranks, tensor x pipeline parallel, then that plan trained for real"
+.venv/bin/mplan plan "$SMALL" --cluster cpu --gpus-per-node 4 --global-batch 8 --spec tp=2,pp=2,mbs=1 \
+    --runtime mplan -o out/small-llama.plan.json
+.venv/bin/mplan explain out/small-llama.plan.json --gantt out/small-llama.schedule.png > /dev/null
+.venv/bin/torchrun --nproc-per-node 4 examples/train_cpu.py --model "$SMALL" --plan out/small-llama.plan.json --check
 echo "== a hand-written Megatron-style plan (TP2 x DP2, sequence parallel, ZeRO-1) on the same ranks"
 .venv/bin/torchrun --nproc-per-node 4 examples/train_cpu.py --plan tp=2,dp=2,sp=1,zero=1 --check
-echo "plans, explanation and Gantt chart are in out/"
+echo "plans, explanations and Gantt charts are in out/"

@@ -166,6 +166,26 @@ def test_verify_plan_scales_a_plan_down() -> None:
     assert "num_layers=2" in report.scaled_model and "tie_embeddings=True" in report.scaled_model
 
 
+def test_the_planners_pipeline_plan_for_llama3_70b_verifies(tmp_path) -> None:
+    """`mplan plan llama3-70b --cluster dgx-h100 --nodes 4 --global-batch 512` picks a pipeline, and
+    that plan file, scaled down to 4 gloo ranks with its TP, pipeline, schedule and recomputation,
+    trains as one process does."""
+    from mplan.cli import main as cli_main
+    from mplan.planner.plan import Plan
+    from mplan.verify import scaled_plan, verify_plan
+
+    path = tmp_path / "llama3-70b.plan.json"
+    assert cli_main(["plan", "llama3-70b", "--cluster", "dgx-h100", "--nodes", "4", "--global-batch", "512",
+                     "-o", str(path)]) == 0
+    plan = Plan.load(str(path))
+    assert plan.mesh.pp > 1 and plan.mesh.tp > 1, plan.spec()
+    layout = scaled_plan(str(path), 4)
+    assert (layout.tp, layout.pp) == (2, 2) and f"schedule={plan.schedule}" in layout.spec, layout
+    report = verify_plan("llama3-70b", str(path), world_size=4, steps=2)
+    assert report.passed, report
+    assert "tp=2,pp=2" in report.executed and f"recompute={plan.recompute}" in report.executed, report.executed
+
+
 @functools.lru_cache(maxsize=None)
 def _tiny_graph():
     from mplan.ir.trace import capture_for_training
