@@ -6,8 +6,9 @@ serve every entry. A plan that cannot run gets `error` (why) instead of figures.
 predictions; `measured` is filled only by a measurement (`--measure`), with `prediction_error`
 (predicted over measured, minus one: the step time, and the peak memory predicted without the
 planner's fragmentation margin), or says why the runtime cannot run that plan
-(pipeline and expert parallelism are planned, not yet executed), or that it ran out of device
-memory (on every rank alike, for the symmetric plans the runtime executes).
+(expert parallelism is planned, not yet executed), or that it ran out of device memory (on every
+rank alike, for the symmetric plans the runtime executes). `rankings` orders the measured plans by
+prediction and by measurement, which is what a planner must get right.
 """
 from __future__ import annotations
 
@@ -72,6 +73,13 @@ def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequ
         if on_row is not None:
             on_row(rows)
     return rows
+
+
+def rankings(rows: Sequence[Row]) -> dict[str, list[str]]:
+    """The plans measured, fastest first, by predicted and by measured step time (their specs)."""
+    timed = [r for r in rows if r["predicted"] and (r.get("measured") or {}).get("step_time_s")]
+    return {"predicted": [r["spec"] for r in sorted(timed, key=lambda r: r["predicted"]["step_time_s"])],
+            "measured": [r["spec"] for r in sorted(timed, key=lambda r: r["measured"]["step_time_s"])]}
 
 
 def _prediction_error(measured: dict[str, Any], predicted: Any, allocated: Any) -> dict[str, Any]:

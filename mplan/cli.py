@@ -119,14 +119,17 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from mplan.bench import bench_plans, write_csv
+    from mplan.bench import bench_plans, rankings, write_csv
 
     status, progress = _stderr_progress()
     reports = int(os.environ.get("RANK", "0")) == 0  # under torchrun (--measure) every rank runs the plans
 
+    def document(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"plans": rows, **({"ranking": rankings(rows)} if args.measure else {})}
+
     def write_so_far(rows: list[dict[str, Any]]) -> None:
         with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"plans": rows}, f, indent=1)
+            json.dump(document(rows), f, indent=1)
 
     with status:
         rows = bench_plans(args.model, _cluster(args), args.global_batch, args.plans, seq_len=args.seq_len,
@@ -137,9 +140,13 @@ def _bench(args: argparse.Namespace) -> int:
     if args.csv:
         write_csv(rows, args.csv)
     if args.json:
-        print(json.dumps({"plans": rows}, indent=1))
+        print(json.dumps(document(rows), indent=1))
         return 0
     _print_bench(rows)
+    if args.measure:
+        order = rankings(rows)
+        print(f"fastest first, predicted: {' < '.join(order['predicted'])}")
+        print(f"fastest first, measured:  {' < '.join(order['measured'])}")
     return 0
 
 

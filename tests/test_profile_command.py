@@ -51,6 +51,30 @@ def test_bench_measure_runs_the_plan_for_real(capsys):
     assert error["peak_memory"] is None  # no device peak on the CPU
 
 
+def test_bench_measures_pipeline_plans_on_cpu_ranks(tmp_path):
+    """Under torchrun, `mplan bench --measure` runs each plan for real, pipelines among them, and
+    orders the plans by prediction and by measurement."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "rows.json"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mplan",
+                          "bench", "tiny-llama", "--cluster", "cpu", "--gpus-per-node", "2", "--global-batch", "4",
+                          "--plans", "dp=2", "pp=2,mbs=1,schedule=1f1b", "pp=2,mbs=1,schedule=zb-h1", "--measure",
+                          "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    for row in doc["plans"]:
+        assert row["error"] is None and row["measured"]["step_time_s"] > 0, row
+        assert "prediction_error" in row["measured"], row
+    assert [row["mesh"]["pp"] for row in doc["plans"]] == [1, 2, 2]
+    assert sorted(doc["ranking"]["predicted"]) == sorted(doc["ranking"]["measured"]) == sorted(
+        ["dp=2", "pp=2,mbs=1,schedule=1f1b", "pp=2,mbs=1,schedule=zb-h1"])
+    assert "fastest first, measured:" in run.stdout
+
+
 def test_bench_writes_each_row_as_it_finishes(tmp_path, monkeypatch):
     """--out is rewritten after every plan: a measured run cut short keeps the plans it finished."""
     from mplan import bench
