@@ -28,13 +28,15 @@ Two clocks, each a median:
             once its GEMMs are long. A phase needs its set-up first, so each is measured with its
             set-up and the set-up alone is subtracted (W: forward + I + W less forward + I). On the
             CPU smoke run the same subtraction runs on perf_counter wall times.
-Peak memory per phase: torch.cuda.max_memory_allocated during it (reset at its start), beside
-what was allocated when it started and what it leaves held (I keeps the graph until W).
+Memory per phase, in MiB (None on the CPU): peak_mib, torch.cuda.max_memory_allocated during it
+(reset at its start); start_mib, what was allocated when it started (its set-up's activations
+included); held_mib, what it left allocated less start_mib (B frees the saved activations, I keeps
+them for W). Each the largest over the timed samples.
 
 Correctness in the same run, from the same input, output gradient and zeroed `.grad`: the input
 gradient and every parameter gradient of mplan's I+W and of torch's, each against B's, as
 max |split - B| / max |B| per tensor (the largest over tensors reported, with its name); B run
-twice gives the floor (flash attention's backward is not bitwise repeatable). Tolerance: 2e-2 in
+twice gives the floor (a GPU's attention backward need not be bitwise repeatable). Tolerance: 2e-2 in
 bf16 (a few roundings of 2^-8 where several contributions to one gradient are summed in another
 order), 1e-4 in float32.
 
@@ -43,8 +45,9 @@ on both clocks; the planner's forward, backward and weight-gradient ms for the s
 (`Planner(capture_for_planning(spec), ClusterSpec.preset("h200")).units(tp=1, sp=False, mbs)`)
 and its W share; the correctness figures; with the GPU name, torch and Triton versions and the date.
 
-Run on the GPU (from the repository root; about 2 minutes, most of it the first CUDA kernels,
-the models' CPU-side initialization and the profiler's passes):
+Run on the GPU (from the repository root; estimated at 2-3 minutes before its first run, most
+of it CUDA start-up, the models' CPU-side initialization and the profiler's passes; no shape is
+started after --budget-s, so the report is written within the device tool's 600 s):
     PYTHONPATH=. python3 benchmarks/split_backward_h200.py -o $OUT/split_backward_h200.json
 Smoke test of the same code paths on a CPU (float32, a 2-layer Llama and GPT of hidden 64, no
 CUDA events or profiler; a few seconds):
@@ -101,7 +104,7 @@ class Settings:
 FULL = Settings(specs=("llama:layers=4,hidden=2048,heads=16,kv_heads=8,ffn=5632,seq=2048,vocab=32000",
                        "gpt:layers=4,hidden=2048,heads=16,seq=2048,vocab=32000"),
                 micro_batches=(1, 4), device=torch.device("cuda"), dtype=torch.bfloat16, rounds=9, warmup=2,
-                kernel_rounds=5, kernel_iters=10, tolerance=2e-2)
+                kernel_rounds=3, kernel_iters=5, tolerance=2e-2)
 SMOKE = Settings(specs=("llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,seq=32,vocab=128",
                         "gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128"),
                  micro_batches=(1, 4), device=torch.device("cpu"), dtype=torch.float32, rounds=3, warmup=1,
@@ -253,7 +256,6 @@ def wall_times(stage: Stage, names: list[str], settings: Settings) -> dict[str, 
             sample = wall_sample(stage, name, settings.device)
             if r >= settings.warmup:
                 samples[name].append(sample)
-            gc.collect()  # no cycle of a dropped graph may hold memory into the next sample
     result = {}
     for name, runs in samples.items():
         ms = [s["ms"] for s in runs]
@@ -372,8 +374,8 @@ def measure_shape(model: nn.Module, spec: str, micro_batch: int, planner: Planne
 
 def table(shapes: Mapping[str, dict[str, Any]]) -> str:
     head = (f"{'shape':<14}{'F':>8}{'B':>8}{'I':>8}{'W':>8}{'I+W':>8}{'tI+tW':>8}  "
-            f"{'(I+W)/B':>12}{'W/B':>12}{'W/B plan':>9}{'torch/B':>12}{'err':>9}{'torch err':>10}")
-    lines = [head, "ms: wall (CUDA events); ratios: wall / kernel time"]
+            f"{'(I+W)/B':>14}{'W/B':>14}{'W/B plan':>9}{'torch/B':>14}{'err':>9}{'torch err':>10}")
+    lines = [head, "ms: wall clock (CUDA events on a GPU); ratios: wall / kernel clock; err: max relative error"]
     for key, row in shapes.items():
         p, wall, kernel = row["phases"], row["ratios"]["wall"], row["ratios"]["kernel"]
 
@@ -384,8 +386,8 @@ def table(shapes: Mapping[str, dict[str, Any]]) -> str:
         lines.append(
             f"{key:<14}" + "".join(f"{p[n]['wall_ms']:>8.3f}" if n in p else f"{'-':>8}"
                                    for n in ("forward", "B", "I", "W", "I+W", "torch_I+W"))
-            + f"  {both('split_over_full'):>12}{both('weight_over_full'):>12}"
-            + f"{row['planner']['weight_share']:>9.3f}{both('torch_split_over_full'):>12}"
+            + f"  {both('split_over_full'):>14}{both('weight_over_full'):>14}"
+            + f"{row['planner']['weight_share']:>9.3f}{both('torch_split_over_full'):>14}"
             + f"{row['correctness']['split']['max_rel_error']:>9.1e}"
             + (f"{torch_err:>10.1e}" if torch_err is not None else f"{'-':>10}"))
     return "\n".join(lines)
@@ -399,6 +401,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true",
                         help="the same code paths on the CPU in float32 at tiny sizes, in a few seconds")
     parser.add_argument("--rounds", type=int, default=None, help="wall-clock samples per phase (default 9; smoke 3)")
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="start no further shape after this many seconds, so that the report is written "
+                             "within the device tool's 600 s per command; the report names what it skipped")
     return parser.parse_args()
 
 
@@ -408,6 +413,10 @@ def main() -> None:
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("split_backward_h200.py measures a GPU; no CUDA device here (use --smoke on a CPU)")
     settings = SMOKE if args.smoke else FULL
+    if args.smoke:
+        # tiny tensors gain nothing from threads, and on a busy 2-core runner OpenMP's threads
+        # wait on each other: the smoke run took minutes instead of seconds
+        torch.set_num_threads(1)
     if args.rounds:
         settings = dataclasses.replace(settings, rounds=args.rounds)
     date = datetime.date.today().isoformat()
@@ -422,13 +431,20 @@ def main() -> None:
                      "kernel_iters": settings.kernel_iters, "tolerance": settings.tolerance},
         "torch_split_error": TORCH_SPLIT_MISSING,
         "shapes": {},
+        "skipped": [],  # models --budget-s left out
     }
     for spec in settings.specs:
-        clock.log(f"{spec}: building on {settings.device}, pricing with the planner")
-        planner = Planner(capture_for_planning(spec), ClusterSpec.preset(CLUSTER))
-        model = build_model(spec, device=settings.device, dtype=settings.dtype)
+        model: nn.Module | None = None
         for micro_batch in settings.micro_batches:
             key = f"{resolve_model(spec).family} mbs={micro_batch}"
+            if clock.elapsed() > args.budget_s:
+                report["skipped"].append(f"{key} ({spec}): not started at {clock.elapsed():.0f} s > --budget-s")
+                clock.log(report["skipped"][-1])
+                continue
+            if model is None:
+                clock.log(f"{spec}: pricing with the planner, building on {settings.device}")
+                planner = Planner(capture_for_planning(spec), ClusterSpec.preset(CLUSTER))
+                model = build_model(spec, device=settings.device, dtype=settings.dtype)
             report["shapes"][key] = measure_shape(model, spec, micro_batch, planner, settings, clock)
             write_report(out, report)  # a run cut short by the time limit keeps the shapes it finished
         del model
@@ -438,6 +454,12 @@ def main() -> None:
     write_report(out, report)
     print(f"{report['gpu']}, torch {report['torch']}, triton {report['triton']}, {report['date']}, {report['dtype']}")
     print(table(report["shapes"]))
+    failed = [f"{key}: {method} {check['max_rel_error']:.2e} > {row['correctness']['tolerance']}"
+              for key, row in report["shapes"].items() for method, check in row["correctness"].items()
+              if isinstance(check, dict) and not check["passed"]]
+    print("gradients: " + ("; ".join(failed) if failed else "every split equals the whole backward"))
+    for line in report["skipped"]:
+        print(f"skipped: {line}")
     clock.log(f"wrote {out}")
 
 

@@ -216,6 +216,14 @@ def test_spec_strings_fail_with_the_arithmetic(spec, world, batch, error, match)
         _resolve(spec, world, batch)
 
 
+def test_a_pipeline_spec_gets_micro_batches_for_every_stage() -> None:
+    plan = _resolve("pp=2", 2, 8)
+    assert (plan.micro_batch_size, plan.num_micro_batches, plan.schedule) == (4, 2, "1f1b")
+    plan = _resolve("pp=2,vpp=2", 2, 8)
+    assert (plan.micro_batch_size, plan.num_micro_batches, plan.schedule) == (4, 2, "interleaved")
+    assert [s.rank for s in plan.stages] == [0, 1, 0, 1]
+
+
 def test_spec_fills_left_out_keys() -> None:
     plan = _resolve("tp=2,sp=1,zero=1", 8, 16, micro_batch_size=2)
     assert (plan.mesh.dp, plan.mesh.tp, plan.micro_batch_size, plan.num_micro_batches) == (4, 2, 2, 2)

@@ -145,3 +145,35 @@ def test_gpu_equivalence_script_on_cpu_ranks(tmp_path: Path) -> None:
     plans = json.loads(out.read_text())["plans"]
     assert set(plans) == {"tp=2", "dp=2,zero=1"}
     assert all(row["passed"] and row["max_param_rel_diff"] < 1e-12 for row in plans.values()), plans
+
+
+def test_split_backward_benchmark_on_tiny_stages(tmp_path: Path) -> None:
+    """benchmarks/split_backward_h200.py --smoke (float32, CPU): every phase timed on both clocks,
+    the planner's weight-gradient share beside the measured one, and the split backward (mplan's
+    I+W, torch's stage_backward_input + stage_backward_weight) equal to the whole backward."""
+    out = tmp_path / "split_backward.json"
+    _run("split_backward_h200.py", "--smoke", "-o", str(out))
+    report = json.loads(out.read_text())
+    assert {"date", "gpu", "torch", "triton", "dtype", "kernel_clock", "settings", "planner_cluster"} <= set(report)
+    assert report["torch_split_error"] is None and report["skipped"] == []
+    assert set(report["shapes"]) == {"llama mbs=1", "llama mbs=4", "gpt mbs=1", "gpt mbs=4"}
+    ratio_names = {"split_over_full", "input_over_full", "weight_over_full", "torch_split_over_full",
+                   "torch_weight_over_full", "full_over_forward"}
+    for key, row in report["shapes"].items():
+        assert row["tokens"] == row["micro_batch"] * row["seq_len"], key
+        assert set(row["phases"]) == {"forward", "B", "I", "W", "I+W", "torch_I", "torch_W", "torch_I+W"}, key
+        for name, phase in row["phases"].items():
+            assert phase["wall_ms"] > 0 and len(phase["wall_ms_all"]) == report["settings"]["rounds"], (key, name)
+            assert isinstance(phase["kernel_ms"], float), (key, name)
+            assert phase["start_mib"] is phase["peak_mib"] is phase["held_mib"] is None, (key, name)  # no CUDA
+        for clock in ("wall", "kernel"):
+            assert set(row["ratios"][clock]) == ratio_names, (key, clock)
+            assert all(value is not None for value in row["ratios"][clock].values()), (key, clock)
+        planner = row["planner"]
+        assert planner["num_blocks"] == row["num_layers"] == 2, key
+        assert 0.0 < planner["weight_backward_ms"] < planner["backward_ms"], (key, planner)
+        assert planner["weight_share"] == pytest.approx(planner["weight_backward_ms"] / planner["backward_ms"])
+        correctness = row["correctness"]
+        for method in ("repeat_full", "split", "torch_split"):
+            # float32 on the CPU: the same kernels on the same values, summed in the same order
+            assert correctness[method]["passed"] and correctness[method]["max_rel_error"] < 1e-6, (key, correctness)

@@ -10,6 +10,7 @@ from mplan.cost_models.memory_model import (FRAGMENTATION_FRACTION, activation_b
 from mplan.ir.schedule import max_in_flight, one_f_one_b
 from mplan.planner.evaluate import ModelFacts, evaluate, schedule_of
 from mplan.planner.parallel_config import ParallelConfig
+from mplan.planner.planning import capture_for_planning
 from mplan.planner.unit_costs import UnitCost
 
 
@@ -79,6 +80,32 @@ def test_recompute_modes() -> None:
         activation_bytes_kept(recompute="full", **common)
     with pytest.raises(ValueError, match="unknown recompute mode 'some'"):
         activation_bytes_kept(recompute="some", **common)
+
+
+def test_gradients_made_during_backward_take_the_place_of_the_activations_it_frees() -> None:
+    """One micro-batch without gradient buffers: the peak holds the larger of activations and
+    gradients (the runtime's .grad is made as backward frees each layer), not their sum."""
+    per = mplan_bytes_per_param("bf16", zero=0)
+    common = dict(num_params=1e9, per_param=per, num_in_flight=1, fragmentation=0.0)
+    both = estimate_memory(activation_bytes=1.5e9, **common)
+    overlapped = estimate_memory(activation_bytes=1.5e9, grads_during_backward=True, **common)
+    assert both.total_bytes - overlapped.total_bytes == 1.5e9  # grads (2e9) exceed the activations
+    assert overlapped.activations_bytes == 0.0 and overlapped.grads_bytes == both.grads_bytes
+    wide = estimate_memory(activation_bytes=5e9, grads_during_backward=True, **common)
+    assert wide.total_bytes == 1e9 * (per.param + per.optimizer) + 5e9  # activations exceed the grads
+
+
+def test_evaluate_overlaps_gradients_and_activations_only_where_the_runtime_does() -> None:
+    from mplan.planner.search import Planner
+
+    graph = capture_for_planning("tiny-llama")
+    planner = Planner(graph, ClusterSpec.preset("h200"), runtime="mplan")
+    one = planner.evaluate(ParallelConfig(dp=1, tp=1, pp=1, mbs=1, num_micro_batches=1), fragmentation=0.0)
+    two = planner.evaluate(ParallelConfig(dp=1, tp=1, pp=1, mbs=1, num_micro_batches=2), fragmentation=0.0)
+    (m1,), (m2,) = one.memory, two.memory
+    assert m1.total_bytes == pytest.approx(m1.params_bytes + m1.optimizer_bytes + max(m1.grads_bytes, m2.activations_bytes)
+                                           + m1.transient_bytes)
+    assert m2.total_bytes > m1.total_bytes  # accumulating over micro-batches holds the gradients throughout
 
 
 def test_zero_must_be_0_or_1() -> None:

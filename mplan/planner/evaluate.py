@@ -227,7 +227,10 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
             checkpoint_bytes=sum(units[u].input_bytes for u in rank_units) / config.vpp,
             # full recomputation re-runs one unit at a time: the largest one's activations on top
             layer_activation_bytes=max((units[u].saved_bytes for u in rank_units), default=0),
-            num_in_flight=in_flight[rank], largest_workspace_bytes=workspace, fragmentation=fragmentation))
+            num_in_flight=in_flight[rank], largest_workspace_bytes=workspace, fragmentation=fragmentation,
+            # mplan's runtime keeps no gradient buffer at dp=1: one micro-batch's gradients replace
+            # its activations as backward runs (data_parallel.py)
+            grads_during_backward=facts.runtime == "mplan" and config.dp == 1 and config.num_micro_batches == 1))
     peak = max(m.total_bytes for m in memory)
     fits = not reason and peak <= cluster.device.memory_bytes
     if not reason and not fits:

@@ -11,7 +11,9 @@ reads it (`Plan.op_strategies`): it never solves, searches or re-captures.
 - None / "auto"  the planner searches (`search.Planner`) on this graph, within `within`;
 - a spec string  keys as in the plan-spec grammar; keys left out take defaults here (tp=1, sp=0,
                  zero=0, dp fills the world, mbs = the whole replica batch unless
-                 `micro_batch_size` says otherwise, recompute=none); the TP strategies are
+                 `micro_batch_size` says otherwise, or with pp > 1 the largest that still gives
+                 every stage pp micro-batches to overlap, recompute=none, schedule=1f1b, or
+                 interleaved with vpp > 1); the TP strategies are
                  Megatron-LM's layout (`tp_layout="megatron"`) or the ILP's cheapest valid mix on
                  the cluster (`"ilp"`), solved on this graph; the figures priced on the cluster;
 - a Plan / path  checked against this job (world size, global batch, the model's hash) and bound
@@ -97,7 +99,8 @@ def _config_of(text: str, world_size: int, global_batch: int, micro_batch_size: 
         raise PlanSpecError(f"global batch {global_batch} is not divisible by dp={dp} "
                          f"({global_batch} % {dp} = {global_batch % dp})")
     replica = global_batch // dp
-    mbs = spec.mbs or micro_batch_size or replica
+    mbs = spec.mbs or micro_batch_size or max(d for d in range(1, replica + 1)
+                                               if replica % d == 0 and (replica // d >= pp or d == 1))
     if replica % mbs:
         raise PlanSpecError(f"each of dp={dp} replicas gets {replica} sequences, not a multiple of "
                          f"the micro-batch size {mbs} ({replica} % {mbs} = {replica % mbs})")
@@ -113,7 +116,8 @@ def _config_of(text: str, world_size: int, global_batch: int, micro_batch_size: 
                         f"run it; use mbs={graph.batch_size}")
     return ParallelConfig(dp=dp, tp=tp, pp=pp, vpp=spec.vpp or 1, ep=spec.ep or 1, mbs=mbs,
                           num_micro_batches=replica // mbs, sp=bool(spec.sp), zero=spec.zero or 0,
-                          recompute=spec.recompute or "none", schedule=spec.schedule or "1f1b")
+                          recompute=spec.recompute or "none",
+                          schedule=spec.schedule or ("interleaved" if (spec.vpp or 1) > 1 else "1f1b"))
 
 
 def _bind(plan: Plan, graph: Graph, world_size: int, global_batch: int) -> Plan:

@@ -32,8 +32,14 @@ class Partition:
         return len(self.bounds)
 
 
+_ROUNDING = 1e-12
+"""Relative slack on the time limit: a chunk's running sum may round above `sum(times)` (which
+Python 3.12 computes compensated), and the whole model must still fit one chunk of that limit."""
+
+
 def _greedy(times: Sequence[float], k: int, limit: float, memory: UnitMemory | None,
             cap: float) -> list[tuple[int, int]] | None:
+    limit *= 1 + _ROUNDING
     bounds: list[tuple[int, int]] = []
     start, t, mem = 0, 0.0, 0.0
     n = len(times)
