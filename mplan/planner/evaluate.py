@@ -8,7 +8,8 @@ Model (each term from the cost models, nothing fitted here):
 - units come priced for one micro-batch of `config.mbs` sequences (the planner re-prices the graph
   at each micro-batch size, `ir.rebatch`); recomputation adds the re-run forward to backward, to
   its input-gradient part (I) under a zero-bubble schedule: the weight-gradient part (W, the units'
-  `weight_backward_s`) reads what the re-run left behind and re-runs nothing;
+  `weight_backward_s`) reads what the re-run left behind and re-runs nothing; W takes at least
+  `SPLIT_W_HOST_S` a parameter-reading op: the host issues it node by node (runtime/split_backward.py);
 - units are cut into pp * vpp chunks by `stage_partition.partition` under each chunk's memory;
 - memory per pipeline rank is `cost_models.memory_model.estimate_memory` (the one memory model) on
   the rank's parameters and per-chunk activations, with the micro-batches it holds in flight
@@ -68,6 +69,15 @@ GRAD_NORM_COPY_FRACTION: dict[int, float] = {2: 0.547, 4: 0.832}
 H200 steps: bf16 1.238 ms for GPT-1.3B (0.541) and 0.959 ms for Llama-1.1B (0.553), averaged, in
 benchmarks/results/step_profile_h200-2026-11-29-session3.json; fp32 1.611 ms for GPT-1.3B (0.832)
 in benchmarks/results/step_profile_autocast_h200-2026-11-29-session4.json."""
+
+
+SPLIT_W_HOST_S = 0.30e-3
+"""Host seconds a split weight-gradient pass (W) spends per op that reads a parameter, below which
+no W runs however small its GEMMs: measured on the H200 at 1 x 2048 tokens, where the GPU waits on
+the host (benchmarks/results/split_backward_h200-2026-12-02.json: W took 10.36 ms of wall time for
+the 36 parameter-reading ops of 4 Llama blocks, 0.288 ms each, and 10.36 ms for the 32 of 4 GPT
+blocks, 0.324 ms each, against 1.57 and 2.15 ms of kernels). At 4 x 2048 tokens the same passes took
+9.6 and 11.2 ms, kernels 4.9 and 6.2 ms: the bound, 10.8 and 9.6 ms, holds there too."""
 
 
 def adamw_time(compute: ComputeCostModel, params: float, itemsize: int, *, mplan_adamw: bool) -> float:
@@ -191,6 +201,10 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     chunk_f = tuple(sum(fwd[a:b]) for a, b in cut.bounds)
     chunk_b = tuple(sum(bwd[a:b]) for a, b in cut.bounds)
     chunk_w = tuple(sum(wgt[a:b]) for a, b in cut.bounds)
+    if config.schedule == "zb-h1" and config.pp > 1:  # W as long as its host work at least
+        host = tuple(SPLIT_W_HOST_S * sum(u.num_weight_ops for u in units[a:b]) for a, b in cut.bounds)
+        chunk_b = tuple(b - w + max(w, h) for b, w, h in zip(chunk_b, chunk_w, host))
+        chunk_w = tuple(max(w, h) for w, h in zip(chunk_w, host))
 
     gpn = cluster.gpus_per_node
     mesh = config.mesh

@@ -53,6 +53,7 @@ class UnitCost:
     # the weight-gradient share of backward_s (module docstring), <= backward_s; 0.0 when not
     # priced (a backward never split: zero-bubble schedules then run it all as I)
     weight_backward_s: float = 0.0
+    num_weight_ops: int = 0  # ops that read a parameter: the autograd nodes a split W pass re-runs
     comm_forward_s: float
     comm_backward_s: float
     num_params: int  # local parameters (elements) on one TP rank
@@ -80,6 +81,7 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
     extra = 0.0
     largest = 0
     weight_grad = 0.0
+    weight_ops = 0
     seen_params: set[str] = set()
     num_params = 0
     glue: list[tuple[str, int]] = []
@@ -95,6 +97,7 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
         if node.params:
             cost, own = coster.op(node, s), coster.op_comm(s)
             weight_grad += max(0.0, min(cost.forward_s, cost.backward_s) - own)
+            weight_ops += 1
         for _, param in node.params:
             if param in seen_params:
                 continue
@@ -107,7 +110,7 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
         shard_bytes(meta, sharding.choice[r].output if r in sharding.choice else sharding.boundary, n)
         for r in selective_saved - read_outside if r not in graph.params and (meta := value_meta(graph, r)) is not None)
     return UnitCost(name=name, block_type=block_type, forward_s=sharding.forward_s, backward_s=sharding.backward_s,
-                    weight_backward_s=min(weight_grad, sharding.backward_s),
+                    weight_backward_s=min(weight_grad, sharding.backward_s), num_weight_ops=weight_ops,
                     comm_forward_s=sharding.comm_forward_s, comm_backward_s=sharding.comm_backward_s,
                     num_params=num_params, glue_params=tuple(glue) if block_type is None else (),
                     tp_grad_sync_bytes=sharding.tp_grad_sync_bytes, saved_bytes=sharding.saved_bytes,
