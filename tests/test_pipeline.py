@@ -16,17 +16,15 @@ Beyond equivalence, on the same ranks:
 """
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from distributed import run_checks
-from test_equivalence import (MAX_NORM, OPTIMIZER, assert_equivalent, batches, compare, family, hf_llama,
-                              rel_err)
+from test_equivalence import (OPTIMIZER, assert_equivalent, batches, compare, family, hf_llama, rel_err,
+                              resumed_difference)
 
 LLAMA3 = "llama:layers=3,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=64"
 LLAMA5 = "llama:layers=5,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=64"
@@ -167,26 +165,7 @@ def inference_and_state() -> dict[str, float]:
 
 def checkpoint_under_pipeline() -> float:
     """save after 2 steps, load into a fresh job, continue: identical to never stopping."""
-    import tempfile
-
-    import mplan
-    from mplan.models import build_model
-
-    data = batches(4)
-    build = functools.partial(mplan.autoparallel, example_inputs=(data[0][0],), optimizer=OPTIMIZER,
-                              global_batch=4, plan="pp=2", micro_batch_size=1, max_grad_norm=MAX_NORM)
-    first = build(family("tiny-gpt")())
-    for ids, labels in data[:2]:
-        first.train_step(ids, labels)
-    where = [tempfile.mkdtemp(prefix="mplan_ckpt_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(where)
-    first.save(where[0])
-    second = build(build_model("tiny-gpt", device="cpu", dtype=torch.float64, seed=3))
-    second.load(where[0])
-    tail_a = [first.train_step(ids, labels) for ids, labels in data[2:]]
-    tail_b = [second.train_step(ids, labels) for ids, labels in data[2:]]
-    a, b = first.full_state_dict(), second.full_state_dict()
-    return max([abs(x - y) for x, y in zip(tail_a, tail_b)] + [rel_err(b[k], a[k]) for k in a])
+    return resumed_difference("pp=2", micro_batch_size=1)
 
 
 def tied_copies() -> dict[str, Any]:

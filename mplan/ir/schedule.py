@@ -261,21 +261,21 @@ def zb_h1(pp: int, m: int, *, grad_sync: bool = False) -> Schedule:
 
 
 def _zb_h1_compute(pp: int, m: int) -> Compute:
-    _check_sizes(pp, m)
+    """1F1B's order with each B split: its I where the B was; a W right after it once the rank
+    defers r of them (steady state) and after every I of the cool-down; the rest at the end."""
     compute: Compute = []
-    for r in range(pp):
-        warmup = min(pp - r - 1, m)
-        order = [("F", r, i) for i in range(warmup)]
+    for r, plain in enumerate(_one_f_one_b_compute(pp, m)):
+        steady = m - min(pp - r - 1, m)  # the (F, B) pairs; the B's of later micro-batches cool down
+        order: list[tuple[str, int, int]] = []
         pending: deque[int] = deque()  # microbatches whose I has run and W not, oldest first
-        for k in range(m - warmup):
-            order += [("F", r, k + warmup), ("I", r, k)]
-            pending.append(k)
-            if k >= r:
-                order.append(("W", r, pending.popleft()))
-        for k in range(m - warmup, m):
-            order.append(("I", r, k))
-            pending.append(k)
-            order.append(("W", r, pending.popleft()))
+        for kind, stage, i in plain:
+            if kind == "F":
+                order.append((kind, stage, i))
+                continue
+            order.append(("I", stage, i))
+            pending.append(i)
+            if i >= r or i >= steady:
+                order.append(("W", stage, pending.popleft()))
         order += [("W", r, i) for i in pending]
         compute.append(order)
     return compute
