@@ -20,19 +20,19 @@ run -m mplan profile -o "$out/profile-x$n.json" 2>&1 | tail -5
 # 2. bf16 against one GPU, 20 steps (tp over all GPUs; tp x dp with SP and ZeRO-1; dp with ZeRO-1;
 #    on 2 GPUs, where tp x dp has no room, tp with SP instead)
 half=$((n / 2))
+#    and pipelines (NCCL's batched isend/irecv under 1F1B and zb-h1, the path gloo ranks test)
 if [ "$n" -ge 4 ]; then
-    plans="tp=$n;tp=$half,dp=2,sp=1,zero=1;dp=$n,zero=1"
-    hand=("tp=$n,sp=1" "tp=$half,dp=2,sp=1,zero=1" "tp=2,dp=$half,sp=1,zero=1")
+    plans="tp=$n;tp=$half,dp=2,sp=1,zero=1;dp=$n,zero=1;tp=$half,pp=2,sp=1,mbs=1;pp=$n,mbs=1,schedule=zb-h1"
+    hand=("tp=$n,sp=1" "tp=$half,dp=2,sp=1,zero=1" "tp=2,dp=$half,sp=1,zero=1" "tp=$half,pp=2,sp=1,mbs=1")
     batch=64 seq=4096
 else
-    plans="tp=$n;tp=$n,sp=1,recompute=selective;dp=$n,zero=1"
-    hand=("tp=$n,sp=1" "dp=$n,zero=1" "tp=$n" "dp=$n,zero=1,recompute=full")
+    plans="tp=$n;tp=$n,sp=1,recompute=selective;dp=$n,zero=1;pp=$n,mbs=1;pp=$n,mbs=1,schedule=zb-h1"
+    hand=("tp=$n,sp=1" "dp=$n,zero=1" "tp=$n" "dp=$n,zero=1,recompute=full" "pp=$n,mbs=1" "pp=$n,mbs=1,schedule=zb-h1")
     batch=16 seq=2048  # two GPUs: a few steps of seconds each, not tens
 fi
 run benchmarks/equivalence_gpus.py --out "$out/equivalence-x$n.json" --plans "$plans" 2>&1 | grep '^\[' || true
 
-# 3. auto against hand-written plans on a Llama-3-8B, measured and predicted side by side ("pp=1":
-#    the planner's choice among the plans the runtime executes; pipelines are planned, not yet run)
+# 3. auto against hand-written plans on a Llama-3-8B, measured and predicted side by side
 run -m mplan bench llama3-8b --cluster "$out/profile-x$n.json" --global-batch $batch --seq-len $seq \
-    --plans auto pp=1 "${hand[@]}" --measure --profile --out "$out/bench-llama3-8b-x$n.json" > /dev/null
+    --plans auto "${hand[@]}" --measure --profile --out "$out/bench-llama3-8b-x$n.json" > /dev/null
 tail -c 2000 "$out/bench-llama3-8b-x$n.json"
