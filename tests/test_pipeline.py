@@ -29,7 +29,8 @@ from test_equivalence import (OPTIMIZER, assert_equivalent, batches, compare, fa
 LLAMA3 = "llama:layers=3,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=64"
 LLAMA5 = "llama:layers=5,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=64"
 LLAMA7 = "llama:layers=7,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=64,tie=1"
-GPT4 = "gpt:layers=4,hidden=32,heads=4,seq=16,vocab=64"
+GPT2_TIED = "gpt:layers=2,hidden=32,heads=4,seq=16,vocab=64,tie=1"  # the head reads the embedding
+GPT4 = "gpt:layers=4,hidden=32,heads=4,seq=16,vocab=64,tie=1"
 
 
 def hf_mistral() -> torch.nn.Module:
@@ -56,7 +57,7 @@ def hf_mistral() -> torch.nn.Module:
 
 # -- world 2 ------------------------------------------------------------------------------------
 def pp2_gpipe_gpt() -> dict[str, Any]:  # tied embedding and head on different ranks
-    return compare(family("tiny-gpt"), "pp=2,schedule=gpipe", 4, micro_batch_size=1)
+    return compare(family(GPT2_TIED), "pp=2,schedule=gpipe", 4, micro_batch_size=1)
 
 
 def pp2_1f1b_llama() -> dict[str, Any]:
@@ -169,11 +170,11 @@ def checkpoint_under_pipeline() -> float:
 
 
 def tied_copies() -> dict[str, Any]:
-    """tiny-gpt's head reads the embedding: both pipeline ranks hold it, rank 0 owns it."""
+    """The tied GPT's head reads the embedding: both pipeline ranks hold it, rank 0 owns it."""
     import mplan
 
     ids = batches(4, steps=1)[0][0]
-    pm = mplan.autoparallel(family("tiny-gpt")(), example_inputs=(ids,), global_batch=4, plan="pp=2")
+    pm = mplan.autoparallel(family(GPT2_TIED)(), example_inputs=(ids,), global_batch=4, plan="pp=2")
     copies = pm.pipeline.copies
     return {"shared": sorted(copies.groups), "owned": sorted(copies.owned), "held": sorted(pm.params)}
 
@@ -189,7 +190,7 @@ def pp4_gpipe_llama() -> dict[str, Any]:
 
 
 def pp4_1f1b_gpt() -> dict[str, Any]:  # the embedding on rank 0, the head that reads it on rank 3
-    return compare(family("tiny-gpt"), "pp=4,schedule=1f1b", 8, micro_batch_size=1)
+    return compare(family(GPT2_TIED), "pp=4,schedule=1f1b", 8, micro_batch_size=1)
 
 
 def pp4_uneven_llama7() -> dict[str, Any]:  # 9 units on 4 stages, tied
@@ -201,7 +202,7 @@ def tp2_pp2_sp_llama() -> dict[str, Any]:
 
 
 def pp2_dp2_zero1_gpt() -> dict[str, Any]:
-    return compare(family("tiny-gpt"), "pp=2,dp=2,zero=1", 8, micro_batch_size=1)
+    return compare(family(GPT2_TIED), "pp=2,dp=2,zero=1", 8, micro_batch_size=1)
 
 
 def tp2_pp2_hf_llama() -> dict[str, Any]:
@@ -281,7 +282,7 @@ def test_checkpoint_round_trip_under_a_pipeline(world2) -> None:
 
 def test_a_tied_head_on_another_rank_is_one_parameter(world2) -> None:
     rank0, rank1 = world2.assert_passed(tied_copies)
-    assert rank0["shared"] == rank1["shared"] == ["wte.weight"], (rank0, rank1)
-    assert rank0["owned"] == ["wte.weight"] and rank1["owned"] == []
-    assert "wte.weight" in rank0["held"] and "wte.weight" in rank1["held"]
-    assert not set(rank0["held"]) & set(rank1["held"]) - {"wte.weight"}, "only the tied weight is held twice"
+    assert rank0["shared"] == rank1["shared"] == ["embed.weight"], (rank0, rank1)
+    assert rank0["owned"] == ["embed.weight"] and rank1["owned"] == []
+    assert "embed.weight" in rank0["held"] and "embed.weight" in rank1["held"]
+    assert set(rank0["held"]) & set(rank1["held"]) == {"embed.weight"}, "only the tied weight is held twice"
