@@ -2,8 +2,9 @@
 
 Nothing here replaces what the planner chose: the cluster is dgx-h100's figures at the local
 world size (2 ranks), with only its device memory cut to what the models' data-parallel plans
-need, so that memory binds and the search itself must pick tensor parallelism, as it would for a
-model too big for one GPU; and a spec that fixes tp=2 alone takes the sharding ILP's cheapest mix
+need, so that memory binds and the search itself must pick tensor parallelism among one-stage
+plans (`mplan.plan(..., spec="pp=1")`: a pipeline would fit too, holding half the layers a rank),
+as it would for a model too big for one GPU; and a spec that fixes tp=2 alone takes the sharding ILP's cheapest mix
 on those prices (`tp_layout="ilp"`), which differs from Megatron-LM's hand-written layout. Each
 runs on gloo ranks in float64 against the plain one-process loop (5 AdamW steps, 1e-9).
 """
@@ -40,7 +41,8 @@ def _data(vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def memory_bound_h100s(make: Any, ids: torch.Tensor, loss_fn: Any = None):  # noqa: ANN201 - a ClusterSpec
     """dgx-h100 at 2 GPUs, each with the memory halfway between the leanest tensor-parallel plan
-    and the leanest data-parallel one (as priced by the planner itself): only tp=2 fits."""
+    and the leanest data-parallel one (as priced by the planner itself): of the one-stage plans
+    only tp=2 fits."""
     from mplan.cost_models.cluster import ClusterSpec
     from mplan.ir.trace import capture_for_training
     from mplan.planner.parallel_config import PlanSpec
@@ -57,7 +59,7 @@ def memory_bound_h100s(make: Any, ids: torch.Tensor, loss_fn: Any = None):  # no
     return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=int((tp + dp) / 2)))
 
 
-def run(make: Any, plan: str | None, *, loss_fn: Any = None, vocab: int = 128, **options: Any) -> dict[str, Any]:
+def run(make: Any, plan: Any, *, loss_fn: Any = None, vocab: int = 128, **options: Any) -> dict[str, Any]:
     import mplan
 
     data = _data(vocab)
@@ -81,15 +83,25 @@ def run(make: Any, plan: str | None, *, loss_fn: Any = None, vocab: int = 128, *
             "strategies": {pm.graph.plan_key(n): str(s) for n, s in pm.choice.items()}}
 
 
+def searched(make: Any, *, loss_fn: Any = None, vocab: int = 128) -> dict[str, Any]:
+    """The planner's own one-stage plan on the memory-bound cluster (`mplan.plan` on the user's
+    module: everything searched but pp), run by autoparallel as the plan file says."""
+    import mplan
+
+    ids = _data(vocab)[0][0]
+    cluster = memory_bound_h100s(make, ids, loss_fn)
+    made = mplan.plan(make(), (ids,), cluster=cluster, global_batch=4, spec="pp=1", loss_fn=loss_fn,
+                      runtime="mplan")
+    return run(make, made, loss_fn=loss_fn, vocab=vocab, cluster=cluster)
+
+
 def searched_llama() -> dict[str, Any]:
-    make = _mplan_model(MODELS["llama"])
-    return run(make, None, cluster=memory_bound_h100s(make, _data(128)[0][0]))
+    return searched(_mplan_model(MODELS["llama"]))
 
 
 def searched_nanogpt() -> dict[str, Any]:
     zoo = zoo_models.ZOO["nanogpt"]
-    return run(zoo.make, None, loss_fn=zoo.loss_fn, vocab=zoo.vocab,
-               cluster=memory_bound_h100s(zoo.make, _data(zoo.vocab)[0][0], zoo.loss_fn))
+    return searched(zoo.make, loss_fn=zoo.loss_fn, vocab=zoo.vocab)
 
 
 def _h100s():  # noqa: ANN202 - a ClusterSpec

@@ -213,24 +213,31 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     p2p = collective_time(cluster, "send_recv", stream, pp_group) if config.pp > 1 else 0.0
 
     memory, syncs, opt = [], [], 0.0
+    # ranks holding as many parameters (the middle ranks of a deep pipeline) sync and step alike
+    by_params: dict[tuple[int, int, float | None], tuple[float, float]] = {}
+    reduction = "reduce_scatter" if config.zero else "all_reduce"
+    overlapped = facts.runtime == "mplan" and config.dp > 1 and config.pp == 1
     for rank in range(config.pp):
         chunks = range(rank, k, config.pp)
         rank_units = [u for c in chunks for u in range(*cut.bounds[c])]
         params = _rank_params(units, rank_units)
         tp_sync = sum(units[u].tp_grad_sync_bytes for u in rank_units)
-        reduction = "reduce_scatter" if config.zero else "all_reduce"
-        sync = collective_time(cluster, reduction, params * grad_bytes, dp_group)
-        sync += collective_time(cluster, "all_reduce", tp_sync * grad_bytes / max(1, per.param), tp_group)
-        if facts.runtime == "mplan" and config.dp > 1 and config.pp == 1:
-            sync = overlapped_sync(cluster, reduction, sync, sum(chunk_b[c] for c in chunks), params * grad_bytes,
-                                   dp_group)
-        if config.zero:  # the updated parameters, gathered after the step: never overlapped
-            sync += collective_time(cluster, "all_gather", params * per.param, dp_group)
+        last_backward = sum(chunk_b[c] for c in chunks) if overlapped else None
+        key = (params, tp_sync, last_backward)
+        if key not in by_params:
+            sync = collective_time(cluster, reduction, params * grad_bytes, dp_group)
+            sync += collective_time(cluster, "all_reduce", tp_sync * grad_bytes / max(1, per.param), tp_group)
+            if overlapped:
+                sync = overlapped_sync(cluster, reduction, sync, last_backward, params * grad_bytes, dp_group)
+            if config.zero:  # the updated parameters, gathered after the step: never overlapped
+                sync += collective_time(cluster, "all_gather", params * per.param, dp_group)
+            step = optimizer_time(compute, params / (config.dp if config.zero else 1), step_bytes,
+                                  mplan_adamw=facts.mplan_adamw)
+            if config.zero:
+                step += zero1_copy_time(compute, params, config.dp, per.param)
+            by_params[key] = (sync, step)
+        sync, step = by_params[key]
         syncs.append(sync)
-        step = optimizer_time(compute, params / (config.dp if config.zero else 1), step_bytes,
-                              mplan_adamw=facts.mplan_adamw)
-        if config.zero:
-            step += zero1_copy_time(compute, params, config.dp, per.param)
         opt = max(opt, step)
         # Backward of the largest op holds its output's gradient and its input's at once.
         workspace = 2 * max((units[u].largest_op_bytes for u in rank_units), default=0.0)

@@ -47,8 +47,18 @@ from mplan.planner.op_cost import OpCoster, partial_param_grad_bytes
 from mplan.planner.op_registry import shard_bytes, strategies_for
 
 
-def _load_pulp() -> tuple[Any, Any]:
-    """PuLP and the solver to use: HiGHS through PuLP where it is installed, else CBC.
+def _load_pulp() -> tuple[Any, tuple[Any, ...]]:
+    """PuLP and the solvers to try in turn: HiGHS through PuLP where it is installed, else CBC.
+
+    HiGHS runs on one thread. Its MIP solver runs only symmetry detection, clique-table queries and
+    the analytic centre in parallel (HiGHS's documentation, "Parallelism"), and one thread found the
+    same solutions (every segment ILP of the gpt3-175b and llama3-8b searches, at every TP degree
+    and micro-batch size); on these problems of tens to hundreds of binaries a second worker mostly
+    waits, and charged the 2-core machine twice the CPU time (gpt3-175b on 128 DGX A100: 1.85 s of
+    CPU for 66 solves with two threads, 0.94 s with one). HiGHS sizes one scheduler per calling
+    thread on its first run there; on a thread where HiGHS ran earlier with another thread count,
+    a one-thread run fails without solving and the solve is repeated by a HiGHS that leaves the
+    thread count to that scheduler.
 
     Imported on a thread of its own: importing PuLP imports its optional solver packages, and
     PuLP keeps each failed import's exception, with its traceback and so every frame on the
@@ -62,17 +72,17 @@ def _load_pulp() -> tuple[Any, Any]:
         import pulp
 
         loaded["pulp"] = pulp
-        loaded["solver"] = (pulp.HiGHS(msg=False) if "HiGHS" in pulp.listSolvers(onlyAvailable=True)
-                            else pulp.PULP_CBC_CMD(msg=False))
+        loaded["solvers"] = ((pulp.HiGHS(msg=False, threads=1), pulp.HiGHS(msg=False))
+                             if "HiGHS" in pulp.listSolvers(onlyAvailable=True) else (pulp.PULP_CBC_CMD(msg=False),))
     thread = threading.Thread(target=load, name="mplan-import-pulp")
     thread.start()
     thread.join()
-    if "solver" not in loaded:
+    if "solvers" not in loaded:
         raise ImportError("mplan's planner needs PuLP (pip install pulp; highspy makes it faster)")
-    return loaded["pulp"], loaded["solver"]
+    return loaded["pulp"], loaded["solvers"]
 
 
-pulp, _SOLVER = _load_pulp()
+pulp, _SOLVERS = _load_pulp()
 
 
 class ShardingInfeasible(RuntimeError):
@@ -286,9 +296,11 @@ def solve_segment_sharding(graph: Graph, name: str, node_names: Sequence[str], c
         mem = _memory_coefficients(problem, n, param_state_factor, activation_factor)
         lp += pulp.lpSum(c * var for v in x for c, var in zip(mem[v], x[v])) <= memory_budget_bytes
     lp += pulp.lpSum(objective)
-    solver = _SOLVER
     with _quiet_stdout():
-        status = lp.solve(solver)
+        for solver in _SOLVERS:
+            status = lp.solve(solver)
+            if status != pulp.LpStatusNotSolved:
+                break
     if pulp.LpStatus[status] != "Optimal":
         raise ShardingInfeasible(f"{name} on a tensor-parallel axis of {n}: no sharding fits "
                                  f"{memory_budget_bytes / 2**30:.2f} GiB" if memory_budget_bytes
@@ -454,15 +466,17 @@ def solve_graph_sharding(graph: Graph, coster: OpCoster, boundary: Placement, *,
     ops alone: a tied embedding can come out read vocabulary-parallel by the lookup and replicated
     by the head. Such a parameter is pinned to its first consumer's placement (then to R if that
     fails too) and the graph solved again (`ir.sharding.parameter_layouts` names any that still
-    disagree)."""
+    disagree). A segment that reads no pinned parameter poses the same problem again and keeps its
+    solution: only the segments the pins constrain are solved again."""
     pins: dict[str, Placement] = {}
 
     def pinned(node: OpNode, strategy: Strategy) -> bool:
         return (allow is None or allow(node, strategy)) and all(
             strategy.inputs[slot] == pins[name] for slot, name in enumerate(node.inputs) if name in pins)
 
+    solved: dict[tuple[object, ...], SegmentSharding] = {}
     for _ in range(3):
-        sharding = _solve_segments(graph, coster, boundary, allow=pinned if pins else allow, **options)
+        sharding = _solve_segments(graph, coster, boundary, pins, solved, allow=pinned if pins else allow, **options)
         conflicts = _disagreeing_parameters(graph, sharding.choice)
         if not conflicts:
             break
@@ -480,18 +494,28 @@ def _disagreeing_parameters(graph: Graph, choice: dict[str, Strategy]) -> dict[s
     return {name: placements[0] for name, placements in seen.items() if len(set(placements)) > 1}
 
 
-def _solve_segments(graph: Graph, coster: OpCoster, boundary: Placement, **options: Any) -> GraphSharding:
-    solved: dict[str, SegmentSharding] = {}
+def _solve_segments(graph: Graph, coster: OpCoster, boundary: Placement, pins: dict[str, Placement],
+                    solved: dict[tuple[object, ...], SegmentSharding], **options: Any) -> GraphSharding:
+    """Every segment solved under `options` (whose `allow` holds `pins`), reusing from `solved` the
+    solution of a segment whose pinned parameters are pinned as they were then (the same problem:
+    its strategies, and so its ILP, depend on no other pin); new solutions are added to `solved`."""
+    def solve(name: str, nodes: tuple[str, ...]) -> SegmentSharding:
+        read = {p for v in graph.nodes_of(nodes) for p in v.inputs if p in pins}
+        key = (name, tuple(sorted((p, pins[p]) for p in read)))
+        if key not in solved:
+            solved[key] = solve_segment_sharding(graph, name, nodes, coster, boundary, **options)
+        return solved[key]
+
+    segments: dict[str, SegmentSharding] = {}
     for block in graph.block_types:
-        solved[block.name] = solve_block_sharding(graph, block, coster, boundary, **options)
+        segments[block.name] = solve(block.name, block.template)
     choice: dict[str, Strategy] = {}
     for segment in graph.segments:
         if segment.block_type is not None:
             template = graph.block_type(segment.block_type).template
-            by_position = solved[segment.block_type].choice
+            by_position = segments[segment.block_type].choice
             choice.update({node: by_position[t] for node, t in zip(segment.nodes, template)})
         elif segment.nodes:
-            solved[segment.name] = solve_segment_sharding(graph, segment.name, segment.nodes, coster,
-                                                          boundary, **options)
-            choice.update(solved[segment.name].choice)
-    return GraphSharding(axis_size=coster.n, boundary=boundary, choice=choice, segments=solved)
+            segments[segment.name] = solve(segment.name, segment.nodes)
+            choice.update(segments[segment.name].choice)
+    return GraphSharding(axis_size=coster.n, boundary=boundary, choice=choice, segments=segments)

@@ -11,10 +11,16 @@ Method: the bottleneck is found by bisection on T with a greedy feasibility chec
 chunk while it stays under T and its memory cap, cutting when the units left equal the chunks
 left). For contiguous min-max partitioning the greedy check is exact, so bisection converges to
 the optimum within the tolerance; `partition_exhaustive` (used in tests) enumerates every cut.
+A search runs it for thousands of configs, so the bisection skips the greedy runs whose outcome it
+already knows, exactly: below total / k no k chunks hold the units, and from the bottleneck a
+greedy run reached up to the limit it ran at, it makes the same cuts again; the units' memory on
+each chunk is asked for once per partition.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
+from functools import reduce
 from itertools import combinations
 from typing import Callable, Sequence
 
@@ -35,32 +41,48 @@ class Partition:
 _ROUNDING = 1e-12
 """Relative slack on the time limit: a chunk's running sum may round above `sum(times)` (which
 Python 3.12 computes compensated), and the whole model must still fit one chunk of that limit."""
+_ORDER_OF_SUMS = 1e-9
+"""Relative margin of `partition`'s bound total / k: the chunks' running sums and `sum(times)`
+add the same times in other orders, which moves them by far less (n * 2**-53, plus `_ROUNDING`)."""
 
 
 def _greedy(times: Sequence[float], k: int, limit: float, memory: UnitMemory | None,
-            cap: float) -> list[tuple[int, int]] | None:
+            known: list[list[float | None]] | None, cap: float) -> list[tuple[int, int]] | None:
+    """The cuts of the greedy fill at `limit`, or None; `known[chunk][unit]` caches `memory`."""
     limit *= 1 + _ROUNDING
     bounds: list[tuple[int, int]] = []
-    start, t, mem = 0, 0.0, 0.0
+    chunk = start = 0
+    t = mem = 0.0
     n = len(times)
+    row = None if known is None else known[0]
     for u in range(n):
-        chunk = len(bounds)
-        add_mem = memory(u, chunk) if memory else 0.0
-        if add_mem > cap or times[u] > limit:
+        time_u = times[u]
+        if row is None:
+            add_mem = 0.0
+        else:
+            add_mem = row[u]
+            if add_mem is None:
+                add_mem = row[u] = memory(u, chunk)  # type: ignore[misc]
+        if add_mem > cap or time_u > limit:
             return None
-        must_cut = u > start and n - u < k - chunk  # the units left must fill the chunks left
-        if u > start and (must_cut or t + times[u] > limit or mem + add_mem > cap):
+        # past unit n - k + chunk the units left must fill the chunks left: a cut at every unit
+        if u > start and (u > n - k + chunk or t + time_u > limit or mem + add_mem > cap):
             bounds.append((start, u))
-            if len(bounds) >= k:
+            chunk += 1
+            if chunk >= k:
                 return None
             start, t, mem = u, 0.0, 0.0
-            add_mem = memory(u, len(bounds)) if memory else 0.0
-            if add_mem > cap:
-                return None
-        t += times[u]
+            if row is not None:
+                row = known[chunk]  # type: ignore[index]
+                add_mem = row[u]
+                if add_mem is None:
+                    add_mem = row[u] = memory(u, chunk)  # type: ignore[misc]
+                if add_mem > cap:
+                    return None
+        t += time_u
         mem += add_mem
     bounds.append((start, n))
-    return bounds if len(bounds) == k else None
+    return bounds if chunk + 1 == k else None
 
 
 def partition(times: Sequence[float], k: int, *, memory: UnitMemory | None = None,
@@ -68,18 +90,33 @@ def partition(times: Sequence[float], k: int, *, memory: UnitMemory | None = Non
     """The min-bottleneck contiguous split of `times` into exactly k chunks; None if infeasible."""
     if k < 1 or k > len(times):
         return None
+    known: list[list[float | None]] | None = None if memory is None else [[None] * len(times) for _ in range(k)]
     lo, hi = max(times), sum(times)
-    best = _greedy(times, k, hi, memory, cap)
+    total = hi
+    best = _greedy(times, k, hi, memory, known, cap)
     if best is None:
         return None
+    reached = _running_bottleneck(times, best)
     while hi - lo > rel_tol * hi:
         mid = (lo + hi) / 2
-        found = _greedy(times, k, mid, memory, cap)
+        if mid * k * (1 + _ORDER_OF_SUMS) < total:
+            found = None  # k chunks of at most mid cannot hold every unit
+        elif mid * (1 + _ROUNDING) >= reached:
+            found = best  # no chunk's running sum lies between: the greedy would cut as it did
+        else:
+            found = _greedy(times, k, mid, memory, known, cap)
         if found is None:
             lo = mid
         else:
-            best, hi = found, mid
+            if found is not best:
+                best, reached = found, _running_bottleneck(times, found)
+            hi = mid
     return _make(times, best)
+
+
+def _running_bottleneck(times: Sequence[float], bounds: Sequence[tuple[int, int]]) -> float:
+    """The largest chunk time as `_greedy` adds it up (left to right from 0.0, whatever `sum` does)."""
+    return max(reduce(operator.add, times[a:b], 0.0) for a, b in bounds)
 
 
 def _make(times: Sequence[float], bounds: Sequence[tuple[int, int]]) -> Partition:
