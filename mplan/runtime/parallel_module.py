@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 from typing import Callable, Mapping, Sequence
@@ -249,7 +250,8 @@ class ParallelModule:
         self.fp8, self.dtype = fp8, dtype
         self.pipeline = pipeline  # None: one stage, the flat program runs each micro-batch
         self._forward = inference
-        self._inference: dict[int, Callable[[tuple[torch.Tensor, ...]], torch.Tensor]] = {}
+        # by rows: the local program, or under a pipeline plan the stages of it
+        self._inference: dict[int, fx.GraphModule | tuple[StageProgram, ...]] = {}
         shared = pipeline.copies if pipeline is not None else None
         placements = {param: ParamPlacement(tp_sharded=layouts[name].tp_sharded, tp_reduce=layouts[name].grad_partial,
                                             pp_copy=shared is not None and shared.copy_here(name))
@@ -264,7 +266,9 @@ class ParallelModule:
         self.optimizer: DistributedOptimizer = build_optimizer(
             list(params.values()), optimizer, groups, zero=plan.zero, placements=placements, copies=self.copies)
         self._last_grad_norm: torch.Tensor | None = None
-        self._micro: list[tuple[torch.Tensor, ...]] = []  # the step's micro-batches, read by the stages' feeds
+        # the step's micro-batches, filled in place for the stages' feeds (which hold this list, the
+        # parameters and the buffers, never the module: deleting pm frees it without a collection)
+        self._micro: list[tuple[torch.Tensor, ...]] = []
         self.executor = self._executor() if pipeline is not None else None
 
     def _executor(self) -> PipelineExecutor:
@@ -276,17 +280,19 @@ class ParallelModule:
             params = tuple(dict.fromkeys(self.params[n] for n in stage.parameters if self.params[n].requires_grad))
             runners[s] = StageRunner(program=stage, feed=self._stage_feed(stage.inputs), params=params)
         return PipelineExecutor(schedule=pipeline.schedule, pp_rank=self.groups.pp_rank, stages=runners,
-                                peers=self.groups.ranks("pp"), device=self.device, autocast=self._autocast)
+                                peers=self.groups.ranks("pp"), device=self.device,
+                                autocast=functools.partial(_autocast_context, self.device, self.autocast))
 
     def _stage_feed(self, specs: tuple[LocalInput, ...]) -> Callable[[int], list[torch.Tensor]]:
         """A stage's own inputs for micro-batch i of the current step (`_micro`)."""
         users = [s.placeholder for s in self.program.meta[INPUTS] if s.kind == "USER_INPUT"]
         position = {name: k for k, name in enumerate(users)}
+        params, statics, micro_batches = self.params, self.statics, self._micro
 
         def feed(i: int) -> list[torch.Tensor]:
-            micro = self._micro[i]
-            return [self.params[s.name] if s.kind == "PARAMETER" else micro[position[s.placeholder]]
-                    if s.kind == "USER_INPUT" else self.statics[s.name] for s in specs]
+            micro = micro_batches[i]
+            return [params[s.name] if s.kind == "PARAMETER" else micro[position[s.placeholder]]
+                    if s.kind == "USER_INPUT" else statics[s.name] for s in specs]
         return feed
 
     @property
@@ -337,13 +343,13 @@ class ParallelModule:
         """`train_step` under a pipeline plan: the executor runs this rank's actions; stage copies
         of shared parameters add up their gradients; the loss comes from the last stage."""
         assert self.executor is not None and self.pipeline is not None
-        self._micro = micro
+        self._micro[:] = micro
         try:
             losses = self.executor.run()
             self.pipeline.copies.sum_gradients(self.params)
             self._last_grad_norm = self.optimizer.step(max_grad_norm=self.max_grad_norm)
         finally:
-            self._micro = []
+            self._micro.clear()
             self.optimizer.zero_grad()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for loss in losses:
@@ -355,9 +361,7 @@ class ParallelModule:
         return float(total)
 
     def _autocast(self) -> contextlib.AbstractContextManager[None]:
-        if self.autocast is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast)
+        return _autocast_context(self.device, self.autocast)
 
     def _feed(self, program: fx.GraphModule, user: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         specs: tuple[LocalInput, ...] = program.meta[INPUTS]
@@ -378,13 +382,16 @@ class ParallelModule:
         tensors = tuple(t.to(self.device) for t in _as_tuple(inputs))
         rows = tensors[0].shape[0]
         if rows not in self._inference:
-            self._inference[rows] = self._inference_runner(rows)
+            self._inference[rows] = self._inference_program(rows)
+        program = self._inference[rows]
         with self._autocast():
-            return self._inference[rows](tensors)
+            if isinstance(program, tuple):
+                return self._pipeline_forward(program, tensors)
+            return program(*self._feed(program, tensors))
 
-    def _inference_runner(self, rows: int) -> Callable[[tuple[torch.Tensor, ...]], torch.Tensor]:
+    def _inference_program(self, rows: int) -> fx.GraphModule | tuple[StageProgram, ...]:
         """The model's forward at `rows` sequences under this Plan: the local program, or under a
-        pipeline plan its stages (`_pipeline_forward`)."""
+        pipeline plan its stages (run by `_pipeline_forward`)."""
         if self.graph.program is not None:
             graph, plan, output = self.graph, self.plan, 1  # the training capture kept the model's output
         elif self._forward is not None:
@@ -400,35 +407,30 @@ class ParallelModule:
         program = local_program(graph, choice, self.axis, device=self.device, kernels=self.kernels, fp8=self.fp8,
                                 output=output)
         if self.pipeline is not None:
-            return self._pipeline_forward(split_stages(program, graph, [s.units for s in self.plan.stages]))
-        return lambda tensors: program(*self._feed(program, tensors))
+            return split_stages(program, graph, [s.units for s in self.plan.stages])
+        return program
 
-    def _pipeline_forward(self, stages: tuple[StageProgram, ...]) -> Callable[[tuple[torch.Tensor, ...]], torch.Tensor]:
+    def _pipeline_forward(self, stages: tuple[StageProgram, ...], tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Forward through the stages: each rank runs its own in order, receiving from the stage
         before and sending to the next (a chain, so blocking transfers cannot deadlock); the last
         stage's rank then broadcasts the output over the pipeline group."""
         assert self.pipeline is not None
         schedule, peers, last = self.pipeline.schedule, self.groups.ranks("pp"), len(stages) - 1
-        feeds = {s: self._stage_feed(stages[s].inputs) for s in self.pipeline.mine}
-
-        def run(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
-            self._micro, result = [tensors], None
-            try:
-                for s in self.pipeline.mine:  # type: ignore[union-attr]
-                    received = [torch.empty(v.shape, dtype=v.dtype, device=self.device) for v in stages[s].receives]
-                    for buffer in received:
-                        dist.recv(buffer, src=peers[schedule.rank_of(s - 1)])
-                    out = stages[s].module(*feeds[s](0), *received)
-                    if s == last:
-                        result = out
-                    else:
-                        for value in out:
-                            dist.send(value.contiguous(), dst=peers[schedule.rank_of(s + 1)])
-            finally:
-                self._micro = []
-            return broadcast_tensor(result, src=peers[schedule.rank_of(last)], group=self.groups.pp,
-                                    device=self.device)
-        return run
+        self._micro[:], result = [tensors], None
+        try:
+            for s in self.pipeline.mine:
+                received = [torch.empty(v.shape, dtype=v.dtype, device=self.device) for v in stages[s].receives]
+                for buffer in received:
+                    dist.recv(buffer, src=peers[schedule.rank_of(s - 1)])
+                out = stages[s].module(*self._stage_feed(stages[s].inputs)(0), *received)
+                if s == last:
+                    result = out
+                else:
+                    for value in out:
+                        dist.send(value.contiguous(), dst=peers[schedule.rank_of(s + 1)])
+        finally:
+            self._micro.clear()
+        return broadcast_tensor(result, src=peers[schedule.rank_of(last)], group=self.groups.pp, device=self.device)
 
     # -- state --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -473,6 +475,10 @@ def _compute_copies(program: fx.GraphModule, params: Mapping[str, nn.Parameter],
                    if params[n].dtype.itemsize > autocast.itemsize and params[n].requires_grad
                    and not needs_reduction(placements[params[n]], groups))
     return ComputeCopies([params[n] for n in names], autocast) if names else None
+
+
+def _autocast_context(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def _as_tuple(inputs: Batch) -> tuple[torch.Tensor, ...]:
