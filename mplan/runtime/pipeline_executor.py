@@ -21,7 +21,9 @@ The executor has no schedule logic of its own: it walks the list and calls `HAND
            and the receive paired with it in the opposite direction progress together, as
            Megatron batches send-forward-receive-backward); receives are waited for before the
            next compute action, sends only at the end of the step (the IR's execution model:
-           a send is asynchronous, a receive blocks). Shapes come from the stage cut, so a
+           a send is asynchronous, a receive blocks). NCCL answers a batch with one coalesced
+           request, whose wait only orders the compute stream after the whole batch. Not yet run
+           on NCCL here (no machine of several GPUs was lent). Shapes come from the stage cut, so a
            receive is posted before its data exists.
 A micro-batch's state (its received inputs, outputs and the autograd graph they hold) lives
 from its F to its B (or W), which is exactly the count of activations in flight the memory
@@ -95,7 +97,7 @@ class PipelineExecutor:
         self._losses: list[torch.Tensor] = []
         self._ops: list[dist.P2POp] = []  # transfers posted by the current run of comm actions
         self._receiving: list[Callable[[], None]] = []  # what to do with their received data
-        self._sends: list[object] = []  # send works of this step, waited for at its end
+        self._sends: list[object] = []  # this step's send requests (or, coalesced, their tensors), kept to its end
 
     # -- the walk --------------------------------------------------------------------------
     def run(self) -> list[torch.Tensor]:
@@ -110,7 +112,8 @@ class PipelineExecutor:
                 self.handlers[action.kind](action)
             self._post()
             for work in self._sends:
-                work.wait()  # type: ignore[attr-defined]
+                if not isinstance(work, torch.Tensor):
+                    work.wait()  # type: ignore[attr-defined]
         finally:
             self._sends, self._state, self._ops, self._receiving = [], {}, [], []
         return self._losses
@@ -120,11 +123,16 @@ class PipelineExecutor:
         if not self._ops:
             return
         works = dist.batch_isend_irecv(self._ops)
-        for op, work in zip(self._ops, works):
-            if op.op is dist.isend:
-                self._sends.append(work)
-            else:
+        if len(works) == len(self._ops):  # a request per transfer (gloo): sends stay in flight
+            for op, work in zip(self._ops, works):
+                if op.op is dist.isend:
+                    self._sends.append(work)
+                else:
+                    work.wait()
+        else:  # one request for the coalesced batch (NCCL): waiting orders the compute stream after it
+            for work in works:
                 work.wait()
+            self._sends += [op.tensor for op in self._ops if op.op is dist.isend]  # alive until the step ends
         for deliver in self._receiving:
             deliver()
         self._ops, self._receiving = [], []
