@@ -192,7 +192,7 @@ def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.
                           params={k: nn.Parameter(v) for k, v in shards.items()}, statics=statics,
                           layouts=parameter_layouts(graph, choice), optimizer=optimizer, device=device,
                           max_grad_norm=max_grad_norm, autocast=autocast, kernels=kernels, fp8=fp8,
-                          inference=inference, pipeline=pipeline, dtype=dtype)
+                          inference=inference, pipeline=pipeline)
 
 
 def _weightless_program(graph: Graph) -> object:
@@ -242,12 +242,12 @@ class ParallelModule:
                  statics: dict[str, torch.Tensor], layouts: dict[str, ParamLayout],
                  optimizer: OptimizerFactory, device: torch.device, max_grad_norm: float | None,
                  autocast: torch.dtype | None, kernels: bool, inference: Inference | None,
-                 fp8: bool = False, pipeline: RankStages | None = None, dtype: torch.dtype | None = None) -> None:
+                 fp8: bool = False, pipeline: RankStages | None = None) -> None:
         self.graph, self.plan, self.digest, self.groups, self.axis = graph, plan, digest, groups, axis
         self.choice = choice  # the TP strategy of every node of the training graph
         self.program, self.params, self.statics, self.layouts = program, params, statics, layouts
         self.device, self.max_grad_norm, self.autocast, self.kernels = device, max_grad_norm, autocast, kernels
-        self.fp8, self.dtype = fp8, dtype
+        self.fp8 = fp8
         self.pipeline = pipeline  # None: one stage, the flat program runs each micro-batch
         self._forward = inference
         # by rows: the local program, or under a pipeline plan the stages of it
