@@ -84,14 +84,15 @@ class PipelineExecutor:
         mine = set(schedule.stages_of(pp_rank))
         if set(stages) != mine:
             raise ValueError(f"pipeline rank {pp_rank} runs stages {sorted(mine)}, got programs for {sorted(stages)}")
-        unknown = {a.kind for a in schedule.actions[pp_rank]} - HANDLED
-        if unknown:
-            raise ValueError(f"schedule {schedule.name}: no handler for action kinds {sorted(unknown)}")
+        # no GRAD_SYNC: mplan's runtime reduces gradients at the step, so its schedules carry none
         self.handlers: dict[str, Callable[[Action], object]] = {
             "F": self._forward, "B": self._backward, "I": self._backward_input, "W": self._backward_weight,
             "SEND_F": self._send_forward, "RECV_F": self._receive_forward,
             "SEND_B": self._send_backward, "RECV_B": self._receive_backward,
         }
+        unknown = {a.kind for a in schedule.actions[pp_rank]} - self.handlers.keys()
+        if unknown:
+            raise ValueError(f"schedule {schedule.name}: no handler for action kinds {sorted(unknown)}")
         self.executed: list[Action] = []
         self._state: dict[tuple[int, int], _MicroBatch] = {}
         self._losses: list[torch.Tensor] = []
@@ -230,11 +231,6 @@ class PipelineExecutor:
         def deliver() -> None:
             state.output_grads = buffers
         self._receiving.append(deliver)
-
-
-HANDLED = frozenset({"F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"})
-"""Action kinds the executor runs (GRAD_SYNC is not emitted for mplan's runtime: gradients are
-reduced at the step)."""
 
 
 def _check_sent(a: Action, values: Sequence[BoundaryValue], outputs: Sequence[torch.Tensor]) -> None:
