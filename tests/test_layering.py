@@ -22,8 +22,10 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mplan"
 BRIDGE = {"mplan.planner.plan", "mplan.planner.parallel_config"}
 ALLOWED: dict[str, set[str]] = {
     "kernels": set(),
-    "models": set(),
-    "ir": {"models"},  # `ir.summary` builds models from specs to capture them
+    "models": {"kernels"},  # the MoE family's experts are the `moe_experts` op
+    # `ir.summary` builds models from specs to capture them; capture turns experts modules into
+    # the `moe_experts` op of `mplan.kernels.moe`
+    "ir": {"models", "kernels"},
     "collectives": {"ir"},
     "cost_models": {"ir"},
     "planner": {"ir", "cost_models", "kernels"},  # kernels: their byte counts price fused chains

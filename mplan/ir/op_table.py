@@ -102,6 +102,23 @@ def _cross_entropy(ins: Sequence[TensorMeta], outs: Sequence[TensorMeta]) -> int
     return 5 * ins[0].numel  # max, sub, exp, sum, log per logit
 
 
+def _moe_experts(ins: Sequence[TensorMeta], outs: Sequence[TensorMeta]) -> int:
+    # x [T, h], index [T, k], gate, w_in [E, G*F, h], w_out [E, h, F], (w_up [E, F, h]): each of
+    # the T*k routed copies runs its expert's GEMMs (dropless; capacity can only drop some)
+    x, index, w_in = ins[0], ins[1], ins[3]
+    width = w_in.shape[1] + (ins[5].shape[1] if len(ins) > 5 else 0) + ins[4].shape[2]
+    return 2 * x.shape[0] * index.shape[1] * x.shape[1] * width
+
+
+def _moe_saved(ins: Sequence[TensorMeta], outs: Sequence[TensorMeta]) -> int:
+    # the reference keeps the routed rows [T*k, h], the expert GEMMs' inputs and products
+    # [T*k, G*F (+F)] and the activation's output [T*k, F], in x's dtype
+    x, index, w_in = ins[0], ins[1], ins[3]
+    ffn = ins[4].shape[2]
+    width = x.shape[1] + w_in.shape[1] + (ins[5].shape[1] if len(ins) > 5 else 0) + 2 * ffn
+    return x.shape[0] * index.shape[1] * width * (x.nbytes // max(1, x.numel))
+
+
 def _topk(ins: Sequence[TensorMeta], outs: Sequence[TensorMeta]) -> int:
     return ins[0].numel * max(1, int(math.log2(max(2, ins[0].shape[-1]))))
 
@@ -135,6 +152,9 @@ RULES: dict[str, OpRule] = {
     "addmm": OpRule(kind="matmul", flops=_addmm, saves=(1, 2), cross=True),
     # torch.einsum stays whole in torch.export's graph (its equation is in the node's arguments).
     "einsum": OpRule(kind="matmul", flops=_zero, saves=(1,), cross=True),  # FLOPs from the equation: op_cost
+    # A MoE layer's routed experts as one op (mplan.kernels.moe: capture makes every experts
+    # module one): it keeps its inputs and the routed copies' intermediates.
+    "moe_experts": OpRule(kind="matmul", flops=_moe_experts, saves=(0, 1, 2), extra_saved=_moe_saved),
     # Grouped GEMMs of MoE layers (Hugging Face's experts): tokens x hidden against E weights.
     "_grouped_mm": OpRule(kind="matmul", flops=_matmul, saves=(0, 1), cross=True),
     "grouped_mm_fallback": OpRule(kind="matmul", flops=_matmul, saves=(0, 1), cross=True),
@@ -207,7 +227,7 @@ for _op, _idx in (("gather", 2), ("index_select", 2), ("index", 1), ("scatter_ad
 def op_packet(target: object) -> str:
     """`aten.linear.default` (an op or its name) -> `linear`; also strips the in-place suffix (`add_` -> `add`)."""
     name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
-    packet = name.removeprefix("aten.").split(".")[0]
+    packet = name.removeprefix("aten.").removeprefix("mplan.").split(".")[0]
     return packet[:-1] if packet.endswith("_") and not packet.startswith("_") else packet
 
 

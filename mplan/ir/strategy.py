@@ -28,7 +28,7 @@ from mplan.ir.placement import Placement, R, parse_placement
 
 LOWERINGS: frozenset[str] = frozenset({
     "replicated", "dropped", "local", "reshape_local", "expand_local", "row_bias", "kv_replicated_attention",
-    "vocab_embedding", "vocab_loss", "batch_loss"})
+    "vocab_embedding", "vocab_loss", "batch_loss", "experts"})
 """The names of the rules by which the passes run an op on local shards; what each does and why it
 is exact is in `mplan/passes/local_ops.py`, which implements every one of them."""
 

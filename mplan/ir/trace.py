@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from mplan.ir.experts_capture import experts_as_op
 from mplan.ir.blocks import Container, find_containers, instance_of, relative_name, truncate_containers
 from mplan.ir.graph import BlockType, Graph, OpNode, ParamInfo, Segment, TensorMeta
 from mplan.ir.op_table import op_cost, op_packet, rule_for
@@ -128,7 +129,7 @@ def capture(
     aliases = _tied_names(model)
     containers = find_containers(model)
     start = time.perf_counter()
-    with truncate_containers(model, containers if shallow else [], SHALLOW_KEEP):
+    with truncate_containers(model, containers if shallow else [], SHALLOW_KEEP), experts_as_op(model):
         exported = _export(target, args, {**named, **kwargs}, dynamic_batch)
         param_modules = {n: n.rpartition(".")[0] for n, _ in model.named_parameters()}
     seconds = time.perf_counter() - start
@@ -594,7 +595,8 @@ def _node_keys(raw: list[_RawNode], segments: list[Segment]) -> dict[str, str]:
 
 def _op_name(target: Any) -> str:
     if hasattr(target, "_schema") or hasattr(target, "overloadpacket"):
-        return f"aten.{target.__name__}" if "." in target.__name__ else str(target)
+        namespace = getattr(target, "namespace", "aten")
+        return f"{namespace}.{target.__name__}" if "." in target.__name__ else str(target)
     return getattr(target, "__name__", str(target))
 
 

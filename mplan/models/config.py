@@ -180,6 +180,8 @@ class MoEConfig(LlamaConfig):
     beyond it are dropped. None means dropless (capacity = tokens: no token is ever dropped)"""
     aux_loss_coef: float = 0.01
     """weight of the load-balancing loss added to the LM loss (Switch / Megatron default 1e-2)"""
+    shared_ffn: int = 0
+    """intermediate width of a shared expert every token also runs (Qwen-MoE, DeepSeek); 0: none"""
 
     def _validate(self) -> None:
         LlamaConfig._validate(self)
@@ -195,9 +197,12 @@ class MoEConfig(LlamaConfig):
             self._fail("capacity_factor", f"must be > 0 or None, got {self.capacity_factor!r}")
         if not self.aux_loss_coef >= 0:
             self._fail("aux_loss_coef", f"must be >= 0, got {self.aux_loss_coef!r}")
+        if not isinstance(self.shared_ffn, int) or isinstance(self.shared_ffn, bool) or self.shared_ffn < 0:
+            self._fail("shared_ffn", f"must be a non-negative integer, got {self.shared_ffn!r}")
 
     def _mlp_parameters(self) -> int:
-        return self.num_experts * 3 * self.hidden * self.ffn + self.hidden * self.num_experts
+        return (self.num_experts * 3 * self.hidden * self.ffn + self.hidden * self.num_experts
+                + 3 * self.hidden * self.shared_ffn)
 
     def num_active_parameters(self) -> int:
         """Parameters one token touches: every expert count replaced by top_k."""

@@ -3,20 +3,18 @@
 Names (a contract for the planner and passes): as `LlamaModel`, with each block's
 `mlp` a `MoELayer`: `mlp.router` (Linear hidden -> E, no bias) and `mlp.experts.{w_gate,
 w_up, w_down}`, the SwiGLU weights of all experts stacked on dim 0 ([E, ffn, h], [E, ffn, h],
-[E, h, ffn]) so expert parallelism shards dim 0.
+[E, h, ffn]) so expert parallelism shards dim 0; with `shared_ffn`, `mlp.shared_expert`, a
+dense SwiGLU every token runs beside its routed experts (Qwen-MoE and DeepSeek's shared expert).
 
 Routing (Mixtral): probabilities = softmax(router logits) (in at least float32), each token
 picks its top-k experts, and the k weights are renormalized to sum to one.
 
-Dispatch has static shapes, so torch.export captures it without data-dependent sizes:
-- the T tokens' k choices are flattened choice-major (every token's first choice, then
-  every second choice...), so when capacity binds, first choices win over second ones (GShard);
-- a choice's position inside its expert is a cumulative sum over a one-hot mask;
-- expert capacity C (`MoEConfig.capacity`) is T when dropless, so nothing is ever dropped;
-  choices at positions >= C are dropped: they go to one overflow slot that is sliced away
-  and contribute zero (the token keeps its residual and any other choice, unrenormalized);
-- tokens are gathered into an [E, C, h] buffer, the experts run as batched matmuls, and
-  results are added back per token weighted by the gate.
+The experts run as one op, `mplan.kernels.moe.moe_experts` (which capture keeps as one graph
+node and the runtime dispatches over expert-parallel ranks): each token's k choices go to their
+experts and come back weighted by the gate. Capacity (`MoEConfig.capacity_factor`, None =
+dropless): each expert keeps at most ceil(capacity_factor * k * T / E) choices, counted
+choice-major (every token's first choice, then every second one, so first choices win, GShard);
+a dropped choice contributes zero (the token keeps its residual and any other choice).
 
 Load balancing (Switch Transformer, Megatron normalization): aux = E * sum_e f_e * P_e with
 f_e the fraction of the T*k routed choices (before dropping) that chose expert e and P_e the
@@ -27,26 +25,27 @@ returns its own; the model adds `aux_loss_coef * sum over layers` to the LM loss
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from mplan.kernels.moe import moe_experts
 from mplan.models.config import MoEConfig
+from mplan.models.layers import SwiGLU
 from mplan.models.llama import LlamaBlock, LlamaModel, Rope
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts with stacked weights; forward maps [E, C, h] -> [E, C, h]."""
+    """E SwiGLU experts with stacked weights; forward(tokens [T, h], index [T, k], gate [T, k])."""
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, ffn: int, capacity_factor: float | None = None) -> None:
         super().__init__()
         self.w_gate = nn.Parameter(torch.empty(num_experts, ffn, hidden))
         self.w_up = nn.Parameter(torch.empty(num_experts, ffn, hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, ffn))
+        self.capacity_factor = capacity_factor
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = torch.bmm(x, self.w_gate.transpose(1, 2))
-        up = torch.bmm(x, self.w_up.transpose(1, 2))
-        return torch.bmm(F.silu(gate) * up, self.w_down.transpose(1, 2))
+    def forward(self, tokens: torch.Tensor, index: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return moe_experts(tokens, index, gate, self.w_gate, self.w_down, self.w_up, activation="silu",
+                           capacity_factor=self.capacity_factor)
 
 
 class MoELayer(nn.Module):
@@ -56,39 +55,25 @@ class MoELayer(nn.Module):
         super().__init__()
         self.config = config
         self.router = nn.Linear(config.hidden, config.num_experts, bias=False)
-        self.experts = Experts(config.num_experts, config.hidden, config.ffn)
+        self.experts = Experts(config.num_experts, config.hidden, config.ffn, config.capacity_factor)
+        self.shared_expert = SwiGLU(config.hidden, config.shared_ffn) if config.shared_ffn else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num_experts, top_k = self.config.num_experts, self.config.top_k
-        hidden = x.shape[-1]
-        tokens = x.reshape(-1, hidden)
-        num_tokens = tokens.shape[0]
-        capacity = self.config.capacity(num_tokens)
-
+        tokens = x.reshape(-1, x.shape[-1])
         # bf16 router probabilities make top-k ties and a noisy aux loss; never go below float32
         prob_dtype = torch.promote_types(tokens.dtype, torch.float32)
         probs = self.router(tokens).softmax(dim=-1, dtype=prob_dtype)  # [T, E]
         top_weight, top_expert = probs.topk(top_k, dim=-1)  # [T, k]
         top_weight = top_weight / top_weight.sum(dim=-1, keepdim=True)
+        y = self.experts(tokens, top_expert, top_weight.to(tokens.dtype))
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(tokens)
 
-        expert = top_expert.t().reshape(-1)  # [k*T], choice-major
-        weight = top_weight.t().reshape(-1).to(tokens.dtype)
-        token = torch.arange(num_tokens, device=x.device).repeat(top_k)
-        # comparison rather than F.one_hot, whose eager range check reads tensor values
-        one_hot = (expert.unsqueeze(1) == torch.arange(num_experts, device=x.device)).long()
-        position = ((one_hot.cumsum(dim=0) - 1) * one_hot).sum(dim=1)
-        overflow = num_experts * capacity
-        slot = torch.where(position < capacity, expert * capacity + position, overflow)
-
-        # index_add, not index_copy: several dropped choices share the overflow slot
-        gathered = tokens.index_select(0, token)
-        buffer = tokens.new_zeros(overflow + 1, hidden).index_add(0, slot, gathered)
-        expert_out = self.experts(buffer[:overflow].view(num_experts, capacity, hidden))
-        expert_out = torch.cat([expert_out.reshape(overflow, hidden), expert_out.new_zeros(1, hidden)])
-        routed = expert_out.index_select(0, slot) * weight.unsqueeze(1)
-        y = tokens.new_zeros(num_tokens, hidden).index_add(0, token, routed)
-
-        fraction = one_hot.sum(dim=0).to(prob_dtype) / (num_tokens * top_k)  # f_e
+        # f_e counts the routed choices (before any drop); a comparison rather than F.one_hot,
+        # whose eager range check reads tensor values
+        chosen = (top_expert.unsqueeze(-1) == torch.arange(num_experts, device=x.device)).to(prob_dtype)
+        fraction = chosen.sum(dim=(0, 1)) / (tokens.shape[0] * top_k)  # f_e
         aux_loss = num_experts * (fraction * probs.mean(dim=0)).sum()
         return y.view_as(x), aux_loss
 

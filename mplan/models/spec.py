@@ -66,6 +66,7 @@ FAMILY_KEYS: dict[str, dict[str, tuple[str, Callable[[str], Any]]]] = {
         "topk": ("top_k", int),
         "capacity": ("capacity_factor", _parse_capacity),
         "aux": ("aux_loss_coef", float),
+        "shared": ("shared_ffn", int),
     },
 }
 """Spec key -> (config field, parser), per family."""

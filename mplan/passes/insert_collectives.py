@@ -41,9 +41,11 @@ from torch import nn
 
 from mplan.collectives.redistribute import AxisGroup, redistribute
 from mplan.ir.graph import Graph, OpNode, TensorMeta
+from mplan.ir.moe import is_experts
 from mplan.ir.placement import Placement, R, can_transition, grad_placement, local_shape
 from mplan.ir.sharding import ParamLayout, parameter_layouts
 from mplan.ir.strategy import Strategy
+from mplan.passes.expert_parallel import NO_EXPERT_PARALLELISM, ExpertsLowering, experts_module
 from mplan.passes.local_ops import (UnexecutableStrategy, attention_module, embedding_module, loss_module,
                                     lowering_of, normalized_kwargs)
 
@@ -78,16 +80,20 @@ class Redistribute(nn.Module):
 
 
 def insert_collectives(graph: Graph, choice: Mapping[str, Strategy], axis: AxisGroup,
-                       *, device: torch.device | str | None = None, output: int = 0) -> fx.GraphModule:
+                       *, device: torch.device | str | None = None, output: int = 0,
+                       experts: ExpertsLowering = NO_EXPERT_PARALLELISM) -> fx.GraphModule:
     """The local program of this TP rank (see the module docstring). `axis` is the rank's TP
-    axis (`group=None` with any size: shape checks on meta tensors)."""
-    return _Rewriter(graph, choice, axis, device, output).run()
+    axis (`group=None` with any size: shape checks on meta tensors); `experts` the plan's
+    expert parallelism (`passes/expert_parallel.py`): its parameters are fed as this EP rank's
+    experts, dim 0 divided by ep."""
+    return _Rewriter(graph, choice, axis, device, output, experts).run()
 
 
 class _Rewriter:
     def __init__(self, graph: Graph, choice: Mapping[str, Strategy], axis: AxisGroup,
-                 device: torch.device | str | None, output: int) -> None:
+                 device: torch.device | str | None, output: int, experts: ExpertsLowering) -> None:
         self.graph, self.choice, self.axis, self.output_index = graph, choice, axis, output
+        self.experts = experts
         self.device = torch.device(device) if device is not None else None
         self.layouts = parameter_layouts(graph, choice)
         self.root = nn.Module()
@@ -142,6 +148,8 @@ class _Rewriter:
         if layout:
             self.differentiable.add(fx_node.name)
         meta = self.graph.params[name].meta if layout else self.graph.graph_inputs.get(name)
+        if meta is not None and name in self.experts.parameters:  # this EP rank's experts only
+            meta = TensorMeta(shape=(meta.shape[0] // self.experts.ep.size, *meta.shape[1:]), dtype=meta.dtype)
         if meta is not None:
             self.meta[fx_node.name] = meta
             _annotate(new, meta, self.place[fx_node.name], self.axis.size)
@@ -242,7 +250,7 @@ class _Rewriter:
     def _emit(self, rule: str, fx_node: fx.Node, node: OpNode, strategy: Strategy,
               args: tuple[Any, ...], kwargs: dict[str, Any]) -> fx.Node:
         aten = torch.ops.aten
-        if rule in ("replicated", "local"):
+        if rule in ("replicated", "local") and not is_experts(node):
             return self.out.create_node("call_function", fx_node.target, args, kwargs, name=fx_node.name)
         if rule in ("reshape_local", "expand_local"):
             shape = list(local_shape(node.output.shape, strategy.output, self.axis.size))
@@ -252,6 +260,12 @@ class _Rewriter:
             x, weight, bias = args[:3]
             share = self.out.call_function(aten.div.Tensor, (bias, float(self.axis.size)))
             return self.out.create_node("call_function", fx_node.target, (x, weight, share), {}, name=fx_node.name)
+        if is_experts(node):  # every strategy of a routed-experts node runs through its module
+            module: nn.Module = experts_module(num_experts=node.input_metas[3].shape[0], args=node.args,
+                                               lowering=self.experts, node=node.name)
+            attr = f"experts_{node.name}"
+            self.root.add_module(attr, module)
+            return self.out.create_node("call_module", attr, tuple(args[:6]), {}, name=fx_node.name)
         call = normalized_kwargs(fx_node.target, args, kwargs)
         if rule == "vocab_embedding":
             module = embedding_module(node, call, self.axis)

@@ -27,6 +27,10 @@ The lowerings (`mplan.ir.strategy.LOWERINGS`), each saying why the local result 
                     of exponentials and the target logit; no rank holds full logits
     batch_loss      cross-entropy on row-sharded logits (output P): the local sum divided by the
                     number of counted rows over ALL ranks, so the partial values sum to the mean
+    experts         a MoE layer's routed experts (`moe_experts`) on this rank's expert weights,
+                    whole or split by their FFN dim (output P: each rank's FFN slice adds its
+                    share, as a row-parallel linear's), dispatched over the plan's expert-parallel
+                    ranks: `passes/expert_parallel.py` (any strategy of such a node runs there)
 
 A strategy naming no rule of this list raises `UnexecutableStrategy` naming node and strategy.
 """
@@ -42,9 +46,11 @@ from mplan.ir.graph import OpNode
 from mplan.ir.sharding import UnexecutableStrategy
 from mplan.ir.strategy import LOWERINGS, Strategy
 
-MODULE_LOWERINGS = frozenset({"kv_replicated_attention", "vocab_embedding", "vocab_loss", "batch_loss"})
+MODULE_LOWERINGS = frozenset({"kv_replicated_attention", "vocab_embedding", "vocab_loss", "batch_loss",
+                              "experts"})
 """The lowerings that run the op through a module of this file (`attention_module`,
-`embedding_module`, `loss_module`); the others emit an ATen call (`insert_collectives._emit`)."""
+`embedding_module`, `loss_module`; `experts` through `expert_parallel.experts_module`); the others
+emit an ATen call (`insert_collectives._emit`)."""
 ATEN_LOWERINGS = frozenset({"replicated", "dropped", "local", "reshape_local", "expand_local", "row_bias"})
 """The lowerings `insert_collectives` emits as ATen calls: with `MODULE_LOWERINGS`, all of `LOWERINGS`."""
 

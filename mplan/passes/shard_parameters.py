@@ -62,9 +62,11 @@ def shard_tensor(tensor: torch.Tensor, placement: Placement, rank: int, size: in
 
 def shard_parameters(graph: Graph, choice: Mapping[str, Strategy], tp_rank: int, tp_size: int,
                      source: ParameterSource, *, seed: int = 0, device: torch.device | str | None = None,
-                     dtype: torch.dtype | None = None, names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+                     dtype: torch.dtype | None = None, names: Collection[str] | None = None,
+                     experts: Collection[str] = (), ep_rank: int = 0, ep_size: int = 1) -> dict[str, torch.Tensor]:
     """This rank's shard of every parameter of `graph`, or of those in `names` (the ones a
-    pipeline rank's stages read) (see the module docstring)."""
+    pipeline rank's stages read) (see the module docstring). Parameters in `experts` (stacked
+    expert weights) are also split on dim 0: EP rank `ep_rank` of `ep_size` holds chunk `ep_rank`."""
     layouts = parameter_layouts(graph, choice)
     read = _reader(graph, source, seed)
     target = _indexed(device) if device is not None else None
@@ -78,6 +80,8 @@ def shard_parameters(graph: Graph, choice: Mapping[str, Strategy], tp_rank: int,
             raise ValueError(f"parameter {name}: the source has shape {tuple(full.shape)}, the "
                              f"captured graph {expected}")
         piece = shard_tensor(full.detach(), layout.placement, tp_rank, tp_size)
+        if name in experts:
+            piece = shard_tensor(piece, Shard(0), ep_rank, ep_size)
         where, kind = target or full.device, dtype or full.dtype
         if piece.shape == full.shape and (piece.device, piece.dtype) == (where, kind):
             shards[name] = piece.contiguous()  # the source's own storage (see Storage above)

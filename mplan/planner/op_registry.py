@@ -426,6 +426,24 @@ def _getitem(node: OpNode, n: int) -> list[Strategy]:
     return _follow(node, n, {d: d for d in range(rank)})
 
 
+def _moe_experts(node: OpNode, n: int) -> list[Strategy]:
+    """A MoE layer's routed experts (`mplan.kernels.moe`): whole, or every expert split by its FFN
+    dim (Megatron's expert tensor parallelism): tokens, routing and gate whole on every rank, the
+    up/gate weights by rows and the down weight by columns, so each rank adds its FFN slice's
+    share (output P; the token and gate gradients are partial too). Weights stored as one
+    [gate; up] tensor (Hugging Face's gate_up_proj) would need a strided split: whole. Splitting
+    the tokens instead would apply a capacity factor to fewer tokens than the model does: never."""
+    strategies = [replicated(node)]
+    w_out = node.input_metas[4]
+    separate_up = len(node.inputs) > 5
+    gated = bool(node.args[7]) if len(node.args) > 7 else True
+    if (separate_up or not gated) and _divisible(w_out.shape[2], n):
+        weights = (Shard(1), Shard(2)) + ((Shard(1),) if separate_up else ())
+        strategies.append(Strategy(name="ffn", inputs=(R, R, R) + weights, output=P,
+                                   input_grads=(P, R, P) + weights, split=True, lowering="experts"))
+    return strategies
+
+
 _ASSERTIONS = frozenset({"_assert_tensor_metadata", "_assert_scalar", "_assert_async",
                          "sym_constrain_range_for_size"})
 """Assertions about the captured (global, possibly meta) tensors: not true of local shards."""
@@ -446,6 +464,7 @@ REGISTRY: dict[str, OpEntry] = {
     "cat": OpEntry(rule=_cat), "stack": OpEntry(rule=_stack),
     "sum": OpEntry(rule=_reduction), "mean": OpEntry(rule=_reduction),
     "getitem": OpEntry(rule=_getitem),
+    "moe_experts": OpEntry(rule=_moe_experts, megatron=frozenset({"ffn"})),
     **{p: OpEntry(rule=_elementwise) for p in (*_ELEMENTWISE, *_SELECTS)},
     **{p: OpEntry(rule=_view) for p in (*_CUT_DIM, *_RESHAPES, *_SAME_SHAPE, "transpose", "t", "permute",
                                         "expand")},

@@ -3,8 +3,10 @@
 `ParallelConfig` is a complete choice (mesh degrees, micro-batching, sequence parallelism,
 recomputation, optimizer sharding, schedule). `PlanSpec` is what a user writes
 (`dp=2,tp=4,pp=8,vpp=2,ep=1,mbs=1,sp=1,zero=1,recompute=selective,schedule=1f1b`): keys left out
-are searched, `auto` searches everything. `enumerate_configs` lists every config a cluster and
-model admit, with the reason each excluded degree fails kept for error messages.
+are searched, `auto` searches everything. `capacity=1.25` (never searched; `none`, the default, is
+dropless) sets the experts' capacity factor of an MoE model (`mplan.kernels.moe`).
+`enumerate_configs` lists every config a cluster and model admit, with the reason each excluded
+degree fails kept for error messages.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from mplan.ir.schedule import SCHEDULES
 RUNTIMES = ("megatron", "mplan")
 """Whose optimizer memory a plan is priced with (`ModelFacts.runtime`): Megatron-LM's or mplan's runtime's."""
 _INT_KEYS = ("dp", "tp", "pp", "vpp", "ep", "mbs", "sp", "zero")
-_KEYS = _INT_KEYS + ("recompute", "schedule")
+_KEYS = _INT_KEYS + ("recompute", "schedule", "capacity")
 
 
 class PlanSpecError(ValueError):
@@ -38,6 +40,7 @@ class ParallelConfig:
     zero: int = 0  # 1: optimizer state sharded over DP (distributed optimizer)
     recompute: str = "none"
     schedule: str = "1f1b"
+    capacity_factor: float | None = None  # experts' capacity factor; None: dropless (not searched)
 
     @property
     def world_size(self) -> int:
@@ -50,7 +53,8 @@ class ParallelConfig:
     def spec(self) -> str:
         """The manual spec string that reproduces this config."""
         return (f"dp={self.dp},tp={self.tp},pp={self.pp},vpp={self.vpp},ep={self.ep},mbs={self.mbs},"
-                f"sp={int(self.sp)},zero={self.zero},recompute={self.recompute},schedule={self.schedule}")
+                f"sp={int(self.sp)},zero={self.zero},recompute={self.recompute},schedule={self.schedule}"
+                + (f",capacity={self.capacity_factor:g}" if self.capacity_factor is not None else ""))
 
     def short(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
@@ -65,6 +69,8 @@ class ParallelConfig:
             parts.append("zero1")
         if self.recompute != "none":
             parts.append(f"rc-{self.recompute}")
+        if self.capacity_factor is not None:
+            parts.append(f"cf{self.capacity_factor:g}")
         return "-".join(parts)
 
 
@@ -82,6 +88,7 @@ class PlanSpec:
     zero: int | None = None
     recompute: str | None = None
     schedule: str | None = None
+    capacity: float | None = None  # experts' capacity factor (None: dropless); passed through, not searched
 
     @property
     def is_auto(self) -> bool:
@@ -89,6 +96,10 @@ class PlanSpec:
 
     def admits(self, config: ParallelConfig) -> bool:
         for key in _KEYS:
+            if key == "capacity":
+                if self.capacity != config.capacity_factor:
+                    return False
+                continue
             want = getattr(self, key)
             have = getattr(config, key)
             if want is not None and (int(have) if key == "sp" else have) != want:
@@ -110,9 +121,11 @@ def parse_plan_spec(text: str) -> PlanSpec:
                                 f"{', '.join(_KEYS)} (or 'auto')")
         if key in values:
             raise PlanSpecError(f"plan spec {text!r}: {key} given twice")
-        if raw == "auto":
+        if raw == "auto" or (key == "capacity" and raw == "none"):
             continue
-        if key in _INT_KEYS:
+        if key == "capacity":
+            values[key] = _capacity(text, raw)
+        elif key in _INT_KEYS:
             if not raw.isdigit() or int(raw) < (0 if key in ("sp", "zero") else 1):
                 raise PlanSpecError(f"plan spec {text!r}: {key} must be a positive integer, got {raw!r}")
             number = int(raw)
@@ -125,6 +138,17 @@ def parse_plan_spec(text: str) -> PlanSpec:
                 raise PlanSpecError(f"plan spec {text!r}: {key} must be one of {', '.join(choices)}, got {raw!r}")
             values[key] = raw
     return PlanSpec(**values)  # type: ignore[arg-type]
+
+
+def _capacity(text: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise PlanSpecError(f"plan spec {text!r}: capacity must be a number > 0 (the experts' capacity factor; "
+                            f"'none' for dropless routing), got {raw!r}")
+    return value
 
 
 def divisors(n: int) -> list[int]:
@@ -182,6 +206,7 @@ def _variants(base: ParallelConfig, limits: ModelLimits, spec: PlanSpec) -> Iter
         for sp in ((False, True) if base.tp > 1 else (False,)):
             for zero in ((0, 1) if base.dp > 1 else (0,)):
                 for recompute in RECOMPUTE_MODES:
-                    config = replace(base, schedule=schedule, vpp=vpp, sp=sp, zero=zero, recompute=recompute)
+                    config = replace(base, schedule=schedule, vpp=vpp, sp=sp, zero=zero, recompute=recompute,
+                                     capacity_factor=spec.capacity)
                     if spec.admits(config):
                         yield config

@@ -135,6 +135,9 @@ class Plan:
     fp8: bool = False  # the blocks' linears run as FP8 GEMMs (optional in the file; absent = False)
     tp_layout: str = "ilp"  # how the op strategies were chosen: TP_LAYOUTS (optional in the file)
     runtime: str = "megatron"  # whose runtime the memory and overlap are priced for: RUNTIMES (optional)
+    # the experts' capacity factor the plan sets for every MoE layer (optional; None: each layer
+    # keeps its model's own, dropless unless the model drops)
+    capacity_factor: float | None = None
     version: int = PLAN_VERSION
 
     def spec(self) -> str:
@@ -142,7 +145,8 @@ class Plan:
         m = self.mesh
         return (f"dp={m.dp},tp={m.tp},pp={m.pp},vpp={m.vpp},ep={m.ep},mbs={self.micro_batch_size},"
                 f"sp={int(self.sequence_parallel)},zero={self.zero},recompute={self.recompute},"
-                f"schedule={self.schedule}")
+                f"schedule={self.schedule}"
+                + (f",capacity={self.capacity_factor:g}" if self.capacity_factor is not None else ""))
 
     def mesh_shape(self) -> MeshShape:
         """The rank layout of this plan's mesh (ep and vpp do not add ranks)."""
@@ -212,7 +216,7 @@ class Plan:
                    planner=_numbers(r, "planner"), fp8=r.boolean("fp8") if r.has("fp8") else False,
                    tp_layout=r.string("tp_layout", choices=TP_LAYOUTS) if r.has("tp_layout") else "ilp",
                    runtime=r.string("runtime", choices=RUNTIMES) if r.has("runtime") else "megatron",
-                   version=version)
+                   capacity_factor=_capacity(r), version=version)
         r.finish()
         _check_consistent(plan, file)
         return plan
@@ -234,6 +238,12 @@ def _choice(r: FieldReader, key: str, choices: tuple[int, ...]) -> int:
     if value not in choices:
         raise r.error(key, f"must be one of {choices}")
     return value
+
+
+def _capacity(r: FieldReader) -> float | None:
+    if not r.has("capacity_factor") or r.raw("capacity_factor") is None:
+        return None
+    return r.number("capacity_factor")
 
 
 def _model(r: FieldReader) -> ModelInfo:
@@ -341,3 +351,5 @@ def _check_consistent(plan: Plan, file: str) -> None:
         raise PlanError(f"{file}: stages has {len(plan.stages)} entries but pp*vpp = {m.pp * m.vpp}")
     if m.ep > 1 and m.dp % m.ep:
         raise PlanError(f"{file}: mesh.ep={m.ep} must divide mesh.dp={m.dp}")
+    if m.ep > 1 and not any(placements.get("ep") == "S(0)" for placements in plan.sharding.values()):
+        raise PlanError(f"{file}: mesh.ep={m.ep} but no parameter in sharding is split over ep (\"ep\": \"S(0)\")")

@@ -13,6 +13,7 @@ from mplan.cost_models.cluster import ClusterSpec
 from mplan.ir.blocks import relative_name
 from mplan.ir.graph import Graph
 from mplan.ir.graph_hash import graph_hash
+from mplan.ir.moe import expert_parameters
 from mplan.ir.strategy import Strategy
 from mplan.planner.evaluate import Estimate
 from mplan.planner.plan import (Alternative, ClusterInfo, Mesh, ModelInfo, Plan, Predicted, Stage,
@@ -86,6 +87,8 @@ def _param_placements(graph: Graph, model: ShardedModel, estimate: Estimate, uni
             stage_of_unit[u] = index
     segment_of = {p: seg.name for seg in graph.segments for n in graph.nodes_of(seg.nodes) for _, p in n.params}
     first_instances = {bt.instances[0]: bt for bt in graph.block_types}
+    # stacked expert weights: dim 0 (the experts) split over the expert-parallel ranks
+    experts = expert_parameters(graph) if estimate.config.ep > 1 else frozenset()
     placements: dict[str, dict[str, str]] = {}
     for name, info in graph.params.items():
         if info.block is None:
@@ -98,6 +101,8 @@ def _param_placements(graph: Graph, model: ShardedModel, estimate: Estimate, uni
         for target, unit in pairs:
             for alias in graph.names_of(target) if target in graph.params else (target,):
                 placements[alias] = {"tp": tp_of.get(name, "R"), "dp": "R", "pp": str(stage_of_unit.get(unit, 0))}
+                if name in experts:
+                    placements[alias]["ep"] = "S(0)"
     return placements
 
 
@@ -127,5 +132,6 @@ def build_plan(result: SearchResult, graph: Graph, cluster: ClusterSpec, global_
         num_micro_batches=config.num_micro_batches, global_batch=global_batch, schedule=config.schedule,
         recompute=config.recompute, stages=stages, sharding=_param_placements(graph, model, best, units), ops=ops,
         predicted=predicted_of(best), alternatives=alternatives, tp_layout=tp_layout, runtime=runtime,
+        capacity_factor=config.capacity_factor,
         planner={"search_seconds": round(result.seconds, 3), "candidates": result.num_candidates,
                  "capture_seconds": round(graph.capture_seconds, 3)})

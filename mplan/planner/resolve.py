@@ -36,6 +36,7 @@ from mplan.ir.graph import Graph
 from mplan.ir.graph_hash import graph_hash
 from mplan.ir.placement import Shard
 from mplan.ir.rebatch import rebatch
+from mplan.ir.moe import experts_nodes
 from mplan.ir.sharding import UnexecutableStrategy, check_sharding
 from mplan.ir.stage_cut import StageCutError, stage_of_units
 from mplan.ir.strategy import Strategy, parse_strategy
@@ -93,6 +94,9 @@ def _config_of(text: str, world_size: int, global_batch: int, micro_batch_size: 
     if dp * tp * pp != world_size:
         raise PlanSpecError(f"plan {text!r}: dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} ranks but the world has "
                          f"{world_size}")
+    if spec.ep is not None and dp % spec.ep:
+        raise PlanSpecError(f"plan {text!r}: ep={spec.ep} does not divide the dp={dp} data-parallel ranks it is "
+                            f"carved from ({dp} % {spec.ep} = {dp % spec.ep})")
     if spec.mbs is not None and micro_batch_size is not None and spec.mbs != micro_batch_size:
         raise PlanSpecError(f"plan {text!r} says mbs={spec.mbs} but micro_batch_size={micro_batch_size}")
     if global_batch % dp:
@@ -117,7 +121,8 @@ def _config_of(text: str, world_size: int, global_batch: int, micro_batch_size: 
     return ParallelConfig(dp=dp, tp=tp, pp=pp, vpp=spec.vpp or 1, ep=spec.ep or 1, mbs=mbs,
                           num_micro_batches=replica // mbs, sp=bool(spec.sp), zero=spec.zero or 0,
                           recompute=spec.recompute or "none",
-                          schedule=spec.schedule or ("interleaved" if (spec.vpp or 1) > 1 else "1f1b"))
+                          schedule=spec.schedule or ("interleaved" if (spec.vpp or 1) > 1 else "1f1b"),
+                          capacity_factor=spec.capacity)
 
 
 def _bind(plan: Plan, graph: Graph, world_size: int, global_batch: int) -> Plan:
@@ -160,11 +165,28 @@ def _check(plan: Plan, graph: Graph) -> None:
         stage_of_units(graph, [s.units for s in plan.stages])
     except StageCutError as exc:
         raise PlanError(f"plan {plan.spec()} cannot run on {graph.model_name}: {exc}") from None
+    _check_experts(plan, graph)
     try:
         check_sharding(at, choice)
         _check_divisible(at, choice, plan.mesh.tp)
     except UnexecutableStrategy as exc:
         raise PlanError(f"plan {plan.spec()} cannot run on {graph.model_name}: {exc}") from None
+
+
+def _check_experts(plan: Plan, graph: Graph) -> None:
+    """Expert parallelism and a capacity factor need MoE layers, and ep must divide their experts."""
+    layers = experts_nodes(graph)
+    ep = plan.mesh.ep
+    if (ep > 1 or plan.capacity_factor is not None) and not layers:
+        what = f"ep={ep}" if ep > 1 else f"capacity={plan.capacity_factor:g}"
+        raise PlanError(f"plan {plan.spec()} asks for {what} but {graph.model_name} has no MoE layer (no "
+                        f"experts module mplan recognizes: mplan.kernels.moe.moe_experts, or an experts module "
+                        f"following transformers' experts interface): use ep=1 and no capacity")
+    uneven = sorted({e.num_experts for e in layers if e.num_experts % ep})
+    if uneven:
+        raise PlanError(f"plan {plan.spec()}: ep={ep} does not divide the {uneven[0]} experts of "
+                        f"{graph.model_name}'s MoE layers ({uneven[0]} % {ep} = {uneven[0] % ep}): use an ep that "
+                        f"divides {uneven[0]}")
 
 
 def _check_divisible(graph: Graph, choice: dict[str, Strategy], n: int) -> None:

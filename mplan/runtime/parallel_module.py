@@ -62,10 +62,11 @@ from torch import nn
 from mplan.collectives.flat import broadcast_tensor
 from mplan.collectives.redistribute import AxisGroup, apply_transition
 from mplan.ir.graph import Graph
-from mplan.ir.placement import R
+from mplan.ir.placement import R, Shard
 from mplan.ir.rebatch import rebatch
 from mplan.ir.sharding import ParamLayout, parameter_layouts
 from mplan.ir.strategy import Strategy
+from mplan.passes.expert_parallel import NO_EXPERT_PARALLELISM, ExpertsLowering
 from mplan.passes.insert_collectives import INPUTS, LocalInput, insert_collectives
 from mplan.passes.recompute import checkpoint_units
 from mplan.passes.shard_parameters import ParameterSource, materialize_buffers, shard_parameters
@@ -100,11 +101,6 @@ def check_executable(plan: Plan) -> None:
     """Refuse, naming what to use instead, a plan with parallelisms this runtime does not run yet
     (raised alike on every rank, before any collective)."""
     m = plan.mesh
-    if m.ep != 1:
-        raise UnsupportedPlan(
-            f"plan {plan.spec()} needs expert parallelism (ep={m.ep}), which mplan's runtime does not run yet; "
-            f"use a plan with ep=1, e.g. plan='tp={m.tp},pp={m.pp},dp={m.dp}', or plan=None to let mplan choose one "
-            f"it runs")
     if m.pp > 1 or len(plan.stages) > 1:
         pipeline_schedule(plan)  # an unknown schedule or a shape it cannot run: ScheduleError, here
 
@@ -168,11 +164,13 @@ def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.
     check_same_plan(digest, world)
     groups = init_process_groups(plan.mesh_shape())
     axis = groups.axis("tp")
-    program = local_program(program_graph, choice, axis, device=device, kernels=kernels, fp8=fp8)
+    experts = experts_lowering(plan, groups)
+    program = local_program(program_graph, choice, axis, device=device, kernels=kernels, fp8=fp8, experts=experts)
     pipeline = rank_stages(program, program_graph, plan, groups) if len(plan.stages) > 1 else None
     inputs = pipeline.inputs if pipeline is not None else program.meta[INPUTS]
     shards = shard_parameters(graph, choice, axis.rank, axis.size, source, seed=seed, device=device, dtype=dtype,
-                              names=pipeline.parameters if pipeline is not None else None)
+                              names=pipeline.parameters if pipeline is not None else None,
+                              experts=experts.parameters, ep_rank=experts.ep.rank, ep_size=experts.ep.size)
     buffers = [spec.name for spec in inputs if spec.kind == "BUFFER"]
     statics = materialize_buffers(graph, model, buffers, device=device)
     if dtype is not None:  # as model.to(dtype) would: floating buffers (RoPE tables) follow
@@ -192,7 +190,14 @@ def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.
                           params={k: nn.Parameter(v) for k, v in shards.items()}, statics=statics,
                           layouts=parameter_layouts(graph, choice), optimizer=optimizer, device=device,
                           max_grad_norm=max_grad_norm, autocast=autocast, kernels=kernels, fp8=fp8,
-                          inference=inference, pipeline=pipeline)
+                          inference=inference, pipeline=pipeline, experts=experts)
+
+
+def experts_lowering(plan: Plan, groups: ProcessGroups) -> ExpertsLowering:
+    """The plan's expert parallelism as the passes take it: the EP axis, the parameters its
+    `sharding` splits over ep, and the capacity factor it sets."""
+    names = frozenset(name for name, axes in plan.sharding.items() if axes.get("ep") == "S(0)")
+    return ExpertsLowering(ep=groups.axis("ep"), parameters=names, capacity_factor=plan.capacity_factor)
 
 
 def _weightless_program(graph: Graph) -> object:
@@ -214,7 +219,8 @@ class _ProgramGraph:
 
 
 def local_program(graph: Graph, choice: Mapping[str, Strategy], axis: AxisGroup, *,
-                  device: torch.device, kernels: bool, fp8: bool = False, output: int = 0) -> fx.GraphModule:
+                  device: torch.device, kernels: bool, fp8: bool = False, output: int = 0,
+                  experts: ExpertsLowering = NO_EXPERT_PARALLELISM) -> fx.GraphModule:
     """`insert_collectives`, then (`kernels`) `fuse_kernels` on the local program, and (`fp8`)
     its FP8 linears (which raise `Fp8Unavailable` naming why where FP8 GEMMs cannot run).
 
@@ -224,7 +230,7 @@ def local_program(graph: Graph, choice: Mapping[str, Strategy], axis: AxisGroup,
     follow the device's autocast policy and mixed-precision residual streams (mplan.kernels),
     so the fp32 capture's dtypes need not be the run's. `program.meta["fuse_kernels"]` reports
     what fired."""
-    program = insert_collectives(graph, choice, axis, device=device, output=output)
+    program = insert_collectives(graph, choice, axis, device=device, output=output, experts=experts)
     if kernels or fp8:
         # imported here: it loads the Triton kernels, which `import mplan` should not pay for
         from mplan.passes.fuse_kernels import fuse_kernels
@@ -242,18 +248,20 @@ class ParallelModule:
                  statics: dict[str, torch.Tensor], layouts: dict[str, ParamLayout],
                  optimizer: OptimizerFactory, device: torch.device, max_grad_norm: float | None,
                  autocast: torch.dtype | None, kernels: bool, inference: Inference | None,
-                 fp8: bool = False, pipeline: RankStages | None = None) -> None:
+                 fp8: bool = False, pipeline: RankStages | None = None,
+                 experts: ExpertsLowering = NO_EXPERT_PARALLELISM) -> None:
         self.graph, self.plan, self.digest, self.groups, self.axis = graph, plan, digest, groups, axis
         self.choice = choice  # the TP strategy of every node of the training graph
         self.program, self.params, self.statics, self.layouts = program, params, statics, layouts
         self.device, self.max_grad_norm, self.autocast, self.kernels = device, max_grad_norm, autocast, kernels
-        self.fp8 = fp8
+        self.fp8, self.experts = fp8, experts
         self.pipeline = pipeline  # None: one stage, the flat program runs each micro-batch
         self._forward = inference
         # by rows: the local program, or under a pipeline plan the stages of it
         self._inference: dict[int, fx.GraphModule | tuple[StageProgram, ...]] = {}
         shared = pipeline.copies if pipeline is not None else None
         placements = {param: ParamPlacement(tp_sharded=layouts[name].tp_sharded, tp_reduce=layouts[name].grad_partial,
+                                            expert=name in experts.parameters and experts.ep.size > 1,
                                             pp_copy=shared is not None and shared.copy_here(name))
                       for name, param in params.items()}
         # Compute copies are an optimization of the flat program (autocast's casts done once a
@@ -405,7 +413,7 @@ class ParallelModule:
                 raise RuntimeError(f"inference sharding stores {name} as {layout.placement}, "
                                    f"training as {self.layouts[name].placement}")
         program = local_program(graph, choice, self.axis, device=self.device, kernels=self.kernels, fp8=self.fp8,
-                                output=output)
+                                output=output, experts=self.experts)
         if self.pipeline is not None:
             return split_stages(program, graph, [s.units for s in self.plan.stages])
         return program
@@ -444,7 +452,10 @@ class ParallelModule:
             owner = self.pipeline.owner(name) if self.pipeline is not None else self.groups.pp_rank
             whole = None
             if owner == self.groups.pp_rank:
-                whole = apply_transition(self.params[name].detach(), layout.placement, R, self.axis).clone()
+                whole = apply_transition(self.params[name].detach(), layout.placement, R, self.axis)
+                if name in self.experts.parameters:  # every EP rank's experts, in rank order
+                    whole = apply_transition(whole, Shard(0), R, self.experts.ep)
+                whole = whole.clone()
             if self.pipeline is not None:
                 whole = broadcast_tensor(whole, src=peers[owner], group=self.groups.pp, device=self.device)
             for alias in self.graph.names_of(name):
