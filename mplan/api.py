@@ -12,7 +12,7 @@ Steps, the same on every rank (under torchrun; alone when there is no torchrun e
    graph that runs;
 3. resolve the plan argument into one complete Plan for that graph (`planner.resolve`): local
    work only, so a wrong world size, batch split or stale plan fails here, on every rank alike,
-   before any collective; a search covers only what the runtime executes (ep=1);
+   before any collective; a search covers every mesh the runtime executes (dp, tp, sp, pp, ep);
 4. `parallelize` (`runtime.parallel_module`): plan-hash agreement over the world, process groups,
    parameter shards, the local program (with mplan's fused kernels, `kernels`), the
    data-parallel optimizer. The runtime reads the Plan; it never solves or searches.
@@ -48,9 +48,9 @@ from mplan.runtime.replicated_optimizer import OptimizerFactory
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
-EXECUTABLE = PlanSpec(ep=1)
-"""The keys a search is held to: what `runtime.parallel_module.check_executable` runs today
-(every mesh but expert parallelism)."""
+EXECUTABLE = PlanSpec()
+"""The keys a search is held to: none, since the runtime executes every mesh the planner
+searches (expert parallelism included)."""
 
 
 def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,

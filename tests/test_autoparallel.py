@@ -230,18 +230,6 @@ def test_spec_fills_left_out_keys() -> None:
     assert plan.sequence_parallel and plan.zero == 1 and plan.tp_layout == "megatron"
 
 
-def test_expert_parallel_plans_are_refused_naming_what_to_use_instead() -> None:
-    import dataclasses
-
-    from mplan.planner.plan import Mesh
-    from mplan.runtime.parallel_module import UnsupportedPlan, check_executable
-
-    plan = _resolve("dp=2", 2, 4)
-    with pytest.raises(UnsupportedPlan, match=r"needs expert parallelism \(ep=2\), which mplan's runtime does "
-                                              r"not run yet; use a plan with ep=1"):
-        check_executable(dataclasses.replace(plan, mesh=Mesh(dp=2, tp=1, pp=1, ep=2, vpp=1)))
-
-
 def test_pipeline_plans_that_cannot_run_fail_before_any_collective() -> None:
     """A plan file whose stage cut does not list the model's units, and a schedule the micro-batches
     do not fit, fail at resolve / check time with what is wrong."""

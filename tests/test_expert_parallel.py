@@ -28,6 +28,7 @@ from distributed import rel_err, run_checks
 from test_equivalence import MAX_NORM, OPTIMIZER, TOL, batches, family, loss_of
 
 STEPS = 5
+TIMEOUT_S = 900.0  # 4 ranks on 2 cores, a dozen trainings
 MOE = "moe:layers=2,hidden=32,heads=4,kv_heads=2,seq=16,vocab=64,ffn=48,aux=0.1"
 
 
@@ -106,8 +107,9 @@ def accumulated(make: Callable[[], nn.Module], data: list, micro_batch: int) -> 
     return losses, {name: p.detach() for name, p in model.named_parameters()}
 
 
-def compare_moe(make: Callable[[], nn.Module], plan: str, global_batch: int, micro_batch: int,
-                **options: Any) -> dict[str, Any]:
+def compare_moe(make: Callable[[], nn.Module], plan: str, global_batch: int, micro_batch: int, *,
+                reference: Callable[[], nn.Module] | None = None, **options: Any) -> dict[str, Any]:
+    """Train `make()` under `plan`, and `reference()` (default: the same model) on one process."""
     import mplan
 
     data = batches(global_batch)
@@ -118,7 +120,7 @@ def compare_moe(make: Callable[[], nn.Module], plan: str, global_batch: int, mic
         losses.append(pm.train_step(ids, labels))
         norms.append(pm.last_grad_norm)
     state = pm.full_state_dict()
-    ref_losses, ref_state = accumulated(make, data, micro_batch)
+    ref_losses, ref_state = accumulated(reference or make, data, micro_batch)
     errors = {name: rel_err(state[name], ref) for name, ref in ref_state.items()}
     worst = max(errors, key=errors.__getitem__)
     experts = [m for m in pm.program.modules() if type(m).__name__ == "RoutedExperts"]
@@ -139,6 +141,43 @@ def assert_exact(values: list[dict[str, Any]], ep: int) -> None:
     assert all(v["loss"] == values[0]["loss"] for v in values), "ranks report different losses"
 
 
+def skewed(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """`make`'s model with a router that sends nearly every token to expert 0: a constant
+    embedding feature that expert 0's router row weighs heavily."""
+    def build() -> nn.Module:
+        model = make()
+        with torch.no_grad():
+            model.embed.weight[:, 0] = 5.0
+            for layer in model.layers:
+                layer.mlp.router.weight[0, 0] = 40.0
+        return model
+    return build
+
+
+def routed_to(make: Callable[[], nn.Module], ids: torch.Tensor) -> torch.Tensor:
+    """Choices per expert of the first MoE layer of `make()` on `ids` (its first forward)."""
+    model, seen = make(), []
+    layer = model.layers[0].mlp
+    layer.experts.register_forward_hook(lambda _m, args, _out: seen.append(args[1]))
+    with torch.no_grad():
+        model(ids)
+    return torch.bincount(seen[0].flatten(), minlength=layer.config.num_experts)
+
+
+def dropped_choices(make: Callable[[], nn.Module], ids: torch.Tensor, capacity_factor: float) -> int:
+    """Choices the capacity rule drops in the first MoE layer, micro-batch `ids`."""
+    from mplan.kernels.moe import expert_capacity, route
+
+    model, seen = make(), []
+    model.layers[0].mlp.experts.register_forward_hook(lambda _m, args, _out: seen.append(args[1]))
+    with torch.no_grad():
+        model(ids)
+    index = seen[0]
+    experts = model.config.num_experts
+    kept = route(index, experts, expert_capacity(index.shape[0], index.shape[1], experts, capacity_factor))
+    return index.numel() - kept.order.numel()
+
+
 # -- world of 2 -----------------------------------------------------------------------------------
 def ep2_top2_e4() -> dict[str, Any]:
     return compare_moe(moe(4, 2), "dp=2,ep=2", 4, 1)
@@ -156,14 +195,164 @@ def ep2_qwen2_moe() -> dict[str, Any]:
     return compare_moe(hf_moe("qwen2_moe"), "dp=2,ep=2", 4, 2)
 
 
-WORLD2 = [ep2_top2_e4, ep2_top1_e8_shared, ep2_mixtral, ep2_qwen2_moe]
+def ep2_skewed_router() -> dict[str, Any]:
+    """Top-1 with every token routed to expert 0: rank 0 gets both ranks' tokens, rank 1 none,
+    and nothing is dropped (dropless)."""
+    make = skewed(moe(4, 1))
+    result = compare_moe(make, "dp=2,ep=2", 4, 1)
+    result["to_expert_0"] = float(routed_to(make, batches(4)[0][0][:1])[0]) / 16
+    return result
+
+
+def ep2_plan_capacity() -> dict[str, Any]:
+    """The plan sets capacity 1.0 on a dropless model: each rank drops, before dispatch, exactly the
+    choices the rule drops on its micro-batch, as the single-device model built with that capacity
+    (whose rule tests/test_models.py holds to a token-by-token loop)."""
+    with_capacity = skewed(moe(4, 2, capacity="1"))
+    result = compare_moe(skewed(moe(4, 2)), "dp=2,ep=2,capacity=1", 4, 1, reference=with_capacity)
+    result["dropped"] = dropped_choices(with_capacity, batches(4)[0][0][:1], 1.0)
+    return result
+
+
+WORLD2 = [ep2_top2_e4, ep2_top1_e8_shared, ep2_mixtral, ep2_qwen2_moe, ep2_skewed_router, ep2_plan_capacity]
 
 
 @pytest.fixture(scope="module")
 def world2():
-    return run_checks(2, WORLD2)
+    return run_checks(2, WORLD2, timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("check", WORLD2, ids=lambda c: c.__name__)
 def test_two_ranks_match_one_process(world2, check) -> None:
     assert_exact(world2.assert_passed(check), ep=2)
+
+
+def test_a_skewed_router_loses_no_token(world2) -> None:
+    for result in world2.assert_passed(ep2_skewed_router):
+        assert result["to_expert_0"] > 0.9, result  # nearly every token chose expert 0
+
+
+def test_a_plan_capacity_drops_what_the_rule_drops(world2) -> None:
+    for result in world2.assert_passed(ep2_plan_capacity):
+        assert result["dropped"] > 0 and "capacity=1" in result["ran"], result
+
+
+# -- world of 4 -----------------------------------------------------------------------------------
+def ep4_top2_e8() -> dict[str, Any]:
+    return compare_moe(moe(8, 2), "dp=4,ep=4", 8, 1)
+
+
+def ep4_top1_e4_shared() -> dict[str, Any]:
+    return compare_moe(moe(4, 1, shared=40), "dp=4,ep=4", 4, 1)
+
+
+def ep2_tp2_top2_e4_shared() -> dict[str, Any]:
+    # experts split by their FFN dim over TP as well (the "ffn" strategy), the shared expert by Megatron's
+    return compare_moe(moe(4, 2, shared=40), "dp=2,tp=2,ep=2", 4, 1)
+
+
+def ep2_tp2_sp_top1_e8() -> dict[str, Any]:
+    return compare_moe(moe(8, 1), "dp=2,tp=2,ep=2,sp=1", 4, 2)
+
+
+def ep2_dp2_zero1_top2_e8() -> dict[str, Any]:
+    return compare_moe(moe(8, 2), "dp=4,ep=2,zero=1", 8, 1)
+
+
+def ep2_dp2_zero1_top1_e4_shared() -> dict[str, Any]:
+    return compare_moe(moe(4, 1, shared=40), "dp=4,ep=2,zero=1", 8, 2)
+
+
+def ep2_pp2_top2_e4() -> dict[str, Any]:
+    return compare_moe(moe(4, 2), "dp=2,pp=2,ep=2", 8, 1)
+
+
+def ep2_pp2_top1_e8_shared() -> dict[str, Any]:
+    return compare_moe(moe(8, 1, shared=40), "dp=2,pp=2,ep=2,schedule=zb-h1", 8, 1)
+
+
+def ep4_mixtral() -> dict[str, Any]:
+    return compare_moe(hf_moe("mixtral"), "dp=4,ep=4", 8, 1)
+
+
+def ep2_tp2_mixtral() -> dict[str, Any]:
+    return compare_moe(hf_moe("mixtral"), "dp=2,tp=2,ep=2", 4, 1)
+
+
+def ep2_dp2_zero1_qwen2_moe() -> dict[str, Any]:
+    return compare_moe(hf_moe("qwen2_moe"), "dp=4,ep=2,zero=1", 8, 1)
+
+
+def ep2_pp2_qwen2_moe() -> dict[str, Any]:
+    return compare_moe(hf_moe("qwen2_moe"), "dp=2,pp=2,ep=2", 8, 1)
+
+
+def ep2_pp2_mixtral() -> dict[str, Any]:
+    return compare_moe(hf_moe("mixtral"), "dp=2,pp=2,ep=2", 8, 1)
+
+
+WORLD4 = {4: [ep4_top2_e8, ep4_top1_e4_shared, ep4_mixtral],
+          2: [ep2_tp2_top2_e4_shared, ep2_tp2_sp_top1_e8, ep2_dp2_zero1_top2_e8, ep2_dp2_zero1_top1_e4_shared,
+              ep2_pp2_top2_e4, ep2_pp2_top1_e8_shared, ep2_tp2_mixtral, ep2_dp2_zero1_qwen2_moe,
+              ep2_pp2_qwen2_moe, ep2_pp2_mixtral]}
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_checks(4, [check for checks in WORLD4.values() for check in checks], timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.parametrize(("ep", "check"), [(ep, c) for ep, checks in WORLD4.items() for c in checks],
+                         ids=lambda v: getattr(v, "__name__", str(v)))
+def test_four_ranks_match_one_process(world4, ep, check) -> None:
+    assert_exact(world4.assert_passed(check), ep=ep)
+
+
+# -- bad input: one clear error, before any collective --------------------------------------------
+def _graph(spec: str):
+    from mplan.ir.trace import capture_for_training
+    from mplan.models import build_model
+
+    model = build_model(spec, device="cpu", dtype=torch.float64, seed=0)
+    return capture_for_training(model, (torch.zeros(2, 16, dtype=torch.long),))
+
+
+def _resolve(plan: str, graph, world: int, batch: int):
+    from mplan.cost_models.presets import local_cluster
+    from mplan.planner.resolve import resolve_plan
+
+    cluster = local_cluster({"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)})
+    return resolve_plan(plan, graph, cluster=cluster, world_size=world, global_batch=batch)
+
+
+@pytest.mark.parametrize(("model", "plan", "world", "match"), [
+    (f"{MOE},experts=4,topk=2", "dp=4,ep=3", 4, r"ep=3 does not divide the dp=4 data-parallel ranks"),
+    (f"{MOE},experts=6,topk=2", "dp=4,ep=4", 4, r"ep=4 does not divide the 6 experts .* \(6 % 4 = 2\)"),
+    ("tiny-llama", "dp=2,ep=2", 2, r"asks for ep=2 but LlamaModel has no MoE layer"),
+    ("tiny-llama", "dp=2,capacity=1.25", 2, r"asks for capacity=1.25 but LlamaModel has no MoE layer"),
+    (f"{MOE},experts=4,topk=2", "dp=2,ep=2,capacity=0", 2, r"capacity must be a number > 0"),
+    (f"{MOE},experts=4,topk=2", "dp=2,ep=2,capacity=-1", 2, r"capacity must be a number > 0"),
+    (f"{MOE},experts=4,topk=2", "dp=2,capacity=many", 2, r"capacity must be a number > 0 .* got 'many'"),
+], ids=["ep-not-dividing-dp", "ep-not-dividing-experts", "ep-on-dense", "capacity-on-dense", "capacity-zero",
+        "capacity-negative", "capacity-word"])
+def test_bad_expert_plans_name_the_cause(model: str, plan: str, world: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _resolve(plan, _graph(model), world, 4 * world)
+
+
+def test_a_plan_file_with_a_bad_capacity_or_unsharded_experts_is_refused(tmp_path) -> None:
+    import json
+
+    from mplan.planner.plan import Plan, PlanError
+
+    plan = _resolve("dp=2,ep=2", _graph(f"{MOE},experts=4,topk=2"), 2, 4)
+    assert plan.mesh.ep == 2 and sum(a.get("ep") == "S(0)" for a in plan.sharding.values()) == 6
+    doc = json.loads(plan.to_json())
+    for broken, match in (({**doc, "capacity_factor": 0}, "capacity_factor"),
+                          ({**doc, "sharding": {k: {a: p for a, p in v.items() if a != "ep"}
+                                                for k, v in doc["sharding"].items()}}, "split over ep")):
+        path = tmp_path / "plan.json"
+        path.write_text(json.dumps(broken))
+        with pytest.raises(PlanError, match=match):
+            Plan.load(str(path))
+    assert Plan.from_dict(doc).capacity_factor is None

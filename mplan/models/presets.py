@@ -56,10 +56,8 @@ _ALL: tuple[ModelConfig, ...] = (
     MoEConfig(
         name="mixtral-8x7b", num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8,
         ffn_hidden=14336, seq_len=4096, vocab=32000, rope_theta=1e6, norm_eps=1e-5,
-        # Capacity 1.25x the balanced load (Switch/GShard's usual factor): dispatch has static
-        # shapes here, so dropless routing would size every expert's buffer for all tokens and
-        # the graph would carry E/top_k = 4x the expert FLOPs the model really needs.
-        num_experts=8, top_k=2, capacity_factor=1.25,
+        # dropless, as Mixtral trains: the experts op routes T*k token copies whatever the load
+        num_experts=8, top_k=2,
     ),
     # tiny models for tests: a few layers, every feature switched on (GQA, tying, drops)
     GPTConfig(name="tiny-gpt", num_layers=2, hidden=32, num_heads=4, seq_len=16, vocab=64),

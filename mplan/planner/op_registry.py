@@ -347,9 +347,10 @@ def _follow(node: OpNode, n: int, dim_map: dict[int, int], *, partial: bool = Tr
 # the dim each of these cuts, as (position, keyword, default): split(x, size, dim=0), chunk(x, n, dim=0), ...
 _CUT_DIM = {"slice": (1, "dim", 0), "narrow": (1, "dim", 0), "select": (1, "dim", 0), "unbind": (1, "dim", 0),
             "split": (2, "dim", 0), "split_with_sizes": (2, "dim", 0), "chunk": (2, "dim", 0)}
-_RESHAPES = ("view", "_unsafe_view", "reshape", "view_copy", "squeeze", "unsqueeze", "flatten", "unflatten")
-_SAME_SHAPE = ("_to_copy", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "to", "type_as",
-               "view_as")
+# view_as(x, other) is a reshape of x to other's shape (other only lends its shape: whole)
+_RESHAPES = ("view", "_unsafe_view", "reshape", "view_copy", "squeeze", "unsqueeze", "flatten", "unflatten",
+             "view_as")
+_SAME_SHAPE = ("_to_copy", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "to", "type_as")
 
 
 def _view(node: OpNode, n: int) -> list[Strategy]:
@@ -474,7 +475,8 @@ REGISTRY: dict[str, OpEntry] = {
 def strategies_for(node: OpNode, n: int) -> list[Strategy]:
     """Every strategy of `node` on an axis of size n; replicated first. n == 1: replicated only."""
     entry = REGISTRY.get(op_packet(node.op))
-    if n == 1 or entry is None or not node.known or not node.outputs or _tensor_keyword(node):
+    if n == 1 or entry is None or not node.known or not node.outputs or _tensor_keyword(node) or \
+            len(node.input_metas) != len(node.inputs):  # a symbolic size among the inputs: no rule places it
         return [replicated(node)]
     return _dedupe(entry.rule(node, n))
 

@@ -97,6 +97,7 @@ def _config_of(text: str, world_size: int, global_batch: int, micro_batch_size: 
     if spec.ep is not None and dp % spec.ep:
         raise PlanSpecError(f"plan {text!r}: ep={spec.ep} does not divide the dp={dp} data-parallel ranks it is "
                             f"carved from ({dp} % {spec.ep} = {dp % spec.ep})")
+    _check_experts(text, spec.ep or 1, spec.capacity, graph)
     if spec.mbs is not None and micro_batch_size is not None and spec.mbs != micro_batch_size:
         raise PlanSpecError(f"plan {text!r} says mbs={spec.mbs} but micro_batch_size={micro_batch_size}")
     if global_batch % dp:
@@ -165,7 +166,7 @@ def _check(plan: Plan, graph: Graph) -> None:
         stage_of_units(graph, [s.units for s in plan.stages])
     except StageCutError as exc:
         raise PlanError(f"plan {plan.spec()} cannot run on {graph.model_name}: {exc}") from None
-    _check_experts(plan, graph)
+    _check_experts(plan.spec(), plan.mesh.ep, plan.capacity_factor, graph)
     try:
         check_sharding(at, choice)
         _check_divisible(at, choice, plan.mesh.tp)
@@ -173,18 +174,17 @@ def _check(plan: Plan, graph: Graph) -> None:
         raise PlanError(f"plan {plan.spec()} cannot run on {graph.model_name}: {exc}") from None
 
 
-def _check_experts(plan: Plan, graph: Graph) -> None:
+def _check_experts(plan: str, ep: int, capacity: float | None, graph: Graph) -> None:
     """Expert parallelism and a capacity factor need MoE layers, and ep must divide their experts."""
     layers = experts_nodes(graph)
-    ep = plan.mesh.ep
-    if (ep > 1 or plan.capacity_factor is not None) and not layers:
-        what = f"ep={ep}" if ep > 1 else f"capacity={plan.capacity_factor:g}"
-        raise PlanError(f"plan {plan.spec()} asks for {what} but {graph.model_name} has no MoE layer (no "
+    if (ep > 1 or capacity is not None) and not layers:
+        what = f"ep={ep}" if ep > 1 else f"capacity={capacity:g}"
+        raise PlanError(f"plan {plan} asks for {what} but {graph.model_name} has no MoE layer (no "
                         f"experts module mplan recognizes: mplan.kernels.moe.moe_experts, or an experts module "
                         f"following transformers' experts interface): use ep=1 and no capacity")
     uneven = sorted({e.num_experts for e in layers if e.num_experts % ep})
     if uneven:
-        raise PlanError(f"plan {plan.spec()}: ep={ep} does not divide the {uneven[0]} experts of "
+        raise PlanError(f"plan {plan}: ep={ep} does not divide the {uneven[0]} experts of "
                         f"{graph.model_name}'s MoE layers ({uneven[0]} % {ep} = {uneven[0] % ep}): use an ep that "
                         f"divides {uneven[0]}")
 
