@@ -59,6 +59,14 @@ def _print_inspect(doc: dict[str, Any]) -> None:
                         f"{r['saved_bytes'] / 2**20:.2f}", ", ".join(p.rsplit(".", 2)[-2] + "." +
                                                                    p.rsplit(".", 1)[-1] for p in r["params"]))
         console.print(ops)
+    if doc.get("moe_layers"):
+        m = doc["moe_layers"][0]
+        capacity = "dropless" if m["capacity_factor"] is None else f"capacity {m['capacity_factor']:g}"
+        console.print(
+            f"MoE layers: {len(doc['moe_layers'])}, each one `moe_experts` op: {m['num_experts']} experts of ffn "
+            f"{m['ffn']}, top-{m['top_k']}, {m['activation']}{' gated' if m['gated'] else ''}, {capacity}; router: "
+            f"{m['scoring']}{', renormalized' if m['normalized'] else ''}; shared expert: "
+            f"{'yes' if m['shared_expert'] else 'no'}; auxiliary loss: {'yes' if m['aux_loss'] else 'no'}")
     if doc["unknown_ops"]:
         console.print(f"[yellow]ops without a rule (replicated by the planner):[/] {doc['unknown_ops']}")
 
@@ -135,7 +143,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     with status:
         rows = bench_plans(args.model, _cluster(args), args.global_batch, args.plans, seq_len=args.seq_len,
-                           measure=args.measure, profile=args.profile, progress=progress,
+                           measure=args.measure, profile=args.profile, moe_imbalance=args.moe_imbalance,
+                           progress=progress,
                            on_row=write_so_far if args.out and reports else None)
     if not reports:
         return 0
@@ -157,18 +166,25 @@ def _print_bench(rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table(title="plans side by side (predicted unless marked measured)")
-    for col in ("plan", "mesh dp/tp/pp/vpp", "fits", "step ms", "TFLOP/s/GPU", "MFU", "memory GiB", "measured ms",
-                "note"):
+    for col in ("plan", "mesh dp/tp/pp/vpp/ep", "fits", "step ms", "TFLOP/s/GPU", "MFU", "memory GiB", "all-to-all",
+                "measured ms", "note"):
         table.add_column(col)
     for r in rows:
-        p = r["predicted"] or {}
-        mesh = r["mesh"] or {}
-        table.add_row(r["spec"], "/".join(str(mesh.get(k, "-")) for k in ("dp", "tp", "pp", "vpp")),
-                      "yes" if r["fits"] else "no",
-                      f"{p['step_time_s'] * 1e3:.1f}" if p else "-", f"{p['tflops_per_gpu']:.1f}" if p else "-",
-                      f"{p['mfu']:.1%}" if p else "-", f"{p['memory_gib']:.1f}" if p else "-",
-                      _measured_ms(r.get("measured")), r["error"] or "")
+        table.add_row(r["spec"], *_bench_cells(r), _measured_ms(r.get("measured")), r["error"] or "")
+        without = r.get("without_ep")
+        if without is not None:  # what expert parallelism buys: the best plan of the same spec with ep=1
+            note = without["error"] or f"{without['slower']:+.1%} step vs the plan above"
+            table.add_row("  best with ep=1", *_bench_cells(without), "-", note)
     Console().print(table)
+
+
+def _bench_cells(row: dict[str, Any]) -> list[str]:
+    """Mesh, fits and predicted figures of a bench row (or of its `without_ep` entry)."""
+    p, mesh = row["predicted"] or {}, row["mesh"] or {}
+    a2a = f"{p['a2a_s'] * 1e3:.0f} ms ({p['a2a_s'] / p['step_time_s']:.1%})" if p.get("a2a_s") else "-"
+    return ["/".join(str(mesh.get(k, "-")) for k in ("dp", "tp", "pp", "vpp", "ep")), "yes" if row["fits"] else "no",
+            f"{p['step_time_s'] * 1e3:.1f}" if p else "-", f"{p['tflops_per_gpu']:.1f}" if p else "-",
+            f"{p['mfu']:.1%}" if p else "-", f"{p['memory_gib']:.1f}" if p else "-", a2a]
 
 
 def _measured_ms(measured: dict[str, Any] | None) -> str:
@@ -273,6 +289,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--measure", action="store_true", help="also run each plan for real on this machine's ranks")
     p.add_argument("--profile", action="store_true",
                    help="with --measure on GPUs: one more step under the profiler, its kernel time by kind")
+    p.add_argument("--moe-imbalance", type=float, default=1.0,
+                   help="MoE models: the busiest expert-parallel rank's token load over the mean (1.0: uniform)")
     p.add_argument("--csv", default=None, help="also write the table as CSV")
     p.add_argument("--out", default=None, help="also write the rows as JSON here, rewritten after each plan")
     p.add_argument("--json", action="store_true", help="print one JSON document and nothing else")

@@ -129,7 +129,8 @@ def compare_moe(make: Callable[[], nn.Module], plan: str, global_batch: int, mic
                    if type(m).__name__ == "RoutedExperts"]
     return {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)), "param": errors[worst],
             "worst": worst, "clipped": max(norms) > MAX_NORM, "ran": pm.plan.describe(),
-            "ep": [m.ep.size for m in experts], "expert_params": sorted(pm.experts.parameters)[:2]}
+            "ep": [m.ep.size for m in experts], "expert_params": sorted(pm.experts.parameters)[:2],
+            "experts_strategy": sorted({str(pm.choice[m.node]).partition(":")[0] for m in experts})}
 
 
 def assert_exact(values: list[dict[str, Any]], ep: int) -> None:
@@ -306,6 +307,15 @@ def world4():
                          ids=lambda v: getattr(v, "__name__", str(v)))
 def test_four_ranks_match_one_process(world4, ep, check) -> None:
     assert_exact(world4.assert_passed(check), ep=ep)
+
+
+def test_experts_split_by_ffn_under_tp_where_their_weights_allow(world4) -> None:
+    """mplan's experts (separate gate and up weights) split by their FFN dim over TP; Mixtral's
+    stacked [gate; up] weight would need a strided split, so its experts stay whole on each TP rank."""
+    for check, strategy in ((ep2_tp2_top2_e4_shared, "ffn"), (ep2_tp2_sp_top1_e8, "ffn"),
+                            (ep2_tp2_mixtral, "replicate")):
+        for result in world4.assert_passed(check):
+            assert result["experts_strategy"] == [strategy], (check.__name__, result)
 
 
 # -- bad input: one clear error, before any collective --------------------------------------------

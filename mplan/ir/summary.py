@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from mplan.ir.trace import capture
 from mplan.ir.graph import Graph
+from mplan.ir.moe import moe_layers
+from mplan.ir.trace import capture
 
 
 def capture_spec(spec: str, *, batch: int = 1, seq_len: int | None = None, shallow: bool = False,
@@ -77,6 +78,14 @@ def summarize(graph: Graph, *, per_op: bool = True) -> dict[str, Any]:
         "capture_seconds": round(graph.capture_seconds, 3),
         "shallow": graph.shallow,
     }
+    layers = moe_layers(graph)
+    if layers:
+        doc["moe_layers"] = [{
+            "node": m.experts.node, "num_experts": m.experts.num_experts, "top_k": m.experts.top_k,
+            "ffn": m.experts.ffn, "activation": m.experts.activation, "gated": m.experts.gated,
+            "capacity_factor": m.experts.capacity_factor, "router": m.router, "scoring": m.scoring,
+            "normalized": m.normalized, "shared_expert": list(m.shared_expert), "aux_loss": m.aux_loss,
+        } for m in layers]
     if per_op and graph.block_types:
         main = max(graph.block_types, key=lambda b: b.num_instances)
         doc["block_ops"] = {"block_type": main.name, "instance": main.instances[0],
