@@ -215,17 +215,57 @@ def ep2_plan_capacity() -> dict[str, Any]:
     return result
 
 
+def ep2_checkpoint_and_inference() -> dict[str, float]:
+    """EP2 with ZeRO-1: save after 2 steps, load into a job built from other weights, continue;
+    the difference from never stopping. Then pm(ids) against the one-process model holding
+    pm's full state dict (every EP rank's experts gathered)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    import mplan
+    from mplan.models import build_model
+
+    data = batches(4)
+    spec = f"{MOE},experts=4,topk=2"
+    build = lambda model: mplan.autoparallel(model, example_inputs=(data[0][0],), optimizer=OPTIMIZER,  # noqa: E731
+                                             global_batch=4, plan="dp=2,ep=2,zero=1", micro_batch_size=1,
+                                             max_grad_norm=MAX_NORM)
+    first = build(family(spec)())
+    for ids, labels in data[:2]:
+        first.train_step(ids, labels)
+    where = [tempfile.mkdtemp(prefix="mplan_ckpt_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where)
+    first.save(where[0])
+    second = build(build_model(spec, device="cpu", dtype=torch.float64, seed=3))
+    second.load(where[0])
+    tail_a = [first.train_step(ids, labels) for ids, labels in data[2:]]
+    tail_b = [second.train_step(ids, labels) for ids, labels in data[2:]]
+    a, b = first.full_state_dict(), second.full_state_dict()
+    resumed = max([abs(x - y) for x, y in zip(tail_a, tail_b)] + [rel_err(b[k], a[k]) for k in a])
+    single = family(spec)()
+    single.load_state_dict(a, strict=False)
+    ids = data[0][0][:2]
+    return {"resumed": resumed, "logits": rel_err(first(ids), single(ids).detach())}
+
+
 WORLD2 = [ep2_top2_e4, ep2_top1_e8_shared, ep2_mixtral, ep2_qwen2_moe, ep2_skewed_router, ep2_plan_capacity]
+CHECKS2 = [*WORLD2, ep2_checkpoint_and_inference]
 
 
 @pytest.fixture(scope="module")
 def world2():
-    return run_checks(2, WORLD2, timeout_s=TIMEOUT_S)
+    return run_checks(2, CHECKS2, timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("check", WORLD2, ids=lambda c: c.__name__)
 def test_two_ranks_match_one_process(world2, check) -> None:
     assert_exact(world2.assert_passed(check), ep=2)
+
+
+def test_checkpoints_resume_and_inference_gathers_under_ep(world2) -> None:
+    for result in world2.assert_passed(ep2_checkpoint_and_inference):
+        assert result["resumed"] < 1e-12 and result["logits"] < 1e-12, result
 
 
 def test_a_skewed_router_loses_no_token(world2) -> None:

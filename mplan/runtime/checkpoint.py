@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mplan.cost_models.json_fields import FieldReader, load_json_file
-from mplan.ir.placement import local_shape
+from mplan.ir.placement import Shard, local_shape
 
 if TYPE_CHECKING:
     from mplan.runtime.parallel_module import ParallelModule
@@ -59,7 +59,8 @@ def _manifest(pm: ParallelModule) -> dict[str, Any]:
         "zero": pm.plan.zero, "sequence_parallel": pm.plan.sequence_parallel, "plan_hash": pm.digest,
         "files": [rank_file(r) for r in range(m.size)],
         "params": {name: {"placement": str(layout.placement),
-                          "shape": list(pm.graph.params[name].meta.shape)}
+                          "shape": list(pm.graph.params[name].meta.shape),
+                          **({"ep": "S(0)"} if name in pm.experts.parameters else {})}
                    for name, layout in pm.layouts.items()},
     }
 
@@ -101,6 +102,8 @@ def load_checkpoint(directory: str, pm: ParallelModule) -> None:
         for name, param in pm.params.items():
             key = f"param/{name}"
             want = local_shape(pm.graph.params[name].meta.shape, pm.layouts[name].placement, m.tp)
+            if name in pm.experts.parameters:  # this EP rank's experts (dim 0)
+                want = local_shape(want, Shard(0), m.ep)
             if key not in state or tuple(state[key].shape) != tuple(want):
                 found = tuple(state[key].shape) if key in state else "missing"
                 raise CheckpointError(f"{directory}: {key} is {found}, expected local shape {tuple(want)}")
