@@ -9,14 +9,22 @@ planner's fragmentation margin), or says why the runtime cannot run that plan
 (expert parallelism is planned, not yet executed), or that it ran out of device memory (on every
 rank alike, for the symmetric plans the runtime executes). `rankings` orders the measured plans by
 prediction and by measurement, which is what a planner must get right.
+
+For an MoE model, a row whose plan uses expert parallelism (ep > 1) also carries `without_ep`: the
+best plan the same spec allows with ep=1 (`resolved_spec`, `mesh`, `fits`, `predicted`, `error`,
+and `slower`: its predicted step over the chosen one's, minus one), what expert parallelism buys;
+`predicted` then has the all-to-all seconds of a step (`a2a_s`, busiest pipeline rank), the
+experts per rank and the load imbalance priced (`moe_imbalance`, the `--moe-imbalance` option).
 """
 from __future__ import annotations
 
 import csv
+import dataclasses
 from typing import Any, Callable, Sequence
 
 from mplan.cost_models.cluster import ClusterSpec
-from mplan.planner.parallel_config import PlanSpecError, parse_plan_spec
+from mplan.planner.evaluate import Estimate
+from mplan.planner.parallel_config import PlanSpec, PlanSpecError, parse_plan_spec
 from mplan.planner.plan_builder import predicted_of
 from mplan.planner.planning import capture_for_planning
 from mplan.planner.search import Planner, PlanningError
@@ -27,7 +35,7 @@ Row = dict[str, Any]
 
 def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequence[str], *,
                 seq_len: int | None = None, measure: bool = False, profile: bool = False,
-                progress: Callable[[str], None] | None = None,
+                moe_imbalance: float = 1.0, progress: Callable[[str], None] | None = None,
                 on_row: Callable[[list[Row]], None] | None = None) -> list[Row]:
     """One row per spec, in order; `on_row` sees the rows so far after each one (a measured bench
     on large models takes minutes a plan: what finished survives a run that is cut short)."""
@@ -35,13 +43,15 @@ def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequ
     progress(f"capturing {model}")
     graph = capture_for_planning(model, seq_len=seq_len)
     # priced as mplan runs them: its fused kernels on GPUs and its optimizer's memory
-    planner = Planner(graph, cluster, kernels=cluster.device.name != "cpu", runtime="mplan", progress=progress)
+    planner = Planner(graph, cluster, kernels=cluster.device.name != "cpu", runtime="mplan",
+                      moe_imbalance=moe_imbalance, progress=progress)
     rows: list[Row] = []
     for text in specs:
         progress(f"planning {text}")
         row: Row = {"spec": text, "mesh": None, "fits": False, "predicted": None, "error": None, "measured": None}
         try:
-            best = planner.search(global_batch, parse_plan_spec(text)).best
+            spec = parse_plan_spec(text)
+            best = planner.search(global_batch, spec).best
         except (PlanSpecError, PlanningError) as exc:
             row["error"] = str(exc)
             rows.append(row)
@@ -52,6 +62,9 @@ def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequ
         row.update(spec=text, resolved_spec=c.spec(), fits=best.fits,
                    mesh={"dp": c.dp, "tp": c.tp, "pp": c.pp, "ep": c.ep, "vpp": c.vpp},
                    predicted=_predicted_dict(best))
+        if c.ep > 1:
+            progress(f"planning {text} without expert parallelism")
+            row["without_ep"] = _without_ep(planner, global_batch, spec, best)
         if measure:
             import torch
 
@@ -103,20 +116,42 @@ def _release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _predicted_dict(estimate: Any) -> dict[str, Any]:
+def _without_ep(planner: Planner, global_batch: int, spec: PlanSpec, chosen: Estimate) -> Row:
+    """The best plan `spec` allows with ep=1, beside the chosen plan with ep > 1."""
+    try:
+        best = planner.search(global_batch, dataclasses.replace(spec, ep=1)).best
+    except PlanningError as exc:
+        return {"resolved_spec": None, "mesh": None, "fits": False, "predicted": None, "error": str(exc),
+                "slower": None}
+    c = best.config
+    return {"resolved_spec": c.spec(), "mesh": {"dp": c.dp, "tp": c.tp, "pp": c.pp, "ep": c.ep, "vpp": c.vpp},
+            "fits": best.fits, "predicted": _predicted_dict(best), "error": None,
+            "slower": best.step_time_s / chosen.step_time_s - 1}
+
+
+def _predicted_dict(estimate: Estimate) -> dict[str, Any]:
     p = predicted_of(estimate)
-    return {"step_time_s": p.step_time_s, "tflops_per_gpu": p.tflops_per_gpu, "mfu": p.mfu,
-            "tokens_per_s": p.tokens_per_s, "bubble_fraction": p.bubble_fraction, "memory_gib": p.memory_gib,
-            "compute_s": p.compute_s, "comm_s": p.comm_s}
+    doc = {"step_time_s": p.step_time_s, "tflops_per_gpu": p.tflops_per_gpu, "mfu": p.mfu,
+           "tokens_per_s": p.tokens_per_s, "bubble_fraction": p.bubble_fraction, "memory_gib": p.memory_gib,
+           "compute_s": p.compute_s, "comm_s": p.comm_s}
+    if estimate.experts_per_rank:
+        doc.update(a2a_s=estimate.a2a_s, experts_per_rank=estimate.experts_per_rank,
+                   moe_imbalance=estimate.moe_imbalance)
+    return doc
 
 
 def write_csv(rows: list[Row], path: str) -> None:
-    keys = ["step_time_s", "tflops_per_gpu", "mfu", "tokens_per_s", "bubble_fraction", "memory_gib"]
+    keys = ["step_time_s", "tflops_per_gpu", "mfu", "tokens_per_s", "bubble_fraction", "memory_gib", "a2a_s"]
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(["spec", "resolved_spec", "dp", "tp", "pp", "vpp", "fits", *keys, "measured_step_time_s", "error"])
+        w.writerow(["spec", "resolved_spec", "dp", "tp", "pp", "vpp", "ep", "fits", *keys, "measured_step_time_s",
+                    "error"])
         for r in rows:
-            mesh, p = r["mesh"] or {}, r["predicted"] or {}
-            measured = (r.get("measured") or {}).get("step_time_s", "")
-            w.writerow([r["spec"], r.get("resolved_spec", ""), *(mesh.get(k, "") for k in ("dp", "tp", "pp", "vpp")),
-                        r["fits"], *(p.get(k, "") for k in keys), measured, r["error"] or ""])
+            for spec, entry in ((r["spec"], r), (f"{r['spec']} (best with ep=1)", r.get("without_ep"))):
+                if entry is None:
+                    continue
+                mesh, p = entry["mesh"] or {}, entry["predicted"] or {}
+                measured = (entry.get("measured") or {}).get("step_time_s", "")
+                w.writerow([spec, entry.get("resolved_spec") or "",
+                            *(mesh.get(k, "") for k in ("dp", "tp", "pp", "vpp", "ep")),
+                            entry["fits"], *(p.get(k, "") for k in keys), measured, entry["error"] or ""])

@@ -94,7 +94,7 @@ def _plan(args: argparse.Namespace) -> int:
         progress(f"capturing {args.model}")
         made = plan(args.model, cluster=_cluster(args), global_batch=args.global_batch, spec=args.spec,
                     seq_len=args.seq_len, allow_cross_node_tp=args.allow_cross_node_tp, kernels=args.kernels,
-                    fp8=args.fp8, runtime=args.runtime, progress=progress)
+                    fp8=args.fp8, runtime=args.runtime, moe_imbalance=args.moe_imbalance, progress=progress)
     if args.output:
         made.save(args.output)
     if args.json:
@@ -272,6 +272,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--runtime", choices=RUNTIMES, default="megatron",
                    help="whose optimizer memory to price: Megatron-LM's (fp32 masters at any zero) or "
                         "mplan's runtime (bf16 in place at zero=0, fp32 master shards at zero=1)")
+    p.add_argument("--moe-imbalance", type=float, default=1.0,
+                   help="MoE models: the busiest expert-parallel rank's token load over the mean (1.0: uniform)")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON and nothing else")
     p.set_defaults(func=_plan)

@@ -4,7 +4,8 @@ Role: the one memory model. The planner (`planner/evaluate.py`) calls `estimate_
 pipeline rank of every candidate (stage, mesh, schedule, recomputation, optimizer sharding) to
 reject plans that do not fit, and reports its `MemoryBreakdown`. It knows nothing of graphs: the
 planner feeds it numbers measured on the captured graph (`planner/unit_costs.py`).
-Input: ``estimate_memory(...)``: the rank's local parameter count (after TP/PP/EP), whose
+Input: ``estimate_memory(...)``: the rank's local parameter count (after TP/PP; the experts' apart,
+after EP, their optimizer state sharded over the ranks holding the same experts), whose
 per-parameter accounting (``BytesPerParam``: Megatron's ``bytes_per_param`` or mplan's runtime's
 ``mplan_bytes_per_param``), ZeRO stage and DP size, activation bytes per microbatch per stage chunk
 under each recomputation mode, the number of (chunk, microbatch) activations in flight
@@ -135,7 +136,8 @@ def activation_bytes_kept(*, recompute: str, activation_bytes: float, num_in_fli
 
 
 def estimate_memory(*, num_params: float, per_param: BytesPerParam, zero: int = 0, dp: int = 1,
-                    activation_bytes: float, num_in_flight: int, recompute: str = "none",
+                    expert_params: float = 0.0, expert_dp: int = 1, activation_bytes: float, num_in_flight: int,
+                    recompute: str = "none",
                     selective_activation_bytes: float | None = None, checkpoint_bytes: float | None = None,
                     layer_activation_bytes: float = 0.0, largest_workspace_bytes: float = 0.0,
                     fragmentation: float = FRAGMENTATION_FRACTION,
@@ -147,13 +149,21 @@ def estimate_memory(*, num_params: float, per_param: BytesPerParam, zero: int = 
     ``max_in_flight`` does, so interleaved stages need no special case. ``grads_during_backward``:
     see the module docstring (on one H200, a Llama of 8 layers of hidden 8192 at one sequence of
     4096 peaked at 70.4 GiB: 80.9 GiB counting both, 68.6 GiB counting the larger).
+    ``expert_params``: the rank's share of MoE experts' parameters (E/ep experts a layer), on top of
+    its ``num_params``; ZeRO shards their optimizer state over the ``expert_dp`` ranks that hold the
+    same experts (``ir/mesh.py``), not over all ``dp``.
     """
     if zero not in (0, 1):
         raise ValueError(f"zero must be 0 or 1 (ZeRO-1: optimizer state sharded over DP), got {zero}")
     if dp < 1 or num_params < 0 or activation_bytes < 0 or largest_workspace_bytes < 0 or not 0 <= fragmentation < 1:
         raise ValueError("estimate_memory: dp >= 1, non-negative sizes and 0 <= fragmentation < 1 required")
-    params, grads = num_params * per_param.param, num_params * per_param.grad
-    opt = num_params * per_param.optimizer / (dp if zero else 1)
+    if expert_dp < 1 or dp % expert_dp or expert_params < 0:
+        raise ValueError(f"estimate_memory: expert_dp must divide dp (it is dp / ep) and expert_params be >= 0, got "
+                         f"dp={dp}, expert_dp={expert_dp}, expert_params={expert_params}")
+    held = num_params + expert_params
+    params, grads = held * per_param.param, held * per_param.grad
+    opt = num_params * per_param.optimizer / (dp if zero else 1) + \
+        expert_params * per_param.optimizer / (expert_dp if zero else 1)
     acts = activation_bytes_kept(recompute=recompute, activation_bytes=activation_bytes, num_in_flight=num_in_flight,
                                  selective_activation_bytes=selective_activation_bytes,
                                  checkpoint_bytes=checkpoint_bytes, layer_activation_bytes=layer_activation_bytes)

@@ -73,7 +73,7 @@ class MoELayer(nn.Module):
         # f_e counts the routed choices (before any drop); a comparison rather than F.one_hot,
         # whose eager range check reads tensor values
         chosen = (top_expert.unsqueeze(-1) == torch.arange(num_experts, device=x.device)).to(prob_dtype)
-        fraction = chosen.sum(dim=(0, 1)) / (tokens.shape[0] * top_k)  # f_e
+        fraction = chosen.mean(dim=(0, 1))  # f_e (a mean: no arithmetic on the symbolic batch)
         aux_loss = num_experts * (fraction * probs.mean(dim=0)).sum()
         return y.view_as(x), aux_loss
 

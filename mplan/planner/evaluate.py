@@ -25,6 +25,11 @@ Model (each term from the cost models, nothing fitted here):
 - the optimizer step is memory-bound over the rank's optimizer shard: clipping's gradient norm,
   then one multi-tensor AdamW, mplan's kernel or torch's fused one (`optimizer_time`), and under
   ZeRO-1 the copies between parameters, flat gradients and master shard (`zero1_copy_time`);
+- MoE layers (`unit_experts.py`) are priced per config, not by the TP solve: on the busiest rank of
+  the expert-parallel group, E/ep experts a layer, their GEMMs at that rank's load (the
+  `moe_imbalance` over the mean, capped by a capacity factor), a dispatch and a combine all-to-all
+  per pass over the EP group (`cost_models/moe_cost.py`); expert weights count E/ep a layer, their
+  gradients sync and ZeRO shards their optimizer state over `expert_dp = dp / ep` (`ir/mesh.py`);
 - `fast=True` uses the closed form of the schedule, `fast=False` runs the event simulator on the
   same per-stage numbers (what the final ranking and `explain` use).
 """
@@ -39,13 +44,16 @@ from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES, collective_time
 from mplan.ir.mesh import GroupShape
 from mplan.cost_models.compute_cost import ComputeCostModel
-from mplan.cost_models.memory_model import (FRAGMENTATION_FRACTION, MemoryBreakdown, activation_bytes_kept,
-                                            bytes_per_param, estimate_memory, mplan_bytes_per_param)
+from mplan.cost_models.memory_model import (FRAGMENTATION_FRACTION, BytesPerParam, MemoryBreakdown,
+                                            activation_bytes_kept, bytes_per_param, estimate_memory,
+                                            mplan_bytes_per_param)
+from mplan.cost_models.moe_cost import all_to_all_time, experts_time, load_factor
 from mplan.cost_models.simulator import PipelineCosts, SimResult, simulate
 from mplan.ir.schedule import Schedule, build_schedule, check_schedule, max_in_flight_by_rank
 from mplan.planner.parallel_config import ParallelConfig
 from mplan.planner.stage_partition import Partition, partition
 from mplan.planner.unit_costs import UnitCost
+from mplan.planner.unit_experts import UnitExperts
 
 ADAMW_STREAMS = 8
 """Elements an AdamW step with a grad_scale (the clip coefficient folded in, as the runtime clips)
@@ -135,6 +143,9 @@ class ModelFacts:
     # "mplan" (mplan's runtime: zero=0 steps bf16 parameters in place, zero=1 keeps fp32 master shards)
     runtime: str = "megatron"
     stream_bytes_per_sequence: int  # one sequence's residual-stream activation (bytes, full)
+    # MoE models: the token copies the busiest expert-parallel rank's experts take over the mean
+    # (1.0: uniform routing); scales that rank's expert GEMMs, all-to-all and routed activations
+    moe_imbalance: float = 1.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -156,6 +167,11 @@ class Estimate:
     p2p_s: float
     grad_sync_s: tuple[float, ...]  # per pipeline rank
     optimizer_s: float
+    # MoE models: the experts' all-to-all (dispatch and combine, forward and backward, the re-run
+    # forward under full recomputation) over one step on the busiest pipeline rank, seconds
+    a2a_s: float = 0.0
+    experts_per_rank: int = 0  # experts of each MoE layer a rank holds (0: no MoE layers)
+    moe_imbalance: float = 0.0  # the busiest EP rank's load over the mean priced (`ModelFacts`; 0.0: no MoE layers)
     reason: str = ""  # why it does not fit, if it does not
     simulation: SimResult | None = field(default=None, compare=False, repr=False)
 
@@ -165,29 +181,31 @@ class Estimate:
 
 
 def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: ClusterSpec, facts: ModelFacts, *,
-             fast: bool = True, fragmentation: float = FRAGMENTATION_FRACTION) -> Estimate:
-    """Predict `config`. `fragmentation` is the allocator's share on top of allocated bytes (0 to
-    compare with `torch.cuda.max_memory_allocated`, which does not see it)."""
+             experts: Sequence[UnitExperts | None] = (), fast: bool = True,
+             fragmentation: float = FRAGMENTATION_FRACTION) -> Estimate:
+    """Predict `config`. `experts`: the MoE layers of each unit (`unit_experts`), priced here at the
+    config's expert parallelism (`_price_experts`). `fragmentation` is the allocator's share on top
+    of allocated bytes (0 to compare with `torch.cuda.max_memory_allocated`, which does not see it)."""
     compute = ComputeCostModel(cluster)
-    fwd = [u.forward_s for u in units]
-    bwd = [u.backward_s + {"none": 0.0, "selective": u.selective_extra_s, "full": u.forward_s}[config.recompute]
-           for u in units]
-    wgt = [u.weight_backward_s for u in units]
+    moe = _price_experts(config, units, experts, cluster, compute, facts.moe_imbalance)
+    fwd = moe.forward_s
+    bwd = [b + {"none": 0.0, "selective": u.selective_extra_s, "full": f}[config.recompute]
+           for u, f, b in zip(units, fwd, moe.backward_s)]
+    wgt = moe.weight_s
     k = config.pp * config.vpp
-    per = (mplan_bytes_per_param(facts.param_dtype, zero=config.zero) if facts.runtime == "mplan" else
-           bytes_per_param(facts.param_dtype, facts.grad_dtype, fp32_grad_copy=facts.fp32_grad_copy))
-    grad_bytes = per.grad
-    # the dtype AdamW steps: the parameters', or ZeRO-1's master shard (at least fp32, sharded_optimizer.py)
-    step_bytes = max(per.param, 4) if config.zero else per.param
+    per = _bytes_per_param(config, facts)
+    mesh = config.mesh
     param_state = per.total(zero=config.zero, dp=config.dp)
+    expert_state = per.total(zero=config.zero, dp=mesh.expert_dp)
     in_flight = in_flight_of(config)
     # what a unit keeps of one micro-batch under the plan's recomputation, for the stage cut's memory
-    kept = [activation_bytes_kept(recompute=config.recompute, activation_bytes=u.saved_bytes, num_in_flight=1,
-                                  selective_activation_bytes=u.selective_bytes, checkpoint_bytes=u.input_bytes)
-            for u in units]
+    kept = [activation_bytes_kept(recompute=config.recompute, activation_bytes=saved, num_in_flight=1,
+                                  selective_activation_bytes=selective, checkpoint_bytes=u.input_bytes)
+            for u, saved, selective in zip(units, moe.saved_bytes, moe.selective_bytes)]
 
     def unit_memory(u: int, chunk: int) -> float:
-        return units[u].num_params * param_state + kept[u] * in_flight[chunk % config.pp] / config.vpp
+        return (moe.dense_params[u] * param_state + moe.expert_params[u] * expert_state
+                + kept[u] * in_flight[chunk % config.pp] / config.vpp)
 
     capacity = cluster.device.memory_bytes / (1 + fragmentation)
     times = [f + b for f, b in zip(fwd, bwd)]
@@ -206,48 +224,37 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         chunk_b = tuple(b - w + max(w, h) for b, w, h in zip(chunk_b, chunk_w, host))
         chunk_w = tuple(max(w, h) for w, h in zip(chunk_w, host))
 
-    gpn = cluster.gpus_per_node
-    mesh = config.mesh
-    dp_group, tp_group, pp_group = mesh.group_shape("dp", gpn), mesh.group_shape("tp", gpn), mesh.p2p_shape(gpn)
+    pp_group = mesh.p2p_shape(cluster.gpus_per_node)
     stream = facts.stream_bytes_per_sequence * config.mbs / (config.tp if config.sp else 1)
     p2p = collective_time(cluster, "send_recv", stream, pp_group) if config.pp > 1 else 0.0
 
     memory, syncs, opt = [], [], 0.0
     # ranks holding as many parameters (the middle ranks of a deep pipeline) sync and step alike
-    by_params: dict[tuple[int, int, float | None], tuple[float, float]] = {}
-    reduction = "reduce_scatter" if config.zero else "all_reduce"
+    by_params: dict[tuple[int, int, int, float | None], tuple[float, float]] = {}
     overlapped = facts.runtime == "mplan" and config.dp > 1 and config.pp == 1
     for rank in range(config.pp):
         chunks = range(rank, k, config.pp)
         rank_units = [u for c in chunks for u in range(*cut.bounds[c])]
-        params = _rank_params(units, rank_units)
+        dense, expert_params = _rank_params(units, moe, rank_units)
         tp_sync = sum(units[u].tp_grad_sync_bytes for u in rank_units)
         last_backward = sum(chunk_b[c] for c in chunks) if overlapped else None
-        key = (params, tp_sync, last_backward)
+        key = (dense, expert_params, tp_sync, last_backward)
         if key not in by_params:
-            sync = collective_time(cluster, reduction, params * grad_bytes, dp_group)
-            sync += collective_time(cluster, "all_reduce", tp_sync * grad_bytes / max(1, per.param), tp_group)
-            if overlapped:
-                sync = overlapped_sync(cluster, reduction, sync, last_backward, params * grad_bytes, dp_group)
-            if config.zero:  # the updated parameters, gathered after the step: never overlapped
-                sync += collective_time(cluster, "all_gather", params * per.param, dp_group)
-            step = optimizer_time(compute, params / (config.dp if config.zero else 1), step_bytes,
-                                  mplan_adamw=facts.mplan_adamw)
-            if config.zero:
-                step += zero1_copy_time(compute, params, config.dp, per.param)
-            by_params[key] = (sync, step)
+            by_params[key] = _sync_and_step(config, cluster, compute, facts, dense=dense, experts=expert_params,
+                                            tp_sync_bytes=tp_sync, last_backward_s=last_backward)
         sync, step = by_params[key]
         syncs.append(sync)
         opt = max(opt, step)
         # Backward of the largest op holds its output's gradient and its input's at once.
         workspace = 2 * max((units[u].largest_op_bytes for u in rank_units), default=0.0)
         memory.append(estimate_memory(
-            num_params=params, per_param=per, zero=config.zero, dp=config.dp, recompute=config.recompute,
-            activation_bytes=sum(units[u].saved_bytes for u in rank_units) / config.vpp,
-            selective_activation_bytes=sum(units[u].selective_bytes for u in rank_units) / config.vpp,
+            num_params=dense, per_param=per, zero=config.zero, dp=config.dp, expert_params=expert_params,
+            expert_dp=mesh.expert_dp, recompute=config.recompute,
+            activation_bytes=sum(moe.saved_bytes[u] for u in rank_units) / config.vpp,
+            selective_activation_bytes=sum(moe.selective_bytes[u] for u in rank_units) / config.vpp,
             checkpoint_bytes=sum(units[u].input_bytes for u in rank_units) / config.vpp,
             # full recomputation re-runs one unit at a time: the largest one's activations on top
-            layer_activation_bytes=max((units[u].saved_bytes for u in rank_units), default=0),
+            layer_activation_bytes=max((moe.saved_bytes[u] for u in rank_units), default=0),
             num_in_flight=in_flight[rank], largest_workspace_bytes=workspace, fragmentation=fragmentation,
             # mplan's runtime keeps no gradient buffer at dp=1: one micro-batch's gradients replace
             # its activations as backward runs (data_parallel.py)
@@ -269,16 +276,135 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         step, bubble, busy = sim.step_time_s, sim.bubble_fraction, sim.compute_s
     tp_comm = sum((units[u].comm_forward_s + units[u].comm_backward_s)
                   for c in range(0, k, config.pp) for u in range(*cut.bounds[c])) * config.num_micro_batches
+    # all-to-all passes a micro-batch runs: forward and backward, and forward again when fully recomputed
+    passes = 3 if config.recompute == "full" else 2
+    a2a = max(sum(moe.a2a_pass_s[u] for c in range(rank, k, config.pp) for u in range(*cut.bounds[c]))
+              for rank in range(config.pp)) * passes * config.num_micro_batches
     sequences = config.dp * config.mbs * config.num_micro_batches
     flops = facts.training_flops_per_sequence * sequences / step
     world = config.world_size
+    exposed = max(0.0, step - opt - busy / (1 - bubble + 1e-12))
     return Estimate(config=config, fits=fits, step_time_s=step, tflops_per_gpu=flops / world / 1e12,
                     mfu=flops / world / cluster.device.peak_flops("bf16"),
                     tokens_per_s=sequences * facts.seq_len / step, bubble_fraction=bubble,
-                    compute_s=busy, comm_s=tp_comm + 2 * (config.pp - 1) * p2p + max(0.0, step - opt - busy / (1 - bubble + 1e-12)),
+                    compute_s=busy, comm_s=tp_comm + a2a + 2 * (config.pp - 1) * p2p + exposed,
                     memory=tuple(memory), stage_bounds=cut.bounds, chunk_forward_s=chunk_f, chunk_backward_s=chunk_b,
-                    chunk_weight_s=chunk_w,
-                    p2p_s=p2p, grad_sync_s=tuple(syncs), optimizer_s=opt, reason=reason, simulation=sim)
+                    chunk_weight_s=chunk_w, p2p_s=p2p, grad_sync_s=tuple(syncs), optimizer_s=opt, a2a_s=a2a,
+                    experts_per_rank=moe.experts_per_rank,
+                    moe_imbalance=facts.moe_imbalance if moe.experts_per_rank else 0.0, reason=reason, simulation=sim)
+
+
+def _bytes_per_param(config: ParallelConfig, facts: ModelFacts) -> BytesPerParam:
+    return (mplan_bytes_per_param(facts.param_dtype, zero=config.zero) if facts.runtime == "mplan" else
+            bytes_per_param(facts.param_dtype, facts.grad_dtype, fp32_grad_copy=facts.fp32_grad_copy))
+
+
+def _sync_and_step(config: ParallelConfig, cluster: ClusterSpec, compute: ComputeCostModel, facts: ModelFacts, *,
+                   dense: int, experts: int, tp_sync_bytes: int, last_backward_s: float | None) -> tuple[float, float]:
+    """Seconds of one pipeline rank's gradient sync and optimizer step, for its `dense` parameters
+    (synced and, under ZeRO-1, sharded over dp) and its `experts` (the same over expert_dp, the
+    ranks holding the same experts); `last_backward_s`: the backward a sync overlaps, if any."""
+    per = _bytes_per_param(config, facts)
+    mesh, gpn = config.mesh, cluster.gpus_per_node
+    dp_group, expert_dp_group = mesh.group_shape("dp", gpn), mesh.group_shape("expert_dp", gpn)
+    reduction = "reduce_scatter" if config.zero else "all_reduce"
+    sync = collective_time(cluster, reduction, dense * per.grad, dp_group)
+    sync += collective_time(cluster, reduction, experts * per.grad, expert_dp_group)
+    sync += collective_time(cluster, "all_reduce", tp_sync_bytes * per.grad / max(1, per.param),
+                            mesh.group_shape("tp", gpn))
+    if last_backward_s is not None:
+        sync = overlapped_sync(cluster, reduction, sync, last_backward_s, (dense + experts) * per.grad, dp_group)
+    if config.zero:  # the updated parameters, gathered after the step: never overlapped
+        sync += collective_time(cluster, "all_gather", dense * per.param, dp_group)
+        sync += collective_time(cluster, "all_gather", experts * per.param, expert_dp_group)
+    # the dtype AdamW steps: the parameters', or ZeRO-1's master shard (at least fp32, sharded_optimizer.py)
+    step_bytes = max(per.param, 4) if config.zero else per.param
+    shard = dense / config.dp + experts / mesh.expert_dp if config.zero else dense + experts
+    step = optimizer_time(compute, shard, step_bytes, mplan_adamw=facts.mplan_adamw)
+    if config.zero:
+        step += zero1_copy_time(compute, dense, config.dp, per.param)
+        if experts:
+            step += zero1_copy_time(compute, experts, mesh.expert_dp, per.param)
+    return sync, step
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _UnitFigures:
+    """Per unit, in order, what a config's expert parallelism changes of its `UnitCost` (`_price_experts`)."""
+
+    forward_s: list[float]
+    backward_s: list[float]  # before recomputation
+    weight_s: list[float]  # the weight-gradient part of backward_s
+    saved_bytes: list[float]
+    selective_bytes: list[float]
+    dense_params: list[int]  # the parameters but the experts'
+    expert_params: list[int]  # the expert parameters a rank holds (E/ep of each layer)
+    glue_params: list[tuple[tuple[str, int], ...]]  # `UnitCost.glue_params`, expert weights E/ep
+    a2a_pass_s: list[float]  # one pass's dispatches and combines (forward, or backward), one micro-batch
+    experts_per_rank: int  # the fewest experts a layer puts on a rank; 0 without MoE layers
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _LayersPrice:
+    """One unit's MoE layers at a config: their seconds per micro-batch, and what they keep."""
+
+    forward_s: float  # expert GEMMs and one pass's all-to-all
+    backward_s: float
+    weight_s: float  # the weight-gradient part of backward_s
+    a2a_pass_s: float
+    extra_saved_bytes: float  # routed activations above the dropless balanced load's (negative below it)
+
+
+def _layers_price(held: UnitExperts, config: ParallelConfig, cluster: ClusterSpec, compute: ComputeCostModel,
+                  imbalance: float) -> _LayersPrice:
+    ep_group = config.mesh.group_shape("ep", cluster.gpus_per_node)
+    forward = backward = weight = a2a = extra = 0.0
+    for layer, routed in zip(held.layers, held.routed_saved_bytes):
+        capacity = config.capacity_factor if config.capacity_factor is not None else layer.capacity_factor
+        load = load_factor(ep=config.ep, imbalance=imbalance, capacity_factor=capacity)
+        gemms = experts_time(compute, layer, ep=config.ep, load=load)
+        forward, backward, weight = forward + gemms.forward_s, backward + gemms.backward_s, weight + gemms.weight_s
+        a2a += 2 * all_to_all_time(cluster, layer, ep_group, load=load)  # a dispatch and a combine
+        extra += (load - 1.0) * routed
+    return _LayersPrice(forward_s=forward + a2a, backward_s=backward + a2a, weight_s=weight, a2a_pass_s=a2a,
+                        extra_saved_bytes=extra)
+
+
+def _price_experts(config: ParallelConfig, units: Sequence[UnitCost], experts: Sequence[UnitExperts | None],
+                   cluster: ClusterSpec, compute: ComputeCostModel, imbalance: float) -> _UnitFigures:
+    """The units' figures with what their times hold for their MoE layers (priced by the TP solve
+    for a rank that holds every expert) swapped for `cost_models.moe_cost`'s price at `config.ep`:
+    the busiest EP rank's expert GEMMs under its load (`load_factor`: the imbalance, capped by the
+    plan's capacity factor, else the layer's), and a dispatch and a combine per pass over the EP
+    group. That rank holds E/ep experts a layer and keeps its load's share of the routed activations."""
+    if experts and len(experts) != len(units):
+        raise ValueError(f"experts must list one record (or None) per unit: {len(experts)} for {len(units)} units")
+    figures = _UnitFigures(
+        forward_s=[u.forward_s for u in units], backward_s=[u.backward_s for u in units],
+        weight_s=[u.weight_backward_s for u in units], saved_bytes=[u.saved_bytes for u in units],
+        selective_bytes=[u.selective_bytes for u in units], dense_params=[u.num_params for u in units],
+        expert_params=[0] * len(units), glue_params=[u.glue_params for u in units], a2a_pass_s=[0.0] * len(units),
+        experts_per_rank=min((layer.num_experts for held in experts if held is not None for layer in held.layers),
+                             default=0) // config.ep)
+    prices: dict[int, _LayersPrice] = {}  # by the record's id: a block type's instances share one
+    for i, (unit, held) in enumerate(zip(units, experts)):
+        if held is None:
+            continue
+        if id(held) not in prices:
+            prices[id(held)] = _layers_price(held, config, cluster, compute, imbalance)
+        price = prices[id(held)]
+        figures.forward_s[i] += price.forward_s - held.held_forward_s
+        figures.backward_s[i] += price.backward_s - held.held_backward_s
+        figures.weight_s[i] = min(figures.backward_s[i], max(0.0, unit.weight_backward_s - held.held_weight_s
+                                                             + price.weight_s))
+        figures.saved_bytes[i] = max(0.0, unit.saved_bytes + price.extra_saved_bytes)
+        figures.selective_bytes[i] = max(0.0, unit.selective_bytes + price.extra_saved_bytes)
+        figures.dense_params[i] -= held.expert_params
+        figures.expert_params[i] = held.expert_params // config.ep
+        figures.glue_params[i] = tuple((name, n // config.ep if name in held.expert_weights else n)
+                                       for name, n in unit.glue_params)
+        figures.a2a_pass_s[i] = price.a2a_pass_s
+    return figures
 
 
 def schedule_of(config: ParallelConfig) -> Schedule:
@@ -312,17 +438,19 @@ def _in_flight_table(name: str, pp: int, m: int, vpp: int) -> tuple[int, ...]:
     return max_in_flight_by_rank(name, pp, m, vpp)
 
 
-def _rank_params(units: Sequence[UnitCost], indices: Sequence[int]) -> int:
-    """Local parameters of one rank: blocks add up, glue parameters count once (a tied embedding
-    used by the prologue and the epilogue on the same rank is one tensor)."""
+def _rank_params(units: Sequence[UnitCost], figures: _UnitFigures, indices: Sequence[int]) -> tuple[int, int]:
+    """Local parameters of one rank, (dense, experts'): blocks add up, glue parameters count once
+    (a tied embedding used by the prologue and the epilogue on the same rank is one tensor)."""
     glue: dict[str, int] = {}
-    total = 0
+    dense = experts = 0
     for u in indices:
+        experts += figures.expert_params[u]
         if units[u].glue_params:
-            glue.update(units[u].glue_params)
+            glue.update(figures.glue_params[u])
+            dense -= figures.expert_params[u]  # listed by name with the glue
         else:
-            total += units[u].num_params
-    return total + sum(glue.values())
+            dense += figures.dense_params[u]
+    return dense + sum(glue.values()), experts
 
 
 def _fallback(times: Sequence[float], k: int) -> Partition:

@@ -1,5 +1,6 @@
 """Why a plan won: the mesh, the stages and their layers, memory and time per stage, the per-op
-sharding of one block, and what each rejected alternative would have cost.
+sharding of one block, what each rejected alternative would have cost, and for an MoE model its
+expert parallelism (experts per rank, the load imbalance priced, the all-to-all's share of the step).
 
 `explain_data(plan)` is plain data (for `--json`); `render(plan, console)` prints it as rich
 tables, which also read fine as text without a terminal; `simulate_plan(plan)` re-runs the
@@ -69,7 +70,8 @@ def explain_data(plan: Plan) -> dict[str, Any]:
     per_rank = [{"rank": r, "busy_ms": ranks[r].busy_s * 1e3, "idle_ms": ranks[r].idle_s * 1e3,
                  "grad_sync_ms": ranks[r].grad_sync_s * 1e3} for r in sorted(ranks)]
     main = max(plan.ops, key=lambda k: len(plan.ops[k])) if plan.ops else None
-    block_ops = [] if main is None else [{"index": i, "strategy": s} for i, s in enumerate(plan.ops[main])]
+    block_ops = [] if main is None else [{"index": i, "op": op, "strategy": s}
+                                         for i, (op, s) in enumerate(plan.ops[main].items())]
     best = plan.predicted.step_time_s
     alternatives = [{"spec": a.spec, "step_ms": None if a.predicted is None else a.predicted.step_time_s * 1e3,
                      "delta_ms": None if a.predicted is None else (a.predicted.step_time_s - best) * 1e3,
@@ -86,7 +88,20 @@ def explain_data(plan: Plan) -> dict[str, Any]:
                           "simulated_step_ms": sim.step_time_s * 1e3},
             "schedule": {"name": plan.schedule, "text": schedule_of(config_of(plan)).render() if plan.mesh.pp > 1 else ""},
             "stages": stages, "ranks": per_rank, "block_type": main, "block_ops": block_ops,
-            "alternatives": alternatives}
+            "experts": _experts(plan), "alternatives": alternatives}
+
+
+def _experts(plan: Plan) -> dict[str, Any] | None:
+    """Expert parallelism of an MoE model's plan (None for a dense model): the EP degree, the
+    experts of each layer a rank holds, the busiest EP rank's load over the mean that was priced,
+    and the all-to-all (dispatch and combine, both passes) over one step and its share of it."""
+    p = plan.predicted
+    if not p.experts_per_rank:
+        return None
+    return {"ep": plan.mesh.ep, "experts_per_rank": p.experts_per_rank,
+            "num_experts": p.experts_per_rank * plan.mesh.ep, "expert_dp": plan.mesh.dp // plan.mesh.ep,
+            "imbalance": p.moe_imbalance, "capacity_factor": plan.capacity_factor,
+            "all_to_all_ms": p.a2a_s * 1e3, "all_to_all_share": p.a2a_s / p.step_time_s}
 
 
 def render(plan: Plan, console: Any) -> None:
@@ -105,6 +120,16 @@ def render(plan: Plan, console: Any) -> None:
     console.print(f"predicted: step {p['step_time_ms']:.1f} ms, {p['tflops_per_gpu']:.1f} TFLOP/s per GPU "
                   f"(MFU {p['mfu']:.1%}), {p['tokens_per_s']:,.0f} tokens/s, bubble {p['bubble_fraction']:.1%}, "
                   f"peak memory {p['memory_gib']:.1f} GiB  [predicted, not measured]")
+    e = d["experts"]
+    if e is not None and e["ep"] == 1:
+        console.print(f"experts: ep=1, all {e['num_experts']} experts of a layer on every rank, no all-to-all")
+    elif e is not None:
+        capacity = f"capacity factor {e['capacity_factor']:g}" if e["capacity_factor"] is not None else \
+            "the model's own capacity"
+        console.print(f"experts: ep={e['ep']}, {e['experts_per_rank']} of {e['num_experts']} experts per rank "
+                      f"(each replicated on {e['expert_dp']} ranks), load imbalance {e['imbalance']:.2f}x priced, "
+                      f"{capacity}; all-to-all {e['all_to_all_ms']:.1f} ms per step, "
+                      f"{e['all_to_all_share']:.1%} of the step")
     stages = Table(title="stages: layers, time per micro-batch, memory per GPU (GiB)")
     for col in ("stage", "rank", "layers", "fwd ms", "bwd ms", "sync ms", "params", "grads", "optim", "activ",
                 "transient", "total"):
@@ -125,10 +150,11 @@ def render(plan: Plan, console: Any) -> None:
     if d["block_ops"]:
         ops = Table(title=f"tensor-parallel strategy of each op in one {d['block_type']} (tp={m['tp']})")
         ops.add_column("#", justify="right")
+        ops.add_column("op")
         ops.add_column("strategy [inputs->output | input gradients]")
         for o in d["block_ops"]:
             if not o["strategy"].startswith("replicate") or m["tp"] == 1:
-                ops.add_row(str(o["index"]), o["strategy"])
+                ops.add_row(str(o["index"]), o["op"], o["strategy"])
         console.print(ops)
     if d["alternatives"]:
         alts = Table(title="why the alternatives lost")

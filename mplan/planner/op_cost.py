@@ -20,6 +20,8 @@ from functools import lru_cache
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.collective_cost import GroupShape, collective_time
 from mplan.cost_models.compute_cost import ComputeCostModel
+from mplan.cost_models.dtypes import canonical_dtype
+from mplan.cost_models.moe_cost import experts_layer, experts_time
 from mplan.ir.graph import OpNode, TensorMeta
 from mplan.ir.op_table import op_packet
 from mplan.ir.placement import Partial, Placement, R, can_transition, local_shape, transition
@@ -83,6 +85,9 @@ class OpCoster:
         dtype = node.output.dtype
         locals_ = [local_shape(m.shape, p, self.n) for m, p in zip(node.input_metas, strategy.inputs)]
         packet = op_packet(node.op)
+        if packet == "moe_experts":  # every expert local here: `evaluate` re-prices it at the plan's ep
+            t = experts_time(self.compute, experts_layer(locals_, canonical_dtype(dtype)), ep=1, load=1.0)
+            return t.forward_s, t.backward_s
         if packet == "einsum" and len(locals_) == 2:
             m, cols, k, batch = _einsum_gemm(str(node.args[0]), locals_)
             fwd = self.compute.matmul_time(m, cols, k, dtype, batch=batch)

@@ -61,6 +61,12 @@ class Predicted:
     comm_s: float
     p2p_s: float = 0.0  # one micro-batch's activations across a stage border
     optimizer_s: float = 0.0
+    # MoE models (optional in the file; 0.0 for dense ones): the experts' all-to-all over one step on
+    # the busiest pipeline rank (seconds), the experts of a layer each rank holds, and the busiest
+    # expert-parallel rank's load over the mean that the prediction assumed
+    a2a_s: float = 0.0
+    experts_per_rank: int = 0
+    moe_imbalance: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -294,7 +300,10 @@ def _predicted(r: FieldReader) -> Predicted:
     keys = ("step_time_s", "tflops_per_gpu", "mfu", "tokens_per_s", "bubble_fraction", "memory_gib",
             "compute_s", "comm_s", "p2p_s", "optimizer_s")
     values = {k: r.number(k, allow_equal=True) for k in keys}
-    predicted = Predicted(memory_by_stage=tuple(_stage_memory(s) for s in r.objects("memory_by_stage")), **values)
+    values.update({k: r.number(k, allow_equal=True) for k in ("a2a_s", "moe_imbalance") if r.has(k)})
+    experts = r.integer("experts_per_rank", minimum=0) if r.has("experts_per_rank") else 0
+    predicted = Predicted(memory_by_stage=tuple(_stage_memory(s) for s in r.objects("memory_by_stage")),
+                          experts_per_rank=experts, **values)
     r.finish()
     return predicted
 

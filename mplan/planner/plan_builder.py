@@ -43,7 +43,8 @@ def predicted_of(estimate: Estimate) -> Predicted:
                      tokens_per_s=estimate.tokens_per_s, bubble_fraction=estimate.bubble_fraction,
                      memory_gib=estimate.peak_memory_bytes / GiB, memory_by_stage=memory,
                      compute_s=estimate.compute_s, comm_s=estimate.comm_s, p2p_s=estimate.p2p_s,
-                     optimizer_s=estimate.optimizer_s)
+                     optimizer_s=estimate.optimizer_s, a2a_s=estimate.a2a_s,
+                     experts_per_rank=estimate.experts_per_rank, moe_imbalance=estimate.moe_imbalance)
 
 
 def _why_lost(best: Estimate, other: Estimate) -> str:

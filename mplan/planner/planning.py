@@ -39,18 +39,19 @@ def capture_for_planning(model: nn.Module | str, example_inputs: Sequence[Any] |
 
 def search_plans(graph: Graph, cluster: ClusterSpec, global_batch: int, spec: PlanSpec | str = "auto", *,
                  allow: StrategyFilter | None = None, allow_cross_node_tp: bool = False, kernels: bool = False,
-                 fp8: bool = False, runtime: str = "megatron",
+                 fp8: bool = False, runtime: str = "megatron", moe_imbalance: float = 1.0,
                  progress: Callable[[str], None] | None = None) -> tuple[Planner, SearchResult]:
     if isinstance(spec, str):
         spec = parse_plan_spec(spec)
-    planner = Planner(graph, cluster, allow=allow, kernels=kernels, fp8=fp8, runtime=runtime, progress=progress)
+    planner = Planner(graph, cluster, allow=allow, kernels=kernels, fp8=fp8, runtime=runtime,
+                      moe_imbalance=moe_imbalance, progress=progress)
     return planner, planner.search(global_batch, spec, allow_cross_node_tp=allow_cross_node_tp)
 
 
 def plan(model: nn.Module | str, example_inputs: Sequence[Any] | None = None, *, cluster: ClusterSpec,
          global_batch: int, spec: PlanSpec | str = "auto", seq_len: int | None = None,
          loss_fn: Callable[..., torch.Tensor] | None = None, allow_cross_node_tp: bool = False,
-         kernels: bool | None = None, fp8: bool = False, runtime: str = "megatron",
+         kernels: bool | None = None, fp8: bool = False, runtime: str = "megatron", moe_imbalance: float = 1.0,
          progress: Callable[[str], None] | None = None) -> Plan:
     """The fastest plan that fits, with the best rejected alternatives and why each lost.
 
@@ -58,14 +59,16 @@ def plan(model: nn.Module | str, example_inputs: Sequence[Any] | None = None, *,
     them on CUDA (None: on for GPU clusters, off for the `cpu` preset). `fp8`: a plan whose
     block linears run as FP8 GEMMs, priced so; `autoparallel` runs such a plan in FP8.
     `runtime`: whose optimizer memory is priced, Megatron-LM's ("megatron") or mplan's ("mplan",
-    as `autoparallel` plans)."""
+    as `autoparallel` plans). `moe_imbalance`: MoE models, the busiest expert-parallel rank's token
+    load over the mean that the all-to-all and expert GEMMs are priced at (1.0: uniform routing)."""
     if fp8 and not cluster.device.peak_fp8:
         raise PlanError(f"fp8=True: {cluster.device.name} has no FP8 tensor cores (no fp8 peak in its cluster spec)")
     start = time.perf_counter()
     kernels = cluster.device.name != "cpu" if kernels is None else kernels
     graph = capture_for_planning(model, example_inputs, seq_len=seq_len, loss_fn=loss_fn)
     _, result = search_plans(graph, cluster, global_batch, spec, allow_cross_node_tp=allow_cross_node_tp,
-                             kernels=kernels, fp8=fp8, runtime=runtime, progress=progress)
+                             kernels=kernels, fp8=fp8, runtime=runtime, moe_imbalance=moe_imbalance,
+                             progress=progress)
     made = dataclasses.replace(build_plan(result, graph, cluster, global_batch, runtime=runtime), fp8=fp8)
     made.planner["total_seconds"] = round(time.perf_counter() - start, 3)
     made.planner["fused_kernels_priced"] = float(kernels)

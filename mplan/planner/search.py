@@ -6,8 +6,9 @@ and the best rejected candidates, each with the reason it lost.
 
 Steps:
 1. for each TP degree and SP setting, solve the sharding ILP once per block type and glue segment
-   (`sharding_ilp.solve_graph_sharding`) and price the units (`unit_costs`) at every micro-batch
-   size; cached, and done on a thread of its own ahead of step 2 (`_PricedAhead`);
+   (`sharding_ilp.solve_graph_sharding`) and price the units (`unit_costs`, and their MoE layers:
+   `unit_experts`, which `evaluate` prices per expert-parallel degree) at every micro-batch size;
+   cached, and done on a thread of its own ahead of step 2 (`_PricedAhead`);
 2. enumerate configs (`parallel_config.enumerate_configs`), evaluate each with the closed-form
    schedule model (cuts by `stage_partition` under memory), drop those that do not fit;
 3. re-evaluate the best few with the event simulator and rank by simulated step time.
@@ -24,6 +25,7 @@ from typing import Callable, Sequence
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.ir.graph import Graph, OpNode
 from mplan.ir.mesh import GroupShape
+from mplan.ir.moe import num_experts
 from mplan.ir.rebatch import rebatch
 from mplan.ir.strategy import Strategy
 from mplan.planner.evaluate import Estimate, ModelFacts, evaluate
@@ -36,6 +38,7 @@ from mplan.planner.sharding_ilp import (GraphSharding, ShardingInfeasible, Strat
                                         reprice_segment, stream_meta)
 from mplan.planner.tp_layout import solve_tp_layout
 from mplan.planner.unit_costs import UnitCost, unit_costs
+from mplan.planner.unit_experts import UnitExperts, unit_experts
 
 SIMULATED_FINALISTS = 8  # candidates re-ranked by the event simulator
 
@@ -54,6 +57,7 @@ class ShardedModel:
     coster: OpCoster
     shardings: dict[int, GraphSharding]  # by micro-batch size
     units: dict[int, list[UnitCost]]  # by micro-batch size
+    experts: dict[int, tuple[UnitExperts | None, ...]]  # each unit's MoE layers, by micro-batch size
 
     @property
     def sharding(self) -> GraphSharding:
@@ -78,12 +82,17 @@ class Planner:
 
     def __init__(self, graph: Graph, cluster: ClusterSpec, *, allow: StrategyFilter | None = None,
                  grad_dtype: str = "fp32", fp32_grad_copy: bool = True, kernels: bool = False,
-                 fp8: bool = False, runtime: str = "megatron", tp_layout: str = "ilp",
+                 fp8: bool = False, runtime: str = "megatron", tp_layout: str = "ilp", moe_imbalance: float = 1.0,
                  progress: Callable[[str], None] | None = None) -> None:
+        """`moe_imbalance`: for MoE models, the token copies the busiest expert-parallel rank takes
+        over the mean (1.0: uniform routing; `ModelFacts.moe_imbalance`)."""
         if runtime not in RUNTIMES:
             raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
         if tp_layout not in TP_LAYOUTS:
             raise ValueError(f"tp_layout must be one of {TP_LAYOUTS}, got {tp_layout!r}")
+        if not moe_imbalance >= 1:
+            raise ValueError(f"moe_imbalance is the busiest expert-parallel rank's load over the mean, >= 1; "
+                             f"got {moe_imbalance}")
         self.tp_layout = tp_layout
         self.dynamic = any(m.sym is not None for m in graph.graph_inputs.values())
         if not self.dynamic and graph.batch_size != 1:
@@ -100,7 +109,7 @@ class Planner:
         self.progress = progress or (lambda _: None)
         self._sharded: dict[tuple[int, bool], ShardedModel] = {}
         self.facts = replace(_facts(self.graph), grad_dtype=grad_dtype, fp32_grad_copy=fp32_grad_copy,
-                             mplan_adamw=kernels, runtime=runtime)
+                             mplan_adamw=kernels, runtime=runtime, moe_imbalance=moe_imbalance)
         self.limits = _limits(self.graph)
 
     def sharded(self, tp: int, sp: bool) -> ShardedModel:
@@ -110,8 +119,9 @@ class Planner:
             coster = OpCoster(self.cluster, tp, group, fused=self.fused, fp8_linears=self.fp8_linears)
             self.progress(f"solving the sharding ILP for tp={tp}{' with SP' if sp else ''}")
             sharding = self._solve(self.graph, coster, sp)
-            self._sharded[key] = ShardedModel(tp=tp, sp=sp, coster=coster, shardings={1: sharding},
-                                              units={1: unit_costs(self.graph, sharding, coster)})
+            units = unit_costs(self.graph, sharding, coster)
+            self._sharded[key] = ShardedModel(tp=tp, sp=sp, coster=coster, shardings={1: sharding}, units={1: units},
+                                              experts={1: unit_experts(self.graph, sharding, coster, units)})
         return self._sharded[key]
 
     def units(self, tp: int, sp: bool, mbs: int) -> list[UnitCost]:
@@ -129,8 +139,10 @@ class Planner:
                 sharding = reprice_graph(graph, model.sharding, model.coster)
             except ShardingInfeasible:
                 sharding = self._solve(graph, model.coster, sp, keep=_still_valid(graph, model.sharding, model.coster))
+            units = unit_costs(graph, sharding, model.coster)
             model.shardings[mbs] = sharding
-            model.units[mbs] = unit_costs(graph, sharding, model.coster)
+            model.experts[mbs] = unit_experts(graph, sharding, model.coster, units)
+            model.units[mbs] = units  # last: a priced mbs has its experts too (`_PricedAhead` runs this)
         return model.units[mbs]
 
     def _solve(self, graph: Graph, coster: OpCoster, sp: bool,
@@ -146,7 +158,8 @@ class Planner:
 
     def evaluate(self, config: ParallelConfig, *, fast: bool = False, **options: float) -> Estimate:
         units = self.units(config.tp, config.sp, config.mbs)
-        return evaluate(config, units, self.cluster, self.facts, fast=fast, **options)
+        experts = self.sharded(config.tp, config.sp).experts[config.mbs]
+        return evaluate(config, units, self.cluster, self.facts, experts=experts, fast=fast, **options)
 
     def search(self, global_batch: int, spec: PlanSpec | None = None, *,
                allow_cross_node_tp: bool = False) -> SearchResult:
@@ -287,7 +300,6 @@ def _no_config_reason(world: int, gpus_per_node: int, global_batch: int, limits:
 
 def _limits(graph: Graph) -> ModelLimits:
     heads = kv = 1
-    experts = 0
     for node in graph.nodes:
         if node.kind == "attention" and len(node.input_metas) >= 2:
             heads, kv = node.input_metas[0].shape[1], node.input_metas[1].shape[1]
@@ -296,12 +308,9 @@ def _limits(graph: Graph) -> ModelLimits:
                 len(node.input_metas[0].shape) == 4:  # attention written out: [b, heads, s, d] @ [b, heads, d, s]
             heads = kv = node.input_metas[0].shape[1]
             break
-    for name, p in graph.params.items():
-        if name.endswith("w_gate") and len(p.meta.shape) == 3:
-            experts = p.meta.shape[0]
-            break
+    # experts from the graph's MoE layers (their `moe_experts` ops), never from parameter names
     return ModelLimits(num_layers=graph.num_layers, num_heads=heads, num_kv_heads=kv,
-                       num_experts=experts, seq_len=graph.seq_len or 1)
+                       num_experts=num_experts(graph), seq_len=graph.seq_len or 1)
 
 
 def _facts(graph: Graph) -> ModelFacts:
