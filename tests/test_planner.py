@@ -411,3 +411,30 @@ def test_bench_compares_plans_side_by_side(tmp_path, capsys):
     assert rows[0]["predicted"]["step_time_s"] <= rows[1]["predicted"]["step_time_s"]
     assert "attention heads" in rows[2]["error"] and rows[2]["predicted"] is None
     assert csv.read_text().count("\n") == 4
+
+
+def test_a_division_by_a_symbolic_size_keeps_a_placement_per_input() -> None:
+    """`x.sum(0) / x.shape[0]` in a symbolic-batch capture reads the batch as an input of the
+    division; every strategy the registry offers must place it (else the plan cannot be lowered)."""
+    from torch import nn
+
+    from mplan.ir.trace import capture_for_training
+    from mplan.planner.op_registry import strategies_for
+
+    class Mean(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+            y = self.proj(x)
+            return (y.sum(0) / y.shape[0]).pow(2).sum()
+
+    graph = capture_for_training(Mean(), (torch.randn(4, 8),), loss_fn=lambda out, labels: out)
+    divisions = [n for n in graph.nodes if n.op.startswith("aten.div")]
+    assert divisions and any(len(n.input_metas) < len(n.inputs) for n in divisions)
+    for node in graph.nodes:
+        offered = strategies_for(node, 2)
+        assert offered[0].is_replicated, (node.name, offered)  # every op can run whole
+        for strategy in offered:
+            assert len(strategy.inputs) == len(node.inputs), (node.name, strategy)

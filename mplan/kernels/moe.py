@@ -22,8 +22,9 @@ Why one op: the experts' eager forms (Hugging Face's loop over the experts `nonz
 (`mplan.ir.moe`) calls this op instead, so the graph holds one node whose output shape is its
 input's, the planner counts experts from its weights, and the runtime lowers it (locally, or
 dispatched over expert-parallel ranks with all-to-all: `mplan.runtime.expert_parallel`).
-Outside export it runs `moe_experts_reference`, differentiable torch ops, so mplan's MoE family
-trains eagerly through the same code.
+Outside export it runs `moe_experts_reference`, differentiable torch ops (on a GPU, dropless:
+`mplan.kernels.moe_grouped`'s grouped GEMMs), so mplan's MoE family trains eagerly through the
+same code.
 
 The parts, shared with the expert-parallel runtime:
     route(index, E, capacity)      which choices each expert keeps, grouped by expert
@@ -204,5 +205,11 @@ def moe_experts(x: torch.Tensor, index: torch.Tensor, gate: torch.Tensor, w_in: 
     reference when run eagerly."""
     if torch.compiler.is_exporting():
         return MOE_EXPERTS_OP(x, index, gate, w_in, w_out, w_up, activation, gated, capacity_factor)
+    if capacity_factor is None:
+        from mplan.kernels import moe_grouped  # imports this module: loaded on first use
+
+        if moe_grouped.grouped_available(x, w_in):
+            return moe_grouped.moe_experts_grouped(x, index, gate, w_in, w_out, w_up, activation=activation,
+                                                   gated=gated)
     return moe_experts_reference(x, index, gate, w_in, w_out, w_up, activation=activation, gated=gated,
                                  capacity_factor=capacity_factor)

@@ -12,9 +12,12 @@ weight) and every rank routes its own micro-batch (EP borrows data-parallel rank
    the rows for each destination rank are contiguous);
 2. exchange per-expert counts (an all-to-all of n x E/n integers, read on the host once);
 3. dispatch: rows to the ranks owning their experts, all-to-all in uneven splits;
-4. regroup the arrivals (source-major) by local expert and run the local experts;
+4. regroup the arrivals (source-major) by local expert and run the local experts (grouped GEMMs
+   on a GPU, `mplan.kernels.moe_grouped`);
 5. combine: rows back to their source ranks, the inverse exchange, then each token's
    gate-weighted sum over its choices in choice order.
+On one rank (ep=1), dropless, a GPU runs the whole layer as `moe_experts_grouped`: routing,
+grouped GEMMs, fused activation and combine, nothing read on the host.
 Backward runs the same exchanges reversed (`mplan.collectives.uneven`), so each expert's weight
 gradient sums the tokens every EP rank sent it: the runtime then reduces expert gradients over
 expert_dp only (`runtime/param_placement.py`). Dropless routing is exact for any load: a
@@ -30,6 +33,7 @@ from torch import nn
 from mplan.collectives.redistribute import AxisGroup
 from mplan.collectives.uneven import exchange_counts, rows_all_to_all
 from mplan.kernels.moe import combine, expert_capacity, expert_mlp, route
+from mplan.kernels.moe_grouped import grouped_available, grouped_expert_mlp, moe_experts_grouped
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,6 +63,10 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, gate: torch.Tensor, w_in: torch.Tensor,
                 w_out: torch.Tensor, w_up: torch.Tensor | None = None) -> torch.Tensor:
+        if self.ep.size == 1 and self.capacity_factor is None and grouped_available(x, w_in):
+            # one GPU, dropless: routing, grouped GEMMs and fused permute/combine, no host sync
+            return moe_experts_grouped(x, index, gate, w_in, w_out, w_up, activation=self.activation,
+                                       gated=self.gated)
         num_tokens, top_k = index.shape
         capacity = expert_capacity(num_tokens, top_k, self.num_experts, self.capacity_factor)
         routed = route(index, self.num_experts, capacity)
@@ -71,6 +79,8 @@ class RoutedExperts(nn.Module):
 
     def _experts(self, rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,
                  w_up: torch.Tensor | None) -> torch.Tensor:
+        if grouped_available(rows, w_in):
+            return grouped_expert_mlp(rows, counts, w_in, w_out, w_up, activation=self.activation, gated=self.gated)
         return expert_mlp(rows, counts, w_in, w_out, w_up, activation=self.activation, gated=self.gated)
 
     def _dispatched(self, rows: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,

@@ -475,10 +475,11 @@ REGISTRY: dict[str, OpEntry] = {
 def strategies_for(node: OpNode, n: int) -> list[Strategy]:
     """Every strategy of `node` on an axis of size n; replicated first. n == 1: replicated only."""
     entry = REGISTRY.get(op_packet(node.op))
-    if n == 1 or entry is None or not node.known or not node.outputs or _tensor_keyword(node) or \
-            len(node.input_metas) != len(node.inputs):  # a symbolic size among the inputs: no rule places it
+    if n == 1 or entry is None or not node.known or not node.outputs or _tensor_keyword(node):
         return [replicated(node)]
-    return _dedupe(entry.rule(node, n))
+    # a rule that read only the tensor inputs gives no placement to a symbolic size among them
+    # (a division by the token count): such strategies cannot be lowered
+    return _dedupe([replicated(node)] + [s for s in entry.rule(node, n) if len(s.inputs) == len(node.inputs)])
 
 
 def _tensor_keyword(node: OpNode) -> bool:
