@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 7 on one host of N H200s, in one device call: the NCCL link profile, bf16 equivalence of
-# plans against one GPU, and the planner's auto plan against hand-written Megatron-style plans on a
-# Llama-3-8B, each run for real. Prepared on 2026-11-29 (smoke-tested on CPU ranks only); run as
+# Issues 7 and 18 on one host of N H200s, in one device call: the NCCL link profile, bf16 equivalence of
+# plans against one GPU, the planner's auto plan against hand-written Megatron-style plans on a
+# Llama-3-8B, and expert parallelism on a Mixtral-shaped MoE, each run for real. Prepared on
+# 2026-11-29 and 2026-12-02 (smoke-tested on CPU ranks only); run as
 #     run(kind="nvidia-h200-x8", carry=[".device_wheels"],
 #         command="bash benchmarks/multi_gpu_h200.sh 8")
 # after `bash scripts/device_wheels.sh` here (the image lacks PuLP and HiGHS). Writes $OUT/*-xN.*
@@ -36,3 +37,10 @@ run benchmarks/equivalence_gpus.py --out "$out/equivalence-x$n.json" --plans "$p
 run -m mplan bench llama3-8b --cluster "$out/profile-x$n.json" --global-batch $batch --seq-len $seq \
     --plans auto "${hand[@]}" --measure --profile --out "$out/bench-llama3-8b-x$n.json" > /dev/null
 tail -c 2000 "$out/bench-llama3-8b-x$n.json"
+
+# 4. expert parallelism on NCCL: a Mixtral-shaped MoE of 2 layers, experts over every GPU (ep=N),
+#    against data parallelism alone and the planner's choice, each measured beside its prediction
+run -m mplan bench "moe:layers=2,hidden=4096,heads=32,kv_heads=8,ffn=14336,experts=8,topk=2,seq=4096,vocab=32000" \
+    --cluster "$out/profile-x$n.json" --global-batch $((2 * n)) --plans "dp=$n,ep=$n" "dp=$n,ep=1" auto \
+    --measure --out "$out/bench-moe-x$n.json" > /dev/null
+tail -c 2000 "$out/bench-moe-x$n.json"
