@@ -13,12 +13,8 @@ random dout, from no gradients (every .grad None). The variants, all on the same
                     ExpertsInterface; the router stays Hugging Face's)
     mplan_runtime   `mplan.autoparallel(block, plan="dp=1", loss_fn=(out * dout).sum())`: the
                     block captured (its experts as one `mplan.moe_experts` node), lowered by
-                    mplan's runtime, and its program's forward + backward timed (not its
-                    optimizer step); the report records whether the runtime's experts lowering
-                    calls the grouped path yet
-    mplan_runtime_grouped  the same program with its experts module's forward replaced, in this
-                    script only, by `moe_experts_grouped` (where ep=1, dropless and
-                    `grouped_available`): the lowering proposed for mplan/passes/expert_parallel.py
+                    mplan's runtime (whose experts module runs `moe_experts_grouped` at ep=1,
+                    dropless), and its program's forward + backward timed (not its optimizer step)
 Figures per variant:
     ms              median over rounds x iters samples of CUDA events around one step (the
                     variants interleaved round by round, after warm-up steps that include
@@ -58,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import os
 import statistics
 import sys
@@ -218,39 +213,17 @@ def runtime_variants(block: nn.Module, x: torch.Tensor, dout: torch.Tensor, s: S
                                   ("down_proj", "experts.down_proj"))}
     lowered = [m for m in pm.program.modules() if isinstance(m, expert_parallel.RoutedExperts)]
 
-    def grouped_forward(module: nn.Module) -> Callable[..., torch.Tensor]:
-        """The proposed lowering: ep=1 and dropless on the grouped path, else the runtime's own."""
-        def forward(x: torch.Tensor, index: torch.Tensor, gate: torch.Tensor, w_in: torch.Tensor,
-                    w_out: torch.Tensor, w_up: torch.Tensor | None = None) -> torch.Tensor:
-            if module.ep.size == 1 and module.capacity_factor is None and grouped_available(x, w_in):
-                return moe_experts_grouped(x, index, gate, w_in, w_out, w_up, activation=module.activation,
-                                           gated=module.gated)
-            return type(module).forward(module, x, index, gate, w_in, w_out, w_up)
-        return forward
-
-    def stepper(grouped: bool) -> Callable[[], torch.Tensor]:
-        def step() -> torch.Tensor:
-            for module in lowered:
-                if grouped:
-                    module.forward = grouped_forward(module)
-                else:
-                    module.__dict__.pop("forward", None)
-            clear_grads(x, params)
-            pm.optimizer.zero_grad()
-            loss = pm.program(*pm._feed(pm.program, (x, dout)))
-            loss.backward()
-            return loss.detach()
-        return step
+    def step() -> torch.Tensor:
+        clear_grads(x, params)
+        pm.optimizer.zero_grad()
+        loss = pm.program(*pm._feed(pm.program, (x, dout)))
+        loss.backward()
+        return loss.detach()
 
     notes = {"setup_s": round(setup_s, 2), "plan": pm.plan.describe(), "kernels": pm.kernels,
              "experts_nodes_lowered": len(lowered),
              "step_is": "pm.program forward + backward of (out * dout).sum(), no optimizer step"}
-    return [Variant(name="mplan_runtime", step=stepper(False), params=params, named=named,
-                    notes={**notes, "experts_lowering_calls_grouped_path":
-                           "moe_grouped" in inspect.getsource(expert_parallel)}),
-            Variant(name="mplan_runtime_grouped", step=stepper(True), params=params, named=named,
-                    notes={**notes, "patched_in_this_benchmark": "RoutedExperts.forward -> moe_experts_grouped "
-                           "where ep=1, dropless and grouped_available (the proposed lowering)"})]
+    return [Variant(name="mplan_runtime", step=step, params=params, named=named, notes=notes)]
 
 
 def sync(s: Settings) -> None:

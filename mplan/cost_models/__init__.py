@@ -6,6 +6,7 @@ Public names (one module per idea):
   collective_cost.py  collective_time, GroupShape
   compute_cost.py     ComputeCostModel, gemm_shape_efficiency, attention_flops
   memory_model.py     estimate_memory, MemoryBreakdown, bytes_per_param
+  moe_cost.py         ExpertsLayer, experts_time, all_to_all_time, load_factor (an MoE layer under EP)
   simulator.py        simulate, PipelineCosts, SimResult
   profile.py          ClusterProfile, DeviceProfile, LinkProfile (the measured-profile file format)
   measure_device.py   profile_device (imports torch when called)
@@ -24,6 +25,7 @@ from mplan.cost_models.dtypes import DTYPES, canonical_dtype, dtype_bytes
 from mplan.cost_models.measure_device import ProfileGrid, profile_device
 from mplan.cost_models.measure_links import profile_links
 from mplan.cost_models.memory_model import MemoryBreakdown, bytes_per_param, estimate_memory
+from mplan.cost_models.moe_cost import ExpertsLayer, all_to_all_time, experts_time, load_factor
 from mplan.cost_models.presets import PRESETS
 from mplan.cost_models.profile import (AttentionTiming, ClusterProfile, CollectiveTiming, CopyTiming, DeviceProfile,
                                        GemmTiming, LinkProfile, ProfileError)
@@ -32,8 +34,8 @@ from mplan.cost_models.simulator import PipelineCosts, SimResult, TimelineEvent,
 __all__ = [
     "COLLECTIVES", "DTYPES", "PRESETS", "AlphaBetaFit", "AttentionTiming", "ClusterProfile", "ClusterSpec",
     "ClusterSpecError", "CollectiveTiming", "ComputeCostModel", "CopyTiming", "DeviceProfile", "DeviceSpec",
-    "GemmTiming", "GroupShape", "LinkHierarchy", "LinkProfile", "LinkSpec", "MemoryBreakdown", "PipelineCosts",
-    "ProfileError", "ProfileGrid", "SimResult", "TimelineEvent", "attention_flops", "bus_factor", "bytes_per_param",
-    "canonical_dtype", "collective_time", "dtype_bytes", "estimate_memory", "fit_alpha_beta", "gemm_shape_efficiency",
-    "profile_device", "profile_links", "simulate",
+    "ExpertsLayer", "GemmTiming", "GroupShape", "LinkHierarchy", "LinkProfile", "LinkSpec", "MemoryBreakdown",
+    "PipelineCosts", "ProfileError", "ProfileGrid", "SimResult", "TimelineEvent", "all_to_all_time", "attention_flops", "bus_factor",
+    "bytes_per_param", "canonical_dtype", "collective_time", "dtype_bytes", "estimate_memory", "experts_time",
+    "fit_alpha_beta", "gemm_shape_efficiency", "load_factor", "profile_device", "profile_links", "simulate",
 ]
