@@ -35,7 +35,8 @@ __all__ = [
     "COLLECTIVES", "DTYPES", "PRESETS", "AlphaBetaFit", "AttentionTiming", "ClusterProfile", "ClusterSpec",
     "ClusterSpecError", "CollectiveTiming", "ComputeCostModel", "CopyTiming", "DeviceProfile", "DeviceSpec",
     "ExpertsLayer", "GemmTiming", "GroupShape", "LinkHierarchy", "LinkProfile", "LinkSpec", "MemoryBreakdown",
-    "PipelineCosts", "ProfileError", "ProfileGrid", "SimResult", "TimelineEvent", "all_to_all_time", "attention_flops", "bus_factor",
-    "bytes_per_param", "canonical_dtype", "collective_time", "dtype_bytes", "estimate_memory", "experts_time",
-    "fit_alpha_beta", "gemm_shape_efficiency", "load_factor", "profile_device", "profile_links", "simulate",
+    "PipelineCosts", "ProfileError", "ProfileGrid", "SimResult", "TimelineEvent", "all_to_all_time",
+    "attention_flops", "bus_factor", "bytes_per_param", "canonical_dtype", "collective_time", "dtype_bytes",
+    "estimate_memory", "experts_time", "fit_alpha_beta", "gemm_shape_efficiency", "load_factor", "profile_device",
+    "profile_links", "simulate",
 ]
