@@ -11,8 +11,9 @@ Scaling down, so any model and plan verify in seconds on a laptop:
   layers or as many as the plan's pipeline stages need; Hugging Face configs get the same sizes
   through their attribute names;
 - the mesh keeps the plan's parallelisms where the world allows (`scaled_plan`: tp' <= tp and
-  pp' <= pp, dp fills), with vpp, schedule, SP, ZeRO and recomputation as planned, micro-batches of one
-  sequence (at least two, a multiple of pp');
+  pp' <= pp, dp fills, ep' <= ep the largest that divides dp' and the scaled model's 4 experts),
+  with vpp, schedule, SP, ZeRO, recomputation and a capacity factor as planned, micro-batches of
+  one sequence (at least two, a multiple of pp');
 - TP strategies are Megatron's layout on the scaled model, and stage cuts are priced again on
   it: the plan's per-op choices and cuts were made for the full-size shapes and need not exist
   on the small ones.
@@ -40,6 +41,7 @@ from typing import Any
 
 TOLERANCE = 1e-9  # DESIGN.md: float64 plans match one process to this relative error
 SCALED = {"num_layers": 2, "seq_len": 16, "vocab": 64}
+SCALED_EXPERTS = 4  # experts per MoE layer of a scaled model (an EP degree of the scaled plan divides it)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -136,6 +138,7 @@ class ScaledPlan:
     tp: int
     pp: int
     vpp: int
+    ep: int
     num_micro_batches: int  # per replica, one sequence each
 
     @property
@@ -157,21 +160,26 @@ def scaled_plan(plan_spec: str, world_size: int) -> ScaledPlan:
         made = Plan.load(plan_spec.strip())
         tp, pp, vpp, sp, zero = made.mesh.tp, made.mesh.pp, made.mesh.vpp, int(made.sequence_parallel), made.zero
         schedule, dp, recompute = made.schedule, made.mesh.dp, made.recompute
+        ep, capacity = made.mesh.ep, made.capacity_factor
     else:
         spec = parse_plan_spec(plan_spec)
         tp, pp, vpp, sp, zero = spec.tp or 1, spec.pp or 1, spec.vpp or 1, spec.sp or 0, spec.zero or 0
         schedule, dp = spec.schedule or ("interleaved" if vpp > 1 else "1f1b"), spec.dp or 1
-        recompute = spec.recompute or "none"
+        recompute, ep, capacity = spec.recompute or "none", spec.ep or 1, spec.capacity
     pairs = [(t, p) for t in range(1, min(tp, world_size) + 1) for p in range(1, min(pp, world_size) + 1)
              if world_size % (t * p) == 0]
     tp_, pp_ = max(pairs, key=lambda q: ((q[0] > 1) == (tp > 1), (q[1] > 1) == (pp > 1),
                                            (world_size // (q[0] * q[1]) > 1) == (dp > 1), q[0] * q[1], q[1]))
     vpp_ = vpp if pp_ > 1 else 1
+    dp_ = world_size // (tp_ * pp_)
+    ep_ = max(e for e in range(1, min(ep, dp_) + 1) if dp_ % e == 0 and SCALED_EXPERTS % e == 0)
     micro = max(2, pp_) if pp_ > 1 else 2
-    layout = f"dp={world_size // (tp_ * pp_)},tp={tp_},sp={sp},zero={zero},mbs=1,recompute={recompute}"
+    layout = f"dp={dp_},tp={tp_},ep={ep_},sp={sp},zero={zero},mbs=1,recompute={recompute}"
+    if capacity is not None:
+        layout += f",capacity={capacity:g}"
     if pp_ > 1:
         layout += f",pp={pp_},vpp={vpp_},schedule={schedule if vpp_ > 1 or schedule != 'interleaved' else '1f1b'}"
-    return ScaledPlan(spec=layout, tp=tp_, pp=pp_, vpp=vpp_, num_micro_batches=micro)
+    return ScaledPlan(spec=layout, tp=tp_, pp=pp_, vpp=vpp_, ep=ep_, num_micro_batches=micro)
 
 
 def scaled_model(model_spec: str, tp: int, num_layers: int = SCALED["num_layers"]) -> Any:
@@ -196,15 +204,24 @@ def scaled_model(model_spec: str, tp: int, num_layers: int = SCALED["num_layers"
         else:
             fields["ffn_hidden"] = 2 * hidden
         if source.family == "moe":
-            fields.update(num_experts=4, top_k=min(config.top_k, 2))
+            fields.update(num_experts=SCALED_EXPERTS, top_k=min(config.top_k, 2),
+                          shared_ffn=2 * hidden if config.shared_ffn else 0)
         return dataclasses.replace(config, **{k: v for k, v in fields.items() if hasattr(config, k)})
     if source.family == "hf":
         small = config.__class__.from_dict(config.to_dict())
         for key, value in (("num_hidden_layers", num_layers), ("hidden_size", hidden), ("intermediate_size", 2 * hidden),
                            ("num_attention_heads", q_small), ("num_key_value_heads", kv_small),
-                           ("vocab_size", 64), ("max_position_embeddings", 32), ("head_dim", 8)):
+                           ("vocab_size", 64), ("max_position_embeddings", 32), ("head_dim", 8),
+                           # Mixtral's and Qwen-MoE's experts, as the moe family's
+                           ("moe_intermediate_size", 2 * hidden), ("shared_expert_intermediate_size", 2 * hidden),
+                           ("num_local_experts", SCALED_EXPERTS), ("num_experts", SCALED_EXPERTS)):
             if hasattr(small, key):
                 setattr(small, key, value)
+        if hasattr(small, "num_experts_per_tok"):
+            small.num_experts_per_tok = min(small.num_experts_per_tok, 2)
+            # the float64 reference runs transformers' loop over the experts (its grouped_mm
+            # default has no float64 kernel); the parallel run captures either as one op
+            small._experts_implementation = "eager"
         small.use_cache = False
         return dataclasses.replace(source, config=small)
     return source
