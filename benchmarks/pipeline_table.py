@@ -11,17 +11,12 @@ About 6 minutes on the 2-core CPU machine.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-
-from distributed import run_checks  # noqa: E402
+from check_table import rows, write  # noqa: E402
 from test_pipeline import WORLD2, WORLD4, WORLD8  # noqa: E402
 
 
@@ -29,21 +24,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-o", "--out", required=True, help="JSON file to write")
     args = parser.parse_args()
-    rows = []
-    for world, checks in ((2, WORLD2), (4, WORLD4), (8, WORLD8)):
-        outcomes = run_checks(world, checks, timeout_s=1800)
-        for check in checks:
-            results = outcomes.assert_passed(check)
-            worst = max(results, key=lambda r: max(r["loss"], r["param"]))
-            rows.append({"check": check.__name__, "world_size": world, "ran": worst["ran"], "loss": worst["loss"],
-                         "param": worst["param"], "worst_param": worst["worst"], "clipped": worst["clipped"]})
-    doc = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-           "torch": torch.__version__, "steps": 5, "dtype": "float64", "rows": rows}
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
+    table = rows([(2, WORLD2), (4, WORLD4), (8, WORLD8)])
+    write(args.out, table)
     print("| check | ranks | layout that ran | loss | parameters |")
     print("|---|---|---|---|---|")
-    for row in rows:
+    for row in table:
         print(f"| {row['check']} | {row['world_size']} | `{row['ran']}` | {row['loss']:.0e} | "
               f"{row['param']:.0e} ({row['worst_param']}) |")
 
