@@ -5,8 +5,8 @@ fixes are honoured, keys it leaves out are searched. One capture and one cache o
 serve every entry. A plan that cannot run gets `error` (why) instead of figures. Figures are
 predictions; `measured` is filled only by a measurement (`--measure`), with `prediction_error`
 (predicted over measured, minus one: the step time, and the peak memory predicted without the
-planner's fragmentation margin), or says why the runtime cannot run that plan
-(expert parallelism is planned, not yet executed), or that it ran out of device memory (on every
+planner's fragmentation margin), or says why the runtime refused that plan (a `PlanError` or a
+`ScheduleError`, raised before any collective), or that it ran out of device memory (on every
 rank alike, for the symmetric plans the runtime executes). `rankings` orders the measured plans by
 prediction and by measurement, which is what a planner must get right.
 
@@ -23,12 +23,13 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 from mplan.cost_models.cluster import ClusterSpec
+from mplan.ir.schedule import ScheduleError
 from mplan.planner.evaluate import Estimate
 from mplan.planner.parallel_config import PlanSpec, PlanSpecError, parse_plan_spec
+from mplan.planner.plan import PlanError
 from mplan.planner.plan_builder import predicted_of
 from mplan.planner.planning import capture_for_planning
 from mplan.planner.search import Planner, PlanningError
-from mplan.runtime.parallel_module import UnsupportedPlan
 
 Row = dict[str, Any]
 
@@ -77,7 +78,7 @@ def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequ
                 if row["measured"].get("step_time_s"):
                     row["measured"]["prediction_error"] = _prediction_error(row["measured"], best,
                                                                             planner.evaluate(c, fast=True, fragmentation=0.0))
-            except UnsupportedPlan as exc:  # raised alike on every rank, before any collective
+            except (PlanError, ScheduleError) as exc:  # raised alike on every rank, before any collective
                 row["measured"] = {"error": str(exc)}
             except torch.OutOfMemoryError as exc:  # a plan predicted to fit did not
                 row["measured"] = {"error": f"out of memory: {str(exc).splitlines()[0]}"}

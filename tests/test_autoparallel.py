@@ -262,23 +262,3 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(saved)
-
-
-def test_the_planners_expert_parallel_plan_for_mixtral_verifies(tmp_path) -> None:
-    """`mplan plan mixtral-8x7b --cluster dgx-h100 --nodes 8 --global-batch 512` picks expert
-    parallelism; scaled down to 4 gloo ranks the plan keeps its EP (ep' divides dp' and the
-    scaled model's 4 experts) and trains as one process does."""
-    from mplan.cli import main as cli_main
-    from mplan.planner.plan import Plan
-    from mplan.verify import scaled_plan, verify_plan
-
-    path = tmp_path / "mixtral.plan.json"
-    assert cli_main(["plan", "mixtral-8x7b", "--cluster", "dgx-h100", "--nodes", "8", "--global-batch", "512",
-                     "-o", str(path)]) == 0
-    plan = Plan.load(str(path))
-    assert plan.mesh.ep > 1 and plan.predicted.a2a_s > 0, plan.spec()
-    layout = scaled_plan(str(path), 4)
-    assert layout.ep > 1 and f"ep={layout.ep}" in layout.spec, layout
-    report = verify_plan("mixtral-8x7b", str(path), world_size=4, steps=2)
-    assert report.passed, report
-    assert f"ep={layout.ep}" in report.executed, report.executed

@@ -97,24 +97,37 @@ def single_device(make: Callable[[], nn.Module], data: list) -> tuple[list[float
     return losses, {name: p.detach() for name, p in model.named_parameters()}
 
 
-def compare(make: Callable[[], nn.Module], plan: str, global_batch: int, **options: Any) -> dict[str, Any]:
-    """Train under `plan` and on one process; the largest relative errors and what ran."""
+def trained(make: Callable[[], nn.Module], plan: str, data: list, **options: Any) -> tuple[Any, list, list]:
+    """`make()` trained under `plan` on `data` with clipping: the ParallelModule, each step's
+    loss and each step's gradient norm."""
     import mplan
 
-    data = batches(global_batch, vocab=options.pop("vocab", 64))
     pm = mplan.autoparallel(make(), example_inputs=(data[0][0],), optimizer=OPTIMIZER,
-                            global_batch=global_batch, plan=plan, max_grad_norm=MAX_NORM, **options)
+                            global_batch=data[0][0].shape[0], plan=plan, max_grad_norm=MAX_NORM, **options)
     losses, norms = [], []
     for ids, labels in data:
         losses.append(pm.train_step(ids, labels))
         norms.append(pm.last_grad_norm)
+    return pm, losses, norms
+
+
+def errors(pm: Any, losses: list, norms: list, reference: tuple[list, dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """The largest relative errors of the losses and of any parameter against the one-process
+    `reference` (its losses and final parameters), whether clipping engaged, and what ran."""
     state = pm.full_state_dict()
-    ref_losses, ref_state = single_device(make, data)
-    errors = {name: rel_err(state[name], ref) for name, ref in ref_state.items()}
-    worst = max(errors, key=errors.__getitem__)
+    ref_losses, ref_state = reference
+    by_name = {name: rel_err(state[name], ref) for name, ref in ref_state.items()}
+    worst = max(by_name, key=by_name.__getitem__)
+    return {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)), "param": by_name[worst],
+            "worst": worst, "clipped": max(norms) > MAX_NORM, "ran": pm.plan.describe()}
+
+
+def compare(make: Callable[[], nn.Module], plan: str, global_batch: int, **options: Any) -> dict[str, Any]:
+    """Train under `plan` and on one process; the largest relative errors and what ran."""
+    data = batches(global_batch, vocab=options.pop("vocab", 64))
+    pm, losses, norms = trained(make, plan, data, **options)
     fused = pm.program.meta.get("fuse_kernels")
-    return {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)), "param": errors[worst],
-            "worst": worst, "clipped": max(norms) > MAX_NORM, "ran": pm.plan.describe(),
+    return {**errors(pm, losses, norms, single_device(make, data)),
             "recomputed_units": len(pm.recomputed_units),
             "strategies": sorted({s.name for s in pm.choice.values()}),
             "strategy_texts": {str(s) for s in pm.choice.values()},

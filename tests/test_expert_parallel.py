@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distributed import rel_err, run_checks
-from test_equivalence import MAX_NORM, OPTIMIZER, TOL, batches, family, loss_of
+from test_equivalence import MAX_NORM, OPTIMIZER, TOL, batches, errors, family, loss_of, trained
 
 STEPS = 5
 TIMEOUT_S = 900.0  # 4 ranks on 2 cores, a dozen trainings
@@ -110,25 +110,13 @@ def accumulated(make: Callable[[], nn.Module], data: list, micro_batch: int) -> 
 def compare_moe(make: Callable[[], nn.Module], plan: str, global_batch: int, micro_batch: int, *,
                 reference: Callable[[], nn.Module] | None = None, **options: Any) -> dict[str, Any]:
     """Train `make()` under `plan`, and `reference()` (default: the same model) on one process."""
-    import mplan
-
     data = batches(global_batch)
-    pm = mplan.autoparallel(make(), example_inputs=(data[0][0],), optimizer=OPTIMIZER, global_batch=global_batch,
-                            plan=plan, micro_batch_size=micro_batch, max_grad_norm=MAX_NORM, **options)
-    losses, norms = [], []
-    for ids, labels in data:
-        losses.append(pm.train_step(ids, labels))
-        norms.append(pm.last_grad_norm)
-    state = pm.full_state_dict()
-    ref_losses, ref_state = accumulated(reference or make, data, micro_batch)
-    errors = {name: rel_err(state[name], ref) for name, ref in ref_state.items()}
-    worst = max(errors, key=errors.__getitem__)
+    pm, losses, norms = trained(make, plan, data, micro_batch_size=micro_batch, **options)
     experts = [m for m in pm.program.modules() if type(m).__name__ == "RoutedExperts"]
     if pm.pipeline is not None:
         experts = [m for s in pm.pipeline.mine for m in pm.pipeline.stages[s].module.modules()
                    if type(m).__name__ == "RoutedExperts"]
-    return {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)), "param": errors[worst],
-            "worst": worst, "clipped": max(norms) > MAX_NORM, "ran": pm.plan.describe(),
+    return {**errors(pm, losses, norms, accumulated(reference or make, data, micro_batch)),
             "ep": [m.ep.size for m in experts], "expert_params": sorted(pm.experts.parameters)[:2],
             "experts_strategy": sorted({str(pm.choice[m.node]).partition(":")[0] for m in experts})}
 
@@ -300,14 +288,6 @@ def ep2_dp2_zero1_top2_e8() -> dict[str, Any]:
     return compare_moe(moe(8, 2), "dp=4,ep=2,zero=1", 8, 1)
 
 
-def ep2_dp2_zero1_top1_e4_shared() -> dict[str, Any]:
-    return compare_moe(moe(4, 1, shared=40), "dp=4,ep=2,zero=1", 8, 2)
-
-
-def ep2_pp2_top2_e4() -> dict[str, Any]:
-    return compare_moe(moe(4, 2), "dp=2,pp=2,ep=2", 8, 1)
-
-
 def ep2_pp2_top1_e8_shared() -> dict[str, Any]:
     return compare_moe(moe(8, 1, shared=40), "dp=2,pp=2,ep=2,schedule=zb-h1", 8, 1)
 
@@ -333,9 +313,8 @@ def ep2_pp2_mixtral() -> dict[str, Any]:
 
 
 WORLD4 = {4: [ep4_top2_e8, ep4_top1_e4_shared, ep4_mixtral],
-          2: [ep2_tp2_top2_e4_shared, ep2_tp2_sp_top1_e8, ep2_dp2_zero1_top2_e8, ep2_dp2_zero1_top1_e4_shared,
-              ep2_pp2_top2_e4, ep2_pp2_top1_e8_shared, ep2_tp2_mixtral, ep2_dp2_zero1_qwen2_moe,
-              ep2_pp2_qwen2_moe, ep2_pp2_mixtral]}
+          2: [ep2_tp2_top2_e4_shared, ep2_tp2_sp_top1_e8, ep2_dp2_zero1_top2_e8, ep2_pp2_top1_e8_shared,
+              ep2_tp2_mixtral, ep2_dp2_zero1_qwen2_moe, ep2_pp2_qwen2_moe, ep2_pp2_mixtral]}
 
 
 @pytest.fixture(scope="module")

@@ -187,15 +187,27 @@ def test_bench_sets_the_best_plan_without_ep_beside_an_ep_plan(capsys):
 
 
 @pytest.mark.slow
-def test_mixtral_on_eight_dgx_h100_nodes_uses_expert_parallelism():
-    """The issue's plan: mixtral-8x7b on 64 H100s at 512 sequences a step beats every plan without EP."""
+def test_mixtral_on_eight_dgx_h100_nodes_uses_expert_parallelism_and_its_plan_verifies(tmp_path):
+    """The issue's plan: mixtral-8x7b on 64 H100s at 512 sequences a step beats every plan without
+    EP; scaled down to 4 gloo ranks the plan keeps its EP (ep' divides dp' and the scaled model's
+    4 experts) and trains as one process does."""
+    from mplan.planner.plan_builder import build_plan
+    from mplan.verify import scaled_plan, verify_plan
+
     graph = capture_for_planning("mixtral-8x7b")
-    planner = Planner(graph, ClusterSpec.preset("dgx-h100", nodes=8), kernels=True)
-    best = planner.search(512).best
-    no_ep = planner.search(512, PlanSpec(ep=1)).best
+    cluster = ClusterSpec.preset("dgx-h100", nodes=8)
+    planner = Planner(graph, cluster, kernels=True)
+    result = planner.search(512)
+    best, no_ep = result.best, planner.search(512, PlanSpec(ep=1)).best
     assert best.config.ep > 1 and best.experts_per_rank == 8 // best.config.ep
     assert best.step_time_s < no_ep.step_time_s
     assert 0 < best.a2a_s / best.step_time_s < 0.2
+    path = str(tmp_path / "mixtral.plan.json")
+    build_plan(result, graph, cluster, 512).save(path)
+    layout = scaled_plan(path, 4)
+    assert layout.ep > 1 and f"ep={layout.ep}" in layout.spec, layout
+    report = verify_plan("mixtral-8x7b", path, world_size=4, steps=2)
+    assert report.passed and f"ep={layout.ep}" in report.executed, report
 
 
 def test_plan_json_keeps_the_moe_figures(tmp_path):

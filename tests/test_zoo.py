@@ -1,9 +1,9 @@
 """The outside-model zoo (tests/zoo_models.py: ten Hugging Face families from their shipped
 configs, sizes shrunk, and two models written the way researchers write them) trains under mplan
-as in the plain one-process loop: tp=2, tp=2 with SP, dp=2 with zero 0 and 1, pp=2 (1F1B over 4
-micro-batches) and the planner's own choice (plan=None) on 2 gloo ranks; tp2 x dp2, tp2 x pp2 and
-plan=None on 4. Every model, every plan,
-losses and every parameter after 3 AdamW steps, float64: relative error under 1e-9, or, for a
+as in the plain one-process loop: tp=2, tp=2 with SP, dp=2, pp=2 (1F1B over 4 micro-batches) and
+the planner's own choice (plan=None) on 2 gloo ranks; tp2 x pp2 on 4 (`zoo_models.TESTED`;
+benchmarks/zoo_table.py adds ZeRO-1, tp2 x dp2 and plan=None on 4). Every model, every
+plan, losses and every parameter after 3 AdamW steps, float64: relative error under 1e-9, or, for a
 model whose own code computes in float32 (every Hugging Face loss does `logits.float()`),
 `zoo_models.FLOAT32_FACTOR` times the error plain PyTorch itself shows when the batch is split,
 measured here per model. No test here replaces anything the planner or the user chose.
@@ -18,7 +18,7 @@ import zoo_models
 from distributed import run_checks
 
 NAMES = tuple(zoo_models.ZOO)
-PLANS = zoo_models.PLANS
+PLANS = zoo_models.TESTED
 
 
 @functools.lru_cache(maxsize=None)

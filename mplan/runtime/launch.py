@@ -77,7 +77,7 @@ def install_error_hook() -> None:
 
 def _is_mplan_error(kind: type[BaseException]) -> bool:
     """An exception type mplan raises for the user to act on: defined in mplan (PlanError,
-    CaptureError, PlanSpecError, UnsupportedPlan, ...)."""
+    CaptureError, PlanSpecError, ScheduleError, ...)."""
     return any(k.__module__.startswith("mplan.") for k in kind.__mro__ if issubclass(k, Exception))
 
 

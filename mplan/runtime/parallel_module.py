@@ -93,13 +93,9 @@ class PlanMismatch(RuntimeError):
     """Ranks of one job hold different plans (or models)."""
 
 
-class UnsupportedPlan(PlanError):
-    """A plan this runtime cannot execute yet; the message says what to use instead."""
-
-
 def check_executable(plan: Plan) -> None:
-    """Refuse, naming what to use instead, a plan with parallelisms this runtime does not run yet
-    (raised alike on every rank, before any collective)."""
+    """Refuse a pipeline plan whose schedule this runtime cannot run (an unknown name, a shape the
+    micro-batches do not fit), raised alike on every rank, before any collective."""
     m = plan.mesh
     if m.pp > 1 or len(plan.stages) > 1:
         pipeline_schedule(plan)  # an unknown schedule or a shape it cannot run: ScheduleError, here
