@@ -6,4 +6,5 @@ primitives (ZeRO's reduce-scatter and all-gather) and `apply_transition` (gather
 
     flat.py           collectives on flat contiguous buffers, chunk i on group rank i
     redistribute.py   any placement to any other, forward and backward; Megatron's named pairs
+    uneven.py         all-to-all of rows in uneven splits (expert dispatch and combine), with autograd
 """

@@ -1,7 +1,8 @@
 """Graph capture and the typed IR: `capture(model, inputs) -> Graph`; pipeline schedules as data.
 
 The IR knows nothing of planning: it records what the model computes (ops, shapes, FLOPs,
-bytes, parameters, saved activations, repeated blocks) and what a pipeline schedule does.
+bytes, parameters, saved activations, repeated blocks, MoE layers: `moe.py`, each layer's
+experts one op from `experts_capture.py`) and what a pipeline schedule does.
 Names load on first use, so the schedule IR can be imported without torch (planning is light).
 """
 from __future__ import annotations

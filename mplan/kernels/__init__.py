@@ -11,6 +11,8 @@ its `torch.autograd.Function`. Module names differ from the op names on purpose,
     cross_entropy_loss.py  cross_entropy(logits, labels), vocab_parallel_cross_entropy(local_logits, ...)
     sdpa_autotune.py  attention(q, k, v, ...): SDPA on the fused backend that times fastest for the shape
     fp8.py            fp8_linear through torch._scaled_mm (CUDA, capability >= 8.9 only)
+    moe.py            moe_experts(x, index, gate, weights...): an MoE layer's routed experts as one op
+    moe_grouped.py    moe_experts_grouped, grouped_expert_mlp: the same through torch._grouped_mm (GPU)
     op_bytes.py       fused_op_bytes: the bytes each fused op moves, for the cost model
     dispatch.py       use_triton: Triton on CUDA (or CPU under TRITON_INTERPRET=1), else reference
     sigmoid.py        a shared device function (sigmoid and its complement, both accurate)

@@ -10,6 +10,7 @@ autograd-aware collectives, ready for the runtime (`runtime/parallel_module.py`)
     insert_collectives    insert_collectives.py local program: reshards, local shapes, split ops
     check_local_graph     verifier.py           the local program's shapes, on meta tensors
     (rules per op)        local_ops.py          how each op runs on shards; vocab/batch losses
+    (MoE layers)          expert_parallel.py    a `moe_experts` node on one rank or dispatched over EP
     fuse_kernels          fuse_kernels.py       ATen chains -> fused Triton kernels (kernels/)
 
 Names load on first use so importing one pass does not pull in the others.

@@ -7,7 +7,8 @@ here is global state, and nothing here plans: the runtime reads the Plan.
 
     launch.py                 join the torchrun job (init_distributed_from_env)
     process_groups.py         ProcessGroups: this rank's groups, from a DeviceMesh with named axes
-    param_placement.py        per-parameter facts: TP-sharded, TP partial grads, expert
+    param_placement.py        per-parameter facts: TP-sharded, TP partial grads, expert (reduced
+                              over expert_dp), pipeline copy
     data_parallel.py          bucketed gradient sync over DP (zero=0)
     sharded_optimizer.py      ZeRO-1: reduce-scatter, sharded fp32 masters, all-gather
     replicated_optimizer.py   zero=0: sync, clip, any torch optimizer
