@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -262,3 +263,32 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(saved)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mixtral"])
+def test_a_hugging_face_model_on_the_meta_device_gets_transformers_init(family: str) -> None:
+    """A Hugging Face model built from its config on the meta device (as `mplan bench` builds one)
+    is initialized shard by shard the way transformers initializes it: norms one, projections
+    normal(0, initializer_range), biases zero; its modules have no reset_parameters()."""
+    import mplan
+
+    if family == "qwen2":
+        from transformers import Qwen2Config as Config, Qwen2ForCausalLM as Model
+        extra: dict = {}
+    else:
+        from transformers import MixtralConfig as Config, MixtralForCausalLM as Model
+        extra = {"num_local_experts": 4, "num_experts_per_tok": 2}
+    config = Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, use_cache=False, **extra)
+    with torch.device("meta"):
+        model = Model(config)
+    ids = batches(4, steps=1)[0][0]
+    pm = mplan.autoparallel(model, example_inputs=(ids,), optimizer=OPTIMIZER, global_batch=4, plan="dp=1")
+    state = pm.full_state_dict()
+    norms = [v for k, v in state.items() if k.endswith("layernorm.weight") or k.endswith("norm.weight")]
+    weights = [v for k, v in state.items() if v.dim() >= 2]
+    assert norms and all(torch.equal(v, torch.ones_like(v)) for v in norms)
+    assert all(torch.isfinite(v).all() for v in state.values())
+    assert all(abs(float(v.std()) - config.initializer_range) < 0.3 * config.initializer_range for v in weights)
+    assert all(torch.equal(v, torch.zeros_like(v)) for k, v in state.items() if k.endswith(".bias"))
+    assert math.isfinite(pm.train_step(ids, ids))

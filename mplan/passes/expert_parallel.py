@@ -45,9 +45,6 @@ class ExpertsLowering:
     parameters: frozenset[str]
     capacity_factor: float | None = None
 
-    def local_experts(self, num_experts: int) -> int:
-        return num_experts // self.ep.size
-
 
 NO_EXPERT_PARALLELISM = ExpertsLowering(ep=AxisGroup(group=None, size=1, rank=0), parameters=frozenset())
 

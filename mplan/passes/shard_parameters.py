@@ -14,10 +14,13 @@ Meta-device models, how each parameter is made:
   parameter is generated (its RNG stream cannot be entered mid-way), sliced, and dropped:
   peak extra memory is one parameter, never the model.
 - any other module: each module that owns parameters is copied (on meta, free), materialized on
-  the CPU without its children, and reset with its own `reset_parameters()` under a seed drawn
-  from (seed, module name). Every rank then builds the same full parameter before slicing, so
-  shards are consistent; the values are the module's init distribution, not the weights of
-  some other single-device instance. A module without `reset_parameters` is an error.
+  the CPU without its children, and initialized under a seed drawn from (seed, module name): a
+  Hugging Face model's by its own `_init_weights(module)` (the rule transformers applies when it
+  builds a model from a config: norms to one, projections normal(0, initializer_range), biases
+  zero), any other by the module's `reset_parameters()`. Every rank then builds the same full
+  parameter before slicing, so shards are consistent; the values are the model's init
+  distribution, not the weights of some other single-device instance. A module neither rule
+  initializes is an error.
 Buffers are never sharded (`materialize_buffers`): a real model's own (moved if on another
 device; the local program only reads them), or recomputed for meta-device mplan models
 (`reset_tables`, RoPE).
@@ -110,7 +113,10 @@ def _reader(graph: Graph, source: ParameterSource, seed: int) -> Callable[[str],
         return lambda name: params[name]
     if isinstance(source, DecoderLM):
         return lambda name: _init_decoder_parameter(source, name, params[name], seed)
-    return lambda name: _init_with_module_reset(source, name, seed)
+    init = getattr(source, "_init_weights", None)
+    if callable(init) and hasattr(source, "config"):  # a transformers PreTrainedModel
+        return lambda name: _init_module_copy(source, name, seed, init)
+    return lambda name: _init_module_copy(source, name, seed, None)
 
 
 class _OneParameter:
@@ -134,18 +140,32 @@ def _init_decoder_parameter(model: DecoderLM, name: str, meta: torch.Tensor, see
     return tensor
 
 
-def _init_with_module_reset(model: nn.Module, name: str, seed: int) -> torch.Tensor:
+def _init_module_copy(model: nn.Module, name: str, seed: int,
+                      init: Callable[[nn.Module], None] | None) -> torch.Tensor:
+    """Parameter `name`, initialized on a CPU copy of its owner module (without its children):
+    by `init(module)` (a Hugging Face model's `_init_weights`), else by the module's own
+    `reset_parameters()`."""
     owner_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_name)
-    if not hasattr(owner, "reset_parameters"):
+    if init is None and not hasattr(owner, "reset_parameters"):
         raise TypeError(f"parameter {name} is on the meta device and {type(owner).__name__} "
                         f"({owner_name or 'the root'}) has no reset_parameters(); build the model "
                         f"on a real device or pass a state dict")
     fresh = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        for p in fresh.parameters(recurse=False):
+            p.fill_(float("nan"))  # what the rule leaves alone shows, rather than stale memory
         torch.manual_seed(parameter_seed(seed, owner_name))
-        fresh.reset_parameters()
-    return getattr(fresh, leaf).detach()
+        if init is None:
+            fresh.reset_parameters()
+        else:
+            init(fresh)
+    value = getattr(fresh, leaf).detach()
+    if value.is_floating_point() and torch.isnan(value).any():
+        rule = "_init_weights" if init is not None else "reset_parameters()"
+        raise TypeError(f"parameter {name} is on the meta device and {type(model).__name__}'s {rule} leaves it "
+                        f"uninitialized; build the model on a real device or pass a state dict")
+    return value
 
 
 def materialize_buffers(graph: Graph, model: nn.Module, names: list[str], *,
@@ -164,11 +184,25 @@ def materialize_buffers(graph: Graph, model: nn.Module, names: list[str], *,
 
 
 def _recompute_buffer(model: nn.Module, name: str) -> torch.Tensor:
+    """Buffer `name` recomputed on a CPU copy of its owner: by mplan's `reset_tables()`, or by a
+    Hugging Face model's `_init_weights` (which recomputes RoPE's inverse frequencies)."""
     owner_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_name)
-    if not hasattr(owner, "reset_tables"):
+    init = getattr(model, "_init_weights", None) if hasattr(model, "config") else None
+    if not hasattr(owner, "reset_tables") and not callable(init):
         raise TypeError(f"buffer {name} is on the meta device and {type(owner).__name__} cannot "
                         f"recompute it (no reset_tables()); build the model on a real device")
     fresh = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
-    fresh.reset_tables()
-    return getattr(fresh, leaf)
+    with torch.no_grad():
+        if hasattr(owner, "reset_tables"):
+            fresh.reset_tables()
+        else:
+            for b in fresh.buffers(recurse=False):
+                if b.is_floating_point():
+                    b.fill_(float("nan"))
+            init(fresh)  # type: ignore[misc]
+    value = getattr(fresh, leaf)
+    if value.is_floating_point() and torch.isnan(value).any():
+        raise TypeError(f"buffer {name} is on the meta device and {type(model).__name__}'s _init_weights leaves "
+                        f"it unset; build the model on a real device")
+    return value
