@@ -3,9 +3,9 @@
 Capture turns every experts module it recognizes into one `mplan.moe_experts` op
 (`mplan.kernels.moe`; recognition: `mplan.ir.experts_capture`), so MoE layers are found by the
 graph's structure, never by parameter names: the experts are that node's stacked weights (dim 0
-counts them), the top-k is its routing input's width. The planner counts experts and prices
-their all-to-all from `experts_nodes`; the runtime shards `expert_parameters` over the
-expert-parallel ranks.
+counts them), the top-k is its routing input's width. The planner counts experts with
+`num_experts` (and prices each layer from the node's shapes: `cost_models/moe_cost.py`); the
+runtime shards `expert_parameters` over the expert-parallel ranks.
 """
 from __future__ import annotations
 
@@ -35,17 +35,6 @@ class ExpertsNode:
     activation: str
     capacity_factor: float | None  # None: dropless
     weights: dict[str, str]  # role (w_in, w_out, w_up) -> parameter name
-    itemsize: int  # bytes per element of the routed activations
-
-    @property
-    def routed_bytes(self) -> int:
-        """Bytes of the T*k token copies one dispatch (or one combine) moves in all."""
-        return self.tokens * self.top_k * self.hidden * self.itemsize
-
-    @property
-    def weight_elements(self) -> int:
-        """Elements of all E experts' weights."""
-        return self.num_experts * self.hidden * self.ffn * (3 if self.gated else 2)
 
 
 def is_experts(node: OpNode) -> bool:
@@ -62,8 +51,7 @@ def experts_node(node: OpNode) -> ExpertsNode:
     weights = {_WEIGHT_SLOTS[pos]: name for pos, name in node.params if pos in _WEIGHT_SLOTS}
     return ExpertsNode(node=node.name, num_experts=w_in.shape[0], top_k=index.shape[1], tokens=x.shape[0],
                        hidden=x.shape[1], ffn=ffn, gated=bool(gated) or with_up, activation=str(activation),
-                       capacity_factor=None if capacity is None else float(capacity), weights=weights,
-                       itemsize=x.nbytes // max(1, x.numel))
+                       capacity_factor=None if capacity is None else float(capacity), weights=weights)
 
 
 def experts_nodes(graph: Graph) -> list[ExpertsNode]:
