@@ -59,6 +59,8 @@ def _print_inspect(doc: dict[str, Any]) -> None:
                         f"{r['saved_bytes'] / 2**20:.2f}", ", ".join(p.rsplit(".", 2)[-2] + "." +
                                                                    p.rsplit(".", 1)[-1] for p in r["params"]))
         console.print(ops)
+    if doc.get("fusion"):
+        _print_fusion(console, doc["fusion"])
     if doc.get("moe_layers"):
         m = doc["moe_layers"][0]
         capacity = "dropless" if m["capacity_factor"] is None else f"capacity {m['capacity_factor']:g}"
@@ -69,6 +71,28 @@ def _print_inspect(doc: dict[str, Any]) -> None:
             f"{'yes' if m['shared_expert'] else 'no'}; auxiliary loss: {'yes' if m['aux_loss'] else 'no'}")
     if doc["unknown_ops"]:
         console.print(f"[yellow]ops without a rule (replicated by the planner):[/] {doc['unknown_ops']}")
+
+
+def _print_fusion(console: Any, coverage: list[dict[str, Any]]) -> None:
+    """Per block type, the kernels its chains fuse into; then the memory-bound ops left, the
+    most bytes first (what a GPU run's `fuse_kernels` does; `--no-kernels` keeps ATen ops)."""
+    from rich.table import Table
+
+    console.print("[bold]fusion[/] (one instance of each block type):")
+    for c in coverage:
+        fused = ", ".join(f"{f['kernel']} x{f['count']}" for f in c["fused"]) or "nothing"
+        left = f"{len(c['left'])} kinds of memory-bound op left, {c['left_bytes'] / 2**20:.1f} MiB" if c["left"] else \
+            "no memory-bound op left"
+        console.print(f"  {c['block_type']} x{c['instances']}: {fused}; {left}")
+    rows = [(c["block_type"], op) for c in coverage for op in c["left"]]
+    if rows:
+        table = Table(title="memory-bound ops left unfused")
+        for col in ("block type", "op", "count", "MiB moved", "why"):
+            table.add_column(col, justify="right" if col in ("count", "MiB moved") else "left")
+        for block, op in sorted(rows, key=lambda row: -row[1]["bytes"]):
+            table.add_row(block, op["op"].removeprefix("aten."), str(op["count"]), f"{op['bytes'] / 2**20:.1f}",
+                          op["why"])
+        console.print(table)
 
 
 def _cluster(args: argparse.Namespace):  # noqa: ANN202 - ClusterSpec

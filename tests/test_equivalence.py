@@ -324,9 +324,9 @@ def test_fused_kernels_are_exact_under_tp(outcomes) -> None:
     matches one process as closely as the unfused one does."""
     # the loss is vocabulary-parallel there: a module, which runs the vocabulary-parallel kernel
     expected = {tp2_sp_llama_kernels: (tp2_sp_llama, {"rms_norm": 1, "linear_group": 2, "rms_norm_residual": 4,
-                                                      "rope": 4, "linear_swiglu": 2,
+                                                      "rope_qk": 2, "attention": 2, "linear_swiglu": 2,
                                                       "vocab_parallel_cross_entropy": 1}),
-                tp2_sp_gpt_kernels: (tp2_sp_gpt, {"linear_group": 2, "layer_norm_residual": 4, "bias_gelu": 2,
+                tp2_sp_gpt_kernels: (tp2_sp_gpt, {"linear_group": 2, "layer_norm_residual": 4, "attention": 2, "bias_gelu": 2,
                                                   "vocab_parallel_cross_entropy": 1})}
     for check, (unfused, fired) in expected.items():
         for a, b in zip(outcomes.assert_passed(check), outcomes.assert_passed(unfused)):

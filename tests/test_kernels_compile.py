@@ -33,26 +33,32 @@ SIZES = {"n_cols", "n_elements", "row_stride", "half", "table_stride", "x_stride
 # "mixed" is autocast's fp32 residual stream under a bf16 branch
 KERNELS = {
     "rmsnorm.forward": (rmsnorm._forward_kernel, {"rstd_ptr": F32, "eps": "fp32"},
-                        {"HAS_RESIDUAL": True, "BLOCK": 4096}),
+                        {"HAS_RESIDUAL": True, "BLOCK": 4096, "NORM_DTYPE": None}),
     "rmsnorm.backward": (rmsnorm._backward_kernel, {"rstd_ptr": F32, "dw_ptr": F32},
-                         {"HAS_DSUM": True, "BLOCK": 4096}),
+                         {"HAS_DSUM": True, "BLOCK": 4096, "NORM_DTYPE": None}),
+    "rmsnorm.forward.hugging_face": (rmsnorm._forward_kernel, {"rstd_ptr": F32, "eps": "fp32"},
+                                     {"HAS_RESIDUAL": True, "BLOCK": 4096, "NORM_DTYPE": "bf16"}),
+    "rmsnorm.backward.hugging_face": (rmsnorm._backward_kernel, {"rstd_ptr": F32, "dw_ptr": F32},
+                                      {"HAS_DSUM": True, "BLOCK": 4096, "NORM_DTYPE": "bf16"}),
     "layernorm.forward": (layernorm._forward_kernel, {"mean_ptr": F32, "rstd_ptr": F32, "eps": "fp32"},
                           {"HAS_BIAS": True, "BLOCK": 4096}),
     "layernorm.backward": (layernorm._backward_kernel, {"mean_ptr": F32, "rstd_ptr": F32, "dw_ptr": F32,
                                                          "db_ptr": F32}, {"HAS_DSUM": True, "BLOCK": 4096}),
-    "glu.forward": (glu._forward_kernel, {}, {}),
-    "glu.backward": (glu._backward_kernel, {}, {}),
-    "glu.packed_forward": (glu._packed_forward_kernel, {}, {}),
-    "glu.packed_backward": (glu._packed_backward_kernel, {}, {}),
+    "glu.forward": (glu._forward_kernel, {}, {"ACTIVATION": "silu"}),
+    "glu.backward": (glu._backward_kernel, {}, {"ACTIVATION": "silu"}),
+    "glu.packed_forward": (glu._packed_forward_kernel, {}, {"ACTIVATION": "silu"}),
+    "glu.packed_backward": (glu._packed_backward_kernel, {}, {"ACTIVATION": "silu"}),
+    "glu.packed_forward.gelu_tanh": (glu._packed_forward_kernel, {}, {"ACTIVATION": "gelu_tanh"}),
+    "glu.packed_backward.gelu_tanh": (glu._packed_backward_kernel, {}, {"ACTIVATION": "gelu_tanh"}),
     "gelu.forward": (gelu._forward_kernel, {}, {}),
     "gelu.backward": (gelu._backward_kernel, {"db_ptr": F32}, {}),
     "partials.sum": (partials._sum_partials_kernel, {"p_ptr": F32}, {}),
     "rmsnorm.forward.mixed": (rmsnorm._forward_kernel, {"res_ptr": F32, "w_ptr": F32, "y_ptr": F32, "sum_ptr": F32,
                                                         "rstd_ptr": F32, "eps": "fp32"},
-                              {"HAS_RESIDUAL": True, "BLOCK": 2048}),
+                              {"HAS_RESIDUAL": True, "BLOCK": 2048, "NORM_DTYPE": None}),
     "rmsnorm.backward.mixed": (rmsnorm._backward_kernel, {"rstd_ptr": F32, "dw_ptr": F32, "dsum_ptr": F32,
                                                           "s_ptr": F32, "dx_ptr": F32, "w_ptr": F32},
-                               {"HAS_DSUM": True, "BLOCK": 2048}),
+                               {"HAS_DSUM": True, "BLOCK": 2048, "NORM_DTYPE": None}),
     "rotary.forward": (rotary._rope_kernel, {}, {"BACKWARD": False, "POS_AXIS": 1, "BLOCK_HALF": 64,
                                                    "n1": 2048, "n2": 16, "INDEX_64": False}),
     "rotary.backward": (rotary._rope_kernel, {}, {"BACKWARD": True, "POS_AXIS": 1, "BLOCK_HALF": 64,
@@ -121,6 +127,8 @@ def test_kernel_compiles_for_sm90_without_spills(name: str) -> None:
         tried = kernel.early_config_prune(tried, _launch_tensors(fn.arg_names, types), **constexprs)
     for config in tried:
         values = {**constexprs, **config.kwargs}
+        if isinstance(values.get("NORM_DTYPE"), str):  # a dtype constexpr: named here, Triton's object there
+            values["NORM_DTYPE"] = getattr(triton.language, {"bf16": "bfloat16"}[values["NORM_DTYPE"]])
         values.update({key: rule({**HEURISTIC_ARGS[name], **values}) for key, rule in heuristics.items()})
         signature = {arg: "constexpr" if arg in values else types.get(arg, ACT if arg.endswith("_ptr") else "i32")
                      for arg in fn.arg_names}

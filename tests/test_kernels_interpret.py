@@ -47,6 +47,7 @@ from mplan.kernels import (
     vocab_parallel_cross_entropy,
 )
 from mplan.kernels.dispatch import INTERPRET
+from mplan.kernels.rmsnorm import NormForm
 from mplan.kernels.partials import sum_partials
 from mplan.kernels.fp8 import cast_fp8
 from mplan.models import GPTConfig, GPTModel, LlamaConfig, LlamaModel
@@ -113,6 +114,26 @@ def test_rms_norm_residual(dtype: torch.dtype) -> None:
     w = _leaf(48, dtype=dtype, scale=0.1, shift=1.0)
     _check(rms_norm_residual, rms_norm_residual_reference, [x, r, w, 1e-5], dtype, "RMSNormResidualFunction")
     _check(rms_norm, rms_norm_reference, [x, w, 1e-5], dtype, "RMSNormResidualFunction")
+
+
+@pytest.mark.parametrize("form", [NormForm(upcast=True, norm_dtype=torch.float16),
+                                  NormForm(upcast=True, out_dtype=torch.float16)], ids=["llama", "gemma"])
+def test_rms_norm_in_hugging_faces_forms(form: NormForm) -> None:
+    """fp16 stream, statistics in fp32, then Llama's rounding of the normalized value before the
+    (fp16) weight, or Gemma's fp32 product with a (1 + weight) in fp32 cast once at the end: the
+    kernel's outputs are the reference's within an fp16 ulp, its gradients within FP16_TOL."""
+    torch.manual_seed(0)
+    x, r = _leaf(3, 5, 48, dtype=torch.float16), _leaf(3, 5, 48, dtype=torch.float16)
+    w_dtype = torch.float16 if form.norm_dtype is not None else torch.float32
+    w = _leaf(48, dtype=w_dtype, scale=0.1, shift=1.0)
+    keywords = {"upcast": form.upcast, "norm_dtype": form.norm_dtype, "out_dtype": form.out_dtype}
+    outputs, grads, upstream = _run(lambda *a: rms_norm_residual(*a, **keywords), [x, r, w, 1e-5], None)
+    assert "RMSNormResidualFunction" in outputs[0].grad_fn.name()
+    ref_outputs, ref_grads, _ = _run(lambda *a: rms_norm_residual_reference(*a, form), [x, r, w, 1e-5], upstream)
+    assert outputs[0].dtype == ref_outputs[0].dtype == torch.float16
+    assert ((outputs[0] - ref_outputs[0]).abs().float() <= 2 ** -10 * ref_outputs[0].abs().float() + 1e-6).all()
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got.double(), want.double()) < FP16_TOL
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

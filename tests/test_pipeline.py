@@ -256,7 +256,7 @@ def test_eight_ranks_match_one_process(world8, check) -> None:
 
 def test_fused_kernels_run_inside_the_stages(world2) -> None:
     fired = world2.assert_passed(pp2_fused_kernels_llama3)[0]["fused"]
-    assert fired["rms_norm_residual"] == 6 and fired["rope"] == 6, fired
+    assert fired["rms_norm_residual"] == 6 and fired["rope_qk"] == 3, fired
 
 
 def test_uneven_stages_hold_what_the_plan_cut(world2, world4) -> None:

@@ -30,18 +30,17 @@ from torch import nn
 
 from mplan.kernels.moe import ACTIVATIONS, moe_experts
 
-_PROBE = torch.linspace(-6.0, 6.0, 97, dtype=torch.float64)
-
-
 def activation_name(fn: Callable[[torch.Tensor], torch.Tensor]) -> str | None:
-    """The name in `ACTIVATIONS` of the function `fn` computes (on a probe), or None."""
+    """The name in `ACTIVATIONS` of the function `fn` computes (on a probe made per call: a
+    module-level tensor would stay alive with the module), or None."""
+    probe = torch.linspace(-6.0, 6.0, 97, dtype=torch.float64)
     try:
         with torch.no_grad():
-            value = fn(_PROBE)
+            value = fn(probe)
     except Exception:  # an activation that does not take a float64 tensor is not one of ours
         return None
     for name, candidate in ACTIVATIONS.items():
-        if isinstance(value, torch.Tensor) and torch.allclose(value, candidate(_PROBE), rtol=1e-9, atol=1e-12):
+        if isinstance(value, torch.Tensor) and torch.allclose(value, candidate(probe), rtol=1e-9, atol=1e-12):
             return name
     return None
 

@@ -82,7 +82,9 @@ def tensor_value(node: Any) -> torch.Tensor | None:
 
 
 def _used_only_by(node: Node, *users: Node) -> bool:
-    return set(node.users) <= set(users)
+    """Every use of `node` is one of `users` (export's dtype assertions do not count: a fused op
+    never exposes the value they check, and the pass drops them)."""
+    return {u for u in node.users if not is_call(u, aten._assert_tensor_metadata.default)} <= set(users)
 
 
 def _is_last_dim(dim: Any, node: Node) -> bool:
@@ -107,54 +109,113 @@ def _other(pair: tuple[Any, Any], node: Any) -> Any:
 
 # ---- matchers, one per pattern ---------------------------------------------------------------
 
-def _rms_chain(anchor: Node) -> tuple[Node, Node, float, tuple[Node, ...]] | None:
-    """(x, weight, eps, chain) for mul(mul(x, rsqrt(add(mean(pow(x, 2), [-1], True), eps))), weight)."""
-    for scaled, weight in (anchor.args, anchor.args[::-1]):
-        if not is_call(scaled, aten.mul.Tensor) or not isinstance(weight, Node) or not _used_only_by(scaled, anchor):
+def _cast(node: Any) -> tuple[Node, torch.dtype] | None:
+    """(source, dtype) when `node` is source.to(dtype) and nothing else (no copy or layout flags)."""
+    if is_call(node, aten.to.dtype) and len(node.args) == 2 and not node.kwargs and isinstance(node.args[0], Node):
+        return node.args[0], node.args[1]
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _RmsChain:
+    x: Node
+    """the value normalized (before any upcast): a fused kernel's input"""
+    weight: Node
+    eps: float
+    chain: tuple[Node, ...]
+    output: Node
+    """the anchor, or the cast of it that ends the chain"""
+    form: dict[str, Any]
+    """the casts around the normalization, as keywords of mplan.kernels.rms_norm: upcast,
+    norm_dtype, out_dtype (each only where the model writes it)"""
+
+
+def _rms_chain(anchor: Node) -> _RmsChain | None:
+    """RMSNorm written as y = weight * n or n * weight, n = X * rsqrt(mean(X^2, -1, keepdim) + eps),
+    in the forms models write it: X = x or x.to(float32) (Hugging Face's upcast; folded only when
+    the upcast feeds nothing else), n optionally cast (`.to(input_dtype)`) before the weight, y
+    optionally cast after it (`.to(dtype)`, or Gemma's `type_as(x)`). The weight is any node
+    with one value per channel (Gemma's `1 + weight.float()` included)."""
+    for normed, weight in (anchor.args, anchor.args[::-1]):
+        if not isinstance(normed, Node) or not isinstance(weight, Node) or not _used_only_by(normed, anchor):
+            continue
+        form: dict[str, Any] = {}
+        scaled, casts = normed, ()
+        if (cast := _cast(normed)) is not None:
+            (scaled, form["norm_dtype"]), casts = cast, (normed,)
+        if not is_call(scaled, aten.mul.Tensor) or not _used_only_by(scaled, normed if casts else anchor):
             continue
         for x, rsqrt in (scaled.args, scaled.args[::-1]):
-            if not (is_call(rsqrt, aten.rsqrt.default) and _used_only_by(rsqrt, scaled)):
+            found = _normalization(x, rsqrt, scaled)
+            if found is None:
                 continue
-            add_eps = rsqrt.args[0]
-            if not (is_call(add_eps, aten.add.Tensor, aten.add.Scalar) and _used_only_by(add_eps, rsqrt)):
-                continue
-            mean, eps = add_eps.args[0], add_eps.args[1]
-            if not (is_call(mean, aten.mean.dim) and _used_only_by(mean, add_eps) and isinstance(eps, float)):
-                continue
-            dims = mean.args[1]
-            if len(dims) != 1 or not _is_last_dim(dims[0], x) or mean.args[2:] != (True,) or mean.kwargs:
-                continue
-            square = mean.args[0]
-            if not (is_call(square, aten.pow.Tensor_Scalar) and square.args == (x, 2) and _used_only_by(square, mean)):
-                continue
+            eps, stats = found
+            if (upcast := _cast(x)) is not None and upcast[1] == torch.float32 and _used_only_by(x, stats[0], scaled):
+                stats, x, form["upcast"] = (x, *stats), upcast[0], True
             wv, xv = tensor_value(weight), tensor_value(x)
             if wv is None or xv is None or wv.dim() != 1 or wv.shape[0] != xv.shape[-1] or weight is x:
                 continue
-            return x, weight, eps, (square, mean, add_eps, rsqrt, scaled, anchor)
+            output, tail = anchor, ()
+            users = list(anchor.users)
+            if len(users) == 1 and (out := _out_cast(users[0], anchor, x, stats)) is not None:
+                output, tail, form["out_dtype"] = users[0], (users[0],), out
+            return _RmsChain(x=x, weight=weight, eps=eps, chain=(*stats, scaled, *casts, anchor, *tail),
+                             output=output, form=form)
+    return None
+
+
+def _normalization(x: Any, rsqrt: Any, scaled: Node) -> tuple[float, tuple[Node, ...]] | None:
+    """(eps, [pow, mean, add, rsqrt]) when `rsqrt` is rsqrt(mean(x^2, -1, keepdim) + eps) used only by `scaled`."""
+    if not (is_call(rsqrt, aten.rsqrt.default) and _used_only_by(rsqrt, scaled)):
+        return None
+    add_eps = rsqrt.args[0]
+    if not (is_call(add_eps, aten.add.Tensor, aten.add.Scalar) and _used_only_by(add_eps, rsqrt)):
+        return None
+    mean, eps = add_eps.args[0], add_eps.args[1]
+    if not (is_call(mean, aten.mean.dim) and _used_only_by(mean, add_eps) and isinstance(eps, float)):
+        return None
+    dims = mean.args[1]
+    if len(dims) != 1 or not _is_last_dim(dims[0], x) or mean.args[2:] != (True,) or mean.kwargs:
+        return None
+    square = mean.args[0]
+    if not (is_call(square, aten.pow.Tensor_Scalar) and square.args == (x, 2) and _used_only_by(square, mean)):
+        return None
+    return eps, (square, mean, add_eps, rsqrt)
+
+
+def _out_cast(user: Node, anchor: Node, x: Node, stats: tuple[Node, ...]) -> torch.dtype | None:
+    """The dtype `user` casts the norm's result to: `.to(dtype)`, or `type_as` of the norm's own
+    input or its upcast (whose dtype is the captured one: the residual stream keeps its dtype,
+    under autocast too, where it is fp32)."""
+    if (cast := _cast(user)) is not None and cast[0] is anchor:
+        return cast[1]
+    if is_call(user, aten.type_as.default) and user.args[0] is anchor and (user.args[1] is x or user.args[1] in stats):
+        value = tensor_value(user.args[1])
+        return None if value is None else value.dtype
     return None
 
 
 def _match_rms_norm_residual(anchor: Node) -> PatternMatch | None:
-    """params: addends (the residual add's operands, in its order), weight, eps."""
+    """params: addends (the residual add's operands, in its order), weight, eps, form (the casts
+    around the normalization, keywords of the fused op)."""
     found = _rms_chain(anchor)
     if found is None:
         return None
-    total, weight, eps, chain = found
-    pair = _same_shape_add(total)
+    pair = _same_shape_add(found.x)
     if pair is None:
         return None
-    return PatternMatch(anchor=anchor, chain=(total, *chain), outputs=(anchor, total), inputs=(*pair, weight),
-                        params={"addends": pair, "weight": weight, "eps": eps})
+    return PatternMatch(anchor=anchor, chain=(found.x, *found.chain), outputs=(found.output, found.x),
+                        inputs=(*pair, found.weight),
+                        params={"addends": pair, "weight": found.weight, "eps": found.eps, "form": found.form})
 
 
 def _match_rms_norm(anchor: Node) -> PatternMatch | None:
-    """params: x, weight, eps."""
+    """params: x, weight, eps, form (as for rms_norm_residual)."""
     found = _rms_chain(anchor)
     if found is None:
         return None
-    x, weight, eps, chain = found
-    return PatternMatch(anchor=anchor, chain=chain, outputs=(anchor,), inputs=(x, weight),
-                        params={"x": x, "weight": weight, "eps": eps})
+    return PatternMatch(anchor=anchor, chain=found.chain, outputs=(found.output,), inputs=(found.x, found.weight),
+                        params={"x": found.x, "weight": found.weight, "eps": found.eps, "form": found.form})
 
 
 def _match_layer_norm_residual(anchor: Node) -> PatternMatch | None:
@@ -181,24 +242,34 @@ def _match_bias_gelu(anchor: Node) -> PatternMatch | None:
                         params={"linear": linear, "x": x, "weight": weight, "bias": bias})
 
 
-def _match_swiglu(anchor: Node) -> PatternMatch | None:
-    """params: gate (silu's input), up."""
-    for silu, up in (anchor.args, anchor.args[::-1]):
-        if is_call(silu, aten.silu.default) and isinstance(up, Node) and _used_only_by(silu, anchor):
-            gate = silu.args[0]
-            return PatternMatch(anchor=anchor, chain=(silu, anchor), outputs=(anchor,), inputs=(gate, up),
+def _activation_input(node: Any, activation: str) -> Node | None:
+    """x when `node` is silu(x) ("silu") or gelu(x, approximate="tanh") ("gelu_tanh")."""
+    if activation == "silu" and is_call(node, aten.silu.default):
+        return node.args[0]
+    if activation == "gelu_tanh" and is_call(node, aten.gelu.default):
+        approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+        return node.args[0] if approximate == "tanh" else None
+    return None
+
+
+def _match_gated(anchor: Node, *, activation: str) -> PatternMatch | None:
+    """params: gate (the activation's input), up."""
+    for act, up in (anchor.args, anchor.args[::-1]):
+        gate = _activation_input(act, activation)
+        if gate is not None and isinstance(up, Node) and _used_only_by(act, anchor):
+            return PatternMatch(anchor=anchor, chain=(act, anchor), outputs=(anchor,), inputs=(gate, up),
                                 params={"gate": gate, "up": up})
     return None
 
 
-def _match_linear_swiglu(anchor: Node) -> PatternMatch | None:
+def _match_linear_gated(anchor: Node, *, activation: str) -> PatternMatch | None:
     """params: x, gate (the gate projection's node), weights (gate's, up's), biases (the same,
     both None or both given)."""
-    for silu, up in (anchor.args, anchor.args[::-1]):
-        if not (is_call(silu, aten.silu.default) and is_call(up, aten.linear.default) and _used_only_by(silu, anchor)):
+    for act, up in (anchor.args, anchor.args[::-1]):
+        gate = _activation_input(act, activation)
+        if gate is None or not (is_call(up, aten.linear.default) and _used_only_by(act, anchor)):
             continue
-        gate = silu.args[0]
-        if not (is_call(gate, aten.linear.default) and gate is not up and _used_only_by(gate, silu)
+        if not (is_call(gate, aten.linear.default) and gate is not up and _used_only_by(gate, act)
                 and _used_only_by(up, anchor) and not gate.kwargs and not up.kwargs):
             continue
         (x, w_gate, b_gate), (x_up, w_up, b_up) = ((list(n.args) + [None])[:3] for n in (gate, up))
@@ -208,7 +279,7 @@ def _match_linear_swiglu(anchor: Node) -> PatternMatch | None:
         if any(v is None or v.dim() != 2 for v in values) or values[0].shape != values[1].shape:
             continue
         inputs = tuple(n for n in (x, w_gate, w_up, b_gate, b_up) if isinstance(n, Node))
-        return PatternMatch(anchor=anchor, chain=(gate, up, silu, anchor), outputs=(anchor,), inputs=inputs,
+        return PatternMatch(anchor=anchor, chain=(gate, up, act, anchor), outputs=(anchor,), inputs=inputs,
                             params={"x": x, "gate": gate, "weights": (w_gate, w_up), "biases": (b_gate, b_up)})
     return None
 
@@ -272,22 +343,200 @@ def _match_cross_entropy(anchor: Node) -> PatternMatch | None:
     if options["weight"] is not None or options["reduction"] != 1 or options["label_smoothing"] != 0.0:
         return None
     logits, labels = anchor.args[:2]
-    return PatternMatch(anchor=anchor, chain=(anchor,), outputs=(anchor,), inputs=(logits, labels),
-                        params={"logits": logits, "labels": labels, "ignore_index": options["ignore_index"]})
+    chain: tuple[Node, ...] = (anchor,)
+    upcast = _upcast_logits(logits, anchor)
+    if upcast is not None:
+        logits, chain = upcast[0], (*upcast[1], anchor)
+    return PatternMatch(anchor=anchor, chain=chain, outputs=(anchor,), inputs=(logits, labels),
+                        params={"logits": logits, "labels": labels, "ignore_index": options["ignore_index"],
+                                "upcast": upcast is not None})
+
+
+def _match_linear_cross_entropy(anchor: Node) -> PatternMatch | None:
+    """params: x, weight, bias (or None), labels, ignore_index, upcast (as for cross_entropy).
+
+    The output head's linear whose logits only reach the loss (through a view to [rows, vocab]
+    and Hugging Face's fp32 upcast), and the loss: the pair a chunked kernel computes without
+    the whole logits."""
+    found = _match_cross_entropy(anchor)
+    if found is None:
+        return None
+    logits = found.params["logits"]
+    if is_call(logits, aten.view.default, aten.reshape.default) and _used_only_by(logits, *found.chain):
+        chain, head = (logits, *found.chain), logits.args[0]
+    else:
+        chain, head = found.chain, logits
+    if not (is_call(head, aten.linear.default) and not head.kwargs and _used_only_by(head, *chain)):
+        return None
+    x, weight, bias = (list(head.args) + [None])[:3]
+    wv, xv = tensor_value(weight), tensor_value(x)
+    if wv is None or xv is None or wv.dim() != 2 or tensor_value(head).shape[-1] != wv.shape[0]:
+        return None
+    labels = found.params["labels"]
+    inputs = tuple(n for n in (x, weight, bias, labels) if isinstance(n, Node))
+    return PatternMatch(anchor=anchor, chain=(head, *chain), outputs=(anchor,), inputs=inputs,
+                        params={"x": x, "weight": weight, "bias": bias, "labels": labels,
+                                "ignore_index": found.params["ignore_index"], "upcast": found.params["upcast"]})
+
+
+def _upcast_logits(logits: Any, loss: Node) -> tuple[Node, tuple[Node, ...]] | None:
+    """(the unconverted logits, [cast, view]) when the loss reads view(logits.to(float32), [-1,
+    vocab]) (Hugging Face's loss upcasts first; under autocast a float32 capture's no-op cast is
+    a real one), each used only on the way to the loss; the fused op computes in fp32 and
+    returns an fp32 loss, never making the fp32 copy."""
+    if not (is_call(logits, aten.view.default) and _used_only_by(logits, loss)):
+        return None
+    cast = _cast(logits.args[0])
+    if cast is None or cast[1] != torch.float32 or not _used_only_by(logits.args[0], logits):
+        return None
+    return cast[0], (logits.args[0], logits)
 
 
 def _match_attention(anchor: Node) -> PatternMatch | None:
-    """params: qkv (q, k, v), options (is_causal, then SDPA's scale / enable_gqa where given)."""
+    """params: qkv (q, k, v), options (is_causal, then SDPA's scale / enable_gqa where given).
+
+    Two rewrites make what Hugging Face models trace run as the kernels they run eagerly: a mask
+    computed from shapes alone (no input, no parameter) that equals the causal mask at the
+    program's shapes becomes `is_causal=True` (torch.export cannot take transformers' eager
+    shortcut to is_causal, so the trace builds and passes the mask: a fused backend then reads
+    a [batch, 1, seq, seq] mask and skips no block); and keys and values repeated over the
+    query heads (`repeat_kv`) are read unrepeated with `enable_gqa=True`."""
     names = ("attn_mask", "dropout_p", "is_causal")
     options = dict(zip(names, (None, 0.0, False)))
     options.update(zip(names, anchor.args[3:]))
-    if options["attn_mask"] is not None or options["dropout_p"] != 0.0:
+    options.update((name, anchor.kwargs[name]) for name in names if name in anchor.kwargs)
+    extra = {name: value for name, value in anchor.kwargs.items() if name not in names}
+    if options["dropout_p"] != 0.0 or set(extra) - {"scale", "enable_gqa"}:
         return None
-    if set(anchor.kwargs) - {"scale", "enable_gqa"}:
+    q, k, v = anchor.args[:3]
+    is_causal = options["is_causal"]
+    if options["attn_mask"] is not None:
+        if is_causal or not is_causal_mask(options["attn_mask"], q, k):
+            return None
+        is_causal = True
+    chain: tuple[Node, ...] = (anchor,)
+    if not extra.get("enable_gqa") and (repeated := _repeated_kv(k, v, anchor)) is not None:
+        (k, v), repeats = repeated
+        chain, extra = (*repeats, anchor), {**extra, "enable_gqa": True}
+    return PatternMatch(anchor=anchor, chain=chain, outputs=(anchor,), inputs=(q, k, v),
+                        params={"qkv": (q, k, v), "options": {"is_causal": is_causal, **extra}})
+
+
+def _repeated_kv(k: Any, v: Any, anchor: Node) -> tuple[tuple[Node, Node], tuple[Node, ...]] | None:
+    """((k0, v0), chain) when k and v are k0 and v0 repeated alike over the heads, each used only
+    by `anchor`: reshape(expand(unsqueeze(x, 2), [b, kv_heads, n_rep, s, d]), [b, kv_heads *
+    n_rep, s, d]) (transformers' repeat_kv; a full slice of x first counts as x). Query head h
+    then reads kv head h // n_rep, as SDPA's enable_gqa does."""
+    found = [_repeat_kv_source(t, anchor) for t in (k, v)]
+    if any(f is None for f in found):
         return None
-    qkv = tuple(anchor.args[:3])
-    return PatternMatch(anchor=anchor, chain=(anchor,), outputs=(anchor,), inputs=qkv,
-                        params={"qkv": qkv, "options": {"is_causal": options["is_causal"], **anchor.kwargs}})
+    (k0, k_rep, k_chain), (v0, v_rep, v_chain) = found
+    if k_rep != v_rep or k_rep < 2:
+        return None
+    return (k0, v0), (*k_chain, *v_chain)
+
+
+def _repeat_kv_source(node: Any, user: Node) -> tuple[Node, int, tuple[Node, ...]] | None:
+    if not (is_call(node, *_VIEWS) and _used_only_by(node, user)):
+        return None
+    expand = node.args[0]
+    if not (is_call(expand, aten.expand.default) and _used_only_by(expand, node)):
+        return None
+    unsqueeze = expand.args[0]
+    if not (is_call(unsqueeze, aten.unsqueeze.default) and unsqueeze.args[1] == 2 and _used_only_by(unsqueeze, expand)):
+        return None
+    source, chain = unsqueeze.args[0], (unsqueeze, expand, node)
+    if is_call(source, aten.slice.Tensor) and _full_slice(source) and _used_only_by(source, unsqueeze):
+        source, chain = source.args[0], (source, *chain)
+    sv, ev, out = tensor_value(source), tensor_value(expand), tensor_value(node)
+    if sv is None or ev is None or out is None or sv.dim() != 4 or ev.dim() != 5:
+        return None
+    b, heads, s, d = sv.shape
+    repeats = ev.shape[2]
+    if tuple(ev.shape) != (b, heads, repeats, s, d) or tuple(out.shape) != (b, heads * repeats, s, d):
+        return None
+    return source, repeats, chain
+
+
+def _full_slice(node: Node) -> bool:
+    """x[a:b] over a whole dim (start 0, no end or an end past the size, step 1)."""
+    value = tensor_value(node.args[0])
+    dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
+    if value is None:
+        return False
+    return start in (0, None) and step in (1, None) and (end is None or (isinstance(end, int) and end >= value.shape[dim]))
+
+
+def is_causal_mask(mask: Node, q: Any, k: Any) -> bool:
+    """Whether `mask`, an SDPA attn_mask, is the causal mask: computed from constants and shapes
+    alone (evaluated here at the program's concrete shapes, once per mask node) and equal, where
+    it broadcasts over batch and heads, to keys <= query position (bool True, or additive 0)
+    with every other entry masked (bool False, or additive -inf or below half the dtype's
+    lowest value: exp then gives exactly 0 there, as a causal kernel's skip does). Query and key
+    lengths must be equal (top-left and bottom-right alignment agree then). A mask depending on
+    any input (padding, packed sequences given as inputs) is never causal here."""
+    qv, kv = tensor_value(q), tensor_value(k)
+    if qv is None or kv is None or qv.dim() != 4 or qv.shape[-2] != kv.shape[-2]:
+        return False
+    cached = mask.meta.get("mplan_causal_mask")
+    if cached is None:
+        cached = mask.meta["mplan_causal_mask"] = _evaluates_to_causal(mask, qv.shape)
+    return cached
+
+
+def _evaluates_to_causal(mask: Node, q_shape: torch.Size) -> bool:
+    try:
+        value = _evaluate_constant(mask)
+    except (RuntimeError, TypeError, ValueError, IndexError):
+        return False
+    if not isinstance(value, torch.Tensor) or value.dim() != 4 or any(not isinstance(n, int) for n in q_shape):
+        return False
+    seq = q_shape[-2]
+    if value.shape[-2:] != (seq, seq) or value.shape[0] not in (1, q_shape[0]) or value.shape[1] not in (1, q_shape[1]):
+        return False
+    allowed = torch.ones(seq, seq, dtype=torch.bool, device=value.device).tril().expand_as(value)
+    if value.dtype == torch.bool:
+        return bool(torch.equal(value, allowed))
+    if not value.is_floating_point():
+        return False
+    blocked = value.masked_select(~allowed)
+    return bool((value.masked_select(allowed) == 0).all()) and bool(
+        (blocked <= torch.finfo(value.dtype).min / 2).all())
+
+
+_EVALUATION_LIMIT = 256
+"""At most this many nodes are evaluated to decide a mask (transformers' mask takes ~40)."""
+
+
+def _evaluate_constant(node: Node) -> Any:
+    """The value of `node`, computed from its ancestors when they are calls of ATen ops on
+    constants only (never a placeholder: no input, parameter or buffer; what a meta-device
+    capture creates on the meta device is created on the CPU). Raises ValueError when it
+    depends on anything else or needs more than _EVALUATION_LIMIT nodes."""
+    order: list[Node] = []
+    seen: set[Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        if current.op != "call_function" or not isinstance(current.target, torch._ops.OpOverload):
+            raise ValueError(f"{current} is not an ATen call on constants")
+        seen.add(current)
+        order.append(current)
+        if len(order) > _EVALUATION_LIMIT:
+            raise ValueError("mask computation too long to evaluate")
+        stack.extend(n for n in current.all_input_nodes if n not in seen)
+    position = {n: i for i, n in enumerate(node.graph.nodes)}
+    values: dict[Node, Any] = {}
+    for current in sorted(order, key=position.__getitem__):
+        args, kwargs = torch.fx.node.map_arg((current.args, current.kwargs), values.__getitem__)
+        if kwargs.get("device") == torch.device("meta"):  # a meta-device capture: the same constants on the CPU
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        if any(isinstance(a, torch.SymInt) for a in torch.utils._pytree.tree_leaves((args, kwargs))):
+            raise ValueError("symbolic shape")
+        values[current] = current.target(*args, **kwargs)
+    return values[node]
 
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -360,15 +609,16 @@ ATTENTION_OPS: tuple[Any, ...] = (aten.scaled_dot_product_attention.default,)
 """The ATen ops that compute attention from q, k, v (their first three arguments)."""
 
 
-def sole_consumer(value: Node, *, attention_ops: tuple[Any, ...]) -> str | None:
-    """"linear" when every use of `value`, through views, is a linear's input (not its weight),
-    "attention" when every use is q, k or v of one of `attention_ops` (ATTENTION_OPS, plus any
-    fused attention op already in the graph); else None."""
+def sole_consumer(value: Node, *, attention_ops: tuple[Any, ...], linear_ops: tuple[Any, ...] = ()) -> str | None:
+    """"linear" when every use of `value`, through views, is a linear's input (not its weight:
+    aten.linear, or one of `linear_ops`, fused ops whose first argument is a GEMM's input cast
+    as F.linear casts it), "attention" when every use is q, k or v of one of `attention_ops`
+    (ATTENTION_OPS, plus any fused attention op already in the graph); else None."""
     kinds = set()
     for user in value.users:
         if is_call(user, *_VIEWS) and user.args[0] is value:
-            kinds.add(sole_consumer(user, attention_ops=attention_ops))
-        elif is_call(user, aten.linear.default) and user.args[0] is value and value not in user.args[1:]:
+            kinds.add(sole_consumer(user, attention_ops=attention_ops, linear_ops=linear_ops))
+        elif is_call(user, aten.linear.default, *linear_ops) and user.args[0] is value and value not in user.args[1:]:
             kinds.add("linear")
         elif is_call(user, *attention_ops) and value in user.args[:3]:
             kinds.add("attention")
@@ -406,18 +656,29 @@ FUSION_PATTERNS: tuple[FusionPattern, ...] = (
     FusionPattern(name="bias_gelu", anchors=(aten.gelu.default,), match=_match_bias_gelu),
     # aten.mul(aten.silu(linear(x, W_gate)), linear(x, W_up)), the two linears used only there and
     # of one shape (Llama's MLP)
-    FusionPattern(name="linear_swiglu", anchors=(aten.mul.Tensor,), match=_match_linear_swiglu),
+    FusionPattern(name="linear_swiglu", anchors=(aten.mul.Tensor,), match=partial(_match_linear_gated,
+                                                                                  activation="silu")),
     # aten.mul(aten.silu(gate), up), either operand order (any other SwiGLU)
-    FusionPattern(name="swiglu", anchors=(aten.mul.Tensor,), match=_match_swiglu),
+    FusionPattern(name="swiglu", anchors=(aten.mul.Tensor,), match=partial(_match_gated, activation="silu")),
+    # the same two with aten.gelu(approximate="tanh") (Gemma's MLP, GeGLU)
+    FusionPattern(name="linear_geglu", anchors=(aten.mul.Tensor,), match=partial(_match_linear_gated,
+                                                                                 activation="gelu_tanh")),
+    FusionPattern(name="geglu", anchors=(aten.mul.Tensor,), match=partial(_match_gated, activation="gelu_tanh")),
     # x * cos + cat([-x[..., d/2:], x[..., :d/2]], -1) * sin (apply_rope on q or k)
     FusionPattern(name="rope", anchors=(aten.add.Tensor,), match=_match_rope),
-    # aten.cross_entropy_loss, mean reduction, no class weights, no label smoothing (the LM loss)
+    # aten.linear (the output head) -> [view] -> [.to(float32)] -> aten.cross_entropy_loss as
+    # below, the logits used only on the way: the loss without the whole logits
+    FusionPattern(name="linear_cross_entropy", anchors=(aten.cross_entropy_loss.default,),
+                  match=_match_linear_cross_entropy),
+    # aten.cross_entropy_loss, mean reduction, no class weights, no label smoothing (the LM loss),
+    # reading 16-bit logits' fp32 copy (Hugging Face) or the logits themselves
     FusionPattern(name="cross_entropy", anchors=(aten.cross_entropy_loss.default,), match=_match_cross_entropy),
 )
 
 ATTENTION_PATTERN = FusionPattern(name="attention", anchors=(aten.scaled_dot_product_attention.default,),
                                   match=_match_attention)
-"""aten.scaled_dot_product_attention without a mask or dropout (any fused SDPA backend can run it)."""
+"""aten.scaled_dot_product_attention without dropout, and without a mask or with one proven causal
+(any fused SDPA backend can run it); repeated keys and values read once with enable_gqa."""
 
 
 def fp8_linear_pattern(*, losses: tuple[Any, ...]) -> FusionPattern:

@@ -1,8 +1,8 @@
 """What `mplan inspect` reports about a captured graph, as plain data.
 
 `summarize(graph)` gives the JSON document of DESIGN.md (`num_parameters`, `num_layers`,
-`flops_per_token` {forward, training}, `block_types`, `capture_seconds`) plus a per-op table of
-one block instance; `capture_spec` captures a model named by a spec string (preset, family
+`flops_per_token` {forward, training}, `block_types`, `capture_seconds`) plus the fusion
+coverage of each block type (`ir.fusion_coverage`) and a per-op table of one block instance; `capture_spec` captures a model named by a spec string (preset, family
 with numbers, Hugging Face config.json, or package.module:factory) on the meta device.
 """
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from mplan.ir.fusion_coverage import fusion_coverage
 from mplan.ir.graph import Graph
 from mplan.ir.moe import moe_layers
 from mplan.ir.trace import capture
@@ -22,10 +23,20 @@ def capture_spec(spec: str, *, batch: int = 1, seq_len: int | None = None, shall
     from mplan.models import build_model, example_inputs, resolve_model
 
     source = resolve_model(spec)
+    dtype = dtype or _config_dtype(source.config)  # read first: building sets the config's dtype
     model = build_model(source, device="meta")
     ids, labels = example_inputs(model, batch, seq_len or source.seq_len, device="meta")
-    return capture(model, (ids,), labels=labels, dtype=dtype, shallow=shallow, dynamic_batch=dynamic_batch,
-                   name=source.name)
+    return capture(model, (ids,), labels=labels, dtype=dtype, shallow=shallow,
+                   dynamic_batch=dynamic_batch, name=source.name)
+
+
+def _config_dtype(config: Any) -> torch.dtype | None:
+    """The dtype a Hugging Face config says its weights are in (`dtype`, formerly `torch_dtype`),
+    which decides the casts its norms and loss make; None for anything else."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def op_rows(graph: Graph, node_names: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -86,6 +97,12 @@ def summarize(graph: Graph, *, per_op: bool = True) -> dict[str, Any]:
             "capacity_factor": m.experts.capacity_factor, "router": m.router, "scoring": m.scoring,
             "normalized": m.normalized, "shared_expert": list(m.shared_expert), "aux_loss": m.aux_loss,
         } for m in layers]
+    doc["fusion"] = [{
+        "block_type": c.block_type, "instances": c.instances,
+        "fused": [{"kernel": f.kernel, "count": f.count, "ops": list(f.ops)} for f in c.fused],
+        "left": [{"op": op.op, "count": op.count, "bytes": op.bytes, "why": op.why} for op in c.left],
+        "left_bytes": c.left_bytes,
+    } for c in fusion_coverage(graph)]
     if per_op and graph.block_types:
         main = max(graph.block_types, key=lambda b: b.num_instances)
         doc["block_ops"] = {"block_type": main.name, "instance": main.instances[0],

@@ -6,9 +6,14 @@ its `torch.autograd.Function`. Module names differ from the op names on purpose,
     rmsnorm.py        rms_norm_residual(x, residual, weight, eps) -> (normed, new_residual); rms_norm
     layernorm.py      layer_norm_residual(x, residual, weight, bias, eps) -> (normed, new_residual)
     gelu.py           bias_gelu(x, bias) -> gelu_tanh(x + bias)
-    glu.py            swiglu(gate, up) -> silu(gate) * up; swiglu_packed(y) on one GEMM's [..., 2F]
-    rotary.py         rope(x, cos, sin): rotate-half RoPE on [batch, heads, seq, head_dim]
+    glu.py            swiglu(gate, up) -> silu(gate) * up; swiglu_packed(y) on one GEMM's [..., 2F];
+                      geglu(gate, up) -> gelu_tanh(gate) * up; geglu_packed(y) likewise
+    rotary.py         rope(x, cos, sin): rotate-half RoPE on [batch, heads, seq, head_dim];
+                      rope_qk(q, k, cos, sin) -> (q_out, k_out): q and k in one launch each way
     cross_entropy_loss.py  cross_entropy(logits, labels), vocab_parallel_cross_entropy(local_logits, ...)
+    head_loss.py      linear_cross_entropy(x, weight, labels): the LM head's GEMM and loss in row
+                      chunks, never the whole logits; vocab_parallel_linear_cross_entropy (TP);
+                      linear_cross_entropy_bytes for the memory model
     sdpa_autotune.py  attention(q, k, v, ...): SDPA on the fused backend that times fastest for the shape
     fp8.py            fp8_linear through torch._scaled_mm (CUDA, capability >= 8.9 only)
     moe.py            moe_experts(x, index, gate, weights...): an MoE layer's routed experts as one op
@@ -31,11 +36,26 @@ from mplan.kernels.cross_entropy_loss import (
 )
 from mplan.kernels.dispatch import use_triton
 from mplan.kernels.gelu import bias_gelu, bias_gelu_reference
-from mplan.kernels.glu import swiglu, swiglu_packed, swiglu_packed_reference, swiglu_reference
+from mplan.kernels.glu import (
+    geglu,
+    geglu_packed,
+    geglu_packed_reference,
+    geglu_reference,
+    swiglu,
+    swiglu_packed,
+    swiglu_packed_reference,
+    swiglu_reference,
+)
 from mplan.kernels.layernorm import layer_norm_residual, layer_norm_residual_reference
+from mplan.kernels.head_loss import (
+    linear_cross_entropy,
+    linear_cross_entropy_bytes,
+    linear_cross_entropy_reference,
+    vocab_parallel_linear_cross_entropy,
+)
 from mplan.kernels.op_bytes import FUSED_OP_TRAFFIC, FusedOpTraffic, fused_op_bytes
 from mplan.kernels.rmsnorm import rms_norm, rms_norm_reference, rms_norm_residual, rms_norm_residual_reference
-from mplan.kernels.rotary import rope, rope_reference
+from mplan.kernels.rotary import rope, rope_qk, rope_qk_reference, rope_reference
 
 __all__ = [
     "FUSED_OP_TRAFFIC",
@@ -47,13 +67,22 @@ __all__ = [
     "cross_entropy",
     "cross_entropy_reference",
     "fused_op_bytes",
+    "geglu",
+    "geglu_packed",
+    "geglu_packed_reference",
+    "geglu_reference",
     "layer_norm_residual",
     "layer_norm_residual_reference",
+    "linear_cross_entropy",
+    "linear_cross_entropy_bytes",
+    "linear_cross_entropy_reference",
     "rms_norm",
     "rms_norm_reference",
     "rms_norm_residual",
     "rms_norm_residual_reference",
     "rope",
+    "rope_qk",
+    "rope_qk_reference",
     "rope_reference",
     "swiglu",
     "swiglu_packed",
@@ -61,4 +90,5 @@ __all__ = [
     "swiglu_reference",
     "use_triton",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_linear_cross_entropy",
 ]

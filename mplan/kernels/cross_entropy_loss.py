@@ -373,11 +373,11 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, ignore_index: int,
-                reductions: VocabReductions) -> torch.Tensor:
+                reductions: VocabReductions, upcast: bool = False) -> torch.Tensor:
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
         labels = labels.contiguous()
-        out_dtype = autocast_result_dtype(_probe, logits, (logits.dtype,)) or logits.dtype
+        out_dtype = torch.float32 if upcast else autocast_result_dtype(_probe, logits, (logits.dtype,)) or logits.dtype
         triton_path = use_triton(logits)
         if triton_path and reductions.is_identity():
             stats = _block_stats(logits)
@@ -404,19 +404,24 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx: Any, d_loss: torch.Tensor) -> tuple[Any, ...]:
         logits, labels, lse, count = ctx.saved_tensors
         grad = _local_grad(logits, labels, lse, d_loss.contiguous(), count, ctx.vocab_start, ctx.ignore_index)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Mean cross-entropy of [rows, vocab] logits; Triton where `use_triton`, else `F.cross_entropy`."""
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX,
+                  upcast: bool = False) -> torch.Tensor:
+    """Mean cross-entropy of [rows, vocab] logits; Triton where `use_triton`, else `F.cross_entropy`.
+    `upcast`: the loss of `logits.float()` (Hugging Face's loss upcasts bf16 logits first), with
+    the fp32 copy never made: the kernels compute in fp32 anyway and write the gradient in the
+    logits' dtype, as the cast's backward would round it."""
     if use_triton(logits) and logits.dim() == 2:
-        return VocabParallelCrossEntropyFunction.apply(logits, labels, 0, ignore_index, VocabReductions.identity())
-    return cross_entropy_reference(logits, labels, ignore_index)
+        return VocabParallelCrossEntropyFunction.apply(logits, labels, 0, ignore_index, VocabReductions.identity(),
+                                                       upcast)
+    return cross_entropy_reference(logits, labels, ignore_index, upcast)
 
 
 def cross_entropy_reference(logits: torch.Tensor, labels: torch.Tensor,
-                            ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    return F.cross_entropy(logits, labels, ignore_index=ignore_index)
+                            ignore_index: int = IGNORE_INDEX, upcast: bool = False) -> torch.Tensor:
+    return F.cross_entropy(logits.float() if upcast else logits, labels, ignore_index=ignore_index)
 
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tensor, vocab_start: int,

@@ -57,6 +57,9 @@ FUSED_OP_TRAFFIC: dict[str, FusedOpTraffic] = {
     "swiglu": FusedOpTraffic(
         forward_row_tensors=3, backward_row_tensors=5,
         what="read gate, up; write y; read dy, gate, up; write d_gate, d_up"),
+    "geglu": FusedOpTraffic(  # SwiGLU's kernels with GELU-tanh: the same bytes
+        forward_row_tensors=3, backward_row_tensors=5,
+        what="read gate, up; write y; read dy, gate, up; write d_gate, d_up"),
     "rope": FusedOpTraffic(
         forward_row_tensors=2, backward_row_tensors=2, forward_vectors=2, backward_vectors=2,
         what="read x, cos, sin; write y; read dy, cos, sin; write dx"),

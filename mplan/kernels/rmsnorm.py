@@ -37,6 +37,9 @@ load zeros, so they add nothing to the partials and store nothing; rows longer t
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,7 +91,7 @@ def fitting_tiles(tiles: list[Any], named_args: dict[str, Any], **kwargs: Any) -
 @triton.autotune(configs=_WARPS, key=["n_cols", "HAS_RESIDUAL"])
 @triton.jit
 def _forward_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, rstd_ptr, n_cols, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NORM_DTYPE: tl.constexpr = None):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -102,8 +105,11 @@ def _forward_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, rstd_ptr, n_cols, eps
     s = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / n_cols + eps)
     tl.store(rstd_ptr + row, rstd)
+    normed = s * rstd
+    if NORM_DTYPE is not None:  # Hugging Face's cast back to the input dtype before the weight
+        normed = normed.to(NORM_DTYPE).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, (s * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + offs, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -120,7 +126,8 @@ def row_tile(first_row, n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr)
                  prune_configs_by={"early_config_prune": fitting_tiles})
 @triton.jit
 def _backward_kernel(dy_ptr, dsum_ptr, s_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, n_rows, n_cols,
-                     HAS_DSUM: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+                     HAS_DSUM: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                     NORM_DTYPE: tl.constexpr = None):
     pid = tl.program_id(0)
     step = tl.num_programs(0) * ROWS
     cols = tl.arange(0, BLOCK)
@@ -150,17 +157,20 @@ def _backward_kernel(dy_ptr, dsum_ptr, s_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, n
         if HAS_DSUM:
             ds += dsum
         tl.store(dx_ptr + offs, ds.to(dx_ptr.dtype.element_ty), mask=mask)
+        if NORM_DTYPE is not None:  # the weight multiplied the rounded value
+            xhat = xhat.to(NORM_DTYPE).to(tl.float32)
         dw += tl.sum(dy * xhat, axis=0)  # rows past the end loaded dy = 0: they add nothing
     tl.store(dw_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=cols < n_cols)
 
 
 class RMSNormResidualFunction(torch.autograd.Function):
     """Triton forward/backward; returns (normed, new_residual), or normed alone when
-    `residual` is None. `out_dtype` is normed's dtype."""
+    `residual` is None. `out_dtype` is normed's dtype; `norm_dtype` (bf16 or fp16, or None) the
+    dtype the normalized value is rounded to before the weight multiplies it."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                eps: float, out_dtype: torch.dtype) -> Any:
+                eps: float, out_dtype: torch.dtype, norm_dtype: torch.dtype | None = None) -> Any:
         shape, n_cols = x.shape, x.shape[-1]
         x2 = x.contiguous().view(-1, n_cols)
         n_rows = x2.shape[0]
@@ -171,10 +181,12 @@ class RMSNormResidualFunction(torch.autograd.Function):
             res2 = new_res = x2
         y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        rounding = None if norm_dtype is None else getattr(tl, str(norm_dtype).removeprefix("torch."))  # tl.bfloat16
         _forward_kernel[(n_rows,)](x2, res2, weight.contiguous(), y, new_res, rstd, n_cols, eps,
-                                   HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(n_cols))
+                                   HAS_RESIDUAL=residual is not None, NORM_DTYPE=rounding,
+                                   BLOCK=next_power_of_2(n_cols))
         ctx.save_for_backward(new_res, weight, rstd)
-        ctx.has_residual, ctx.shape = residual is not None, shape
+        ctx.has_residual, ctx.shape, ctx.rounding = residual is not None, shape, rounding
         ctx.set_materialize_grads(False)
         if residual is None:
             return y.view(shape)
@@ -190,56 +202,115 @@ class RMSNormResidualFunction(torch.autograd.Function):
         programs = num_row_programs(n_rows, new_res)
         dw = torch.empty(programs, n_cols, dtype=torch.float32, device=new_res.device)
         _backward_kernel[(programs,)](dy2, dsum2, new_res, weight.contiguous(), rstd, dx, dw, n_rows, n_cols,
-                                      HAS_DSUM=dsum is not None, BLOCK=next_power_of_2(n_cols))
+                                      HAS_DSUM=dsum is not None, NORM_DTYPE=ctx.rounding,
+                                      BLOCK=next_power_of_2(n_cols))
         # autograd casts dx to the dtype of x or residual where it differs (mixed-precision stream)
         dx = dx.view(ctx.shape)
-        return dx, (dx if ctx.has_residual else None), sum_partials(dw[None], weight.dtype)[0], None, None
+        return dx, (dx if ctx.has_residual else None), sum_partials(dw[None], weight.dtype)[0], None, None, None
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The model's RMSNorm (mplan.models.layers.RMSNorm), op for op."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+_ROUNDED = (torch.bfloat16, torch.float16)
+"""The roundings the kernels apply in registers (a cast to fp32 or wider rounds nothing there)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NormForm:
+    """How a model writes its RMSNorm around the normalization itself (Hugging Face's casts).
+
+    The normalized value n = s * rsqrt(mean(s^2) + eps) is computed from s = x, or from
+    x.to(float32) when `upcast` (Llama, Mistral, Qwen2, Gemma); n is cast to `norm_dtype`
+    before the weight multiplies it (Llama's `.to(input_dtype)`); the product is cast to
+    `out_dtype` (Gemma's `type_as`). The default form is mplan's own RMSNorm, no casts."""
+
+    upcast: bool = False
+    norm_dtype: torch.dtype | None = None
+    out_dtype: torch.dtype | None = None
+
+
+PLAIN = NormForm()
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, form: NormForm = PLAIN) -> torch.Tensor:
+    """RMSNorm written as `form` says, op for op (mplan.models.layers.RMSNorm by default)."""
+    s = x.to(torch.float32) if form.upcast else x
+    normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
+    if form.norm_dtype is not None:
+        normed = normed.to(form.norm_dtype)
+    y = normed * weight
+    return y if form.out_dtype is None else y.to(form.out_dtype)
 
 
 def rms_norm_residual_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                                eps: float, form: NormForm = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
     new_residual = x + residual
-    return rms_norm_reference(new_residual, weight, eps), new_residual
+    return rms_norm_reference(new_residual, weight, eps, form), new_residual
 
 
-def _probe(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
-    x_dtype, res_dtype, w_dtype = dtypes
-    total = torch.ones(1, 2, dtype=x_dtype, device=device) + torch.ones(1, 2, dtype=res_dtype, device=device)
-    return rms_norm_reference(total, torch.ones(2, dtype=w_dtype, device=device), 1e-5)
+@functools.cache
+def _probe(form: NormForm) -> Callable[[torch.device, tuple[torch.dtype, ...]], torch.Tensor]:
+    """A reference run on tiny tensors of given dtypes, one function per form (the autocast
+    probe caches by function)."""
+    def probe(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+        x_dtype, res_dtype, w_dtype = dtypes
+        total = torch.ones(1, 2, dtype=x_dtype, device=device) + torch.ones(1, 2, dtype=res_dtype, device=device)
+        return rms_norm_reference(total, torch.ones(2, dtype=w_dtype, device=device), 1e-5, form)
+    return probe
 
 
-def _normed_dtype(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> torch.dtype:
+def _normed_dtype(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, form: NormForm) -> torch.dtype:
     res_dtype = x.dtype if residual is None else residual.dtype
-    under_autocast = autocast_result_dtype(_probe, x, (x.dtype, res_dtype, weight.dtype))
-    return under_autocast or torch.promote_types(torch.promote_types(x.dtype, res_dtype), weight.dtype)
+    dtypes = (x.dtype, res_dtype, weight.dtype)
+    return autocast_result_dtype(_probe(form), x, dtypes) or _result_dtype(form, dtypes)
 
 
-def _fusable(x: torch.Tensor) -> bool:
-    return use_triton(x) and x.shape[-1] <= MAX_ROW_SIZE
+@functools.cache
+def _result_dtype(form: NormForm, dtypes: tuple[torch.dtype, ...]) -> torch.dtype:
+    """What the reference returns outside autocast (probed once per form and dtypes)."""
+    with torch.no_grad():
+        return _probe(form)(torch.device("meta"), dtypes).dtype
+
+
+def _fusable(x: torch.Tensor, form: NormForm) -> bool:
+    """Triton computes the statistics in fp32 whatever the form; it rounds the normalized value
+    only to a 16-bit float (a wider `norm_dtype` is a no-op on fp32 math, so fine too)."""
+    wide = form.norm_dtype in (None, torch.float32, torch.float64) or form.norm_dtype in _ROUNDED
+    return use_triton(x) and x.shape[-1] <= MAX_ROW_SIZE and wide
+
+
+def _form(upcast: bool, norm_dtype: torch.dtype | None, out_dtype: torch.dtype | None) -> NormForm:
+    return PLAIN if not (upcast or norm_dtype or out_dtype) else NormForm(upcast, norm_dtype, out_dtype)
 
 
 def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                      consumer: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      consumer: str | None = None, *, upcast: bool = False, norm_dtype: torch.dtype | None = None,
+                      out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual) * weight, x + residual); Triton where `use_triton`, else the reference.
-    `consumer` as in `rms_norm`."""
+    `consumer` as in `rms_norm`; `upcast`, `norm_dtype`, `out_dtype` the casts of `NormForm`."""
+    form = _form(upcast, norm_dtype, out_dtype)
     cast_to = consumer_cast_dtype(consumer, x)
-    if _fusable(x) and residual.shape == x.shape:
-        return RMSNormResidualFunction.apply(x, residual, weight, eps, cast_to or _normed_dtype(x, residual, weight))
-    normed, new_residual = rms_norm_residual_reference(x, residual, weight, eps)
+    if _fusable(x, form) and residual.shape == x.shape:
+        return RMSNormResidualFunction.apply(x, residual, weight, eps, cast_to or _normed_dtype(x, residual, weight, form),
+                                             _rounding(form))
+    normed, new_residual = rms_norm_residual_reference(x, residual, weight, eps, form)
     return (normed if cast_to is None else normed.to(cast_to)), new_residual
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, consumer: str | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, consumer: str | None = None, *,
+             upcast: bool = False, norm_dtype: torch.dtype | None = None,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """rmsnorm(x) * weight; Triton where `use_triton`, else the reference. `consumer`: what every
     use of the result is ("linear"), so that under autocast it comes out in the dtype autocast
-    would cast it to there (`consumer_cast_dtype`)."""
+    would cast it to there (`consumer_cast_dtype`); `upcast`, `norm_dtype`, `out_dtype`: the
+    casts a model writes around the normalization (`NormForm`)."""
+    form = _form(upcast, norm_dtype, out_dtype)
     cast_to = consumer_cast_dtype(consumer, x)
-    if _fusable(x):
-        return RMSNormResidualFunction.apply(x, None, weight, eps, cast_to or _normed_dtype(x, None, weight))
-    normed = rms_norm_reference(x, weight, eps)
+    if _fusable(x, form):
+        return RMSNormResidualFunction.apply(x, None, weight, eps, cast_to or _normed_dtype(x, None, weight, form),
+                                             _rounding(form))
+    normed = rms_norm_reference(x, weight, eps, form)
     return normed if cast_to is None else normed.to(cast_to)
+
+
+def _rounding(form: NormForm) -> torch.dtype | None:
+    """The 16-bit dtype the kernel rounds the normalized value to, if the form rounds it."""
+    return form.norm_dtype if form.norm_dtype in _ROUNDED else None

@@ -39,6 +39,40 @@ backward.
 Invariants: the tables are constants (RoPE buffers): the Triton path gives them no gradient,
 so tables that require grad, a non-contiguous last dim, and devices without Triton all run
 `rope_reference`, the model's ops.
+
+rope_qk(q, k, cos, sin) -> (rope(q, cos, sin), rope(k, cos, sin)), one launch each way
+    q: [batch, q_heads, seq, head_dim], k: [batch, kv_heads, seq, head_dim] (GQA: any head
+       counts), any strides with a contiguous last dim, read in place (HF's
+       `view(b, s, h, d).transpose(1, 2)` of the projections, or slices of a grouped projection);
+    cos, sin: [seq, head_dim], [1, 1, seq, head_dim] or [batch, 1, seq, head_dim] (HF after
+       `unsqueeze(1)`; per-batch tables from position_ids), any dtype but float64, taken as
+       stride-0 broadcast views, never expanded into copies.
+Why: Liger Kernel's RoPE (q and k in one launch) took 0.64 ms on the H200 where mplan's two
+`rope` calls took 1.32 ms (bf16, 16k tokens, Llama shapes, forward+backward). Kernel: a 2-D grid
+(position tiles of BLOCK_T tokens, batch), no index division; each program loads its table rows
+once (fp32) and rotates every q head and every k head of its tokens, [BLOCK_T, heads, head_dim/2]
+blocks addressed by the (batch, head, position) strides, so both tensors stream through one
+launch; the backward is the same kernel on the gradients with the transposed map. Outputs and
+input gradients are dense in their input's dimension order, as `rope`'s (the gradient w.r.t. a
+transposed projection view is then contiguous). Dtypes: each output is promote(x, cos, sin), the
+reference chain's (bf16 q with fp32 tables gives fp32), or `consumer`'s autocast dtype; the
+gradients come back in q's and k's dtypes. Falls back to the two `rope` calls (each then takes
+its own path) for other table shapes, tables that require grad (their gradient then comes from
+the reference ops, as with `rope`), float64, mismatched devices, or heads too wide for one
+program's registers (`MAX_QK_TILE`). EVEN (positions a multiple of BLOCK_T, head counts and
+head_dim / 2 powers of two) drops the masks; INDEX_64 as in `rope`.
+Timing: not yet measured on the H200 by a benchmark (no entry in benchmarks/, no results file).
+One unrecorded check (2026-12-02, bf16 q/k as transposed views): outputs and gradients within
+1.7e-3 of float64 (bf16 rounding) for the three table shapes, bf16 and fp32 tables; torch.profiler
+kernel time of forward + backward ([seq, head_dim] bf16 tables, 20 iterations): rope_qk 167.5 us
+vs two `rope` calls 164.9 at [4, 32 | 8, 4096, 128]; 44.8 vs 47.5 at [4, 16 | 4, 4096, 64]; 152.8
+vs 149.3 at [4, 32 | 4, 4096, 128]; 53.1 vs 56.0 at [2, 16 | 8, 8192, 64]: both at 93-97% of a
+4.3 TB/s copy of the bytes moved. So one launch saves host time (a launch and its dispatch each
+way; those loops took 0.7-1 ms of host time an iteration), not device time, and the 0.64 vs 1.32 ms
+above were probably host-bound iterations. With [batch, 1, seq, head_dim] tables the kernel time
+was the same, where `rope` takes such tables through the reference (forward 4x slower in wall
+time). The autotuner picked 4 warps and BLOCK_T 2-4 forward, 1-4 backward; the candidates are
+otherwise a first guess.
 """
 from __future__ import annotations
 
@@ -207,3 +241,162 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, consumer: str | 
         return RopeFunction.apply(x, cos, sin, cast_to or torch.promote_types(x.dtype, cos.dtype))
     y = rope_reference(x, cos, sin)
     return y if cast_to is None else y.to(cast_to)
+
+
+# --- rope_qk: q and k in one launch per direction ---------------------------------------------
+
+# (tokens per program, warps): one token of all heads per program is Liger Kernel's tiling; more
+# tokens per program for few or narrow heads (4 kv heads x 64 is 256 values a token). Not yet
+# measured on the H200: the autotuner picks per (heads, head_dim, direction).
+_QK_TILES = configs(
+    [triton.Config({"BLOCK_T": t}, num_warps=w) for t, w in ((1, 4), (2, 4), (4, 4), (4, 8), (8, 8))],
+    triton.Config({"BLOCK_T": 2}, num_warps=1),
+)
+
+MAX_QK_TILE = 16384
+"""Most values of one token's heads (padded to powers of two) the one-launch kernel holds in
+registers per tensor; wider q (or k) run as two `rope` calls."""
+
+
+@triton.jit
+def _rotate_heads(x_ptr, y_ptr, batch, pos, cols, token_mask, heads, sb, sh, ss, y_sb, y_sh, y_ss, half,
+                  c1, c2, s1, s2, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr, INDEX_64: tl.constexpr,
+                  EVEN: tl.constexpr):
+    """All heads of BLOCK_T tokens of one tensor: y = rotation of x (BACKWARD: its transpose).
+    pos, cols: [BLOCK_T, 1, 1] and [1, 1, BLOCK_HALF]; the tables [BLOCK_T, 1, BLOCK_HALF] in fp32."""
+    h = tl.arange(0, BLOCK_H)[None, :, None]
+    if INDEX_64:
+        h = h.to(tl.int64)
+    mask = token_mask & (h < heads)
+    x_offs = batch * sb + pos * ss + h * sh + cols
+    x1 = _load_f32(x_ptr + x_offs, mask, EVEN, "")
+    x2 = _load_f32(x_ptr + x_offs + half, mask, EVEN, "")
+    if BACKWARD:
+        y1 = x1 * c1 + x2 * s2
+        y2 = x2 * c2 - x1 * s1
+    else:
+        y1 = x1 * c1 - x2 * s1
+        y2 = x2 * c2 + x1 * s2
+    y_offs = batch * y_sb + pos * y_ss + h * y_sh + cols
+    if EVEN:
+        tl.store(y_ptr + y_offs, y1.to(y_ptr.dtype.element_ty))
+        tl.store(y_ptr + y_offs + half, y2.to(y_ptr.dtype.element_ty))
+    else:
+        tl.store(y_ptr + y_offs, y1.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + y_offs + half, y2.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.autotune(configs=_QK_TILES, key=["q_heads", "kv_heads", "half", "BACKWARD"])
+@triton.heuristics({"EVEN": lambda args: args["seq"] % args["BLOCK_T"] == 0 and args["half"] == args["BLOCK_HALF"]
+                    and args["q_heads"] == args["BLOCK_HQ"] and args["kv_heads"] == args["BLOCK_HK"]})
+@triton.jit
+def _rope_qk_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, seq, q_heads, kv_heads, half,
+                    q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, qo_sb, qo_sh, qo_ss, ko_sb, ko_sh, ko_ss, t_sb, t_ss,
+                    BACKWARD: tl.constexpr, INDEX_64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                    BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, EVEN: tl.constexpr):
+    """Program (i, b): positions [i BLOCK_T, (i + 1) BLOCK_T) of batch b, every q head and every
+    k head; each table row is loaded once for both. Tensors are addressed by (batch, head,
+    position) strides, the tables by (batch, position) strides (0 where broadcast).
+    EVEN: no position, head or column out of range, so no masks."""
+    block = tl.program_id(0)
+    batch = tl.program_id(1)
+    if INDEX_64:
+        block = block.to(tl.int64)
+        batch = batch.to(tl.int64)
+    pos = (block * BLOCK_T + tl.arange(0, BLOCK_T))[:, None, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, None, :]
+    token_mask = (pos < seq) & (cols < half)
+    t_offs = batch * t_sb + pos * t_ss + cols
+    c1 = _load_f32(cos_ptr + t_offs, token_mask, EVEN, "")
+    c2 = _load_f32(cos_ptr + t_offs + half, token_mask, EVEN, "")
+    s1 = _load_f32(sin_ptr + t_offs, token_mask, EVEN, "")
+    s2 = _load_f32(sin_ptr + t_offs + half, token_mask, EVEN, "")
+    _rotate_heads(q_ptr, q_out_ptr, batch, pos, cols, token_mask, q_heads, q_sb, q_sh, q_ss, qo_sb, qo_sh, qo_ss,
+                  half, c1, c2, s1, s2, BLOCK_HQ, BACKWARD, INDEX_64, EVEN)
+    _rotate_heads(k_ptr, k_out_ptr, batch, pos, cols, token_mask, kv_heads, k_sb, k_sh, k_ss, ko_sb, ko_sh, ko_ss,
+                  half, c1, c2, s1, s2, BLOCK_HK, BACKWARD, INDEX_64, EVEN)
+
+
+def _launch_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor,
+               k_out: torch.Tensor, backward: bool) -> None:
+    """One launch: q_out, k_out = the rotation (backward: its transpose) of q, k; any strides with
+    a contiguous last dim; cos/sin [batch, 1, seq, head_dim] views (broadcast dims of stride 0)."""
+    batch, q_heads, seq, head_dim = q.shape
+    half = head_dim // 2
+
+    def grid(meta: dict[str, Any]) -> tuple[int, int]:
+        return (triton.cdiv(seq, meta["BLOCK_T"]), batch)
+
+    strides = [t.stride(d) for t in (q, k, q_out, k_out) for d in range(3)]
+    _rope_qk_kernel[grid](q, k, cos, sin, q_out, k_out, seq, q_heads, k.shape[1], half, *strides,
+                          cos.stride(0), cos.stride(2), BACKWARD=backward,
+                          INDEX_64=_needs_64_bit_offsets(q, k, q_out, k_out, cos, sin),
+                          BLOCK_HQ=next_power_of_2(q_heads), BLOCK_HK=next_power_of_2(k.shape[1]),
+                          BLOCK_HALF=next_power_of_2(half))
+
+
+class RopeQKFunction(torch.autograd.Function):
+    """Triton forward/backward of `rope_qk`, one launch each; no gradient for the tables."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                q_dtype: torch.dtype, k_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        q_order, k_order = _order(q), _order(k)
+        q_out, k_out = _dense_like(q, q_dtype, q_order), _dense_like(k, k_dtype, k_order)
+        _launch_qk(q, k, cos, sin, q_out, k_out, backward=False)
+        ctx.save_for_backward(cos, sin)
+        ctx.dtypes, ctx.orders = (q.dtype, k.dtype), (q_order, k_order)
+        return q_out, k_out
+
+    @staticmethod
+    def backward(ctx: Any, dq_out: torch.Tensor, dk_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        cos, sin = ctx.saved_tensors
+        dq_out = dq_out if dq_out.stride(-1) == 1 else dq_out.contiguous()
+        dk_out = dk_out if dk_out.stride(-1) == 1 else dk_out.contiguous()
+        dq = _dense_like(dq_out, ctx.dtypes[0], ctx.orders[0])
+        dk = _dense_like(dk_out, ctx.dtypes[1], ctx.orders[1])
+        _launch_qk(dq_out, dk_out, cos, sin, dq, dk, backward=True)
+        return (dq if ctx.needs_input_grad[0] else None, dk if ctx.needs_input_grad[1] else None,
+                None, None, None, None)
+
+
+def rope_qk_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_reference` on q and on k (Hugging Face's `apply_rotary_pos_emb`, op for op)."""
+    return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+
+
+def _qk_tables(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos and sin as [batch, 1, seq, head_dim] views (no copy: broadcast dims get stride 0) when
+    the one-launch kernel takes q, k and these tables; else None."""
+    if not (q.dim() == 4 and k.dim() == 4 and all(use_triton(t) for t in (q, k, cos, sin))):
+        return None
+    batch, q_heads, seq, head_dim = q.shape
+    if (k.shape[0] != batch or k.shape[2:] != q.shape[2:] or head_dim % 2 or q.stride(-1) != 1
+            or k.stride(-1) != 1 or len({q.device, k.device, cos.device, sin.device}) != 1
+            or cos.requires_grad or sin.requires_grad or cos.shape != sin.shape
+            or cos.stride(-1) != 1 or sin.stride(-1) != 1
+            or max(next_power_of_2(q_heads), next_power_of_2(k.shape[1])) * next_power_of_2(head_dim) > MAX_QK_TILE):
+        return None
+    if cos.dim() == 2 and cos.shape == (seq, head_dim):
+        cos, sin = cos[None, None], sin[None, None]
+    elif not (cos.dim() == 4 and cos.shape[0] in (1, batch) and cos.shape[1:] == (1, seq, head_dim)):
+        return None
+    cos, sin = cos.expand(batch, 1, seq, head_dim), sin.expand(batch, 1, seq, head_dim)
+    return (cos, sin) if cos.stride() == sin.stride() else None
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, consumer: str | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rope(q, cos, sin), rope(k, cos, sin)) in one Triton launch per direction where the inputs
+    fit (`_qk_tables`), else those two `rope` calls. q: [batch, q_heads, seq, head_dim], k:
+    [batch, kv_heads, seq, head_dim]; cos/sin: [seq, head_dim], [1, 1, seq, head_dim] or
+    [batch, 1, seq, head_dim]. Each output has the reference's dtype (its input's, cos's and sin's
+    promoted), or under autocast the dtype `consumer` ("attention") would cast it to."""
+    tables = _qk_tables(q, k, cos, sin)
+    if tables is None:
+        return rope(q, cos, sin, consumer), rope(k, cos, sin, consumer)
+    table_dtype = torch.promote_types(cos.dtype, sin.dtype)
+    q_dtype, k_dtype = (consumer_cast_dtype(consumer, x) or torch.promote_types(x.dtype, table_dtype) for x in (q, k))
+    return RopeQKFunction.apply(q, k, *tables, q_dtype, k_dtype)

@@ -64,6 +64,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
                          enable_gqa=enable_gqa,
                          backward=torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
     backend = fastest_backend(case).backend
+    if backend is None and enable_gqa:
+        # no fused backend takes grouped heads here (FlashAttention does, where it applies):
+        # repeat k and v over the query heads rather than fall to the math backend
+        repeats = q.shape[-3] // k.shape[-3]
+        k, v = (t.repeat_interleave(repeats, dim=-3) for t in (k, v))
+        return attention(q, k, v, is_causal=is_causal, scale=scale)
     if backend is None:
         return F.scaled_dot_product_attention(q, k, v, **options)
     with sdpa_kernel([backend]):

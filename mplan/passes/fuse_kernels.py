@@ -57,13 +57,17 @@ from mplan.kernels import (
     attention,
     bias_gelu,
     cross_entropy,
+    geglu,
+    geglu_packed,
     layer_norm_residual,
     rms_norm,
     rms_norm_residual,
     rope,
+    rope_qk,
     swiglu,
     swiglu_packed,
 )
+from mplan.kernels.head_loss import linear_cross_entropy
 from mplan.kernels.fp8 import Fp8Linear, Fp8Unavailable, fp8_unavailable_reason
 from mplan.passes.local_ops import VocabParallelCrossEntropy
 from mplan.kernels.op_bytes import FUSED_OP_TRAFFIC, FusedOpTraffic, fused_op_bytes
@@ -144,12 +148,12 @@ def _emit_linear_group(graph: Graph, match: PatternMatch) -> Node:
 
 def _emit_rms_norm_residual(graph: Graph, match: PatternMatch) -> Node:
     p = match.params
-    return _call(graph, rms_norm_residual, (*p["addends"], p["weight"], p["eps"]), match.anchor)
+    return _call(graph, rms_norm_residual, (*p["addends"], p["weight"], p["eps"]), match.anchor, dict(p["form"]))
 
 
 def _emit_rms_norm(graph: Graph, match: PatternMatch) -> Node:
     p = match.params
-    return _call(graph, rms_norm, (p["x"], p["weight"], p["eps"]), match.anchor)
+    return _call(graph, rms_norm, (p["x"], p["weight"], p["eps"]), match.anchor, dict(p["form"]))
 
 
 def _emit_layer_norm_residual(graph: Graph, match: PatternMatch) -> Node:
@@ -174,6 +178,16 @@ def _emit_swiglu(graph: Graph, match: PatternMatch) -> Node:
     return _call(graph, swiglu, (match.params["gate"], match.params["up"]), match.anchor)
 
 
+def _emit_linear_geglu(graph: Graph, match: PatternMatch) -> Node:
+    p = match.params
+    product = _grouped_linear(graph, match.anchor, p["x"], p["weights"], p["biases"], tensor_value(p["gate"]))
+    return _call(graph, geglu_packed, (product,), match.anchor)
+
+
+def _emit_geglu(graph: Graph, match: PatternMatch) -> Node:
+    return _call(graph, geglu, (match.params["gate"], match.params["up"]), match.anchor)
+
+
 def _emit_rope(graph: Graph, match: PatternMatch) -> Node:
     p = match.params
     return _call(graph, rope, (p["x"], p["cos"], p["sin"]), match.anchor)
@@ -181,7 +195,18 @@ def _emit_rope(graph: Graph, match: PatternMatch) -> Node:
 
 def _emit_cross_entropy(graph: Graph, match: PatternMatch) -> Node:
     p = match.params
-    return _call(graph, cross_entropy, (p["logits"], p["labels"], p["ignore_index"]), match.anchor)
+    logits = p["logits"]
+    if p["upcast"]:  # the view of the 16-bit logits the loss reads as fp32
+        view = match.anchor.args[0]
+        logits = _call(graph, aten.view.default, (logits, view.args[1]), view)
+        logits.meta["val"] = _meta_like(tensor_value(p["logits"]), tensor_value(view).shape)
+    return _call(graph, cross_entropy, (logits, p["labels"], p["ignore_index"], p["upcast"]), match.anchor)
+
+
+def _emit_linear_cross_entropy(graph: Graph, match: PatternMatch) -> Node:
+    p = match.params
+    return _call(graph, linear_cross_entropy, (p["x"], p["weight"], p["labels"], p["ignore_index"], p["bias"]),
+                 match.anchor, {"upcast": p["upcast"]})
 
 
 def _emit_attention(graph: Graph, match: PatternMatch) -> Node:
@@ -198,9 +223,10 @@ _EMITTERS: dict[str, Emitter] = {
     # one aten.linear on the concatenated weights, split back: one GEMM instead of several narrow
     # ones, and one input gradient instead of a sum of them
     "linear_group": _emit_linear_group,
-    # rms_norm_residual(a, b, weight, eps) -> (normed, a + b)
+    # rms_norm_residual(a, b, weight, eps, **casts) -> (normed, a + b); the casts of the model's
+    # form (Hugging Face's fp32 upcast, cast back before the weight, cast of the result)
     "rms_norm_residual": _emit_rms_norm_residual,
-    # rms_norm(x, weight, eps)
+    # rms_norm(x, weight, eps, **casts)
     "rms_norm": _emit_rms_norm,
     # layer_norm_residual(a, b, weight, bias, eps) -> (normed, a + b)
     "layer_norm_residual": _emit_layer_norm_residual,
@@ -211,9 +237,16 @@ _EMITTERS: dict[str, Emitter] = {
     "linear_swiglu": _emit_linear_swiglu,
     # swiglu(gate, up)
     "swiglu": _emit_swiglu,
+    # the same two with GELU-tanh: one GEMM then geglu_packed; geglu(gate, up)
+    "linear_geglu": _emit_linear_geglu,
+    "geglu": _emit_geglu,
     # rope(x, cos, sin)
     "rope": _emit_rope,
-    # cross_entropy(logits, labels, ignore_index)
+    # linear_cross_entropy(x, weight, labels, ignore_index, bias, upcast=): the head's GEMM and
+    # the loss in chunks of rows, the gradients made in the forward
+    "linear_cross_entropy": _emit_linear_cross_entropy,
+    # cross_entropy(logits, labels, ignore_index, upcast): with upcast, the loss of the 16-bit
+    # logits' fp32 copy, computed without making it
     "cross_entropy": _emit_cross_entropy,
 }
 
@@ -226,7 +259,7 @@ ATTENTION_RULE = FusionRule(pattern=ATTENTION_PATTERN, emit=_emit_attention)
 backend (cuDNN, flash, memory-efficient) times fastest for the shape. Added to the rules when the
 program runs on CUDA; elsewhere SDPA has one backend to choose from."""
 
-_LOSSES = (*LOSS_OPS, cross_entropy)
+_LOSSES = (*LOSS_OPS, cross_entropy, linear_cross_entropy)
 """What computes the loss once the rules ran (the FP8 sweep comes after cross_entropy's rule)."""
 
 FP8_LINEAR_RULE = FusionRule(pattern=fp8_linear_pattern(losses=_LOSSES), emit=_emit_fp8_linear)
@@ -246,9 +279,8 @@ def fuse_kernels(gm: GraphModule, rules: tuple[FusionRule, ...] | None = None, *
     FUSION_RULES, plus ATTENTION_RULE when `device` (where `gm` will run) is a CUDA device.
     `fp8` then sweeps FP8_LINEAR_RULE, first raising `Fp8Unavailable` (naming why) unless
     `device` can run FP8 GEMMs."""
-    on_cuda = device is not None and torch.device(device).type == "cuda"
     if rules is None:
-        rules = FUSION_RULES + (ATTENTION_RULE,) if on_cuda else FUSION_RULES
+        rules = FUSION_RULES + (ATTENTION_RULE,)
     sweeps = [rules]
     if fp8:
         where = torch.device(device) if device is not None else torch.device("cpu")
@@ -259,6 +291,11 @@ def fuse_kernels(gm: GraphModule, rules: tuple[FusionRule, ...] | None = None, *
     graph = gm.graph
     counts: Counter[str] = Counter()
     erased: set[Node] = set()
+    for node in list(graph.nodes):
+        # export's checks that a cast's input has the traced dtype: a use no chain should count
+        # (a fused op never exposes the value it checks)
+        if is_call(node, aten._assert_tensor_metadata.default):
+            graph.erase_node(node)
     for sweep in sweeps:
         for node in list(graph.nodes):
             if node in erased or node.op != "call_function":
@@ -270,6 +307,11 @@ def fuse_kernels(gm: GraphModule, rules: tuple[FusionRule, ...] | None = None, *
                 if match is not None and _rewrite(graph, match, rule.emit, erased):
                     counts[rule.name] += 1
                     break
+    pairs = _pair_ropes(graph)
+    if pairs:
+        counts["rope"] -= 2 * pairs
+        counts["rope_qk"] = pairs
+        counts = +counts  # drops a rope count paired away entirely
     counts.update(_fuse_vocab_parallel_losses(gm))
     marks = _mark_consumers(graph)
     graph.lint()
@@ -290,12 +332,42 @@ def _fuse_vocab_parallel_losses(gm: GraphModule) -> Counter[str]:
     return fused
 
 
-_MARKED_OUTPUTS: dict[Any, int | None] = {
-    layer_norm_residual: 0, rms_norm_residual: 0, rms_norm: None, rope: None}
+def _pair_ropes(graph: Graph) -> int:
+    """rope(q, cos, sin) and rope(k, cos, sin) that feed one attention call as its q and k, each
+    used only there -> rope_qk(q, k, cos, sin): one launch each way, cos and sin read once (and
+    Hugging Face's [batch, 1, seq, head_dim] tables taken as they are). Returns the pairs made."""
+    pairs = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _ATTENTION_OPS:
+            continue
+        q, k = node.args[:2]
+        if not (is_call(q, rope) and is_call(k, rope) and q is not k and len(q.users) == len(k.users) == 1):
+            continue
+        if q.args[1:3] != k.args[1:3] or q.kwargs.get("consumer") != k.kwargs.get("consumer"):
+            continue
+        later = k if list(graph.nodes).index(k) > list(graph.nodes).index(q) else q
+        with graph.inserting_after(later):
+            both = _call(graph, rope_qk, (q.args[0], k.args[0], *q.args[1:3]), q, dict(q.kwargs))
+        both.meta["val"] = (q.meta.get("val"), k.meta.get("val"))
+        for index, single in enumerate((q, k)):
+            with graph.inserting_after(both):
+                part = graph.call_function(operator.getitem, (both, index))
+            part.meta["val"] = single.meta.get("val")
+            single.replace_all_uses_with(part)
+            graph.erase_node(single)
+        pairs += 1
+    return pairs
+
+
+_MARKED_OUTPUTS: dict[Any, int | str | None] = {
+    layer_norm_residual: 0, rms_norm_residual: 0, rms_norm: None, rope: None, rope_qk: "all"}
 """Fused ops whose output autocast would otherwise leave in fp32 (norms of an fp32 residual
-stream, RoPE with fp32 tables) -> which of their outputs is marked (None: the op's only one)."""
+stream, RoPE with fp32 tables) -> which of their outputs is marked (None: the op's only one;
+"all": each of them, which must all feed one kind of consumer)."""
 _ATTENTION_OPS = (*ATTENTION_OPS, attention)
 """What computes attention once the rules ran (ATTENTION_RULE may have fused SDPA)."""
+_LINEAR_OPS = (linear_cross_entropy,)
+"""Fused ops whose first argument is a GEMM input, cast under autocast as F.linear casts it."""
 
 
 def _mark_consumers(graph: Graph) -> int:
@@ -308,9 +380,13 @@ def _mark_consumers(graph: Graph) -> int:
         if node.op != "call_function" or node.target not in _MARKED_OUTPUTS:
             continue
         index = _MARKED_OUTPUTS[node.target]
-        outputs = [node] if index is None else [u for u in node.users if is_call(u, operator.getitem)
-                                                  and u.args[1] == index]
-        consumer = sole_consumer(outputs[0], attention_ops=_ATTENTION_OPS) if len(outputs) == 1 else None
+        if index == "all":  # every output must go to the same kind of consumer
+            kinds = {sole_consumer(u, attention_ops=_ATTENTION_OPS, linear_ops=_LINEAR_OPS) for u in node.users}
+            consumer = kinds.pop() if len(kinds) == 1 else None
+        else:
+            outputs = [node] if index is None else [u for u in node.users if is_call(u, operator.getitem)
+                                                      and u.args[1] == index]
+            consumer = sole_consumer(outputs[0], attention_ops=_ATTENTION_OPS, linear_ops=_LINEAR_OPS) if len(outputs) == 1 else None
         if consumer is not None:
             node.kwargs = {**node.kwargs, "consumer": consumer}
             marked += 1
@@ -341,8 +417,29 @@ def _rewrite(graph: Graph, match: PatternMatch, emit: Emitter, erased: set[Node]
     for out, result, val in zip(match.outputs, results, vals):
         result.meta["val"] = val
         out.replace_all_uses_with(result, delete_user_cb=lambda user: user not in chain)
+    dropped: list[Node] = []
     for node in sorted(match.chain, key=order.__getitem__, reverse=True):
         if not node.users:
+            dropped.extend(node.all_input_nodes)
             graph.erase_node(node)
             erased.add(node)
+    _erase_unused(graph, dropped, erased)
     return True
+
+
+def _erase_unused(graph: Graph, nodes: list[Node], erased: set[Node]) -> None:
+    """Erase what the chain read and nothing reads any more (an attention mask that the causal
+    kernel replaced, and what computed it), when it is a pure ATen call: no mutation, no random
+    numbers (erasing those would shift the generator's stream)."""
+    while nodes:
+        node = nodes.pop()
+        if node in erased or node.users or node.op != "call_function" or not _pure(node.target):
+            continue
+        nodes.extend(node.all_input_nodes)
+        graph.erase_node(node)
+        erased.add(node)
+
+
+def _pure(target: Any) -> bool:
+    return (isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable
+            and torch.Tag.nondeterministic_seeded not in target.tags)

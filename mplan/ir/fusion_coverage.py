@@ -1,0 +1,159 @@
+"""Fusion coverage: which chains of a captured model become which fused kernel, and what
+memory-bound work is left, per block type (what `mplan inspect` shows).
+
+Input: a captured `Graph` with its program. Output: one `Coverage` per block type (its first
+instance stands for every one) and one for the code outside blocks (embedding, final norm,
+head, loss): each fused kernel with how often it fires and the ATen ops it replaces, then each
+memory-bound op left (elementwise, norm, reduction, loss and data movement: an op that reads
+and writes memory with little arithmetic) with how often it occurs, the bytes it moves and why
+no rule took it.
+
+The chains are the ones `fuse_kernels` fuses: `FUSION_PATTERNS` in the pass's order, then
+`ATTENTION_PATTERN`, each node claimed by the first chain that takes it, matched on the
+captured program without rewriting it. (The pass rewrites as it goes, so a chain that only
+exists after an earlier rewrite would be missed here; none of the rules depends on another.)
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from mplan.ir.fusion_patterns import ATTENTION_PATTERN, FUSION_PATTERNS, PatternMatch, is_call
+from mplan.ir.graph import Graph, OpNode
+
+__all__ = ["Coverage", "FusedKernel", "LeftOp", "OUTSIDE_BLOCKS", "fusion_coverage"]
+
+OUTSIDE_BLOCKS = "(outside blocks)"
+"""The `Coverage.block_type` of the embedding, final norm, output head and loss."""
+
+MEMORY_BOUND_KINDS = frozenset({"elementwise", "norm", "reduction", "loss", "move"})
+"""Op kinds (mplan.ir.op_table) whose time is their memory traffic."""
+
+_WHY: dict[str, str] = {
+    "to": "a dtype cast whose value is also used outside any chain",
+    "_to_copy": "a dtype cast whose value is also used outside any chain",
+    "type_as": "a dtype cast whose value is also used outside any chain",
+    "cat": "a concatenation outside any chain (RoPE's cos/sin tables are built once per step)",
+    "embedding": "a gather: one read per token, nothing to fuse it with",
+    "contiguous": "a layout copy, free at run time when its input is already laid out so (attention "
+                  "kernels write [batch, seq, heads, head_dim], which transpose(1, 2).contiguous() reads)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FusedKernel:
+    kernel: str
+    """the fused op's name (a FusionReport key)"""
+    count: int
+    """chains of this kernel in one instance"""
+    ops: tuple[str, ...]
+    """the ATen ops one chain replaces, in graph order"""
+
+
+@dataclass(frozen=True, slots=True)
+class LeftOp:
+    op: str
+    """the ATen overload left as it is"""
+    count: int
+    bytes: int
+    """bytes it reads and writes, all `count` of them, in one instance"""
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Coverage:
+    block_type: str
+    """a BlockType's name, or OUTSIDE_BLOCKS"""
+    instances: int
+    fused: tuple[FusedKernel, ...]
+    left: tuple[LeftOp, ...]
+    """memory-bound ops no rule takes, the most bytes first"""
+
+    @property
+    def left_bytes(self) -> int:
+        return sum(op.bytes for op in self.left)
+
+
+def fusion_coverage(graph: Graph) -> list[Coverage]:
+    """One Coverage per block type, then one for the code outside blocks; empty without a program."""
+    if graph.program is None:
+        return []
+    matches = _matches(graph)
+    claimed = _erased_with(graph, {n.name for _, match in matches for n in match.chain},
+                           {n.name for _, match in matches for n in match.inputs})
+    coverages = []
+    for block in graph.block_types:
+        names = set(block.template)
+        coverages.append(_coverage(block.name, block.num_instances, graph, names, matches, claimed))
+    outside = {node.name for node in graph.nodes if node.block is None}
+    coverages.append(_coverage(OUTSIDE_BLOCKS, 1, graph, outside, matches, claimed))
+    return coverages
+
+
+def _matches(graph: Graph) -> list[tuple[str, PatternMatch]]:
+    """Every chain the pass would fuse, first pattern winning, no node in two chains."""
+    patterns = (*FUSION_PATTERNS, ATTENTION_PATTERN)
+    taken: set[str] = set()
+    found: list[tuple[str, PatternMatch]] = []
+    for node in graph.program.graph.nodes:
+        if node.op != "call_function" or node.name in taken:
+            continue
+        for pattern in patterns:
+            if node.target not in pattern.anchors:
+                continue
+            match = pattern.match(node)
+            names = {n.name for n in match.chain} if match is not None else set()
+            if names and not names & taken:
+                taken |= names
+                found.append((pattern.name, match))
+                break
+    return found
+
+
+def _erased_with(graph: Graph, chains: set[str], read: set[str]) -> set[str]:
+    """The chains' nodes, plus what only they use and their fused ops do not `read` (the pass
+    erases it with them: transformers' causal mask once attention runs causally), as node names."""
+    gone = set(chains)
+    for node in reversed(graph.program.graph.nodes):
+        if node.name in read:
+            continue
+        users = [user for user in node.users if not is_call(user, torch.ops.aten._assert_tensor_metadata.default)]
+        if node.op == "call_function" and users and all(user.name in gone for user in users):
+            gone.add(node.name)
+    return gone
+
+
+def _coverage(block_type: str, instances: int, graph: Graph, names: set[str],
+              matches: list[tuple[str, PatternMatch]], claimed: set[str]) -> Coverage:
+    kernels: Counter[tuple[str, tuple[str, ...]]] = Counter()
+    for kernel, match in matches:
+        if match.anchor.name in names:
+            kernels[(kernel, tuple(_short(str(n.target)) for n in match.chain))] += 1
+    fused = tuple(FusedKernel(kernel, count, ops) for (kernel, ops), count in kernels.items())
+    left_count: Counter[str] = Counter()
+    left_bytes: Counter[str] = Counter()
+    for node in graph.nodes_of(sorted(names)):
+        if node.name in claimed or not _memory_bound(node):
+            continue
+        left_count[node.op] += 1
+        left_bytes[node.op] += node.bytes_read + node.bytes_written
+    left = tuple(sorted((LeftOp(op, left_count[op], left_bytes[op], _why(op)) for op in left_count),
+                        key=lambda op: (-op.bytes, op.op)))
+    return Coverage(block_type=block_type, instances=instances, fused=fused, left=left)
+
+
+def _memory_bound(node: OpNode) -> bool:
+    moved = node.bytes_read + node.bytes_written
+    return node.kind in MEMORY_BOUND_KINDS and moved > 0 and not node.op.startswith(("aten.arange", "aten.sym"))
+
+
+def _short(target: str) -> str:
+    """aten.mul.Tensor -> mul (the overload and namespace say nothing a reader needs here)."""
+    parts = target.split(".")
+    return parts[1] if len(parts) >= 3 and parts[0] == "aten" else target
+
+
+def _why(op: str) -> str:
+    return _WHY.get(_short(op), "no fusion rule matches it here")

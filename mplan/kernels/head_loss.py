@@ -1,0 +1,349 @@
+"""The LM head's GEMM and its softmax cross-entropy as one op, in chunks of rows: the logits of
+the whole batch never exist. Whole vocabulary, or sharded over it (TP).
+
+    linear_cross_entropy(x [..., hidden], weight [vocab, hidden], labels [...], ignore_index=-100,
+                         bias=None, *, chunk_rows=None) -> mean loss
+    vocab_parallel_linear_cross_entropy(x [..., hidden], local_weight [vocab/tp, hidden], labels,
+                                        vocab_start, reductions=None, *, bias=None, group=None,
+                                        ignore_index=-100, chunk_rows=None) -> the same loss, on every rank
+    linear_cross_entropy_reference(x, weight, labels, ignore_index, bias): the unfused ops
+    linear_cross_entropy_bytes(rows, hidden, vocab, itemsize, chunk_rows=None, *, bias=False)
+        -> LinearCrossEntropyBytes(saved, peak): what the op keeps alive, for the memory model
+
+What: exactly `F.cross_entropy(F.linear(x, weight, bias).view(-1, vocab), labels.view(-1),
+ignore_index=ignore_index)`, the mean over rows whose label is not `ignore_index`, in the dtype
+F.cross_entropy gives (the logits' dtype; fp32 under autocast); labels are global token ids.
+
+Why: unfused, a batch of 16384 tokens at a 128256-token vocabulary holds 4 GiB of bf16 logits
+from the forward to the backward, and the backward adds their 4 GiB gradient (CUDA's
+F.cross_entropy also saves a 4 GiB log-softmax): 11.7 GiB measured. Here at most one chunk of
+logits (125 MiB at that vocabulary) exists at a time.
+
+How: the whole backward runs in the forward, chunk by chunk (`chunk_rows` rows, the last chunk
+shorter), as Liger Kernel's FusedLinearCrossEntropy does:
+    count       rows whose label counts, over the whole batch: first, since it scales every gradient
+    logits      x_c W^T (+ b), one GEMM in x's dtype (cuBLAS / CPU BLAS accumulate in fp32)
+    loss        per row lse and the label's logit, fp32: cross_entropy_loss's block-stats and
+                combine kernels (CUDA), or its chunked PyTorch local math (CPU, float64)
+    d_logits    (softmax - onehot(label)) / count, 0 on ignored rows: on CUDA a kernel of this
+                module writes it over the logits in place (one read, one write)
+    d_x_c       d_logits W, written straight into its rows of d_x (torch.mm's out=)
+    d_W, d_b    d_W += d_logits^T x_c (addmm in place), d_b += d_logits^T 1 (addmv in place)
+The backward only multiplies d_x, d_W and d_b by grad_output (a scalar), in place. A gradient
+nobody asked for (an input that does not require grad, or grad mode off) is never computed:
+no d_x GEMM for a frozen x, no d_W GEMM for a frozen head, no gradient at all under no_grad.
+
+Precision: d_W and d_b accumulate in the parameter's dtype through addmm/addmv with beta=1,
+which add the running sum in fp32 and round once per chunk: a bf16 d_W takes one bf16 rounding
+per chunk (32 at 16384 rows of a 128k vocabulary) instead of the unfused op's one, each of
+relative size 2^-9. An fp32 accumulator would cost vocab * hidden * 2 bytes more (1 GiB at
+128k x 4096), twice the chunk's logits at every vocabulary size: the op chooses the memory, as
+Liger does. Measured on the H200 (bf16, errors against float64 unfused ops, norm-relative),
+8192 x 4096 x 128256 in 16 chunks: d_W 3.7e-3 and d_x 2.9e-3, where bf16 unfused ops give
+4.7e-3 and 4.6e-3 (F.cross_entropy rounds its bf16 log-softmax before the gradient; here the
+gradient is computed in fp32 from the logits and rounded once).
+
+Chunk (`default_chunk_rows`): the largest power of two whose logits fit CHUNK_LOGIT_BYTES (64
+MiB), but at least MIN_CHUNK_ROWS (512). bf16 chunks: 1024 rows (62.5 MiB) at a 32000
+vocabulary, 512 rows (125 MiB) at 128256: Liger's own logits at 16384 tokens (63 MB and 125
+MB). Hidden does not enter: each chunk's fixed cost is reading and writing d_W (vocab *
+hidden), against GEMM work of rows * vocab * hidden, so the efficiency depends on the chunk's
+rows alone. Fewer, larger chunks are faster and hold more; forward + backward on the H200,
+16384 x 4096 bf16 (unfused: F.linear + F.cross_entropy; peak above the inputs):
+    vocab 128256   chunk 256: 111 ms, 1.16 GiB   512 (default): 91 ms, 1.23 GiB
+                   chunk 1024: 88 ms, 1.35 GiB   2048: 81 ms, 1.59 GiB
+                   unfused: 84 ms, 11.7 GiB; F.linear + cross_entropy (Triton): 79 ms, 7.8 GiB
+    vocab 32000    chunk 256: 31 ms   1024 (default): 21.2 ms, 441 MiB   2048: 21.1 ms
+                   unfused: 20.3 ms, 2.9 GiB
+A caller with memory to spare passes a larger `chunk_rows` (2048 at 128k beats the unfused op).
+
+Memory (`linear_cross_entropy_bytes`, bytes above the inputs; s = the GEMM dtype's itemsize,
+N rows, H hidden, V vocabulary (the local shard's when sharded), c = min(N, chunk_rows)):
+    saved = (N H + V H) s  [+ V s with a bias]      d_x and d_W (and d_b), from the forward to
+                                                    the backward, in the dtype the inputs have
+    peak  = saved + c (V s + stats(V))  [+ c s with a bias]
+with stats(V) = 8 ceil(V / parts) + 64 bytes a row: the fp32 block-stats partials of
+cross_entropy_loss (`parts` vocabulary ids per partial: 2048 compiled) and the per-row lse,
+max, sum and label logit; the bias term is the ones vector of d_b's GEMV. Measured on the H200
+within 0.1 MiB of the formula (1255.50 vs 1255.53 MiB at 16384 x 4096 x 128256). The unfused
+op's peak is about 3 N V s (logits, CUDA's saved log-softmax and the gradient), 11.7 GiB at
+16384 x 128256 bf16, where this op's is saved (1.1 GiB at hidden 4096, gradients the unfused
+backward makes too) + 125 MiB. The backward allocates nothing.
+
+Autocast: where autocast is on for x's device, the op does what F.linear then F.cross_entropy
+would: x, weight and bias are cast (autograd records the casts, so their gradients return in
+the inputs' dtypes) to the dtype autocast gives F.linear there, the GEMMs run in it, and the
+loss is computed in fp32 and returned in F.cross_entropy's autocast dtype (fp32). The cast
+copies of x and the weight are the caller's memory, as unfused; `itemsize` above is the cast's.
+
+Vocabulary-parallel (Megatron's vocab-parallel loss, each chunk fused with its GEMM): rank r
+holds rows [vocab_start, vocab_start + V/tp) of the head weight (and bias) and the whole x
+(replicated over the TP group). Per chunk: local logits, local (max, sum-exp, label logit) per
+row, `reductions.all_reduce_max` of the max, then ONE `all_reduce_sum` of [sum-exp rescaled,
+label logit] stacked (two collectives a chunk, of chunk_rows fp32 values each, as
+`vocab_parallel_cross_entropy` batches them), the global lse, the loss and the local d_logits.
+Gradients: d_local_weight and d_local_bias are this rank's complete gradients. d_x is PARTIAL:
+the op returns d_logits_local @ local_weight, this rank's addend, and does NOT all-reduce it.
+The caller must all-reduce d_x (SUM over the TP group) before it reaches whatever produced x,
+the convention of a column-parallel linear in mplan: its strategy takes x replicated with a
+partial gradient (`op_registry._linear`'s column split, input_grads P), and
+`insert_collectives` puts a `Redistribute` before it whose backward turns that P into R with
+the all-reduce (Megatron's copy_to_tensor_model_parallel_region). The loss is the same on
+every rank.
+
+Invariants: x, weight (and bias) share a dtype outside autocast (as F.linear demands); x may
+have any leading dims (they are flattened to rows; a non-contiguous x is copied once);
+`reductions` must return group-wide max/sum of a per-rank tensor; every rank of a sharded
+call passes the same rows, labels and chunk rows: the default chunk is derived from the local
+vocabulary, so shards must be of equal width (mplan's strategies split evenly) or `chunk_rows`
+given, else the ranks' collectives do not pair up. Only one backward per forward: the
+gradients are handed out (scaled in place) by the first, and a second (retain_graph) raises.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+# cross_entropy_loss's kernels and local math, shared rather than copied (module docstring, How)
+from mplan.kernels.cross_entropy_loss import (
+    _MIN_PART_V,
+    IGNORE_INDEX,
+    VocabReductions,
+    _accumulation_dtype,
+    _block_stats,
+    _combine,
+    _finite,
+    _torch_local_stats,
+)
+from mplan.kernels.dispatch import CONSUMER_PROBES, autocast_result_dtype, configs, tl, triton, use_triton
+
+CHUNK_LOGIT_BYTES = 64 << 20
+"""A chunk's logits fit this (64 MiB) unless MIN_CHUNK_ROWS rows are more (vocabularies over
+64k tokens in bf16)."""
+MIN_CHUNK_ROWS = 512
+"""Fewest rows of a default chunk: the d_W GEMM's reduction dim (module docstring)."""
+
+# One vocabulary block of one row per program (the shape of cross_entropy_loss's gradient
+# kernel, whose autotuner measured 98-100% of copy bandwidth on the H200). In place, so the
+# autotuner restores the logits after timing each candidate.
+_GRAD_BLOCKS = configs(
+    [triton.Config({"BLOCK_V": v}, num_warps=w) for v, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8))],
+    triton.Config({"BLOCK_V": 32}, num_warps=1),
+)
+
+
+@triton.autotune(configs=_GRAD_BLOCKS, key=["n_cols"], restore_value=["logits_ptr"])
+@triton.jit
+def _grad_in_place_kernel(logits_ptr, labels_ptr, lse_ptr, scale_ptr, n_cols, row_stride, vocab_start,
+                          ignore_index, BLOCK_V: tl.constexpr):
+    """One block of one row: logits <- (exp(logits - lse) - [col == label]) * scale, 0 on a row
+    whose label is ignore_index. Each element is read, then written, by the same program."""
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(n_cols, BLOCK_V)
+    row = pid // n_blocks
+    cols = (pid % n_blocks) * BLOCK_V + tl.arange(0, BLOCK_V)
+    in_cols = cols < n_cols
+    ptrs = logits_ptr + row.to(tl.int64) * row_stride + cols
+    x = tl.load(ptrs, mask=in_cols, other=0.0).to(tl.float32)
+    label = tl.load(labels_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    grad = (tl.exp(x - lse) - tl.where(cols == label - vocab_start, 1.0, 0.0)) * tl.load(scale_ptr)
+    tl.store(ptrs, tl.where(label != ignore_index, grad, 0.0).to(logits_ptr.dtype.element_ty), mask=in_cols)
+
+
+def default_chunk_rows(vocab: int, itemsize: int) -> int:
+    """Rows per chunk when the caller names none: the largest power of two whose [rows, vocab]
+    logits fit CHUNK_LOGIT_BYTES, at least MIN_CHUNK_ROWS."""
+    fitting = max(1, CHUNK_LOGIT_BYTES // max(1, vocab * itemsize))
+    return max(MIN_CHUNK_ROWS, 1 << (fitting.bit_length() - 1))
+
+
+@dataclass(frozen=True, slots=True)
+class LinearCrossEntropyBytes:
+    """Bytes the op keeps alive above its inputs (module docstring, Memory)."""
+
+    saved: int
+    """From the forward to the backward: d_x, d_W (and d_b) in the GEMM dtype."""
+    peak: int
+    """The most at once, during the forward: saved, one chunk's logits and its row statistics."""
+
+
+def linear_cross_entropy_bytes(rows: int, hidden: int, vocab: int, itemsize: int, chunk_rows: int | None = None,
+                               *, bias: bool = False) -> LinearCrossEntropyBytes:
+    """What `linear_cross_entropy` on [rows, hidden] x and a [vocab, hidden] weight (the local
+    shard's vocabulary when sharded) of `itemsize`-byte elements keeps alive, both inputs
+    requiring grad; `chunk_rows` as passed to the op (None: the default)."""
+    chunk = min(rows, chunk_rows or default_chunk_rows(vocab, itemsize))
+    saved = (rows * hidden + vocab * hidden + (vocab if bias else 0)) * itemsize
+    stats_per_row = 8 * -(-vocab // _MIN_PART_V) + 64
+    peak = saved + chunk * (vocab * itemsize + stats_per_row + (itemsize if bias else 0))
+    return LinearCrossEntropyBytes(saved=saved, peak=peak)
+
+
+def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, ignore_index: int,
+                reductions: VocabReductions) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse per row, the chunk's summed loss over counted rows), fp32 (float64 for float64)."""
+    if use_triton(logits):
+        stats = _block_stats(logits)
+        if reductions.is_identity():
+            lse, loss_sums, _ = _combine(logits, labels, stats, vocab_start, ignore_index, finalize=True)
+            return lse, loss_sums.sum()
+        local = _combine(logits, labels, stats, vocab_start, ignore_index, finalize=False)
+    else:
+        local = _torch_local_stats(logits, labels, vocab_start, ignore_index)
+    local_max, local_sumexp, local_target = local
+    global_max = _finite(reductions.all_reduce_max(local_max.clone()))
+    sums = reductions.all_reduce_sum(torch.stack([local_sumexp * (local_max - global_max).exp(), local_target]))
+    lse = global_max + sums[0].log()
+    return lse, torch.where(labels != ignore_index, lse - sums[1], 0.0).sum()
+
+
+def _logits_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
+                 vocab_start: int, ignore_index: int) -> torch.Tensor:
+    """(softmax - onehot(label)) * scale on counted rows, 0 on the others, in the logits' dtype:
+    written over the logits by the Triton kernel, a new tensor on the PyTorch path."""
+    n_rows, n_cols = logits.shape
+    if use_triton(logits):
+        def grid(meta: dict[str, Any]) -> tuple[int]:
+            return (n_rows * triton.cdiv(n_cols, meta["BLOCK_V"]),)
+
+        _grad_in_place_kernel[grid](logits, labels, lse, scale, n_cols, logits.stride(0), vocab_start, ignore_index)
+        return logits
+    local = labels - vocab_start
+    counted = labels != ignore_index
+    mine = counted & (local >= 0) & (local < n_cols)
+    probs = (logits.to(lse.dtype) - lse[:, None]).exp()
+    probs[mine.nonzero()[:, 0], local[mine]] -= 1.0
+    probs *= torch.where(counted, scale, 0.0)[:, None]
+    return probs.to(logits.dtype)
+
+
+def _fused_chunk(x_c: torch.Tensor, labels_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 vocab_start: int, ignore_index: int, reductions: VocabReductions, scale: torch.Tensor,
+                 grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None,
+                 ones: torch.Tensor | None, upcast: bool) -> torch.Tensor:
+    """One chunk: its summed loss; with `grads` (d_x's rows of this chunk, d_W, d_b, each None
+    where not wanted) also its gradients, written and accumulated there (`ones`: a chunk of ones
+    in the bias dtype, for d_b). The chunk's logits die on return, before the next chunk's exist.
+    `upcast` with float64 logits: the loss of their fp32 copy, as `logits.float()` gives (16- and
+    32-bit logits are computed in fp32 anyway)."""
+    logits = torch.mm(x_c, weight.t()) if bias is None else torch.addmm(bias, x_c, weight.t())
+    if upcast and logits.dtype == torch.float64:
+        logits = logits.float()
+    lse, loss = _chunk_loss(logits, labels_c, vocab_start, ignore_index, reductions)
+    if grads is None:
+        return loss
+    d_x_c, d_w, d_b = grads
+    d_logits = _logits_grad(logits, labels_c, lse, scale.to(lse.dtype), vocab_start, ignore_index).to(x_c.dtype)
+    del logits  # the PyTorch path's gradient is a new tensor: one chunk-sized buffer at a time
+    if d_x_c is not None:
+        torch.mm(d_logits, weight, out=d_x_c)
+    if d_w is not None:
+        d_w.addmm_(d_logits.t(), x_c)
+    if d_b is not None:  # the column sums as a GEMV: sum(0, dtype=fp32) would convert the chunk to fp32 first
+        d_b.addmv_(d_logits.t(), ones[: d_logits.shape[0]])
+    return loss
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """Forward: per chunk of rows the logits, the loss and every gradient. Backward: a scale."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                vocab_start: int, ignore_index: int, reductions: VocabReductions, chunk_rows: int,
+                loss_dtype: torch.dtype, wanted: tuple[bool, bool, bool], upcast: bool = False) -> torch.Tensor:
+        n_rows = x.shape[0]
+        acc = _accumulation_dtype(x)
+        count = (labels != ignore_index).sum().to(acc)
+        scale = count.reciprocal().reshape(1)
+        want_x, want_w, want_b = wanted
+        d_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if want_x else None
+        d_w = torch.zeros_like(weight) if want_w else None
+        d_b = torch.zeros_like(bias) if want_b else None
+        ones = torch.ones(min(chunk_rows, n_rows), dtype=bias.dtype, device=x.device) if want_b else None
+        loss_sum = torch.zeros((), dtype=acc, device=x.device)
+        for start in range(0, n_rows, chunk_rows):
+            rows = slice(start, min(start + chunk_rows, n_rows))
+            grads = (None if d_x is None else d_x[rows], d_w, d_b) if any(wanted) else None
+            loss_sum += _fused_chunk(x[rows], labels[rows], weight, bias, vocab_start, ignore_index, reductions,
+                                     scale, grads, ones, upcast)
+        ctx.grads = (d_x, d_w, d_b)
+        return (loss_sum / count).to(loss_dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, d_loss: torch.Tensor) -> tuple[Any, ...]:
+        grads = ctx.grads
+        if grads is None:
+            raise RuntimeError("linear_cross_entropy computes its gradients in the forward and hands them out "
+                               "(scaled in place) in the first backward; it cannot run a second backward")
+        ctx.grads = None
+        for grad in grads:
+            if grad is not None:
+                grad.mul_(d_loss)
+        return (*grads, None, None, None, None, None, None, None, None)
+
+
+def _loss_probe(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    return F.cross_entropy(torch.zeros(1, 2, dtype=dtypes[0], device=device),
+                           torch.zeros(1, dtype=torch.long, device=device))
+
+
+def _apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, vocab_start: int,
+           ignore_index: int, reductions: VocabReductions, chunk_rows: int | None, upcast: bool) -> torch.Tensor:
+    gemm_dtype = autocast_result_dtype(CONSUMER_PROBES["linear"], x, (x.dtype,))
+    no_autocast: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    loss_dtype = x.dtype
+    if gemm_dtype is not None:  # F.linear's autocast casts, recorded by autograd; F.cross_entropy's loss dtype
+        x, weight = x.to(gemm_dtype), weight.to(gemm_dtype)
+        bias = None if bias is None else bias.to(gemm_dtype)
+        loss_dtype = autocast_result_dtype(_loss_probe, x, (gemm_dtype,)) or gemm_dtype
+        no_autocast = torch.autocast(x.device.type, enabled=False)
+    if upcast:  # the loss of logits.float(): the arithmetic is fp32 anyway, the loss stays fp32
+        loss_dtype = torch.float32
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    wanted = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad for t in (x, weight, bias))
+    chunk = chunk_rows or default_chunk_rows(weight.shape[0], rows.element_size())
+    with no_autocast:
+        return LinearCrossEntropyFunction.apply(rows, weight, bias, labels.reshape(-1).contiguous(), vocab_start,
+                                                ignore_index, reductions, chunk, loss_dtype, wanted, upcast)
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         ignore_index: int = IGNORE_INDEX, bias: torch.Tensor | None = None, *,
+                         chunk_rows: int | None = None, upcast: bool = False) -> torch.Tensor:
+    """Mean cross-entropy of `F.linear(x, weight, bias)` against `labels`, chunk by chunk of
+    `chunk_rows` rows (None: `default_chunk_rows`); Triton kernels where `use_triton`. `upcast`:
+    of `F.linear(...).float()` (Hugging Face's loss upcasts the logits): an fp32 loss."""
+    return _apply(x, weight, bias, labels, 0, ignore_index, VocabReductions.identity(), chunk_rows, upcast)
+
+
+def vocab_parallel_linear_cross_entropy(x: torch.Tensor, local_weight: torch.Tensor, labels: torch.Tensor,
+                                        vocab_start: int, reductions: VocabReductions | None = None, *,
+                                        bias: torch.Tensor | None = None, group: dist.ProcessGroup | None = None,
+                                        ignore_index: int = IGNORE_INDEX,
+                                        chunk_rows: int | None = None, upcast: bool = False) -> torch.Tensor:
+    """`linear_cross_entropy` when this rank holds vocabulary ids [vocab_start, vocab_start +
+    local_weight.shape[0]) of the head (and `bias`, the same slice) and x whole.
+
+    `reductions` defaults to all-reduces over `group`. The loss is the same on every rank;
+    local_weight and bias get their complete gradients, x a PARTIAL one that the caller must
+    all-reduce (sum) over the group (module docstring)."""
+    if reductions is None:
+        reductions = VocabReductions.from_group(group)
+    return _apply(x, local_weight, bias, labels, vocab_start, ignore_index, reductions, chunk_rows, upcast)
+
+
+def linear_cross_entropy_reference(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                   ignore_index: int = IGNORE_INDEX, bias: torch.Tensor | None = None,
+                                   upcast: bool = False) -> torch.Tensor:
+    """The unfused ops: the whole [rows, vocab] logits (`upcast`: then as fp32), then F.cross_entropy."""
+    logits = F.linear(x, weight, bias)
+    logits = logits.float() if upcast else logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index)

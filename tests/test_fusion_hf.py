@@ -1,0 +1,147 @@
+"""Fusion on the models users bring: Hugging Face families as transformers writes them.
+
+Each family is built from a tiny config, exported as `autoparallel` exports it (loss from
+`labels=`, `use_cache=False`), fused, and held to the unfused program: loss and every gradient
+(float64, except the loss transformers computes in fp32), and the expected coverage, per
+family, of which chains became which kernel. The bf16 capture (what `autoparallel` sees for a
+model built in bf16) shows Hugging Face's fp32 upcast inside the norm folded into the fused
+norm, residual add included.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from mplan.passes.fuse_kernels import fuse_kernels
+
+transformers = pytest.importorskip("transformers")
+aten = torch.ops.aten
+
+SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=32)
+
+FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, {"head_dim": 8}),
+}
+
+COVERAGE = {
+    # every norm fused with the residual add before it (the first reads the embedding alone);
+    # q, k, v one GEMM (Qwen2's biases too); RoPE on q and k in one launch; attention causal with GQA; gate
+    # and up one GEMM into SwiGLU. (A float32 model's upcast is a no-op whose value the
+    # residual stream reuses: its adds stay apart, the norms fuse alone.)
+    "llama": {"rms_norm": 1, "rms_norm_residual": 4, "linear_group": 2, "rope_qk": 2, "attention": 2,
+              "linear_swiglu": 2, "linear_cross_entropy": 1},
+    "mistral": {"rms_norm": 1, "rms_norm_residual": 4, "linear_group": 2, "rope_qk": 2, "attention": 2,
+                "linear_swiglu": 2, "linear_cross_entropy": 1},
+    "qwen2": {"rms_norm": 1, "rms_norm_residual": 4, "linear_group": 2, "rope_qk": 2, "attention": 2,
+              "linear_swiglu": 2, "linear_cross_entropy": 1},
+    # Gemma: (1 + weight) norms with type_as; its GELU-tanh gated MLP
+    "gemma": {"rms_norm": 1, "rms_norm_residual": 4, "linear_group": 2, "rope_qk": 2, "attention": 2,
+              "linear_geglu": 2, "linear_cross_entropy": 1},
+}
+
+
+class _Loss(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels, attention_mask=attention_mask, use_cache=False).loss
+
+
+def _build(family: str, dtype: torch.dtype = torch.float64, **overrides: Any) -> nn.Module:
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = config_cls(**{**SHAPE, **extra, **overrides})
+    config._attn_implementation = "sdpa"
+    return _Loss(model_cls(config).to(dtype))
+
+
+def _export(module: nn.Module, *args: torch.Tensor) -> torch.fx.GraphModule:
+    return torch.export.export(module, args, strict=False).module()
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (2, 12), generator=generator)
+    labels = torch.randint(0, 64, (2, 12), generator=generator)
+    labels[0, :3] = -100
+    return ids, labels
+
+
+def _loss_and_grads(gm: torch.fx.GraphModule, *args: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = gm(*args)
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in gm.named_parameters()}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_family_fuses_as_expected_and_trains_exactly_like_its_unfused_program(family: str) -> None:
+    ids, labels = _batch()
+    unfused = _export(_build(family), ids, labels)
+    fused = fuse_kernels(copy.deepcopy(unfused))
+    assert fused.meta["fuse_kernels"].counts == COVERAGE[family]
+    targets = {node.target for node in fused.graph.nodes}
+    # the causal mask transformers builds is gone, and with it the repeated keys and values
+    assert aten.scaled_dot_product_attention.default not in targets
+    assert aten.expand.default not in {n.target for n in fused.graph.nodes if "attention" in str(list(n.users))}
+    (loss, grads), (ref_loss, ref_grads) = _loss_and_grads(fused, ids, labels), _loss_and_grads(unfused, ids, labels)
+    # transformers computes the loss of logits.float(): fp32 whatever the model's dtype, so the
+    # loss and what flows back from it agree to fp32 rounding (the rest is float64)
+    assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=0)
+    for name, grad in ref_grads.items():
+        assert (grads[name] - grad).norm() <= 1e-6 * grad.norm() + 1e-12, name
+
+
+def test_attention_runs_causally_with_gqa_and_builds_no_mask() -> None:
+    ids, labels = _batch()
+    fused = fuse_kernels(_export(_build("llama"), ids, labels))
+    calls = [node for node in fused.graph.nodes if node.op == "call_function" and node.target.__name__ == "attention"]
+    assert [node.kwargs["is_causal"] for node in calls] == [True, True]
+    assert [node.kwargs["enable_gqa"] for node in calls] == [True, True]
+    # the key of each call is its 2 kv heads, not a copy repeated over the 4 query heads
+    assert [tuple(node.args[1].meta["val"].shape) for node in calls] == [(2, 2, 12, 8)] * 2
+    # nothing of the [batch, 1, seq, seq] mask is computed any more
+    assert not any(node.op == "call_function" and node.target in (aten.le.Tensor, aten.__and__.Tensor)
+                   for node in fused.graph.nodes)
+
+
+def test_a_mask_that_depends_on_the_input_or_is_not_causal_is_kept() -> None:
+    """A padding mask (an input) may hide any key; a sliding window of 4 over 12 tokens hides
+    more than the causal mask: both are passed to SDPA as they are."""
+    ids, labels = _batch()
+    padding = torch.ones_like(ids)
+    padding[1, -2:] = 0
+    padded = fuse_kernels(_export(_build("llama"), ids, labels, padding))
+    windowed = fuse_kernels(_export(_build("mistral", sliding_window=4), ids, labels))
+    for fused in (padded, windowed):
+        assert aten.scaled_dot_product_attention.default in {node.target for node in fused.graph.nodes}
+        assert "attention" not in fused.meta["fuse_kernels"].counts
+
+
+def test_a_bf16_model_folds_the_fp32_upcast_and_the_residual_add_into_the_norm() -> None:
+    """Built in bf16, the norm upcasts its input to fp32, rounds the normalized value back to
+    bf16, then multiplies the weight: the fused norm takes those casts as its form and the
+    residual add before it, and computes what the chain computes."""
+    ids, labels = _batch()
+    unfused = _export(_build("llama", torch.bfloat16), ids, labels)
+    fused = fuse_kernels(copy.deepcopy(unfused))
+    counts = fused.meta["fuse_kernels"].counts
+    assert (counts["rms_norm"], counts["rms_norm_residual"]) == (1, 4)
+    norms = [node for node in fused.graph.nodes if node.op == "call_function"
+             and getattr(node.target, "__name__", "").startswith("rms_norm")]
+    assert all(node.kwargs.get("upcast") and node.kwargs.get("norm_dtype") == torch.bfloat16 for node in norms)
+    assert not any(node.target is aten.pow.Tensor_Scalar for node in fused.graph.nodes)
+    (loss, grads), (ref_loss, ref_grads) = _loss_and_grads(fused, ids, labels), _loss_and_grads(unfused, ids, labels)
+    assert torch.allclose(loss.float(), ref_loss.float(), rtol=1e-2)
+    for name, grad in ref_grads.items():
+        assert (grads[name].float() - grad.float()).norm() <= 3e-2 * grad.float().norm() + 1e-6, name
