@@ -67,22 +67,15 @@ def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequ
             progress(f"planning {text} without expert parallelism")
             row["without_ep"] = _without_ep(planner, global_batch, spec, best)
         if measure:
-            import torch
-
-            from mplan.measure import measure_plan
-
             progress(f"measuring {c.spec()}")
-            try:
-                row["measured"] = measure_plan(model, c.spec(), global_batch=global_batch, seq_len=seq_len,
-                                               profile=profile)
-                if row["measured"].get("step_time_s"):
-                    row["measured"]["prediction_error"] = _prediction_error(row["measured"], best,
-                                                                            planner.evaluate(c, fast=True, fragmentation=0.0))
-            except (PlanError, ScheduleError) as exc:  # raised alike on every rank, before any collective
-                row["measured"] = {"error": str(exc)}
-            except torch.OutOfMemoryError as exc:  # a plan predicted to fit did not
-                row["measured"] = {"error": f"out of memory: {str(exc).splitlines()[0]}"}
-                _release_device_memory()
+            row["measured"] = _measure(model, cluster, best, global_batch=global_batch, seq_len=seq_len,
+                                       profile=profile)
+            if row["measured"].get("step_time_s"):
+                allocated = planner.evaluate(c, fast=True, fragmentation=0.0)
+                row["measured"]["prediction_error"] = _prediction_error(row["measured"], best, allocated)
+            # out here, where nothing of the run is referenced any more (an exception's traceback
+            # holds its frames' locals, the model and its module), so the next plan starts bare
+            _release_device_memory()
         rows.append(row)
         if on_row is not None:
             on_row(rows)
@@ -107,7 +100,26 @@ def _prediction_error(measured: dict[str, Any], predicted: Any, allocated: Any) 
             "peak_memory": allocated_gib / peak - 1 if peak else None}
 
 
+def _measure(model: str, cluster: ClusterSpec, best: Estimate, *, global_batch: int, seq_len: int | None,
+             profile: bool) -> dict[str, Any]:
+    """`best` run for real on this job's ranks, resolved on the cluster it was predicted on (not the
+    job's own, `ClusterSpec.local()`), or why it did not run."""
+    import torch
+
+    from mplan.measure import measure_plan
+
+    try:
+        return measure_plan(model, best.config.spec(), global_batch=global_batch, seq_len=seq_len, profile=profile,
+                            cluster=cluster)
+    except (PlanError, ScheduleError) as exc:  # raised alike on every rank, before any collective
+        return {"error": str(exc)}
+    except torch.OutOfMemoryError as exc:  # a plan predicted to fit did not
+        return {"error": f"out of memory: {str(exc).splitlines()[0]}"}
+
+
 def _release_device_memory() -> None:
+    """What the last measured plan left: its objects (reference cycles too) and, on CUDA, the
+    allocator's cached blocks, so that each plan is measured from the same empty device."""
     import gc
 
     import torch

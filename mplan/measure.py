@@ -10,6 +10,8 @@ reported by kind (`step_kernel_split`): NCCL, GEMM, attention and the rest, besi
 wall time, so that a step slower than predicted shows whether its links, its kernels or its host
 (wall time the kernels do not fill) took the difference.
 A plan whose world size differs from the job's fails with the plan's own clear error.
+`cluster` is the one the plan is resolved on, the bench's (`--cluster`), so that the plan run is the
+plan predicted; None: the job's own (`ClusterSpec.local()`, the device's datasheet preset).
 """
 from __future__ import annotations
 
@@ -17,7 +19,10 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mplan.cost_models.cluster import ClusterSpec
 
 
 KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -53,7 +58,8 @@ def step_kernel_split(step: Callable[[], Any]) -> dict[str, float]:
 
 
 def measure_plan(model_spec: str, plan_spec: str, *, global_batch: int, seq_len: int | None = None,
-                 steps: int = 5, warmup: int = 2, profile: bool = False) -> dict[str, Any]:
+                 steps: int = 5, warmup: int = 2, profile: bool = False,
+                 cluster: ClusterSpec | None = None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -69,8 +75,8 @@ def measure_plan(model_spec: str, plan_spec: str, *, global_batch: int, seq_len:
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, source.vocab, (global_batch, seq), generator=generator)
     labels = torch.roll(ids, -1, dims=1)
-    pm = mplan.autoparallel(model, example_inputs=(ids,), global_batch=global_batch, plan=plan_spec,
-                            optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
+    pm = mplan.autoparallel(model, cluster=cluster, example_inputs=(ids,), global_batch=global_batch,
+                            plan=plan_spec, optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     ids, labels = ids.to(device), labels.to(device)
     if on_gpu:

@@ -173,6 +173,9 @@ class Estimate:
     experts_per_rank: int = 0  # experts of each MoE layer a rank holds (0: no MoE layers)
     moe_imbalance: float = 0.0  # the busiest EP rank's load over the mean priced (`ModelFacts`; 0.0: no MoE layers)
     reason: str = ""  # why it does not fit, if it does not
+    # refused for memory (no stage cut within it, or the peak over the device); False for a refusal
+    # that no memory would lift (no cut into that many chunks: the figures are of a stand-in cut)
+    short_of_memory: bool = False
     simulation: SimResult | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -213,9 +216,9 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     reason = ""
     if cut is None:
         cut = partition(times, k)  # the time-only cut, to price what does not fit (searched once)
-        reason = "no stage cut fits in memory" if cut is not None else \
-            f"{len(units)} units cannot fill {k} pipeline chunks"
+        reason = NO_CUT_IN_MEMORY if cut is not None else _no_cut(len(units), k)
         cut = cut or _fallback(times, k)
+    short_of_memory = reason == NO_CUT_IN_MEMORY
     chunk_f = tuple(sum(fwd[a:b]) for a, b in cut.bounds)
     chunk_b = tuple(sum(bwd[a:b]) for a, b in cut.bounds)
     chunk_w = tuple(sum(wgt[a:b]) for a, b in cut.bounds)
@@ -263,6 +266,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     fits = not reason and peak <= cluster.device.memory_bytes
     if not reason and not fits:
         reason = f"needs {peak / 2**30:.1f} GiB per GPU, has {cluster.device.memory_bytes / 2**30:.1f}"
+        short_of_memory = True
 
     at_step = facts.runtime == "mplan" and config.pp > 1  # the sync waits for the schedule's end
     costs = PipelineCosts(forward_s=chunk_f, backward_s=chunk_b, p2p_s=(p2p,) * (k - 1),
@@ -291,7 +295,8 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
                     memory=tuple(memory), stage_bounds=cut.bounds, chunk_forward_s=chunk_f, chunk_backward_s=chunk_b,
                     chunk_weight_s=chunk_w, p2p_s=p2p, grad_sync_s=tuple(syncs), optimizer_s=opt, a2a_s=a2a,
                     experts_per_rank=moe.experts_per_rank,
-                    moe_imbalance=facts.moe_imbalance if moe.experts_per_rank else 0.0, reason=reason, simulation=sim)
+                    moe_imbalance=facts.moe_imbalance if moe.experts_per_rank else 0.0, reason=reason,
+                    short_of_memory=short_of_memory, simulation=sim)
 
 
 def _bytes_per_param(config: ParallelConfig, facts: ModelFacts) -> BytesPerParam:
@@ -451,6 +456,17 @@ def _rank_params(units: Sequence[UnitCost], figures: _UnitFigures, indices: Sequ
         else:
             dense += figures.dense_params[u]
     return dense + sum(glue.values()), experts
+
+
+NO_CUT_IN_MEMORY = "has no stage cut that fits in memory"
+"""The reason of a plan whose units have a cut into its chunks, but none within the device's memory."""
+
+
+def _no_cut(num_units: int, k: int) -> str:
+    """The reason of a plan whose units have no cut into its k chunks at all."""
+    if k > num_units:
+        return f"has {k} pipeline chunks (pp*vpp) for only {num_units} units to cut"
+    return f"found no cut of its {num_units} units into {k} pipeline chunk{'s' if k > 1 else ''}"
 
 
 def _fallback(times: Sequence[float], k: int) -> Partition:

@@ -180,12 +180,7 @@ class Planner:
         feasible = sorted((e for e in estimates if e.fits), key=lambda e: e.step_time_s)
         infeasible = sorted((e for e in estimates if not e.fits), key=lambda e: e.peak_memory_bytes)
         if not feasible:
-            smallest = infeasible[0]
-            raise PlanningError(
-                f"{self.graph.model_name} does not fit on {world} x {self.cluster.device.name} "
-                f"({self.cluster.device.memory_bytes / 2**30:.0f} GiB each) at global batch {global_batch}: "
-                f"the leanest plan ({smallest.config.short()}) {smallest.reason}. "
-                f"{_what_would_fit(smallest, self.cluster)}")
+            raise PlanningError(_refusal(self.graph.model_name, self.cluster, global_batch, infeasible[0]))
         finalists = [self.evaluate(e.config, fast=False) for e in feasible[:SIMULATED_FINALISTS]]
         finalists.sort(key=lambda e: e.step_time_s)
         ranked = finalists + feasible[SIMULATED_FINALISTS:]
@@ -268,15 +263,34 @@ def _still_valid(graph: Graph, sharding: GraphSharding, coster: OpCoster) -> dic
     return keep
 
 
+def _refusal(model_name: str, cluster: ClusterSpec, global_batch: int, leanest: Estimate) -> str:
+    """Why no plan of a search runs, from its leanest candidate: what does not fit a device and by
+    how much, or, for a plan refused for another reason, that reason alone (its memory figures are
+    of a stand-in cut then, and more devices are not what it needs)."""
+    have = cluster.device.memory_bytes
+    on = (f"{cluster.world_size} x {cluster.device.name} ({have / 2**30:.0f} GiB each) at global batch "
+          f"{global_batch}")
+    plan = f"the leanest plan ({leanest.config.short()})"
+    if not leanest.short_of_memory:
+        return f"{model_name} cannot run on {on}: {plan} {leanest.reason}, which is not a matter of memory."
+    return f"{model_name} does not fit on {on}: {plan} {leanest.reason}. {_what_would_fit(leanest, cluster)}"
+
+
 def _what_would_fit(estimate: Estimate, cluster: ClusterSpec) -> str:
     need = estimate.peak_memory_bytes
     have = cluster.device.memory_bytes
     if need <= 0 or have <= 0:
         return ""
-    factor = need / have
     hint = "more nodes or a smaller global batch" + ("" if estimate.config.recompute == "full" else
                                                       ", or recompute=full")
-    return f"It would need about {math.ceil(factor)}x the devices (or {need / 2**30:.0f} GiB per device): try {hint}."
+    if need <= have:  # the whole peak is within a device: what does not fit is a pipeline chunk
+        k = estimate.config.pp * estimate.config.vpp
+        return (f"Its busiest device would hold {need / 2**30:.1f} GiB, within the {have / 2**30:.0f} GiB it "
+                f"has, but no cut of its units into {k} pipeline chunk{'s' if k > 1 else ''} keeps each chunk "
+                f"under that once the allocator's margin is set aside: try {hint}.")
+    return (f"It needs {need / 2**30:.1f} GiB per device, {(need - have) / 2**30:.1f} GiB more than the "
+            f"{have / 2**30:.0f} GiB a device has: about {math.ceil(need / have)}x the devices would hold it; "
+            f"try {hint}.")
 
 
 def _no_config_reason(world: int, gpus_per_node: int, global_batch: int, limits: ModelLimits,
