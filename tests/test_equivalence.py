@@ -322,12 +322,13 @@ def test_fused_kernels_are_exact_under_tp(outcomes) -> None:
     """fuse_kernels on TP programs (reference dispatch): the rules fire on local shards (the
     local q/k/v column shards, all reading the gathered sequence, become one GEMM), and the run
     matches one process as closely as the unfused one does."""
-    # the loss is vocabulary-parallel there: a module, which runs the vocabulary-parallel kernel
+    # the loss is vocabulary-parallel there: a module, which with the output head before it runs
+    # as one chunked op (the head's GEMM and the vocabulary-parallel loss)
     expected = {tp2_sp_llama_kernels: (tp2_sp_llama, {"rms_norm": 1, "linear_group": 2, "rms_norm_residual": 4,
                                                       "rope_qk": 2, "attention": 2, "linear_swiglu": 2,
-                                                      "vocab_parallel_cross_entropy": 1}),
+                                                      "vocab_parallel_linear_cross_entropy": 1}),
                 tp2_sp_gpt_kernels: (tp2_sp_gpt, {"linear_group": 2, "layer_norm_residual": 4, "attention": 2, "bias_gelu": 2,
-                                                  "vocab_parallel_cross_entropy": 1})}
+                                                  "vocab_parallel_linear_cross_entropy": 1})}
     for check, (unfused, fired) in expected.items():
         for a, b in zip(outcomes.assert_passed(check), outcomes.assert_passed(unfused)):
             assert a["fused"] == fired

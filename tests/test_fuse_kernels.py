@@ -219,23 +219,25 @@ FP8_LLAMA = LlamaConfig(num_layers=2, hidden=32, num_heads=2, num_kv_heads=1, se
 FP8_LINEARS_PER_BLOCK = {"gpt": 4, "llama": 4}  # qkv (grouped), out, fc_in, fc_out / qkv, out, gate+up, down
 
 
-def _fp8_graph(family: str) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, torch.Tensor, torch.Tensor]:
-    """(unfused, fused then FP8-swept) exports of a model whose GEMM dimensions are multiples of 16."""
-    from mplan.passes.fuse_kernels import FP8_LINEAR_RULE
+def _fp8_graph(family: str, monkeypatch: pytest.MonkeyPatch,
+               ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, torch.Tensor, torch.Tensor]:
+    """(unfused, fused with fp8=True) exports of a model whose GEMM dimensions are multiples of
+    16; FP8 arithmetic through torch._scaled_mm on the CPU (the device check lifted)."""
+    import mplan.passes.fuse_kernels as pass_module
 
+    monkeypatch.setattr(pass_module, "fp8_unavailable_reason", lambda *_: None)
     torch.manual_seed(0)
     model = GPTModel(FP8_GPT, device="cpu") if family == "gpt" else LlamaModel(FP8_LLAMA, device="cpu")
     ids, labels = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
     unfused = _export(model, ids, labels=labels)
-    fused = fuse_kernels(copy.deepcopy(unfused))
-    fuse_kernels(fused, (FP8_LINEAR_RULE,))  # the sweep fp8=True runs after the other rules
+    fused = fuse_kernels(copy.deepcopy(unfused), fp8=True)
     return unfused, fused, ids, labels
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
-def test_fp8_sweep_swaps_every_block_linear_but_the_output_head(family: str) -> None:
-    _, fused, _, _ = _fp8_graph(family)
-    assert _fired(fused) == {"fp8_linear": 2 * FP8_LINEARS_PER_BLOCK[family]}
+def test_fp8_sweep_swaps_every_block_linear_but_the_output_head(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, fused, _, _ = _fp8_graph(family, monkeypatch)
+    assert _fired(fused)["fp8_linear"] == 2 * FP8_LINEARS_PER_BLOCK[family]
     # the head stays in the training dtype: inside the fused head + loss, no aten.linear left
     assert not [node for node in fused.graph.nodes if node.target is aten.linear.default]
     assert [node.target.__name__ for node in fused.graph.nodes if node.op == "call_function"
@@ -251,7 +253,7 @@ def test_fp8_graph_trains_close_to_fp32(family: str, monkeypatch: pytest.MonkeyP
     import mplan.kernels.fp8 as fp8
 
     monkeypatch.setattr(fp8, "fp8_unavailable_reason", lambda *_: None)
-    unfused, fused, ids, labels = _fp8_graph(family)
+    unfused, fused, ids, labels = _fp8_graph(family, monkeypatch)
     losses = {}
     for name, gm in (("fp32", unfused), ("fp8", fused)):
         optimizer = torch.optim.AdamW(gm.parameters(), lr=1e-2)
@@ -270,7 +272,8 @@ def test_fp8_graph_trains_close_to_fp32(family: str, monkeypatch: pytest.MonkeyP
 def test_fp8_is_refused_where_it_cannot_run_and_the_graph_is_left_as_it_was() -> None:
     from mplan.kernels.fp8 import Fp8Unavailable
 
-    unfused, _, _, _ = _fp8_graph("gpt")
+    torch.manual_seed(0)
+    unfused = _export(GPTModel(FP8_GPT, device="cpu"), torch.randint(0, 64, (2, 8)), labels=torch.randint(0, 64, (2, 8)))
     code = unfused.code
     with pytest.raises(Fp8Unavailable, match=r"fp8=True\): FP8 linear needs a CUDA device .*, not cpu"):
         fuse_kernels(unfused, device="cpu", fp8=True)

@@ -164,12 +164,18 @@ def test_only_the_gradients_asked_for_are_computed(x_grad: bool, weight_grad: bo
 
 
 @needs_reference_dispatch
-def test_a_second_backward_raises_instead_of_scaling_twice() -> None:
+def test_a_second_backward_hands_out_the_same_gradients_never_scaled_twice() -> None:
+    """A zero-bubble schedule's W step runs the loss node again with the gradient it got first."""
     x, weight, _, labels = _leaves(*_problem((6,), 4, 10, torch.float64, bias=False))
-    loss = linear_cross_entropy(x, weight, labels)
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="cannot run a second backward"):
-        loss.backward()
+    loss = linear_cross_entropy(x, weight, labels) * 3
+    first = torch.autograd.grad(loss, (x, weight), retain_graph=True)
+    second = torch.autograd.grad(loss, (x, weight), retain_graph=True)
+    expected = torch.autograd.grad(linear_cross_entropy_reference(x, weight, labels) * 3, (x, weight))
+    for a, b, want in zip(first, second, expected):
+        assert torch.equal(a, b) and rel_err(a, want) < 1e-12
+    halved = torch.autograd.grad(loss, (x, weight), torch.tensor(0.5, dtype=torch.float64))
+    for got, want in zip(halved, expected):
+        assert rel_err(got, want / 2) < 1e-12
 
 
 # -- memory model -----------------------------------------------------------------------------------

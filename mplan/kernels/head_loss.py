@@ -96,8 +96,9 @@ have any leading dims (they are flattened to rows; a non-contiguous x is copied 
 `reductions` must return group-wide max/sum of a per-rank tensor; every rank of a sharded
 call passes the same rows, labels and chunk rows: the default chunk is derived from the local
 vocabulary, so shards must be of equal width (mplan's strategies split evenly) or `chunk_rows`
-given, else the ranks' collectives do not pair up. Only one backward per forward: the
-gradients are handed out (scaled in place) by the first, and a second (retain_graph) raises.
+given, else the ranks' collectives do not pair up. The first backward scales the gradients in
+place and hands them out; a later one (retain_graph, or a zero-bubble schedule's W step, which
+runs the node again) hands out the same values for the same incoming gradient, never scaling twice.
 """
 from __future__ import annotations
 
@@ -273,20 +274,21 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             grads = (None if d_x is None else d_x[rows], d_w, d_b) if any(wanted) else None
             loss_sum += _fused_chunk(x[rows], labels[rows], weight, bias, vocab_start, ignore_index, reductions,
                                      scale, grads, ones, upcast)
-        ctx.grads = (d_x, d_w, d_b)
+        ctx.grads, ctx.scaled_by = (d_x, d_w, d_b), None
         return (loss_sum / count).to(loss_dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, d_loss: torch.Tensor) -> tuple[Any, ...]:
         grads = ctx.grads
-        if grads is None:
-            raise RuntimeError("linear_cross_entropy computes its gradients in the forward and hands them out "
-                               "(scaled in place) in the first backward; it cannot run a second backward")
-        ctx.grads = None
-        for grad in grads:
-            if grad is not None:
-                grad.mul_(d_loss)
+        if ctx.scaled_by is None:  # the first backward: scale the stored gradients in place
+            for grad in grads:
+                if grad is not None:
+                    grad.mul_(d_loss)
+            ctx.scaled_by = d_loss.detach().clone()
+        elif not torch.equal(d_loss, ctx.scaled_by):  # run again (a zero-bubble W step) with another gradient
+            ratio = d_loss / ctx.scaled_by
+            grads = tuple(None if grad is None else grad * ratio for grad in grads)
         return (*grads, None, None, None, None, None, None, None, None)
 
 

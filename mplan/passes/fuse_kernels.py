@@ -67,9 +67,10 @@ from mplan.kernels import (
     swiglu,
     swiglu_packed,
 )
+from mplan.kernels.grouped_linear import grouped_linear
 from mplan.kernels.head_loss import linear_cross_entropy
 from mplan.kernels.fp8 import Fp8Linear, Fp8Unavailable, fp8_unavailable_reason
-from mplan.passes.local_ops import VocabParallelCrossEntropy
+from mplan.passes.local_ops import VocabParallelCrossEntropy, VocabParallelHeadLoss
 from mplan.kernels.op_bytes import FUSED_OP_TRAFFIC, FusedOpTraffic, fused_op_bytes
 
 __all__ = ["ATTENTION_RULE", "FP8_LINEAR_RULE", "FUSED_OP_TRAFFIC", "FUSION_RULES", "FusedOpTraffic", "FusionReport",
@@ -124,10 +125,17 @@ def _meta_like(value: torch.Tensor, shape: tuple[int, ...] | list[int]) -> torch
 
 def _grouped_linear(graph: Graph, like: Node, x: Node, weights: Sequence[Any], biases: Sequence[Any],
                     out: torch.Tensor) -> Node:
-    """aten.linear(x, cat(weights), cat(biases)): several linears on one input as one GEMM (its
-    result [..., sum of out_features] carries a meta value, as later rules read shapes)."""
+    """F.linear(x, cat(weights), cat(biases)): several linears on one input as one GEMM (its
+    result [..., sum of out_features] carries a meta value, as later rules read shapes). As
+    `grouped_linear`, which keeps the weights rather than their concatenation for the backward;
+    as ATen ops (`aten.cat`, then `aten.linear`) where the backward is split into input and
+    weight gradients (zero-bubble schedules), whose split runs a GEMM's dX and dW apart."""
     w = tensor_value(weights[0])
     rows = sum(tensor_value(weight).shape[0] for weight in weights)
+    if not graph.owning_module.meta.get(_SPLIT_BACKWARD, False):
+        product = _call(graph, grouped_linear, (x, list(weights), list(biases)), like)
+        product.meta["val"] = _meta_like(out, (*out.shape[:-1], rows))
+        return product
     wide = _call(graph, aten.cat.default, (list(weights),), like)
     wide.meta["val"] = _meta_like(w, (rows, w.shape[1]))
     args: tuple[Any, ...] = (x, wide)
@@ -138,6 +146,10 @@ def _grouped_linear(graph: Graph, like: Node, x: Node, weights: Sequence[Any], b
     product = _call(graph, aten.linear.default, args, like)
     product.meta["val"] = _meta_like(out, (*out.shape[:-1], rows))
     return product
+
+
+_SPLIT_BACKWARD = "fuse_kernels.aten_grouped_linears"
+"""gm.meta key: True when grouped GEMMs must stay ATen ops (`fuse_kernels(split_backward=, fp8=)`)."""
 
 
 def _emit_linear_group(graph: Graph, match: PatternMatch) -> Node:
@@ -273,12 +285,16 @@ sweep after the other rules (bias+GELU leaves a new bias-free linear behind)."""
 # ---- the driver ------------------------------------------------------------------------------
 
 def fuse_kernels(gm: GraphModule, rules: tuple[FusionRule, ...] | None = None, *,
-                 device: torch.device | str | None = None, fp8: bool = False) -> GraphModule:
+                 device: torch.device | str | None = None, fp8: bool = False,
+                 split_backward: bool = False) -> GraphModule:
     """Replace every chain some rule matches (first matching rule wins, nodes in graph order);
     returns `gm`, recompiled, with `gm.meta["fuse_kernels"]` = FusionReport. `rules` defaults to
-    FUSION_RULES, plus ATTENTION_RULE when `device` (where `gm` will run) is a CUDA device.
-    `fp8` then sweeps FP8_LINEAR_RULE, first raising `Fp8Unavailable` (naming why) unless
-    `device` can run FP8 GEMMs."""
+    FUSION_RULES and ATTENTION_RULE (`device`: where `gm` will run; on CUDA attention takes its
+    fastest backend). `fp8` then sweeps FP8_LINEAR_RULE, first raising `Fp8Unavailable` (naming
+    why) unless `device` can run FP8 GEMMs. `split_backward`: a zero-bubble schedule will split
+    the backward into input and weight gradients, so grouped GEMMs stay ATen ops (as under
+    `fp8`, whose sweep then finds them)."""
+    gm.meta[_SPLIT_BACKWARD] = split_backward or fp8
     if rules is None:
         rules = FUSION_RULES + (ATTENTION_RULE,)
     sweeps = [rules]
@@ -296,6 +312,8 @@ def fuse_kernels(gm: GraphModule, rules: tuple[FusionRule, ...] | None = None, *
         # (a fused op never exposes the value it checks)
         if is_call(node, aten._assert_tensor_metadata.default):
             graph.erase_node(node)
+    # first: the output head it takes is then no linear that a rule (FP8's) could take
+    vocab_parallel = _fuse_vocab_parallel_losses(gm)
     for sweep in sweeps:
         for node in list(graph.nodes):
             if node in erased or node.op != "call_function":
@@ -312,7 +330,7 @@ def fuse_kernels(gm: GraphModule, rules: tuple[FusionRule, ...] | None = None, *
         counts["rope"] -= 2 * pairs
         counts["rope_qk"] = pairs
         counts = +counts  # drops a rope count paired away entirely
-    counts.update(_fuse_vocab_parallel_losses(gm))
+    counts.update(vocab_parallel)
     marks = _mark_consumers(graph)
     graph.lint()
     gm.recompile()
@@ -323,13 +341,82 @@ def fuse_kernels(gm: GraphModule, rules: tuple[FusionRule, ...] | None = None, *
 
 def _fuse_vocab_parallel_losses(gm: GraphModule) -> Counter[str]:
     """TP programs compute a vocabulary-sharded loss in a module (`insert_collectives`), which no
-    ATen rule sees: its mean runs mplan's vocabulary-parallel cross-entropy kernel instead."""
+    ATen rule sees. Its mean, where the local logits come straight from the column-parallel
+    output head (`_vocab_parallel_head`), runs with the head's GEMM as one chunked op that never
+    makes the local logits:
+
+        before  x, w -> aten.linear(x, w [, b]) [-> view/reshape to [rows, V/n]] [-> .to(float32)]
+                     -> call_module VocabParallelCrossEntropy(mean)(logits, target)
+        after   x, w -> call_module VocabParallelHeadLoss(x, w, target [, b])   (the same node)
+
+    (`vocab_parallel_linear_cross_entropy`; the linear, view and cast are erased; a bias is the
+    column split's local slice and goes along). x's gradient is the partial addend the local
+    linear's was, summed over the TP group by the same `Redistribute` before it. Any other mean
+    (logits from anything but such a linear, or an intermediate used elsewhere) runs mplan's
+    vocabulary-parallel cross-entropy kernel on the local logits (`fused`)."""
     fused: Counter[str] = Counter()
-    for module in gm.modules():
-        if isinstance(module, VocabParallelCrossEntropy) and module.reduction == "mean":
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(node.target)
+        if not (isinstance(module, VocabParallelCrossEntropy) and module.reduction == "mean"):
+            continue
+        head = _vocab_parallel_head(node)
+        if head is None:
             module.fused = True
             fused["vocab_parallel_cross_entropy"] += 1
+            continue
+        (x, weight, bias), chain, upcast = head
+        gm.add_submodule(node.target, VocabParallelHeadLoss(axis=module.axis, ignore_index=module.ignore_index,
+                                                            upcast=upcast, node=module.node))
+        node.args = (x, weight, node.args[1]) + (() if bias is None else (bias,))
+        for value in reversed(chain):  # the cast, the view, the linear: each used only on this path
+            for check in [u for u in value.users if is_call(u, aten._assert_tensor_metadata.default)]:
+                gm.graph.erase_node(check)
+            gm.graph.erase_node(value)
+        fused["vocab_parallel_linear_cross_entropy"] += 1
     return fused
+
+
+_HEAD_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _vocab_parallel_head(loss: Node) -> tuple[tuple[Node, Node, Node | None], list[Node], bool] | None:
+    """((x, w, bias or None), [linear, then the view and/or cast in data order], upcast) when the
+    vocabulary-parallel loss `loss` reads `aten.linear(x, w [, bias])` through at most one view
+    or reshape to [rows, V/n] and at most one `.to(float32)` (`upcast`; in either order), every
+    one used only on that path (dtype assertions aside) and the rows those of `target`; else None."""
+    if len(loss.args) != 2 or loss.kwargs:
+        return None
+    value, target = loss.args
+    chain: list[Node] = []
+    user, upcast, viewed = loss, False, False
+    while isinstance(value, Node) and not is_call(value, aten.linear.default):
+        only_here = {u for u in value.users if not is_call(u, aten._assert_tensor_metadata.default)} == {user}
+        if not only_here or value.kwargs or len(value.args) != 2:
+            return None
+        if is_call(value, *_HEAD_VIEWS) and not viewed:
+            viewed = True
+        elif is_call(value, aten.to.dtype) and value.args[1] == torch.float32 and not upcast:
+            upcast = True
+        else:
+            return None
+        chain.insert(0, value)
+        user, value = value, value.args[0]
+    linear = value
+    if not is_call(linear, aten.linear.default) or linear.kwargs or \
+            {u for u in linear.users if not is_call(u, aten._assert_tensor_metadata.default)} != {user}:
+        return None
+    x, weight, bias = (list(linear.args) + [None])[:3]
+    xv, wv, out, logits, labels = (tensor_value(n) for n in (x, weight, linear, loss.args[0], target))
+    if xv is None or wv is None or out is None or logits is None or labels is None or wv.dim() != 2:
+        return None
+    width = wv.shape[0]
+    rows = xv.numel() // max(xv.shape[-1], 1)
+    # the loss must read the linear's rows in their order, all of them: a flatten of its leading dims
+    if out.shape[-1] != width or tuple(logits.shape) != (rows, width) or labels.numel() != rows:
+        return None
+    return (x, weight, bias), [linear, *chain], upcast
 
 
 def _pair_ropes(graph: Graph) -> int:
@@ -366,7 +453,7 @@ stream, RoPE with fp32 tables) -> which of their outputs is marked (None: the op
 "all": each of them, which must all feed one kind of consumer)."""
 _ATTENTION_OPS = (*ATTENTION_OPS, attention)
 """What computes attention once the rules ran (ATTENTION_RULE may have fused SDPA)."""
-_LINEAR_OPS = (linear_cross_entropy,)
+_LINEAR_OPS = (linear_cross_entropy, grouped_linear)
 """Fused ops whose first argument is a GEMM input, cast under autocast as F.linear casts it."""
 
 

@@ -3,7 +3,9 @@
 Input: a typed `OpNode` and its `Strategy`, whose `lowering` names the rule (the planner's op
 registry set it; `planner/op_registry.py`). Output: what `insert_collectives` emits for it and,
 where the op needs one, a small module that computes its local result (`VocabParallelEmbedding`,
-`VocabParallelCrossEntropy`, `BatchShardedCrossEntropy`, `KVReplicatedAttention`).
+`VocabParallelCrossEntropy`, `BatchShardedCrossEntropy`, `KVReplicatedAttention`; and
+`VocabParallelHeadLoss`, which `fuse_kernels` puts in place of the output head's column-parallel
+linear and the vocabulary-parallel loss after it).
 
 The lowerings (`mplan.ir.strategy.LOWERINGS`), each saying why the local result is exact:
 
@@ -157,6 +159,42 @@ class VocabParallelCrossEntropy(nn.Module):
 
     def extra_repr(self) -> str:
         return f"node={self.node}, reduction={self.reduction}, tp={self.axis.size}, fused={self.fused}"
+
+
+class VocabParallelHeadLoss(nn.Module):
+    """The column-parallel output head and its vocabulary-parallel mean cross-entropy as one
+    chunked op: `forward(x [..., H], weight [V/n, H], target [...], bias [V/n] | None)` is
+    `VocabParallelCrossEntropy(mean)(linear(x, weight, bias).view(-1, V/n)[.to(float32)], target)`
+    (`upcast`: with the cast, an fp32 loss), computed by `mplan.kernels.head_loss.
+    vocab_parallel_linear_cross_entropy` `chunk_rows` rows at a time (None: its default), so
+    the local logits [rows, V/n] never exist. `fuse_kernels` puts it in place of that chain.
+
+    weight (and bias) are this rank's vocabulary rows [rank * V/n, (rank + 1) * V/n), as the
+    column split stores them; their gradients are complete. x's gradient is this rank's PARTIAL
+    addend, exactly the one the local `aten.linear` it replaces gave: the `Redistribute` that
+    `insert_collectives` emits before a column-parallel linear (x replicated, gradient P) sums
+    it over the TP group in backward (all-reduce; under sequence parallelism, x all-gathered
+    forward, reduce-scatter backward), so the fused op needs no collective for it."""
+
+    def __init__(self, *, axis: AxisGroup, ignore_index: int, upcast: bool, node: str,
+                 chunk_rows: int | None = None) -> None:
+        super().__init__()
+        self.axis, self.ignore_index, self.upcast, self.node = axis, ignore_index, upcast, node
+        self.chunk_rows = chunk_rows
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        # loads Triton: only fused programs pay
+        from mplan.kernels.head_loss import vocab_parallel_linear_cross_entropy
+
+        return vocab_parallel_linear_cross_entropy(
+            x, weight, target, self.axis.rank * weight.shape[0], bias=bias,
+            group=self.axis.require_group("vocabulary-parallel head loss"), ignore_index=self.ignore_index,
+            chunk_rows=self.chunk_rows, upcast=self.upcast)
+
+    def extra_repr(self) -> str:
+        return (f"node={self.node}, tp={self.axis.size}, upcast={self.upcast}"
+                + (f", chunk_rows={self.chunk_rows}" if self.chunk_rows else ""))
 
 
 class BatchShardedCrossEntropy(nn.Module):

@@ -161,7 +161,8 @@ def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.
     groups = init_process_groups(plan.mesh_shape())
     axis = groups.axis("tp")
     experts = experts_lowering(plan, groups)
-    program = local_program(program_graph, choice, axis, device=device, kernels=kernels, fp8=fp8, experts=experts)
+    program = local_program(program_graph, choice, axis, device=device, kernels=kernels, fp8=fp8, experts=experts,
+                            split_backward=len(plan.stages) > 1 and plan.schedule == "zb-h1")
     pipeline = rank_stages(program, program_graph, plan, groups) if len(plan.stages) > 1 else None
     inputs = pipeline.inputs if pipeline is not None else program.meta[INPUTS]
     shards = shard_parameters(graph, choice, axis.rank, axis.size, source, seed=seed, device=device, dtype=dtype,
@@ -216,7 +217,7 @@ class _ProgramGraph:
 
 def local_program(graph: Graph, choice: Mapping[str, Strategy], axis: AxisGroup, *,
                   device: torch.device, kernels: bool, fp8: bool = False, output: int = 0,
-                  experts: ExpertsLowering = NO_EXPERT_PARALLELISM) -> fx.GraphModule:
+                  experts: ExpertsLowering = NO_EXPERT_PARALLELISM, split_backward: bool = False) -> fx.GraphModule:
     """`insert_collectives`, then (`kernels`) `fuse_kernels` on the local program, and (`fp8`)
     its FP8 linears (which raise `Fp8Unavailable` naming why where FP8 GEMMs cannot run).
 
@@ -224,15 +225,16 @@ def local_program(graph: Graph, choice: Mapping[str, Strategy], axis: AxisGroup,
     module call that no chain can span, and vocabulary- or batch-parallel losses are modules,
     never the `aten.cross_entropy_loss` the loss rule matches. Under autocast the fused ops
     follow the device's autocast policy and mixed-precision residual streams (mplan.kernels),
-    so the fp32 capture's dtypes need not be the run's. `program.meta["fuse_kernels"]` reports
-    what fired."""
+    so the fp32 capture's dtypes need not be the run's. `split_backward` (a zero-bubble schedule
+    will split the backward into input and weight gradients) keeps grouped GEMMs ATen ops, whose
+    dX and dW the split runs apart. `program.meta["fuse_kernels"]` reports what fired."""
     program = insert_collectives(graph, choice, axis, device=device, output=output, experts=experts)
     if kernels or fp8:
         # imported here: it loads the Triton kernels, which `import mplan` should not pay for
         from mplan.passes.fuse_kernels import fuse_kernels
 
         # on CUDA it also picks attention's fastest backend
-        fuse_kernels(program, None if kernels else (), device=device, fp8=fp8)
+        fuse_kernels(program, None if kernels else (), device=device, fp8=fp8, split_backward=split_backward)
     return program
 
 
