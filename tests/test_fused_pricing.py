@@ -163,3 +163,69 @@ def test_a_plan_carries_fp8_and_refuses_a_device_without_it(tmp_path) -> None:
     assert Plan.from_dict(older).fp8 is False
     with pytest.raises(PlanError, match="A100-SXM4-80GB has no FP8 tensor cores"):
         plan("tiny-gpt", cluster=ClusterSpec.preset("dgx-a100", nodes=1, gpus_per_node=2), global_batch=4, fp8=True)
+
+
+# ---- what the fused kernels keep (memory) and how attention runs (time) ---------------------------
+
+def _hf_llama_graph():  # noqa: ANN202 - the planner's capture of a tiny Hugging Face Llama
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from mplan.ir.trace import capture_for_training
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return capture_for_training(transformers.LlamaForCausalLM(config), (torch.randint(0, 96, (2, 16)),))
+
+
+def test_the_memory_model_counts_what_the_fused_kernels_keep_for_a_hugging_face_llama() -> None:
+    """The causal mask transformers builds is proven causal (attention priced causal), attention
+    keeps its keys and values unrepeated (2 kv heads, not 4), and the fused head + loss keeps its
+    gradient buffers instead of any logits."""
+    from mplan.planner.fused_pricing import extra_saved_bytes, find_fused_saves
+
+    graph = _hf_llama_graph()
+    saves = find_fused_saves(graph)
+    attention = [(name, save) for name, save in saves.items() if save.causal]
+    assert len(attention) == 2
+    for _, save in attention:
+        q, k, v, _out = (graph.node(n).output for n in save.kept)
+        assert (q.shape[1], k.shape[1], v.shape[1]) == (4, 2, 2)
+    head = [save for save in saves.values() if not save.kept and len(save.extra) == 2]
+    assert len(head) == 1 and extra_saved_bytes(graph, head[0]) == (2 * 16 * 32 + 96 * 32) * 4  # rows x h, V x h
+    # the head's logits and their fp32 copy are inside the fused op: made in chunks, kept nowhere
+    logits = [n.name for n in graph.nodes if n.outputs and n.output.shape[-1:] == (96,) and n.kind != "view"]
+    assert logits and all(saves[name].inside for name in logits)
+    assert not any(name in save.kept for save in saves.values() for name in logits)
+
+
+def test_with_kernels_the_planner_prices_less_activation_memory_and_causal_attention() -> None:
+    graph = _hf_llama_graph()
+    cluster = ClusterSpec.preset("dgx-h100", nodes=1, gpus_per_node=1)
+    config = ParallelConfig(dp=1, tp=1, pp=1, mbs=2)
+    plain, fused = (Planner(graph, cluster, runtime="mplan", kernels=kernels).evaluate(config, fast=False)
+                    for kernels in (False, True))
+    assert fused.memory[0].activations_bytes < plain.memory[0].activations_bytes
+    attention = {n.name for n in graph.nodes if n.kind == "attention"}
+    coster = Planner(graph, cluster, runtime="mplan", kernels=True).sharded(1, False).coster
+    assert coster.causal_attention == attention and len(attention) == 2  # the mask was proven causal
+
+
+def test_a_plan_records_what_the_pass_fuses_over_the_model_and_explain_shows_it() -> None:
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from mplan.planner.explain import explain_data
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      dtype="bfloat16")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    made = plan(model, (torch.randint(0, 96, (2, 16)),), cluster=ClusterSpec.preset("dgx-h100", nodes=1,
+                gpus_per_node=1), global_batch=2, spec="dp=1,tp=1,pp=1", runtime="mplan")
+    fused = explain_data(made)["fused_kernels"]
+    # 3 blocks: the first norm reads the embedding alone, every other norm its residual add
+    assert fused == {"rms_norm": 1, "linear_group": 3, "rope": 6, "attention": 3, "rms_norm_residual": 6,
+                     "linear_swiglu": 3, "linear_cross_entropy": 1}

@@ -12,12 +12,7 @@ interpreter's blocks (128 elements, 2 x 16 tiles), so every mask runs. On its ow
 """
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,11 +22,10 @@ from distributed import rel_err
 from mplan.kernels import geglu, geglu_packed, geglu_packed_reference, geglu_reference, use_triton
 from mplan.kernels.dispatch import INTERPRET
 
-ROOT = Path(__file__).resolve().parent.parent
 needs_reference_dispatch = pytest.mark.skipif(INTERPRET, reason="this process runs Triton's interpreter")
 under_the_interpreter = pytest.mark.skipif(
     not INTERPRET,
-    reason="needs TRITON_INTERPRET=1 from process start; run by test_triton_kernels_in_an_interpreter_subprocess")
+    reason="needs TRITON_INTERPRET=1 from process start; run by tests/test_kernels.py::test_interpreter_suite")
 
 FP32_TOL = 1e-6
 FP16_TOL = 2e-3
@@ -146,18 +140,3 @@ def test_geglu_kernels_return_the_references_dtypes_under_the_interpreter() -> N
                                          (geglu_packed, geglu_packed_reference, (packed,))):
             got = fused(*inputs)
             assert "GeGLUFunction" in got.grad_fn.name() and got.dtype == reference(*inputs).dtype
-
-
-@pytest.mark.slow
-@needs_reference_dispatch
-def test_triton_kernels_in_an_interpreter_subprocess() -> None:
-    """This file's `..._under_the_interpreter` tests (and the packed-vs-unpacked check, on the
-    kernels in fp32) in a fresh process with TRITON_INTERPRET=1."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_geglu.py",
-                          "-k", "under_the_interpreter or (on_the_halves and float32)"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) == 6 and "skipped" not in summary, summary

@@ -8,12 +8,7 @@ and ends in a short one.
 """
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,10 +29,9 @@ from mplan.kernels import (
 from mplan.kernels.dispatch import INTERPRET
 from mplan.kernels.head_loss import LinearCrossEntropyBytes, default_chunk_rows
 
-ROOT = Path(__file__).resolve().parent.parent
 needs_reference_dispatch = pytest.mark.skipif(INTERPRET, reason="this process runs Triton's interpreter")
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 from process start; run by "
-                                                             "test_the_triton_path_under_the_interpreter")
+                                                             "tests/test_kernels.py::test_interpreter_suite")
 
 
 def _problem(rows: tuple[int, ...], hidden: int, vocab: int, dtype: torch.dtype, *, bias: bool = True,
@@ -242,20 +236,6 @@ def test_vocab_parallel_on_two_gloo_ranks_equals_the_single_process_op(gloo_outc
 
 
 # -- the Triton path, under the interpreter ---------------------------------------------------------
-INTERPRETED = ["test_interpreted_kernels_match_the_unfused_ops", "test_interpreted_sharded_path_with_oracle_reductions"]
-
-
-@needs_reference_dispatch
-def test_the_triton_path_under_the_interpreter() -> None:
-    """The interpreted tests below in a fresh process with TRITON_INTERPRET=1."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          *[f"tests/test_linear_cross_entropy.py::{name}" for name in INTERPRETED]],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) == 3 and "skipped" not in summary, summary
 
 
 @needs_interpreter

@@ -49,7 +49,8 @@ def memory_bound_h100s(make: Any, ids: torch.Tensor, loss_fn: Any = None):  # no
     from mplan.planner.search import Planner
 
     cluster = ClusterSpec.preset("dgx-h100", nodes=1, gpus_per_node=2)
-    planner = Planner(capture_for_training(make(), (ids,), loss_fn=loss_fn), cluster, runtime="mplan")
+    planner = Planner(capture_for_training(make(), (ids,), loss_fn=loss_fn), cluster, runtime="mplan",
+                      kernels=True)  # as mplan.plan prices a GPU cluster
 
     def leanest(spec: PlanSpec) -> float:
         result = planner.search(4, spec)

@@ -6,19 +6,14 @@ Two parts:
   shapes Hugging Face passes ([seq, head_dim], [1, 1, seq, head_dim], [batch, 1, seq, head_dim]);
   the output dtypes are the reference chain's;
 - the Triton kernel under Triton's CPU interpreter (`test_interpreted_*`): run by
-  `test_the_kernel_passes_under_the_interpreter` in a subprocess started with TRITON_INTERPRET=1
+  `tests/test_kernels.py::test_interpreter_suite` in a subprocess started with TRITON_INTERPRET=1
   (Triton fixes compile-vs-interpret at import), skipped in process otherwise. Shapes are tiny
   and not powers of two (6 q heads, 3 kv heads, 5 positions, head_dim 12), so every mask runs;
   fp32 within 1e-6 (relative, in norm) of the fp32 reference, fp16 within 2e-3 of float64.
 """
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,13 +23,12 @@ from mplan.kernels import rope, rope_qk, rope_qk_reference, rotary
 from mplan.kernels.dispatch import INTERPRET
 from mplan.models.layers import rope_tables
 
-ROOT = Path(__file__).resolve().parents[1]
 FP32_TOL = 1e-6
 FP16_TOL = 2e-3
 TABLE_SHAPES = ["seq_dim", "1_1_seq_dim", "batch_1_seq_dim"]
 
 interpreted = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 from process start; run by "
-                                                       "test_the_kernel_passes_under_the_interpreter")
+                                                       "tests/test_kernels.py::test_interpreter_suite")
 
 
 def _tables(shape: str, batch: int, seq: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,18 +144,6 @@ def test_tables_the_kernel_takes_are_views_not_copies(monkeypatch: pytest.Monkey
 
 
 # --- the Triton kernel under the interpreter ----------------------------------------------------
-
-
-def test_the_kernel_passes_under_the_interpreter() -> None:
-    """The `test_interpreted_*` tests of this file in a fresh process with TRITON_INTERPRET=1."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted",
-                          str(Path(__file__).relative_to(ROOT))],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) >= 10 and "skipped" not in summary, summary
 
 
 @interpreted

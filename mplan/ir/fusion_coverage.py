@@ -15,7 +15,9 @@ exists after an earlier rewrite would be missed here; none of the rules depends 
 """
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +25,7 @@ import torch
 from mplan.ir.fusion_patterns import ATTENTION_PATTERN, FUSION_PATTERNS, PatternMatch, is_call
 from mplan.ir.graph import Graph, OpNode
 
-__all__ = ["Coverage", "FusedKernel", "LeftOp", "OUTSIDE_BLOCKS", "fusion_coverage"]
+__all__ = ["Coverage", "FusedKernel", "LeftOp", "OUTSIDE_BLOCKS", "fused_chains", "fusion_coverage"]
 
 OUTSIDE_BLOCKS = "(outside blocks)"
 """The `Coverage.block_type` of the embedding, final norm, output head and loss."""
@@ -80,7 +82,7 @@ def fusion_coverage(graph: Graph) -> list[Coverage]:
     """One Coverage per block type, then one for the code outside blocks; empty without a program."""
     if graph.program is None:
         return []
-    matches = _matches(graph)
+    matches = fused_chains(graph)
     claimed = _erased_with(graph, {n.name for _, match in matches for n in match.chain},
                            {n.name for _, match in matches for n in match.inputs})
     coverages = []
@@ -92,8 +94,31 @@ def fusion_coverage(graph: Graph) -> list[Coverage]:
     return coverages
 
 
-def _matches(graph: Graph) -> list[tuple[str, PatternMatch]]:
-    """Every chain the pass would fuse, first pattern winning, no node in two chains."""
+def fused_chains(graph: Graph) -> list[tuple[str, PatternMatch]]:
+    """(kernel, match) for every chain the pass would fuse in `graph`'s training program, first
+    pattern winning, no node in two chains (also what the planner's memory model reads)."""
+    with _training_outputs(graph):
+        return _chains(graph)
+
+
+@contextlib.contextmanager
+def _training_outputs(graph: Graph) -> Iterator[None]:
+    """The program returning its loss alone while the patterns look: a training step's local
+    program drops the model's other outputs (`insert_collectives`), so the logits a Hugging Face
+    model also returns are no use a fused head + loss must keep."""
+    output = next((node for node in graph.program.graph.nodes if node.op == "output"), None)
+    if output is None or not graph.has_loss or not isinstance(output.args[0], (tuple, list)):
+        yield
+        return
+    returned = output.args
+    output.args = ((output.args[0][0],),)
+    try:
+        yield
+    finally:
+        output.args = returned
+
+
+def _chains(graph: Graph) -> list[tuple[str, PatternMatch]]:
     patterns = (*FUSION_PATTERNS, ATTENTION_PATTERN)
     taken: set[str] = set()
     found: list[tuple[str, PatternMatch]] = []

@@ -476,20 +476,23 @@ def is_causal_mask(mask: Node, q: Any, k: Any) -> bool:
     lengths must be equal (top-left and bottom-right alignment agree then). A mask depending on
     any input (padding, packed sequences given as inputs) is never causal here."""
     qv, kv = tensor_value(q), tensor_value(k)
-    if qv is None or kv is None or qv.dim() != 4 or qv.shape[-2] != kv.shape[-2]:
+    if qv is None or kv is None or qv.dim() != 4:
+        return False
+    q_shape = tuple(_example_int(d) for d in qv.shape)
+    if q_shape[-2] != _example_int(kv.shape[-2]):
         return False
     cached = mask.meta.get("mplan_causal_mask")
     if cached is None:
-        cached = mask.meta["mplan_causal_mask"] = _evaluates_to_causal(mask, qv.shape)
+        cached = mask.meta["mplan_causal_mask"] = _evaluates_to_causal(mask, q_shape)
     return cached
 
 
-def _evaluates_to_causal(mask: Node, q_shape: torch.Size) -> bool:
+def _evaluates_to_causal(mask: Node, q_shape: tuple[int, ...]) -> bool:
     try:
         value = _evaluate_constant(mask)
-    except (RuntimeError, TypeError, ValueError, IndexError):
+    except (RuntimeError, TypeError, ValueError, IndexError, AttributeError):
         return False
-    if not isinstance(value, torch.Tensor) or value.dim() != 4 or any(not isinstance(n, int) for n in q_shape):
+    if not isinstance(value, torch.Tensor) or value.dim() != 4:
         return False
     seq = q_shape[-2]
     if value.shape[-2:] != (seq, seq) or value.shape[0] not in (1, q_shape[0]) or value.shape[1] not in (1, q_shape[1]):
@@ -508,10 +511,22 @@ _EVALUATION_LIMIT = 256
 """At most this many nodes are evaluated to decide a mask (transformers' mask takes ~40)."""
 
 
+def _example_int(value: Any) -> Any:
+    """A symbolic size (the planner's capture has a symbolic batch) as the example value it was
+    traced at; anything else as it is. A mask built from shapes is decided at that batch."""
+    if isinstance(value, torch.SymInt):
+        hint = value.node.hint
+        if not isinstance(hint, int):
+            raise ValueError("a symbolic size without an example value")
+        return hint
+    return value
+
+
 def _evaluate_constant(node: Node) -> Any:
     """The value of `node`, computed from its ancestors when they are calls of ATen ops on
-    constants only (never a placeholder: no input, parameter or buffer; what a meta-device
-    capture creates on the meta device is created on the CPU). Raises ValueError when it
+    constants only (never a placeholder's values: no input, parameter or buffer, though an
+    input's size may be read; what a meta-device capture creates on the meta device is created
+    on the CPU). Raises ValueError when it
     depends on anything else or needs more than _EVALUATION_LIMIT nodes."""
     order: list[Node] = []
     seen: set[Node] = set()
@@ -526,15 +541,18 @@ def _evaluate_constant(node: Node) -> Any:
         order.append(current)
         if len(order) > _EVALUATION_LIMIT:
             raise ValueError("mask computation too long to evaluate")
-        stack.extend(n for n in current.all_input_nodes if n not in seen)
+        if current.target is not aten.sym_size.int:  # a size reads no values: its input stays unread
+            stack.extend(n for n in current.all_input_nodes if n not in seen)
     position = {n: i for i, n in enumerate(node.graph.nodes)}
     values: dict[Node, Any] = {}
     for current in sorted(order, key=position.__getitem__):
+        if current.target is aten.sym_size.int:  # the batch of a symbolic capture, at its example value
+            values[current] = _example_int(tensor_value(current.args[0]).shape[current.args[1]])
+            continue
         args, kwargs = torch.fx.node.map_arg((current.args, current.kwargs), values.__getitem__)
         if kwargs.get("device") == torch.device("meta"):  # a meta-device capture: the same constants on the CPU
             kwargs = {**kwargs, "device": torch.device("cpu")}
-        if any(isinstance(a, torch.SymInt) for a in torch.utils._pytree.tree_leaves((args, kwargs))):
-            raise ValueError("symbolic shape")
+        args, kwargs = torch.utils._pytree.tree_map(_example_int, (args, kwargs))
         values[current] = current.target(*args, **kwargs)
     return values[node]
 
@@ -548,10 +566,19 @@ def _viewable_as_slices(outputs: list[Node], sizes: list[int]) -> bool:
     first = tensor_value(outputs[0])
     if first is None:
         return False
-    wide = torch.empty((*first.shape[:-1], sum(sizes)), dtype=first.dtype, device="meta")
+    try:  # a symbolic batch (the planner's capture) is tried at its example value
+        wide = torch.empty((*(_example_int(d) for d in first.shape[:-1]), sum(sizes)), dtype=first.dtype,
+                           device="meta")
+    except ValueError:
+        return False
     for part, out in zip(wide.split(sizes, dim=-1), outputs):
         for user in out.users:
             shape = user.args[1] if is_call(user, *_VIEWS) and len(user.args) == 2 else None
+            try:
+                shape = None if shape is None else [
+                    _example_int(d.meta.get("val") if isinstance(d, Node) else d) for d in shape]
+            except ValueError:
+                shape = None
             if shape is None or not all(isinstance(d, int) for d in shape):
                 return False
             try:

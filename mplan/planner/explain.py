@@ -80,6 +80,8 @@ def explain_data(plan: Plan) -> dict[str, Any]:
     return {"model": plan.model.name, "cluster": f"{plan.cluster.name} x{plan.cluster.nodes}",
             "world_size": plan.cluster.world_size, "spec": plan.spec(), "fp8": plan.fp8,
             "fused_kernels_priced": bool(plan.planner.get("fused_kernels_priced")),
+            "fused_kernels": {key.removeprefix("fused."): int(count) for key, count in plan.planner.items()
+                              if key.startswith("fused.")},
             "mesh": {"dp": plan.mesh.dp, "tp": plan.mesh.tp, "pp": plan.mesh.pp, "ep": plan.mesh.ep,
                      "vpp": plan.mesh.vpp},
             "predicted": {"step_time_ms": best * 1e3, "tflops_per_gpu": plan.predicted.tflops_per_gpu,
@@ -115,7 +117,9 @@ def render(plan: Plan, console: Any) -> None:
                   f"dp={m['dp']} tp={m['tp']} pp={m['pp']} vpp={m['vpp']} ep={m['ep']}, "
                   f"{plan.schedule}, micro-batch {plan.micro_batch_size} x {plan.num_micro_batches}, "
                   f"SP {'on' if plan.sequence_parallel else 'off'}, zero={plan.zero}, recompute={plan.recompute}")
-    kernels = "fused kernels priced" if plan.planner.get("fused_kernels_priced") else "ops priced one by one"
+    fused = ", ".join(f"{kernel} x{count}" for kernel, count in d["fused_kernels"].items())
+    kernels = (f"fused kernels priced ({fused}; per block: mplan inspect)" if fused else "fused kernels priced") \
+        if plan.planner.get("fused_kernels_priced") else "ops priced one by one"
     console.print(f"GEMMs: {'FP8 block linears (output head in bf16)' if plan.fp8 else 'training dtype'}; {kernels}")
     console.print(f"predicted: step {p['step_time_ms']:.1f} ms, {p['tflops_per_gpu']:.1f} TFLOP/s per GPU "
                   f"(MFU {p['mfu']:.1%}), {p['tokens_per_s']:,.0f} tokens/s, bubble {p['bubble_fraction']:.1%}, "

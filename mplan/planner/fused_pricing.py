@@ -10,6 +10,17 @@ kernel and its other ops nothing. GEMMs and attention keep their prices (the gro
 GEMM is priced as its parts; bias+GELU's GEMM stays a GEMM), except under FP8
 (`find_fp8_linears`, `fp8_linear_time`): the block linears as FP8 GEMMs plus their casts.
 
+Memory and attention: `find_fused_saves` gives, for every chain the pass fuses (GEMM groups,
+attention and the fused head + loss included), what the fused kernel keeps for its backward;
+the sharding ILP's activation count (`sharding_ilp._saved_bytes`) takes that instead of the
+chain's ATen ops' saves (Hugging Face's fp32 copies inside norms and loss, the causal mask,
+repeated keys and values, whole logits), and the chain's inside is no transient. Attention with
+a mask the pattern proved causal is priced causal. On the H200 (2026-12-02) HF Llama-1.1B at 8 x
+2048 under `dp=1` measured 211.4 ms and 30.06 GiB; priced so, 213.8 ms (+1.2%) and 31.4 GiB
+(+4.5%, the allocator's 10% share included); priced on the ATen ops, 257 ms and 51.5 GiB. That
+run predates `kernels.grouped_linear` (about 1.3 GiB less kept; not yet measured), so the memory
+comparison is to be redone.
+
 Measured: `MEASURED_COPY_FRACTION` is the share of the device-to-device copy bandwidth each
 kernel reached on the H200, forward and backward separately, by GPU kernel time at the kernel
 benchmark's main 16384-row training shapes (benchmarks/results/kernels_h200-2026-11-29-session7.json);
@@ -22,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.ir.graph import Graph, OpNode, dtype_bytes
@@ -71,6 +83,86 @@ def find_fused_chains(graph: Graph) -> dict[str, FusedChain]:
             chains.update({name: chain for name in names if name in graph and graph.node(name).kind != "matmul"})
             break
     return chains
+
+
+@dataclass(frozen=True, slots=True)
+class FusedSave:
+    """What a fused kernel keeps for its backward, in place of what its chain's ATen ops keep."""
+
+    kept: tuple[str, ...] = ()
+    """IR values the kernel saves (activations; a parameter among them is no activation)"""
+    extra: tuple[tuple[str, str], ...] = ()
+    """its own side tensors, as (IR node, measure): "rows4" one fp32 per row of the node's
+    value (a norm's rstd, a loss's or attention's log-sum-exp), "rows8" two, "inputI" a tensor
+    the size and dtype of the node's I-th input (the fused head + loss's gradient buffers)"""
+    causal: bool = False
+    """attention that runs causally (`is_causal`, or a mask the pattern proved causal)"""
+    inside: bool = False
+    """a chain node other than its anchor: its value is never made (the kernel computes it in
+    registers or in chunks), and it keeps nothing"""
+
+
+NOTHING_KEPT = FusedSave()
+"""A fused op that keeps nothing (RoPE: its tables are buffers)."""
+INSIDE_A_KERNEL = FusedSave(inside=True)
+"""A chain node other than its anchor: the fused kernel took over its value and what it kept."""
+
+
+def _keeps(kernel: str, match: Any) -> FusedSave:
+    """What `mplan.kernels` keeps for each fused op (their autograd Functions' saved tensors)."""
+    p, name = match.params, (lambda node: node.name)
+    anchor = match.anchor.name
+    if kernel in ("rms_norm_residual", "layer_norm_residual"):  # the sum, rstd (LayerNorm: and mean)
+        return FusedSave((name(match.outputs[1]),), ((anchor, "rows4" if kernel == "rms_norm_residual" else "rows8"),))
+    if kernel == "rms_norm":
+        return FusedSave((name(p["x"]),), ((anchor, "rows4"),))
+    if kernel == "linear_group":  # the input; the weights are parameters, their concatenation not kept
+        return FusedSave((name(p["x"]),))
+    if kernel == "bias_gelu":  # the GEMM's input and its unbiased output
+        return FusedSave((name(p["x"]), name(p["linear"])))
+    if kernel in ("linear_swiglu", "linear_geglu"):  # the GEMM's input, the packed [gate | up] product
+        return FusedSave((name(p["x"]), name(p["gate"]), name(match.chain[1])))
+    if kernel in ("swiglu", "geglu"):
+        return FusedSave((name(p["gate"]), name(p["up"])))
+    if kernel == "cross_entropy":  # the logits in their own dtype (never an fp32 copy), lse
+        return FusedSave((name(p["logits"]),), ((name(p["logits"]), "rows4"),))
+    if kernel == "linear_cross_entropy":  # d_x, d_W (d_b): the head's inputs' sizes; no logits at all
+        head = name(match.chain[0])
+        return FusedSave((), tuple((head, f"input{i}") for i in range(3 if p["bias"] is not None else 2)))
+    if kernel == "attention":  # q, k, v (unrepeated under GQA), the output, lse
+        return FusedSave((*(name(n) for n in match.inputs), anchor), ((name(match.inputs[0]), "rows4"),),
+                         causal=bool(p["options"]["is_causal"]))
+    return NOTHING_KEPT  # rope: its tables are buffers
+
+
+def find_fused_saves(graph: Graph) -> dict[str, FusedSave]:
+    """Node name -> what the fused kernel its chain becomes keeps (on the anchor; INSIDE_A_KERNEL
+    on the chain's other nodes), for every chain `fuse_kernels` fuses (mplan.ir.fusion_coverage).
+    The memory model counts these instead of the ATen ops' saves: Hugging Face's fp32 copies
+    inside norms and loss, the causal mask, repeated keys and values, whole logits."""
+    from mplan.ir.fusion_coverage import fused_chains
+
+    if graph.program is None:
+        return {}
+    saves: dict[str, FusedSave] = {}
+    for kernel, match in fused_chains(graph):
+        saves.update({node.name: INSIDE_A_KERNEL for node in match.chain if node.name in graph})
+        saves[match.anchor.name] = _keeps(kernel, match)
+    return saves
+
+
+def extra_saved_bytes(graph: Graph, save: FusedSave) -> int:
+    """The bytes of a fused kernel's side tensors at `graph`'s (rebatched) shapes."""
+    total = 0
+    for value, measure in save.extra:
+        if value not in graph:
+            continue
+        node = graph.node(value)
+        if measure.startswith("input"):
+            total += node.input_metas[int(measure.removeprefix("input"))].nbytes
+        elif node.outputs:
+            total += (4 if measure == "rows4" else 8) * math.prod(node.output.shape[:-1])
+    return total
 
 
 def find_fp8_linears(graph: Graph) -> frozenset[str]:

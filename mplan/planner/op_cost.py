@@ -26,7 +26,13 @@ from mplan.ir.graph import OpNode, TensorMeta
 from mplan.ir.op_table import op_packet
 from mplan.ir.placement import Partial, Placement, R, can_transition, local_shape, transition
 from mplan.ir.strategy import Strategy
-from mplan.planner.fused_pricing import MEASURED_COPY_FRACTION, FusedChain, fp8_linear_time, fused_bytes
+from mplan.planner.fused_pricing import (
+    MEASURED_COPY_FRACTION,
+    FusedChain,
+    FusedSave,
+    fp8_linear_time,
+    fused_bytes,
+)
 
 MEMORY_BOUND_BACKWARD_FACTOR = 2.0  # backward bytes / forward bytes of elementwise and norm ops
 IMPOSSIBLE_S = 1.0e3  # price of a transition no pass can emit; far above any real block time
@@ -42,12 +48,17 @@ class OpCoster:
     """Seconds for ops and reshardings on one tensor-parallel axis of a cluster."""
 
     def __init__(self, cluster: ClusterSpec, axis_size: int, group: GroupShape,
-                 fused: Mapping[str, FusedChain] | None = None, fp8_linears: frozenset[str] = frozenset()) -> None:
+                 fused: Mapping[str, FusedChain] | None = None, fp8_linears: frozenset[str] = frozenset(),
+                 saves: Mapping[str, FusedSave] | None = None) -> None:
         self.cluster = cluster
         self.n = axis_size
         self.group = group
         self.fused = fused or {}
         """memory-bound chains that run as one fused kernel (fused_pricing.find_fused_chains)"""
+        self.saves = saves or {}
+        """what each fused chain keeps for backward (fused_pricing.find_fused_saves)"""
+        self.causal_attention = frozenset(name for name, save in self.saves.items() if save.causal)
+        """attention nodes that run causally though captured with a mask (proven causal)"""
         self.fp8_linears = fp8_linears
         """linears that run as FP8 GEMMs (fused_pricing.find_fp8_linears)"""
         self.compute = ComputeCostModel(cluster)
@@ -112,6 +123,7 @@ class OpCoster:
         if node.kind == "attention":
             q, kv = locals_[0], locals_[1]
             causal = bool(node.args[5]) if len(node.args) > 5 else bool(dict(node.kwargs).get("is_causal"))
+            causal = causal or node.name in self.causal_attention
             args = (q[0], q[1], q[2], kv[2], q[3], dtype, causal)
             return (self.compute.attention_time(*args, backward=False),
                     self.compute.attention_time(*args, backward=True))

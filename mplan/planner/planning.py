@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 from typing import Any, Callable, Sequence
 
 import torch
@@ -72,4 +73,30 @@ def plan(model: nn.Module | str, example_inputs: Sequence[Any] | None = None, *,
     made = dataclasses.replace(build_plan(result, graph, cluster, global_batch, runtime=runtime), fp8=fp8)
     made.planner["total_seconds"] = round(time.perf_counter() - start, 3)
     made.planner["fused_kernels_priced"] = float(kernels)
+    if kernels:  # what the pass will fuse, per kernel over the whole model (`mplan explain` shows it)
+        made.planner.update(fused_kernel_counts(graph))
     return made
+
+
+FUSED_PREFIX = "fused."
+"""Plan.planner keys `fused.<kernel>`: how many chains of the model become that kernel."""
+
+
+def fused_kernel_counts(graph: Graph) -> dict[str, float]:
+    """`fused.<kernel>` -> chains over the whole model: those of every captured node, and for the
+    instances a shallow capture did not trace, those of the last instance traced of their block."""
+    from mplan.ir.fusion_coverage import fused_chains
+
+    per_instance: dict[str | None, Counter[str]] = {}
+    for kernel, match in fused_chains(graph):
+        block = graph.node(match.anchor.name).block if match.anchor.name in graph else None
+        per_instance.setdefault(block, Counter())[kernel] += 1
+    counts: Counter[str] = Counter()
+    for found in per_instance.values():
+        counts.update(found)
+    for block_type in graph.block_types:
+        traced = [prefix for prefix in block_type.instances if prefix in per_instance]
+        if traced:
+            untraced = block_type.num_instances - len(traced)
+            counts.update({kernel: n * untraced for kernel, n in per_instance[traced[-1]].items()})
+    return {FUSED_PREFIX + kernel: float(n) for kernel, n in counts.items()}

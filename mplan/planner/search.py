@@ -29,7 +29,7 @@ from mplan.ir.moe import num_experts
 from mplan.ir.rebatch import rebatch
 from mplan.ir.strategy import Strategy
 from mplan.planner.evaluate import Estimate, ModelFacts, evaluate
-from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains
+from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains, find_fused_saves
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.parallel_config import (RUNTIMES, ModelLimits, ParallelConfig, PlanSpec, PlanSpecError,
                                            enumerate_configs)
@@ -105,6 +105,7 @@ class Planner:
         self.allow = allow
         # chains fuse_kernels will run as one kernel, priced so (names survive rebatching)
         self.fused = find_fused_chains(graph) if kernels else {}
+        self.saves = find_fused_saves(graph) if kernels else {}
         self.fp8_linears = find_fp8_linears(graph) if fp8 else frozenset()
         self.progress = progress or (lambda _: None)
         self._sharded: dict[tuple[int, bool], ShardedModel] = {}
@@ -116,7 +117,8 @@ class Planner:
         key = (tp, sp)
         if key not in self._sharded:
             group = GroupShape.from_mesh_axis(size=tp, stride=1, gpus_per_node=self.cluster.gpus_per_node)
-            coster = OpCoster(self.cluster, tp, group, fused=self.fused, fp8_linears=self.fp8_linears)
+            coster = OpCoster(self.cluster, tp, group, fused=self.fused, fp8_linears=self.fp8_linears,
+                              saves=self.saves)
             self.progress(f"solving the sharding ILP for tp={tp}{' with SP' if sp else ''}")
             sharding = self._solve(self.graph, coster, sp)
             units = unit_costs(self.graph, sharding, coster)

@@ -37,12 +37,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from mplan.ir.graph import BlockType, Graph, OpNode, TensorMeta
 from mplan.ir.op_table import persistent_inputs, rule_for
 from mplan.ir.placement import Placement, R, grad_placement
 from mplan.ir.strategy import Strategy
+from mplan.planner.fused_pricing import FusedSave, extra_saved_bytes
 from mplan.planner.op_cost import OpCoster, partial_param_grad_bytes
 from mplan.planner.op_registry import shard_bytes, strategies_for
 
@@ -397,7 +398,7 @@ def _summarize(problem: _Problem, choice: dict[str, Strategy], node_cost: dict,
         s = choice[v.name]
         param_bytes += sum(shard_bytes(graph.params[name].meta, s.inputs[v.inputs.index(name)], n)
                            for _, name in v.params)
-    saved = _saved_bytes(problem, choice, n, boundary)
+    saved = _saved_bytes(problem, choice, n, boundary, coster.saves)
     metas = {k: p.meta for k, p in graph.params.items()}
     sync_bytes = sum(partial_param_grad_bytes(v, choice[v.name], metas) for v in problem.nodes)
     return SegmentSharding(segment=problem.name, axis_size=n, boundary=boundary, choice=choice,
@@ -406,10 +407,12 @@ def _summarize(problem: _Problem, choice: dict[str, Strategy], node_cost: dict,
                            objective_s=fwd + bwd, **extra)
 
 
-def _saved_bytes(problem: _Problem, choice: dict[str, Strategy], n: int, boundary: Placement) -> int:
+def _saved_bytes(problem: _Problem, choice: dict[str, Strategy], n: int, boundary: Placement,
+                 fused: Mapping[str, FusedSave]) -> int:
     """Activations one instance keeps for backward under the chosen placements, as the local program
     (`passes/insert_collectives.py`) holds them: each storage counted once, at its producer's placement,
-    plus the copies consumers keep of their own (below) and the ops' side tensors."""
+    plus the copies consumers keep of their own (below) and the ops' side tensors. A node of a chain
+    `fuse_kernels` fuses (`fused`, empty without kernels) keeps what the fused kernel keeps instead."""
     graph = problem.graph
     placement_of: dict[str, Placement] = {v.name: choice[v.name].output for v in problem.nodes}
     persistent = persistent_inputs(graph)
@@ -417,9 +420,11 @@ def _saved_bytes(problem: _Problem, choice: dict[str, Strategy], n: int, boundar
     extra = 0
     for v in problem.nodes:
         s = choice[v.name]
-        extra += v.saved_extra_bytes // (n if s.split else 1)
+        kernel = fused.get(v.name)
+        side = v.saved_extra_bytes if kernel is None else extra_saved_bytes(graph, kernel)
+        extra += side // (n if s.split else 1)
         rule = rule_for(v.op)
-        for saved in v.saved:
+        for saved in (v.saved if kernel is None else kernel.kept):
             root = graph.storage_root(saved)
             # parameters, and buffers such as RoPE tables (a view of them is kept), are no activations
             if root in graph.params or root in persistent or (meta := value_meta(graph, root)) is None:

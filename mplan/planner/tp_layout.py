@@ -43,6 +43,7 @@ class CollectiveCountCoster:
 
     def __init__(self, n: int) -> None:
         self.n = n
+        self.saves: dict[str, object] = {}  # memory as the ATen ops keep it: the layout is chosen by counts
 
     def collective(self, kind: str | None, nbytes: int) -> float:
         return 0.0 if kind is None or nbytes == 0 or self.n == 1 else self.COLLECTIVE + self.PER_BYTE * nbytes

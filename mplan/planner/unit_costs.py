@@ -92,7 +92,8 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
             kept_extra += node.saved_extra_bytes // (n if s.split else 1)  # attention's logsumexp
         elif node.kind not in ("view", "getitem", "scalar"):
             extra += coster.op(node, s).forward_s
-        if node.outputs:
+        fused = coster.saves.get(node.name)
+        if node.outputs and not (fused is not None and fused.inside):  # a fused chain's inside is never made
             largest = max(largest, shard_bytes(node.output, s.output, n))
         if node.params:
             cost, own = coster.op(node, s), coster.op_comm(s)
