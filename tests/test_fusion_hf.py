@@ -145,3 +145,22 @@ def test_a_bf16_model_folds_the_fp32_upcast_and_the_residual_add_into_the_norm()
     assert torch.allclose(loss.float(), ref_loss.float(), rtol=1e-2)
     for name, grad in ref_grads.items():
         assert (grads[name].float() - grad.float()).norm() <= 3e-2 * grad.float().norm() + 1e-6, name
+
+
+def test_inspect_shows_each_block_fully_fused_and_what_is_left_outside(tmp_path) -> None:  # noqa: ANN001
+    """`mplan inspect CONFIG.json` in the config's own dtype: the decoder layer's chains all
+    become kernels, the one op left in it being attention's output layout copy (free when the
+    kernel wrote that layout); what is left outside blocks (RoPE's tables) is listed with its
+    bytes and why."""
+    from mplan.ir.summary import capture_spec, summarize
+
+    config_cls, _, _ = FAMILIES["llama"]
+    config_cls(**SHAPE, dtype="bfloat16").save_pretrained(tmp_path)
+    doc = summarize(capture_spec(str(tmp_path), batch=2, seq_len=12), per_op=False)
+    block, outside = doc["fusion"]
+    assert block["block_type"] == "LlamaDecoderLayer" and block["instances"] == 2
+    assert [op["op"] for op in block["left"]] == ["aten.contiguous.default"] and "layout" in block["left"][0]["why"]
+    assert {f["kernel"] for f in block["fused"]} == {"rms_norm", "rms_norm_residual", "linear_group", "rope",
+                                                    "attention", "linear_swiglu"}
+    assert {f["kernel"] for f in outside["fused"]} == {"rms_norm_residual", "linear_cross_entropy"}
+    assert all(op["bytes"] > 0 and op["why"] for op in outside["left"])
