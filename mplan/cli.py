@@ -17,6 +17,42 @@ from typing import Any, Callable, NoReturn, Sequence
 from mplan.planner.parallel_config import RUNTIMES
 
 
+PIPED_WIDTH = 400
+"""Columns a table may take when stdout is no terminal (a file, a pipe, a CI log): wide enough
+that no value is cut ("sta…"); a terminal's own width holds otherwise."""
+
+
+def _console() -> Any:
+    """rich's Console for stdout: the terminal's width, or PIPED_WIDTH when piped (rich would
+    assume 80 columns and cut values to fit)."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=PIPED_WIDTH)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1, refused with one line naming what was given (a zero
+    batch would reach a division, a negative one a micro-batch count, after a capture)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
+    return value
+
+
+def at_least_one(text: str) -> float:
+    """An argparse type: a finite number >= 1.0 (a load factor over the mean)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 1.0, got {text!r}") from None
+    if not 1.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 1.0, got {text}")
+    return value
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from mplan.ir.summary import capture_spec, summarize
 
@@ -30,10 +66,9 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _print_inspect(doc: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = _console()
     console.print(f"[bold]{doc['model']}[/]: {doc['num_parameters']:,} parameters, "
                   f"{doc['num_layers']} layers, batch {doc['batch_size']} x seq {doc['seq_len']}")
     fpt = doc["flops_per_token"]
@@ -124,11 +159,10 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         print(made.to_json())
         return 0
-    from rich.console import Console
 
     from mplan.planner.explain import render
 
-    render(made, Console())
+    render(made, _console())
     if args.output:
         print(f"plan written to {args.output}; planning took {made.planner.get('total_seconds', 0):.2f} s")
     return 0
@@ -144,9 +178,8 @@ def _explain(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(explain_data(loaded), indent=1))
         return 0
-    from rich.console import Console
 
-    render(loaded, Console())
+    render(loaded, _console())
     if args.gantt:
         print(f"Gantt chart written to {args.gantt}")
     return 0
@@ -186,7 +219,6 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _print_bench(rows: list[dict[str, Any]]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title="plans side by side (predicted unless marked measured)")
@@ -199,7 +231,7 @@ def _print_bench(rows: list[dict[str, Any]]) -> None:
         if without is not None:  # what expert parallelism buys: the best plan of the same spec with ep=1
             note = without["error"] or f"{without['slower']:+.1%} step vs the plan above"
             table.add_row("  best with ep=1", *_bench_cells(without), "-", note)
-    Console().print(table)
+    _console().print(table)
 
 
 def _bench_cells(row: dict[str, Any]) -> list[str]:
@@ -270,8 +302,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="the captured graph: parameters, FLOPs, repeated blocks")
     p.add_argument("model", help="preset, family:k=v,..., config.json path or package.module:factory")
-    p.add_argument("--batch", type=int, default=1, help="batch size traced (sequences)")
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size traced (sequences)")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="sequence length (default: the model's)")
     p.add_argument("--shallow", action="store_true",
                    help="trace two instances of each repeated block and scale (fast for deep models)")
     p.add_argument("--json", action="store_true", help="print one JSON document and nothing else")
@@ -280,10 +312,10 @@ def _parser() -> argparse.ArgumentParser:
     def cluster_args(q: argparse.ArgumentParser) -> None:
         q.add_argument("--cluster", default="dgx-h100",
                        help="preset (dgx-a100, dgx-h100, dgx-h200, h200, cpu) or a cluster JSON file")
-        q.add_argument("--nodes", type=int, default=1, help="nodes of the preset")
-        q.add_argument("--gpus-per-node", type=int, default=None, help="override the preset's GPUs per node")
-        q.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
-        q.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
+        q.add_argument("--nodes", type=positive_int, default=1, help="nodes of the preset")
+        q.add_argument("--gpus-per-node", type=positive_int, default=None, help="override the preset's GPUs per node")
+        q.add_argument("--global-batch", type=positive_int, required=True, help="sequences per optimizer step")
+        q.add_argument("--seq-len", type=positive_int, default=None, help="sequence length (default: the model's)")
 
     p = sub.add_parser("plan", help="search the fastest plan that fits and explain it")
     p.add_argument("model", help="preset, family:k=v,..., config.json path or package.module:factory")
@@ -296,7 +328,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--runtime", choices=RUNTIMES, default="megatron",
                    help="whose optimizer memory to price: Megatron-LM's (fp32 masters at any zero) or "
                         "mplan's runtime (bf16 in place at zero=0, fp32 master shards at zero=1)")
-    p.add_argument("--moe-imbalance", type=float, default=1.0,
+    p.add_argument("--moe-imbalance", type=at_least_one, default=1.0,
                    help="MoE models: the busiest expert-parallel rank's token load over the mean (1.0: uniform)")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON and nothing else")
@@ -315,7 +347,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--measure", action="store_true", help="also run each plan for real on this machine's ranks")
     p.add_argument("--profile", action="store_true",
                    help="with --measure on GPUs: one more step under the profiler, its kernel time by kind")
-    p.add_argument("--moe-imbalance", type=float, default=1.0,
+    p.add_argument("--moe-imbalance", type=at_least_one, default=1.0,
                    help="MoE models: the busiest expert-parallel rank's token load over the mean (1.0: uniform)")
     p.add_argument("--csv", default=None, help="also write the table as CSV")
     p.add_argument("--out", default=None, help="also write the rows as JSON here, rewritten after each plan")
@@ -332,8 +364,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="run a plan scaled down on CPU ranks, compare with one device")
     p.add_argument("target", help="a plan.json, or a model spec (then --plan gives the plan)")
     p.add_argument("--plan", default="tp=2,dp=2,sp=1,zero=1", help="plan spec string or plan.json")
-    p.add_argument("--world-size", type=int, default=4, help="gloo CPU ranks to start")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps to compare")
+    p.add_argument("--world-size", type=positive_int, default=4, help="gloo CPU ranks to start")
+    p.add_argument("--steps", type=positive_int, default=3, help="optimizer steps to compare")
     p.add_argument("--json", action="store_true", help="print one JSON document and nothing else")
     p.set_defaults(func=_verify)
     return parser

@@ -38,10 +38,22 @@ def capture_for_planning(model: nn.Module | str, example_inputs: Sequence[Any] |
     return capture_for_training(model, tuple(example_inputs), loss_fn=loss_fn, shallow=True)
 
 
+def check_batch(global_batch: object, seq_len: object = None) -> None:
+    """Refuse, naming it, a global batch (or sequence length) that is not a whole number >= 1:
+    it would reach a division or a negative micro-batch count otherwise."""
+    for name, value in (("global_batch", global_batch), ("seq_len", seq_len)):
+        if value is None and name == "seq_len":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"{name} must be a whole number of {'sequences' if name == 'global_batch' else 'tokens'} "
+                            f">= 1, got {value!r}")
+
+
 def search_plans(graph: Graph, cluster: ClusterSpec, global_batch: int, spec: PlanSpec | str = "auto", *,
                  allow: StrategyFilter | None = None, allow_cross_node_tp: bool = False, kernels: bool = False,
                  fp8: bool = False, runtime: str = "megatron", moe_imbalance: float = 1.0,
                  progress: Callable[[str], None] | None = None) -> tuple[Planner, SearchResult]:
+    check_batch(global_batch)
     if isinstance(spec, str):
         spec = parse_plan_spec(spec)
     planner = Planner(graph, cluster, allow=allow, kernels=kernels, fp8=fp8, runtime=runtime,
@@ -62,6 +74,7 @@ def plan(model: nn.Module | str, example_inputs: Sequence[Any] | None = None, *,
     `runtime`: whose optimizer memory is priced, Megatron-LM's ("megatron") or mplan's ("mplan",
     as `autoparallel` plans). `moe_imbalance`: MoE models, the busiest expert-parallel rank's token
     load over the mean that the all-to-all and expert GEMMs are priced at (1.0: uniform routing)."""
+    check_batch(global_batch, seq_len)  # before the capture: a bad number costs nothing
     if fp8 and not cluster.device.peak_fp8:
         raise PlanError(f"fp8=True: {cluster.device.name} has no FP8 tensor cores (no fp8 peak in its cluster spec)")
     start = time.perf_counter()

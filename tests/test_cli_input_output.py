@@ -1,0 +1,51 @@
+"""Numbers that would reach arithmetic are refused up front, each with one line naming it; output
+that is no terminal keeps every value whole."""
+from __future__ import annotations
+
+import pytest
+
+import mplan
+from mplan.cli import main
+from mplan.planner.plan import PlanError
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["plan", "llama3-8b", "--cluster", "dgx-h100", "--global-batch", "0"], "--global-batch"),
+    (["bench", "llama3-8b", "--cluster", "dgx-h100", "--global-batch", "-5", "--plans", "auto"], "--global-batch"),
+    (["plan", "llama3-8b", "--cluster", "dgx-h100", "--global-batch", "8", "--nodes", "0"], "--nodes"),
+    (["plan", "llama3-8b", "--cluster", "dgx-h100", "--global-batch", "8", "--seq-len", "x"], "--seq-len"),
+    (["plan", "mixtral-8x7b", "--cluster", "dgx-h100", "--global-batch", "8", "--moe-imbalance", "0.5"],
+     "--moe-imbalance"),
+    (["inspect", "llama3-8b", "--batch", "0"], "--batch"),
+])
+def test_the_cli_refuses_a_bad_number_in_one_line_naming_it(argv: list[str], named: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {named}: must be" in last and "Traceback" not in last
+
+
+@pytest.mark.parametrize("global_batch", [0, -5, 2.5, True])
+def test_plan_refuses_a_bad_global_batch_before_capturing_anything(global_batch: object,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import mplan.planner.planning as planning
+
+    monkeypatch.setattr(planning, "capture_for_planning", lambda *a, **k: pytest.fail("captured first"))
+    with pytest.raises(PlanError, match=rf"global_batch must be a whole number of sequences >= 1, got {global_batch!r}"):
+        mplan.plan("llama3-8b", cluster=mplan.ClusterSpec.preset("dgx-h100", nodes=1), global_batch=global_batch)
+
+
+def test_piped_tables_keep_every_value_whole(capsys: pytest.CaptureFixture[str]) -> None:
+    """Output that is no terminal (a file, a pipe, a CI log) is not cut to 80 columns: no value
+    ends in an ellipsis, and each alternative's spec is printed whole."""
+    import json
+
+    assert main(["plan", "tiny-llama", "--cluster", "dgx-h100", "--global-batch", "16", "--runtime", "mplan"]) == 0
+    printed = capsys.readouterr().out
+    assert "…" not in printed
+    assert main(["plan", "tiny-llama", "--cluster", "dgx-h100", "--global-batch", "16", "--runtime", "mplan",
+                 "--json"]) == 0
+    alternatives = json.loads(capsys.readouterr().out)["alternatives"]
+    assert alternatives and all(a["spec"] in printed for a in alternatives)
