@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from mplan.ir.fusion_patterns import ATTENTION_PATTERN, FUSION_PATTERNS, PatternMatch, is_call
+from mplan.ir.fusion_patterns import ATTENTION_PATTERN, FUSION_PATTERNS, FusionPattern, PatternMatch, is_call
 from mplan.ir.graph import Graph, OpNode
 
 __all__ = ["Coverage", "FusedKernel", "LeftOp", "OUTSIDE_BLOCKS", "fused_chains", "fusion_coverage"]
@@ -94,11 +94,13 @@ def fusion_coverage(graph: Graph) -> list[Coverage]:
     return coverages
 
 
-def fused_chains(graph: Graph) -> list[tuple[str, PatternMatch]]:
+def fused_chains(graph: Graph, patterns: Sequence[FusionPattern] | None = None) -> list[tuple[str, PatternMatch]]:
     """(kernel, match) for every chain the pass would fuse in `graph`'s training program, first
-    pattern winning, no node in two chains (also what the planner's memory model reads)."""
+    pattern winning, no node in two chains (also what the planner prices: its memory model with
+    every pattern, its kernel times with those of measured kernels). `patterns`: the pass's own
+    (FUSION_PATTERNS, then ATTENTION_PATTERN) by default, in their order."""
     with _training_outputs(graph):
-        return _chains(graph)
+        return _chains(graph, (*FUSION_PATTERNS, ATTENTION_PATTERN) if patterns is None else tuple(patterns))
 
 
 @contextlib.contextmanager
@@ -118,8 +120,7 @@ def _training_outputs(graph: Graph) -> Iterator[None]:
         output.args = returned
 
 
-def _chains(graph: Graph) -> list[tuple[str, PatternMatch]]:
-    patterns = (*FUSION_PATTERNS, ATTENTION_PATTERN)
+def _chains(graph: Graph, patterns: tuple[FusionPattern, ...]) -> list[tuple[str, PatternMatch]]:
     taken: set[str] = set()
     found: list[tuple[str, PatternMatch]] = []
     for node in graph.program.graph.nodes:

@@ -368,6 +368,22 @@ def _probe(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> torch.Tenso
                                                                                           device=device))
 
 
+def reduced_row_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, ignore_index: int,
+                       reductions: VocabReductions) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-sum-exp per row, loss per row, 0 where the label is ignored) of this rank's logits
+    for vocabulary ids [vocab_start, ...): local statistics (Triton or PyTorch), then the group's
+    max and one sum of [rescaled sum-exp, target logit] (`reductions`)."""
+    if use_triton(logits):
+        local = _combine(logits, labels, _block_stats(logits), vocab_start, ignore_index, finalize=False)
+    else:
+        local = _torch_local_stats(logits, labels, vocab_start, ignore_index)
+    local_max, local_sumexp, local_target = local
+    global_max = _finite(reductions.all_reduce_max(local_max.clone()))
+    sums = reductions.all_reduce_sum(torch.stack([local_sumexp * (local_max - global_max).exp(), local_target]))
+    lse = global_max + sums[0].log()
+    return lse, torch.where(labels != ignore_index, lse - sums[1], 0.0)
+
+
 class VocabParallelCrossEntropyFunction(torch.autograd.Function):
     """Forward: local stats, two group reductions, mean loss. Backward: local, no communication."""
 
@@ -384,18 +400,9 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
             lse, loss_sum, count = _combine(logits, labels, stats, vocab_start, ignore_index, finalize=True)
             loss, count = _mean(loss_sum, count, out_dtype)
         else:
-            if triton_path:
-                stats = _block_stats(logits)
-                local = _combine(logits, labels, stats, vocab_start, ignore_index, finalize=False)
-            else:
-                local = _torch_local_stats(logits, labels, vocab_start, ignore_index)
-            local_max, local_sumexp, local_target = local
-            global_max = _finite(reductions.all_reduce_max(local_max.clone()))
-            sums = reductions.all_reduce_sum(torch.stack([local_sumexp * (local_max - global_max).exp(), local_target]))
-            lse = global_max + sums[0].log()
-            valid = labels != ignore_index
-            count = valid.sum().to(lse.dtype)
-            loss = (torch.where(valid, lse - sums[1], 0.0).sum() / count).to(out_dtype)
+            lse, row_loss = reduced_row_losses(logits, labels, vocab_start, ignore_index, reductions)
+            count = (labels != ignore_index).sum().to(lse.dtype)
+            loss = (row_loss.sum() / count).to(out_dtype)
         ctx.save_for_backward(logits, labels, lse, count)
         ctx.vocab_start, ctx.ignore_index = vocab_start, ignore_index
         return loss

@@ -119,8 +119,7 @@ from mplan.kernels.cross_entropy_loss import (
     _accumulation_dtype,
     _block_stats,
     _combine,
-    _finite,
-    _torch_local_stats,
+    reduced_row_losses,
 )
 from mplan.kernels.dispatch import CONSUMER_PROBES, autocast_result_dtype, configs, tl, triton, use_triton
 
@@ -190,19 +189,11 @@ def linear_cross_entropy_bytes(rows: int, hidden: int, vocab: int, itemsize: int
 def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, ignore_index: int,
                 reductions: VocabReductions) -> tuple[torch.Tensor, torch.Tensor]:
     """(lse per row, the chunk's summed loss over counted rows), fp32 (float64 for float64)."""
-    if use_triton(logits):
-        stats = _block_stats(logits)
-        if reductions.is_identity():
-            lse, loss_sums, _ = _combine(logits, labels, stats, vocab_start, ignore_index, finalize=True)
-            return lse, loss_sums.sum()
-        local = _combine(logits, labels, stats, vocab_start, ignore_index, finalize=False)
-    else:
-        local = _torch_local_stats(logits, labels, vocab_start, ignore_index)
-    local_max, local_sumexp, local_target = local
-    global_max = _finite(reductions.all_reduce_max(local_max.clone()))
-    sums = reductions.all_reduce_sum(torch.stack([local_sumexp * (local_max - global_max).exp(), local_target]))
-    lse = global_max + sums[0].log()
-    return lse, torch.where(labels != ignore_index, lse - sums[1], 0.0).sum()
+    if use_triton(logits) and reductions.is_identity():
+        lse, loss_sums, _ = _combine(logits, labels, _block_stats(logits), vocab_start, ignore_index, finalize=True)
+        return lse, loss_sums.sum()
+    lse, row_loss = reduced_row_losses(logits, labels, vocab_start, ignore_index, reductions)
+    return lse, row_loss.sum()
 
 
 def _logits_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,

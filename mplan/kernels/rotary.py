@@ -118,6 +118,15 @@ def _load_f32(ptr, mask, EVEN: tl.constexpr, POLICY: tl.constexpr):
     return value.to(tl.float32)
 
 
+@triton.jit
+def _rotate(x1, x2, c1, c2, s1, s2, BACKWARD: tl.constexpr):
+    """The two halves of a head vector rotated (forward), or rotated back (the backward's
+    transpose: sin negated): y = x * cos + rotate_half(x) * sin, halves apart."""
+    if BACKWARD:
+        return x1 * c1 + x2 * s2, x2 * c2 - x1 * s1
+    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+
+
 @triton.autotune(configs=_VECTORS, key=["n_vectors", "half", "BACKWARD"])
 @triton.heuristics({"EVEN": lambda args: args["n_vectors"] % args["BLOCK_R"] == 0 and args["half"] == args["BLOCK_HALF"]})
 @triton.jit
@@ -146,12 +155,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1
     s2 = _load_f32(sin_ptr + t_offs + half, mask, EVEN, table_policy)
     x1 = _load_f32(x_ptr + x_offs, mask, EVEN, x_policy)
     x2 = _load_f32(x_ptr + x_offs + half, mask, EVEN, x_policy)
-    if BACKWARD:
-        y1 = x1 * c1 + x2 * s2
-        y2 = x2 * c2 - x1 * s1
-    else:
-        y1 = x1 * c1 - x2 * s1
-        y2 = x2 * c2 + x1 * s2
+    y1, y2 = _rotate(x1, x2, c1, c2, s1, s2, BACKWARD)
     y_offs = r[:, None] * (2 * half) + cols
     if EVEN:
         tl.store(y_ptr + y_offs, y1.to(y_ptr.dtype.element_ty))
@@ -271,12 +275,7 @@ def _rotate_heads(x_ptr, y_ptr, batch, pos, cols, token_mask, heads, sb, sh, ss,
     x_offs = batch * sb + pos * ss + h * sh + cols
     x1 = _load_f32(x_ptr + x_offs, mask, EVEN, "")
     x2 = _load_f32(x_ptr + x_offs + half, mask, EVEN, "")
-    if BACKWARD:
-        y1 = x1 * c1 + x2 * s2
-        y2 = x2 * c2 - x1 * s1
-    else:
-        y1 = x1 * c1 - x2 * s1
-        y2 = x2 * c2 + x1 * s2
+    y1, y2 = _rotate(x1, x2, c1, c2, s1, s2, BACKWARD)
     y_offs = batch * y_sb + pos * y_ss + h * y_sh + cols
     if EVEN:
         tl.store(y_ptr + y_offs, y1.to(y_ptr.dtype.element_ty))

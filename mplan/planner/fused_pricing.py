@@ -63,25 +63,16 @@ def find_fused_chains(graph: Graph) -> dict[str, FusedChain]:
     """Node name -> the memory-bound fused chain it belongs to, for the IR nodes of `graph`
     (needs the captured program; an empty map without one)."""
     # imported here: the patterns need torch, which this module (and the IR graph) does not load
+    from mplan.ir.fusion_coverage import fused_chains
     from mplan.ir.fusion_patterns import FUSION_PATTERNS
 
     if graph.program is None:
         return {}
-    patterns = [pattern for pattern in FUSION_PATTERNS if pattern.name in MEASURED_COPY_FRACTION]
     chains: dict[str, FusedChain] = {}
-    for node in graph.program.graph.nodes:
-        if node.op != "call_function" or node.name in chains:
-            continue
-        for pattern in patterns:
-            if node.target not in pattern.anchors:
-                continue
-            match = pattern.match(node)
-            names = {n.name for n in match.chain} if match is not None else set()
-            if not names or names & chains.keys():
-                continue
-            chain = FusedChain(op=pattern.name, anchor=node.name)
-            chains.update({name: chain for name in names if name in graph and graph.node(name).kind != "matmul"})
-            break
+    measured = [pattern for pattern in FUSION_PATTERNS if pattern.name in MEASURED_COPY_FRACTION]
+    for kernel, match in fused_chains(graph, measured):
+        chain = FusedChain(op=kernel, anchor=match.anchor.name)
+        chains.update({n.name: chain for n in match.chain if n.name in graph and graph.node(n.name).kind != "matmul"})
     return chains
 
 
