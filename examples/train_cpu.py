@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 
 import mplan
-from mplan.models import build_model
+from mplan.models import build_model, resolve_model
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama:layers=2,hidden=64,heads=8,kv_heads=4,ffn=128,seq=32,vocab=128",
-                        help="model spec (DESIGN.md grammar)")
+                        help="model spec: a preset, family:key=value,..., or a Hugging Face config.json path")
     parser.add_argument("--plan", default="tp=2,dp=2,sp=1,zero=1", help="plan spec string or plan.json")
     parser.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step")
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
@@ -35,11 +35,12 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_default_dtype(torch.float64)  # float64: the parallel losses match one process to ~1e-15
-    model = build_model(args.model, device="meta", dtype=torch.float64)
-    config = model.config
+    source = resolve_model(args.model)  # vocabulary and sequence length of any spec, HF configs included
+    model = build_model(source, device="meta", dtype=torch.float64)
+    vocab, seq_len = source.vocab, source.seq_len or 32
     generator = torch.Generator().manual_seed(0)
-    data = [(torch.randint(0, config.vocab, (args.global_batch, config.seq_len), generator=generator),
-             torch.randint(0, config.vocab, (args.global_batch, config.seq_len), generator=generator))
+    data = [(torch.randint(0, vocab, (args.global_batch, seq_len), generator=generator),
+             torch.randint(0, vocab, (args.global_batch, seq_len), generator=generator))
             for _ in range(args.steps)]
     optimizer = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
     pm = mplan.autoparallel(model, example_inputs=(data[0][0],), optimizer=optimizer,

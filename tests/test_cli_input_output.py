@@ -49,3 +49,21 @@ def test_piped_tables_keep_every_value_whole(capsys: pytest.CaptureFixture[str])
                  "--json"]) == 0
     alternatives = json.loads(capsys.readouterr().out)["alternatives"]
     assert alternatives and all(a["spec"] in printed for a in alternatives)
+
+
+def test_the_cpu_example_trains_a_hugging_face_config(tmp_path) -> None:  # noqa: ANN001
+    """`examples/train_cpu.py --model CONFIG.json` takes any model spec (it once read `.vocab`
+    off the config, which transformers' configs do not have)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    transformers = pytest.importorskip("transformers")
+    transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=16).save_pretrained(tmp_path)
+    example = Path(__file__).resolve().parent.parent / "examples" / "train_cpu.py"
+    run = subprocess.run([sys.executable, str(example), "--model", str(tmp_path), "--plan", "dp=1", "--steps", "2",
+                          "--global-batch", "2", "--micro-batch", "1"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "step 1: loss" in run.stdout
