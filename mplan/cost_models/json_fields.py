@@ -68,9 +68,9 @@ class FieldReader:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         ok = ok and (value >= minimum if allow_equal else value > minimum)
         if not ok:
-            bound = "non-negative" if minimum == 0 and allow_equal else "positive" if minimum == 0 \
-                else f"at least {minimum}" if allow_equal else f"above {minimum}"
-            raise self._fail(self._name(key), f"must be a {bound} number", value)
+            wanted = "a non-negative number" if minimum == 0 and allow_equal else "a positive number" \
+                if minimum == 0 else f"a number of at least {minimum:g}" if allow_equal else f"a number above {minimum:g}"
+            raise self._fail(self._name(key), f"must be {wanted}", value)
         return float(value)
 
     def fraction(self, key: str) -> float:
