@@ -13,7 +13,8 @@ of the gradient to the parameter before the torch optimizer's step and a copy af
 Which parameters (`autocast_cast_parameters`): those every use of which in the local program is
 an input autocast casts to its dtype: a linear's weight or bias, directly or through the
 concatenation of a grouped projection (cast after concatenating or before: the same values),
-and bias_gelu's bias (which it casts itself). Embedding tables, norm weights and output heads
+a grouped GEMM's or the fused head + loss's weights and biases (which they cast as F.linear
+does), and bias_gelu's bias (which it casts itself). Embedding tables, norm weights and output heads
 tied to an embedding are read in fp32 and keep no copy; nor does a parameter whose gradient is
 reduced over ranks (its bucket holds the master's dtype: `ComputeCopies` is given only the
 others).
@@ -35,9 +36,16 @@ aten = torch.ops.aten
 
 def _casts_its_input(user: fx.Node, value: fx.Node) -> bool:
     """Whether `user` reads `value` only where autocast casts it to its lower dtype."""
-    from mplan.kernels import bias_gelu  # the kernels load Triton: not at `import mplan`
+    from mplan.kernels import bias_gelu, linear_cross_entropy  # the kernels load Triton: not at `import mplan`
+    from mplan.kernels.grouped_linear import grouped_linear
 
-    if user.op != "call_function" or user.kwargs:
+    if user.op != "call_function":
+        return False
+    if user.target is grouped_linear:  # (x, weights, biases): cast as F.linear casts
+        return value is not user.args[0] and (value in user.args[1] or value in user.args[2])
+    if user.target is linear_cross_entropy:  # (x, weight, labels, ignore_index, bias): the head's GEMM
+        return value is not user.args[0] and value in (user.args[1], user.args[4])
+    if user.kwargs:
         return False
     if user.target is aten.linear.default:
         return value not in user.args[:1] and value in user.args[1:]
