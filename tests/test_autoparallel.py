@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from distributed import rel_err, run_checks
 from test_equivalence import OPTIMIZER, assert_equivalent, batches, compare, family, single_device
@@ -292,3 +293,36 @@ def test_a_hugging_face_model_on_the_meta_device_gets_transformers_init(family: 
     assert all(abs(float(v.std()) - config.initializer_range) < 0.3 * config.initializer_range for v in weights)
     assert all(torch.equal(v, torch.zeros_like(v)) for k, v in state.items() if k.endswith(".bias"))
     assert math.isfinite(pm.train_step(ids, ids))
+
+
+class _NoGradRegion(nn.Module):
+    """A forward with a `torch.no_grad()` region that creates a tensor on its input's device:
+    torch.export records the region as a higher-order op whose body (a submodule) holds
+    `device=<the capture's device>`, as transformers' RoPE does on torch 2.11."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            offsets = torch.arange(x.shape[1], device=x.device).to(x.dtype)
+        return self.lin(x + offsets)
+
+
+def test_a_meta_device_capture_runs_the_bodies_of_its_no_grad_regions_on_the_real_device() -> None:
+    """2026-12-02, `mplan bench CONFIG.json --measure` on the H200: 'Tensor device mismatch!
+    Expected: meta, Got: cuda:0' inside such a body; the program's own nodes were retargeted, the
+    bodies were not."""
+    import mplan
+
+    torch.manual_seed(0)
+    model = _NoGradRegion().to("meta")
+    x, target = torch.randn(2, 8, dtype=torch.float64), torch.randn(2, 8, dtype=torch.float64)
+    pm = mplan.autoparallel(model, example_inputs=(x,), global_batch=2, plan="dp=1",
+                            loss_fn=lambda y, t: ((y - t) ** 2).mean(), optimizer=OPTIMIZER)
+    state = pm.full_state_dict()
+    reference = _NoGradRegion()
+    reference.load_state_dict(state)
+    expected = ((reference(x) - target) ** 2).mean()
+    assert torch.allclose(torch.as_tensor(pm.train_step(x, target), dtype=torch.float64), expected, rtol=1e-12)

@@ -31,6 +31,8 @@ program is then a valid input to `fuse_kernels`.
 """
 from __future__ import annotations
 
+import copy
+
 import operator
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -115,7 +117,8 @@ class _Rewriter:
             if fx_node.op == "placeholder":
                 inputs.append(self._placeholder(fx_node, specs[fx_node.name]))
             elif fx_node.op == "get_attr":
-                setattr(self.root, fx_node.target, getattr(program.graph_module, fx_node.target))
+                setattr(self.root, fx_node.target, _retargeted(getattr(program.graph_module, fx_node.target),
+                                                               self.device))
                 self.env[fx_node.name] = self.out.get_attr(fx_node.target)
                 self.place[fx_node.name] = R
             elif fx_node.op == "call_function":
@@ -325,6 +328,21 @@ def _annotate(node: fx.Node, meta: TensorMeta, placement: Placement, size: int, 
     node.meta[LOCAL_SHAPE] = shape
     if value:
         node.meta["val"] = torch.empty(shape, dtype=getattr(torch, meta.dtype), device="meta")
+
+
+def _retargeted(attr: Any, device: torch.device | None) -> Any:
+    """A submodule the program calls (a higher-order op's body: `torch.no_grad()` or autocast
+    regions of the forward) with its device constants on the execution device, as `_on_device`
+    does for the program's own nodes: a meta-device capture records `device=meta` there too."""
+    if device is None or not isinstance(attr, fx.GraphModule):
+        return attr
+    body = copy.deepcopy(attr)
+    for node in body.graph.nodes:
+        node.args, node.kwargs = _on_device(node.args, device), _on_device(node.kwargs, device)
+        if node.op == "get_attr":
+            setattr(body, node.target, _retargeted(getattr(body, node.target), device))
+    body.recompile()
+    return body
 
 
 def _on_device(value: Any, device: torch.device | None) -> Any:
