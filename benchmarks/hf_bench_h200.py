@@ -12,6 +12,9 @@ memory compared with max_memory_allocated); target (issue 19): |error| <= 5% for
 
 Run on the GPU (about a minute per model, most of it the CPU-side capture and the first steps):
     PYTHONPATH=. python3 benchmarks/hf_bench_h200.py --out $OUT/hf_bench.json
+A model whose process outlived --timeout-s after writing its rows (they are rewritten after each
+plan) is judged on them; `--rejudge REPORT` re-reads an earlier run's rows files from the folder
+beside REPORT (`<stem>_work/`) and rewrites REPORT's judgements, running nothing.
 Smoke test on a CPU (tiny configs, one gloo rank, the cpu cluster preset; nothing is judged):
     PYTHONPATH=. python3 benchmarks/hf_bench_h200.py --device cpu --small --out /tmp/hf_bench.json
 """
@@ -54,8 +57,11 @@ def bench_one(config: Path, rows_path: Path, *, cluster: str, global_batch: int,
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
                               env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", ".")})
-    except subprocess.TimeoutExpired:
-        return {"error": f"no answer within {timeout_s:.0f} s", "wall_s": time.perf_counter() - started}
+    except subprocess.TimeoutExpired:  # the rows are rewritten after each plan: a late exit may still have them
+        result = {"error": f"no exit within {timeout_s:.0f} s", "wall_s": round(time.perf_counter() - started, 1)}
+        if rows_path.exists():
+            result["rows"] = json.loads(rows_path.read_text())
+        return result
     result: dict[str, Any] = {"command": " ".join(command[1:]), "returncode": done.returncode,
                               "wall_s": round(time.perf_counter() - started, 1), "stdout": done.stdout[-4000:]}
     if done.returncode != 0:
@@ -85,6 +91,21 @@ def judge(rows: dict[str, Any]) -> list[dict[str, Any]]:
     return judged
 
 
+def rejudge(out: Path) -> int:
+    """Judge an earlier report's models on the rows files its run left (module docstring)."""
+    report = json.loads(out.read_text())
+    work = out.parent / (out.stem + "_work")
+    for name, result in report["models"].items():
+        rows = work / f"{name}_rows.json"
+        if "rows" not in result and rows.exists():
+            result["rows"] = json.loads(rows.read_text())
+            result["rows_read_after_the_run"] = True
+        result["judged"] = judge(result.get("rows", {}))
+        print(f"{name}: {json.dumps(result['judged'])}")
+    out.write_text(json.dumps(report, indent=1))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="where to write the JSON results")
@@ -93,7 +114,11 @@ def main() -> int:
     parser.add_argument("--models", default="llama,mistral,qwen2", help="comma-separated, of llama,mistral,qwen2")
     parser.add_argument("--plans", nargs="+", default=["auto"], help="plan specs handed to mplan bench")
     parser.add_argument("--timeout-s", type=float, default=240.0, help="per model")
+    parser.add_argument("--rejudge", action="store_true",
+                        help="run nothing: judge --out's models again on the rows files of its run")
     args = parser.parse_args()
+    if args.rejudge:
+        return rejudge(Path(args.out))
 
     import torch
     import transformers
