@@ -425,6 +425,10 @@ class _GraphBuilder:
         if packet == "scaled_dot_product_attention":
             self.sdpa_outputs.add(fx_node.name)
         val = fx_node.meta.get("val")
+        if packet in ("reshape", "view", "_unsafe_view") and first_name in self.sdpa_outputs and \
+                isinstance(val, torch.Tensor) and isinstance(first_val, torch.Tensor) and val.shape == first_val.shape:
+            # a reshape to the output's own shape (transformers >= 5.24 writes one) is that memory
+            self.sdpa_outputs.add(fx_node.name)
         copies = packet in _COPY_IF_STRIDED and isinstance(first_val, torch.Tensor) \
             and not first_val.is_contiguous() and first_name not in self.sequence_major \
             and not (packet != "clone" and _shares_storage(val, first_val))
