@@ -1,6 +1,6 @@
 """Does `mplan.autoparallel` add overhead? Plain eager vs the trivial plan on one H200 (issue 5).
 
-The 24-layer, hidden-2048, seq-2048, batch-8 GPT of shared/reference/h200-measured-2026-11-29.json,
+The 24-layer, hidden-2048, seq-2048, batch-8 GPT of mplan/cost_models/reference/h200-measured-2026-11-29.json,
 fp32 parameters with bf16 autocast and fused AdamW, clipping at 1.0, trained three ways in one
 process: (a) a plain PyTorch loop, (b) `mplan.autoparallel(..., plan="dp=1,tp=1,pp=1",
 kernels=False)`, the same ATen ops (the requirement: within 3% of (a) in step time and 2% in

@@ -59,7 +59,7 @@ MAX_GRAD_NORM = 1.0
 BF16_TOLERANCE = {"loss": 2e-2, "param": 5e-2}
 """bf16: loss curves within 2% of the first loss, every parameter within 5% (relative, in norm)"""
 FLOAT64_TOLERANCE = {"loss": 1e-9, "param": 1e-9}
-"""float64: DESIGN.md's bar for a plan against one process"""
+"""float64: the project's bar for a plan against one process (docs/execution.md)"""
 
 MODEL = LlamaConfig(name="llama-1b-equivalence", num_layers=16, hidden=2048, num_heads=16, num_kv_heads=8,
                     ffn_hidden=5632, seq_len=2048, vocab=32000)

@@ -9,7 +9,7 @@ mplan's own single-rank runtime: bf16 parameters and activations, gradients in a
 ZeRO-1 style optimizer with fp32 master weights and fused AdamW (`mplan.runtime.build_optimizer`,
 zero=1 on one rank). Times the step with CUDA events (median of `--steps` after warm-up) and records
 `torch.cuda.max_memory_allocated`, plus the memory after building the model and the optimizer.
-Also runs the reference configuration of shared/reference/h200-measured-2026-11-29.json (fp32
+Also runs the reference configuration of mplan/cost_models/reference/h200-measured-2026-11-29.json (fp32
 parameters, bf16 autocast, fused AdamW) on its GPT, as an anchor for this run's machine.
 The comparison with predictions is made on the CPU by benchmarks/h200_calibration.py.
 """

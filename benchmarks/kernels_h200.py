@@ -16,7 +16,7 @@ halves, bias+GELU, RoPE, cross-entropy):
   3. achieved TB/s counting the fewest bytes (mplan.kernels.fused_op_bytes: every input read
      once, every output written once) and its fraction of the device-to-device copy bandwidth
      measured in the same run (read + written bytes of a 1 GiB copy).
-Shapes are those of shared/reference/h200-kernels-2026-11-29.json: 16384 tokens x hidden 4096
+Shapes are those of mplan/cost_models/reference/h200-kernels-2026-11-29.json: 16384 tokens x hidden 4096
 (norms), 14336 (SwiGLU), 16384 (bias+GELU); RoPE on [4, 32, 4096, 128]; cross-entropy on
 4096 x 128256 logits. --all-shapes also times the rest of the training range (each Case's
 `more_shapes`: hidden 2048 and 8192, FFN 5632 and 8192, RoPE as the end-to-end Llama runs it (a
@@ -88,7 +88,7 @@ class Case:
     """One kernel: how to make its inputs at a size, the fused op, its reference, its bytes."""
 
     name: str
-    """key in shared/reference/h200-kernels-2026-11-29.json"""
+    """key in mplan/cost_models/reference/h200-kernels-2026-11-29.json"""
     fused: Callable[..., Any]
     reference: Callable[..., Any]
     make: Callable[[dict[str, int], torch.device, torch.dtype], list[Any]]

@@ -9,7 +9,7 @@ Writes
   * ``mplan/cost_models/profiles/h200.json``: a ClusterProfile (``"format": "mplan.profile"``) with the
     device tables, which ``ClusterSpec.preset("h200" | "dgx-h200")`` attaches automatically;
   * ``benchmarks/results/profile_h200-<date>.json``: the same profile plus a summary (achieved TFLOP/s
-    of a few reference GEMMs next to the figures of shared/reference/h200-measured-2026-11-29.json,
+    of a few reference GEMMs next to the figures of mplan/cost_models/reference/h200-measured-2026-11-29.json,
     and the wall time), for review.
 
 Run on the GPU (from the repository root):

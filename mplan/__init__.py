@@ -1,6 +1,6 @@
 """mplan: automatic parallelization planner for PyTorch training (TP, SP, PP, DP/ZeRO, EP).
 
-The public names of DESIGN.md, loaded on first use so that `import mplan` stays light (the
+The public names (docs/contract.md), loaded on first use so that `import mplan` stays light (the
 planner needs PuLP, the GPU benchmark machines may not have it, and the CLI starts faster).
 """
 from __future__ import annotations

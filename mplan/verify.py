@@ -1,9 +1,9 @@
 """`verify_plan`: run a plan scaled down on gloo CPU ranks and compare it with one process.
 
-Input: a model spec (DESIGN.md grammar), a plan (spec string or plan.json), a world size and a
+Input: a model spec (the grammar of docs/models.md), a plan (spec string or plan.json), a world size and a
 number of steps. Output: a `VerifyReport` with the per-step losses of both runs and the largest
 relative differences of losses and of every parameter after the last step. `mplan verify` calls
-this; the correctness bar of DESIGN.md is a relative error under 1e-9 in float64.
+this; the correctness bar (docs/execution.md) is a relative error under 1e-9 in float64.
 
 Scaling down, so any model and plan verify in seconds on a laptop:
 - the model keeps its family and its structure (tied or not, grouped-query ratio, kv_heads < tp
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-TOLERANCE = 1e-9  # DESIGN.md: float64 plans match one process to this relative error
+TOLERANCE = 1e-9  # the project's bar: float64 plans match one process to this relative error
 SCALED = {"num_layers": 2, "seq_len": 16, "vocab": 64}
 SCALED_EXPERTS = 4  # experts per MoE layer of a scaled model (an EP degree of the scaled plan divides it)
 

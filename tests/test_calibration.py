@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from mplan.cost_models.megatron_reference import default_reference_path, load_megatron_runs
+import mplan
+from mplan.cost_models.compute_cost import H200_GEMM_POINTS
+from mplan.cost_models.megatron_reference import ReferenceError, default_reference_path, load_megatron_runs
+from mplan.cost_models.reference_data import REFERENCE_FILES, load_h200_gemm_points, reference_path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from megatron_calibration import calibrate  # noqa: E402
-
-pytestmark = pytest.mark.skipif(not os.path.exists(default_reference_path()),
-                                reason="../shared/reference/megatron-sc21-a100.json is not beside this checkout")
 
 
 @pytest.mark.slow
@@ -38,5 +38,27 @@ def test_the_planner_finds_a_plan_at_least_as_fast_as_the_published_one(row_id):
 def test_the_reference_file_is_read_with_its_conventions():
     runs = {r.id: r for r in load_megatron_runs()}
     gpt175 = runs["narayanan21_t2_PTD-P_174.6B_1536gpu"]
-    # The paper's derived iteration time (shared/reference) from its own FLOP convention.
+    # The paper's derived iteration time (the file's derived.iteration_time_s) from its own FLOP convention.
     assert gpt175.measured_step_s() == pytest.approx(20.83, rel=0.01)
+
+
+def test_the_reference_files_are_package_data_inside_mplan():
+    package = os.path.realpath(os.path.dirname(mplan.__file__))
+    assert os.path.realpath(default_reference_path()) == os.path.realpath(reference_path("megatron-sc21-a100.json"))
+    for name in REFERENCE_FILES:
+        path = os.path.realpath(reference_path(name))
+        assert os.path.commonpath([path, package]) == package, path
+        assert os.path.isfile(path), path
+    with pytest.raises(ReferenceError, match="unknown reference file"):
+        reference_path(os.path.join("..", "megatron-sc21-a100.json"))
+
+
+def test_the_fitted_gemm_points_are_those_of_the_packaged_measurement():
+    assert load_h200_gemm_points() == H200_GEMM_POINTS
+
+
+def test_a_malformed_reference_file_names_the_field(tmp_path):
+    bad = tmp_path / "runs.json"
+    bad.write_text('[{"id": "x", "model": {"layers": "many"}, "cluster": {}, "config": {"micro_batch": null}}]')
+    with pytest.raises(ReferenceError, match=r"runs.json: \[0\].model.layers must be an integer"):
+        load_megatron_runs(str(bad))

@@ -60,7 +60,7 @@ GEMM_CURVE_C_TILE = 70.0
 attention's PV product per head) waste most of a 128-wide tile; fitted (see GEMM_POINTS_FILES)."""
 GEMM_CURVE_C_K = 135.0
 """Reduction depth k at which the K-loop factor is one half; fitted (see GEMM_POINTS_FILES)."""
-GEMM_POINTS_FILES = ("shared/reference/h200-measured-2026-11-29.json",
+GEMM_POINTS_FILES = ("mplan/cost_models/reference/h200-measured-2026-11-29.json",
                      "benchmarks/results/gemm_small_k_h200-2026-11-29.json")
 """The 17 bf16 GEMMs on one H200 the curve is fitted on (k from 64 to 8192, n from 96 to 16384):
 least squares in log space, asymptote fixed at 788 TFLOP/s; RMS error 6.6%, largest 18% (k = 64).
@@ -72,7 +72,9 @@ SPLIT_K_CHUNK = 1024.0
 H200_GEMM_POINTS: tuple[tuple[int, int, int, float], ...] = (
     (8192, 8192, 8192, 756.0e12), (16384, 6144, 2048, 645.6e12), (16384, 2048, 6144, 690.9e12),
     (16384, 1536, 2048, 587.6e12), (4096, 4096, 4096, 614.4e12))
-"""(m, n, k, FLOP/s) measured here on 2026-11-29, bf16, one H200: the points the curve was fitted on."""
+"""(m, n, k, FLOP/s) measured here on 2026-11-29, bf16, one H200: the points the curve was fitted on
+(the GEMMs of the packaged h200-measured-2026-11-29.json, ``reference_data.load_h200_gemm_points``;
+a test checks the two agree)."""
 ATTENTION_FORWARD_EFFICIENCY = 0.43
 """Fraction of the achievable GEMM rate SDPA forward reaches (published FlashAttention-2 on H100, see above)."""
 ATTENTION_BACKWARD_EFFICIENCY = 0.37

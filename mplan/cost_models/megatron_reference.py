@@ -1,20 +1,19 @@
 """The published Megatron-LM runs the cost model is checked against, read and validated.
 
-Input: ../shared/reference/megatron-sc21-a100.json (Narayanan et al., SC'21, Tables 1 and 2: GPT
-models of 1.7B to 1T parameters on 32 to 3072 A100s with their TP/PP/DP, batch and achieved
-TFLOP/s). Output: `MegatronRun` records and the FLOP conventions of that paper, so a prediction
-can be turned into the same "TFLOP/s per GPU with recomputation counted".
+Input: megatron-sc21-a100.json, shipped as package data in ``mplan/cost_models/reference/``
+(Narayanan et al., SC'21, Tables 1 and 2: GPT models of 1.7B to 1T parameters on 32 to 3072 A100s
+with their TP/PP/DP, batch and achieved TFLOP/s). Output: `MegatronRun` records and the FLOP
+conventions of that paper, so a prediction can be turned into the same "TFLOP/s per GPU with
+recomputation counted".
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from mplan.cost_models.json_fields import FieldReader, load_json_file
+from mplan.cost_models.reference_data import ReferenceError, reference_path
 
-
-class ReferenceError(ValueError):
-    """The reference file is missing or malformed."""
+__all__ = ["MegatronRun", "ReferenceError", "default_reference_path", "load_megatron_runs"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,9 +43,8 @@ class MegatronRun:
 
 
 def default_reference_path() -> str:
-    """The shared reference folder beside the repository (as laid out in this workplace and CI)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.path.normpath(os.path.join(here, "..", "..", "..", "shared", "reference", "megatron-sc21-a100.json"))
+    """The packaged copy of the published runs (package data, never a file beside the checkout)."""
+    return reference_path("megatron-sc21-a100.json")
 
 
 def load_megatron_runs(path: str | None = None) -> list[MegatronRun]:

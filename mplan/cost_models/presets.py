@@ -6,8 +6,9 @@ Output: a ``ClusterSpec``; with ``measured=True`` the packaged measured profile 
 (``profiles/<device>.json``, written by ``benchmarks/profile_h200.py``) is attached when it exists.
 Invariants: every number below says where it comes from: "datasheet" (NVIDIA's dense figures; its
 printed "with sparsity" values are 2x), "measured here on DATE", "published in X", or "nominal"
-(a placeholder to be replaced by a measurement). References are the rows of
-shared/reference/README.md, abbreviated here.
+(a placeholder to be replaced by a measurement). Published sources are abbreviated here (issue and
+PR numbers of nccl-tests and nccl, datasheet names); the measured H200 figures ship in
+mplan/cost_models/reference/, whose README.md gives each file's source.
 
 Efficiency constants (achievable fraction of the line rate for ring collectives):
   NVLink3 (A100): 232.5 / 300 = 0.775 -- 8x A100 all_reduce busbw 232.5 GB/s (nccl-tests#175)
@@ -22,7 +23,7 @@ Efficiency constants (achievable fraction of the line rate for ring collectives)
 Hop latencies: NCCL's tuning model (src/graph/tuning.cc at 01afd20, ring, LL128 protocol, per step):
   NVLink 1.9 us, PCIe 2.5 us, network 4.0 us.
 Device efficiencies (gemm_efficiency, memory_efficiency) of datasheet presets: measured on the H200
-here on 2026-11-29 (shared/reference/h200-measured-2026-11-29.json): large bf16 GEMMs approach 788
+here on 2026-11-29 (mplan/cost_models/reference/h200-measured-2026-11-29.json): large bf16 GEMMs approach 788
 TFLOP/s of the 989.4 datasheet peak (0.796) and a copy reaches 4.25 of 4.8 TB/s (0.885). They are
 applied to A100 and H100 as an assumption (same cuBLAS/HBM behaviour), not a measurement.
 """
@@ -66,7 +67,7 @@ H200_MEASURED = DeviceSpec(
     peak_fp32=66.9e12 * _GEMM_EFF, peak_tf32=494.7e12 * _GEMM_EFF, peak_fp8=1978.9e12 * _GEMM_EFF,
     peak_fp64=66.9e12 * _GEMM_EFF, memory_bytes=139 * GiB, memory_bandwidth_Bps=_H200_COPY_BPS,
     gemm_efficiency=1.0, memory_efficiency=1.0,
-    source="measured here on 2026-11-29 (shared/reference/h200-measured-2026-11-29.json): bf16 788 TFLOP/s "
+    source="measured here on 2026-11-29 (mplan/cost_models/reference/h200-measured-2026-11-29.json): bf16 788 TFLOP/s "
            "achievable GEMM, 4.25 TB/s copy; fp16 taken equal to bf16 and fp8/tf32/fp32/fp64 as datasheet x 0.796 "
            "(not measured); memory: the ~139 GiB the device tool reports usable")
 CPU_NOMINAL = DeviceSpec(

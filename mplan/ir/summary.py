@@ -1,6 +1,6 @@
 """What `mplan inspect` reports about a captured graph, as plain data.
 
-`summarize(graph)` gives the JSON document of DESIGN.md (`num_parameters`, `num_layers`,
+`summarize(graph)` gives the JSON document of docs/contract.md (`num_parameters`, `num_layers`,
 `flops_per_token` {forward, training}, `block_types`, `capture_seconds`) plus the fusion
 coverage of each block type (`ir.fusion_coverage`) and a per-op table of one block instance; `capture_spec` captures a model named by a spec string (preset, family
 with numbers, Hugging Face config.json, or package.module:factory) on the meta device.

@@ -4,7 +4,7 @@ The fused kernels are memory-bound: time = fused_op_bytes(...) / measured bandwi
 device-to-device copy bandwidth of the profile, or the kernel's own measured TB/s from
 benchmarks/kernels_h200.py). Counts are the fewest bytes: every input read once, every output
 written once, as the kernels in this package actually do (and as
-shared/reference/h200-kernels-2026-11-29.json counts them).
+mplan/cost_models/reference/h200-kernels-2026-11-29.json counts them).
 
 A fused op is described by its "rows": `num_rows` rows of `row_size` elements in the
 activation dtype (`itemsize` bytes each):

@@ -1,6 +1,6 @@
 """Model specs: the strings users pass on the command line, resolved and built.
 
-Grammar (DESIGN.md), tried in this order:
+Grammar (docs/models.md), tried in this order:
   PRESET                 a name in `PRESETS` (`gpt3-175b`, `llama3-8b`, `mixtral-8x7b`, ...)
   FAMILY:KEY=VALUE,...   `gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200`; llama and
                          moe also need `ffn=`, moe `experts=` (keys: `FAMILY_KEYS`)
