@@ -4,8 +4,10 @@ Input: the captured training `Graph` (the one the Plan was resolved for: `planne
 `Plan` (read, never solved: every op's strategy comes from `Plan.op_strategies`), the user's
 model (or a state dict) as the source of weights, an optimizer factory, and the job's world group.
 Output: `pm.train_step(inputs, labels)` runs one optimizer step over the global batch and returns
-the same loss on every rank; `pm(inputs)` runs inference and returns whole logits;
-`pm.full_state_dict()`, `pm.save(dir)`, `pm.load(dir)`.
+the same loss on every rank (`pm.last_metrics`: that step's time, tokens/s, TFLOP/s, MFU and peak
+memory against the Plan's prediction, `metrics.py`); `pm(inputs)` runs inference and returns
+whole logits; `pm.full_state_dict()`, `pm.save(dir)`, `pm.load(dir)`. A learning-rate scheduler
+takes `pm.optimizer.optimizer`, the torch optimizer whose parameter groups every step reads.
 
 Building (`parallelize`), in this order:
 1. every rank all-gathers its plan hash over the world and fails, naming the ranks, unless all
@@ -76,6 +78,7 @@ from mplan.runtime.checkpoint import load_checkpoint, save_checkpoint
 from mplan.runtime.compute_copies import ComputeCopies, autocast_cast_parameters
 from mplan.runtime.data_parallel import needs_reduction
 from mplan.runtime.launch import collective_device
+from mplan.runtime.metrics import StepMeter, StepMetrics
 from mplan.runtime.optimizer import DistributedOptimizer, build_optimizer
 from mplan.runtime.param_placement import ParamPlacement
 from mplan.runtime.pipeline_executor import PipelineExecutor, StageRunner
@@ -276,6 +279,7 @@ class ParallelModule:
         # parameters and the buffers, never the module: deleting pm frees it without a collection)
         self._micro: list[tuple[torch.Tensor, ...]] = []
         self.executor = self._executor() if pipeline is not None else None
+        self._meter = StepMeter(plan=plan, graph=graph, device=device, optimizer=self.optimizer.optimizer)
 
     def _executor(self) -> PipelineExecutor:
         pipeline = self.pipeline
@@ -307,9 +311,22 @@ class ParallelModule:
         Kept as a tensor until read: reading it waits for the device."""
         return None if self._last_grad_norm is None else float(self._last_grad_norm)
 
+    @property
+    def last_metrics(self) -> StepMetrics | None:
+        """The last step's metrics, measured on this rank (`metrics.py`; `str()` is a log line);
+        None before the first step."""
+        return self._meter.last()
+
     # -- training -----------------------------------------------------------------------------
     def train_step(self, inputs: Batch, labels: torch.Tensor, *, local: bool = False) -> float:
-        """One optimizer step over the global batch; the loss, equal on every rank."""
+        """One optimizer step over the global batch; the loss, equal on every rank. Timed for
+        `last_metrics` (the loss's read-back already waits for the device)."""
+        self._meter.start()
+        loss = self._step(inputs, labels, local=local)
+        self._meter.stop(loss)
+        return loss
+
+    def _step(self, inputs: Batch, labels: torch.Tensor, *, local: bool) -> float:
         tensors = (*_as_tuple(inputs), labels)
         replica = self.plan.global_batch // self.plan.mesh.dp
         rows = replica if local else self.plan.global_batch
