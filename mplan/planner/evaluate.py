@@ -50,7 +50,7 @@ from mplan.cost_models.memory_model import (FRAGMENTATION_FRACTION, BytesPerPara
 from mplan.cost_models.moe_cost import all_to_all_time, experts_time, load_factor
 from mplan.cost_models.simulator import PipelineCosts, SimResult, simulate
 from mplan.ir.schedule import Schedule, build_schedule, check_schedule, max_in_flight_by_rank
-from mplan.planner.parallel_config import ParallelConfig
+from mplan.planner.parallel_config import DEFAULT_RUNTIME, ParallelConfig
 from mplan.planner.stage_partition import Partition, partition
 from mplan.planner.unit_costs import UnitCost
 from mplan.planner.unit_experts import UnitExperts
@@ -141,7 +141,7 @@ class ModelFacts:
     mplan_adamw: bool = False
     # whose optimizer memory (RUNTIMES): "megatron" (fp32 masters, grads and moments at any zero) or
     # "mplan" (mplan's runtime: zero=0 steps bf16 parameters in place, zero=1 keeps fp32 master shards)
-    runtime: str = "megatron"
+    runtime: str = DEFAULT_RUNTIME
     stream_bytes_per_sequence: int  # one sequence's residual-stream activation (bytes, full)
     # MoE models: the token copies the busiest expert-parallel rank's experts take over the mean
     # (1.0: uniform routing); scales that rank's expert GEMMs, all-to-all and routed activations

@@ -17,6 +17,8 @@ from mplan.planner.evaluate import schedule_of
 from mplan.planner.parallel_config import ParallelConfig
 from mplan.planner.plan import Plan
 
+RUNTIME_NAMES = {"mplan": "mplan's runtime", "megatron": "Megatron-LM's runtime (--runtime megatron)"}
+
 
 def config_of(plan: Plan) -> ParallelConfig:
     m = plan.mesh
@@ -78,7 +80,7 @@ def explain_data(plan: Plan) -> dict[str, Any]:
                      "memory_gib": None if a.predicted is None else a.predicted.memory_gib, "why": a.why}
                     for a in plan.alternatives]
     return {"model": plan.model.name, "cluster": f"{plan.cluster.name} x{plan.cluster.nodes}",
-            "world_size": plan.cluster.world_size, "spec": plan.spec(), "fp8": plan.fp8,
+            "world_size": plan.cluster.world_size, "spec": plan.spec(), "fp8": plan.fp8, "runtime": plan.runtime,
             "fused_kernels_priced": bool(plan.planner.get("fused_kernels_priced")),
             "fused_kernels": {key.removeprefix("fused."): int(count) for key, count in plan.planner.items()
                               if key.startswith("fused.")},
@@ -120,7 +122,8 @@ def render(plan: Plan, console: Any) -> None:
     fused = ", ".join(f"{kernel} x{count}" for kernel, count in d["fused_kernels"].items())
     kernels = (f"fused kernels priced ({fused}; per block: mplan inspect)" if fused else "fused kernels priced") \
         if plan.planner.get("fused_kernels_priced") else "ops priced one by one"
-    console.print(f"GEMMs: {'FP8 block linears (output head in bf16)' if plan.fp8 else 'training dtype'}; {kernels}")
+    console.print(f"GEMMs: {'FP8 block linears (output head in bf16)' if plan.fp8 else 'training dtype'}; {kernels}; "
+                  f"memory priced for {RUNTIME_NAMES[plan.runtime]}")
     console.print(f"predicted: step {p['step_time_ms']:.1f} ms, {p['tflops_per_gpu']:.1f} TFLOP/s per GPU "
                   f"(MFU {p['mfu']:.1%}), {p['tokens_per_s']:,.0f} tokens/s, bubble {p['bubble_fraction']:.1%}, "
                   f"peak memory {p['memory_gib']:.1f} GiB  [predicted, not measured]")

@@ -19,6 +19,10 @@ from mplan.ir.schedule import SCHEDULES
 
 RUNTIMES = ("megatron", "mplan")
 """Whose optimizer memory a plan is priced with (`ModelFacts.runtime`): Megatron-LM's or mplan's runtime's."""
+DEFAULT_RUNTIME = "mplan"
+"""The runtime every command and API prices for unless told otherwise: the one that executes the
+plan (`autoparallel`, `bench --measure`). `mplan plan --runtime megatron` prices a plan for
+Megatron-LM instead (fp32 master weights, gradients and moments at any ZeRO stage)."""
 _INT_KEYS = ("dp", "tp", "pp", "vpp", "ep", "mbs", "sp", "zero")
 _KEYS = _INT_KEYS + ("recompute", "schedule", "capacity")
 

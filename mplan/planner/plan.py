@@ -25,7 +25,11 @@ from mplan.ir.graph import Graph
 from mplan.ir.mesh import MeshShape
 from mplan.ir.schedule import SCHEDULES
 from mplan.ir.strategy import Strategy, StrategyParseError, parse_strategy
-from mplan.planner.parallel_config import RUNTIMES
+from mplan.planner.parallel_config import DEFAULT_RUNTIME, RUNTIMES
+
+LEGACY_RUNTIME = "megatron"
+"""A Plan file without a `runtime` field was written before plans recorded it, when `mplan plan`
+priced Megatron-LM's runtime."""
 
 PLAN_VERSION = 1
 TP_LAYOUTS = ("ilp", "megatron")
@@ -140,7 +144,7 @@ class Plan:
     planner: dict[str, float] = field(default_factory=dict, hash=False)  # seconds, candidates, ...
     fp8: bool = False  # the blocks' linears run as FP8 GEMMs (optional in the file; absent = False)
     tp_layout: str = "ilp"  # how the op strategies were chosen: TP_LAYOUTS (optional in the file)
-    runtime: str = "megatron"  # whose runtime the memory and overlap are priced for: RUNTIMES (optional)
+    runtime: str = DEFAULT_RUNTIME  # whose runtime the memory and overlap are priced for: RUNTIMES (optional)
     # the experts' capacity factor the plan sets for every MoE layer (optional; None: each layer
     # keeps its model's own, dropless unless the model drops)
     capacity_factor: float | None = None
@@ -221,7 +225,7 @@ class Plan:
                    alternatives=tuple(_alternative(a) for a in r.objects("alternatives")),
                    planner=_numbers(r, "planner"), fp8=r.boolean("fp8") if r.has("fp8") else False,
                    tp_layout=r.string("tp_layout", choices=TP_LAYOUTS) if r.has("tp_layout") else "ilp",
-                   runtime=r.string("runtime", choices=RUNTIMES) if r.has("runtime") else "megatron",
+                   runtime=r.string("runtime", choices=RUNTIMES) if r.has("runtime") else LEGACY_RUNTIME,
                    capacity_factor=_capacity(r), version=version)
         r.finish()
         _check_consistent(plan, file)

@@ -16,6 +16,7 @@ from mplan.ir.graph_hash import graph_hash
 from mplan.ir.moe import expert_parameters
 from mplan.ir.strategy import Strategy
 from mplan.planner.evaluate import Estimate
+from mplan.planner.parallel_config import DEFAULT_RUNTIME
 from mplan.planner.plan import (Alternative, ClusterInfo, Mesh, ModelInfo, Plan, Predicted, Stage,
                                 StageMemory)
 from mplan.planner.search import SearchResult, ShardedModel
@@ -108,7 +109,7 @@ def _param_placements(graph: Graph, model: ShardedModel, estimate: Estimate, uni
 
 
 def build_plan(result: SearchResult, graph: Graph, cluster: ClusterSpec, global_batch: int,
-               best: Estimate | None = None, *, tp_layout: str = "ilp", runtime: str = "megatron") -> Plan:
+               best: Estimate | None = None, *, tp_layout: str = "ilp", runtime: str = DEFAULT_RUNTIME) -> Plan:
     best = best or result.best
     config = best.config
     model = result.sharded[(config.tp, config.sp)]

@@ -20,7 +20,7 @@ from mplan.cost_models.cluster import ClusterSpec
 from mplan.ir.graph import Graph
 from mplan.ir.summary import capture_spec
 from mplan.ir.trace import capture_for_training
-from mplan.planner.parallel_config import PlanSpec, parse_plan_spec
+from mplan.planner.parallel_config import DEFAULT_RUNTIME, PlanSpec, parse_plan_spec
 from mplan.planner.plan import Plan, PlanError
 from mplan.planner.plan_builder import build_plan
 from mplan.planner.search import Planner, SearchResult
@@ -51,7 +51,7 @@ def check_batch(global_batch: object, seq_len: object = None) -> None:
 
 def search_plans(graph: Graph, cluster: ClusterSpec, global_batch: int, spec: PlanSpec | str = "auto", *,
                  allow: StrategyFilter | None = None, allow_cross_node_tp: bool = False, kernels: bool = False,
-                 fp8: bool = False, runtime: str = "megatron", moe_imbalance: float = 1.0,
+                 fp8: bool = False, runtime: str = DEFAULT_RUNTIME, moe_imbalance: float = 1.0,
                  progress: Callable[[str], None] | None = None) -> tuple[Planner, SearchResult]:
     check_batch(global_batch)
     if isinstance(spec, str):
@@ -64,7 +64,7 @@ def search_plans(graph: Graph, cluster: ClusterSpec, global_batch: int, spec: Pl
 def plan(model: nn.Module | str, example_inputs: Sequence[Any] | None = None, *, cluster: ClusterSpec,
          global_batch: int, spec: PlanSpec | str = "auto", seq_len: int | None = None,
          loss_fn: Callable[..., torch.Tensor] | None = None, allow_cross_node_tp: bool = False,
-         kernels: bool | None = None, fp8: bool = False, runtime: str = "megatron", moe_imbalance: float = 1.0,
+         kernels: bool | None = None, fp8: bool = False, runtime: str = DEFAULT_RUNTIME, moe_imbalance: float = 1.0,
          progress: Callable[[str], None] | None = None) -> Plan:
     """The fastest plan that fits, with the best rejected alternatives and why each lost.
 

@@ -31,7 +31,7 @@ from mplan.ir.strategy import Strategy
 from mplan.planner.evaluate import Estimate, ModelFacts, evaluate
 from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains, find_fused_saves
 from mplan.planner.op_cost import OpCoster
-from mplan.planner.parallel_config import (RUNTIMES, ModelLimits, ParallelConfig, PlanSpec, PlanSpecError,
+from mplan.planner.parallel_config import (DEFAULT_RUNTIME, RUNTIMES, ModelLimits, ParallelConfig, PlanSpec, PlanSpecError,
                                            enumerate_configs)
 from mplan.planner.plan import TP_LAYOUTS
 from mplan.planner.sharding_ilp import (GraphSharding, ShardingInfeasible, StrategyFilter, reprice_graph,
@@ -82,7 +82,7 @@ class Planner:
 
     def __init__(self, graph: Graph, cluster: ClusterSpec, *, allow: StrategyFilter | None = None,
                  grad_dtype: str = "fp32", fp32_grad_copy: bool = True, kernels: bool = False,
-                 fp8: bool = False, runtime: str = "megatron", tp_layout: str = "ilp", moe_imbalance: float = 1.0,
+                 fp8: bool = False, runtime: str = DEFAULT_RUNTIME, tp_layout: str = "ilp", moe_imbalance: float = 1.0,
                  progress: Callable[[str], None] | None = None) -> None:
         """`moe_imbalance`: for MoE models, the token copies the busiest expert-parallel rank takes
         over the mean (1.0: uniform routing; `ModelFacts.moe_imbalance`)."""
