@@ -14,7 +14,8 @@ import sys
 import threading
 from typing import Any, Callable, NoReturn, Sequence
 
-from mplan.planner.parallel_config import RUNTIMES
+from mplan.planner.parallel_config import DEFAULT_RUNTIME, RUNTIMES
+from mplan.refusal import ArgumentParser, is_refusal, report
 
 
 PIPED_WIDTH = 400
@@ -221,7 +222,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _print_bench(rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
-    table = Table(title="plans side by side (predicted unless marked measured)")
+    table = Table(title="plans side by side, priced for mplan's runtime (predicted unless marked measured)")
     for col in ("plan", "mesh dp/tp/pp/vpp/ep", "fits", "step ms", "TFLOP/s/GPU", "MFU", "memory GiB", "all-to-all",
                 "measured ms", "note"):
         table.add_column(col)
@@ -297,7 +298,7 @@ Command = Callable[[argparse.Namespace], int]
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mplan", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="mplan", description=__doc__.splitlines()[0])  # usage errors: rank 0
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("inspect", help="the captured graph: parameters, FLOPs, repeated blocks")
@@ -325,9 +326,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="price memory-bound chains as mplan's fused kernels (default: on for GPU clusters)")
     p.add_argument("--fp8", action="store_true", help="a plan whose block linears run as FP8 GEMMs, priced so")
-    p.add_argument("--runtime", choices=RUNTIMES, default="megatron",
-                   help="whose optimizer memory to price: Megatron-LM's (fp32 masters at any zero) or "
-                        "mplan's runtime (bf16 in place at zero=0, fp32 master shards at zero=1)")
+    p.add_argument("--runtime", choices=RUNTIMES, default=DEFAULT_RUNTIME,
+                   help="whose runtime to price (default %(default)s, the one that runs the plan, as bench "
+                        "and autoparallel price it): mplan's (bf16 in place at zero=0, fp32 master shards at "
+                        "zero=1) or Megatron-LM's (fp32 masters, gradients and moments at any zero)")
     p.add_argument("--moe-imbalance", type=at_least_one, default=1.0,
                    help="MoE models: the busiest expert-parallel rank's token load over the mean (1.0: uniform)")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
@@ -379,14 +381,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         status = func(args)
     except (ValueError, FileNotFoundError, KeyError) as exc:
-        print(f"mplan {args.command}: error: {exc}", file=sys.stderr)
-        status = 2
+        status = report(exc, prog=f"mplan {args.command}", hint=False)  # one line, rank 0 only
     except Exception as exc:  # a library error type with a message meant for users
-        if type(exc).__name__.endswith("Error") and type(exc).__module__.startswith("mplan"):
-            print(f"mplan {args.command}: error: {exc}", file=sys.stderr)
-            status = 2
-        else:
+        if not is_refusal(exc):
             raise
+        status = report(exc, prog=f"mplan {args.command}", hint=False)
     if argv is None and (args.command in ("plan", "inspect", "explain") or
                          (args.command == "bench" and not args.measure)):
         _exit_without_teardown(status)

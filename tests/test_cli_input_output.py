@@ -43,12 +43,29 @@ def test_piped_tables_keep_every_value_whole(capsys: pytest.CaptureFixture[str],
     import json
 
     written = tmp_path / "plan.json"
-    assert main(["plan", "tiny-llama", "--cluster", "dgx-h100", "--global-batch", "16", "--runtime", "mplan",
-                 "-o", str(written)]) == 0
+    assert main(["plan", "tiny-llama", "--cluster", "dgx-h100", "--global-batch", "16", "-o", str(written)]) == 0
     printed = capsys.readouterr().out
     assert "…" not in printed
     alternatives = json.loads(written.read_text())["alternatives"]
     assert alternatives and all(a["spec"] in printed for a in alternatives)
+    _plan_and_bench_agree(written, printed, capsys)
+
+
+def _plan_and_bench_agree(written, printed: str, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    """`plan` and `bench --plans auto` price the same runtime by default (once `plan` priced
+    Megatron-LM's and `bench` mplan's: one said llama3-70b needs 3x the devices, the other that
+    it fits), so on the same job they choose the same plan at the same predicted step and memory;
+    the Plan records the runtime and both outputs name it."""
+    import json
+
+    made = json.loads(written.read_text())
+    assert made["runtime"] == "mplan" and "memory priced for mplan's runtime" in printed
+    assert main(["bench", "tiny-llama", "--cluster", "dgx-h100", "--global-batch", "16", "--plans", "auto",
+                 "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["plans"]
+    assert row["resolved_spec"] == mplan.Plan.load(str(written)).spec()
+    assert row["predicted"]["step_time_s"] == pytest.approx(made["predicted"]["step_time_s"], rel=1e-9)
+    assert row["predicted"]["memory_gib"] == pytest.approx(made["predicted"]["memory_gib"], rel=1e-9)
 
 
 def test_the_cpu_example_trains_a_hugging_face_config(tmp_path, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
@@ -73,4 +90,4 @@ def test_the_cpu_example_trains_a_hugging_face_config(tmp_path, monkeypatch: pyt
         runpy.run_path(str(example), run_name="__main__")
     finally:
         torch.set_default_dtype(default_dtype)  # the example trains in float64
-    assert "step 1: loss" in capsys.readouterr().out
+    assert "step 1 | loss" in capsys.readouterr().out

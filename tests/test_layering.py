@@ -21,6 +21,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mplan"
 # (and what it needs to be read back) is all the passes and the runtime may know of planning.
 BRIDGE = {"mplan.planner.plan", "mplan.planner.parallel_config"}
 ALLOWED: dict[str, set[str]] = {
+    "refusal": set(),  # how a refused run ends (one line on rank 0): the runtime's torchrun hook uses it
     "kernels": set(),
     "models": {"kernels"},  # the MoE family's experts are the `moe_experts` op
     # `ir.summary` builds models from specs to capture them; capture turns experts modules into
@@ -30,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "cost_models": {"ir"},
     "planner": {"ir", "cost_models", "kernels"},  # kernels: their byte counts price fused chains
     "passes": {"ir", "cost_models", "collectives", "kernels", "models"} | BRIDGE,
-    "runtime": {"ir", "cost_models", "collectives", "kernels", "models", "passes"} | BRIDGE,
+    "runtime": {"ir", "cost_models", "collectives", "kernels", "models", "passes", "refusal"} | BRIDGE,
 }
 TOP_LEVEL = {"__init__", "__main__", "api", "cli", "bench", "measure", "verify"}
 """The application layer: the public API and the commands, which may use every layer."""

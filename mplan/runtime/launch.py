@@ -10,17 +10,19 @@ torchrun environment is an error naming the missing variables, not a silent sing
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
+
+from mplan.refusal import TRACEBACK_VARIABLE, install_excepthook  # noqa: F401 - TRACEBACK_VARIABLE re-exported
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """What `init_method="env://"` reads; torchrun and most cluster launchers set all four."""
 
 
-TRACEBACK_VARIABLE = "MPLAN_TRACEBACK"
-"""Set to 1 to see the Python traceback of a job-wide error under torchrun (`install_error_hook`)."""
+class LaunchError(RuntimeError):
+    """The process environment is neither a whole torchrun job nor a single process: the message
+    names the variables missing (a refusal, `mplan.refusal`: one line, no traceback)."""
 
 
 def init_distributed_from_env() -> dist.ProcessGroup | None:
@@ -35,7 +37,7 @@ def init_distributed_from_env() -> dist.ProcessGroup | None:
         return None
     missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
     if missing:
-        raise RuntimeError(
+        raise LaunchError(
             f"incomplete torchrun environment: {', '.join(present)} set but "
             f"{', '.join(missing)} missing; launch with torchrun or set all of "
             f"{', '.join(TORCHRUN_VARIABLES)}"
@@ -56,29 +58,8 @@ def install_error_hook() -> None:
     cannot be captured, a bad argument: raised alike on every rank) prints once, on rank 0, as
     one line naming the cause and the fix, and every rank exits with status 2, instead of one
     traceback per rank; other exceptions keep Python's report. `MPLAN_TRACEBACK=1` keeps
-    tracebacks for everything."""
-    if os.environ.get(TRACEBACK_VARIABLE) == "1" or getattr(sys.excepthook, "mplan", False):
-        return
-    previous = sys.excepthook
-
-    def hook(kind: type[BaseException], error: BaseException, trace: object) -> None:
-        if not _is_mplan_error(kind):
-            previous(kind, error, trace)  # type: ignore[arg-type]
-            return
-        if os.environ.get("RANK", "0") == "0":
-            print(f"mplan: error: {error} (set {TRACEBACK_VARIABLE}=1 for the traceback)", file=sys.stderr)
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(2)
-
-    hook.mplan = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
-
-
-def _is_mplan_error(kind: type[BaseException]) -> bool:
-    """An exception type mplan raises for the user to act on: defined in mplan (PlanError,
-    CaptureError, PlanSpecError, ScheduleError, ...)."""
-    return any(k.__module__.startswith("mplan.") for k in kind.__mro__ if issubclass(k, Exception))
+    tracebacks for everything. The rules: `mplan.refusal`."""
+    install_excepthook()
 
 
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:
