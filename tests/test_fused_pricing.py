@@ -226,6 +226,7 @@ def test_a_plan_records_what_the_pass_fuses_over_the_model_and_explain_shows_it(
     made = plan(model, (torch.randint(0, 96, (2, 16)),), cluster=ClusterSpec.preset("dgx-h100", nodes=1,
                 gpus_per_node=1), global_batch=2, spec="dp=1,tp=1,pp=1", runtime="mplan")
     fused = explain_data(made)["fused_kernels"]
-    # 3 blocks: the first norm reads the embedding alone, every other norm its residual add
-    assert fused == {"rms_norm": 1, "linear_group": 3, "rope": 6, "attention": 3, "rms_norm_residual": 6,
+    # 3 blocks: the first norm reads the embedding alone, every other norm its residual add; RoPE on q
+    # and k one launch per block, as the runtime pairs them
+    assert fused == {"rms_norm": 1, "linear_group": 3, "rope_qk": 3, "attention": 3, "rms_norm_residual": 6,
                      "linear_swiglu": 3, "linear_cross_entropy": 1}

@@ -161,7 +161,10 @@ def test_inspect_shows_each_block_fully_fused_and_what_is_left_outside(tmp_path)
     block, outside = doc["fusion"]
     assert block["block_type"] == "LlamaDecoderLayer" and block["instances"] == 2
     assert block["left"] == []
-    assert {f["kernel"] for f in block["fused"]} == {"rms_norm", "rms_norm_residual", "linear_group", "rope",
+    assert {f["kernel"] for f in block["fused"]} == {"rms_norm", "rms_norm_residual", "linear_group", "rope_qk",
                                                     "attention", "linear_swiglu"}
     assert {f["kernel"] for f in outside["fused"]} == {"rms_norm_residual", "linear_cross_entropy"}
+    # RoPE as the runtime runs it: q and k in one rope_qk launch per layer, no single rope left
+    (rope,) = [f for f in block["fused"] if f["kernel"] == "rope_qk"]
+    assert rope["count"] * block["instances"] == COVERAGE["llama"]["rope_qk"]
     assert all(op["bytes"] > 0 and op["why"] for op in outside["left"])

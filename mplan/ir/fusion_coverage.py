@@ -25,7 +25,7 @@ import torch
 from mplan.ir.fusion_patterns import ATTENTION_PATTERN, FUSION_PATTERNS, FusionPattern, PatternMatch, is_call
 from mplan.ir.graph import Graph, OpNode
 
-__all__ = ["Coverage", "FusedKernel", "LeftOp", "OUTSIDE_BLOCKS", "fused_chains", "fusion_coverage"]
+__all__ = ["Coverage", "FusedKernel", "LeftOp", "OUTSIDE_BLOCKS", "fused_calls", "fused_chains", "fusion_coverage"]
 
 OUTSIDE_BLOCKS = "(outside blocks)"
 """The `Coverage.block_type` of the embedding, final norm, output head and loss."""
@@ -82,7 +82,7 @@ def fusion_coverage(graph: Graph) -> list[Coverage]:
     """One Coverage per block type, then one for the code outside blocks; empty without a program."""
     if graph.program is None:
         return []
-    matches = fused_chains(graph)
+    matches = fused_calls(graph)
     claimed = _erased_with(graph, {n.name for _, match in matches for n in match.chain},
                            {n.name for _, match in matches for n in match.inputs})
     coverages = []
@@ -101,6 +101,39 @@ def fused_chains(graph: Graph, patterns: Sequence[FusionPattern] | None = None) 
     (FUSION_PATTERNS, then ATTENTION_PATTERN) by default, in their order."""
     with _training_outputs(graph):
         return _chains(graph, (*FUSION_PATTERNS, ATTENTION_PATTERN) if patterns is None else tuple(patterns))
+
+
+def fused_calls(graph: Graph) -> list[tuple[str, PatternMatch]]:
+    """(kernel, match) for every fused call the pass leaves in `graph`'s training program: the
+    chains of `fused_chains`, RoPE's on q and k paired into one `rope_qk`."""
+    return _paired_ropes(fused_chains(graph))
+
+
+def _paired_ropes(matches: list[tuple[str, PatternMatch]]) -> list[tuple[str, PatternMatch]]:
+    """The chains as the pass leaves them: two RoPE chains that feed one attention call as its q
+    and k, with the same tables, run as one `rope_qk` launch (`fuse_kernels._pair_ropes`)."""
+    ropes = {match.anchor.name: match for kernel, match in matches if kernel == "rope"}
+    paired: dict[str, PatternMatch] = {}
+    for kernel, match in matches:
+        if kernel != "attention":
+            continue
+        q, k = (ropes.get(getattr(x, "name", "")) for x in match.params["qkv"][:2])
+        if q is None or k is None or q is k or len(q.anchor.users) != 1 or len(k.anchor.users) != 1 or \
+                (q.params["cos"], q.params["sin"]) != (k.params["cos"], k.params["sin"]):
+            continue
+        both = PatternMatch(anchor=q.anchor, chain=(*q.chain, *k.chain), outputs=(q.anchor, k.anchor),
+                            inputs=(q.params["x"], k.params["x"], q.params["cos"], q.params["sin"]),
+                            params={"q": q.params["x"], "k": k.params["x"], "cos": q.params["cos"],
+                                    "sin": q.params["sin"]})
+        paired[q.anchor.name], paired[k.anchor.name] = both, both
+    out: list[tuple[str, PatternMatch]] = []
+    for kernel, match in matches:
+        pair = paired.get(match.anchor.name) if kernel == "rope" else None
+        if pair is None:
+            out.append((kernel, match))
+        elif pair.anchor is match.anchor:
+            out.append(("rope_qk", pair))
+    return out
 
 
 @contextlib.contextmanager

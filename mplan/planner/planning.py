@@ -98,10 +98,10 @@ FUSED_PREFIX = "fused."
 def fused_kernel_counts(graph: Graph) -> dict[str, float]:
     """`fused.<kernel>` -> chains over the whole model: those of every captured node, and for the
     instances a shallow capture did not trace, those of the last instance traced of their block."""
-    from mplan.ir.fusion_coverage import fused_chains
+    from mplan.ir.fusion_coverage import fused_calls
 
     per_instance: dict[str | None, Counter[str]] = {}
-    for kernel, match in fused_chains(graph):
+    for kernel, match in fused_calls(graph):
         block = graph.node(match.anchor.name).block if match.anchor.name in graph else None
         per_instance.setdefault(block, Counter())[kernel] += 1
     counts: Counter[str] = Counter()
