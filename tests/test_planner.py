@@ -389,6 +389,77 @@ def test_explain_draws_a_gantt_and_prints_text_without_a_display(small_plan, tmp
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_explain_names_ops_explains_the_notation_once_and_reconciles_the_bubble(small_plan):
+    import dataclasses
+    import io
+
+    from rich.console import Console
+
+    from mplan.planner.explain import NOTATION, explain_data, render
+
+    made, _ = small_plan
+    # the planner's order scrambled: explain sorts the losers by their gap, closest first, misfits last
+    shuffled = dataclasses.replace(made, alternatives=tuple(reversed(made.alternatives)))
+    buf = io.StringIO()
+    render(shuffled, Console(file=buf, width=400))
+    out = buf.getvalue()
+    first_line = NOTATION.splitlines()[0]
+    assert out.count(first_line) == 1 and out.count("R replicated") == 1
+    assert "attn.q_proj" in out or "q_proj" in out  # op rows carry their module path
+    d = explain_data(shuffled)
+    gaps = [a["delta_ms"] for a in d["alternatives"]]
+    fitting = [g for g in gaps if g is not None]
+    assert fitting == sorted(fitting) and gaps[:len(fitting)] == fitting
+    if len(fitting) > 1:
+        order = [a["spec"] for a in d["alternatives"] if a["delta_ms"] is not None]
+        assert out.index(order[0]) < out.index(order[-1])
+    # the headline bubble is the busiest rank's idle share of the pipeline time, which the rank table shows
+    p = d["predicted"]
+    busiest = d["ranks"][p["bubble_rank"]]
+    assert busiest["critical"] and busiest["idle_fraction"] == pytest.approx(p["bubble_fraction"], rel=1e-9)
+    assert all(r["idle_fraction"] >= p["bubble_fraction"] - 1e-12 for r in d["ranks"])
+    for r in d["ranks"]:
+        assert r["warmup_ms"] + r["between_ms"] + r["cooldown_ms"] == pytest.approx(r["idle_ms"], abs=1e-6)
+    assert p["step_time_ms"] == pytest.approx(p["pipeline_ms"] + p["exposed_grad_sync_ms"] + p["optimizer_ms"],
+                                              rel=1e-9)
+    assert f"bubble {p['bubble_fraction']:.1%} (idle share of the pipeline time on rank {p['bubble_rank']}" in out
+    assert "how the step adds up" in out and f"busiest rank (*, rank {p['bubble_rank']})" in out
+
+
+def test_explain_json_keeps_its_keys(small_plan):
+    from mplan.planner.explain import explain_data
+
+    d = json.loads(json.dumps(explain_data(small_plan[0])))
+    for key in ("model", "cluster", "world_size", "spec", "fp8", "runtime", "fused_kernels_priced", "fused_kernels",
+                "mesh", "predicted", "schedule", "stages", "ranks", "block_type", "block_ops", "experts",
+                "alternatives", "notation"):
+        assert key in d
+    assert {"step_time_ms", "tflops_per_gpu", "mfu", "tokens_per_s", "bubble_fraction", "memory_gib",
+            "simulated_step_ms"} <= set(d["predicted"])
+    assert {"rank", "busy_ms", "idle_ms", "grad_sync_ms"} <= set(d["ranks"][0])
+    assert {"index", "op", "strategy", "module", "op_name"} <= set(d["block_ops"][0])
+    assert d["block_ops"][0]["op"] == (f"{d['block_ops'][0]['module']}:{d['block_ops'][0]['op_name']}")
+    if d["alternatives"]:
+        assert {"spec", "step_ms", "delta_ms", "memory_gib", "why"} <= set(d["alternatives"][0])
+
+
+def test_gantt_of_many_micro_batches_is_aggregated_and_quick(small_plan, tmp_path):
+    """512 micro-batches on 2 ranks: over two thousand bars. One patch and label per bar took
+    tens of seconds; bars per (rank, kind) and time bins above GANTT_MAX_BARS take about one."""
+    import dataclasses
+
+    from mplan.planner.explain import GANTT_MAX_BARS, draw_gantt, simulate_plan
+
+    made, _ = small_plan
+    many = dataclasses.replace(made, num_micro_batches=512, global_batch=made.global_batch // made.num_micro_batches * 512)
+    assert sum(e.stream == "compute" for e in simulate_plan(many).timeline) > 2 * GANTT_MAX_BARS
+    png = tmp_path / "many.png"
+    t0 = time.perf_counter()
+    draw_gantt(many, str(png))
+    assert time.perf_counter() - t0 < 10.0
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_plan_json_on_stdout_is_only_json():
     """Checked on the process's real stdout: the solver's C library must not print there."""
     import subprocess

@@ -3,7 +3,11 @@ sharding of one block, what each rejected alternative would have cost, and for a
 expert parallelism (experts per rank, the load imbalance priced, the all-to-all's share of the step).
 
 `explain_data(plan)` is plain data (for `--json`); `render(plan, console)` prints it as rich
-tables, which also read fine as text without a terminal; `simulate_plan(plan)` re-runs the
+tables, which also read fine as text without a terminal: ops named by module path and op, the
+strategy notation explained once (NOTATION), the losers sorted by their gap to the plan, and the
+headline bubble reconciled with each rank's idle time (warm-up, waits, cool-down) and the step
+(pipeline + exposed DP sync + optimizer). Nothing is re-planned: per-op times are not in a plan,
+so the op table shows what the strategy text says (work split, the op's own collectives); `simulate_plan(plan)` re-runs the
 schedule simulator on the plan's own stage times, the weight-gradient part of each backward
 included (zero-bubble schedules run it as W), for the Gantt chart and per-rank figures.
 """
@@ -13,11 +17,66 @@ import re
 from typing import Any
 
 from mplan.cost_models.simulator import PipelineCosts, SimResult, simulate
+from mplan.ir.strategy import StrategyParseError, parse_strategy
 from mplan.planner.evaluate import schedule_of
 from mplan.planner.parallel_config import ParallelConfig
 from mplan.planner.plan import Plan
 
 RUNTIME_NAMES = {"mplan": "mplan's runtime", "megatron": "Megatron-LM's runtime (--runtime megatron)"}
+
+
+NOTATION = (
+    "notation of the strategy column (placements on the tensor-parallel axis):\n"
+    "  name:lowering[input placements->output placement|input-gradient placements], one placement per tensor "
+    "input, in the op's argument order\n"
+    "  R replicated (whole on every rank); S(d) sharded along tensor dim d; P partial sum (each rank holds an "
+    "addend, summed by an all-reduce or reduce-scatter)\n"
+    "  '->' what the op needs -> what it produces; '|' then the placements its input gradients come out with "
+    "in backward\n"
+    "  a trailing * the op's work is split tp ways; {kind:bytes} the collectives the op issues itself (forward)\n"
+    "  resharding: where a producer's output placement differs from what its consumer needs, the passes insert "
+    "S->R all-gather, P->R all-reduce, P->S reduce-scatter, S(d)->S(e) all-to-all, R->S a free local slice")
+"""The strategy text form of `mplan/ir/strategy.py` and the placements of `mplan/ir/placement.py`,
+explained once above the per-op table."""
+
+
+def _op_facts(key: str, text: str) -> dict[str, Any]:
+    """Module path and op of a node key (`attn.q_proj:linear#0`), and what its strategy text says
+    about cost without re-pricing: the work split or not, the op's own collectives (bytes, forward)."""
+    module, _, op = key.rpartition(":")
+    facts: dict[str, Any] = {"module": module, "op_name": op, "name": None, "lowering": None, "split": None,
+                             "collectives": []}
+    try:
+        s = parse_strategy(text)
+    except StrategyParseError:
+        return facts
+    facts.update(name=s.name, lowering=s.lowering, split=s.split,
+                 collectives=[{"kind": kind, "bytes": nbytes} for kind, nbytes in s.comm])
+    return facts
+
+
+def _rank_times(sim: SimResult) -> list[dict[str, Any]]:
+    """Each pipeline rank's step: compute, and its idle time (pipeline time - compute) split into
+    before its first op (warm-up), between ops (waits for a micro-batch or a gradient) and after its
+    last op (cool-down); its DP gradient sync, and the part of it past the end of the pipeline."""
+    pipeline = sim.pipeline_time_s
+    first: dict[int, float] = {}
+    for ev in sim.timeline:
+        if ev.stream == "compute" and ev.rank not in first:
+            first[ev.rank] = ev.start_s
+    out = []
+    for r in sorted(sim.ranks, key=lambda r: r.rank):
+        lead = first.get(r.rank, 0.0)
+        tail = max(pipeline - r.compute_end_s, 0.0)
+        out.append({"rank": r.rank, "busy_ms": r.busy_s * 1e3, "idle_ms": r.idle_s * 1e3,
+                    "grad_sync_ms": r.grad_sync_s * 1e3,
+                    "idle_fraction": r.idle_s / pipeline if pipeline > 0 else 0.0,
+                    "idle_share_of_step": r.idle_s / sim.step_time_s if sim.step_time_s > 0 else 0.0,
+                    "warmup_ms": lead * 1e3, "cooldown_ms": tail * 1e3,
+                    "between_ms": max(r.idle_s - lead - tail, 0.0) * 1e3,
+                    "exposed_grad_sync_ms": max(r.grad_sync_end_s - pipeline, 0.0) * 1e3,
+                    "critical": r.rank == sim.critical_rank})
+    return out
 
 
 def config_of(plan: Plan) -> ParallelConfig:
@@ -69,16 +128,18 @@ def explain_data(plan: Plan) -> dict[str, Any]:
                        "memory_gib": None if mem is None else {
                            "params": mem.params_gib, "grads": mem.grads_gib, "optimizer": mem.optimizer_gib,
                            "activations": mem.activations_gib, "transient": mem.transient_gib, "total": mem.total_gib}})
-    per_rank = [{"rank": r, "busy_ms": ranks[r].busy_s * 1e3, "idle_ms": ranks[r].idle_s * 1e3,
-                 "grad_sync_ms": ranks[r].grad_sync_s * 1e3} for r in sorted(ranks)]
+    per_rank = _rank_times(sim)
     main = max(plan.ops, key=lambda k: len(plan.ops[k])) if plan.ops else None
-    block_ops = [] if main is None else [{"index": i, "op": op, "strategy": s}
+    block_ops = [] if main is None else [{"index": i, "op": op, "strategy": s, **_op_facts(op, s)}
                                          for i, (op, s) in enumerate(plan.ops[main].items())]
     best = plan.predicted.step_time_s
     alternatives = [{"spec": a.spec, "step_ms": None if a.predicted is None else a.predicted.step_time_s * 1e3,
                      "delta_ms": None if a.predicted is None else (a.predicted.step_time_s - best) * 1e3,
-                     "memory_gib": None if a.predicted is None else a.predicted.memory_gib, "why": a.why}
+                     "memory_gib": None if a.predicted is None else a.predicted.memory_gib, "why": a.why,
+                     "fits": a.predicted is not None}
                     for a in plan.alternatives]
+    # closest loser first; those that do not fit last, in the planner's order
+    alternatives.sort(key=lambda a: (a["delta_ms"] is None, a["delta_ms"] or 0.0))
     return {"model": plan.model.name, "cluster": f"{plan.cluster.name} x{plan.cluster.nodes}",
             "world_size": plan.cluster.world_size, "spec": plan.spec(), "fp8": plan.fp8, "runtime": plan.runtime,
             "fused_kernels_priced": bool(plan.planner.get("fused_kernels_priced")),
@@ -89,7 +150,12 @@ def explain_data(plan: Plan) -> dict[str, Any]:
             "predicted": {"step_time_ms": best * 1e3, "tflops_per_gpu": plan.predicted.tflops_per_gpu,
                           "mfu": plan.predicted.mfu, "tokens_per_s": plan.predicted.tokens_per_s,
                           "bubble_fraction": plan.predicted.bubble_fraction, "memory_gib": plan.predicted.memory_gib,
-                          "simulated_step_ms": sim.step_time_s * 1e3},
+                          "simulated_step_ms": sim.step_time_s * 1e3,
+                          # what the bubble counts: the busiest rank's idle share of the pipeline time
+                          "bubble_rank": sim.critical_rank, "pipeline_ms": sim.pipeline_time_s * 1e3,
+                          "exposed_grad_sync_ms": sim.exposed_comm_s * 1e3,
+                          "optimizer_ms": plan.predicted.optimizer_s * 1e3},
+            "notation": NOTATION,
             "schedule": {"name": plan.schedule, "text": schedule_of(config_of(plan)).render() if plan.mesh.pp > 1 else ""},
             "stages": stages, "ranks": per_rank, "block_type": main, "block_ops": block_ops,
             "experts": _experts(plan), "alternatives": alternatives}
@@ -124,9 +190,13 @@ def render(plan: Plan, console: Any) -> None:
         if plan.planner.get("fused_kernels_priced") else "ops priced one by one"
     console.print(f"GEMMs: {'FP8 block linears (output head in bf16)' if plan.fp8 else 'training dtype'}; {kernels}; "
                   f"memory priced for {RUNTIME_NAMES[plan.runtime]}")
+    busiest = d["ranks"][p["bubble_rank"]] if d["ranks"] else None
     console.print(f"predicted: step {p['step_time_ms']:.1f} ms, {p['tflops_per_gpu']:.1f} TFLOP/s per GPU "
-                  f"(MFU {p['mfu']:.1%}), {p['tokens_per_s']:,.0f} tokens/s, bubble {p['bubble_fraction']:.1%}, "
-                  f"peak memory {p['memory_gib']:.1f} GiB  [predicted, not measured]")
+                  f"(MFU {p['mfu']:.1%}), {p['tokens_per_s']:,.0f} tokens/s, bubble {p['bubble_fraction']:.1%}"
+                  + (f" (idle share of the pipeline time on rank {p['bubble_rank']}, the busiest)"
+                     if plan.mesh.pp > 1 else "")
+                  + f", peak memory {p['memory_gib']:.1f} GiB  [predicted, not measured]")
+    e = d["experts"]
     e = d["experts"]
     if e is not None and e["ep"] == 1:
         console.print(f"experts: ep=1, all {e['num_experts']} experts of a layer on every rank, no all-to-all")
@@ -149,22 +219,44 @@ def render(plan: Plan, console: Any) -> None:
                                                            "transient", "total")))
     console.print(stages)
     ranks = Table(title="time per pipeline rank over one step (simulated)")
-    for col in ("rank", "compute ms", "bubble/wait ms", "DP sync ms"):
+    for col in ("rank", "compute ms", "idle ms", "idle %", "warm-up ms", "waits ms", "cool-down ms", "DP sync ms",
+                "sync exposed ms"):
         ranks.add_column(col, justify="right")
     for r in d["ranks"]:
-        ranks.add_row(str(r["rank"]), f"{r['busy_ms']:.1f}", f"{r['idle_ms']:.1f}", f"{r['grad_sync_ms']:.1f}")
+        ranks.add_row(f"{r['rank']}{' *' if r['critical'] else ''}", f"{r['busy_ms']:.1f}",
+                      f"{r['idle_ms']:.1f}", f"{r['idle_fraction']:.1%}", f"{r['warmup_ms']:.1f}",
+                      f"{r['between_ms']:.1f}", f"{r['cooldown_ms']:.1f}", f"{r['grad_sync_ms']:.1f}",
+                      f"{r['exposed_grad_sync_ms']:.1f}")
     console.print(ranks)
+    if busiest is not None:
+        most = max(d["ranks"], key=lambda r: (r["idle_fraction"], -r["rank"]))
+        console.print(
+            f"how the step adds up: step {p['step_time_ms']:.1f} ms = pipeline {p['pipeline_ms']:.1f} ms (first op to "
+            f"the last compute of any rank) + {p['exposed_grad_sync_ms']:.1f} ms of DP gradient sync not hidden "
+            f"behind compute + {p['optimizer_ms']:.1f} ms optimizer step."
+            + ("" if plan.mesh.pp == 1 else "\n"
+            f"  idle = pipeline time - the rank's compute: warm-up before its first op + waits between ops (for an "
+            f"activation or a gradient) + cool-down after its last op; idle % is of the pipeline time.\n"
+            f"  the headline bubble ({p['bubble_fraction']:.1%}) is the idle % of the busiest rank (*, rank "
+            f"{p['bubble_rank']}), as Megatron counts the pipeline bubble; a rank with less work idles longer "
+            f"(most: rank {most['rank']}, {most['idle_fraction']:.1%} of the pipeline time, "
+            f"{most['idle_share_of_step']:.1%} of the step)."), highlight=False)
     if d["block_ops"]:
-        ops = Table(title=f"tensor-parallel strategy of each op in one {d['block_type']} (tp={m['tp']})")
-        ops.add_column("#", justify="right")
-        ops.add_column("op")
-        ops.add_column("strategy [inputs->output | input gradients]")
+        ops = Table(title=f"tensor-parallel strategy of each op in one {d['block_type']} (tp={m['tp']})"
+                          + ("" if m["tp"] == 1 else "; replicated ops left out"))
+        for col in ("#", "module", "op", "strategy", "work", "own collectives (fwd)"):
+            ops.add_column(col, justify="right" if col == "#" else "left")
         for o in d["block_ops"]:
             if not o["strategy"].startswith("replicate") or m["tp"] == 1:
-                ops.add_row(str(o["index"]), o["op"], o["strategy"])
+                comm = ", ".join(f"{c['kind']} {_bytes(c['bytes'])}" for c in o["collectives"]) or "-"
+                work = "-" if o["split"] is None else (f"1/{m['tp']}" if o["split"] else "whole")
+                ops.add_row(str(o["index"]), o["module"] or "(block)", o["op_name"], o["strategy"], work, comm)
+        console.print(d["notation"], markup=False, highlight=False)
         console.print(ops)
+        console.print("per-op times are not stored in a plan: `mplan inspect MODEL` prices each op "
+                      "(compute, communication) without planning again")
     if d["alternatives"]:
-        alts = Table(title="why the alternatives lost")
+        alts = Table(title="why the alternatives lost (closest first)")
         for col in ("spec", "step ms", "vs best", "memory GiB", "why"):
             alts.add_column(col)
         for a in d["alternatives"]:
@@ -174,38 +266,150 @@ def render(plan: Plan, console: Any) -> None:
         console.print(alts)
 
 
+def _bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+GANTT_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#55A868", "W": "#DD8452", "GRAD_SYNC": "#8C8C8C"}
+GANTT_IDLE = "#EDEDED"
+GANTT_MAX_BARS = 750
+"""Compute bars per rank above which the chart aggregates (bars would average under 2 pixels): time
+is cut into GANTT_BINS equal bins, each split into the time each kind (and chunk) ran in it, the
+rest left idle grey."""
+GANTT_BINS = 400
+
+
+def _short(text: str, limit: int = 48) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _shade(color: str, chunk: int, vpp: int) -> str:
+    """Virtual-stage chunk 0 in the full colour, later chunks lighter (mixed with white)."""
+    if vpp <= 1 or chunk == 0:
+        return color
+    mix = 0.55 * chunk / (vpp - 1)
+    rgb = [int(color[i:i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(c + (255 - c) * mix):02X}" for c in rgb)
+
+
+def _label_collection(labels: list[tuple[float, int, str]], ax: Any) -> Any:
+    """Micro-batch numbers as one collection of glyph outlines (one TextPath per distinct number),
+    centred on their bars: hundreds of `ax.text` artists would take seconds to lay out and draw."""
+    from matplotlib.collections import PathCollection
+    from matplotlib.path import Path
+    from matplotlib.textpath import TextPath
+    from matplotlib.transforms import Affine2D
+
+    glyphs: dict[str, Any] = {}
+    for _, _, text in labels:
+        if text not in glyphs:
+            path = TextPath((0, 0), text, size=6)
+            box = path.get_extents()
+            glyphs[text] = Path(path.vertices - [(box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2], path.codes)
+    collection = PathCollection([glyphs[t] for _, _, t in labels], offsets=[(x, y) for x, y, _ in labels],
+                                offset_transform=ax.transData, facecolors="white", edgecolors="none",
+                                linewidths=0, zorder=3)
+    collection.set_transform(Affine2D().scale(ax.figure.dpi / 72.0))
+    return collection
+
+
 def draw_gantt(plan: Plan, path: str) -> None:
     """The simulated schedule, one row per pipeline rank: forward, backward (or its input- and
-    weight-gradient halves) and DP sync bars."""
+    weight-gradient halves) and DP sync bars over a grey idle lane, virtual-stage chunks shaded,
+    micro-batch numbers where they fit, and a legend. One `broken_barh` per (rank, kind, chunk),
+    so a step of thousands of bars draws in about a second; above GANTT_MAX_BARS bars on a rank
+    the row is aggregated into time bins (said in the legend)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     sim = simulate_plan(plan)
-    pp = plan.mesh.pp
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.6 * pp))
-    colors = {"F": "#4C72B0", "B": "#55A868", "I": "#55A868", "W": "#DD8452", "GRAD_SYNC": "#999999"}
+    pp, vpp = plan.mesh.pp, max(plan.mesh.vpp, 1)
+    step_ms = max(sim.step_time_s * 1e3, 1e-9)
+    width_in, dpi = 13.0, 130
+    left, right = 0.09, 0.985
+    fig_h = 1.9 + 0.55 * pp
+    fig, ax = plt.subplots(figsize=(width_in, fig_h), dpi=dpi)
+    fig.subplots_adjust(left=left, right=right, top=1 - 0.55 / fig_h, bottom=0.85 / fig_h)
+    px_per_ms = width_in * dpi * (right - left) / (step_ms * 1.02)
+
+    compute: dict[int, list] = {r: [] for r in range(pp)}
+    bars: dict[tuple[str, int, str], list[tuple[float, float]]] = {}
     for ev in sim.timeline:
-        kind = ev.action.kind
-        y = ev.rank + (0.35 if ev.stream == "comm" else 0.0)
-        height = 0.25 if ev.stream == "comm" else 0.6
-        ax.broken_barh([(ev.start_s * 1e3, (ev.end_s - ev.start_s) * 1e3)], (y - 0.3, height),
-                       facecolors=colors.get(kind, "#C44E52"), edgecolor="white", linewidth=0.3)
-        width = (ev.end_s - ev.start_s) / max(sim.step_time_s, 1e-12)
-        if kind in ("F", "B", "I", "W") and width > 0.012:
-            ax.text((ev.start_s + ev.end_s) / 2 * 1e3, y, str(ev.action.microbatch), ha="center",
-                    va="center", fontsize=6, color="white")
+        if ev.stream == "comm":
+            bars.setdefault(("comm", ev.rank, GANTT_COLORS["GRAD_SYNC"]), []).append(
+                (ev.start_s * 1e3, (ev.end_s - ev.start_s) * 1e3))
+        else:
+            compute[ev.rank].append(ev)
+    aggregated = False
+    labels: list[tuple[float, int, str]] = []
+    for rank, events in compute.items():
+        if len(events) > GANTT_MAX_BARS:
+            aggregated = True
+            bin_ms = step_ms / GANTT_BINS
+            share: dict[int, dict[str, float]] = {}
+            for ev in events:
+                color = _shade(GANTT_COLORS.get(ev.action.kind, "#C44E52"), ev.action.stage // pp, vpp)
+                a, b = ev.start_s * 1e3, ev.end_s * 1e3
+                i = int(a / bin_ms)
+                while i * bin_ms < b and i < GANTT_BINS:
+                    lo, hi = max(a, i * bin_ms), min(b, (i + 1) * bin_ms)
+                    cell = share.setdefault(i, {})
+                    cell[color] = cell.get(color, 0.0) + max(hi - lo, 0.0)
+                    i += 1
+            for i, cell in share.items():  # the bin's time per kind side by side, its idle part left grey
+                x = i * bin_ms
+                for color, busy in sorted(cell.items()):
+                    bars.setdefault(("compute", rank, color), []).append((x, busy))
+                    x += busy
+            continue
+        for ev in events:
+            start, dur = ev.start_s * 1e3, (ev.end_s - ev.start_s) * 1e3
+            color = _shade(GANTT_COLORS.get(ev.action.kind, "#C44E52"), ev.action.stage // pp, vpp)
+            bars.setdefault(("compute", rank, color), []).append((start, dur))
+            text = str(ev.action.microbatch)
+            if dur * px_per_ms >= 5.5 * len(text) + 4:
+                labels.append((start + dur / 2, rank, text))
+    # white outlines part the bars only where they are wide: on bars of a few pixels they would hide them
+    durations = sorted(ev.end_s - ev.start_s for events in compute.values() for ev in events)
+    outlined = not aggregated and bool(durations) and durations[len(durations) // 2] * 1e3 * px_per_ms >= 6
+    for rank in range(pp):
+        ax.broken_barh([(0.0, sim.pipeline_time_s * 1e3)], (rank - 0.3, 0.6), facecolors=GANTT_IDLE, linewidth=0)
+    for (stream, rank, color), spans in bars.items():
+        y, h = (rank + 0.32, 0.2) if stream == "comm" else (rank - 0.3, 0.6)
+        edge = dict(edgecolor="white", linewidth=0.4) if stream == "compute" and outlined else dict(linewidth=0)
+        ax.broken_barh(spans, (y, h), facecolors=color, **edge)
+    if labels:
+        ax.add_collection(_label_collection(labels, ax), autolim=False)
+
+    ax.set_xlim(0, step_ms * 1.02)
+    ax.set_ylim(pp - 0.4, -0.6)
     ax.set_yticks(range(pp))
-    ax.set_yticklabels([f"rank {r}" for r in range(pp)])
-    ax.invert_yaxis()
+    idle = {r.rank: r.idle_s / sim.pipeline_time_s if sim.pipeline_time_s > 0 else 0.0 for r in sim.ranks}
+    ax.set_yticklabels([f"rank {r}\nidle {idle[r]:.0%}" for r in range(pp)], fontsize=8)
     ax.set_xlabel("time (ms)")
-    backward = "green I (input grad), orange W (weight grad)" if any(
-        ev.action.kind == "W" for ev in sim.timeline) else "green B"
-    ax.set_title(f"{plan.model.name}: {plan.schedule}, pp={pp}, vpp={plan.mesh.vpp}, "
-                 f"{plan.num_micro_batches} micro-batches, step {sim.step_time_s * 1e3:.0f} ms, "
-                 f"bubble {sim.bubble_fraction:.1%} (blue F, {backward}, grey DP sync; numbers = micro-batch)",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    split = any(ev.action.kind == "W" for ev in sim.timeline)
+    handles = [Patch(facecolor=GANTT_COLORS["F"], label="F forward")]
+    handles += ([Patch(facecolor=GANTT_COLORS["I"], label="I input grad"),
+                 Patch(facecolor=GANTT_COLORS["W"], label="W weight grad")] if split else
+                [Patch(facecolor=GANTT_COLORS["B"], label="B backward")])
+    handles += [Patch(facecolor=GANTT_COLORS["GRAD_SYNC"], label="DP grad sync (comm stream)"),
+                Patch(facecolor=GANTT_IDLE, edgecolor="#BBBBBB", label="idle (bubble, waits for p2p)")]
+    if vpp > 1:
+        handles += [Patch(facecolor=_shade("#606060", c, vpp), label=f"vpp chunk {c}")
+                    for c in sorted({0, vpp - 1} | ({vpp // 2} if vpp > 2 else set()))]
+    note = (f"aggregated: {GANTT_BINS} time bins per rank, each split by the time each kind ran in it" if aggregated
+            else "numbers: micro-batch (where they fit)")
+    handles.append(Patch(facecolor="none", edgecolor="none", label=note))
+    fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=min(len(handles), 9),
+               fontsize=7.5, frameon=False, handlelength=1.4, columnspacing=1.2)
+    ax.set_title(f"{_short(plan.model.name)}: {plan.schedule}, pp={pp}, vpp={vpp}, "
+                 f"{plan.num_micro_batches} micro-batches, step {step_ms:.0f} ms, "
+                 f"bubble {sim.bubble_fraction:.1%} (rank {sim.critical_rank})", fontsize=9)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
