@@ -181,8 +181,8 @@ def test_local_on_gpus_picks_the_nearest_preset_device(monkeypatch: pytest.Monke
 
 
 PLANNING_MODULES = ["cluster", "presets", "collective_cost", "collectives", "compute_cost", "simulator",
-                    "memory_model", "alpha_beta", "profile", "dtypes", "json_fields", "log_interpolation",
-                    "measure_device", "measure_links"]
+                    "memory_model", "alpha_beta", "profile", "dtypes", "log_interpolation",
+                    "measure_device", "measure_links", "rates", "../json_fields"]
 
 
 @pytest.mark.parametrize("module", PLANNING_MODULES)

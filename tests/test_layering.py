@@ -22,16 +22,17 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mplan"
 BRIDGE = {"mplan.planner.plan", "mplan.planner.parallel_config"}
 ALLOWED: dict[str, set[str]] = {
     "refusal": set(),  # how a refused run ends (one line on rank 0): the runtime's torchrun hook uses it
+    "json_fields": set(),  # reading a JSON file field by field, each error naming its field: every reader's
     "kernels": set(),
-    "models": {"kernels"},  # the MoE family's experts are the `moe_experts` op
+    "models": {"kernels", "json_fields"},  # the MoE family's experts are the `moe_experts` op; config.json
     # `ir.summary` builds models from specs to capture them; capture turns experts modules into
     # the `moe_experts` op of `mplan.kernels.moe`
     "ir": {"models", "kernels"},
     "collectives": {"ir"},
-    "cost_models": {"ir"},
-    "planner": {"ir", "cost_models", "kernels"},  # kernels: their byte counts price fused chains
+    "cost_models": {"ir", "json_fields"},
+    "planner": {"ir", "cost_models", "kernels", "json_fields"},  # kernels: their byte counts price fused chains
     "passes": {"ir", "cost_models", "collectives", "kernels", "models"} | BRIDGE,
-    "runtime": {"ir", "cost_models", "collectives", "kernels", "models", "passes", "refusal"} | BRIDGE,
+    "runtime": {"ir", "cost_models", "collectives", "kernels", "models", "passes", "refusal", "json_fields"} | BRIDGE,
 }
 TOP_LEVEL = {"__init__", "__main__", "api", "cli", "bench", "measure", "verify"}
 """The application layer: the public API and the commands, which may use every layer."""

@@ -38,7 +38,7 @@ from typing import Any
 
 from mplan.cost_models.alpha_beta import AlphaBetaFit
 from mplan.cost_models.dtypes import DTYPES, canonical_dtype
-from mplan.cost_models.json_fields import FieldReader, load_json_file
+from mplan.json_fields import FieldReader, load_json_file
 from mplan.cost_models.profile import ClusterProfile, ProfileError
 
 CLUSTER_FORMAT = "mplan.cluster"
@@ -231,10 +231,13 @@ def _read_profile(r: FieldReader, file: str, base_dir: str) -> ClusterProfile | 
     if not r.has("profile"):
         return None
     value = r.raw("profile")
-    try:
-        if isinstance(value, str):
-            path = value if os.path.isabs(value) else os.path.join(base_dir, value)
+    if isinstance(value, str):
+        path = value if os.path.isabs(value) else os.path.join(base_dir, value)
+        try:
             return ClusterProfile.from_json(path)
+        except ProfileError as exc:  # names the profile file; say which cluster file and field led there
+            raise ClusterSpecError(f"{file}: profile {value!r}: {exc}") from None
+    try:
         return ClusterProfile.from_dict(value, file=file, path="profile")
     except ProfileError as exc:
         raise ClusterSpecError(str(exc)) from None

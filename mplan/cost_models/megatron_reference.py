@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mplan.cost_models.json_fields import FieldReader, load_json_file
+from mplan.json_fields import FieldReader, load_json_file
 from mplan.cost_models.reference_data import ReferenceError, reference_path
 
 __all__ = ["MegatronRun", "ReferenceError", "default_reference_path", "load_megatron_runs"]

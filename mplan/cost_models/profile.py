@@ -30,7 +30,7 @@ from typing import Any
 from mplan.cost_models.alpha_beta import LEVELS, AlphaBetaFit
 from mplan.cost_models.collectives import COLLECTIVES
 from mplan.cost_models.dtypes import DTYPES
-from mplan.cost_models.json_fields import FieldReader, load_json_file
+from mplan.json_fields import FieldReader, load_json_file
 
 PROFILE_FORMAT = "mplan.profile"
 PROFILE_VERSION = 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from importlib import resources
 
-from mplan.cost_models.json_fields import FieldReader, load_json_file
+from mplan.json_fields import FieldReader, load_json_file
 
 
 class ReferenceError(ValueError):

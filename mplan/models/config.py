@@ -23,6 +23,17 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 
+def _finite_number(value: object, *, above: float, or_equal: bool = False) -> bool:
+    """A real number (not a bool), finite, above `above` (or equal to it with `or_equal`)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int beyond float range
+        return False
+    return finite and (value >= above if or_equal else value > above)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TransformerConfig:
     """Fields shared by every decoder-only family. Not built directly."""
@@ -56,8 +67,8 @@ class TransformerConfig:
                 self._fail(field, f"must be a positive integer, got {value!r}")
         if self.hidden % self.num_heads:
             self._fail("hidden", f"={self.hidden} must be a multiple of num_heads={self.num_heads}")
-        if not self.norm_eps > 0:
-            self._fail("norm_eps", f"must be > 0, got {self.norm_eps!r}")
+        if not _finite_number(self.norm_eps, above=0):
+            self._fail("norm_eps", f"must be > 0 and finite, got {self.norm_eps!r}")
 
     def _fail(self, field: str, message: str) -> None:
         raise ValueError(f"{type(self).__name__}.{field}: {message}")
@@ -140,8 +151,8 @@ class LlamaConfig(TransformerConfig):
         if self.head_dim % 2:
             # rotate-half RoPE pairs element i with i + head_dim/2
             self._fail("hidden", f"head_dim={self.head_dim} (hidden/num_heads) must be even for RoPE")
-        if not self.rope_theta > 0:
-            self._fail("rope_theta", f"must be > 0, got {self.rope_theta!r}")
+        if not _finite_number(self.rope_theta, above=0):
+            self._fail("rope_theta", f"must be > 0 and finite, got {self.rope_theta!r}")
 
     @property
     def kv_heads(self) -> int:
@@ -191,12 +202,10 @@ class MoEConfig(LlamaConfig):
                 self._fail(field, f"must be a positive integer, got {value!r}")
         if self.top_k > self.num_experts:
             self._fail("top_k", f"={self.top_k} must be <= num_experts={self.num_experts}")
-        if self.capacity_factor is not None and not (
-            isinstance(self.capacity_factor, (int, float)) and self.capacity_factor > 0
-        ):
-            self._fail("capacity_factor", f"must be > 0 or None, got {self.capacity_factor!r}")
-        if not self.aux_loss_coef >= 0:
-            self._fail("aux_loss_coef", f"must be >= 0, got {self.aux_loss_coef!r}")
+        if self.capacity_factor is not None and not _finite_number(self.capacity_factor, above=0):
+            self._fail("capacity_factor", f"must be > 0 (finite) or None, got {self.capacity_factor!r}")
+        if not _finite_number(self.aux_loss_coef, above=0, or_equal=True):
+            self._fail("aux_loss_coef", f"must be >= 0 and finite, got {self.aux_loss_coef!r}")
         if not isinstance(self.shared_ffn, int) or isinstance(self.shared_ffn, bool) or self.shared_ffn < 0:
             self._fail("shared_ffn", f"must be a non-negative integer, got {self.shared_ffn!r}")
 

@@ -165,14 +165,72 @@ def _from_hf_config(path: str) -> ModelSource:
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise ValueError(f"model spec {path!r}: a directory without config.json")
-    config = AutoConfig.from_pretrained(file, local_files_only=True)
+    _check_hf_config(path, file)
+    try:
+        config = AutoConfig.from_pretrained(file, local_files_only=True)
+    except Exception as err:  # transformers' own checks (their messages name the field) or its failures
+        where = f"model spec {path!r}:" + ("" if file == path else f" {file}:")
+        raise ValueError(f"{where} transformers cannot read it: {type(err).__name__}: "
+                         f"{' '.join(str(err).split())}") from err
     # no generation here: a KV cache would only add outputs to the captured graph
     config.use_cache = False
+    _hf_model_class(config, path)  # an architecture mplan cannot train is refused here, before any capture
     name = os.path.basename(os.path.dirname(os.path.abspath(file))) or config.model_type
     return ModelSource(
         spec=path, family="hf", config=config, name=name,
         seq_len=_hf_seq_len(config), vocab=getattr(config, "vocab_size", None),
     )
+
+
+_HF_SIZES = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length", "vocab_size")
+"""config.json fields mplan reads itself (`_hf_seq_len`, the vocabulary)"""
+
+
+def _check_hf_config(path: str, file: str) -> None:
+    """The file is a JSON object, its model type (if given) a string, and the sizes mplan reads
+    positive integers: one ValueError naming the file and the field (before transformers reads it)."""
+    from mplan.json_fields import HugeNumber, load_json_file
+
+    doc = load_json_file(file, ValueError)
+    where = f"model spec {path!r}:" + ("" if file == path else f" {file}:")
+    if not isinstance(doc, dict):
+        raise ValueError(f"{where} the top level must be a JSON object, got {type(doc).__name__}")
+    for key, value in doc.items():
+        if isinstance(value, HugeNumber):
+            raise ValueError(f"{where} {key} is {value!r}, more than mplan reads")
+    if "model_type" in doc and not isinstance(doc["model_type"], str):
+        raise ValueError(f"{where} model_type must be a string naming a transformers model type, "
+                         f"got {doc['model_type']!r}")
+    for key in _HF_SIZES:
+        value = doc.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f"{where} {key} must be a positive integer, got {value!r}")
+
+
+def _hf_model_class(config: Any, spec: str) -> Any:
+    """The transformers class a config.json's `architectures` names (its first), when mplan can
+    train it: a causal or masked LM, whose loss takes labels of the inputs' shape. Without
+    `architectures`, AutoModelForCausalLM's class for the model type. Anything else is refused
+    in one line naming the class: never another class built in its place."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    causal = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    trainable = set(causal.values()) | set(modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES.values())
+    named = getattr(config, "architectures", None) or []
+    named = [named] if isinstance(named, str) else named
+    if not isinstance(named, (list, tuple)) or not all(isinstance(n, str) for n in named):
+        raise ValueError(f"model spec {spec!r}: config.json's \"architectures\" must be a list of class names, "
+                         f"got {named!r}")
+    if not named:
+        return transformers.AutoModelForCausalLM
+    if named[0] in trainable and hasattr(transformers, named[0]):
+        return getattr(transformers, named[0])
+    instead = causal.get(getattr(config, "model_type", ""))
+    raise ValueError(
+        f"model spec {spec!r}: config.json names architecture {named[0]}, which mplan cannot train: it plans "
+        f"causal LMs (*ForCausalLM) and masked LMs (*ForMaskedLM), whose loss takes labels shaped like the inputs"
+        + (f"; for this model type set \"architectures\": [\"{instead}\"]" if instead else ""))
 
 
 def _hf_seq_len(config: Any) -> int | None:
@@ -191,8 +249,11 @@ def _from_factory(spec: str) -> ModelSource:
         raise ValueError(f"model spec {spec!r}: cannot load factory ({err}); {GRAMMAR}") from None
     if not callable(factory):
         raise ValueError(f"model spec {spec!r}: {attribute} is not callable")
-    with torch.device("meta"):
-        made = factory()
+    try:
+        with torch.device("meta"):
+            made = factory()
+    except Exception as err:  # the user's code: its own error, in one line naming the spec
+        raise ValueError(f"model spec {spec!r}: calling {attribute}() failed: {type(err).__name__}: {err}") from err
     if isinstance(made, tuple(CONFIG_TYPES.values())):
         return ModelSource(
             spec=spec, family=made.family, config=made, name=made.name,
@@ -231,10 +292,11 @@ def build_model(
         return MODEL_TYPES[source.family](source.config, device=device, dtype=dtype, seed=seed)
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
-        if source.family == "hf":
-            from transformers import AutoModelForCausalLM
-
-            return AutoModelForCausalLM.from_config(source.config, dtype=dtype)
+        if source.family == "hf":  # the class config.json names (AutoModelForCausalLM's when it names none)
+            model_class = _hf_model_class(source.config, source.spec)
+            if hasattr(model_class, "_from_config"):
+                return model_class._from_config(source.config, dtype=dtype)
+            return model_class.from_config(source.config, dtype=dtype)
         assert source.factory is not None
         return source.factory().to(dtype)
 

@@ -19,7 +19,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mplan.cost_models.json_fields import FieldReader, load_json_file
+from mplan.json_fields import FieldReader, is_finite_number, load_json_file
 from mplan.cost_models.memory_model import RECOMPUTE_MODES
 from mplan.ir.graph import Graph
 from mplan.ir.mesh import MeshShape
@@ -346,9 +346,8 @@ def _op_table(r: FieldReader, key: str) -> dict[str, dict[str, str]]:
 
 def _numbers(r: FieldReader, key: str) -> dict[str, float]:
     value = r.raw(key) if r.has(key) else {}
-    if not isinstance(value, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                              for v in value.values()):
-        raise r.error(key, "must map names to numbers")
+    if not isinstance(value, dict) or not all(is_finite_number(v) for v in value.values()):
+        raise r.error(key, "must map names to finite numbers")
     return value
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from mplan.cost_models.json_fields import FieldReader, load_json_file
+from mplan.json_fields import FieldReader, load_json_file
 from mplan.ir.placement import Shard, local_shape
 
 if TYPE_CHECKING:

@@ -6,27 +6,63 @@ whose message names the file and the dotted field path, e.g.
 ``cluster.json: links.inter_node.bandwidth_Bps must be a positive number, got "fast"``.
 Input: a parsed JSON value, the file name, the error class. Output: typed Python values.
 Invariants: unknown keys are errors too (a typo must not be silently ignored); booleans are never
-accepted as numbers.
+accepted as numbers, nor NaN, infinities or ints beyond float range; a file that is not UTF-8, not
+JSON or nested too deeply is one error naming the file, and an integer with more digits than Python
+parses loads as a ``HugeNumber`` that every typed read refuses naming its field
+(``tests/test_fuzz_inputs.py`` fuzzes every reader built on this module).
 """
 from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 
 def _show(value: Any) -> str:
-    text = json.dumps(value) if _is_json(value) else repr(value)
+    try:
+        text = json.dumps(value) if _is_json(value) else repr(value)
+    except ValueError:  # an int with more digits than Python converts to text
+        text = f"an integer of about {value.bit_length() * 3 // 10} digits" if isinstance(value, int) \
+            else f"a {type(value).__name__}"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _is_json(value: Any) -> bool:
     try:
         json.dumps(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return False
     return True
+
+
+class HugeNumber:
+    """A JSON integer with more digits than Python's int() converts (``sys.get_int_max_str_digits``):
+    kept as its text so the reader that wanted a number names the field; no reader accepts it."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"<an integer of {len(self.text.lstrip('-'))} digits>"
+
+
+def _parse_int(text: str) -> int | HugeNumber:
+    limit = sys.get_int_max_str_digits()
+    return HugeNumber(text) if limit and len(text.lstrip("-")) > limit else int(text)
+
+
+def is_finite_number(value: Any) -> bool:
+    """A JSON number (not a bool) that is finite as a float (an int beyond float range is not)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 class FieldReader:
@@ -65,8 +101,7 @@ class FieldReader:
     def number(self, key: str, *, minimum: float = 0.0, allow_equal: bool = False) -> float:
         """A finite number above ``minimum`` (or equal to it with ``allow_equal``)."""
         value = self._get(key)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        ok = ok and (value >= minimum if allow_equal else value > minimum)
+        ok = is_finite_number(value) and (value >= minimum if allow_equal else value > minimum)
         if not ok:
             wanted = "a non-negative number" if minimum == 0 and allow_equal else "a positive number" \
                 if minimum == 0 else f"a number of at least {minimum:g}" if allow_equal else f"a number above {minimum:g}"
@@ -76,7 +111,7 @@ class FieldReader:
     def fraction(self, key: str) -> float:
         """A number in (0, 1]."""
         value = self._get(key)
-        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1):
+        if not (is_finite_number(value) and 0 < value <= 1):
             raise self._fail(self._name(key), "must be a number in (0, 1]", value)
         return float(value)
 
@@ -122,11 +157,21 @@ class FieldReader:
 
 
 def load_json_file(path: str, error: type[Exception]) -> Any:
-    """Parse ``path`` as JSON, turning I/O and syntax failures into ``error`` naming the file."""
+    """Parse ``path`` as JSON, turning I/O, encoding and syntax failures into ``error`` naming the file."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
+        with open(path, "rb") as handle:
+            data = handle.read()
     except OSError as exc:
         raise error(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except ValueError as exc:  # a path holding a NUL byte
+        raise error(f"{path!r}: cannot read: {exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not valid JSON: not UTF-8 text (byte {exc.start} is {data[exc.start]:#04x})") from None
+    try:
+        return json.loads(text, parse_int=_parse_int)
     except json.JSONDecodeError as exc:
         raise error(f"{path}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise error(f"{path}: not valid JSON: arrays or objects nested too deeply") from None
