@@ -98,6 +98,12 @@ class PlanSpec:
     def is_auto(self) -> bool:
         return all(getattr(self, f.name) is None for f in fields(self))
 
+    def __str__(self) -> str:
+        """The spec string that gives this spec, keys fixed only (`tp=8,pp=4`; `auto` when none is):
+        what messages quote, rather than the dataclass's repr."""
+        given = [(key, getattr(self, key)) for key in _KEYS if getattr(self, key) is not None]
+        return ",".join(f"{key}={value:g}" if key == "capacity" else f"{key}={value}" for key, value in given) or "auto"
+
     def admits(self, config: ParallelConfig) -> bool:
         for key in _KEYS:
             if key == "capacity":

@@ -28,7 +28,7 @@ from mplan.ir.mesh import GroupShape
 from mplan.ir.moe import num_experts
 from mplan.ir.rebatch import rebatch
 from mplan.ir.strategy import Strategy
-from mplan.planner.evaluate import Estimate, ModelFacts, evaluate
+from mplan.planner.evaluate import Estimate, ModelFacts, device_word, evaluate, gib_versus
 from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains, find_fused_saves
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.parallel_config import (DEFAULT_RUNTIME, RUNTIMES, ModelLimits, ParallelConfig, PlanSpec, PlanSpecError,
@@ -173,7 +173,8 @@ class Planner:
                                          allow_cross_node_tp=allow_cross_node_tp,
                                          max_mbs=8 if self.dynamic else 1))
         if not configs:
-            raise PlanningError(_no_config_reason(world, self.cluster.gpus_per_node, global_batch, self.limits, spec))
+            raise PlanningError(_no_config_reason(world, self.cluster.gpus_per_node, global_batch, self.limits,
+                                                  spec, _ranks(self.cluster)))
         estimates = []
         with _PricedAhead(self.units, [(c.tp, c.sp, c.mbs) for c in configs]) as priced:
             for config in configs:
@@ -265,17 +266,22 @@ def _still_valid(graph: Graph, sharding: GraphSharding, coster: OpCoster) -> dic
     return keep
 
 
+def _ranks(cluster: ClusterSpec) -> str:
+    """The cluster's devices, plural, as messages name them."""
+    return device_word(cluster) + "s"
+
+
 def _refusal(model_name: str, cluster: ClusterSpec, global_batch: int, leanest: Estimate) -> str:
     """Why no plan of a search runs, from its leanest candidate: what does not fit a device and by
-    how much, or, for a plan refused for another reason, that reason alone (its memory figures are
-    of a stand-in cut then, and more devices are not what it needs)."""
+    how much, and what to change; or, for a plan refused for another reason, that reason alone (its
+    memory figures are of a stand-in cut then, and more devices are not what it needs)."""
     have = cluster.device.memory_bytes
     on = (f"{cluster.world_size} x {cluster.device.name} ({have / 2**30:.0f} GiB each) at global batch "
           f"{global_batch}")
     plan = f"the leanest plan ({leanest.config.short()})"
     if not leanest.short_of_memory:
         return f"{model_name} cannot run on {on}: {plan} {leanest.reason}, which is not a matter of memory."
-    return f"{model_name} does not fit on {on}: {plan} {leanest.reason}. {_what_would_fit(leanest, cluster)}"
+    return f"{model_name} does not fit on {on}: even {plan} {leanest.reason}. {_what_would_fit(leanest, cluster)}"
 
 
 def _what_would_fit(estimate: Estimate, cluster: ClusterSpec) -> str:
@@ -283,35 +289,43 @@ def _what_would_fit(estimate: Estimate, cluster: ClusterSpec) -> str:
     have = cluster.device.memory_bytes
     if need <= 0 or have <= 0:
         return ""
-    hint = "more nodes or a smaller global batch" + ("" if estimate.config.recompute == "full" else
-                                                      ", or recompute=full")
+    device = device_word(cluster)
+    hint = "a smaller --global-batch" + ("" if estimate.config.recompute == "full" else
+                                         ", or --spec recompute=full")
     if need <= have:  # the whole peak is within a device: what does not fit is a pipeline chunk
         k = estimate.config.pp * estimate.config.vpp
-        return (f"Its busiest device would hold {need / 2**30:.1f} GiB, within the {have / 2**30:.0f} GiB it "
-                f"has, but no cut of its units into {k} pipeline chunk{'s' if k > 1 else ''} keeps each chunk "
-                f"under that once the allocator's margin is set aside: try {hint}.")
-    return (f"It needs {need / 2**30:.1f} GiB per device, {(need - have) / 2**30:.1f} GiB more than the "
-            f"{have / 2**30:.0f} GiB a device has: about {math.ceil(need / have)}x the devices would hold it; "
-            f"try {hint}.")
+        return (f"Its busiest {device} would hold {need / 2**30:.2f} GiB of the {have / 2**30:.2f} GiB it has, "
+                f"but no cut of its units into {k} pipeline chunk{'s' if k > 1 else ''} keeps each chunk under "
+                f"that once the allocator's margin is set aside: try more {device}s (--nodes {cluster.num_nodes + 1}) or {hint}.")
+    times = math.ceil(need / have)
+    return f"About {times}x the {device}s would hold it: try --nodes {cluster.num_nodes * times} or {hint}."
 
 
 def _no_config_reason(world: int, gpus_per_node: int, global_batch: int, limits: ModelLimits,
-                      spec: PlanSpec) -> str:
-    fixed = {k: getattr(spec, k) for k in ("dp", "tp", "pp", "ep") if getattr(spec, k) is not None}
-    product = math.prod(v for v in fixed.values())
-    if fixed and set(fixed) >= {"dp", "tp", "pp"} and product != world:
-        return (f"the plan asks for {'*'.join(f'{k}' for k in ('dp', 'tp', 'pp'))} = "
-                f"{fixed['dp']}*{fixed['tp']}*{fixed['pp']} = {product} ranks but the cluster has {world}")
+                      spec: PlanSpec, ranks: str = "GPUs") -> str:
+    """Why a spec admits no config, quoting the spec as written (`tp=8,pp=4`) and the arithmetic
+    that fails (`tp x pp = 8 x 4 = 32 > 8 GPUs`); `ranks` names the cluster's devices."""
+    asked = f"plan spec {str(spec)!r}"
+    fixed = {k: getattr(spec, k) for k in ("dp", "tp", "pp") if getattr(spec, k) is not None}
+    product = math.prod(fixed.values())
+    degrees = f" = {' x '.join(map(str, fixed.values()))}" if len(fixed) > 1 else ""
+    expr = f"{' x '.join(fixed)}{degrees} = {product}"
+    if len(fixed) == 3 and product != world:
+        return f"{asked}: {expr} ranks, but the cluster has {world} {ranks} (dp x tp x pp must equal {world})"
+    if fixed and product > world:
+        return f"{asked}: {expr} > {world} {ranks}, the whole cluster; fix fewer or smaller degrees, or add --nodes"
     if spec.tp is not None and limits.num_heads % spec.tp:
-        return f"tp={spec.tp} does not divide the model's {limits.num_heads} attention heads"
+        return f"{asked}: tp={spec.tp} does not divide the model's {limits.num_heads} attention heads"
+    if fixed and world % product:
+        return f"{asked}: {expr} does not divide the cluster's {world} {ranks} (dp x tp x pp must equal {world})"
     if spec.tp is not None and spec.tp > gpus_per_node:
-        return f"tp={spec.tp} would cross nodes ({gpus_per_node} GPUs per node)"
+        return f"{asked}: tp={spec.tp} would cross nodes ({gpus_per_node} {ranks} per node)"
     if spec.pp is not None and spec.pp > max(1, limits.num_layers):
-        return f"pp={spec.pp} exceeds the model's {limits.num_layers} layers"
+        return f"{asked}: pp={spec.pp} exceeds the model's {limits.num_layers} layers"
     if spec.dp is not None and global_batch % spec.dp:
-        return f"global batch {global_batch} is not divisible by dp={spec.dp}"
-    return (f"no split of {world} ranks fits the request (global batch {global_batch}, "
-            f"{limits.num_heads} heads, {limits.num_layers} layers, spec {spec})")
+        return f"{asked}: global batch {global_batch} is not divisible by dp={spec.dp}"
+    return (f"no split of {world} {ranks} fits {asked} (global batch {global_batch}, "
+            f"{limits.num_heads} heads, {limits.num_layers} layers)")
 
 
 def _limits(graph: Graph) -> ModelLimits:

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from mplan.cost_models.rates import flops_rate
 from mplan.ir.graph import Graph
 from mplan.planner.plan import Plan
 
@@ -69,7 +70,7 @@ class StepMetrics:
                                                if _known(self.predicted_step_time_s) else ""),
                  f"{_count(self.tokens_per_s)} tok/s"]
         if _known(self.model_tflops_per_s):
-            parts.append(f"{_flops(self.model_tflops_per_s * 1e12)}/dev")
+            parts.append(f"{flops_rate(self.model_tflops_per_s * 1e12)}/dev")
         if _known(self.mfu):
             parts.append(f"MFU {_percent(self.mfu)}" + (f" (predicted {_percent(self.predicted_mfu)})"
                                                          if _known(self.predicted_mfu) else ""))
@@ -178,14 +179,6 @@ def _count(value: float) -> str:
         if value >= scale:
             return f"{value / scale:.1f}{suffix}"
     return f"{value:.0f}"
-
-
-def _flops(per_s: float) -> str:
-    """FLOP/s in the unit that shows it (a CPU rank's 0.3 GFLOP/s is not '0.0 TFLOP/s')."""
-    for scale, unit in ((1e15, "PFLOP/s"), (1e12, "TFLOP/s"), (1e9, "GFLOP/s"), (1e6, "MFLOP/s"), (1e3, "kFLOP/s")):
-        if per_s >= scale:
-            return f"{per_s / scale:.1f} {unit}"
-    return f"{per_s:.0f} FLOP/s"
 
 
 __all__ = ["StepMeter", "StepMetrics"]
