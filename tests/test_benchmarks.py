@@ -107,12 +107,17 @@ def test_step_profile_on_tiny_models(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_fused_kernel_prices_match_the_h200_run(tmp_path: Path) -> None:
-    """Re-predicts the latest committed H200 steps (run with today's kernels), each system's
-    optimizer priced as the AdamW it runs: mplan's (fused) step within 3%; eager's within 10% and
+    """Re-predicts session 4's H200 steps (e2e_h200-2026-11-29-session4.json; its committed check is
+    fused_pricing_check-2026-11-29-session5.json), each system's optimizer priced as the AdamW it
+    runs: mplan's (fused) step within 3% (-2.4% GPT-1.3B, -1.9% Llama-1.1B); eager's within 10% and
     FP8's within 12%, both predicted low for Llama-1.1B (-8.4%, -10.4%; GPT-1.3B -2.8%, -2.5%):
     pricing eager's ops one by one gives 50 ms more than the fused step where 70 ms were measured,
     and Llama's FP8 steps spread over 155-189 ms in that run (partly host-bound: 189-217 ms in
-    three runs of GPT-1.3B)."""
+    three runs of GPT-1.3B).
+
+    Not the run the README's step ratios quote: on session 7's (e2e_h200-2026-11-29-session7.json,
+    fused_pricing_check-2026-11-29-session7.json) mplan's step is predicted -5.2% (GPT) and -3.5%
+    (Llama), outside this 3% bar, and the README says so; the bar is not widened for it."""
     out = tmp_path / "check.json"
     _run("fused_pricing_check.py", str(RESULTS / "e2e_h200-2026-11-29-session4.json"), "-o", str(out))
     for name, row in json.loads(out.read_text())["rows"].items():
