@@ -298,28 +298,28 @@ def cluster_seed():
 
 # -- the file readers ----------------------------------------------------------------------------
 
-def test_fuzz_plan_file(plan_seed, workdir):
-    seed, plan = plan_seed
-    assert Plan.from_dict(seed) == plan
-    file = os.path.join(workdir, "plan.json")
+READERS = {
+    # name: (seed fixture, loader, its error, the reload a loaded object must survive)
+    "plan": ("plan_seed", Plan.load, PlanError, lambda p: Plan.from_dict(_via_json(p.to_dict()))),
+    "cluster": ("cluster_seed", ClusterSpec.from_json, ClusterSpecError,
+                lambda c: ClusterSpec.from_dict(_via_json(c.to_dict()))),
+    "profile": ("profile_seed", ClusterProfile.from_json, ProfileError,
+                lambda p: ClusterProfile.from_dict(_via_json(p.to_dict()))),
+}
 
-    @settings(max_examples=EXAMPLES["plan"], **FUZZ)
+
+@pytest.mark.parametrize("name", list(READERS))
+def test_fuzz_file(name, request, workdir):
+    fixture, load, error, reload = READERS[name]
+    seed, loaded = request.getfixturevalue(fixture)
+    if name == "plan":
+        assert Plan.from_dict(seed) == loaded
+    file = os.path.join(workdir, f"{name}.json")
+
+    @settings(max_examples=EXAMPLES[name], **FUZZ)
     @given(mutations(seed))
     def fuzz(ops):
-        check("plan", Plan.load, PlanError, seed, plan, ops, file, lambda p: Plan.from_dict(_via_json(p.to_dict())))
-
-    fuzz()
-
-
-def test_fuzz_cluster_file(cluster_seed, workdir):
-    seed, cluster = cluster_seed
-    file = os.path.join(workdir, "cluster.json")
-
-    @settings(max_examples=EXAMPLES["cluster"], **FUZZ)
-    @given(mutations(seed))
-    def fuzz(ops):
-        check("cluster", ClusterSpec.from_json, ClusterSpecError, seed, cluster, ops, file,
-              lambda c: ClusterSpec.from_dict(_via_json(c.to_dict())))
+        check(name, load, error, seed, loaded, ops, file, reload)
 
     fuzz()
 
@@ -345,17 +345,6 @@ def test_fuzz_cluster_file_with_profile_path(cluster_seed, profile_seed, workdir
     fuzz()
 
 
-def test_fuzz_profile_file(profile_seed, workdir):
-    seed, profile = profile_seed
-    file = os.path.join(workdir, "profile.json")
-
-    @settings(max_examples=EXAMPLES["profile"], **FUZZ)
-    @given(mutations(seed))
-    def fuzz(ops):
-        check("profile", ClusterProfile.from_json, ProfileError, seed, profile, ops, file,
-              lambda p: ClusterProfile.from_dict(_via_json(p.to_dict())))
-
-    fuzz()
 
 
 CHECKPOINT_SEED = {
