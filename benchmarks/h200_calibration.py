@@ -38,7 +38,11 @@ def predict(row: dict) -> dict:
     config = model_of(row)
     model = build_model(config, device="meta", dtype=torch.bfloat16)  # priced in the dtype it trains in
     graph = capture_for_planning(model, (torch.zeros(1, config.seq_len, dtype=torch.long),))
-    planner = Planner(graph, ClusterSpec.preset("h200"), grad_dtype="bf16", fp32_grad_copy=True)
+    # Priced as on 2026-11-29, with Megatron-LM's accounting (gradients held beside the
+    # activations). Priced for mplan's runtime (at dp=1 the gradients replace the activations as
+    # backward frees them) the peaks come out ~7% low, the gap `mplan bench --measure` shows on
+    # Hugging Face models (-6.6%, benchmarks/results/hf_bench_h200-2026-12-02.json): open in issue 19.
+    planner = Planner(graph, ClusterSpec.preset("h200"), grad_dtype="bf16", fp32_grad_copy=True, runtime="megatron")
     estimate = planner.evaluate(ParallelConfig(dp=1, tp=1, pp=1, mbs=row["batch"], num_micro_batches=1, zero=1),
                                 fast=False, fragmentation=0.0)
     mem = estimate.memory[0]
