@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import Any, Callable, NoReturn, Sequence
 
-from mplan.cost_models.rates import flops_rate
+from mplan.cost_models.rates import flops_rate, percent
 from mplan.planner.parallel_config import DEFAULT_RUNTIME, RUNTIMES
 from mplan.refusal import ArgumentParser, is_refusal, report
 
@@ -242,12 +242,7 @@ def _bench_cells(row: dict[str, Any]) -> list[str]:
     a2a = f"{p['a2a_s'] * 1e3:.0f} ms ({p['a2a_s'] / p['step_time_s']:.1%})" if p.get("a2a_s") else "-"
     return ["/".join(str(mesh.get(k, "-")) for k in ("dp", "tp", "pp", "vpp", "ep")), "yes" if row["fits"] else "no",
             f"{p['step_time_s'] * 1e3:.1f}" if p else "-", flops_rate(p["tflops_per_gpu"] * 1e12) if p else "-",
-            _share(p["mfu"]) if p else "-", f"{p['memory_gib']:.1f}" if p else "-", a2a]
-
-
-def _share(fraction: float) -> str:
-    """A percentage that a tiny model's small share does not round to '0.0%' (0.0031%)."""
-    return f"{fraction:.1%}" if fraction == 0 or fraction >= 0.001 else f"{fraction * 100:.2g}%"
+            percent(p["mfu"]) if p else "-", f"{p['memory_gib']:.1f}" if p else "-", a2a]
 
 
 def _measured_ms(measured: dict[str, Any] | None) -> str:

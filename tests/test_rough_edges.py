@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from mplan.bench import bench_plans
-from mplan.cli import _bench_cells, _share
-from mplan.cost_models.rates import flops_rate
+from mplan.cli import _bench_cells
+from mplan.cost_models.rates import flops_rate, percent
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.planner.evaluate import NO_CUT_IN_MEMORY, gib_versus
 from mplan.planner.parallel_config import ModelLimits, ParallelConfig, parse_plan_spec
@@ -87,7 +87,7 @@ def test_small_flop_rates_and_shares_show_in_a_unit_that_shows_them(tiny_bench):
     assert rate.endswith(("GFLOP/s", "MFLOP/s", "kFLOP/s")) and not rate.startswith("0.0 "), rate
     assert mfu != "0.0%" and mfu.endswith("%"), mfu
     assert flops_rate(312e12) == "312.0 TFLOP/s" and flops_rate(3.2e8) == "320.0 MFLOP/s"
-    assert _share(0.472) == "47.2%" and _share(2.4e-5) == "0.0024%" and _share(0.0) == "0.0%"
+    assert percent(0.472) == "47.2%" and percent(2.4e-5) == "0.0024%" and percent(0.0) == "0.0%"
 
 
 def test_memory_short_by_less_than_the_rounding_still_reads_as_short():

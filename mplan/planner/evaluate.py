@@ -269,11 +269,11 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     peak = max(m.total_bytes for m in memory)
     fits = not reason and peak <= cluster.device.memory_bytes
     if not reason and not fits:
-        reason = "needs " + gib_versus(peak, cluster.device.memory_bytes, per=device_word(cluster))
+        reason = "needs " + gib_versus(peak, cluster.device.memory_bytes, per=device_word(cluster.device.name))
         short_of_memory = True
     elif reason == NO_CUT_IN_MEMORY and k == 1 and peak > cluster.device.memory_bytes:
         # one stage: there is nothing to cut, the whole model's share is what does not fit
-        reason = "needs " + gib_versus(peak, cluster.device.memory_bytes, per=device_word(cluster))
+        reason = "needs " + gib_versus(peak, cluster.device.memory_bytes, per=device_word(cluster.device.name))
 
     at_step = facts.runtime == "mplan" and config.pp > 1  # the sync waits for the schedule's end
     costs = PipelineCosts(forward_s=chunk_f, backward_s=chunk_b, p2p_s=(p2p,) * (k - 1),
@@ -469,9 +469,10 @@ NO_CUT_IN_MEMORY = "cannot be cut into pipeline stages that each fit in a device
 """The reason of a plan whose units have a cut into its chunks, but none within the device's memory."""
 
 
-def device_word(cluster: ClusterSpec) -> str:
-    """What a cluster's devices are called in messages: "GPU", or "CPU rank" on the cpu preset."""
-    return "CPU rank" if cluster.device.name == "cpu" else "GPU"
+def device_word(device: str) -> str:
+    """What a cluster's devices (by their name) are called in messages: "GPU", or "CPU rank" on
+    the cpu preset."""
+    return "CPU rank" if device == "cpu" else "GPU"
 
 
 def gib_versus(need: float, have: float, *, per: str = "GPU") -> str:

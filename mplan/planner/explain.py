@@ -19,7 +19,7 @@ from typing import Any
 from mplan.cost_models.rates import flops_rate
 from mplan.cost_models.simulator import PipelineCosts, SimResult, simulate
 from mplan.ir.strategy import StrategyParseError, parse_strategy
-from mplan.planner.evaluate import schedule_of
+from mplan.planner.evaluate import device_word, schedule_of
 from mplan.planner.parallel_config import ParallelConfig
 from mplan.planner.plan import Plan
 
@@ -182,8 +182,8 @@ def render(plan: Plan, console: Any) -> None:
     d = explain_data(plan)
     p = d["predicted"]
     m = d["mesh"]
-    ranks = "CPU ranks" if plan.cluster.device == "cpu" else "GPUs"
-    console.print(f"[bold]{d['model']}[/] on {d['cluster']} ({d['world_size']} {ranks}): "
+    device = device_word(plan.cluster.device)
+    console.print(f"[bold]{d['model']}[/] on {d['cluster']} ({d['world_size']} {device}s): "
                   f"dp={m['dp']} tp={m['tp']} pp={m['pp']} vpp={m['vpp']} ep={m['ep']}, "
                   f"{plan.schedule}, micro-batch {plan.micro_batch_size} x {plan.num_micro_batches}, "
                   f"SP {'on' if plan.sequence_parallel else 'off'}, zero={plan.zero}, recompute={plan.recompute}")
@@ -194,7 +194,7 @@ def render(plan: Plan, console: Any) -> None:
                   f"memory priced for {RUNTIME_NAMES[plan.runtime]}")
     busiest = d["ranks"][p["bubble_rank"]] if d["ranks"] else None
     console.print(f"predicted: step {p['step_time_ms']:.1f} ms, {flops_rate(p['tflops_per_gpu'] * 1e12)} per "
-                  f"{'rank' if plan.cluster.device == 'cpu' else 'GPU'} "
+                  f"{device} "
                   f"(MFU {p['mfu']:.1%}), {p['tokens_per_s']:,.0f} tokens/s, bubble {p['bubble_fraction']:.1%}"
                   + (f" (idle share of the pipeline time on rank {p['bubble_rank']}, the busiest)"
                      if plan.mesh.pp > 1 else "")
@@ -210,7 +210,7 @@ def render(plan: Plan, console: Any) -> None:
                       f"(each replicated on {e['expert_dp']} ranks), load imbalance {e['imbalance']:.2f}x priced, "
                       f"{capacity}; all-to-all {e['all_to_all_ms']:.1f} ms per step, "
                       f"{e['all_to_all_share']:.1%} of the step")
-    stages = Table(title=f"stages: layers, time per micro-batch, memory per {'rank' if plan.cluster.device == 'cpu' else 'GPU'} (GiB)")
+    stages = Table(title=f"stages: layers, time per micro-batch, memory per {device} (GiB)")
     for col in ("stage", "rank", "layers", "fwd ms", "bwd ms", "sync ms", "params", "grads", "optim", "activ",
                 "transient", "total"):
         stages.add_column(col, justify="left" if col == "layers" else "right")

@@ -268,7 +268,7 @@ def _still_valid(graph: Graph, sharding: GraphSharding, coster: OpCoster) -> dic
 
 def _ranks(cluster: ClusterSpec) -> str:
     """The cluster's devices, plural, as messages name them."""
-    return device_word(cluster) + "s"
+    return device_word(cluster.device.name) + "s"
 
 
 def _refusal(model_name: str, cluster: ClusterSpec, global_batch: int, leanest: Estimate) -> str:
@@ -289,7 +289,7 @@ def _what_would_fit(estimate: Estimate, cluster: ClusterSpec) -> str:
     have = cluster.device.memory_bytes
     if need <= 0 or have <= 0:
         return ""
-    device = device_word(cluster)
+    device = device_word(cluster.device.name)
     hint = "a smaller --global-batch" + ("" if estimate.config.recompute == "full" else
                                          ", or --spec recompute=full")
     if need <= have:  # the whole peak is within a device: what does not fit is a pipeline chunk

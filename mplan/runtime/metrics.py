@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from mplan.cost_models.rates import flops_rate
+from mplan.cost_models.rates import flops_rate, percent
 from mplan.ir.graph import Graph
 from mplan.planner.plan import Plan
 
@@ -72,7 +72,7 @@ class StepMetrics:
         if _known(self.model_tflops_per_s):
             parts.append(f"{flops_rate(self.model_tflops_per_s * 1e12)}/dev")
         if _known(self.mfu):
-            parts.append(f"MFU {_percent(self.mfu)}" + (f" (predicted {_percent(self.predicted_mfu)})"
+            parts.append(f"MFU {percent(self.mfu)}" + (f" (predicted {percent(self.predicted_mfu)})"
                                                          if _known(self.predicted_mfu) else ""))
         if self.peak_memory_gib is not None:
             parts.append(f"peak {self.peak_memory_gib:.1f} GiB" + (f" (predicted {self.predicted_memory_gib:.1f})"
@@ -161,10 +161,6 @@ def _positive(value: float | bool | None) -> float | None:
 
 def _known(value: float | None) -> bool:
     return value is not None and value > 0
-
-
-def _percent(value: float) -> str:
-    return f"{value:.1%}" if value >= 0.01 else f"{value * 100:.2g}%"  # 0.043%, never 0.0%
 
 
 def _seconds(seconds: float) -> str:
