@@ -156,8 +156,8 @@ def test_g_a_job_wide_error_under_torchrun_prints_one_line_on_rank_zero(tmp_path
     script = tmp_path / "job.py"
     script.write_text(
         "import torch, mplan\n"
-        "from mplan.runtime.launch import install_error_hook\n"
-        "install_error_hook()\n"
+        "from mplan.refusal import install_excepthook\n"
+        "install_excepthook()\n"
         "mplan.autoparallel(torch.nn.Linear(4, 4), example_inputs=(torch.zeros(2, 4),), global_batch=0)\n",
         encoding="utf-8")
     for rank, expected in (("0", 1), ("1", 0)):

@@ -14,7 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from mplan.refusal import TRACEBACK_VARIABLE, install_excepthook  # noqa: F401 - TRACEBACK_VARIABLE re-exported
+from mplan.refusal import install_excepthook
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """What `init_method="env://"` reads; torchrun and most cluster launchers set all four."""
@@ -27,10 +27,11 @@ class LaunchError(RuntimeError):
 
 def init_distributed_from_env() -> dist.ProcessGroup | None:
     """The world process group: existing, or initialized from torchrun's variables, or None.
-    Under torchrun it also installs `install_error_hook`."""
+    Under torchrun it also installs `mplan.refusal.install_excepthook`: an mplan error that
+    escapes the user's script (raised alike on every rank) prints once, on rank 0, as one line."""
     present = [name for name in TORCHRUN_VARIABLES if name in os.environ]
     if present:
-        install_error_hook()
+        install_excepthook()
     if dist.is_initialized():
         return dist.group.WORLD
     if not present:
@@ -51,15 +52,6 @@ def init_distributed_from_env() -> dist.ProcessGroup | None:
     else:
         dist.init_process_group("gloo", init_method="env://")
     return dist.group.WORLD
-
-
-def install_error_hook() -> None:
-    """Under torchrun, an mplan error that escapes the user's script (a refused plan, a model that
-    cannot be captured, a bad argument: raised alike on every rank) prints once, on rank 0, as
-    one line naming the cause and the fix, and every rank exits with status 2, instead of one
-    traceback per rank; other exceptions keep Python's report. `MPLAN_TRACEBACK=1` keeps
-    tracebacks for everything. The rules: `mplan.refusal`."""
-    install_excepthook()
 
 
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:
