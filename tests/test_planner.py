@@ -142,6 +142,30 @@ def test_ilp_optimum_equals_brute_force_over_every_assignment(n):
     assert solved.objective_s == pytest.approx(best, rel=1e-9)
 
 
+@pytest.mark.parametrize("boundary", [R, S(1)])
+def test_the_ilp_op_prices_add_up_to_the_segment_it_solved(boundary):
+    """`SegmentSharding.op_prices` splits the objective of the chosen assignment by op: compute,
+    own collectives, resharding; summed, they are the segment's forward + backward."""
+    graph = planning_graph(gpt(2, 1024, 16, seq=512))
+    block = graph.block_types[0]
+    coster = OpCoster(ClusterSpec.preset("dgx-a100"), 4, GroupShape(size=4, ranks_per_node=4))
+    solved = solve_block_sharding(graph, block, coster, boundary)
+    prices = solved.op_prices
+    assert set(prices) == set(block.template)
+    assert sum(p.compute_s + p.comm_s + p.reshard_s for p in prices.values()) == \
+        pytest.approx(solved.forward_s + solved.backward_s, rel=1e-12)
+    assert sum(p.comm_s + p.reshard_s for p in prices.values()) == \
+        pytest.approx(solved.comm_forward_s + solved.comm_backward_s, rel=1e-12)
+    assert all(min(p.compute_s, p.comm_s, p.reshard_s) >= 0 for p in prices.values())
+    for name in block.template:
+        node = graph.node(name)
+        if node.kind in ("matmul", "attention"):
+            assert prices[name].compute_s > 0
+        elif node.kind in ("view", "getitem"):
+            assert prices[name].compute_s == 0
+    assert sum(p.reshard_s for p in prices.values()) > 0  # a tensor-parallel block reshards somewhere
+
+
 @pytest.mark.slow
 def test_the_ilp_solves_the_same_where_highs_first_ran_on_more_threads(tmp_path):
     """HiGHS sizes one thread scheduler per thread on its first run there. On a thread where it
@@ -338,6 +362,37 @@ def test_plan_json_round_trips_and_carries_the_documented_fields(small_plan):
     assert all(a["why"] for a in doc["alternatives"])
 
 
+def _json_types_only(value) -> bool:
+    """Whether `value` is in the JSON data model: dicts with string keys, lists (no tuples), scalars."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_types_only(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_json_types_only(v) for v in value)
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+def test_plan_to_dict_is_json_data_that_from_dict_reads_back_equal(small_plan):
+    """`from_dict(to_dict())` without a trip through JSON text: to_dict once gave tuples (stage units,
+    memory by stage, alternatives), which the reader, taking arrays as lists, refused."""
+    made, path = small_plan
+    doc = made.to_dict()
+    assert _json_types_only(doc)
+    assert json.loads(json.dumps(doc)) == doc
+    assert Plan.from_dict(doc) == made
+    assert Plan.from_dict(Plan.load(str(path)).to_dict()) == made
+    assert Plan.from_dict(doc).op_costs == made.op_costs and made.op_costs
+
+
+def test_a_plan_without_op_costs_loads_and_keeps_none(small_plan):
+    made, path = small_plan
+    doc = json.loads(path.read_text())
+    assert set(doc["op_costs"]) <= set(doc["ops"])
+    del doc["op_costs"]
+    old = Plan.from_dict(doc)
+    assert old.op_costs == {} and "op_costs" not in old.to_dict()
+    assert Plan.from_dict(old.to_dict()) == old
+
+
 @pytest.mark.parametrize("mutate,fragment", [
     (lambda d: d["mesh"].update(tp="eight"), "mesh.tp must be an integer"),
     (lambda d: d.update(schedule="zigzag"), "schedule must be one of"),
@@ -345,6 +400,12 @@ def test_plan_json_round_trips_and_carries_the_documented_fields(small_plan):
     (lambda d: d.update(extra_field=1), "extra_field is not a known field"),
     (lambda d: d["mesh"].update(dp=3), "does not equal cluster.world_size"),
     (lambda d: d.update(version=7), "version 7 is not supported"),
+    (lambda d: next(iter(next(iter(d["op_costs"].values())).values())).update(comm_ms=-1.0),
+     "comm_ms must be a non-negative number"),
+    (lambda d: next(iter(d["op_costs"].values())).update({"nosuch:op#0": {"compute_ms": 1.0, "comm_ms": 0.0,
+                                                                         "reshard_ms": 0.0}}),
+     "nosuch:op#0 is not an op of ops"),
+    (lambda d: d["op_costs"].update(nosuch={}), "op_costs.nosuch is not a segment of ops"),
 ])
 def test_corrupt_plan_files_get_one_clear_error_naming_the_field(small_plan, tmp_path, mutate, fragment):
     _, path = small_plan
@@ -431,8 +492,8 @@ def test_explain_json_keeps_its_keys(small_plan):
 
     d = json.loads(json.dumps(explain_data(small_plan[0])))
     for key in ("model", "cluster", "world_size", "spec", "fp8", "runtime", "fused_kernels_priced", "fused_kernels",
-                "mesh", "predicted", "schedule", "stages", "ranks", "block_type", "block_ops", "experts",
-                "alternatives", "notation"):
+                "mesh", "predicted", "schedule", "stages", "ranks", "block_type", "block_ops", "block_time",
+                "experts", "alternatives", "notation"):
         assert key in d
     assert {"step_time_ms", "tflops_per_gpu", "mfu", "tokens_per_s", "bubble_fraction", "memory_gib",
             "simulated_step_ms"} <= set(d["predicted"])
@@ -441,6 +502,77 @@ def test_explain_json_keeps_its_keys(small_plan):
     assert d["block_ops"][0]["op"] == (f"{d['block_ops'][0]['module']}:{d['block_ops'][0]['op_name']}")
     if d["alternatives"]:
         assert {"spec", "step_ms", "delta_ms", "memory_gib", "why"} <= set(d["alternatives"][0])
+
+
+@pytest.fixture(scope="module")
+def costed_plan(tmp_path_factory):
+    """Tensor- and pipeline-parallel without recomputation (the stages are the units' priced ops added
+    up), made as `mplan.plan` makes it, with the search result whose unit prices it was built from."""
+    from mplan.planner.planning import search_plans
+
+    graph = capture_for_planning("gpt:layers=4,hidden=1024,heads=16,seq=1024,vocab=32000")
+    cluster = ClusterSpec.preset("dgx-a100", nodes=1)
+    _, result = search_plans(graph, cluster, 64, "tp=2,pp=2,sp=0,recompute=none,schedule=1f1b", kernels=True)
+    made = build_plan(result, graph, cluster, 64)
+    path = tmp_path_factory.mktemp("costed") / "plan.json"
+    made.save(str(path))
+    return made, path, result
+
+
+def test_explain_prices_every_op_of_the_block_and_adds_them_up_to_the_layer(costed_plan, capsys):
+    from mplan.planner.explain import explain_data
+
+    made, path, result = costed_plan
+    assert cli_main(["explain", str(path), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d == json.loads(json.dumps(explain_data(made)))  # --json is explain_data
+    ops, total = d["block_ops"], d["block_time"]
+    assert len(ops) == len(made.ops[d["block_type"]]) == total["num_ops"]
+    for o in ops:
+        assert min(o["compute_ms"], o["comm_ms"], o["reshard_ms"]) >= 0
+        if o["op_name"].startswith(("linear", "scaled_dot_product_attention", "layer_norm", "gelu")):
+            assert o["compute_ms"] > 0, o  # an op that does work
+        if o["op_name"].startswith(("view", "transpose", "reshape")):
+            assert o["compute_ms"] == 0, o
+    for key in ("compute_ms", "comm_ms", "reshard_ms"):
+        assert total[key] == pytest.approx(sum(o[key] for o in ops), rel=1e-12)
+    assert total["reshard_ms"] > 0  # tp=2 without SP: the row-parallel outputs are all-reduced
+    assert total["total_ms"] == pytest.approx(total["compute_ms"] + total["comm_ms"] + total["reshard_ms"])
+    # without recomputation a stage's time is its units' priced ops: the layers' share of the stages,
+    # over the layers, is the block's total (the same float sums in another order)
+    assert total["stage_per_layer_ms"] == pytest.approx(total["total_ms"], rel=1e-9)
+    assert total["why"].startswith("none")
+    # and it is the price the search gave each layer
+    units = result.sharded[(2, False)].units[made.micro_batch_size]
+    layer = next(u for u in units if u.block_type == d["block_type"])
+    assert total["total_ms"] == pytest.approx((layer.forward_s + layer.backward_s) * 1e3, rel=1e-12)
+
+
+def test_explain_table_shows_cost_columns_and_a_total_row(costed_plan, capsys):
+    _, path, _ = costed_plan
+    assert cli_main(["explain", str(path)]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "own collectives" in line)
+    assert "compute ms" in header and "comm ms" in header and "reshard ms" in header
+    assert "replicated ops" in out and "total" in out
+    assert "per layer priced by the ILP" in out and "difference +0.000 ms: none" in out
+
+
+def test_explain_of_a_plan_without_op_costs_shows_dashes(costed_plan, tmp_path, capsys):
+    _, path, _ = costed_plan
+    doc = json.loads(path.read_text())
+    del doc["op_costs"]  # as a plan written before plans recorded them
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(doc))
+    assert cli_main(["explain", str(old), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["block_time"] is None
+    assert all(o["compute_ms"] is None and o["comm_ms"] is None and o["reshard_ms"] is None for o in d["block_ops"])
+    assert cli_main(["explain", str(old)]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "q_proj" in line)
+    assert row.replace("│", " ").split()[-3:] == ["-", "-", "-"]
+    assert "per-op costs are not in this plan" in out
 
 
 def test_gantt_of_many_micro_batches_is_aggregated_and_quick(small_plan, tmp_path):

@@ -6,8 +6,11 @@ expert parallelism (experts per rank, the load imbalance priced, the all-to-all'
 tables, which also read fine as text without a terminal: ops named by module path and op, the
 strategy notation explained once (NOTATION), the losers sorted by their gap to the plan, and the
 headline bubble reconciled with each rank's idle time (warm-up, waits, cool-down) and the step
-(pipeline + exposed DP sync + optimizer). Nothing is re-planned: per-op times are not in a plan,
-so the op table shows what the strategy text says (work split, the op's own collectives); `simulate_plan(plan)` re-runs the
+(pipeline + exposed DP sync + optimizer). Nothing is re-planned or re-priced: the op table shows
+what the strategy text says (work split, the op's own collectives) and what the sharding ILP
+priced each op at (`Plan.op_costs`: compute, communication, resharding; `-` for a plan written
+before plans recorded them), added up and compared with the per-layer time of the plan's stages
+(`_block_time`); `simulate_plan(plan)` re-runs the
 schedule simulator on the plan's own stage times, the weight-gradient part of each backward
 included (zero-bubble schedules run it as W), for the Gantt chart and per-rank figures.
 """
@@ -40,6 +43,18 @@ NOTATION = (
 """The strategy text form of `mplan/ir/strategy.py` and the placements of `mplan/ir/placement.py`,
 explained once above the per-op table."""
 
+COSTS_NOTE = (
+    "compute / comm / reshard ms: forward + backward of one micro-batch, as the sharding ILP priced the op under "
+    "its strategy: its compute on local shapes (a chain priced as one fused kernel: all on its anchor op, 0 on "
+    "the others); its own collectives (and its share of the TP all-reduce of "
+    "partial parameter gradients); the resharding copies of its inputs (a copy several ops read is charged to "
+    "the first, the block's output leaving in the boundary placement to its producer)")
+"""What the cost columns of the per-op table hold (`sharding_ilp.OpPrice`), printed under it."""
+
+COST_KEYS = ("compute_ms", "comm_ms", "reshard_ms")
+COST_COLUMNS = ("compute ms", "comm ms", "reshard ms")
+GLUE_SEGMENTS = ("prologue", "epilogue")
+
 
 def _op_facts(key: str, text: str) -> dict[str, Any]:
     """Module path and op of a node key (`attn.q_proj:linear#0`), and what its strategy text says
@@ -54,6 +69,66 @@ def _op_facts(key: str, text: str) -> dict[str, Any]:
     facts.update(name=s.name, lowering=s.lowering, split=s.split,
                  collectives=[{"kind": kind, "bytes": nbytes} for kind, nbytes in s.comm])
     return facts
+
+
+def _op_costs(plan: Plan, segment: str, key: str) -> dict[str, float | None]:
+    """The op's priced costs from `plan.op_costs` (None each where the plan has none)."""
+    cost = plan.op_costs.get(segment, {}).get(key)
+    return {k: None if cost is None else getattr(cost, k) for k in COST_KEYS}
+
+
+def _is_glue(segment: str) -> bool:
+    return segment in GLUE_SEGMENTS or segment.startswith("glue")
+
+
+def _stage_per_layer_ms(plan: Plan) -> tuple[float | None, str]:
+    """The per-layer time the plan's stages give: their forward + backward (one micro-batch) less the
+    priced ops of the glue units they hold (prologue, epilogue, glue.N), over their layers; with why
+    it cannot be had (several block types share the layers, or a glue unit has no op costs)."""
+    blocks = [segment for segment in plan.ops if not _is_glue(segment)]
+    if len(blocks) != 1:
+        return None, f"the layers are of {len(blocks)} block types"
+    layers = sum(len(s.layers) for s in plan.stages)
+    glue = [u for s in plan.stages for u in s.units if _is_glue(u)]
+    if not layers or any(u not in plan.op_costs for u in glue):
+        return None, "the plan has no op costs for its " + ("layers" if not layers else "prologue and epilogue")
+    glue_ms = sum(c.total_ms for u in glue for c in plan.op_costs[u].values())
+    return (sum(s.forward_ms + s.backward_ms for s in plan.stages) - glue_ms) / layers, ""
+
+
+def _difference_why(plan: Plan, difference_ms: float, total_ms: float) -> str:
+    """What the stages add to the block's priced ops, from the plan's settings (evaluate.py)."""
+    if abs(difference_ms) <= 1e-6 * max(total_ms, 1e-9):
+        return "none: the stage times are these ops' prices added up"
+    reasons = []
+    if plan.recompute == "selective":
+        reasons.append("recompute=selective re-runs the forward of the block's norms and elementwise ops and its "
+                       "reshards in backward")
+    elif plan.recompute == "full":
+        reasons.append("recompute=full re-runs the block's whole forward in backward")
+    if plan.predicted.experts_per_rank:
+        reasons.append(f"the stage times price the experts at ep={plan.mesh.ep} (GEMMs at the busiest rank's load, "
+                       f"all-to-all), the ILP every expert local")
+    if plan.schedule == "zb-h1" and plan.mesh.pp > 1:
+        reasons.append("zb-h1 charges each weight-gradient pass at least the host time of issuing it")
+    return "; ".join(reasons) or "not accounted for by this plan's settings"
+
+
+def _block_time(plan: Plan, block: str | None) -> dict[str, Any] | None:
+    """The explained block's priced ops added up (forward + backward of one layer and one
+    micro-batch) and compared with the per-layer time of the plan's stages (`_stage_per_layer_ms`);
+    None for a plan without op costs for the block."""
+    costs = plan.op_costs.get(block) if block is not None else None
+    if not costs:
+        return None
+    totals = {k: sum(getattr(c, k) for c in costs.values()) for k in COST_KEYS}
+    total = sum(totals.values())
+    per_layer, missing = _stage_per_layer_ms(plan)
+    difference = None if per_layer is None else per_layer - total
+    return {**totals, "total_ms": total, "num_ops": len(costs), "stage_per_layer_ms": per_layer,
+            "difference_ms": difference,
+            "why": f"not compared with the stages' per-layer time: {missing}" if difference is None
+            else _difference_why(plan, difference, total)}
 
 
 def _rank_times(sim: SimResult) -> list[dict[str, Any]]:
@@ -131,7 +206,8 @@ def explain_data(plan: Plan) -> dict[str, Any]:
                            "activations": mem.activations_gib, "transient": mem.transient_gib, "total": mem.total_gib}})
     per_rank = _rank_times(sim)
     main = max(plan.ops, key=lambda k: len(plan.ops[k])) if plan.ops else None
-    block_ops = [] if main is None else [{"index": i, "op": op, "strategy": s, **_op_facts(op, s)}
+    block_ops = [] if main is None else [{"index": i, "op": op, "strategy": s, **_op_facts(op, s),
+                                          **_op_costs(plan, main, op)}
                                          for i, (op, s) in enumerate(plan.ops[main].items())]
     best = plan.predicted.step_time_s
     alternatives = [{"spec": a.spec, "step_ms": None if a.predicted is None else a.predicted.step_time_s * 1e3,
@@ -159,6 +235,7 @@ def explain_data(plan: Plan) -> dict[str, Any]:
             "notation": NOTATION,
             "schedule": {"name": plan.schedule, "text": schedule_of(config_of(plan)).render() if plan.mesh.pp > 1 else ""},
             "stages": stages, "ranks": per_rank, "block_type": main, "block_ops": block_ops,
+            "block_time": _block_time(plan, main),
             "experts": _experts(plan), "alternatives": alternatives}
 
 
@@ -245,19 +322,7 @@ def render(plan: Plan, console: Any) -> None:
             f"(most: rank {most['rank']}, {most['idle_fraction']:.1%} of the pipeline time, "
             f"{most['idle_share_of_step']:.1%} of the step)."), highlight=False)
     if d["block_ops"]:
-        ops = Table(title=f"tensor-parallel strategy of each op in one {d['block_type']} (tp={m['tp']})"
-                          + ("" if m["tp"] == 1 else "; replicated ops left out"))
-        for col in ("#", "module", "op", "strategy", "work", "own collectives (fwd)"):
-            ops.add_column(col, justify="right" if col == "#" else "left")
-        for o in d["block_ops"]:
-            if not o["strategy"].startswith("replicate") or m["tp"] == 1:
-                comm = ", ".join(f"{c['kind']} {_bytes(c['bytes'])}" for c in o["collectives"]) or "-"
-                work = "-" if o["split"] is None else (f"1/{m['tp']}" if o["split"] else "whole")
-                ops.add_row(str(o["index"]), o["module"] or "(block)", o["op_name"], o["strategy"], work, comm)
-        console.print(d["notation"], markup=False, highlight=False)
-        console.print(ops)
-        console.print("per-op times are not stored in a plan: `mplan inspect MODEL` prices each op "
-                      "(compute, communication) without planning again")
+        _render_block_ops(d, plan, console)
     if d["alternatives"]:
         alts = Table(title="why the alternatives lost (closest first)")
         for col in ("spec", "step ms", "vs best", "memory GiB", "why"):
@@ -267,6 +332,56 @@ def render(plan: Plan, console: Any) -> None:
                          "-" if a["delta_ms"] is None else f"{a['delta_ms']:+.1f} ms",
                          "-" if a["memory_gib"] is None else f"{a['memory_gib']:.1f}", a["why"])
         console.print(alts)
+
+
+def _render_block_ops(d: dict[str, Any], plan: Plan, console: Any) -> None:
+    """The per-op table of one block: strategy, work, own collectives and the priced costs, a row
+    for the replicated ops left out at tp > 1, the block's total, and that total against the
+    per-layer time of the plan's stages."""
+    from rich.table import Table
+
+    tp = d["mesh"]["tp"]
+    ops = Table(title=f"tensor-parallel strategy and priced cost of each op in one {d['block_type']} (tp={tp})"
+                      + ("" if tp == 1 else "; replicated ops left out")
+                      + f"; ms: forward + backward of one micro-batch of {plan.micro_batch_size}")
+    for col in ("#", "module", "op", "strategy", "work", "own collectives (fwd)", *COST_COLUMNS):
+        ops.add_column(col, justify="right" if col == "#" or col in COST_COLUMNS else "left")
+    def listed(o: dict[str, Any]) -> bool:
+        return tp == 1 or not o["strategy"].startswith("replicate")
+    hidden = [o for o in d["block_ops"] if not listed(o)]
+    for o in d["block_ops"]:
+        if listed(o):
+            comm = ", ".join(f"{c['kind']} {_bytes(c['bytes'])}" for c in o["collectives"]) or "-"
+            work = "-" if o["split"] is None else (f"1/{tp}" if o["split"] else "whole")
+            ops.add_row(str(o["index"]), o["module"] or "(block)", o["op_name"], o["strategy"], work, comm,
+                        *(_ms(o[k]) for k in COST_KEYS))
+    total = d["block_time"]
+    if hidden and total is not None:
+        ops.add_row("", f"{len(hidden)} replicated ops", "", "", "whole", "",
+                    *(_ms(sum(o[k] or 0.0 for o in hidden)) for k in COST_KEYS))
+    if total is not None:
+        ops.add_row("", "total", f"{total['num_ops']} ops", "", "", "", *(_ms(total[k]) for k in COST_KEYS),
+                    end_section=True)
+    console.print(d["notation"], markup=False, highlight=False)
+    console.print(ops)
+    if total is None:
+        console.print("per-op costs are not in this plan (written before plans recorded them): re-plan it, or "
+                      "`mplan inspect MODEL` prices each op (compute, communication)", highlight=False)
+        return
+    console.print(COSTS_NOTE, highlight=False)
+    line = (f"{d['block_type']}: {total['total_ms']:.3f} ms per layer priced by the ILP (compute "
+            f"{total['compute_ms']:.3f} + comm {total['comm_ms']:.3f} + reshard {total['reshard_ms']:.3f})")
+    if total["stage_per_layer_ms"] is None:
+        line += f"; {total['why']}"
+    else:
+        line += (f"; the plan's stages: {total['stage_per_layer_ms']:.3f} ms per layer (their forward + backward "
+                 f"less the prologue's and epilogue's ops, over the layers); difference "
+                 f"{round(total['difference_ms'], 3) + 0.0:+.3f} ms: {total['why']}")
+    console.print(line, highlight=False)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _bytes(n: int) -> str:

@@ -11,6 +11,9 @@ A Plan the resolver (`planner/resolve.py`) hands to the runtime has an entry for
 the graph the runtime executes; `op_strategies` reads them back, and is all the runtime knows of
 sharding: it never solves, searches or consults the op registry.
 
+`op_costs` (optional) is keyed like `ops` and holds what the sharding ILP priced each op at under
+its chosen strategy (`OpCost`), for `mplan explain`'s per-op table; the runtime never reads it.
+
 JSON is validated field by field on load (`PlanError` names the field); nothing is unpickled.
 """
 from __future__ import annotations
@@ -118,6 +121,23 @@ class Stage:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class OpCost:
+    """What the planner's sharding ILP charged one op under its chosen strategy, in forward +
+    backward milliseconds of one instance and one micro-batch (`sharding_ilp.OpPrice`): its
+    compute on local shapes, its own collectives (with its share of the TP all-reduce of partial
+    parameter gradients) and the resharding copies of its inputs charged to it. The ops of a segment
+    add up to that segment's priced time (a unit's forward + backward before recomputation)."""
+
+    compute_ms: float
+    comm_ms: float
+    reshard_ms: float
+
+    @property
+    def total_ms(self) -> float:
+        return self.compute_ms + self.comm_ms + self.reshard_ms
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Alternative:
     spec: str
     predicted: Predicted | None  # None when it does not fit
@@ -148,6 +168,8 @@ class Plan:
     # the experts' capacity factor the plan sets for every MoE layer (optional; None: each layer
     # keeps its model's own, dropless unless the model drops)
     capacity_factor: float | None = None
+    # segment key -> {node key: what the ILP priced it at} (module doc); optional in the file (absent: {})
+    op_costs: dict[str, dict[str, OpCost]] = field(default_factory=dict, hash=False)
     version: int = PLAN_VERSION
 
     def spec(self) -> str:
@@ -192,9 +214,13 @@ class Plan:
         return choice
 
     def to_dict(self) -> dict[str, Any]:
+        """The Plan as JSON data (objects, arrays as lists, strings, numbers, booleans, null), which
+        `from_dict` reads back to an equal Plan; `op_costs` is left out when there are none."""
         doc = asdict(self)
         doc["stages"] = [{**asdict(s), "layers": list(s.layers)} for s in self.stages]
-        return {"version": doc.pop("version"), **doc}
+        if not self.op_costs:
+            del doc["op_costs"]
+        return _json_data({"version": doc.pop("version"), **doc})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -226,7 +252,7 @@ class Plan:
                    planner=_numbers(r, "planner"), fp8=r.boolean("fp8") if r.has("fp8") else False,
                    tp_layout=r.string("tp_layout", choices=TP_LAYOUTS) if r.has("tp_layout") else "ilp",
                    runtime=r.string("runtime", choices=RUNTIMES) if r.has("runtime") else LEGACY_RUNTIME,
-                   capacity_factor=_capacity(r), version=version)
+                   capacity_factor=_capacity(r), op_costs=_op_costs(r, "op_costs"), version=version)
         r.finish()
         _check_consistent(plan, file)
         return plan
@@ -241,6 +267,16 @@ class Plan:
             raise PlanError(f"plan was made for another model ({self.model.name}, graph hash "
                             f"{self.model.graph_hash[:12]}); this model's graph hash is {graph_hash[:12]}: "
                             f"the plan is stale, re-plan it")
+
+
+def _json_data(value: Any) -> Any:
+    """`asdict`'s output in the JSON data model: its tuples as lists, as `json.loads` would give them
+    (the readers take arrays as lists only)."""
+    if isinstance(value, dict):
+        return {k: _json_data(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_data(v) for v in value]
+    return value
 
 
 def _choice(r: FieldReader, key: str, choices: tuple[int, ...]) -> int:
@@ -344,6 +380,26 @@ def _op_table(r: FieldReader, key: str) -> dict[str, dict[str, str]]:
     return value
 
 
+def _op_costs(r: FieldReader, key: str) -> dict[str, dict[str, OpCost]]:
+    """The optional `op_costs` table: segment -> {node key: {compute_ms, comm_ms, reshard_ms}}."""
+    if not r.has(key):
+        return {}
+    table = r.obj(key)
+    costs: dict[str, dict[str, OpCost]] = {}
+    for segment in r.raw(key):
+        entries = table.obj(segment)
+        costs[segment] = {node_key: _op_cost(entries.obj(node_key)) for node_key in table.raw(segment)}
+        entries.finish()
+    table.finish()
+    return costs
+
+
+def _op_cost(r: FieldReader) -> OpCost:
+    cost = OpCost(**{k: r.number(k, allow_equal=True) for k in ("compute_ms", "comm_ms", "reshard_ms")})
+    r.finish()
+    return cost
+
+
 def _numbers(r: FieldReader, key: str) -> dict[str, float]:
     value = r.raw(key) if r.has(key) else {}
     if not isinstance(value, dict) or not all(is_finite_number(v) for v in value.values()):
@@ -365,3 +421,11 @@ def _check_consistent(plan: Plan, file: str) -> None:
         raise PlanError(f"{file}: mesh.ep={m.ep} must divide mesh.dp={m.dp}")
     if m.ep > 1 and not any(placements.get("ep") == "S(0)" for placements in plan.sharding.values()):
         raise PlanError(f"{file}: mesh.ep={m.ep} but no parameter in sharding is split over ep (\"ep\": \"S(0)\")")
+    for segment, entries in plan.op_costs.items():
+        if segment not in plan.ops:
+            raise PlanError(f"{file}: op_costs.{segment} is not a segment of ops: op_costs prices the ops that "
+                            f"ops lists")
+        unknown = [node_key for node_key in entries if node_key not in plan.ops[segment]]
+        if unknown:
+            raise PlanError(f"{file}: op_costs.{segment}.{unknown[0]} is not an op of ops.{segment}: op_costs "
+                            f"prices the ops that ops lists")

@@ -3,7 +3,9 @@
 The TP strategy of every op is stored under its stable key (`OpNode.key`): block types once (the
 first traced instance's nodes stand for every instance), glue segments by name (`Plan.ops`).
 Parameters of block instances a shallow capture did not trace take the placements of the first
-instance; a tied parameter is listed under each of its names.
+instance; a tied parameter is listed under each of its names. Each op's price in the sharding
+ILP's objective at the plan's micro-batch is kept under the same keys (`Plan.op_costs`), so
+`mplan explain` shows per-op costs without pricing anything again.
 """
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ from mplan.ir.moe import expert_parameters
 from mplan.ir.strategy import Strategy
 from mplan.planner.evaluate import Estimate
 from mplan.planner.parallel_config import DEFAULT_RUNTIME
-from mplan.planner.plan import (Alternative, ClusterInfo, Mesh, ModelInfo, Plan, Predicted, Stage,
+from mplan.planner.plan import (Alternative, ClusterInfo, Mesh, ModelInfo, OpCost, Plan, Predicted, Stage,
                                 StageMemory)
 from mplan.planner.search import SearchResult, ShardedModel
+from mplan.planner.sharding_ilp import GraphSharding, SegmentSharding
 
 GiB = float(1 << 30)
 
@@ -33,6 +36,20 @@ def op_table(graph: Graph, choice: Mapping[str, Strategy]) -> dict[str, dict[str
         if segment.block_type is None and segment.nodes:
             ops[segment.name] = {graph.node(n).key: str(choice[n]) for n in segment.nodes}
     return ops
+
+
+def op_cost_table(graph: Graph, sharding: GraphSharding) -> dict[str, dict[str, OpCost]]:
+    """`Plan.op_costs`: what each segment's ILP charged each of its ops, keyed as `op_table` keys
+    the strategies (a block type by its first traced instance's nodes)."""
+    def costs(segment: SegmentSharding, nodes: tuple[str, ...]) -> dict[str, OpCost]:
+        return {graph.node(n).key: OpCost(compute_ms=p.compute_s * 1e3, comm_ms=p.comm_s * 1e3,
+                                          reshard_ms=p.reshard_s * 1e3)
+                for n in nodes if (p := segment.op_prices.get(n)) is not None}
+    table = {bt.name: costs(sharding.segments[bt.name], bt.template) for bt in graph.block_types}
+    for segment in graph.segments:
+        if segment.block_type is None and segment.nodes:
+            table[segment.name] = costs(sharding.segments[segment.name], segment.nodes)
+    return {name: entries for name, entries in table.items() if entries}
 
 
 def predicted_of(estimate: Estimate) -> Predicted:
@@ -121,6 +138,7 @@ def build_plan(result: SearchResult, graph: Graph, cluster: ClusterSpec, global_
                          weight_ms=best.chunk_weight_s[i] * 1e3)
                    for i, (a, b) in enumerate(best.stage_bounds))
     ops = op_table(graph, choice)
+    op_costs = op_cost_table(graph, model.shardings[config.mbs])
     alternatives = tuple(Alternative(spec=e.config.spec(), predicted=predicted_of(e) if e.fits else None,
                                      why=_why_lost(best, e))
                          for e in [*_diverse(result.ranked, best), *result.rejected[:2]])
@@ -134,6 +152,6 @@ def build_plan(result: SearchResult, graph: Graph, cluster: ClusterSpec, global_
         num_micro_batches=config.num_micro_batches, global_batch=global_batch, schedule=config.schedule,
         recompute=config.recompute, stages=stages, sharding=_param_placements(graph, model, best, units), ops=ops,
         predicted=predicted_of(best), alternatives=alternatives, tp_layout=tp_layout, runtime=runtime,
-        capacity_factor=config.capacity_factor,
+        capacity_factor=config.capacity_factor, op_costs=op_costs,
         planner={"search_seconds": round(result.seconds, 3), "candidates": result.num_candidates,
                  "capture_seconds": round(graph.capture_seconds, 3)})

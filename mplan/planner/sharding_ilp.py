@@ -90,6 +90,18 @@ class ShardingInfeasible(RuntimeError):
     """No assignment of strategies fits the memory budget."""
 
 
+@dataclass(frozen=True, slots=True)
+class OpPrice:
+    """What the objective charges one node under its chosen strategy: forward + backward seconds of
+    one instance and one micro-batch, split into the op's compute, its own collectives (with its
+    `grad_sync_share` of the TP all-reduce of partial parameter gradients) and the resharding copies
+    charged to it (`_copy_charges`). A segment's `forward_s + backward_s` is their sum over its nodes."""
+
+    compute_s: float
+    comm_s: float
+    reshard_s: float
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SegmentSharding:
     """The solved sharding of a segment: a strategy per node and what one instance costs."""
@@ -106,6 +118,7 @@ class SegmentSharding:
     tp_grad_sync_bytes: int  # replicated parameters with partial gradients: all-reduced over TP per step
     saved_bytes: int  # local activation bytes one instance keeps for backward, per micro-batch
     objective_s: float
+    op_prices: dict[str, OpPrice] = field(default_factory=dict, hash=False)  # node name -> its share of objective_s
     solve_seconds: float = 0.0
     solver: str = "none"  # "none": priced, not solved (a fixed assignment)
     num_variables: int = 0
@@ -318,17 +331,32 @@ def _price(problem: _Problem, choice: dict[str, Strategy], coster: OpCoster, bou
     graph = problem.graph
     metas = {k: p.meta for k, p in graph.params.items()}
     node_cost = {v.name: _node_costs_of(v, choice[v.name], coster, grad_sync_share, metas) for v in problem.nodes}
-    copies = []
-    for u, consumers in _uses(problem).items():
-        out = choice[u].output if u in choice else _fixed_input(problem, u, boundary)
-        layouts = {(choice[v].inputs[slot], choice[v].input_grads[slot]) for v, slot in consumers}
-        if u in choice and u in problem.outputs:
-            layouts.add((problem.outputs[u], problem.outputs[u]))
-        copies += [_copy_cost(coster, value_meta(graph, u), out, layout) for layout in layouts]  # type: ignore[arg-type]
+    copies = _copy_charges(problem, choice, coster, boundary)
     fixed = _Problem(graph=graph, name=problem.name, nodes=problem.nodes,
                      strategies={v: [s] for v, s in choice.items()}, stream_shape=problem.stream_shape,
                      outputs=problem.outputs)
     return _summarize(fixed, choice, node_cost, copies, coster, boundary, **extra)
+
+
+def _copy_charges(problem: _Problem, choice: dict[str, Strategy], coster: OpCoster,
+                  boundary: Placement) -> list[tuple[str, float, float]]:
+    """One copy per (value, layout) the chosen strategies read, as the ILP prices them: (the node it
+    is charged to, forward s, backward s). A copy shared by several consumers is charged to the
+    first one in the segment's order that reads it so; the copy of a value leaving the segment in
+    the boundary placement that no consumer inside reads so, to its producer."""
+    graph = problem.graph
+    charges = []
+    for u, consumers in _uses(problem).items():
+        out = choice[u].output if u in choice else _fixed_input(problem, u, boundary)
+        first: dict[Layout, str] = {}
+        for v, slot in consumers:
+            first.setdefault((choice[v].inputs[slot], choice[v].input_grads[slot]), v)
+        if u in choice and u in problem.outputs:
+            first.setdefault((problem.outputs[u], problem.outputs[u]), u)
+        for layout, node in first.items():
+            fwd, bwd = _copy_cost(coster, value_meta(graph, u), out, layout)  # type: ignore[arg-type]
+            charges.append((node, fwd, bwd))
+    return charges
 
 
 def reprice_segment(graph: Graph, name: str, node_names: Sequence[str], choice: dict[str, Strategy],
@@ -383,15 +411,18 @@ def _quiet_stdout() -> Iterator[None]:
 
 
 def _summarize(problem: _Problem, choice: dict[str, Strategy], node_cost: dict,
-               copies: list[tuple[float, float]], coster: OpCoster, boundary: Placement,
+               copies: list[tuple[str, float, float]], coster: OpCoster, boundary: Placement,
                **extra: Any) -> SegmentSharding:
     index = {v: problem.strategies[v].index(s) for v, s in choice.items()}
     fwd = bwd = comm_f = comm_b = 0.0
     for v, row in node_cost.items():
         f, b, cf, cb = row[index[v]]
         fwd, bwd, comm_f, comm_b = fwd + f, bwd + b, comm_f + cf, comm_b + cb
-    for f, b in copies:
+    reshard: dict[str, float] = {}
+    for node, f, b in copies:
         fwd, bwd, comm_f, comm_b = fwd + f, bwd + b, comm_f + f, comm_b + b
+        reshard[node] = reshard.get(node, 0.0) + f + b
+    prices = {v: _op_price(row[index[v]], reshard.get(v, 0.0)) for v, row in node_cost.items()}
     graph, n = problem.graph, coster.n
     param_bytes = 0
     for v in problem.nodes:
@@ -404,7 +435,15 @@ def _summarize(problem: _Problem, choice: dict[str, Strategy], node_cost: dict,
     return SegmentSharding(segment=problem.name, axis_size=n, boundary=boundary, choice=choice,
                            forward_s=fwd, backward_s=bwd, comm_forward_s=comm_f, comm_backward_s=comm_b,
                            param_bytes=param_bytes, tp_grad_sync_bytes=sync_bytes, saved_bytes=saved,
-                           objective_s=fwd + bwd, **extra)
+                           objective_s=fwd + bwd, op_prices=prices, **extra)
+
+
+def _op_price(cost: tuple[float, ...], reshard_s: float) -> OpPrice:
+    """A node's `_node_costs_of` row (forward s, backward s, and the collectives' share of each)
+    for its chosen strategy, split into compute and communication."""
+    forward_s, backward_s, comm_forward_s, comm_backward_s = cost
+    return OpPrice(compute_s=forward_s - comm_forward_s + backward_s - comm_backward_s,
+                   comm_s=comm_forward_s + comm_backward_s, reshard_s=reshard_s)
 
 
 def _saved_bytes(problem: _Problem, choice: dict[str, Strategy], n: int, boundary: Placement,
