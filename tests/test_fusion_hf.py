@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from mplan.kernels.rotary import rope_qk, rope_qk_reference
 from mplan.passes.fuse_kernels import fuse_kernels
 
 transformers = pytest.importorskip("transformers")
@@ -113,6 +114,56 @@ def test_attention_runs_causally_with_gqa_and_builds_no_mask() -> None:
     # nothing of the [batch, 1, seq, seq] mask is computed any more
     assert not any(node.op == "call_function" and node.target in (aten.le.Tensor, aten.__and__.Tensor)
                    for node in fused.graph.nodes)
+
+
+class _RopeQKSavingTables(torch.autograd.Function):
+    """rope_qk as its Triton kernel computes it: it keeps cos and sin, never q or k (the
+    backward is the rotation by -sin)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                consumer: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(cos, sin)
+        return rope_qk_reference(q, k, cos, sin)
+
+    @staticmethod
+    def backward(ctx: Any, dq: torch.Tensor, dk: torch.Tensor) -> tuple[Any, ...]:
+        cos, sin = ctx.saved_tensors
+        return (*rope_qk_reference(dq, dk, cos, -sin), None, None, None)
+
+
+def _rope_qk_saving_tables(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           consumer: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _RopeQKSavingTables.apply(q, k, cos, sin, consumer)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_no_saved_tensor_keeps_the_packed_qkv_buffer_alive(family: str) -> None:
+    """q, k and v come out of one GEMM as views of one buffer; RoPE replaces q and k with new
+    tensors, so the buffer must go once RoPE ran. Attention keeps v: if v were still a view,
+    the whole buffer (q's and k's columns too) would live until the backward."""
+    ids, labels = _batch()
+    fused = fuse_kernels(_export(_build(family), ids, labels))
+    for node in fused.graph.nodes:  # RoPE as its kernel runs on a GPU (on the CPU the reference keeps q)
+        if node.target is rope_qk:
+            node.target = _rope_qk_saving_tables
+    fused.recompile()
+    packed = (4 + 2 + 2) * 8 * ids.numel() * 8  # [tokens, q + k + v columns] float64 bytes
+    weights = {p.untyped_storage().data_ptr() for p in fused.parameters()}
+    saved: list[int] = []  # the bytes of each saved activation's storage (parameters left out)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            saved.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fused(ids, labels).backward()
+    assert saved and packed not in saved
+    # the copy is of v alone: the projections RoPE rotates stay views of the GEMM's output
+    clones = [n for n in fused.graph.nodes if n.target is aten.clone.default]
+    assert len(clones) == SHAPE["num_hidden_layers"]
+    assert all(tuple(n.meta["val"].shape)[-1] == 2 * 8 for n in clones)
 
 
 def test_a_mask_that_depends_on_the_input_or_is_not_causal_is_kept() -> None:
