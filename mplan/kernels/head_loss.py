@@ -43,19 +43,23 @@ Liger does. Measured on the H200 (bf16, errors against float64 unfused ops, norm
 4.7e-3 and 4.6e-3 (F.cross_entropy rounds its bf16 log-softmax before the gradient; here the
 gradient is computed in fp32 from the logits and rounded once).
 
-Chunk (`default_chunk_rows`): the largest power of two whose logits fit CHUNK_LOGIT_BYTES (64
-MiB), but at least MIN_CHUNK_ROWS (512). bf16 chunks: 1024 rows (62.5 MiB) at a 32000
-vocabulary, 512 rows (125 MiB) at 128256: Liger's own logits at 16384 tokens (63 MB and 125
-MB). Hidden does not enter: each chunk's fixed cost is reading and writing d_W (vocab *
-hidden), against GEMM work of rows * vocab * hidden, so the efficiency depends on the chunk's
-rows alone. Fewer, larger chunks are faster and hold more; forward + backward on the H200,
-16384 x 4096 bf16 (unfused: F.linear + F.cross_entropy; peak above the inputs):
-    vocab 128256   chunk 256: 111 ms, 1.16 GiB   512 (default): 91 ms, 1.23 GiB
-                   chunk 1024: 88 ms, 1.35 GiB   2048: 81 ms, 1.59 GiB
-                   unfused: 84 ms, 11.7 GiB; F.linear + cross_entropy (Triton): 79 ms, 7.8 GiB
-    vocab 32000    chunk 256: 31 ms   1024 (default): 21.2 ms, 441 MiB   2048: 21.1 ms
-                   unfused: 20.3 ms, 2.9 GiB
-A caller with memory to spare passes a larger `chunk_rows` (2048 at 128k beats the unfused op).
+Chunk (`default_chunk_rows`): the largest power of two whose logits fit CHUNK_LOGIT_BYTES (256
+MiB), but at least MIN_CHUNK_ROWS (2048). Hidden and vocabulary do not enter the speed: each
+chunk's fixed cost is reading and writing d_W (2 V H s bytes), against GEMM work of 6 rows V H
+flops, so the share of that fixed cost is F s / (3 rows BW) on a device of F flop/s and BW
+bytes/s, rows alone: about 5% at 2048 rows on the H200, 23% at 512. Measured forward + backward
+on the H200, 16384 tokens, bf16, ms (benchmarks/results/head_loss_chunks_h200-2026-12-02.json):
+    shape (hidden x vocab)   256    512   1024   2048   4096   unfused   Liger FLCE
+    2048 x 32000            15.2   11.8   10.4    9.4    9.5     8.6       10.3
+    2048 x 50304            22.6   17.6   15.8   14.6   14.8    13.7       15.9
+    1536 x 151936           52.6   43.8   39.9   37.9   37.6    35.2       51.3
+    4096 x 128256          114.6   90.5   83.8   80.3   82.2    79.0       91.0
+The default, 2048 rows, is within 2% of the fastest chunking at every shape and 7-35% ahead of
+Liger's fused linear cross-entropy, whose chunks hold about as many logits as x has elements
+(256 rows at 1536 x 151936): 2048 rows hold 125 MiB of bf16 logits at a 32000 vocabulary and
+593 MiB at 151936, where Liger holds 63 and 74 MiB, and the unfused op 3 N V s (2.9 and 13.9
+GiB). A caller short of memory passes a smaller `chunk_rows` (at Liger's chunk, 256 rows at
+151936, this op takes 52.6 ms against Liger's 51.3).
 
 Memory (`linear_cross_entropy_bytes`, bytes above the inputs; s = the GEMM dtype's itemsize,
 N rows, H hidden, V vocabulary (the local shard's when sharded), c = min(N, chunk_rows)):
@@ -123,11 +127,12 @@ from mplan.kernels.cross_entropy_loss import (
 )
 from mplan.kernels.dispatch import CONSUMER_PROBES, autocast_result_dtype, configs, tl, triton, use_triton
 
-CHUNK_LOGIT_BYTES = 64 << 20
-"""A chunk's logits fit this (64 MiB) unless MIN_CHUNK_ROWS rows are more (vocabularies over
+CHUNK_LOGIT_BYTES = 256 << 20
+"""A chunk's logits fit this (256 MiB) unless MIN_CHUNK_ROWS rows are more (vocabularies over
 64k tokens in bf16)."""
-MIN_CHUNK_ROWS = 512
-"""Fewest rows of a default chunk: the d_W GEMM's reduction dim (module docstring)."""
+MIN_CHUNK_ROWS = 2048
+"""Fewest rows of a default chunk: below it the per-chunk d_W read and write costs over 5% of
+the GEMMs on the H200 (module docstring, Chunk)."""
 
 # One vocabulary block of one row per program (the shape of cross_entropy_loss's gradient
 # kernel, whose autotuner measured 98-100% of copy bandwidth on the H200). In place, so the
