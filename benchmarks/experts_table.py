@@ -21,14 +21,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import transformers  # noqa: E402
 
 from check_table import rows, write  # noqa: E402
-from test_expert_parallel import WORLD2, WORLD4  # noqa: E402
+from test_expert_parallel import TABLE_ONLY_WORLD4, WORLD2, WORLD4  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-o", "--out", required=True, help="JSON file to write")
     args = parser.parse_args()
-    table = rows([(2, WORLD2), (4, [c for group in WORLD4.values() for c in group])],
+    world4 = [c for world in (WORLD4, TABLE_ONLY_WORLD4) for group in world.values() for c in group]
+    table = rows([(2, WORLD2), (4, world4)],
                  lambda r: {"ep": r["ep"][0], "experts_strategy": r["experts_strategy"]})
     write(args.out, table, transformers=transformers.__version__)
     print("| check | ranks | layout that ran | experts | loss | parameters |")
