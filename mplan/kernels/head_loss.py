@@ -54,11 +54,11 @@ on the H200, 16384 tokens, bf16, ms (benchmarks/results/head_loss_chunks_h200-20
     2048 x 50304            22.6   17.6   15.8   14.6   14.8    13.7       15.9
     1536 x 151936           52.6   43.8   39.9   37.9   37.6    35.2       51.3
     4096 x 128256          114.6   90.5   83.8   80.3   82.2    79.0       91.0
-The default, 2048 rows, is within 2% of the fastest chunking at every shape and 7-35% ahead of
-Liger's fused linear cross-entropy, whose chunks hold about as many logits as x has elements
-(256 rows at 1536 x 151936): 2048 rows hold 125 MiB of bf16 logits at a 32000 vocabulary and
-593 MiB at 151936, where Liger holds 63 and 74 MiB, and the unfused op 3 N V s (2.9 and 13.9
-GiB). A caller short of memory passes a smaller `chunk_rows` (at Liger's chunk, 256 rows at
+The default (4096 rows at 32000, 2048 at the others) is within 2% of the fastest chunking at
+every shape and 9-35% ahead of Liger's fused linear cross-entropy, whose chunks hold about as
+many logits as x has elements (256 rows at 1536 x 151936): 250 MiB of bf16 logits at a 32000
+vocabulary and 593 MiB at 151936, where Liger holds 63 and 74 MiB, and the unfused op 3 N V s
+(2.9 and 13.9 GiB). A caller short of memory passes a smaller `chunk_rows` (at Liger's chunk, 256 rows at
 151936, this op takes 52.6 ms against Liger's 51.3).
 
 Memory (`linear_cross_entropy_bytes`, bytes above the inputs; s = the GEMM dtype's itemsize,
