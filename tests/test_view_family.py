@@ -63,7 +63,7 @@ from mplan.passes.shard_parameters import shard_parameters
 from mplan.planner.op_registry import REGISTRY, replicated, strategies_for
 
 N = 2  # the tensor-parallel axis size
-EXAMPLES_PER_MEMBER = 40
+EXAMPLES_PER_MEMBER = 20
 Value = torch.Tensor | Sequence[torch.Tensor]
 
 # -- the family -----------------------------------------------------------------------------------

@@ -1,0 +1,23 @@
+"""Test order for the two xdist workers (`-n 2 --dist loadfile`, the README's command).
+
+Each worker takes a whole file, in collection order. The files that start gloo groups and train
+for minutes come first, longest first, so no long file is left to run alone at the end while the
+other worker idles (at alphabetical order test_zoo.py, ~3 minutes, started last). Within a file
+the order is the file's own."""
+from __future__ import annotations
+
+import pytest
+
+LONGEST_FIRST = (
+    "test_expert_parallel.py", "test_pipeline.py", "test_zoo.py", "test_benchmarks.py", "test_autoparallel.py",
+    "test_planner.py", "test_view_family.py", "test_equivalence.py", "test_profile_command.py",
+    "test_equivalence_world4.py", "test_kernel_adamw.py", "test_activation_memory.py",
+    "test_autoparallel_overhead.py", "test_moe_capture.py", "test_capture.py", "test_moe_planning.py",
+    "test_recompute.py", "test_docs_snippets.py", "test_fuzz_inputs.py",
+)
+"""Seconds each took in a contended run on 2 cores (pytest --durations), largest first."""
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: files stay whole
