@@ -6,7 +6,13 @@ other worker idles (at alphabetical order test_zoo.py, ~3 minutes, started last)
 the order is the file's own."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # two workers on two cores: a second intra-op thread each would only contend
 
 LONGEST_FIRST = (
     "test_expert_parallel.py", "test_pipeline.py", "test_zoo.py", "test_benchmarks.py", "test_autoparallel.py",

@@ -31,6 +31,7 @@ only this harness unpickles, and only what its own children sent.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import pickle
 import queue
 import time
@@ -45,6 +46,9 @@ import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 120.0
 """Whole-run limit; a deadlocked collective fails the test instead of hanging CI."""
+DEADLINE_SCALE = 3.0 if os.environ.get("PYTEST_XDIST_WORKER") else 1.0
+"""Every limit's factor under pytest-xdist: the other worker shares the two cores, and a limit
+only guards against hangs (a 240 s group timed out at 2 workers while running in ~140 s alone)."""
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "pytest"])
@@ -62,6 +66,7 @@ class RankFailed(RuntimeError):
 def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any,
               timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
     """`fn(*args)` on every rank of a fresh gloo group; per-rank results in rank order."""
+    timeout_s *= DEADLINE_SCALE
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     results_queue = _CONTEXT.Queue()
     processes = [

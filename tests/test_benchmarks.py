@@ -22,6 +22,7 @@ def _run(script: str, *args: str, env: dict[str, str] | None = None, timeout: in
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
 
 
+@pytest.mark.script_smoke
 def test_end_to_end_benchmark_on_tiny_models(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"
     _run("e2e_h200.py", "--device", "cpu", "--small", "--systems", "eager,mplan,mplan_fp8", "--warmup", "2",
@@ -37,6 +38,7 @@ def test_end_to_end_benchmark_on_tiny_models(tmp_path: Path) -> None:
         assert "FP8 linear needs a CUDA device" in systems["mplan_fp8"]["error"]  # refused, not faked
 
 
+@pytest.mark.script_smoke
 def test_fp8_convergence_benchmark_trains_toward_the_chains_floor(tmp_path: Path) -> None:
     """The smoke run learns the chain's transitions (below H(pi), the best loss without context,
     and above the batches' exact best loss); FP8 refuses the CPU and is skipped with the reason."""
@@ -69,6 +71,7 @@ def test_fp8_convergence_comparison_fails_a_final_gap_over_one_percent(monkeypat
     assert bump["smoothed_max_rel_gap"] == pytest.approx(0.1, rel=0.2)
 
 
+@pytest.mark.script_smoke
 @pytest.mark.slow
 def test_kernel_benchmark_checks_every_kernel_under_the_interpreter(tmp_path: Path) -> None:
     out = tmp_path / "kernels.json"
@@ -97,6 +100,7 @@ def test_gpu_kernel_time_counts_kernels_not_the_annotations_around_them() -> Non
     assert kernel_table(SimpleNamespace(events=lambda: events)) == {"adam_kernel": 4.0}
 
 
+@pytest.mark.script_smoke
 def test_step_profile_on_tiny_models(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
     _run("step_profile_h200.py", "--device", "cpu", "--small", "--systems", "eager,mplan", "--out", str(out))
@@ -138,6 +142,7 @@ def test_single_h200_steps_are_predicted_within_ten_percent(tmp_path: Path) -> N
         assert abs(row["step_error"]) < 0.10 and abs(row["memory_error"]) < 0.05, row
 
 
+@pytest.mark.script_smoke
 def test_gpu_equivalence_script_on_cpu_ranks(tmp_path: Path) -> None:
     """benchmarks/equivalence_gpus.py (issue 7's bf16 check) in its float64 smoke mode on 2 gloo ranks."""
     out = tmp_path / "equivalence.json"
@@ -152,6 +157,7 @@ def test_gpu_equivalence_script_on_cpu_ranks(tmp_path: Path) -> None:
     assert all(row["passed"] and row["max_param_rel_diff"] < 1e-12 for row in plans.values()), plans
 
 
+@pytest.mark.script_smoke
 def test_split_backward_benchmark_on_tiny_stages(tmp_path: Path) -> None:
     """benchmarks/split_backward_h200.py --smoke (float32, CPU): every phase timed on both clocks,
     the planner's weight-gradient share beside the measured one, and the split backward (mplan's

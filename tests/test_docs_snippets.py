@@ -89,7 +89,7 @@ PARSE_ONLY = {
     "mplan verify gpt:layers=2,hidden=64,heads=4,seq=32,vocab=128 --plan dp=2 --world-size 2 --steps 2":
         "starts 2 gloo CPU ranks and trains twice (10-20 s on 2 cores)",
     "bash scripts/demo.sh": "sets up .venv, plans GPT-3 175B and trains on 4 CPU ranks: minutes",
-    ".venv/bin/python -m pytest -q -n 2 --dist loadfile": "the whole test suite, this module included",
+    '.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not script_smoke"': "the whole test suite, this module included",
     "torchrun --nproc-per-node 4 examples/train_cpu.py --check":
         "trains on 4 gloo ranks and on one process; tests/test_refusals.py and tests/test_profile_command.py "
         "run the script under torchrun",
