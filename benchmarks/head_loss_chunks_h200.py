@@ -166,7 +166,8 @@ def main() -> None:
     for name, shape in shapes.items():
         doc["shapes"][name] = measure(name, shape, rows if not args.small else [64, 128], device, dtype,
                                       args.rounds, args.iters, args.tflops, args.tbps)
-        torch.cuda.empty_cache() if device.type == "cuda" else None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
     print(f"wrote {args.out}")

@@ -21,6 +21,7 @@ import argparse
 import functools
 import json
 from collections import defaultdict
+from dataclasses import asdict
 from datetime import date
 from typing import Any
 
@@ -58,8 +59,7 @@ def _frame(frames: list[dict[str, Any]]) -> str:
 def live_at_peak(snapshot: dict[str, Any]) -> dict[str, Any]:
     """Replay the device trace: the peak allocated bytes over the step and the blocks alive then."""
     trace = snapshot["device_traces"][0]
-    live: dict[int, tuple[int, str]] = {}
-    base = 0  # blocks allocated before recording started are not in the trace
+    live: dict[int, tuple[int, str]] = {}  # blocks allocated before recording started are not in the trace
     now = peak = 0
     peak_blocks: dict[int, tuple[int, str]] = {}
     for event in trace:
@@ -75,7 +75,7 @@ def live_at_peak(snapshot: dict[str, Any]) -> dict[str, Any]:
     for size, frame in peak_blocks.values():
         groups[frame] += size
     top = sorted(groups.items(), key=lambda kv: -kv[1])[:40]
-    return {"peak_above_start_gib": (peak - base) / GIB,
+    return {"peak_above_start_gib": peak / GIB,
             "by_frame_gib": {k: v / GIB for k, v in top}}
 
 
@@ -99,9 +99,7 @@ def main() -> None:
                            "torch": torch.__version__,
                            "gpu": torch.cuda.get_device_name() if cuda else "cpu",
                            "plan": pm.plan.spec(), "micro_batch_size": pm.plan.micro_batch_size,
-                           "predicted_gib": [vars(m) if hasattr(m, "__dict__") else
-                                             {k: getattr(m, k) for k in m.__slots__}
-                                             for m in pm.plan.predicted.memory_by_stage],
+                           "predicted_gib": [asdict(m) for m in pm.plan.predicted.memory_by_stage],
                            "fused": str(pm.program.meta.get("fuse_kernels"))}
     for _ in range(3):
         pm.train_step(ids, ids)

@@ -21,7 +21,7 @@ LONGEST_FIRST = (
     "test_autoparallel_overhead.py", "test_moe_capture.py", "test_capture.py", "test_moe_planning.py",
     "test_recompute.py", "test_docs_snippets.py", "test_fuzz_inputs.py",
 )
-"""Seconds each took in a contended run on 2 cores (pytest --durations), largest first."""
+"""Ordered by the seconds each took in a contended run on 2 cores (pytest --durations), largest first."""
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
