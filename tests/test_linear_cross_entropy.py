@@ -172,6 +172,27 @@ def test_a_second_backward_hands_out_the_same_gradients_never_scaled_twice() -> 
         assert rel_err(got, want / 2) < 1e-12
 
 
+@needs_reference_dispatch
+@pytest.mark.parametrize("retain", [False, True])
+def test_the_head_weight_adopts_the_ops_gradient_buffer_without_a_copy(retain: bool) -> None:
+    """loss.backward() hands the head weight the d_W buffer the forward filled (a copy would be a
+    vocab x hidden tensor at the step's memory peak) and the op keeps no gradient after it; under
+    retain_graph the op keeps its buffers, so the weight gets a copy and a rerun agrees."""
+    x, weight, _, labels = _leaves(*_problem((6,), 4, 10, torch.float64, bias=False))
+    loss = linear_cross_entropy(x, weight, labels, chunk_rows=4) * 2
+    node = loss.grad_fn.next_functions[0][0]
+    filled = node.saved_tensors[1].data_ptr()
+    loss.backward(retain_graph=retain)
+    assert (weight.grad.data_ptr() == filled) is not retain
+    if retain:
+        first = weight.grad.clone()
+        loss.backward()
+        assert torch.equal(weight.grad, 2 * first)
+    else:
+        with pytest.raises(RuntimeError, match="freed|second time"):
+            node.saved_tensors
+
+
 # -- memory model -----------------------------------------------------------------------------------
 def test_default_chunks_and_the_memory_formula_at_llama_shapes() -> None:
     """bf16 chunks of 4096 rows at a 32000 vocabulary (256 MiB of logits), 2048 at 128256 (the

@@ -72,7 +72,9 @@ max, sum and label logit; the bias term is the ones vector of d_b's GEMV. Measur
 within 0.1 MiB of the formula (1255.50 vs 1255.53 MiB at 16384 x 4096 x 128256). The unfused
 op's peak is about 3 N V s (logits, CUDA's saved log-softmax and the gradient), 11.7 GiB at
 16384 x 128256 bf16, where this op's is saved (1.1 GiB at hidden 4096, gradients the unfused
-backward makes too) + 125 MiB. The backward allocates nothing.
+backward makes too) + 125 MiB. The backward allocates nothing: the gradients are saved tensors,
+released by the engine after the backward, so a leaf weight's AccumulateGrad adopts d_W as its
+.grad rather than copying it (it copies only under retain_graph, where the op must keep them).
 
 Autocast: where autocast is on for x's device, the op does what F.linear then F.cross_entropy
 would: x, weight and bias are cast (autograd records the casts, so their gradients return in
@@ -270,17 +272,22 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             grads = (None if d_x is None else d_x[rows], d_w, d_b) if any(wanted) else None
             loss_sum += _fused_chunk(x[rows], labels[rows], weight, bias, vocab_start, ignore_index, reductions,
                                      scale, grads, ones, upcast)
-        ctx.grads, ctx.scaled_by = (d_x, d_w, d_b), None
+        # Saved, not held on ctx: the engine drops saved tensors once the backward has run (unless
+        # the graph is retained), so AccumulateGrad takes d_W as the parameter's .grad instead of
+        # copying it (a V x H copy at the step's memory peak, and d_x, d_W kept while the loss lives).
+        ctx.save_for_backward(d_x, d_w, d_b)
+        ctx.scaled_by = None
         return (loss_sum / count).to(loss_dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, d_loss: torch.Tensor) -> tuple[Any, ...]:
-        grads = ctx.grads
+        grads = ctx.saved_tensors
         if ctx.scaled_by is None:  # the first backward: scale the stored gradients in place
             for grad in grads:
-                if grad is not None:
-                    grad.mul_(d_loss)
+                if grad is not None:  # they are this op's own buffers: a rerun must not see a version bump
+                    with torch.autograd._unsafe_preserve_version_counter(grad):
+                        grad.mul_(d_loss)
             ctx.scaled_by = d_loss.detach().clone()
         elif not torch.equal(d_loss, ctx.scaled_by):  # run again (a zero-bubble W step) with another gradient
             ratio = d_loss / ctx.scaled_by
