@@ -437,7 +437,7 @@ def _repeated_kv(k: Any, v: Any, anchor: Node) -> tuple[tuple[Node, Node], tuple
 
 
 def _repeat_kv_source(node: Any, user: Node) -> tuple[Node, int, tuple[Node, ...]] | None:
-    if not (is_call(node, *_VIEWS) and _used_only_by(node, user)):
+    if not (is_call(node, *VIEW_OPS) and _used_only_by(node, user)):
         return None
     expand = node.args[0]
     if not (is_call(expand, aten.expand.default) and _used_only_by(expand, node)):
@@ -557,7 +557,8 @@ def _evaluate_constant(node: Node) -> Any:
     return values[node]
 
 
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+"""The reshaping views a rule looks through (shape changes, no data movement)."""
 
 
 def _viewable_as_slices(outputs: list[Node], sizes: list[int]) -> bool:
@@ -573,7 +574,7 @@ def _viewable_as_slices(outputs: list[Node], sizes: list[int]) -> bool:
         return False
     for part, out in zip(wide.split(sizes, dim=-1), outputs):
         for user in out.users:
-            shape = user.args[1] if is_call(user, *_VIEWS) and len(user.args) == 2 else None
+            shape = user.args[1] if is_call(user, *VIEW_OPS) and len(user.args) == 2 else None
             try:
                 shape = None if shape is None else [
                     _example_int(d.meta.get("val") if isinstance(d, Node) else d) for d in shape]
@@ -643,7 +644,7 @@ def sole_consumer(value: Node, *, attention_ops: tuple[Any, ...], linear_ops: tu
     (ATTENTION_OPS, plus any fused attention op already in the graph); else None."""
     kinds = set()
     for user in value.users:
-        if is_call(user, *_VIEWS) and user.args[0] is value:
+        if is_call(user, *VIEW_OPS) and user.args[0] is value:
             kinds.add(sole_consumer(user, attention_ops=attention_ops, linear_ops=linear_ops))
         elif is_call(user, aten.linear.default, *linear_ops) and user.args[0] is value and value not in user.args[1:]:
             kinds.add("linear")

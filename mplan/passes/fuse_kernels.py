@@ -46,6 +46,7 @@ from mplan.ir.fusion_patterns import (
     ATTENTION_PATTERN,
     FUSION_PATTERNS,
     LOSS_OPS,
+    VIEW_OPS,
     FusionPattern,
     PatternMatch,
     fp8_linear_pattern,
@@ -379,9 +380,6 @@ def _fuse_vocab_parallel_losses(gm: GraphModule) -> Counter[str]:
     return fused
 
 
-_HEAD_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-
-
 def _vocab_parallel_head(loss: Node) -> tuple[tuple[Node, Node, Node | None], list[Node], bool] | None:
     """((x, w, bias or None), [linear, then the view and/or cast in data order], upcast) when the
     vocabulary-parallel loss `loss` reads `aten.linear(x, w [, bias])` through at most one view
@@ -396,7 +394,7 @@ def _vocab_parallel_head(loss: Node) -> tuple[tuple[Node, Node, Node | None], li
         only_here = {u for u in value.users if not is_call(u, aten._assert_tensor_metadata.default)} == {user}
         if not only_here or value.kwargs or len(value.args) != 2:
             return None
-        if is_call(value, *_HEAD_VIEWS) and not viewed:
+        if is_call(value, *VIEW_OPS) and not viewed:
             viewed = True
         elif is_call(value, aten.to.dtype) and value.args[1] == torch.float32 and not upcast:
             upcast = True
@@ -447,8 +445,7 @@ def _pair_ropes(graph: Graph) -> int:
     return pairs
 
 
-_PART_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
-               aten.permute.default, aten.unsqueeze.default)
+_PART_VIEWS = (*VIEW_OPS, aten.transpose.int, aten.permute.default, aten.unsqueeze.default)
 """Views a projection's part goes through on its way to RoPE (Hugging Face's [b, s, h, d] -> [b, h, s, d])."""
 
 
@@ -468,7 +465,7 @@ def _rotated(part: Node) -> bool:
     return True
 
 
-def _release_rotated_projections(graph: Graph) -> int:
+def _release_rotated_projections(graph: Graph) -> None:
     """Copy out the unrotated parts of a grouped GEMM whose other parts RoPE rotates.
 
     The q/k/v GEMM writes one packed buffer that q, k and v view. RoPE replaces q and k with new
@@ -477,8 +474,7 @@ def _release_rotated_projections(graph: Graph) -> int:
     the H200 as the 6.6% the memory model under-predicted the peak (29.10 GiB measured;
     benchmarks/results/memory_timeline_h200-2026-12-02-before-copy.json). A contiguous copy of v
     (16 MiB a layer there, microseconds) lets the buffer go once RoPE has run: 27.38 GiB
-    (memory_timeline_h200-2026-12-02.json). Returns the copies."""
-    copies = 0
+    (memory_timeline_h200-2026-12-02.json)."""
     for node in list(graph.nodes):
         if not (is_call(node, aten.split_with_sizes.default) and is_call(node.args[0], grouped_linear, aten.linear.default)):
             continue
@@ -493,8 +489,6 @@ def _release_rotated_projections(graph: Graph) -> int:
             if isinstance(value, torch.Tensor):
                 copy.meta["val"] = _meta_like(value, value.shape)
             part.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
-            copies += 1
-    return copies
 
 
 _MARKED_OUTPUTS: dict[Any, int | str | None] = {
