@@ -281,15 +281,23 @@ def _block_stats(logits: torch.Tensor) -> _BlockStats:
     return _BlockStats(max=partial[0], sumexp=partial[1], n_parts=n_parts)
 
 
+def combine_programs(n_rows: int) -> int:
+    """Loss partial sums the finalizing combine writes for `n_rows` rows (one per program)."""
+    return triton.cdiv(n_rows, _COMBINE_ROWS)
+
+
 def _combine(logits: torch.Tensor, labels: torch.Tensor, stats: _BlockStats, vocab_start: int, ignore_index: int,
-             *, finalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """finalize: (lse [rows], loss sums [programs], counted rows [programs]);
-    else: (local max, local sum-exp, local label logit), each [rows]."""
+             *, finalize: bool, loss_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """finalize: (lse [rows], loss sums [programs], counted rows [programs]), the loss sums
+    written into `loss_sum` when given (`combine_programs(rows)` fp32 slots: a chunked caller
+    sums every chunk's partials once, at the end); else: (local max, local sum-exp, local label
+    logit), each [rows]."""
     n_rows, n_cols = logits.shape
-    programs = triton.cdiv(n_rows, _COMBINE_ROWS)
+    programs = combine_programs(n_rows)
     out = torch.empty(n_rows if finalize else 3 * n_rows, dtype=torch.float32, device=logits.device)
-    loss_sum = torch.empty(programs if finalize else 1, dtype=torch.float32, device=logits.device)
-    count = torch.empty_like(loss_sum)
+    if loss_sum is None:
+        loss_sum = torch.empty(programs if finalize else 1, dtype=torch.float32, device=logits.device)
+    count = torch.empty(loss_sum.shape, dtype=torch.float32, device=logits.device)
     max_parts = stats.max.shape[1]
     _combine_kernel[(programs,)](stats.max, stats.sumexp, stats.n_parts, logits, labels, out, loss_sum, count,
                                  n_rows, n_cols, logits.stride(0), max_parts, vocab_start, ignore_index,

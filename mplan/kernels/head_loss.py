@@ -109,6 +109,7 @@ runs the node again) hands out the same values for the same incoming gradient, n
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,6 +126,7 @@ from mplan.kernels.cross_entropy_loss import (
     _accumulation_dtype,
     _block_stats,
     _combine,
+    combine_programs,
     reduced_row_losses,
 )
 from mplan.kernels.dispatch import CONSUMER_PROBES, autocast_result_dtype, configs, tl, triton, use_triton
@@ -193,14 +195,30 @@ def linear_cross_entropy_bytes(rows: int, hidden: int, vocab: int, itemsize: int
     return LinearCrossEntropyBytes(saved=saved, peak=peak)
 
 
+def _fused_combine(logits: torch.Tensor, reductions: VocabReductions) -> bool:
+    """Whether the chunk's loss is finished by cross_entropy_loss's combine kernel."""
+    return use_triton(logits) and reductions.is_identity()
+
+
+def _loss_slots(x: torch.Tensor, reductions: VocabReductions, chunk_rows: int, upcast: bool) -> list[int]:
+    """Loss partial sums each chunk writes: the combine kernel's programs, else one."""
+    n_rows = x.shape[0]
+    logits = x[:0].float() if upcast and x.dtype == torch.float64 else x[:0]  # the chunks' logits dtype
+    rows = [min(chunk_rows, n_rows - start) for start in range(0, n_rows, chunk_rows)]
+    return [combine_programs(r) if _fused_combine(logits, reductions) else 1 for r in rows]
+
+
 def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, ignore_index: int,
-                reductions: VocabReductions) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lse per row, the chunk's summed loss over counted rows), fp32 (float64 for float64)."""
-    if use_triton(logits) and reductions.is_identity():
-        lse, loss_sums, _ = _combine(logits, labels, _block_stats(logits), vocab_start, ignore_index, finalize=True)
-        return lse, loss_sums.sum()
+                reductions: VocabReductions, loss_out: torch.Tensor) -> torch.Tensor:
+    """lse per row, fp32 (float64 for float64); the chunk's loss over counted rows goes into
+    `loss_out` as partial sums (no reduction launched per chunk: the op sums them once)."""
+    if _fused_combine(logits, reductions):
+        lse, _, _ = _combine(logits, labels, _block_stats(logits), vocab_start, ignore_index, finalize=True,
+                             loss_sum=loss_out)
+        return lse
     lse, row_loss = reduced_row_losses(logits, labels, vocab_start, ignore_index, reductions)
-    return lse, row_loss.sum()
+    loss_out.copy_(row_loss.sum().reshape(1))
+    return lse
 
 
 def _logits_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
@@ -226,18 +244,18 @@ def _logits_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, 
 def _fused_chunk(x_c: torch.Tensor, labels_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  vocab_start: int, ignore_index: int, reductions: VocabReductions, scale: torch.Tensor,
                  grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None,
-                 ones: torch.Tensor | None, upcast: bool) -> torch.Tensor:
-    """One chunk: its summed loss; with `grads` (d_x's rows of this chunk, d_W, d_b, each None
-    where not wanted) also its gradients, written and accumulated there (`ones`: a chunk of ones
-    in the bias dtype, for d_b). The chunk's logits die on return, before the next chunk's exist.
-    `upcast` with float64 logits: the loss of their fp32 copy, as `logits.float()` gives (16- and
-    32-bit logits are computed in fp32 anyway)."""
+                 ones: torch.Tensor | None, upcast: bool, loss_out: torch.Tensor) -> None:
+    """One chunk: its summed loss, as partial sums into `loss_out`; with `grads` (d_x's rows of
+    this chunk, d_W, d_b, each None where not wanted) also its gradients, written and accumulated
+    there (`ones`: a chunk of ones in the bias dtype, for d_b). The chunk's logits die on return,
+    before the next chunk's exist. `upcast` with float64 logits: the loss of their fp32 copy, as
+    `logits.float()` gives (16- and 32-bit logits are computed in fp32 anyway)."""
     logits = torch.mm(x_c, weight.t()) if bias is None else torch.addmm(bias, x_c, weight.t())
     if upcast and logits.dtype == torch.float64:
         logits = logits.float()
-    lse, loss = _chunk_loss(logits, labels_c, vocab_start, ignore_index, reductions)
+    lse = _chunk_loss(logits, labels_c, vocab_start, ignore_index, reductions, loss_out)
     if grads is None:
-        return loss
+        return
     d_x_c, d_w, d_b = grads
     d_logits = _logits_grad(logits, labels_c, lse, scale.to(lse.dtype), vocab_start, ignore_index).to(x_c.dtype)
     del logits  # the PyTorch path's gradient is a new tensor: one chunk-sized buffer at a time
@@ -247,7 +265,6 @@ def _fused_chunk(x_c: torch.Tensor, labels_c: torch.Tensor, weight: torch.Tensor
         d_w.addmm_(d_logits.t(), x_c)
     if d_b is not None:  # the column sums as a GEMV: sum(0, dtype=fp32) would convert the chunk to fp32 first
         d_b.addmv_(d_logits.t(), ones[: d_logits.shape[0]])
-    return loss
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -266,12 +283,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         d_w = torch.zeros_like(weight) if want_w else None
         d_b = torch.zeros_like(bias) if want_b else None
         ones = torch.ones(min(chunk_rows, n_rows), dtype=bias.dtype, device=x.device) if want_b else None
-        loss_sum = torch.zeros((), dtype=acc, device=x.device)
-        for start in range(0, n_rows, chunk_rows):
+        slots = _loss_slots(x, reductions, chunk_rows, upcast)
+        loss_parts = torch.zeros(sum(slots), dtype=acc, device=x.device)
+        for start, slot, n_slots in zip(range(0, n_rows, chunk_rows), itertools.accumulate([0, *slots]), slots):
             rows = slice(start, min(start + chunk_rows, n_rows))
             grads = (None if d_x is None else d_x[rows], d_w, d_b) if any(wanted) else None
-            loss_sum += _fused_chunk(x[rows], labels[rows], weight, bias, vocab_start, ignore_index, reductions,
-                                     scale, grads, ones, upcast)
+            _fused_chunk(x[rows], labels[rows], weight, bias, vocab_start, ignore_index, reductions, scale, grads,
+                         ones, upcast, loss_parts[slot:slot + n_slots])
+        loss_sum = loss_parts.sum()
         # Saved, not held on ctx: the engine drops saved tensors once the backward has run (unless
         # the graph is retained), so AccumulateGrad takes d_W as the parameter's .grad instead of
         # copying it (a V x H copy at the step's memory peak, and d_x, d_W kept while the loss lives).
