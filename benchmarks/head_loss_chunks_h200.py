@@ -7,6 +7,8 @@ For each shape (16384 tokens, bf16; the Hugging Face models of hf_models_h200.py
 and a Llama-3-8B head), forward+backward of:
     mplan chunk=R    linear_cross_entropy(..., chunk_rows=R) for R in --rows, and its default
     mplan unfused    F.linear + mplan.kernels.cross_entropy (whole logits)
+    mplan at liger's chunk   chunk_rows = Liger's chunk (the same logits memory), with a
+                     per-kernel profile of it and of Liger: where the time goes at equal memory
     liger            LigerFusedLinearCrossEntropyLoss (its own chunk rule)
 GPU time from the profiler (gpu_time.interleaved_kernel_ms, medians of interleaved rounds) and
 peak memory above the inputs (max_memory_allocated from a reset, MB). Written per shape with the
@@ -53,12 +55,22 @@ def inputs(shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype
     return [x, w, labels]
 
 
-def systems(rows: list[int], device: torch.device) -> dict[str, Callable[..., torch.Tensor]]:
+def liger_chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
+    """The chunk Liger's fused linear cross-entropy takes (liger_kernel/ops/fused_linear_cross_entropy.py,
+    0.8.x): the power of two nearest above tokens / ceil(vocab / hidden), so that a chunk's logits
+    hold about as many elements as x."""
+    per = -(-tokens // -(-vocab // hidden))
+    return 1 << (per - 1).bit_length()
+
+
+def systems(rows: list[int], device: torch.device, shape: tuple[int, int, int]) -> dict[str, Callable[..., torch.Tensor]]:
     from mplan.kernels import cross_entropy, linear_cross_entropy
 
+    liger_rows = liger_chunk_rows(*shape)
     out: dict[str, Callable[..., torch.Tensor]] = {
         "mplan default": lambda x, w, y: linear_cross_entropy(x, w, y),
         "mplan unfused": lambda x, w, y: cross_entropy(F.linear(x, w), y),
+        "mplan at liger's chunk": lambda x, w, y: linear_cross_entropy(x, w, y, chunk_rows=liger_rows),
     }
     for r in rows:
         out[f"mplan chunk={r}"] = (lambda r: lambda x, w, y: linear_cross_entropy(x, w, y, chunk_rows=r))(r)
@@ -93,7 +105,7 @@ def peak_mb(call: Callable[[], None], device: torch.device) -> float | None:
 def measure(name: str, shape: tuple[int, int, int], rows: list[int], device: torch.device, dtype: torch.dtype,
             rounds: int, iters: int, tflops: float, tbps: float) -> dict[str, Any]:
     n, h, v = shape
-    fns = systems(rows, device)
+    fns = systems(rows, device, shape)
     ref = None
     result: dict[str, Any] = {"tokens": n, "hidden": h, "vocab": v, "systems": {}}
     calls = {}
@@ -122,6 +134,21 @@ def measure(name: str, shape: tuple[int, int, int], rows: list[int], device: tor
             times[sname] = (time.perf_counter() - t0) / iters * 1e3
     for sname, ms in times.items():
         result["systems"][sname]["fwd_bwd_ms"] = ms if isinstance(ms, float) else statistics.median(ms)
+    result["liger_chunk_rows"] = liger_chunk_rows(*shape)
+    if device.type == "cuda":  # where the time goes at equal memory: ms per call by kernel
+        from torch.profiler import ProfilerActivity, profile
+
+        from benchmarks.gpu_time import kernel_table
+        for sname in ("mplan at liger's chunk", "liger"):
+            if sname in calls:
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(iters):
+                        calls[sname]()
+                    torch.cuda.synchronize()
+                table = kernel_table(prof)
+                result["systems"][sname]["kernels_ms"] = {k[:80]: t / iters for k, t in list(table.items())[:12]}
+                result["systems"][sname]["launches"] = sum(1 for e in prof.events()
+                                                           if e.device_type == torch.autograd.DeviceType.CUDA) / iters
     gemm_ms = 6 * n * v * h / (tflops * 1e12) * 1e3
     result["gemm_ms_at_tflops"] = gemm_ms
     for sname in result["systems"]:

@@ -12,7 +12,10 @@ around each call on GPU, ``time.perf_counter`` on CPU); repetitions adapt so eac
 roughly ``target_s``. GEMM grids are full products of their m, n and k lists so the table
 interpolates multilinearly. Attention is ``scaled_dot_product_attention`` on [batch, heads, seq,
 head_dim] with seq_q == seq_kv; its backward is timed as forward-then-backward. Copies time
-``dst.copy_(src)`` and count bytes read plus written.
+``dst.copy_(src)`` and count bytes read plus written, COPY_BATCH copies back to back between two
+events: a memory-bound kernel in a training step runs among others, and events around one copy
+add a launch (about 7 us on the H200: 3.4 TB/s at 134 MB against 4.2 back to back,
+benchmarks/copy_table_h200.py).
 Invariants: torch is imported inside the functions (planning never pays for it); nothing is kept on
 the device after return.
 """
@@ -29,6 +32,8 @@ from mplan.cost_models.dtypes import canonical_dtype
 from mplan.cost_models.profile import AttentionTiming, CopyTiming, DeviceProfile, GemmTiming
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "tf32": "float32", "fp64": "float64"}
+COPY_BATCH = 20
+"""Copies timed back to back per sample (module docstring, Method)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,12 +77,15 @@ class _Timer:
         self.torch, self.device, self.target_s = torch, device, target_s
         self.cuda = device.type == "cuda"
 
-    def __call__(self, fn: Callable[[], object], *, warmup: int = 2, min_reps: int = 3, max_reps: int = 50) -> float:
+    def __call__(self, fn: Callable[[], Any], *, warmup: int = 2, min_reps: int = 3, max_reps: int = 50,
+                 timed: bool = True) -> float:
+        """Median seconds of fn(); `timed=False`: fn times itself and returns its seconds."""
+        once = self._once if timed else (lambda f: float(f()))
         for _ in range(warmup):
             fn()
-        first = self._once(fn)
+        first = once(fn)
         reps = int(min(max(self.target_s / max(first, 1e-7), min_reps), max_reps))
-        return statistics.median([first] + [self._once(fn) for _ in range(reps - 1)])
+        return statistics.median([first] + [once(fn) for _ in range(reps - 1)])
 
     def _once(self, fn: Callable[[], object]) -> float:
         if not self.cuda:
@@ -136,12 +144,31 @@ def _time_attention(torch: Any, device: Any, dtype: str, grid: ProfileGrid, time
     return out
 
 
+def batched_seconds(torch: Any, device: Any, fn: Callable[[], object], count: int) -> float:
+    """Seconds per call of `count` calls issued back to back: CUDA events around the batch on a
+    GPU (the launches overlap the kernels before them, as in a step), wall time on a CPU."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(count):
+            fn()
+        return (time.perf_counter() - start) / count
+    begin = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(count):
+        fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3 / count
+
+
 def _time_copies(torch: Any, device: Any, grid: ProfileGrid, timer: _Timer) -> list[CopyTiming]:
     out = []
     for nbytes in grid.copy_bytes:
         src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
         dst = torch.empty_like(src)
-        out.append(CopyTiming(bytes_moved=2 * nbytes, seconds=timer(lambda: dst.copy_(src))))
+        seconds = timer(lambda: batched_seconds(torch, device, lambda: dst.copy_(src), COPY_BATCH), timed=False)
+        out.append(CopyTiming(bytes_moved=2 * nbytes, seconds=seconds))
         del src, dst
     return out
 

@@ -1,0 +1,104 @@
+"""The device profile's copy table, timed three ways: what rate memory-bound kernels are priced at.
+
+The planner prices a memory-bound kernel as its bytes over the profile's copy rate at that size
+(`ComputeCostModel.memory_bound_time`). The h200 profile of 2026-11-29 timed each copy with CUDA
+events around ONE copy, so a launch's fixed cost (about 7 us) sits in every entry: 3.4 TB/s at
+134 MB, where back-to-back kernels in a training step reach the copy rate of the kernel benchmarks
+(4.24 TB/s). tests/test_held_out.py found the fused kernels priced 0-25% high from it. Per size
+(the profile's, 64 KiB to 4 GiB per side):
+    one_copy     median of CUDA events around one copy (the profile's method until now)
+    batched      CUDA events around `--batch` back-to-back copies, divided by the count (median of
+                 --rounds): a kernel among others, as in a step (measure_device's method now)
+    kernel       the profiler's device time of the copy kernel itself (gpu_time.kernel_ms)
+and, under "profile_copy", the batched table in the profile's format, which
+mplan/cost_models/profiles/h200.json carries from this run.
+
+Run on the GPU:   PYTHONPATH=. python3 benchmarks/copy_table_h200.py --out $OUT/copy_table.json
+CPU smoke test:   PYTHONPATH=. python3 benchmarks/copy_table_h200.py --device cpu --out /tmp/copy.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from datetime import date
+from typing import Any, Callable
+
+import torch
+
+from mplan.cost_models.measure_device import ProfileGrid, batched_seconds
+
+SMALL_SIZES = (1 << 12, 1 << 16, 1 << 20)
+
+
+def one_copy_seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """Median of one call between two CUDA events (wall clock on the CPU)."""
+    samples = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(begin.elapsed_time(end) / 1e3)
+        else:
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def measure(nbytes: int, device: torch.device, batch: int, rounds: int) -> dict[str, Any]:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+
+    def copy() -> None:
+        dst.copy_(src)
+
+    for _ in range(3):
+        copy()
+    row: dict[str, Any] = {"bytes_moved": 2 * nbytes,
+                           "one_copy_s": one_copy_seconds(copy, device, reps=20),
+                           "batched_s": statistics.median(batched_seconds(torch, device, copy, batch)
+                                                          for _ in range(rounds))}
+    if device.type == "cuda":
+        from benchmarks.gpu_time import kernel_ms
+        row["kernel_s"] = kernel_ms(copy, iters=batch) / 1e3
+    for key in ("one_copy_s", "batched_s", "kernel_s"):
+        if key in row:
+            row[key.replace("_s", "_TBps")] = row["bytes_moved"] / row[key] / 1e12
+    print(f"{nbytes / 2**20:10.3f} MiB: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.endswith("TBps")),
+          flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--batch", type=int, default=50, help="copies between the events of one batched sample")
+    parser.add_argument("--rounds", type=int, default=5, help="batched samples per size (the median is kept)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    sizes = ProfileGrid.transformer(quick=False, on_gpu=True).copy_bytes if device.type == "cuda" else SMALL_SIZES
+    rows = [measure(n, device, args.batch, args.rounds) for n in sizes]
+    doc = {
+        "date": date.today().isoformat(), "script": "benchmarks/copy_table_h200.py",
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "method": f"per size: one_copy = median of 20 CUDA-event samples around one copy; batched = median of "
+                  f"{args.rounds} samples of events around {args.batch} back-to-back copies / {args.batch}; "
+                  f"kernel = profiler device time of the copy kernel, mean of {args.batch}",
+        "copies": rows,
+        "profile_copy": [{"bytes_moved": r["bytes_moved"], "seconds": r["batched_s"]} for r in rows],
+    }
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
