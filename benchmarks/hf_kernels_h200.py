@@ -205,6 +205,13 @@ def _table_2d(fn: Fn) -> Fn:
     return lambda q, k, cos, sin: fn(q, k, cos[0], sin[0])
 
 
+def liger_chunk_rows(s: Shape) -> int:
+    """Rows per chunk of Liger's fused linear cross-entropy: mplan's op at this chunk holds the
+    same memory."""
+    from benchmarks.head_loss_chunks_h200 import liger_chunk_rows as rows
+    return rows(s.tokens, s.hidden, s.vocab)
+
+
 def systems_for(op: str, s: Shape) -> dict[str, Callable[[], Fn]]:
     """Each system of `op` as a factory (so that a missing Liger or mplan function fails that system
     alone); names starting with "mplan" are mplan's variants, the rest its peers."""
@@ -236,7 +243,10 @@ def systems_for(op: str, s: Shape) -> dict[str, Callable[[], Fn]]:
         },
         "head_loss": {
             "mplan (linear + cross_entropy)": lambda: lambda x, w, labels: mk.cross_entropy(F.linear(x, w), labels),
-            **({"mplan (linear_cross_entropy)": lambda: linear_ce} if linear_ce is not None else {}),
+            **({"mplan (linear_cross_entropy)": lambda: linear_ce,
+                "mplan (linear_cross_entropy, Liger's chunk)": lambda: (
+                    lambda x, w, labels: linear_ce(x, w, labels, chunk_rows=liger_chunk_rows(s)))}
+               if linear_ce is not None else {}),
             "liger": lambda: (lambda loss: lambda x, w, labels: loss(w, x, labels))(
                 _liger("liger_kernel.transformers.fused_linear_cross_entropy", "LigerFusedLinearCrossEntropyLoss")()),
             "eager": lambda: head_loss_eager,

@@ -18,7 +18,7 @@ import tempfile
 import pytest
 import torch
 
-from mplan.kernels import cross_entropy_loss, gelu, glu, layernorm, partials, rmsnorm, rotary
+from mplan.kernels import cross_entropy_loss, gelu, glu, head_loss, layernorm, partials, rmsnorm, rotary
 from mplan.kernels.dispatch import HAVE_TRITON, INTERPRET
 
 pytestmark = [pytest.mark.slow,
@@ -76,6 +76,9 @@ KERNELS = {
                               {"FINALIZE": True, "BLOCK_ROWS": 16, "BLOCK_SLOTS": 64}),
     "cross_entropy.mean": (cross_entropy_loss._mean_kernel, {"loss_sum_ptr": F32, "count_ptr": F32,
                                                              "total_count_ptr": F32}, {"BLOCK": 1024}),
+    "head_loss.grad_in_place": (head_loss._grad_in_place_kernel, {"labels_ptr": "*i64", "lse_ptr": F32,
+                                                                  "scale_ptr": F32}, {}),
+    "head_loss.scale_in_place": (head_loss._scale_in_place_kernel, {"scale_ptr": F32}, {"BLOCK": 4096}),
 }
 
 

@@ -262,16 +262,18 @@ def test_vocab_parallel_on_two_gloo_ranks_equals_the_single_process_op(gloo_outc
 
 
 @needs_interpreter
+@pytest.mark.parametrize("upstream", [3.0, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_interpreted_kernels_match_the_unfused_ops(dtype: torch.dtype) -> None:
+def test_interpreted_kernels_match_the_unfused_ops(dtype: torch.dtype, upstream: float) -> None:
     """11 rows in chunks of 4 over a 70-token vocabulary (blocks of 32: a partial last one):
-    loss and gradients within 1e-6 of fp32 unfused ops (fp16: 2e-3 of float64)."""
+    loss and gradients within 1e-6 of fp32 unfused ops (fp16: 2e-3 of float64), for an incoming
+    gradient of 3 (the backward's scaling kernel runs) and of 1 (it skips every element)."""
     x, weight, bias, labels = _problem((11,), 16, 70, dtype)
     assert use_triton(x)
-    got = _loss_and_grads(linear_cross_entropy, *_leaves(x, weight, bias), labels, chunk_rows=4)
+    got = _loss_and_grads(linear_cross_entropy, *_leaves(x, weight, bias), labels, upstream, chunk_rows=4)
     ref_dtype, tol = (torch.float32, 1e-6) if dtype == torch.float32 else (torch.float64, 2e-3)
     want = _loss_and_grads(linear_cross_entropy_reference, *_leaves(x.to(ref_dtype), weight.to(ref_dtype),
-                                                                     bias.to(ref_dtype)), labels)
+                                                                     bias.to(ref_dtype)), labels, upstream)
     assert [t.dtype for t in got] == [dtype] * 4
     for name, g, w in zip(["loss", "d_x", "d_W", "d_b"], got, want):
         assert rel_err(g.to(ref_dtype), w) < tol, name

@@ -28,8 +28,10 @@ shorter), as Liger Kernel's FusedLinearCrossEntropy does:
     d_logits    (softmax - onehot(label)) / count, 0 on ignored rows: on CUDA a kernel of this
                 module writes it over the logits in place (one read, one write)
     d_x_c       d_logits W, written straight into its rows of d_x (torch.mm's out=)
-    d_W, d_b    d_W += d_logits^T x_c (addmm in place), d_b += d_logits^T 1 (addmv in place)
-The backward only multiplies d_x, d_W and d_b by grad_output (a scalar), in place. A gradient
+    d_W, d_b    d_W += d_logits^T x_c (addmm in place), d_b += d_logits^T 1 (addmv in place); the
+                first chunk writes them instead (mm, mv), so they are never zero-filled
+The backward only multiplies d_x, d_W and d_b by grad_output (a scalar), in place, with a
+streaming kernel that reads the scalar on the device and touches nothing when it is 1. A gradient
 nobody asked for (an input that does not require grad, or grad mode off) is never computed:
 no d_x GEMM for a frozen x, no d_W GEMM for a frozen head, no gradient at all under no_grad.
 
@@ -129,7 +131,7 @@ from mplan.kernels.cross_entropy_loss import (
     combine_programs,
     reduced_row_losses,
 )
-from mplan.kernels.dispatch import CONSUMER_PROBES, autocast_result_dtype, configs, tl, triton, use_triton
+from mplan.kernels.dispatch import CONSUMER_PROBES, INTERPRET, autocast_result_dtype, configs, tl, triton, use_triton
 
 CHUNK_LOGIT_BYTES = 256 << 20
 """A chunk's logits fit this (256 MiB) unless MIN_CHUNK_ROWS rows are more (vocabularies over
@@ -164,6 +166,34 @@ def _grad_in_place_kernel(logits_ptr, labels_ptr, lse_ptr, scale_ptr, n_cols, ro
     lse = tl.load(lse_ptr + row)
     grad = (tl.exp(x - lse) - tl.where(cols == label - vocab_start, 1.0, 0.0)) * tl.load(scale_ptr)
     tl.store(ptrs, tl.where(label != ignore_index, grad, 0.0).to(logits_ptr.dtype.element_ty), mask=in_cols)
+
+
+_SCALE_BLOCK = 64 if INTERPRET else 4096
+
+
+@triton.jit
+def _scale_in_place_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+    """x <- x * scale, in fp32, rounded to x's dtype; nothing read or written where scale is 1
+    (loss.backward() of the mean loss): the incoming gradient is a device scalar, and comparing it
+    on the host would wait for the whole forward."""
+    scale = tl.load(scale_ptr).to(tl.float32)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < tl.where(scale != 1.0, n, 0)
+    x = tl.load(x_ptr + offs, mask=mask)
+    tl.store(x_ptr + offs, (x.to(tl.float32) * scale).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def _scale_in_place(grad: torch.Tensor, d_loss: torch.Tensor) -> None:
+    """grad *= d_loss (a 0-dim tensor). On CUDA a streaming kernel at copy bandwidth that skips
+    a gradient of 1: PyTorch's mul_ by a 0-dim device tensor takes its unvectorized path (1.6 ms
+    for d_x and d_W at 16384 x 4096 x 128256 on the H200, about 1.5 TB/s,
+    benchmarks/results/head_loss_chunks_h200-2026-12-02-session6.json)."""
+    if use_triton(grad) and grad.is_contiguous() and d_loss.device == grad.device:
+        n = grad.numel()
+        _scale_in_place_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](grad, d_loss.reshape(1), n, BLOCK=_SCALE_BLOCK,
+                                                               num_warps=8)
+    else:
+        grad.mul_(d_loss)
 
 
 def default_chunk_rows(vocab: int, itemsize: int) -> int:
@@ -244,10 +274,10 @@ def _logits_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, 
 def _fused_chunk(x_c: torch.Tensor, labels_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  vocab_start: int, ignore_index: int, reductions: VocabReductions, scale: torch.Tensor,
                  grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None,
-                 ones: torch.Tensor | None, upcast: bool, loss_out: torch.Tensor) -> None:
+                 ones: torch.Tensor | None, upcast: bool, loss_out: torch.Tensor, first: bool) -> None:
     """One chunk: its summed loss, as partial sums into `loss_out`; with `grads` (d_x's rows of
-    this chunk, d_W, d_b, each None where not wanted) also its gradients, written and accumulated
-    there (`ones`: a chunk of ones in the bias dtype, for d_b). The chunk's logits die on return,
+    this chunk, d_W, d_b, each None where not wanted) also its gradients, written (the `first`
+    chunk) or accumulated there (`ones`: a chunk of ones in the bias dtype, for d_b). The chunk's logits die on return,
     before the next chunk's exist. `upcast` with float64 logits: the loss of their fp32 copy, as
     `logits.float()` gives (16- and 32-bit logits are computed in fp32 anyway)."""
     logits = torch.mm(x_c, weight.t()) if bias is None else torch.addmm(bias, x_c, weight.t())
@@ -261,10 +291,17 @@ def _fused_chunk(x_c: torch.Tensor, labels_c: torch.Tensor, weight: torch.Tensor
     del logits  # the PyTorch path's gradient is a new tensor: one chunk-sized buffer at a time
     if d_x_c is not None:
         torch.mm(d_logits, weight, out=d_x_c)
+    # d_W and d_b: the first chunk writes them (they start uninitialized), the others add to them
     if d_w is not None:
-        d_w.addmm_(d_logits.t(), x_c)
+        if first:
+            torch.mm(d_logits.t(), x_c, out=d_w)
+        else:
+            d_w.addmm_(d_logits.t(), x_c)
     if d_b is not None:  # the column sums as a GEMV: sum(0, dtype=fp32) would convert the chunk to fp32 first
-        d_b.addmv_(d_logits.t(), ones[: d_logits.shape[0]])
+        if first:
+            torch.mv(d_logits.t(), ones[: d_logits.shape[0]], out=d_b)
+        else:
+            d_b.addmv_(d_logits.t(), ones[: d_logits.shape[0]])
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -280,8 +317,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         scale = count.reciprocal().reshape(1)
         want_x, want_w, want_b = wanted
         d_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if want_x else None
-        d_w = torch.zeros_like(weight) if want_w else None
-        d_b = torch.zeros_like(bias) if want_b else None
+        d_w = torch.empty_like(weight) if want_w else None  # the first chunk writes every element
+        d_b = torch.empty_like(bias) if want_b else None
         ones = torch.ones(min(chunk_rows, n_rows), dtype=bias.dtype, device=x.device) if want_b else None
         slots = _loss_slots(x, reductions, chunk_rows, upcast)
         loss_parts = torch.zeros(sum(slots), dtype=acc, device=x.device)
@@ -289,7 +326,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             rows = slice(start, min(start + chunk_rows, n_rows))
             grads = (None if d_x is None else d_x[rows], d_w, d_b) if any(wanted) else None
             _fused_chunk(x[rows], labels[rows], weight, bias, vocab_start, ignore_index, reductions, scale, grads,
-                         ones, upcast, loss_parts[slot:slot + n_slots])
+                         ones, upcast, loss_parts[slot:slot + n_slots], first=start == 0)
         loss_sum = loss_parts.sum()
         # Saved, not held on ctx: the engine drops saved tensors once the backward has run (unless
         # the graph is retained), so AccumulateGrad takes d_W as the parameter's .grad instead of
@@ -306,7 +343,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             for grad in grads:
                 if grad is not None:  # they are this op's own buffers: a rerun must not see a version bump
                     with torch.autograd._unsafe_preserve_version_counter(grad):
-                        grad.mul_(d_loss)
+                        _scale_in_place(grad, d_loss)
             ctx.scaled_by = d_loss.detach().clone()
         elif not torch.equal(d_loss, ctx.scaled_by):  # run again (a zero-bubble W step) with another gradient
             ratio = d_loss / ctx.scaled_by
