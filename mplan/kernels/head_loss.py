@@ -187,7 +187,7 @@ def _scale_in_place(grad: torch.Tensor, d_loss: torch.Tensor) -> None:
     """grad *= d_loss (a 0-dim tensor). On CUDA a streaming kernel at copy bandwidth that skips
     a gradient of 1: PyTorch's mul_ by a 0-dim device tensor takes its unvectorized path (1.6 ms
     for d_x and d_W at 16384 x 4096 x 128256 on the H200, about 1.5 TB/s,
-    benchmarks/results/head_loss_chunks_h200-2026-12-02-session6.json)."""
+    benchmarks/results/head_loss_chunks_h200-2026-12-02-session6-before-scale.json)."""
     if use_triton(grad) and grad.is_contiguous() and d_loss.device == grad.device:
         n = grad.numel()
         _scale_in_place_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](grad, d_loss.reshape(1), n, BLOCK=_SCALE_BLOCK,
