@@ -74,9 +74,11 @@ max, sum and label logit; the bias term is the ones vector of d_b's GEMV. Measur
 within 0.1 MiB of the formula (1255.50 vs 1255.53 MiB at 16384 x 4096 x 128256). The unfused
 op's peak is about 3 N V s (logits, CUDA's saved log-softmax and the gradient), 11.7 GiB at
 16384 x 128256 bf16, where this op's is saved (1.1 GiB at hidden 4096, gradients the unfused
-backward makes too) + 125 MiB. The backward allocates nothing: the gradients are saved tensors,
-released by the engine after the backward, so a leaf weight's AccumulateGrad adopts d_W as its
-.grad rather than copying it (it copies only under retain_graph, where the op must keep them).
+backward makes too) + 125 MiB. The backward allocates nothing: it hands the gradients out as
+new tensor objects on the op's buffers, so a leaf weight's AccumulateGrad adopts d_W as its .grad
+rather than copying it (a rerun hands out fresh tensors). They are ctx attributes, not saved
+tensors, so recomputation's checkpoint hooks never rerun the op; the buffers live as long as the
+graph (the storage d_W shares with the weight's .grad costs nothing extra).
 
 Autocast: where autocast is on for x's device, the op does what F.linear then F.cross_entropy
 would: x, weight and bias are cast (autograd records the casts, so their gradients return in
@@ -328,24 +330,32 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             _fused_chunk(x[rows], labels[rows], weight, bias, vocab_start, ignore_index, reductions, scale, grads,
                          ones, upcast, loss_parts[slot:slot + n_slots], first=start == 0)
         loss_sum = loss_parts.sum()
-        # Saved, not held on ctx: the engine drops saved tensors once the backward has run (unless
-        # the graph is retained), so AccumulateGrad takes d_W as the parameter's .grad instead of
-        # copying it (a V x H copy at the step's memory peak, and d_x, d_W kept while the loss lives).
-        ctx.save_for_backward(d_x, d_w, d_b)
-        ctx.scaled_by = None
+        # Held on ctx, not saved: a saved tensor would go through activation checkpointing's hooks,
+        # which would rerun this whole op in the backward under recomputation.
+        ctx.grads, ctx.scaled_by = (d_x, d_w, d_b), None
         return (loss_sum / count).to(loss_dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, d_loss: torch.Tensor) -> tuple[Any, ...]:
-        grads = ctx.saved_tensors
+        grads = ctx.grads
         if ctx.scaled_by is None:  # the first backward: scale the stored gradients in place
             for grad in grads:
-                if grad is not None:  # they are this op's own buffers: a rerun must not see a version bump
-                    with torch.autograd._unsafe_preserve_version_counter(grad):
-                        _scale_in_place(grad, d_loss)
+                if grad is not None:
+                    _scale_in_place(grad, d_loss)
             ctx.scaled_by = d_loss.detach().clone()
-        elif not torch.equal(d_loss, ctx.scaled_by):  # run again (a zero-bubble W step) with another gradient
+            ctx.versions = tuple(None if grad is None else grad._version for grad in grads[1:])
+            # d_W and d_b handed out as new tensor objects on the same storage: ctx's reference
+            # would make the weight's AccumulateGrad copy d_W (a V x H copy at the step's memory peak)
+            grads = (grads[0], *(None if grad is None else grad.detach() for grad in grads[1:]))
+        else:  # run again (retain_graph, a zero-bubble W step)
+            if ctx.versions is not None:  # the first rerun: keep a private copy, since the first
+                # hand-out may be a .grad that later backwards accumulate into
+                if any(g is not None and g._version != v for g, v in zip(grads[1:], ctx.versions)):
+                    raise RuntimeError("linear_cross_entropy: a gradient it handed out was modified in place "
+                                       "before the graph was run again; it cannot hand out the same values")
+                ctx.grads = grads = tuple(None if grad is None else grad.clone() for grad in grads)
+                ctx.versions = None
             ratio = d_loss / ctx.scaled_by
             grads = tuple(None if grad is None else grad * ratio for grad in grads)
         return (*grads, None, None, None, None, None, None, None, None)
