@@ -6,6 +6,9 @@ parallelism and sequence parallelism, with and without selective recomputation.
 Input: three small models of 2 layers, hidden 64, sequence 32, in float64 (mplan's Llama and
 GPT families and a Hugging Face `LlamaForCausalLM`), each built by `mplan.autoparallel` under
 the plans of LAYOUTS x RECOMPUTE on ONE gloo group of 2 ranks for the whole module; micro-batch 2.
+Each model is captured once per rank (tests/capture_cache.py; torch.export took ~3/4 of the
+module's time, 13 captures of the same model at the same inputs): the planner and every
+`autoparallel` call get their own deep copy of that capture, so no plan's passes see another's graph.
 Measured: one micro-batch's forward of the local program (`pm.program`, a torch.fx GraphModule)
 run node by node through a `torch.fx.Interpreter`, with `torch.autograd.graph.saved_tensors_hooks`
 active only while the nodes of the first block instance run (the nodes of its IR segment, the
@@ -29,11 +32,11 @@ from torch.utils._pytree import tree_leaves
 
 import mplan
 from mplan.cost_models.presets import local_cluster
-from mplan.ir.trace import capture_for_training
 from mplan.models import build_model
 from mplan.passes import recompute
 from mplan.planner.search import Planner
 
+from capture_cache import captured, reused_captures
 from distributed import run_checks
 
 MODELS = {"llama": "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,seq=32,vocab=64",
@@ -145,14 +148,21 @@ def _measure(pm: Any, ids: torch.Tensor, labels: torch.Tensor, block: str) -> in
 
 def _check(model_name: str) -> dict[tuple[str, str], dict[str, Any]]:
     """Measured and predicted bytes of the first block under every plan, on this rank."""
-    import torch.distributed as dist
-
     model, block = _model(model_name)
     gen = torch.Generator().manual_seed(0)
     ids, labels = (torch.randint(0, VOCAB, (2 * MBS, SEQ), generator=gen) for _ in range(2))
-    planner = Planner(capture_for_training(model, (ids[:MBS],)),
-                      local_cluster({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}), runtime="mplan",
-                      tp_layout="megatron")
+    key = ("activation_memory", model_name)
+    with reused_captures(key):
+        planner = Planner(captured(key, model, (ids[:MBS],)),
+                          local_cluster({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}), runtime="mplan",
+                          tp_layout="megatron")
+        return _measure_plans(model, block, planner, ids, labels)
+
+
+def _measure_plans(model: torch.nn.Module, block: str, planner: Planner, ids: torch.Tensor,
+                   labels: torch.Tensor) -> dict[tuple[str, str], dict[str, Any]]:
+    import torch.distributed as dist
+
     out = {}
     for layout in LAYOUTS:
         for mode in RECOMPUTE:

@@ -5,7 +5,8 @@ Distributed checks share one gloo group of 2 ranks: a Plan made by `mplan.plan` 
 (run as the planner made it: its per-op strategies, bound to the graph autoparallel captures by
 node key) and the planner's own search (plan=None) train like one process; a plan for another
 world size or another model is refused with one clear error, raised on every rank before any
-collective (a collective on one rank only would hang the test).
+collective (a collective on one rank only would hang the test). Each model is captured once per
+rank (tests/capture_cache.py).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from capture_cache import reused_captures
 from distributed import rel_err, run_checks
 from test_equivalence import OPTIMIZER, assert_equivalent, batches, compare, family, single_device
 
@@ -58,9 +60,9 @@ def plan_for_four_ranks() -> str:
     from mplan.planner.plan import PlanError
 
     path = _planned("tp=2,dp=2,pp=1", 4, "world4.json")
-    with pytest.raises(PlanError) as caught:
-        mplan.autoparallel(family("tiny-gpt")(), example_inputs=(batches(4, steps=1)[0][0],),
-                           global_batch=4, plan=path)
+    make = family("tiny-gpt")
+    with pytest.raises(PlanError) as caught, reused_captures(make.capture_key):  # plan_file_tp2 captured it
+        mplan.autoparallel(make(), example_inputs=(batches(4, steps=1)[0][0],), global_batch=4, plan=path)
     return str(caught.value)
 
 
@@ -69,9 +71,9 @@ def plan_for_another_model() -> str:
     from mplan.planner.plan import PlanError
 
     path = _planned("tp=2,pp=1", 2, "gpt.json")
-    with pytest.raises(PlanError) as caught:
-        mplan.autoparallel(family("tiny-llama")(), example_inputs=(batches(4, steps=1)[0][0],),
-                           global_batch=4, plan=path)
+    make = family("tiny-llama")
+    with pytest.raises(PlanError) as caught, reused_captures(make.capture_key):  # planner_search captured it
+        mplan.autoparallel(make(), example_inputs=(batches(4, steps=1)[0][0],), global_batch=4, plan=path)
     return str(caught.value)
 
 

@@ -1,5 +1,8 @@
 """Compute copies (mplan/runtime/compute_copies.py): under autocast the weights autocast would cast
-every step are read from persistent bf16 copies, and training is exactly what it is without them."""
+every step are read from persistent bf16 copies, and training is exactly what it is without them.
+
+Every test builds and parallelizes its own models; each model configuration is captured once
+(tests/capture_cache.py), as the capture is the same for every one of them."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +13,7 @@ import pytest
 import torch
 
 import mplan
+from capture_cache import reused_captures
 from mplan.kernels.dispatch import INTERPRET
 from mplan.models import GPTConfig, GPTModel, LlamaConfig, LlamaModel
 from mplan.runtime import parallel_module
@@ -21,22 +25,25 @@ LLAMA = LlamaConfig(num_layers=2, hidden=16, num_heads=2, num_kv_heads=1, seq_le
 OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 
 
-def _model(family: str, **changes: object) -> torch.nn.Module:
-    if family == "gpt":
-        return GPTModel(dataclasses.replace(GPT, **changes), device="cpu", seed=0)
-    return LlamaModel(dataclasses.replace(LLAMA, **changes), device="cpu", seed=0)
-
-
 def _data(steps: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(0)
     return [(torch.randint(0, 32, (4, 8), generator=gen), torch.randint(0, 32, (4, 8), generator=gen))
             for _ in range(steps)]
 
 
+def _model(family: str, **changes: object) -> torch.nn.Module:
+    model = (GPTModel(dataclasses.replace(GPT, **changes), device="cpu", seed=0) if family == "gpt" else
+             LlamaModel(dataclasses.replace(LLAMA, **changes), device="cpu", seed=0))
+    model.capture_key = ("test_compute_copies", family, tuple(sorted(changes.items())))  # see _pm
+    return model
+
+
 def _pm(model: torch.nn.Module, **options: object) -> parallel_module.ParallelModule:
-    return mplan.autoparallel(model, example_inputs=(_data()[0][0],), optimizer=OPTIMIZER, global_batch=4,
-                              plan="dp=1,tp=1,pp=1", autocast=torch.bfloat16, kernels=True, device="cpu",
-                              **options)
+    """`model` parallelized, its capture reused from an earlier model of the same configuration."""
+    with reused_captures(model.capture_key):
+        return mplan.autoparallel(model, example_inputs=(_data()[0][0],), optimizer=OPTIMIZER, global_batch=4,
+                                  plan="dp=1,tp=1,pp=1", autocast=torch.bfloat16, kernels=True, device="cpu",
+                                  **options)
 
 
 def _without_copies(monkeypatch: pytest.MonkeyPatch, family: str, **changes: object) -> parallel_module.ParallelModule:
@@ -68,8 +75,10 @@ def test_a_head_tied_to_the_embedding_keeps_no_copy() -> None:
 
 
 def test_no_copies_without_autocast_or_in_a_bf16_model() -> None:
-    plain = mplan.autoparallel(_model("gpt"), example_inputs=(_data()[0][0],), optimizer=OPTIMIZER, global_batch=4,
-                               plan="dp=1,tp=1,pp=1", kernels=True, device="cpu")
+    model = _model("gpt")
+    with reused_captures(model.capture_key):
+        plain = mplan.autoparallel(model, example_inputs=(_data()[0][0],), optimizer=OPTIMIZER, global_batch=4,
+                                   plan="dp=1,tp=1,pp=1", kernels=True, device="cpu")
     assert plain.copies is None
     assert _pm(_model("gpt"), dtype=torch.bfloat16).copies is None
 

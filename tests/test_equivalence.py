@@ -10,6 +10,8 @@ Hugging Face `LlamaForCausalLM` computes RMSNorm and its loss in float32 even in
 model; it is checked twice: with those two upcasts made float64-faithful (< 1e-9, same graph
 otherwise) and stock (float32 rounding is the bar there). Two checks run with mplan's fused
 kernels (`kernels=True`, reference dispatch on the CPU). All checks share one gloo group.
+`trained` captures each model (`family`'s spec, `hf_llama`'s variant) once per rank and inputs
+(tests/capture_cache.py): every check still builds, parallelizes and trains its own model.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from capture_cache import reused_captures
 from distributed import rel_err, run_checks
 
 STEPS = 5
@@ -39,6 +42,7 @@ def family(spec: str) -> Callable[[], nn.Module]:
         from mplan.verify import perturbed
 
         return perturbed(build_model(spec, device="cpu", dtype=torch.float64, seed=0))
+    make.capture_key = ("family", spec)  # the same spec builds the same module: `trained` reuses its capture
     return make
 
 
@@ -60,6 +64,7 @@ def hf_llama(*, faithful: bool) -> Callable[[], nn.Module]:
                     module.forward = types.MethodType(_rms_norm_float64, module)
             model.loss_function = _causal_lm_loss_float64
         return perturbed(model)
+    make.capture_key = ("hf_llama", faithful)
     return make
 
 
@@ -99,11 +104,13 @@ def single_device(make: Callable[[], nn.Module], data: list) -> tuple[list[float
 
 def trained(make: Callable[[], nn.Module], plan: str, data: list, **options: Any) -> tuple[Any, list, list]:
     """`make()` trained under `plan` on `data` with clipping: the ParallelModule, each step's
-    loss and each step's gradient norm."""
+    loss and each step's gradient norm. A `make` with a `capture_key` (`family`, `hf_llama`) is
+    captured once per process and inputs (tests/capture_cache.py)."""
     import mplan
 
-    pm = mplan.autoparallel(make(), example_inputs=(data[0][0],), optimizer=OPTIMIZER,
-                            global_batch=data[0][0].shape[0], plan=plan, max_grad_norm=MAX_NORM, **options)
+    with reused_captures(getattr(make, "capture_key", None)):
+        pm = mplan.autoparallel(make(), example_inputs=(data[0][0],), optimizer=OPTIMIZER,
+                                global_batch=data[0][0].shape[0], plan=plan, max_grad_norm=MAX_NORM, **options)
     losses, norms = [], []
     for ids, labels in data:
         losses.append(pm.train_step(ids, labels))
@@ -194,7 +201,8 @@ def inference_logits() -> float:
 
     make = family("tiny-llama")
     ids = batches(3, steps=1)[0][0]
-    pm = mplan.autoparallel(make(), example_inputs=(ids,), global_batch=4, plan="tp=2,sp=1")
+    with reused_captures(make.capture_key):
+        pm = mplan.autoparallel(make(), example_inputs=(ids,), global_batch=4, plan="tp=2,sp=1")
     return rel_err(pm(ids), make()(ids).detach())
 
 
@@ -223,7 +231,8 @@ def resumed_difference(plan: str, *, refused_by: str | None = None, **options: A
     data = batches(4)
     build = functools.partial(mplan.autoparallel, example_inputs=(data[0][0],), optimizer=OPTIMIZER,
                               global_batch=4, plan=plan, max_grad_norm=MAX_NORM, **options)
-    first = build(family("tiny-gpt")())
+    with reused_captures(family("tiny-gpt").capture_key):
+        first = build(family("tiny-gpt")())
     for ids, labels in data[:2]:
         first.train_step(ids, labels)
     where = [tempfile.mkdtemp(prefix="mplan_ckpt_") if dist.get_rank() == 0 else None]
@@ -256,8 +265,9 @@ def local_rows() -> float:
     rank = dist.get_rank()
     make = family("tiny-llama")
     kwargs = dict(optimizer=OPTIMIZER, global_batch=4, plan="dp=2", max_grad_norm=MAX_NORM)
-    whole = mplan.autoparallel(make(), example_inputs=(data[0][0],), **kwargs)
-    mine = mplan.autoparallel(make(), example_inputs=(data[0][0],), **kwargs)
+    with reused_captures(make.capture_key):
+        whole = mplan.autoparallel(make(), example_inputs=(data[0][0],), **kwargs)
+        mine = mplan.autoparallel(make(), example_inputs=(data[0][0],), **kwargs)
     a = [whole.train_step(x, y) for x, y in data]
     b = [mine.train_step(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2], local=True) for x, y in data]
     return max(abs(x - y) for x, y in zip(a, b))
@@ -273,8 +283,9 @@ def bf16_runs() -> list[float]:
     out = []
     for options in ({"dtype": torch.bfloat16, "plan": "dp=2,zero=1"},
                     {"dtype": torch.float32, "autocast": True, "plan": "tp=2,sp=1"}):
-        pm = mplan.autoparallel(family("tiny-llama")(), example_inputs=(data[0][0],), optimizer=OPTIMIZER,
-                                global_batch=4, max_grad_norm=MAX_NORM, **options)
+        with reused_captures(family("tiny-llama").capture_key):
+            pm = mplan.autoparallel(family("tiny-llama")(), example_inputs=(data[0][0],), optimizer=OPTIMIZER,
+                                    global_batch=4, max_grad_norm=MAX_NORM, **options)
         losses = [pm.train_step(x, y) for x, y in data]
         out.append(max(abs(a - b) / b for a, b in zip(losses, ref_losses)))
     return out

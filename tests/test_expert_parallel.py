@@ -84,6 +84,7 @@ def hf_moe(kind: str) -> Callable[[], nn.Module]:
                 module.forward = types.MethodType(_router_float64, module)
         model.loss_function = _lm_loss_float64
         return perturbed(model)
+    make.capture_key = ("hf_moe", kind)  # test_equivalence.trained captures it once per rank
     return make
 
 

@@ -13,6 +13,7 @@ Beyond equivalence, on the same ranks:
   the memory model assumes, for every schedule;
 - `pm(ids)`, `pm.full_state_dict()` and a checkpoint round trip work under a pipeline plan;
 - a tied embedding and output head on different pipeline ranks stay one parameter.
+Each model is captured once per rank and inputs (tests/capture_cache.py).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from capture_cache import reused_captures
 from distributed import run_checks
 from test_equivalence import (OPTIMIZER, assert_equivalent, batches, compare, family, hf_llama, rel_err,
                               resumed_difference)
@@ -53,6 +55,9 @@ def hf_mistral() -> torch.nn.Module:
             module.forward = types.MethodType(_rms_norm_float64, module)
     model.loss_function = _causal_lm_loss_float64
     return perturbed(model)
+
+
+hf_mistral.capture_key = "hf_mistral"  # test_equivalence.trained captures it once per rank
 
 
 # -- world 2 ------------------------------------------------------------------------------------
@@ -106,8 +111,9 @@ def executed_as_listed() -> dict[str, Any]:
     data = batches(8, steps=1)
     out = {}
     for name, plan in SCHEDULES.items():
-        pm = mplan.autoparallel(family(GPT4)(), example_inputs=(data[0][0],), optimizer=OPTIMIZER,
-                                global_batch=8, plan=plan, micro_batch_size=2)
+        with reused_captures(family(GPT4).capture_key):  # one capture for the four schedules
+            pm = mplan.autoparallel(family(GPT4)(), example_inputs=(data[0][0],), optimizer=OPTIMIZER,
+                                    global_batch=8, plan=plan, micro_batch_size=2)
         executor = pm.executor
         executor.record = True
         measured = _measure_in_flight(pm, *data[0])
@@ -156,7 +162,8 @@ def inference_and_state() -> dict[str, float]:
 
     make = family("tiny-gpt")
     ids = batches(3, steps=1)[0][0]
-    pm = mplan.autoparallel(make(), example_inputs=(ids,), global_batch=4, plan="pp=2", micro_batch_size=2)
+    with reused_captures(make.capture_key):
+        pm = mplan.autoparallel(make(), example_inputs=(ids,), global_batch=4, plan="pp=2", micro_batch_size=2)
     state = pm.full_state_dict()
     reference = make()
     return {"logits": rel_err(pm(ids), reference(ids).detach()),
@@ -174,7 +181,8 @@ def tied_copies() -> dict[str, Any]:
     import mplan
 
     ids = batches(4, steps=1)[0][0]
-    pm = mplan.autoparallel(family(GPT2_TIED)(), example_inputs=(ids,), global_batch=4, plan="pp=2")
+    with reused_captures(family(GPT2_TIED).capture_key):
+        pm = mplan.autoparallel(family(GPT2_TIED)(), example_inputs=(ids,), global_batch=4, plan="pp=2")
     copies = pm.pipeline.copies
     return {"shared": sorted(copies.groups), "owned": sorted(copies.owned), "held": sorted(pm.params)}
 

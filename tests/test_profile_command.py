@@ -23,17 +23,16 @@ def test_profile_writes_a_cluster_file_with_measured_tables(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["cluster"]["world_size"] == 1
 
 
-def test_verify_runs_a_plan_file_on_cpu_ranks_and_reports_json(tmp_path):
-    import subprocess
-    import sys
-
+def test_verify_runs_a_plan_file_on_cpu_ranks_and_reports_json(tmp_path, capfd):
+    """`mplan verify plan.json --json` in this process (the ranks it spawns write to the same file
+    descriptors, so `capfd` holds all of stdout): one JSON document, the plan verified."""
     plan_path = tmp_path / "plan.json"
     assert cli_main(["plan", "llama:layers=2,hidden=64,heads=8,kv_heads=4,ffn=128,seq=32,vocab=128",
                      "--cluster", "cpu", "--gpus-per-node", "2", "--global-batch", "4", "--spec", "tp=2",
                      "-o", str(plan_path), "--json"]) == 0
-    out = subprocess.run([sys.executable, "-m", "mplan", "verify", str(plan_path), "--world-size", "2", "--json"],
-                         check=True, capture_output=True, text=True).stdout
-    report = json.loads(out)
+    capfd.readouterr()
+    assert cli_main(["verify", str(plan_path), "--world-size", "2", "--json"]) == 0
+    report = json.loads(capfd.readouterr().out)
     assert report["passed"] and report["max_param_rel_err"] < 1e-9 and report["world_size"] == 2
 
 

@@ -513,15 +513,18 @@ def train_under_plan(names: Iterable[str], plan: str | None) -> dict[str, dict[s
     """On every rank of the current process group: each zoo model trained by `mplan.autoparallel`
     under `plan` (None: the planner's search) for STEPS AdamW steps, against `reference_training`;
     per model the largest relative error over the losses and every parameter (by every name), the
-    layout that ran, or the error that stopped it."""
+    layout that ran, or the error that stopped it. Each model is captured once per process
+    (tests/capture_cache.py): a rank that trains it under several plans traces it once."""
     import mplan
+    from capture_cache import reused_captures
 
     results: dict[str, dict[str, Any]] = {}
     for name in names:
         zoo = ZOO[name]
         data = batches(GLOBAL_BATCH, STEPS, zoo.vocab, zoo.seq)
-        pm = mplan.autoparallel(zoo.make(), example_inputs=(data[0][0],), loss_fn=zoo.loss_fn,
-                                optimizer=OPTIMIZER, global_batch=GLOBAL_BATCH, plan=plan)
+        with reused_captures(("zoo", name)):  # one capture per model and rank, whatever the plan
+            pm = mplan.autoparallel(zoo.make(), example_inputs=(data[0][0],), loss_fn=zoo.loss_fn,
+                                    optimizer=OPTIMIZER, global_batch=GLOBAL_BATCH, plan=plan)
         losses = [pm.train_step(ids, labels) for ids, labels in data]
         state = pm.full_state_dict()
         ref_losses, ref_params = _reference(name)
