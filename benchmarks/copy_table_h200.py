@@ -6,7 +6,8 @@ events around ONE copy, so a launch's fixed cost (about 7 us) sits in every entr
 134 MB, where back-to-back kernels in a training step reach the copy rate of the kernel benchmarks
 (4.24 TB/s). tests/test_held_out.py found the fused kernels priced 0-25% high from it. Per size
 (the profile's, 64 KiB to 4 GiB per side):
-    one_copy     median of CUDA events around one copy (the profile's method until now)
+    one_copy     median of CUDA events around one copy (measure_device.MedianTimer, the profile's
+                 method until now)
     batched      CUDA events around `--batch` back-to-back copies, divided by the count (median of
                  --rounds): a kernel among others, as in a step (measure_device's method now)
     kernel       the profiler's device time of the copy kernel itself (gpu_time.kernel_ms)
@@ -22,33 +23,14 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from datetime import date
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from mplan.cost_models.measure_device import ProfileGrid, batched_seconds
+from mplan.cost_models.measure_device import MedianTimer, ProfileGrid, batched_seconds
 
 SMALL_SIZES = (1 << 12, 1 << 16, 1 << 20)
-
-
-def one_copy_seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    """Median of one call between two CUDA events (wall clock on the CPU)."""
-    samples = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(begin.elapsed_time(end) / 1e3)
-        else:
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def measure(nbytes: int, device: torch.device, batch: int, rounds: int) -> dict[str, Any]:
@@ -61,7 +43,7 @@ def measure(nbytes: int, device: torch.device, batch: int, rounds: int) -> dict[
     for _ in range(3):
         copy()
     row: dict[str, Any] = {"bytes_moved": 2 * nbytes,
-                           "one_copy_s": one_copy_seconds(copy, device, reps=20),
+                           "one_copy_s": MedianTimer(torch, device, target_s=0.0)(copy, min_reps=20, max_reps=20),
                            "batched_s": statistics.median(batched_seconds(torch, device, copy, batch)
                                                           for _ in range(rounds))}
     if device.type == "cuda":

@@ -63,7 +63,8 @@ def liger_chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
     return 1 << (per - 1).bit_length()
 
 
-def systems(rows: list[int], device: torch.device, shape: tuple[int, int, int]) -> dict[str, Callable[..., torch.Tensor]]:
+def systems(rows: list[int], device: torch.device,
+            shape: tuple[int, int, int]) -> dict[str, Callable[..., torch.Tensor]]:
     from mplan.kernels import cross_entropy, linear_cross_entropy
 
     liger_rows = liger_chunk_rows(*shape)

@@ -70,7 +70,7 @@ class ProfileGrid:
                    copy_bytes=tuple(1 << p for p in range(16, 33, 2)), target_s=0.03)
 
 
-class _Timer:
+class MedianTimer:
     """Median seconds of a callable on one device."""
 
     def __init__(self, torch: Any, device: Any, target_s: float) -> None:
@@ -101,7 +101,7 @@ class _Timer:
         return begin.elapsed_time(end) / 1e3
 
 
-def _time_gemms(torch: Any, device: Any, dtype: str, grid: ProfileGrid, timer: _Timer) -> list[GemmTiming]:
+def _time_gemms(torch: Any, device: Any, dtype: str, grid: ProfileGrid, timer: MedianTimer) -> list[GemmTiming]:
     torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
     out = []
     for m in grid.gemm_m:
@@ -116,7 +116,8 @@ def _time_gemms(torch: Any, device: Any, dtype: str, grid: ProfileGrid, timer: _
     return out
 
 
-def _time_attention(torch: Any, device: Any, dtype: str, grid: ProfileGrid, timer: _Timer) -> list[AttentionTiming]:
+def _time_attention(torch: Any, device: Any, dtype: str, grid: ProfileGrid,
+                    timer: MedianTimer) -> list[AttentionTiming]:
     sdpa = torch.nn.functional.scaled_dot_product_attention
     torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
     out = []
@@ -162,7 +163,7 @@ def batched_seconds(torch: Any, device: Any, fn: Callable[[], object], count: in
     return begin.elapsed_time(end) / 1e3 / count
 
 
-def _time_copies(torch: Any, device: Any, grid: ProfileGrid, timer: _Timer) -> list[CopyTiming]:
+def _time_copies(torch: Any, device: Any, grid: ProfileGrid, timer: MedianTimer) -> list[CopyTiming]:
     out = []
     for nbytes in grid.copy_bytes:
         src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
@@ -187,7 +188,7 @@ def profile_device(device: str = "cuda", dtypes: tuple[str, ...] | None = None, 
     if "fp8" in names:
         raise ValueError("profile_device: fp8 GEMMs need scaled matmul and are not profiled yet")
     grid = grid or ProfileGrid.transformer(quick=quick, on_gpu=on_gpu)
-    timer = _Timer(torch, dev, grid.target_s)
+    timer = MedianTimer(torch, dev, grid.target_s)
     say = progress or (lambda _msg: None)
     previous_tf32 = torch.backends.cuda.matmul.allow_tf32
     gemm: list[GemmTiming] = []

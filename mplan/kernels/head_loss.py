@@ -113,7 +113,6 @@ runs the node again) hands out the same values for the same incoming gradient, n
 from __future__ import annotations
 
 import contextlib
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -232,24 +231,17 @@ def _fused_combine(logits: torch.Tensor, reductions: VocabReductions) -> bool:
     return use_triton(logits) and reductions.is_identity()
 
 
-def _loss_slots(x: torch.Tensor, reductions: VocabReductions, chunk_rows: int, upcast: bool) -> list[int]:
-    """Loss partial sums each chunk writes: the combine kernel's programs, else one."""
-    n_rows = x.shape[0]
-    logits = x[:0].float() if upcast and x.dtype == torch.float64 else x[:0]  # the chunks' logits dtype
-    rows = [min(chunk_rows, n_rows - start) for start in range(0, n_rows, chunk_rows)]
-    return [combine_programs(r) if _fused_combine(logits, reductions) else 1 for r in rows]
-
-
 def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, ignore_index: int,
                 reductions: VocabReductions, loss_out: torch.Tensor) -> torch.Tensor:
     """lse per row, fp32 (float64 for float64); the chunk's loss over counted rows goes into
-    `loss_out` as partial sums (no reduction launched per chunk: the op sums them once)."""
+    `loss_out` (zeros, `combine_programs(chunk rows)` of them at least) as partial sums: no
+    reduction launched per chunk, the op sums every chunk's slots once."""
     if _fused_combine(logits, reductions):
         lse, _, _ = _combine(logits, labels, _block_stats(logits), vocab_start, ignore_index, finalize=True,
-                             loss_sum=loss_out)
+                             loss_sum=loss_out[:combine_programs(logits.shape[0])])
         return lse
     lse, row_loss = reduced_row_losses(logits, labels, vocab_start, ignore_index, reductions)
-    loss_out.copy_(row_loss.sum().reshape(1))
+    loss_out[0] = row_loss.sum()
     return lse
 
 
@@ -279,8 +271,8 @@ def _fused_chunk(x_c: torch.Tensor, labels_c: torch.Tensor, weight: torch.Tensor
                  ones: torch.Tensor | None, upcast: bool, loss_out: torch.Tensor, first: bool) -> None:
     """One chunk: its summed loss, as partial sums into `loss_out`; with `grads` (d_x's rows of
     this chunk, d_W, d_b, each None where not wanted) also its gradients, written (the `first`
-    chunk) or accumulated there (`ones`: a chunk of ones in the bias dtype, for d_b). The chunk's logits die on return,
-    before the next chunk's exist. `upcast` with float64 logits: the loss of their fp32 copy, as
+    chunk) or accumulated there (`ones`: a chunk of ones in the bias dtype, for d_b). The chunk's
+    logits die on return, before the next chunk's exist. `upcast` with float64 logits: the loss of their fp32 copy, as
     `logits.float()` gives (16- and 32-bit logits are computed in fp32 anyway)."""
     logits = torch.mm(x_c, weight.t()) if bias is None else torch.addmm(bias, x_c, weight.t())
     if upcast and logits.dtype == torch.float64:
@@ -322,13 +314,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         d_w = torch.empty_like(weight) if want_w else None  # the first chunk writes every element
         d_b = torch.empty_like(bias) if want_b else None
         ones = torch.ones(min(chunk_rows, n_rows), dtype=bias.dtype, device=x.device) if want_b else None
-        slots = _loss_slots(x, reductions, chunk_rows, upcast)
-        loss_parts = torch.zeros(sum(slots), dtype=acc, device=x.device)
-        for start, slot, n_slots in zip(range(0, n_rows, chunk_rows), itertools.accumulate([0, *slots]), slots):
+        slots = combine_programs(chunk_rows)  # loss partial sums per chunk, unused ones left 0
+        loss_parts = torch.zeros(triton.cdiv(n_rows, chunk_rows), slots, dtype=acc, device=x.device)
+        for chunk, start in enumerate(range(0, n_rows, chunk_rows)):
             rows = slice(start, min(start + chunk_rows, n_rows))
             grads = (None if d_x is None else d_x[rows], d_w, d_b) if any(wanted) else None
             _fused_chunk(x[rows], labels[rows], weight, bias, vocab_start, ignore_index, reductions, scale, grads,
-                         ones, upcast, loss_parts[slot:slot + n_slots], first=start == 0)
+                         ones, upcast, loss_parts[chunk], first=start == 0)
         loss_sum = loss_parts.sum()
         # Held on ctx, not saved: a saved tensor would go through activation checkpointing's hooks,
         # which would rerun this whole op in the backward under recomputation.
