@@ -227,6 +227,26 @@ def test_the_memory_model_counts_what_the_fused_kernels_keep_for_a_hugging_face_
     assert not any(name in save.kept for save in saves.values() for name in logits)
 
 
+def test_the_fused_head_and_losss_chunk_of_logits_is_the_last_units_working_memory() -> None:
+    """The fused head + loss makes its logits one chunk of rows at a time: the epilogue's transient
+    is that chunk (the op's default chunk, over the local vocabulary: half of it under TP 2), and
+    the step's peak counts it; without kernels no unit has working memory."""
+    from mplan.kernels.head_loss import chunk_bytes, default_chunk_rows
+
+    graph = _hf_llama_graph()
+    cluster = ClusterSpec.preset("dgx-h100", nodes=1, gpus_per_node=2)
+    planner = Planner(graph, cluster, runtime="mplan", kernels=True, tp_layout="megatron")  # a vocab-parallel head
+    for tp, vocab in ((1, 96), (2, 48)):
+        *blocks, epilogue = planner.units(tp, False, 2)
+        assert default_chunk_rows(vocab, 4) >= 2 * 16  # every row in one chunk at this size
+        assert epilogue.working_bytes == chunk_bytes(2 * 16, vocab, 4) == 2 * 16 * (vocab * 4 + 8 + 64)
+        assert not any(u.working_bytes for u in blocks)
+    assert not any(u.working_bytes for u in Planner(graph, cluster, runtime="mplan", kernels=False).units(1, False, 2))
+    small = ParallelConfig(dp=1, tp=1, pp=1, mbs=2)
+    transient = planner.evaluate(small, fast=False).memory[0].transient_bytes
+    assert transient >= chunk_bytes(2 * 16, 96, 4)
+
+
 def test_with_kernels_the_planner_prices_less_activation_memory_and_causal_attention() -> None:
     graph = _hf_llama_graph()
     cluster = ClusterSpec.preset("dgx-h100", nodes=1, gpus_per_node=1)

@@ -13,7 +13,7 @@ its `torch.autograd.Function`. Module names differ from the op names on purpose,
     cross_entropy_loss.py  cross_entropy(logits, labels), vocab_parallel_cross_entropy(local_logits, ...)
     head_loss.py      linear_cross_entropy(x, weight, labels): the LM head's GEMM and loss in row
                       chunks, never the whole logits; vocab_parallel_linear_cross_entropy (TP);
-                      linear_cross_entropy_bytes for the memory model
+                      linear_cross_entropy_bytes and chunk_bytes for the memory model
     sdpa_autotune.py  attention(q, k, v, ...): SDPA on the fused backend that times fastest for the shape
     fp8.py            fp8_linear through torch._scaled_mm (CUDA, capability >= 8.9 only)
     moe.py            moe_experts(x, index, gate, weights...): an MoE layer's routed experts as one op

@@ -219,11 +219,16 @@ def linear_cross_entropy_bytes(rows: int, hidden: int, vocab: int, itemsize: int
     """What `linear_cross_entropy` on [rows, hidden] x and a [vocab, hidden] weight (the local
     shard's vocabulary when sharded) of `itemsize`-byte elements keeps alive, both inputs
     requiring grad; `chunk_rows` as passed to the op (None: the default)."""
-    chunk = min(rows, chunk_rows or default_chunk_rows(vocab, itemsize))
     saved = (rows * hidden + vocab * hidden + (vocab if bias else 0)) * itemsize
+    return LinearCrossEntropyBytes(saved=saved, peak=saved + chunk_bytes(rows, vocab, itemsize, chunk_rows, bias=bias))
+
+
+def chunk_bytes(rows: int, vocab: int, itemsize: int, chunk_rows: int | None = None, *, bias: bool = False) -> int:
+    """The forward's working memory beyond what the op saves: one chunk's logits (their gradient
+    is written in place), its row statistics and, with a bias, its rows of the bias gradient."""
+    chunk = min(rows, chunk_rows or default_chunk_rows(vocab, itemsize))
     stats_per_row = 8 * -(-vocab // _MIN_PART_V) + 64
-    peak = saved + chunk * (vocab * itemsize + stats_per_row + (itemsize if bias else 0))
-    return LinearCrossEntropyBytes(saved=saved, peak=peak)
+    return chunk * (vocab * itemsize + stats_per_row + (itemsize if bias else 0))
 
 
 def _fused_combine(logits: torch.Tensor, reductions: VocabReductions) -> bool:

@@ -271,8 +271,9 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         sync, step = by_params[key]
         syncs.append(sync)
         opt = max(opt, step)
-        # Backward of the largest op holds its output's gradient and its input's at once.
-        workspace = 2 * max((units[u].largest_op_bytes for u in rank_units), default=0.0)
+        # Backward of the largest op holds its output's gradient and its input's at once; a fused
+        # kernel's working memory (the head + loss's chunk of logits) is held once, in its forward.
+        workspace = max((max(2 * units[u].largest_op_bytes, units[u].working_bytes) for u in rank_units), default=0.0)
         memory.append(estimate_memory(
             num_params=dense, per_param=per, zero=config.zero, dp=config.dp, expert_params=expert_params,
             expert_dp=mesh.expert_dp, recompute=config.recompute,

@@ -14,7 +14,8 @@ Memory and attention: `find_fused_saves` gives, for every chain the pass fuses (
 attention and the fused head + loss included), what the fused kernel keeps for its backward;
 the sharding ILP's activation count (`sharding_ilp._saved_bytes`) takes that instead of the
 chain's ATen ops' saves (Hugging Face's fp32 copies inside norms and loss, the causal mask,
-repeated keys and values, whole logits), and the chain's inside is no transient. Attention with
+repeated keys and values, whole logits), and the chain's inside is no transient, except the fused
+head + loss's chunk of logits, its working memory (`chunk_working_bytes`). Attention with
 a mask the pattern proved causal is priced causal. On the H200 (2026-12-02) HF Llama-1.1B at 8 x
 2048 under `dp=1` measured 211.4 ms and 30.06 GiB; priced so, 213.8 ms (+1.2%) and 31.4 GiB
 (+4.5%, the allocator's 10% share included); priced on the ATen ops, 257 ms and 51.5 GiB. That
@@ -36,7 +37,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from mplan.cost_models.compute_cost import ComputeCostModel
-from mplan.ir.graph import Graph, OpNode, dtype_bytes
+from mplan.ir.graph import Graph, OpNode, TensorMeta, dtype_bytes
+from mplan.ir.placement import Placement, local_shape
 
 MEASURED_COPY_FRACTION: dict[str, tuple[float, float]] = {
     # fused op: (forward, backward) share of copy bandwidth, H200, 2026-11-29 (session 7's run)
@@ -106,12 +108,17 @@ class FusedSave:
     inside: bool = False
     """a chain node other than its anchor: its value is never made (the kernel computes it in
     registers or in chunks), and it keeps nothing"""
+    chunked: bool = False
+    """inside a kernel that makes this value one chunk of rows at a time (the fused head + loss's
+    logits): that chunk is the kernel's working memory (`chunk_working_bytes`)"""
 
 
 NOTHING_KEPT = FusedSave()
 """A fused op that keeps nothing (RoPE: its tables are buffers)."""
 INSIDE_A_KERNEL = FusedSave(inside=True)
 """A chain node other than its anchor: the fused kernel took over its value and what it kept."""
+MADE_IN_CHUNKS = FusedSave(inside=True, chunked=True)
+"""The fused head + loss's logits: never whole, one chunk of rows at a time."""
 
 
 def _keeps(kernel: str, match: Any) -> FusedSave:
@@ -153,8 +160,19 @@ def find_fused_saves(graph: Graph) -> dict[str, FusedSave]:
     saves: dict[str, FusedSave] = {}
     for kernel, match in fused_chains(graph):
         saves.update({node.name: INSIDE_A_KERNEL for node in match.chain if node.name in graph})
+        if kernel == "linear_cross_entropy" and match.chain[0].name in graph:  # the head GEMM's logits
+            saves[match.chain[0].name] = MADE_IN_CHUNKS
         saves[match.anchor.name] = _keeps(kernel, match)
     return saves
+
+
+def chunk_working_bytes(logits: TensorMeta, placement: Placement, n: int) -> int:
+    """What the fused head + loss holds beyond its saves while it runs, on one rank: one chunk of
+    the local logits (the op's default chunk, from the local vocabulary) and its row statistics."""
+    from mplan.kernels.head_loss import chunk_bytes  # loads Triton: only graphs with the fused head pay
+
+    shape = local_shape(logits.shape, placement, n)
+    return chunk_bytes(math.prod(shape[:-1]), shape[-1], dtype_bytes(logits.dtype))
 
 
 def extra_saved_bytes(graph: Graph, save: FusedSave) -> int:
