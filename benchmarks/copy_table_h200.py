@@ -11,11 +11,22 @@ events around ONE copy, so a launch's fixed cost (about 7 us) sits in every entr
     batched      CUDA events around `--batch` back-to-back copies, divided by the count (median of
                  --rounds): a kernel among others, as in a step (measure_device's method now)
     kernel       the profiler's device time of the copy kernel itself (gpu_time.kernel_ms)
-and, under "profile_copy", the batched table in the profile's format, which
-mplan/cost_models/profiles/h200.json carries from this run.
+and, under "profile_copy", the batched table in the profile's format. `--apply RESULT --profile
+PROFILE` writes a result's batched table into a profile file as its copy table and says so in its
+note (the kernel tables stay).
+
+The packaged h200 profile keeps its one-copy table. Applied to a copy of it (2026-12-03), the
+batched table of benchmarks/results/copy_table_h200-2026-12-02-session6.json brings the fused
+kernels' prices (tests/test_held_out.py, 30 timings) from +0..+25% (RMS 9.4%) to -2.7..+10.6% (RMS
+3.8%), but the unfused eager steps of benchmarks/results/h200_step-2026-11-29.json (h200_calibration.py)
+from -2.5..-7.4% to -3.4..-10.3%: an eager step's hundreds of small ATen ops pay a launch each,
+which the one-copy timings happen to include. Switching needs a per-launch cost in the compute
+model first, so that neither regime is priced by the other's error.
 
 Run on the GPU:   PYTHONPATH=. python3 benchmarks/copy_table_h200.py --out $OUT/copy_table.json
 CPU smoke test:   PYTHONPATH=. python3 benchmarks/copy_table_h200.py --device cpu --out /tmp/copy.json
+Into the profile: PYTHONPATH=. python3 benchmarks/copy_table_h200.py --apply RESULT.json \
+                      --profile mplan/cost_models/profiles/h200.json
 """
 from __future__ import annotations
 
@@ -23,12 +34,14 @@ import argparse
 import json
 import platform
 import statistics
+from dataclasses import replace
 from datetime import date
 from typing import Any
 
 import torch
 
 from mplan.cost_models.measure_device import MedianTimer, ProfileGrid, batched_seconds
+from mplan.cost_models.profile import ClusterProfile, CopyTiming
 
 SMALL_SIZES = (1 << 12, 1 << 16, 1 << 20)
 
@@ -57,13 +70,41 @@ def measure(nbytes: int, device: torch.device, batch: int, rounds: int) -> dict[
     return row
 
 
+def apply(result_path: str, profile_path: str) -> None:
+    """Replace the profile's copy table with the result's batched one; the note names the result."""
+    with open(result_path, encoding="utf-8") as f:
+        result = json.load(f)
+    profile = ClusterProfile.from_json(profile_path)
+    if profile.device is None:
+        raise SystemExit(f"{profile_path} has no device profile to carry a copy table")
+    rows = tuple(CopyTiming(bytes_moved=int(r["bytes_moved"]), seconds=float(r["seconds"]))
+                 for r in result["profile_copy"])
+    if not rows or any(r.bytes_moved <= 0 or not r.seconds > 0 for r in rows):
+        raise SystemExit(f"{result_path}: profile_copy must be a non-empty list of positive sizes and times")
+    stem = profile.note.split(" Copy table:")[0]
+    note = (f"{stem} Copy table: {result['script']} on {result['gpu']} on {result['date']}, torch {result['torch']}, "
+            f"back-to-back copies (its 'batched' column, {result_path.rsplit('/', 1)[-1]}).")
+    ClusterProfile(version=profile.version, note=note, device=replace(profile.device, copy=rows),
+                   links=profile.links).to_json(profile_path)
+    print(f"wrote {len(rows)} copy rows into {profile_path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
+    parser.add_argument("--apply", metavar="RESULT", help="write RESULT's batched copy table into --profile")
+    parser.add_argument("--profile", help="the profile file --apply rewrites")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--batch", type=int, default=50, help="copies between the events of one batched sample")
     parser.add_argument("--rounds", type=int, default=5, help="batched samples per size (the median is kept)")
     args = parser.parse_args()
+    if args.apply or args.profile:
+        if not (args.apply and args.profile):
+            parser.error("--apply and --profile go together")
+        apply(args.apply, args.profile)
+        return
+    if not args.out:
+        parser.error("--out is required to measure")
     device = torch.device(args.device)
     sizes = ProfileGrid.transformer(quick=False, on_gpu=True).copy_bytes if device.type == "cuda" else SMALL_SIZES
     rows = [measure(n, device, args.batch, args.rounds) for n in sizes]

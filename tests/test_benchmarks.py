@@ -142,6 +142,24 @@ def test_single_h200_steps_are_predicted_within_ten_percent(tmp_path: Path) -> N
         assert abs(row["step_error"]) < 0.10 and abs(row["memory_error"]) < 0.05, row
 
 
+def test_a_copy_table_run_replaces_a_profiles_copy_table_and_nothing_else(tmp_path: Path) -> None:
+    """copy_table_h200.py --apply: the profile's copy rows become the run's batched ones, its GEMM
+    and attention tables stay, and its note names the run."""
+    from mplan.cost_models.profile import ClusterProfile
+
+    packaged = ROOT / "mplan" / "cost_models" / "profiles" / "h200.json"
+    profile = tmp_path / "h200.json"
+    profile.write_text(packaged.read_text())
+    result = RESULTS / "copy_table_h200-2026-12-02-session6.json"
+    _run("copy_table_h200.py", "--apply", str(result), "--profile", str(profile))
+    before, after = ClusterProfile.from_json(str(packaged)), ClusterProfile.from_json(str(profile))
+    assert [(c.bytes_moved, c.seconds) for c in after.device.copy] == [
+        (r["bytes_moved"], r["seconds"]) for r in json.loads(result.read_text())["profile_copy"]]
+    assert after.device.copy != before.device.copy
+    assert (after.device.gemm, after.device.attention) == (before.device.gemm, before.device.attention)
+    assert after.note.startswith(before.note) and result.name in after.note
+
+
 @pytest.mark.script_smoke
 def test_gpu_equivalence_script_on_cpu_ranks(tmp_path: Path) -> None:
     """benchmarks/equivalence_gpus.py (issue 7's bf16 check) in its float64 smoke mode on 2 gloo ranks."""
