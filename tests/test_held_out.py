@@ -137,6 +137,19 @@ def _gemm_errors(points: list[tuple[int, int, int, float]]) -> list[float]:
     return [2 * m * n * k / model.matmul_time(m, n, k, "bf16") / rate - 1 for m, n, k, rate in points]
 
 
+def test_the_presets_achievable_gemm_rate_is_the_ceiling_runs_median_large_training_gemm() -> None:
+    """The presets' 788 TFLOP/s (gemm_efficiency 0.796) came from a run that is not committed; the
+    committed ceiling run (every GEMM of GPT-1.3B's and Llama-1.1B's training steps, timed alone)
+    gives 786 by `achievable_gemm_rate` over its 24 GEMMs with both weight sides >= 2048: the
+    constant is within 0.5% of it. Not fitted on that file, so this is its only check."""
+    from mplan.cost_models import presets
+
+    linears = [row for model in _load("gemm_ceiling_h200-2026-11-29.json")["models"].values()
+               for row in model["linears"]]
+    assert sum(min(row["in"], row["out"]) >= 2048 for row in linears) * 3 == 24
+    assert presets._H200_ACHIEVABLE_BF16 == pytest.approx(compute_cost.achievable_gemm_rate(linears), rel=0.005)
+
+
 def test_the_gemm_curve_is_its_rule_on_the_17_gemms() -> None:
     """`fit_gemm_curve` on the 17 GEMMs gives C_MN = 3.19e6, C_T = 72.4, C_K = 134.6; the module's
     3.24e6, 70, 135 are within 2%, 4% and 1% of them and fit as well (RMS of the log error 6.61%

@@ -98,6 +98,17 @@ def gemm_shape_efficiency(m: float, n: float, k: float, curve: tuple[float, floa
     return (work / (work + c_mn)) * tiles * (k / (k + c_k))
 
 
+def achievable_gemm_rate(linears: Sequence[dict], min_dim: int = 2048) -> float:
+    """The rule the presets' achievable bf16 GEMM rate is checked by: the median FLOP/s of the
+    training GEMMs (forward, input and weight gradients) of linears whose weight is at least
+    `min_dim` on both sides, given as benchmarks/gemm_ceiling_h200.py's `linears` rows."""
+    rates = [row["tflops"][phase] * 1e12 for row in linears if min(row["in"], row["out"]) >= min_dim
+             for phase in ("forward", "input_grad", "weight_grad")]
+    if not rates:
+        raise ValueError(f"no linear is at least {min_dim} on both sides")
+    return float(numpy.median(rates))
+
+
 def fit_gemm_curve(points: Sequence[tuple[float, float, float, float]], achievable: float,
                    start: tuple[float, float, float] = (1e6, 100.0, 100.0)) -> tuple[float, float, float]:
     """(C_MN, C_T, C_K) fitted on `points`, (m, n, k, FLOP/s measured) GEMMs, by the rule the

@@ -23,9 +23,13 @@ Efficiency constants (achievable fraction of the line rate for ring collectives)
 Hop latencies: NCCL's tuning model (src/graph/tuning.cc at 01afd20, ring, LL128 protocol, per step):
   NVLink 1.9 us, PCIe 2.5 us, network 4.0 us.
 Device efficiencies (gemm_efficiency, memory_efficiency) of datasheet presets: measured on the H200
-here on 2026-11-29 (mplan/cost_models/reference/h200-measured-2026-11-29.json): large bf16 GEMMs approach 788
-TFLOP/s of the 989.4 datasheet peak (0.796) and a copy reaches 4.25 of 4.8 TB/s (0.885). They are
-applied to A100 and H100 as an assumption (same cuBLAS/HBM behaviour), not a measurement.
+here on 2026-11-29: large bf16 GEMMs reach 788 TFLOP/s of the 989.4 datasheet peak (0.796) and a
+copy 4.25 of 4.8 TB/s (0.885). 788 was read off a run that is not committed; the committed one,
+benchmarks/results/gemm_ceiling_h200-2026-11-29.json, times every GEMM of two 1B-parameter training
+steps, and the median of those with both weight dimensions >= 2048 (24 of 27) is 786 TFLOP/s
+(695-834; `compute_cost.achievable_gemm_rate`, checked in tests/test_held_out.py). The copy rate is
+mplan/cost_models/reference/h200-measured-2026-11-29.json's. Both are applied to A100 and H100 as
+an assumption (same cuBLAS/HBM behaviour), not a measurement.
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ from mplan.cost_models.profile import ClusterProfile
 
 GiB = 1 << 30
 H200_MEASURED_ON = "2026-11-29"
-_H200_ACHIEVABLE_BF16 = 788e12  # FLOP/s, measured here on 2026-11-29: achievable large bf16 GEMM
+_H200_ACHIEVABLE_BF16 = 788e12  # FLOP/s, achievable large bf16 GEMM on the H200 (module docstring)
 _H200_COPY_BPS = 4.25e12  # B/s, measured here on 2026-11-29: copy, bytes read + written
 _GEMM_EFF = _H200_ACHIEVABLE_BF16 / 989.4e12  # 0.796, see module docstring
 _MEM_EFF = _H200_COPY_BPS / 4.8e12  # 0.885, see module docstring
