@@ -171,7 +171,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from mplan.planner.explain import draw_gantt, explain_data, render
+    from mplan.planner.explain import explain_data, render
+    from mplan.planner.gantt import draw_gantt
     from mplan.planner.plan import Plan
 
     loaded = Plan.load(args.plan)

@@ -580,7 +580,8 @@ def test_gantt_of_many_micro_batches_is_aggregated_and_quick(small_plan, tmp_pat
     tens of seconds; bars per (rank, kind) and time bins above GANTT_MAX_BARS take about one."""
     import dataclasses
 
-    from mplan.planner.explain import GANTT_MAX_BARS, draw_gantt, simulate_plan
+    from mplan.planner.explain import simulate_plan
+    from mplan.planner.gantt import GANTT_MAX_BARS, draw_gantt
 
     made, _ = small_plan
     many = dataclasses.replace(made, num_micro_batches=512, global_batch=made.global_batch // made.num_micro_batches * 512)

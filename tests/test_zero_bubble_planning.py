@@ -12,7 +12,8 @@ from mplan.cost_models.simulator import PipelineCosts, simulate
 from mplan.ir.graph import Graph
 from mplan.ir.schedule import build_schedule
 from mplan.planner.evaluate import _closed_form
-from mplan.planner.explain import draw_gantt, simulate_plan
+from mplan.planner.explain import simulate_plan
+from mplan.planner.gantt import draw_gantt
 from mplan.planner.parallel_config import ModelLimits, ParallelConfig, enumerate_configs, parse_plan_spec
 from mplan.planner.plan import Plan, PlanError
 from mplan.planner.plan_builder import build_plan
