@@ -103,6 +103,24 @@ def test_each_family_fuses_as_expected_and_trains_exactly_like_its_unfused_progr
         assert (grads[name] - grad).norm() <= 1e-6 * grad.norm() + 1e-12, name
 
 
+def test_the_fused_head_and_loss_runs_in_the_chunks_the_plan_names() -> None:
+    """fuse_kernels(head_chunk_rows=) (a Plan's `head_loss_chunk_rows`) reaches the op: 24 rows in
+    chunks of 5 (the last one short) train as the default single chunk does."""
+    from mplan.kernels.head_loss import linear_cross_entropy
+
+    ids, labels = _batch()
+    unfused = _export(_build("llama"), ids, labels)
+    default, chunked = fuse_kernels(copy.deepcopy(unfused)), fuse_kernels(copy.deepcopy(unfused), head_chunk_rows=5)
+    heads = {name: [n for n in gm.graph.nodes if n.target is linear_cross_entropy]
+             for name, gm in (("default", default), ("chunked", chunked))}
+    assert [n.kwargs.get("chunk_rows") for n in heads["default"]] == [None]
+    assert [n.kwargs.get("chunk_rows") for n in heads["chunked"]] == [5]
+    (loss, grads), (ref_loss, ref_grads) = _loss_and_grads(chunked, ids, labels), _loss_and_grads(default, ids, labels)
+    assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=0)  # the fp32 loss, summed over other chunks
+    for name, grad in ref_grads.items():
+        assert (grads[name] - grad).norm() <= 1e-6 * grad.norm() + 1e-12, name
+
+
 def test_attention_runs_causally_with_gqa_and_builds_no_mask() -> None:
     ids, labels = _batch()
     fused = fuse_kernels(_export(_build("llama"), ids, labels))

@@ -383,6 +383,18 @@ def test_plan_to_dict_is_json_data_that_from_dict_reads_back_equal(small_plan):
     assert Plan.from_dict(doc).op_costs == made.op_costs and made.op_costs
 
 
+def test_a_plans_head_loss_chunk_round_trips_and_a_file_without_it_reads_the_default(small_plan):
+    import dataclasses
+
+    made, _ = small_plan
+    assert made.head_loss_chunk_rows is None  # memory to spare: the op's default
+    lean = dataclasses.replace(made, head_loss_chunk_rows=512)
+    assert Plan.from_dict(json.loads(json.dumps(lean.to_dict()))) == lean
+    doc = made.to_dict()
+    del doc["head_loss_chunk_rows"]
+    assert Plan.from_dict(doc) == made
+
+
 def test_a_plan_without_op_costs_loads_and_keeps_none(small_plan):
     made, path = small_plan
     doc = json.loads(path.read_text())
@@ -406,6 +418,8 @@ def test_a_plan_without_op_costs_loads_and_keeps_none(small_plan):
                                                                          "reshard_ms": 0.0}}),
      "nosuch:op#0 is not an op of ops"),
     (lambda d: d["op_costs"].update(nosuch={}), "op_costs.nosuch is not a segment of ops"),
+    (lambda d: d.update(head_loss_chunk_rows=0), "head_loss_chunk_rows must be an integer >= 1"),
+    (lambda d: d.update(head_loss_chunk_rows="many"), "head_loss_chunk_rows must be an integer"),
 ])
 def test_corrupt_plan_files_get_one_clear_error_naming_the_field(small_plan, tmp_path, mutate, fragment):
     _, path = small_plan

@@ -18,8 +18,9 @@ Hugging Face's loss upcasts the logits to float32: its losses match to 1e-6, its
 moves parameters by up to 1e-4, the unfused TP program's as much); they are bit for bit those of
 the same program with the head left unfused (its losses to an fp32 rounding). The models have
 V/tp = 48 columns, unlike any other dim (hidden 32, 64 rows a step), so a tensor of the local
-logits' shape is recognizable; the head op runs in chunks of 16 rows, whose [16, 48] logits show
-the shape hook sees inside it. All checks share one gloo group (tests/distributed.py).
+logits' shape is recognizable; the head op runs in chunks of 16 rows, as the Plan's
+`head_loss_chunk_rows` says, whose [16, 48] logits the shape hook sees inside it. All checks
+share one gloo group (tests/distributed.py).
 """
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ class _Shapes(TorchDispatchMode):
         return out
 
 
-def _parallel(make: Callable[[], nn.Module], plan: str, data: list) -> Any:
+def _parallel(make: Callable[[], nn.Module], plan: Any, data: list) -> Any:
     import mplan
 
     return mplan.autoparallel(make(), example_inputs=(data[0][0],), optimizer=OPTIMIZER, global_batch=BATCH,
@@ -117,20 +118,24 @@ def _parallel(make: Callable[[], nn.Module], plan: str, data: list) -> Any:
 
 
 def train_fused(make: Callable[[], nn.Module], plan: str, *, keep_state: bool = False) -> dict[str, Any]:
-    """`make()` trained under `plan` with kernels=True (the head op in chunks of CHUNK_ROWS rows),
-    every op's output shape recorded; what the program and the run show, and the errors against
-    one process (`keep_state`: also the losses and the final parameters)."""
+    """`make()` trained under `plan` with kernels=True, the Plan's `head_loss_chunk_rows` set to
+    CHUNK_ROWS (the plan a spec resolves to, with that field changed), every op's output shape
+    recorded; what the program and the run show, and the errors against one process
+    (`keep_state`: also the losses and the final parameters)."""
+    import dataclasses
+
     from mplan.passes.insert_collectives import Redistribute
     from mplan.passes.local_ops import VocabParallelHeadLoss
 
     data = batches(BATCH, steps=STEPS, vocab=VOCAB, seq=SEQ)
-    pm = _parallel(make, plan, data)
+    resolved = _parallel(make, plan, data).plan
+    pm = _parallel(make, dataclasses.replace(resolved, head_loss_chunk_rows=CHUNK_ROWS), data)
     program = pm.program
     heads = [n for n in program.graph.nodes if n.op == "call_module"
              and isinstance(program.get_submodule(n.target), VocabParallelHeadLoss)]
     assert len(heads) == 1, program.graph
     head = program.get_submodule(heads[0].target)
-    head.chunk_rows = CHUNK_ROWS
+    assert head.chunk_rows == CHUNK_ROWS and resolved.head_loss_chunk_rows is None
     before_x = heads[0].args[0]  # what x comes through: the Redistribute that reduces its gradient
     reshard = program.get_submodule(before_x.target) if before_x.op == "call_module" else None
     linears = [tuple(n.meta["val"].shape) for n in program.graph.nodes

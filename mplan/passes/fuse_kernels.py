@@ -151,6 +151,8 @@ def _grouped_linear(graph: Graph, like: Node, x: Node, weights: Sequence[Any], b
 
 _SPLIT_BACKWARD = "fuse_kernels.aten_grouped_linears"
 """gm.meta key: True when grouped GEMMs must stay ATen ops (`fuse_kernels(split_backward=, fp8=)`)."""
+_HEAD_CHUNK_ROWS = "fuse_kernels.head_chunk_rows"
+"""gm.meta key: rows per chunk of the fused head + loss, None for its default (`fuse_kernels(head_chunk_rows=)`)."""
 
 
 def _emit_linear_group(graph: Graph, match: PatternMatch) -> Node:
@@ -218,8 +220,9 @@ def _emit_cross_entropy(graph: Graph, match: PatternMatch) -> Node:
 
 def _emit_linear_cross_entropy(graph: Graph, match: PatternMatch) -> Node:
     p = match.params
+    chunk_rows = graph.owning_module.meta.get(_HEAD_CHUNK_ROWS)
     return _call(graph, linear_cross_entropy, (p["x"], p["weight"], p["labels"], p["ignore_index"], p["bias"]),
-                 match.anchor, {"upcast": p["upcast"]})
+                 match.anchor, {"upcast": p["upcast"], **({"chunk_rows": chunk_rows} if chunk_rows else {})})
 
 
 def _emit_attention(graph: Graph, match: PatternMatch) -> Node:
@@ -287,15 +290,17 @@ sweep after the other rules (bias+GELU leaves a new bias-free linear behind)."""
 
 def fuse_kernels(gm: GraphModule, rules: tuple[FusionRule, ...] | None = None, *,
                  device: torch.device | str | None = None, fp8: bool = False,
-                 split_backward: bool = False) -> GraphModule:
+                 split_backward: bool = False, head_chunk_rows: int | None = None) -> GraphModule:
     """Replace every chain some rule matches (first matching rule wins, nodes in graph order);
     returns `gm`, recompiled, with `gm.meta["fuse_kernels"]` = FusionReport. `rules` defaults to
     FUSION_RULES and ATTENTION_RULE (`device`: where `gm` will run; on CUDA attention takes its
     fastest backend). `fp8` then sweeps FP8_LINEAR_RULE, first raising `Fp8Unavailable` (naming
     why) unless `device` can run FP8 GEMMs. `split_backward`: a zero-bubble schedule will split
     the backward into input and weight gradients, so grouped GEMMs stay ATen ops (as under
-    `fp8`, whose sweep then finds them)."""
+    `fp8`, whose sweep then finds them). `head_chunk_rows`: rows per chunk of the fused head +
+    loss, vocabulary-parallel or not (None: the op's default; `Plan.head_loss_chunk_rows`)."""
     gm.meta[_SPLIT_BACKWARD] = split_backward or fp8
+    gm.meta[_HEAD_CHUNK_ROWS] = head_chunk_rows
     if rules is None:
         rules = FUSION_RULES + (ATTENTION_RULE,)
     sweeps = [rules]
@@ -370,7 +375,8 @@ def _fuse_vocab_parallel_losses(gm: GraphModule) -> Counter[str]:
             continue
         (x, weight, bias), chain, upcast = head
         gm.add_submodule(node.target, VocabParallelHeadLoss(axis=module.axis, ignore_index=module.ignore_index,
-                                                            upcast=upcast, node=module.node))
+                                                            upcast=upcast, node=module.node,
+                                                            chunk_rows=gm.meta.get(_HEAD_CHUNK_ROWS)))
         node.args = (x, weight, node.args[1]) + (() if bias is None else (bias,))
         for value in reversed(chain):  # the cast, the view, the linear: each used only on this path
             for check in [u for u in value.users if is_call(u, aten._assert_tensor_metadata.default)]:

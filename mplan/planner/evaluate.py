@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES, collective_time
@@ -199,6 +199,9 @@ class Estimate:
     # refused for memory (no stage cut within it, or the peak over the device); False for a refusal
     # that no memory would lift (no cut into that many chunks: the figures are of a stand-in cut)
     short_of_memory: bool = False
+    # rows per chunk of the fused head + loss when the plan fits only with a chunk below the op's
+    # default (`_lean_head_chunk`); None: the default
+    head_chunk_rows: int | None = None
     simulation: SimResult | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -254,7 +257,29 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     stream = facts.stream_bytes_per_sequence * config.mbs / (config.tp if config.sp else 1)
     p2p = collective_time(cluster, "send_recv", stream, pp_group) if config.pp > 1 else 0.0
 
+    def rank_memory(rank_units: list[int], dense: int, expert_params: int, in_flight_here: int,
+                    head_rows: int | None = None) -> MemoryBreakdown:
+        # Backward of the largest op holds its output's gradient and its input's at once; a fused
+        # kernel's working memory (the head + loss's chunk of logits, `head_rows` rows) is held
+        # once, in its forward.
+        workspace = max((max(2 * units[u].largest_op_bytes,
+                             units[u].head.working_bytes(head_rows) if units[u].head is not None else 0)
+                         for u in rank_units), default=0.0)
+        return estimate_memory(
+            num_params=dense, per_param=per, zero=config.zero, dp=config.dp, expert_params=expert_params,
+            expert_dp=mesh.expert_dp, recompute=config.recompute,
+            activation_bytes=sum(moe.saved_bytes[u] for u in rank_units) / config.vpp,
+            selective_activation_bytes=sum(moe.selective_bytes[u] for u in rank_units) / config.vpp,
+            checkpoint_bytes=sum(units[u].input_bytes for u in rank_units) / config.vpp,
+            # full recomputation re-runs one unit at a time: the largest one's activations on top
+            layer_activation_bytes=max((moe.saved_bytes[u] for u in rank_units), default=0),
+            num_in_flight=in_flight_here, largest_workspace_bytes=workspace, fragmentation=fragmentation,
+            # mplan's runtime keeps no gradient buffer at dp=1: one micro-batch's gradients replace
+            # its activations as backward runs (data_parallel.py)
+            grads_during_backward=facts.runtime == "mplan" and config.dp == 1 and config.num_micro_batches == 1)
+
     memory, syncs, opt = [], [], 0.0
+    holdings: list[tuple[list[int], int, int]] = []  # per pipeline rank: its units, dense and expert parameters
     # ranks holding as many parameters (the middle ranks of a deep pipeline) sync and step alike
     by_params: dict[tuple[int, int, int, float | None], tuple[float, float]] = {}
     overlapped = facts.runtime == "mplan" and config.dp > 1 and config.pp == 1
@@ -271,21 +296,12 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         sync, step = by_params[key]
         syncs.append(sync)
         opt = max(opt, step)
-        # Backward of the largest op holds its output's gradient and its input's at once; a fused
-        # kernel's working memory (the head + loss's chunk of logits) is held once, in its forward.
-        workspace = max((max(2 * units[u].largest_op_bytes, units[u].working_bytes) for u in rank_units), default=0.0)
-        memory.append(estimate_memory(
-            num_params=dense, per_param=per, zero=config.zero, dp=config.dp, expert_params=expert_params,
-            expert_dp=mesh.expert_dp, recompute=config.recompute,
-            activation_bytes=sum(moe.saved_bytes[u] for u in rank_units) / config.vpp,
-            selective_activation_bytes=sum(moe.selective_bytes[u] for u in rank_units) / config.vpp,
-            checkpoint_bytes=sum(units[u].input_bytes for u in rank_units) / config.vpp,
-            # full recomputation re-runs one unit at a time: the largest one's activations on top
-            layer_activation_bytes=max((moe.saved_bytes[u] for u in rank_units), default=0),
-            num_in_flight=in_flight[rank], largest_workspace_bytes=workspace, fragmentation=fragmentation,
-            # mplan's runtime keeps no gradient buffer at dp=1: one micro-batch's gradients replace
-            # its activations as backward runs (data_parallel.py)
-            grads_during_backward=facts.runtime == "mplan" and config.dp == 1 and config.num_micro_batches == 1))
+        holdings.append((rank_units, dense, expert_params))
+        memory.append(rank_memory(rank_units, dense, expert_params, in_flight[rank]))
+    head_rows = None
+    if not reason:
+        head_rows, chunk_f = _lean_head_chunk(units, cut.bounds, chunk_f, memory, cluster, compute,
+                                              lambda rank, rows: rank_memory(*holdings[rank], in_flight[rank], rows))
     peak = max(m.total_bytes for m in memory)
     fits = not reason and peak <= cluster.device.memory_bytes
     if not reason and not fits:
@@ -323,7 +339,36 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
                     chunk_weight_s=chunk_w, p2p_s=p2p, grad_sync_s=tuple(syncs), optimizer_s=opt, a2a_s=a2a,
                     experts_per_rank=moe.experts_per_rank,
                     moe_imbalance=facts.moe_imbalance if moe.experts_per_rank else 0.0, reason=reason,
-                    short_of_memory=short_of_memory, simulation=sim)
+                    short_of_memory=short_of_memory, head_chunk_rows=head_rows, simulation=sim)
+
+
+def _lean_head_chunk(units: Sequence[UnitCost], bounds: tuple[tuple[int, int], ...], chunk_f: tuple[float, ...],
+                     memory: list[MemoryBreakdown], cluster: ClusterSpec, compute: ComputeCostModel,
+                     memory_at: Callable[[int, int], MemoryBreakdown]) -> tuple[int | None, tuple[float, ...]]:
+    """When the fused head + loss's default chunk of logits is all that keeps its pipeline rank
+    over the device's memory, the largest smaller chunk that fits: its rows, and the pipeline
+    chunks' forward seconds with the smaller chunk's extra GEMM and d_W time on the head's
+    (`HeadChunking.seconds`). `memory` gets that rank's memory at the chosen chunk. Else (None,
+    `chunk_f`) and `memory` as it was."""
+    at = next((u for u, unit in enumerate(units) if unit.head is not None), None)
+    capacity = cluster.device.memory_bytes
+    if at is None:
+        return None, chunk_f
+    stage = next(c for c, (a, b) in enumerate(bounds) if a <= at < b)
+    rank = stage % len(memory)
+    others = max((m.total_bytes for r, m in enumerate(memory) if r != rank), default=0.0)
+    if memory[rank].total_bytes <= capacity or others > capacity:
+        return None, chunk_f
+    head = units[at].head
+    for rows in head.smaller_chunks():
+        lean = memory_at(rank, rows)
+        if lean.total_bytes <= capacity:
+            memory[rank] = lean
+            # never priced faster than the default, which the op takes for speed (the GEMM curve
+            # is not monotonic in m at toy shapes of a few dozen rows)
+            extra = max(0.0, head.seconds(compute, rows) - head.seconds(compute, head.default_rows))
+            return rows, tuple(f + extra * (c == stage) for c, f in enumerate(chunk_f))
+    return None, chunk_f
 
 
 def _bytes_per_param(config: ParallelConfig, facts: ModelFacts) -> BytesPerParam:

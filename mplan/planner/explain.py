@@ -219,6 +219,7 @@ def explain_data(plan: Plan) -> dict[str, Any]:
     alternatives.sort(key=lambda a: (a["delta_ms"] is None, a["delta_ms"] or 0.0))
     return {"model": plan.model.name, "cluster": f"{plan.cluster.name} x{plan.cluster.nodes}",
             "world_size": plan.cluster.world_size, "spec": plan.spec(), "fp8": plan.fp8, "runtime": plan.runtime,
+            "head_loss_chunk_rows": plan.head_loss_chunk_rows,
             "fused_kernels_priced": bool(plan.planner.get("fused_kernels_priced")),
             "fused_kernels": {key.removeprefix("fused."): int(count) for key, count in plan.planner.items()
                               if key.startswith("fused.")},
@@ -276,7 +277,9 @@ def render(plan: Plan, console: Any) -> None:
                   + (f" (idle share of the pipeline time on rank {p['bubble_rank']}, the busiest)"
                      if plan.mesh.pp > 1 else "")
                   + f", peak memory {p['memory_gib']:.1f} GiB  [predicted, not measured]")
-    e = d["experts"]
+    if d["head_loss_chunk_rows"] is not None:
+        console.print(f"fused head + loss: {d['head_loss_chunk_rows']} rows a chunk, below the op's default: "
+                      f"the default chunk of logits would not fit in the last stage's memory")
     e = d["experts"]
     if e is not None and e["ep"] == 1:
         console.print(f"experts: ep=1, all {e['num_experts']} experts of a layer on every rank, no all-to-all")

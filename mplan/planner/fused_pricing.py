@@ -15,7 +15,7 @@ attention and the fused head + loss included), what the fused kernel keeps for i
 the sharding ILP's activation count (`sharding_ilp._saved_bytes`) takes that instead of the
 chain's ATen ops' saves (Hugging Face's fp32 copies inside norms and loss, the causal mask,
 repeated keys and values, whole logits), and the chain's inside is no transient, except the fused
-head + loss's chunk of logits, its working memory (`chunk_working_bytes`). Attention with
+head + loss's chunk of logits, its working memory (`HeadChunking`). Attention with
 a mask the pattern proved causal is priced causal. On the H200 (2026-12-02) HF Llama-1.1B at 8 x
 2048 under `dp=1` measured 211.4 ms and 30.06 GiB; priced so, 213.8 ms (+1.2%) and 31.4 GiB
 (+4.5%, the allocator's 10% share included); priced on the ATen ops, 257 ms and 51.5 GiB. That
@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from mplan.cost_models.compute_cost import ComputeCostModel
-from mplan.ir.graph import Graph, OpNode, TensorMeta, dtype_bytes
+from mplan.ir.graph import Graph, OpNode, dtype_bytes
 from mplan.ir.placement import Placement, local_shape
 
 MEASURED_COPY_FRACTION: dict[str, tuple[float, float]] = {
@@ -110,7 +110,7 @@ class FusedSave:
     registers or in chunks), and it keeps nothing"""
     chunked: bool = False
     """inside a kernel that makes this value one chunk of rows at a time (the fused head + loss's
-    logits): that chunk is the kernel's working memory (`chunk_working_bytes`)"""
+    logits): that chunk is the kernel's working memory (`HeadChunking`)"""
 
 
 NOTHING_KEPT = FusedSave()
@@ -166,13 +166,63 @@ def find_fused_saves(graph: Graph) -> dict[str, FusedSave]:
     return saves
 
 
-def chunk_working_bytes(logits: TensorMeta, placement: Placement, n: int) -> int:
-    """What the fused head + loss holds beyond its saves while it runs, on one rank: one chunk of
-    the local logits (the op's default chunk, from the local vocabulary) and its row statistics."""
-    from mplan.kernels.head_loss import chunk_bytes  # loads Triton: only graphs with the fused head pay
+@dataclass(frozen=True, slots=True)
+class HeadChunking:
+    """The fused head + loss on one rank for one micro-batch, as far as its chunk of rows matters:
+    the chunk is its working memory (`working_bytes`), and a smaller one costs time (`seconds`)."""
 
-    shape = local_shape(logits.shape, placement, n)
-    return chunk_bytes(math.prod(shape[:-1]), shape[-1], dtype_bytes(logits.dtype))
+    rows: int
+    """local rows (tokens) of one micro-batch"""
+    vocab: int
+    """local vocabulary (V/tp under a vocabulary-parallel head)"""
+    hidden: int
+    dtype: str
+    """the logits' (the GEMMs') dtype"""
+
+    @property
+    def default_rows(self) -> int:
+        """Rows per chunk the op takes when the plan names none."""
+        from mplan.kernels.head_loss import default_chunk_rows  # loads Triton: only graphs with the fused head pay
+
+        return min(self.rows, default_chunk_rows(self.vocab, dtype_bytes(self.dtype)))
+
+    def working_bytes(self, chunk_rows: int | None = None) -> int:
+        """One chunk's logits and row statistics (`kernels.head_loss.chunk_bytes`); None: the default chunk."""
+        from mplan.kernels.head_loss import chunk_bytes
+
+        return chunk_bytes(self.rows, self.vocab, dtype_bytes(self.dtype), chunk_rows)
+
+    def smaller_chunks(self) -> Iterator[int]:
+        """Chunk rows below the default, halving: what a plan short of memory tries, largest first."""
+        rows = self.default_rows // 2
+        while rows >= 1:
+            yield rows
+            rows //= 2
+
+    def seconds(self, compute: ComputeCostModel, chunk_rows: int) -> float:
+        """The op's GEMMs at `chunk_rows` rows a chunk (logits, d_x and d_W, all in its forward),
+        what a chunk size changes. Every chunk after the first adds its d_W into the running one,
+        reading and writing all V x H of it: that GEMM takes its FLOPs' time or that traffic's,
+        whichever is longer (the traffic binds below about 300 rows on the H200)."""
+        full, last = divmod(self.rows, chunk_rows)
+        v, h = self.vocab, self.hidden
+        accumulate = compute.memory_bound_time(2 * v * h * dtype_bytes(self.dtype))
+
+        def chunk(m: int, first: bool) -> float:
+            d_w = compute.matmul_time(v, h, m, self.dtype)
+            return (compute.matmul_time(m, v, h, self.dtype) + compute.matmul_time(m, h, v, self.dtype)
+                    + (d_w if first else max(d_w, accumulate)))
+
+        return (chunk(chunk_rows, True) + (full - 1) * chunk(chunk_rows, False)
+                + (chunk(last, full == 0) if last else 0.0))
+
+
+def head_chunking(node: OpNode, placement: Placement, n: int) -> HeadChunking:
+    """The fused head + loss whose logits are `node`'s output (the head GEMM), on one of `n` TP
+    ranks, its output placed by `placement`."""
+    shape = local_shape(node.output.shape, placement, n)
+    return HeadChunking(rows=math.prod(shape[:-1]), vocab=shape[-1], hidden=node.input_metas[0].shape[-1],
+                        dtype=node.output.dtype)
 
 
 def extra_saved_bytes(graph: Graph, save: FusedSave) -> int:

@@ -168,6 +168,9 @@ class Plan:
     # the experts' capacity factor the plan sets for every MoE layer (optional; None: each layer
     # keeps its model's own, dropless unless the model drops)
     capacity_factor: float | None = None
+    # rows per chunk of the fused head + loss (optional; None: the op's default). The planner sets
+    # it only where the default chunk of logits is all that keeps the last stage over memory.
+    head_loss_chunk_rows: int | None = None
     # segment key -> {node key: what the ILP priced it at} (module doc); optional in the file (absent: {})
     op_costs: dict[str, dict[str, OpCost]] = field(default_factory=dict, hash=False)
     version: int = PLAN_VERSION
@@ -252,7 +255,8 @@ class Plan:
                    planner=_numbers(r, "planner"), fp8=r.boolean("fp8") if r.has("fp8") else False,
                    tp_layout=r.string("tp_layout", choices=TP_LAYOUTS) if r.has("tp_layout") else "ilp",
                    runtime=r.string("runtime", choices=RUNTIMES) if r.has("runtime") else LEGACY_RUNTIME,
-                   capacity_factor=_capacity(r), op_costs=_op_costs(r, "op_costs"), version=version)
+                   capacity_factor=_capacity(r), head_loss_chunk_rows=_head_loss_chunk_rows(r),
+                   op_costs=_op_costs(r, "op_costs"), version=version)
         r.finish()
         _check_consistent(plan, file)
         return plan
@@ -290,6 +294,12 @@ def _capacity(r: FieldReader) -> float | None:
     if not r.has("capacity_factor") or r.raw("capacity_factor") is None:
         return None
     return r.number("capacity_factor")
+
+
+def _head_loss_chunk_rows(r: FieldReader) -> int | None:
+    if not r.has("head_loss_chunk_rows") or r.raw("head_loss_chunk_rows") is None:
+        return None
+    return r.integer("head_loss_chunk_rows")
 
 
 def _model(r: FieldReader) -> ModelInfo:

@@ -152,6 +152,6 @@ def build_plan(result: SearchResult, graph: Graph, cluster: ClusterSpec, global_
         num_micro_batches=config.num_micro_batches, global_batch=global_batch, schedule=config.schedule,
         recompute=config.recompute, stages=stages, sharding=_param_placements(graph, model, best, units), ops=ops,
         predicted=predicted_of(best), alternatives=alternatives, tp_layout=tp_layout, runtime=runtime,
-        capacity_factor=config.capacity_factor, op_costs=op_costs,
+        capacity_factor=config.capacity_factor, head_loss_chunk_rows=best.head_chunk_rows, op_costs=op_costs,
         planner={"search_seconds": round(result.seconds, 3), "candidates": result.num_candidates,
                  "capture_seconds": round(graph.capture_seconds, 3)})

@@ -37,7 +37,7 @@ from mplan.ir.graph import Graph
 from mplan.ir.op_table import persistent_inputs
 from mplan.ir.placement import R, Shard
 from mplan.ir.strategy import Strategy
-from mplan.planner.fused_pricing import chunk_working_bytes
+from mplan.planner.fused_pricing import HeadChunking, head_chunking
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.op_registry import shard_bytes
 from mplan.planner.sharding_ilp import GraphSharding, SegmentSharding, stream_meta, value_meta
@@ -67,8 +67,13 @@ class UnitCost:
     selective_extra_s: float  # forward seconds re-run in backward under selective recomputation (collectives included)
     input_bytes: int  # the unit's inputs (local) as it keeps them: what full recomputation keeps
     largest_op_bytes: int  # largest single op's local output: a transient bound
-    # the most a fused kernel holds while it runs beyond its saves (the head + loss's chunk of logits)
-    working_bytes: int = 0
+    # the fused head + loss, when this unit runs it: its chunk of logits is the unit's working memory
+    head: HeadChunking | None = None
+
+    @property
+    def working_bytes(self) -> int:
+        """The most a fused kernel holds while it runs beyond its saves: the head + loss's default chunk."""
+        return self.head.working_bytes() if self.head is not None else 0
 
 
 def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[str, ...],
@@ -82,7 +87,8 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
     selective_saved: set[str] = set()
     kept_extra = 0
     extra = 0.0
-    largest = working = 0
+    largest = 0
+    head: HeadChunking | None = None
     weight_grad = 0.0
     weight_ops = 0
     seen_params: set[str] = set()
@@ -99,7 +105,7 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
         if node.outputs and not (fused is not None and fused.inside):  # a fused chain's inside is never made
             largest = max(largest, shard_bytes(node.output, s.output, n))
         elif fused is not None and fused.chunked and node.outputs:
-            working = max(working, chunk_working_bytes(node.output, s.output, n))
+            head = head_chunking(node, s.output, n)
         if node.params:
             cost, own = coster.op(node, s), coster.op_comm(s)
             weight_grad += max(0.0, min(cost.forward_s, cost.backward_s) - own)
@@ -123,7 +129,7 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
                     selective_bytes=selective_bytes,
                     # the reshards' collectives re-run too: the runtime's policy caches no collective
                     selective_extra_s=extra + sharding.comm_forward_s, input_bytes=input_bytes,
-                    largest_op_bytes=largest, working_bytes=working)
+                    largest_op_bytes=largest, head=head)
 
 
 def _kept_inputs(graph: Graph, nodes: tuple[str, ...], choice: dict[str, Strategy], n: int,

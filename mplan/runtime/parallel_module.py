@@ -165,7 +165,8 @@ def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.
     axis = groups.axis("tp")
     experts = experts_lowering(plan, groups)
     program = local_program(program_graph, choice, axis, device=device, kernels=kernels, fp8=fp8, experts=experts,
-                            split_backward=len(plan.stages) > 1 and plan.schedule == "zb-h1")
+                            split_backward=len(plan.stages) > 1 and plan.schedule == "zb-h1",
+                            head_chunk_rows=plan.head_loss_chunk_rows)
     pipeline = rank_stages(program, program_graph, plan, groups) if len(plan.stages) > 1 else None
     inputs = pipeline.inputs if pipeline is not None else program.meta[INPUTS]
     shards = shard_parameters(graph, choice, axis.rank, axis.size, source, seed=seed, device=device, dtype=dtype,
@@ -220,7 +221,8 @@ class _ProgramGraph:
 
 def local_program(graph: Graph, choice: Mapping[str, Strategy], axis: AxisGroup, *,
                   device: torch.device, kernels: bool, fp8: bool = False, output: int = 0,
-                  experts: ExpertsLowering = NO_EXPERT_PARALLELISM, split_backward: bool = False) -> fx.GraphModule:
+                  experts: ExpertsLowering = NO_EXPERT_PARALLELISM, split_backward: bool = False,
+                  head_chunk_rows: int | None = None) -> fx.GraphModule:
     """`insert_collectives`, then (`kernels`) `fuse_kernels` on the local program, and (`fp8`)
     its FP8 linears (which raise `Fp8Unavailable` naming why where FP8 GEMMs cannot run).
 
@@ -230,14 +232,16 @@ def local_program(graph: Graph, choice: Mapping[str, Strategy], axis: AxisGroup,
     follow the device's autocast policy and mixed-precision residual streams (mplan.kernels),
     so the fp32 capture's dtypes need not be the run's. `split_backward` (a zero-bubble schedule
     will split the backward into input and weight gradients) keeps grouped GEMMs ATen ops, whose
-    dX and dW the split runs apart. `program.meta["fuse_kernels"]` reports what fired."""
+    dX and dW the split runs apart. `head_chunk_rows`: the fused head + loss's rows per chunk
+    (the plan's; None: the op's default). `program.meta["fuse_kernels"]` reports what fired."""
     program = insert_collectives(graph, choice, axis, device=device, output=output, experts=experts)
     if kernels or fp8:
         # imported here: it loads the Triton kernels, which `import mplan` should not pay for
         from mplan.passes.fuse_kernels import fuse_kernels
 
         # on CUDA it also picks attention's fastest backend
-        fuse_kernels(program, None if kernels else (), device=device, fp8=fp8, split_backward=split_backward)
+        fuse_kernels(program, None if kernels else (), device=device, fp8=fp8, split_backward=split_backward,
+                     head_chunk_rows=head_chunk_rows)
     return program
 
 
@@ -428,7 +432,7 @@ class ParallelModule:
                 raise RuntimeError(f"inference sharding stores {name} as {layout.placement}, "
                                    f"training as {self.layouts[name].placement}")
         program = local_program(graph, choice, self.axis, device=self.device, kernels=self.kernels, fp8=self.fp8,
-                                output=output, experts=self.experts)
+                                output=output, experts=self.experts, head_chunk_rows=plan.head_loss_chunk_rows)
         if self.pipeline is not None:
             return split_stages(program, graph, [s.units for s in self.plan.stages])
         return program
