@@ -61,7 +61,8 @@ every shape and 9-35% ahead of Liger's fused linear cross-entropy, whose chunks 
 many logits as x has elements (256 rows at 1536 x 151936): 250 MiB of bf16 logits at a 32000
 vocabulary and 593 MiB at 151936, where Liger holds 63 and 74 MiB, and the unfused op 3 N V s
 (2.9 and 13.9 GiB). A caller short of memory passes a smaller `chunk_rows` (at Liger's chunk, 256 rows at
-151936, this op takes 52.6 ms against Liger's 51.3).
+151936, this op takes 52.6 ms against Liger's 51.3); the planner does so when the default chunk is
+all that keeps the last pipeline stage over the device's memory (`Plan.head_loss_chunk_rows`).
 
 Memory (`linear_cross_entropy_bytes`, bytes above the inputs; s = the GEMM dtype's itemsize,
 N rows, H hidden, V vocabulary (the local shard's when sharded), c = min(N, chunk_rows)):
