@@ -322,7 +322,7 @@ def peak_mb(call: Callable[[], Any], device: torch.device) -> float | None:
 
 
 def measure_op(op: Op, s: Shape, device: torch.device, dtype: torch.dtype, use_compile: bool,
-               log: Callable[[str], None]) -> dict[str, Any]:
+               log: Callable[[str], None], rounds: int = ROUNDS) -> dict[str, Any]:
     """Checks, warms, times (both clocks) and measures every system of `op` at `s`."""
     factories = systems_for(op.name, s)
     if not use_compile:
@@ -353,7 +353,7 @@ def measure_op(op: Op, s: Shape, device: torch.device, dtype: torch.dtype, use_c
         except Exception:  # noqa: BLE001 - one system's failure must not lose the others
             rows[name] = {"error": traceback.format_exc().strip().splitlines()[-1], "traceback": traceback.format_exc()}
             log(f"  {op.name} {name}: ERROR {rows[name]['error']}")
-    kernel_times(calls, rows, device)
+    kernel_times(calls, rows, device, rounds)
     _judge_errors(rows)
     return {"systems": rows, **compare_op(op, rows)}
 
@@ -370,14 +370,15 @@ def _unavailable(name: str, factory: Callable[[], Fn], device: torch.device) -> 
 
 
 def kernel_times(calls: dict[tuple[str, str], Callable[[], Any]], rows: dict[str, dict[str, Any]],
-                 device: torch.device) -> None:
+                 device: torch.device, rounds: int = ROUNDS) -> None:
     """fwd_ms / fwd_bwd_ms: GPU kernel time (medians of interleaved rounds) on CUDA, the events elsewhere."""
     if device.type == "cuda" and calls:
         from benchmarks.gpu_time import interleaved_kernel_ms
 
-        for (name, what), values in interleaved_kernel_ms(calls, rounds=ROUNDS, iters=ITERS).items():
+        for (name, what), values in interleaved_kernel_ms(calls, rounds=rounds, iters=ITERS).items():
             rows[name][f"{what}_ms"] = statistics.median(values)
             rows[name][f"{what}_range_ms"] = [round(min(values), 5), round(max(values), 5)]
+            rows[name][f"{what}_rounds_ms"] = [round(v, 5) for v in values]  # round order: pairs with the peers
         return
     for row in rows.values():
         if "event_fwd_ms" in row:
@@ -445,6 +446,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="time torch.compile of HF's function (default: on CUDA only)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no op after this many seconds")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved timing rounds per op")
     return parser.parse_args()
 
 
@@ -456,7 +458,7 @@ def main() -> None:
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
     report: dict[str, Any] = {
         **run_header(device), **versions(), "dtype": "bfloat16",
-        "timing": f"fwd_ms/fwd_bwd_ms: GPU kernel time, medians of {ROUNDS} interleaved rounds of {ITERS} calls "
+        "timing": f"fwd_ms/fwd_bwd_ms: GPU kernel time, medians of {args.rounds} interleaved rounds of {ITERS} calls "
                   "(CUDA); event_*: triton.testing.do_bench medians (CUDA events, host included)",
         "peak": "max_memory_allocated during one forward+backward above what was allocated before (MB)",
         "mplan_variants": {"rms_norm_hf_form": "upcast" in inspect.signature(mk.rms_norm).parameters,
@@ -476,7 +478,7 @@ def main() -> None:
                 entry["ops"][op.name] = {"error": f"skipped: past the {args.budget_s:.0f} s budget"}
                 continue
             try:
-                entry["ops"][op.name] = measure_op(op, s, device, dtype, use_compile, clock.log)
+                entry["ops"][op.name] = measure_op(op, s, device, dtype, use_compile, clock.log, args.rounds)
             except Exception:  # noqa: BLE001 - the other ops' numbers must survive
                 entry["ops"][op.name] = {"error": traceback.format_exc()}
             clock.log(f"{model.name} {op.name}: " + _summary(entry["ops"][op.name]))

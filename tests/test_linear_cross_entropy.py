@@ -205,8 +205,11 @@ def test_default_chunks_and_the_memory_formula_at_llama_shapes() -> None:
     got = linear_cross_entropy_bytes(tokens, hidden, vocab, bf16)
     assert got.saved == saved
     assert 2048 * vocab * bf16 < got.peak - saved < 1.01 * 2048 * vocab * bf16
+    # the block-stats partials (8 bytes a row at this vocabulary) fit in the chunk's rows of d_x
     assert linear_cross_entropy_bytes(100, 8, 50, 4, chunk_rows=16, bias=True) == LinearCrossEntropyBytes(
-        saved=(100 * 8 + 50 * 8 + 50) * 4, peak=(100 * 8 + 50 * 8 + 50) * 4 + 16 * (50 * 4 + (8 + 64) + 4))
+        saved=(100 * 8 + 50 * 8 + 50) * 4, peak=(100 * 8 + 50 * 8 + 50) * 4 + 16 * (50 * 4 + 64 + 4))
+    # one byte wide rows of d_x hold none of them: they take memory of their own
+    assert linear_cross_entropy_bytes(100, 1, 50, 1, chunk_rows=16).peak == (100 + 50) + 16 * (50 + 8 + 64)
 
 
 # -- vocabulary-parallel on two gloo ranks (float64) ------------------------------------------------

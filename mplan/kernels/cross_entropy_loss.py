@@ -268,10 +268,18 @@ class _BlockStats:
     n_parts: torch.Tensor
 
 
-def _block_stats(logits: torch.Tensor) -> _BlockStats:
+def _block_stats(logits: torch.Tensor, scratch: torch.Tensor | None = None) -> _BlockStats:
+    """Per row, partial (max, sum-exp) over blocks of columns. `scratch`: a contiguous buffer on
+    the same device whose bytes the partials may take if they fit (the fused head + loss lends
+    the rows of d_x it writes only after the partials are read), else they get their own."""
     n_rows, n_cols = logits.shape
     max_parts = triton.cdiv(n_cols, _MIN_PART_V)
-    partial = torch.empty(2, n_rows, max_parts, dtype=torch.float32, device=logits.device)
+    nbytes = 2 * n_rows * max_parts * 4
+    if (scratch is not None and scratch.is_contiguous() and scratch.device == logits.device
+            and scratch.numel() * scratch.element_size() >= nbytes and scratch.data_ptr() % 16 == 0):
+        partial = scratch.view(-1).view(torch.uint8)[:nbytes].view(torch.float32).view(2, n_rows, max_parts)
+    else:
+        partial = torch.empty(2, n_rows, max_parts, dtype=torch.float32, device=logits.device)
     n_parts = torch.empty(1, dtype=torch.int32, device=logits.device)
 
     def grid(meta: dict[str, Any]) -> tuple[int]:

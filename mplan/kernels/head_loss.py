@@ -69,10 +69,12 @@ N rows, H hidden, V vocabulary (the local shard's when sharded), c = min(N, chun
     saved = (N H + V H) s  [+ V s with a bias]      d_x and d_W (and d_b), from the forward to
                                                     the backward, in the dtype the inputs have
     peak  = saved + c (V s + stats(V))  [+ c s with a bias]
-with stats(V) = 8 ceil(V / parts) + 64 bytes a row: the fp32 block-stats partials of
-cross_entropy_loss (`parts` vocabulary ids per partial: 2048 compiled) and the per-row lse,
-max, sum and label logit; the bias term is the ones vector of d_b's GEMV. Measured on the H200
-within 0.1 MiB of the formula (1255.50 vs 1255.53 MiB at 16384 x 4096 x 128256). The unfused
+with stats(V) = 64 bytes a row (the per-row lse, max, sum and label logit) plus, unless they fit
+in the chunk's rows of d_x (8 ceil(V / parts) <= H s, always at real shapes; d_x is written only
+after they are read), the fp32 block-stats partials of cross_entropy_loss (8 ceil(V / parts),
+`parts` vocabulary ids per partial: 2048 compiled); the bias term is the ones vector of d_b's
+GEMV. Measured on the H200 within 0.1 MiB of the formula (1255.50 vs 1255.53 MiB at 16384 x 4096
+x 128256, before the partials moved into d_x). The unfused
 op's peak is about 3 N V s (logits, CUDA's saved log-softmax and the gradient), 11.7 GiB at
 16384 x 128256 bf16, where this op's is saved (1.1 GiB at hidden 4096, gradients the unfused
 backward makes too) + 125 MiB. The backward allocates nothing: it hands the gradients out as
@@ -221,14 +223,19 @@ def linear_cross_entropy_bytes(rows: int, hidden: int, vocab: int, itemsize: int
     shard's vocabulary when sharded) of `itemsize`-byte elements keeps alive, both inputs
     requiring grad; `chunk_rows` as passed to the op (None: the default)."""
     saved = (rows * hidden + vocab * hidden + (vocab if bias else 0)) * itemsize
-    return LinearCrossEntropyBytes(saved=saved, peak=saved + chunk_bytes(rows, vocab, itemsize, chunk_rows, bias=bias))
+    return LinearCrossEntropyBytes(saved=saved, peak=saved + chunk_bytes(rows, vocab, itemsize, chunk_rows, bias=bias,
+                                                                         hidden=hidden))
 
 
-def chunk_bytes(rows: int, vocab: int, itemsize: int, chunk_rows: int | None = None, *, bias: bool = False) -> int:
+def chunk_bytes(rows: int, vocab: int, itemsize: int, chunk_rows: int | None = None, *, bias: bool = False,
+                hidden: int | None = None) -> int:
     """The forward's working memory beyond what the op saves: one chunk's logits (their gradient
-    is written in place), its row statistics and, with a bias, its rows of the bias gradient."""
+    is written in place), its row statistics and, with a bias, its rows of the bias gradient.
+    `hidden`: x's width when x wants a gradient, whose rows of d_x hold the block-stats partials
+    if they fit (module docstring, Memory); None: they take memory of their own."""
     chunk = min(rows, chunk_rows or default_chunk_rows(vocab, itemsize))
-    stats_per_row = 8 * -(-vocab // _MIN_PART_V) + 64
+    partials = 8 * -(-vocab // _MIN_PART_V)
+    stats_per_row = 64 + (0 if hidden is not None and partials <= hidden * itemsize else partials)
     return chunk * (vocab * itemsize + stats_per_row + (itemsize if bias else 0))
 
 
@@ -238,12 +245,13 @@ def _fused_combine(logits: torch.Tensor, reductions: VocabReductions) -> bool:
 
 
 def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, ignore_index: int,
-                reductions: VocabReductions, loss_out: torch.Tensor) -> torch.Tensor:
+                reductions: VocabReductions, loss_out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """lse per row, fp32 (float64 for float64); the chunk's loss over counted rows goes into
     `loss_out` (zeros, `combine_programs(chunk rows)` of them at least) as partial sums: no
-    reduction launched per chunk, the op sums every chunk's slots once."""
+    reduction launched per chunk, the op sums every chunk's slots once. `scratch`: memory the row
+    statistics may use until this returns (`_block_stats`)."""
     if _fused_combine(logits, reductions):
-        lse, _, _ = _combine(logits, labels, _block_stats(logits), vocab_start, ignore_index, finalize=True,
+        lse, _, _ = _combine(logits, labels, _block_stats(logits, scratch), vocab_start, ignore_index, finalize=True,
                              loss_sum=loss_out[:combine_programs(logits.shape[0])])
         return lse
     lse, row_loss = reduced_row_losses(logits, labels, vocab_start, ignore_index, reductions)
@@ -283,7 +291,10 @@ def _fused_chunk(x_c: torch.Tensor, labels_c: torch.Tensor, weight: torch.Tensor
     logits = torch.mm(x_c, weight.t()) if bias is None else torch.addmm(bias, x_c, weight.t())
     if upcast and logits.dtype == torch.float64:
         logits = logits.float()
-    lse = _chunk_loss(logits, labels_c, vocab_start, ignore_index, reductions, loss_out)
+    # the row statistics borrow d_x's rows of this chunk, written only after they are read: at
+    # Liger's chunk this op then holds no more than Liger's does (the module docstring, Memory)
+    scratch = grads[0] if grads is not None else None
+    lse = _chunk_loss(logits, labels_c, vocab_start, ignore_index, reductions, loss_out, scratch)
     if grads is None:
         return
     d_x_c, d_w, d_b = grads

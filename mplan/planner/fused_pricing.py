@@ -190,7 +190,7 @@ class HeadChunking:
         """One chunk's logits and row statistics (`kernels.head_loss.chunk_bytes`); None: the default chunk."""
         from mplan.kernels.head_loss import chunk_bytes
 
-        return chunk_bytes(self.rows, self.vocab, dtype_bytes(self.dtype), chunk_rows)
+        return chunk_bytes(self.rows, self.vocab, dtype_bytes(self.dtype), chunk_rows, hidden=self.hidden)
 
     def smaller_chunks(self) -> Iterator[int]:
         """Chunk rows below the default, halving: what a plan short of memory tries, largest first."""
