@@ -8,6 +8,8 @@ and ends in a short one.
 """
 from __future__ import annotations
 
+import weakref
+
 from collections.abc import Callable
 from typing import Any
 
@@ -189,6 +191,40 @@ def test_the_head_weight_adopts_the_ops_gradient_buffer_without_a_copy(retain: b
         loss.backward(retain_graph=True)
         loss.backward()
         assert torch.allclose(weight.grad, 3 * first, rtol=1e-14, atol=0)
+
+
+def test_a_loss_kept_after_its_backward_keeps_no_gradient_buffer() -> None:
+    """`loss = model(...)` in a training loop holds the last step's graph into the next forward:
+    the op lets go of d_x and d_W in the backward that frees the graph (as autograd frees saved
+    tensors), so only the weight's .grad (d_W adopted) outlives it; a backward with retain_graph
+    keeps them for the next run, and running a freed graph again is a clear error."""
+    x, weight, _, labels = _leaves(*_problem((6,), 4, 10, torch.float64, bias=False))
+    loss = linear_cross_entropy(x, weight, labels, chunk_rows=4)
+    node = loss.grad_fn
+    while not hasattr(node, "grads"):  # the op's autograd node, under the views of its output
+        node = node.next_functions[0][0]
+    d_x = weakref.ref(node.grads[0])
+    loss.backward(retain_graph=True)
+    assert node.grads[0] is not None and d_x() is not None
+    loss.backward()
+    assert node.grads == (None, None, None) and d_x() is None
+    with pytest.raises(RuntimeError, match="a second time"):
+        node.apply(torch.ones((), dtype=torch.float64))
+
+
+def test_a_split_backward_gets_both_gradients_and_then_frees_them() -> None:
+    """A zero-bubble schedule's split: the input gradient first (graph kept), the weight gradient
+    after (graph freed): each as one whole backward gives it, then nothing is held."""
+    x, weight, _, labels = _leaves(*_problem((6,), 4, 10, torch.float64, bias=False))
+    (want_x, want_w) = torch.autograd.grad(linear_cross_entropy(x, weight, labels, chunk_rows=4), (x, weight))
+    loss = 3.0 * linear_cross_entropy(x, weight, labels, chunk_rows=4)
+    (d_x,) = torch.autograd.grad(loss, x, retain_graph=True)
+    (d_w,) = torch.autograd.grad(loss, weight)
+    assert torch.allclose(d_x, 3 * want_x, rtol=1e-14, atol=0) and torch.allclose(d_w, 3 * want_w, rtol=1e-14, atol=0)
+    node = loss.grad_fn
+    while not hasattr(node, "grads"):
+        node = node.next_functions[0][0]
+    assert node.grads == (None, None, None)
 
 
 # -- memory model -----------------------------------------------------------------------------------

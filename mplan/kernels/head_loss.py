@@ -80,8 +80,9 @@ op's peak is about 3 N V s (logits, CUDA's saved log-softmax and the gradient), 
 backward makes too) + 125 MiB. The backward allocates nothing: it hands the gradients out as
 new tensor objects on the op's buffers, so a leaf weight's AccumulateGrad adopts d_W as its .grad
 rather than copying it (a rerun hands out fresh tensors). They are ctx attributes, not saved
-tensors, so recomputation's checkpoint hooks never rerun the op; the buffers live as long as the
-graph (the storage d_W shares with the weight's .grad costs nothing extra).
+tensors, so recomputation's checkpoint hooks never rerun the op; the op lets go of them in the
+backward that does not keep the graph (as autograd frees saved tensors), so a loss tensor the
+caller holds into the next step (`loss = model(...)` in a loop) keeps no d_x or d_W alive.
 
 Autocast: where autocast is on for x's device, the op does what F.linear then F.cross_entropy
 would: x, weight and bias are cast (autograd records the casts, so their gradients return in
@@ -315,6 +316,13 @@ def _fused_chunk(x_c: torch.Tensor, labels_c: torch.Tensor, weight: torch.Tensor
             d_b.addmv_(d_logits.t(), ones[: d_logits.shape[0]])
 
 
+def _graph_kept() -> bool:
+    """Whether the running backward keeps the graph for another run (retain_graph=True, as a
+    zero-bubble schedule's input-gradient pass does); True where this torch cannot say."""
+    kept = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if kept is None else bool(kept())
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Forward: per chunk of rows the logits, the loss and every gradient. Backward: a scale."""
 
@@ -348,6 +356,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, d_loss: torch.Tensor) -> tuple[Any, ...]:
         grads = ctx.grads
+        if all(grad is None for grad in grads) and any(ctx.needs_input_grad):
+            raise RuntimeError("linear_cross_entropy: backward through the graph a second time; pass "
+                               "retain_graph=True to the first backward to run it again")
         if ctx.scaled_by is None:  # the first backward: scale the stored gradients in place
             for grad in grads:
                 if grad is not None:
@@ -367,6 +378,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 ctx.versions = None
             ratio = d_loss / ctx.scaled_by
             grads = tuple(None if grad is None else grad * ratio for grad in grads)
+        if not _graph_kept():  # the last run: a loss tensor the caller keeps must not keep d_x and d_W
+            ctx.grads = (None, None, None)
         return (*grads, None, None, None, None, None, None, None, None)
 
 
