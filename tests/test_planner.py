@@ -395,6 +395,26 @@ def test_a_plans_head_loss_chunk_round_trips_and_a_file_without_it_reads_the_def
     assert Plan.from_dict(doc) == made
 
 
+def test_explain_says_when_the_plan_shrank_the_head_and_losss_chunk(small_plan):
+    import dataclasses
+    import io
+
+    from rich.console import Console
+
+    from mplan.planner.explain import explain_data, render
+
+    made, _ = small_plan
+    lean = dataclasses.replace(made, head_loss_chunk_rows=512)
+    assert explain_data(lean)["head_loss_chunk_rows"] == 512 and explain_data(made)["head_loss_chunk_rows"] is None
+    texts = []
+    for plan in (made, lean):
+        out = io.StringIO()
+        render(plan, Console(file=out, width=200))
+        texts.append(out.getvalue())
+    assert "rows a chunk" not in texts[0]
+    assert "fused head + loss: 512 rows a chunk" in texts[1]
+
+
 def test_a_plan_without_op_costs_loads_and_keeps_none(small_plan):
     made, path = small_plan
     doc = json.loads(path.read_text())
