@@ -270,13 +270,14 @@ def test_a_plan_short_of_memory_by_the_heads_chunk_takes_the_largest_smaller_chu
     base = ClusterSpec.preset("dgx-h100", nodes=1, gpus_per_node=1)
 
     def estimate(memory_bytes: float):  # noqa: ANN202
-        # (Megatron's memory: mplan's runtime at dp=1 holds no gradient buffer, which the stage
-        # cut's coarser memory check does not know, so it would refuse first at these margins)
+        # mplan's runtime at dp=1 and one micro-batch: gradients replace activations as backward
+        # runs; a single stage is judged by that peak alone (the stage cut's sum over units once
+        # refused it at these margins)
         cluster = dataclasses.replace(base, device=dataclasses.replace(base.device, memory_bytes=int(memory_bytes)))
-        return Planner(graph, cluster, runtime="megatron", kernels=True).evaluate(config, fast=False)
+        return Planner(graph, cluster, runtime="mplan", kernels=True).evaluate(config, fast=False)
 
     roomy = estimate(80 << 30)
-    head = Planner(graph, base, runtime="megatron", kernels=True).units(1, False, 2)[-1].head
+    head = Planner(graph, base, runtime="mplan", kernels=True).units(1, False, 2)[-1].head
     assert roomy.fits and roomy.head_chunk_rows is None and head.default_rows == 32
     assert head.working_bytes(16) < head.working_bytes() / 1.9
     tight = estimate(roomy.peak_memory_bytes - 1)

@@ -238,7 +238,11 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
 
     capacity = cluster.device.memory_bytes / (1 + fragmentation)
     times = [f + b for f, b in zip(fwd, bwd)]
-    cut: Partition | None = partition(times, k, memory=unit_memory, cap=capacity / config.vpp)
+    # One stage has no cut to choose: the peak below decides whether it fits. (The cut's memory is
+    # a sum over units, which cannot see gradients replacing activations as backward runs,
+    # `grads_during_backward`: it refused single-stage plans whose peak fits.)
+    cut: Partition | None = (partition(times, k, memory=unit_memory, cap=capacity / config.vpp) if k > 1
+                             else partition(times, 1))
     reason = ""
     if cut is None:
         cut = partition(times, k)  # the time-only cut, to price what does not fit (searched once)
@@ -307,9 +311,6 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     if not reason and not fits:
         reason = "needs " + gib_versus(peak, cluster.device.memory_bytes, per=device_word(cluster.device.name))
         short_of_memory = True
-    elif reason == NO_CUT_IN_MEMORY and k == 1 and peak > cluster.device.memory_bytes:
-        # one stage: there is nothing to cut, the whole model's share is what does not fit
-        reason = "needs " + gib_versus(peak, cluster.device.memory_bytes, per=device_word(cluster.device.name))
 
     at_step = facts.runtime == "mplan" and config.pp > 1  # the sync waits for the schedule's end
     costs = PipelineCosts(forward_s=chunk_f, backward_s=chunk_b, p2p_s=(p2p,) * (k - 1),
