@@ -194,16 +194,16 @@ def test_a_plan_carries_fp8_and_refuses_a_device_without_it(tmp_path) -> None:
 
 # ---- what the fused kernels keep (memory) and how attention runs (time) ---------------------------
 
-def _hf_llama_graph():  # noqa: ANN202 - the planner's capture of a tiny Hugging Face Llama
+def _hf_llama_graph(vocab: int = 96):  # noqa: ANN202 - the planner's capture of a tiny Hugging Face Llama
     transformers = pytest.importorskip("transformers")
     import torch
 
     from mplan.ir.trace import capture_for_training
 
-    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     torch.manual_seed(0)
-    return capture_for_training(transformers.LlamaForCausalLM(config), (torch.randint(0, 96, (2, 16)),))
+    return capture_for_training(transformers.LlamaForCausalLM(config), (torch.randint(0, vocab, (2, 16)),))
 
 
 def test_the_memory_model_counts_what_the_fused_kernels_keep_for_a_hugging_face_llama() -> None:
@@ -240,9 +240,10 @@ def test_the_fused_head_and_losss_chunk_of_logits_is_the_last_units_working_memo
         *blocks, epilogue = planner.units(tp, False, 2)
         assert default_chunk_rows(vocab, 4) >= 2 * 16  # every row in one chunk at this size
         # its block-stats partials fit in d_x's rows (hidden 32): 64 bytes of row statistics a row
-        assert epilogue.working_bytes == chunk_bytes(2 * 16, vocab, 4, hidden=32) == 2 * 16 * (vocab * 4 + 64)
-        assert not any(u.working_bytes for u in blocks)
-    assert not any(u.working_bytes for u in Planner(graph, cluster, runtime="mplan", kernels=False).units(1, False, 2))
+        assert epilogue.working_bytes() == chunk_bytes(2 * 16, vocab, 4, hidden=32) == 2 * 16 * (vocab * 4 + 64)
+        assert not any(u.working_bytes() for u in blocks)
+    assert not any(u.working_bytes() for u in Planner(graph, cluster, runtime="mplan",
+                                                      kernels=False).units(1, False, 2))
     small = ParallelConfig(dp=1, tp=1, pp=1, mbs=2)
     transient = planner.evaluate(small, fast=False).memory[0].transient_bytes
     assert transient >= chunk_bytes(2 * 16, 96, 4, hidden=32)
@@ -255,16 +256,7 @@ def test_a_plan_short_of_memory_by_the_heads_chunk_takes_the_largest_smaller_chu
     default (None)."""
     import dataclasses
 
-    transformers = pytest.importorskip("transformers")
-    import torch
-
-    from mplan.ir.trace import capture_for_training
-
-    # vocabulary 2048: the head's chunk of logits (32 rows x 2048) is the largest transient by far
-    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-    torch.manual_seed(0)
-    graph = capture_for_training(transformers.LlamaForCausalLM(config), (torch.randint(0, 2048, (2, 16)),))
+    graph = _hf_llama_graph(vocab=2048)  # the head's chunk of logits (32 rows x 2048): the largest transient by far
     config = ParallelConfig(dp=1, tp=1, pp=1, mbs=2)
 
     base = ClusterSpec.preset("dgx-h100", nodes=1, gpus_per_node=1)

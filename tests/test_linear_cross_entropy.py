@@ -174,6 +174,14 @@ def test_a_second_backward_hands_out_the_same_gradients_never_scaled_twice() -> 
         assert rel_err(got, want / 2) < 1e-12
 
 
+def _op_node(loss: torch.Tensor) -> Any:
+    """The op's autograd node (its ctx), under the views and scalings of its output."""
+    node = loss.grad_fn
+    while not hasattr(node, "grads"):
+        node = node.next_functions[0][0]
+    return node
+
+
 @needs_reference_dispatch
 @pytest.mark.parametrize("retain", [False, True])
 def test_the_head_weight_adopts_the_ops_gradient_buffer_without_a_copy(retain: bool) -> None:
@@ -182,7 +190,7 @@ def test_the_head_weight_adopts_the_ops_gradient_buffer_without_a_copy(retain: b
     adds the same gradient again, however the first was accumulated."""
     x, weight, _, labels = _leaves(*_problem((6,), 4, 10, torch.float64, bias=False))
     loss = linear_cross_entropy(x, weight, labels, chunk_rows=4) * 2
-    node = loss.grad_fn.next_functions[0][0]
+    node = _op_node(loss)
     filled = node.grads[1].data_ptr()
     loss.backward(retain_graph=retain)
     assert weight.grad.data_ptr() == filled
@@ -200,9 +208,7 @@ def test_a_loss_kept_after_its_backward_keeps_no_gradient_buffer() -> None:
     keeps them for the next run, and running a freed graph again is a clear error."""
     x, weight, _, labels = _leaves(*_problem((6,), 4, 10, torch.float64, bias=False))
     loss = linear_cross_entropy(x, weight, labels, chunk_rows=4)
-    node = loss.grad_fn
-    while not hasattr(node, "grads"):  # the op's autograd node, under the views of its output
-        node = node.next_functions[0][0]
+    node = _op_node(loss)
     d_x = weakref.ref(node.grads[0])
     loss.backward(retain_graph=True)
     assert node.grads[0] is not None and d_x() is not None
@@ -221,10 +227,7 @@ def test_a_split_backward_gets_both_gradients_and_then_frees_them() -> None:
     (d_x,) = torch.autograd.grad(loss, x, retain_graph=True)
     (d_w,) = torch.autograd.grad(loss, weight)
     assert torch.allclose(d_x, 3 * want_x, rtol=1e-14, atol=0) and torch.allclose(d_w, 3 * want_w, rtol=1e-14, atol=0)
-    node = loss.grad_fn
-    while not hasattr(node, "grads"):
-        node = node.next_functions[0][0]
-    assert node.grads == (None, None, None)
+    assert _op_node(loss).grads == (None, None, None)
 
 
 # -- memory model -----------------------------------------------------------------------------------

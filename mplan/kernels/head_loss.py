@@ -287,8 +287,8 @@ def _fused_chunk(x_c: torch.Tensor, labels_c: torch.Tensor, weight: torch.Tensor
     """One chunk: its summed loss, as partial sums into `loss_out`; with `grads` (d_x's rows of
     this chunk, d_W, d_b, each None where not wanted) also its gradients, written (the `first`
     chunk) or accumulated there (`ones`: a chunk of ones in the bias dtype, for d_b). The chunk's
-    logits die on return, before the next chunk's exist. `upcast` with float64 logits: the loss of their fp32 copy, as
-    `logits.float()` gives (16- and 32-bit logits are computed in fp32 anyway)."""
+    logits die on return, before the next chunk's exist. `upcast` with float64 logits: the loss of
+    their fp32 copy, as `logits.float()` gives (16- and 32-bit logits are computed in fp32 anyway)."""
     logits = torch.mm(x_c, weight.t()) if bias is None else torch.addmm(bias, x_c, weight.t())
     if upcast and logits.dtype == torch.float64:
         logits = logits.float()

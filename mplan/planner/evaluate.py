@@ -261,14 +261,13 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     stream = facts.stream_bytes_per_sequence * config.mbs / (config.tp if config.sp else 1)
     p2p = collective_time(cluster, "send_recv", stream, pp_group) if config.pp > 1 else 0.0
 
-    def rank_memory(rank_units: list[int], dense: int, expert_params: int, in_flight_here: int,
-                    head_rows: int | None = None) -> MemoryBreakdown:
+    def rank_memory(rank: int, head_rows: int | None = None) -> MemoryBreakdown:
+        rank_units, dense, expert_params = holdings[rank]
         # Backward of the largest op holds its output's gradient and its input's at once; a fused
         # kernel's working memory (the head + loss's chunk of logits, `head_rows` rows) is held
         # once, in its forward.
-        workspace = max((max(2 * units[u].largest_op_bytes,
-                             units[u].head.working_bytes(head_rows) if units[u].head is not None else 0)
-                         for u in rank_units), default=0.0)
+        workspace = max((max(2 * units[u].largest_op_bytes, units[u].working_bytes(head_rows)) for u in rank_units),
+                        default=0.0)
         return estimate_memory(
             num_params=dense, per_param=per, zero=config.zero, dp=config.dp, expert_params=expert_params,
             expert_dp=mesh.expert_dp, recompute=config.recompute,
@@ -277,7 +276,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
             checkpoint_bytes=sum(units[u].input_bytes for u in rank_units) / config.vpp,
             # full recomputation re-runs one unit at a time: the largest one's activations on top
             layer_activation_bytes=max((moe.saved_bytes[u] for u in rank_units), default=0),
-            num_in_flight=in_flight_here, largest_workspace_bytes=workspace, fragmentation=fragmentation,
+            num_in_flight=in_flight[rank], largest_workspace_bytes=workspace, fragmentation=fragmentation,
             # mplan's runtime keeps no gradient buffer at dp=1: one micro-batch's gradients replace
             # its activations as backward runs (data_parallel.py)
             grads_during_backward=facts.runtime == "mplan" and config.dp == 1 and config.num_micro_batches == 1)
@@ -301,11 +300,10 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         syncs.append(sync)
         opt = max(opt, step)
         holdings.append((rank_units, dense, expert_params))
-        memory.append(rank_memory(rank_units, dense, expert_params, in_flight[rank]))
+        memory.append(rank_memory(rank))
     head_rows = None
     if not reason:
-        head_rows, chunk_f = _lean_head_chunk(units, cut.bounds, chunk_f, memory, cluster, compute,
-                                              lambda rank, rows: rank_memory(*holdings[rank], in_flight[rank], rows))
+        head_rows, chunk_f = _lean_head_chunk(units, cut.bounds, chunk_f, memory, cluster, compute, rank_memory)
     peak = max(m.total_bytes for m in memory)
     fits = not reason and peak <= cluster.device.memory_bytes
     if not reason and not fits:

@@ -70,10 +70,10 @@ class UnitCost:
     # the fused head + loss, when this unit runs it: its chunk of logits is the unit's working memory
     head: HeadChunking | None = None
 
-    @property
-    def working_bytes(self) -> int:
-        """The most a fused kernel holds while it runs beyond its saves: the head + loss's default chunk."""
-        return self.head.working_bytes() if self.head is not None else 0
+    def working_bytes(self, head_rows: int | None = None) -> int:
+        """The most a fused kernel holds while it runs beyond its saves: the head + loss's chunk of
+        `head_rows` rows (None: the op's default); 0 for a unit without it."""
+        return self.head.working_bytes(head_rows) if self.head is not None else 0
 
 
 def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[str, ...],
