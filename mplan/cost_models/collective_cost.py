@@ -53,7 +53,12 @@ NCCL_BASE_LATENCY_S = 10.0e-6
 
 
 def check_group_fits(cluster: ClusterSpec, group: GroupShape) -> None:
-    if group.ranks_per_node > cluster.gpus_per_node or group.num_nodes > cluster.num_nodes:
+    """Refuse a group the cluster cannot hold. A group spread unevenly over nodes is priced on more,
+    smaller nodes than it spans (`GroupShape.from_mesh_axis`), so only its ranks, its ranks per
+    node and whether it crosses nodes at all are checked against the cluster, not its node count."""
+    crosses_nodes = group.num_nodes > 1
+    if (group.ranks_per_node > cluster.gpus_per_node or group.size > cluster.world_size
+            or (crosses_nodes and cluster.num_nodes == 1)):
         raise ValueError(f"group of {group.size} ranks ({group.ranks_per_node} per node on {group.num_nodes} nodes) "
                          f"does not fit cluster {cluster.name}: {cluster.num_nodes} nodes x "
                          f"{cluster.gpus_per_node} GPUs")

@@ -27,7 +27,9 @@ increasing order of their smallest rank, and ranks inside a group in increasing 
 """
 from __future__ import annotations
 
+import functools
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
@@ -126,10 +128,11 @@ class MeshShape:
         return GroupShape.from_mesh_axis(size=self.degree(axis), stride=self.stride(axis), gpus_per_node=gpus_per_node)
 
     def p2p_shape(self, gpus_per_node: int) -> GroupShape:
-        """Two neighbouring pipeline stages (a send/recv pair): on one node or across two."""
+        """Two neighbouring pipeline stages (a send/recv pair): across two nodes if any such pair of
+        the mesh is (the slowest hop paces the pipeline), else on one node."""
         if self.pp == 1:
             return GroupShape(size=1, ranks_per_node=1)
-        return GroupShape.from_mesh_axis(size=2, stride=self.stride("pp"), gpus_per_node=gpus_per_node)
+        return _p2p_shape(self.stride("pp"), self.pp, gpus_per_node)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,18 +160,46 @@ class GroupShape:
 
     @classmethod
     def from_mesh_axis(cls, *, size: int, stride: int, gpus_per_node: int) -> GroupShape:
-        """The group of a mesh axis whose consecutive members are ``stride`` ranks apart.
+        """The groups of a mesh axis whose consecutive members are ``stride`` ranks apart, as they
+        fall on nodes of ``gpus_per_node`` (ranks fill nodes in order).
 
-        Ranks fill nodes in order, so members ``0, stride, 2*stride, ...`` share a node while they
-        stay within ``gpus_per_node``: e.g. TP innermost (stride 1) of size 8 on 8-GPU nodes is one
-        node; DP outside TP=8 (stride 8) puts one rank per node. A group that fills nodes unevenly
-        (60 ranks on 8-GPU nodes) is priced as if only gcd(size, fit) shared one: the slower,
-        conservative layout.
+        Every group of the axis is laid out, not only the first: a group that starts mid-node can
+        straddle a node boundary (tp=3 on 2-GPU nodes: ranks 0,1 | 2), and one that fits a node
+        (two pipeline neighbours on a 3-GPU node) must never be priced across two. Where every
+        group holds the same number of ranks on each node it touches, that number is exact (TP
+        innermost, size 8 on 8-GPU nodes: one node; DP outside TP=8: one rank per node). Where
+        they fall unevenly (tp=3 on 2-GPU nodes holds 2 and 1), the group is priced as if
+        gcd(counts) of its ranks shared each node: no node's NICs carry less than that share, so
+        the price is the slower, conservative one, and its `num_nodes` (size / gcd) may exceed
+        the nodes it spans (`collective_cost.check_group_fits` allows that, never more ranks).
         """
-        if size < 1 or stride < 1:
-            raise ValueError(f"mesh axis needs size >= 1 and stride >= 1, got size={size}, stride={stride}")
-        fit = gpus_per_node // stride if stride < gpus_per_node else 1
-        return cls(size=size, ranks_per_node=math.gcd(size, max(1, fit)))
+        if size < 1 or stride < 1 or gpus_per_node < 1:
+            raise ValueError(f"mesh axis needs size, stride and gpus_per_node >= 1, got size={size}, "
+                             f"stride={stride}, gpus_per_node={gpus_per_node}")
+        return _axis_shape(size, stride, gpus_per_node)
+
+
+@functools.lru_cache(maxsize=4096)
+def _axis_shape(size: int, stride: int, gpus_per_node: int) -> GroupShape:
+    # An axis's groups are the ranks sharing every other coordinate: digit (rank // stride) % size
+    # runs over the group. Nodes and groups both repeat with period lcm(size*stride, gpus_per_node),
+    # which divides any world the mesh fills (stride*size and gpus_per_node both divide it), so
+    # the groups of one period are those of every world. Cached: the search asks per candidate.
+    period = math.lcm(size * stride, gpus_per_node)
+    counts: set[int] = set()
+    for base in range(period):
+        if (base // stride) % size == 0:
+            counts.update(Counter((base + i * stride) // gpus_per_node for i in range(size)).values())
+    return GroupShape(size=size, ranks_per_node=math.gcd(*counts))
+
+
+@functools.lru_cache(maxsize=4096)
+def _p2p_shape(stride: int, pp: int, gpus_per_node: int) -> GroupShape:
+    # Stage s of a pipeline sends to stage s+1, `stride` ranks on; the pairs repeat as the axis's groups do.
+    period = math.lcm(pp * stride, gpus_per_node)
+    crosses = any(base // gpus_per_node != (base + stride) // gpus_per_node
+                  for base in range(period) if (base // stride) % pp < pp - 1)
+    return GroupShape(size=2, ranks_per_node=1 if crosses else 2)
 
 
 def _fixed_coords(coord: MeshCoord, axis: Axis) -> tuple[int, ...]:

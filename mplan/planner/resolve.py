@@ -72,6 +72,7 @@ def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec,
     elif isinstance(plan, str):
         config = _config_of(plan, world_size, global_batch, micro_batch_size, graph)
         search = planner(tp_layout)
+        _check_heads(plan, config.tp, search.limits.num_heads, graph)
         estimate = search.evaluate(config)
         result = SearchResult(best=estimate, ranked=[estimate], rejected=[], sharded=search._sharded,
                               facts=search.facts, num_candidates=1, seconds=0.0)
@@ -172,6 +173,16 @@ def _check(plan: Plan, graph: Graph) -> None:
         _check_divisible(at, choice, plan.mesh.tp)
     except UnexecutableStrategy as exc:
         raise PlanError(f"plan {plan.spec()} cannot run on {graph.model_name}: {exc}") from None
+
+
+def _check_heads(plan: str, tp: int, heads: int, graph: Graph) -> None:
+    """TP splits attention by heads: a tp that does not divide them would leave every attention op
+    (and the projections around it) replicated, a plan named tp that splits nothing there. The
+    search never tries one (`enumerate_configs`); a spec asking for one is refused. (A graph
+    without attention reports one head and is limited by its tensors' dims alone, `_check_divisible`.)"""
+    if heads > 1 and heads % tp:
+        raise PlanSpecError(f"plan {plan!r}: tp={tp} does not divide the {heads} attention heads of "
+                            f"{graph.model_name} ({heads} % {tp} = {heads % tp}): use a tp that divides {heads}")
 
 
 def _check_experts(plan: str, ep: int, capacity: float | None, graph: Graph) -> None:
