@@ -42,6 +42,7 @@ from mplan.ir.trace import capture_for_training
 from mplan.planner.parallel_config import PlanSpec
 from mplan.planner.plan import Plan
 from mplan.planner.resolve import resolve_plan
+from mplan.progress import Progress
 from mplan.runtime.launch import init_distributed_from_env
 from mplan.runtime.parallel_module import ParallelModule, check_executable, parallelize
 from mplan.runtime.replicated_optimizer import OptimizerFactory
@@ -61,7 +62,8 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
                  autocast: torch.dtype | bool | None = None, seed: int = 0,
                  state_dict: Mapping[str, torch.Tensor] | None = None,
                  device: torch.device | str | None = None, tp_layout: str = "megatron",
-                 kernels: bool | None = None, fp8: bool = False) -> ParallelModule:
+                 kernels: bool | None = None, fp8: bool = False,
+                 progress: Progress | Callable[[str], None] | str | None = None) -> ParallelModule:
     """Parallelize `model` under `plan` on this job's ranks (see the module docstring).
 
     `max_grad_norm` clips the global gradient norm (over every shard) before each step, as
@@ -75,7 +77,10 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     (`passes.fuse_kernels`; None: on CUDA, where they run as Triton kernels; elsewhere they
     would only run their PyTorch references); `fp8` (or a Plan made with `fp8=True`) runs the
     linears inside the blocks as FP8 GEMMs (`kernels.fp8`, delayed scaling; the output head stays
-    in the training dtype) and raises `Fp8Unavailable` naming why where they cannot run. Collective: every rank of the job
+    in the training dtype) and raises `Fp8Unavailable` naming why where they cannot run. `progress`
+    shows each phase (capture, plan, lowering, first step) with its time on rank 0's stderr: a
+    live line on a terminal, one line per phase in a log, nothing with "quiet" (`mplan.progress`;
+    the MPLAN_PROGRESS variable sets it for a whole job). Collective: every rank of the job
     calls it with the same arguments.
     """
     _check_numbers(global_batch=global_batch, micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm)
@@ -85,18 +90,25 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     cluster = cluster or _local_cluster(world_size)
     inputs = tuple(example_inputs)
     use_kernels = run_on.type == "cuda" if kernels is None else kernels
-    graph = capture_for_training(model, inputs, loss_fn=loss_fn)
-    resolved = resolve_plan(plan, graph, cluster=cluster, world_size=world_size, global_batch=global_batch,
-                            micro_batch_size=micro_batch_size, tp_layout=tp_layout, within=EXECUTABLE,
-                            kernels=use_kernels and cluster.device.name != "cpu", fp8=fp8)
-    check_executable(resolved)
-    # a model that returns only its loss when given labels leaves no logits in the training graph
-    forward_only = len(graph.program.graph_signature.output_specs) < 2
-    inference = _forward_graph(model, inputs, resolved, cluster, world_size) if forward_only else None
-    pm = parallelize(graph=graph, plan=resolved, source=state_dict if state_dict is not None else model,
-                     model=model, optimizer=optimizer, device=run_on, dtype=dtype, seed=seed,
-                     max_grad_norm=max_grad_norm, autocast=_autocast_dtype(autocast), kernels=use_kernels,
-                     fp8=resolved.fp8, inference=inference)
+    progress = Progress.of(progress)
+    with progress.phase("capture", type(model).__name__):
+        graph = capture_for_training(model, inputs, loss_fn=loss_fn)
+    with progress.phase("plan", "searching" if plan is None else "binding the plan given") as planned:
+        resolved = resolve_plan(plan, graph, cluster=cluster, world_size=world_size, global_batch=global_batch,
+                                micro_batch_size=micro_batch_size, tp_layout=tp_layout, within=EXECUTABLE,
+                                kernels=use_kernels and cluster.device.name != "cpu", fp8=fp8, progress=progress)
+        check_executable(resolved)
+        planned.detail = _plan_words(resolved, world_size)
+    with progress.phase("lowering", f"{resolved.mesh.tp}-way TP, {resolved.mesh.pp} stage"
+                                    f"{'s' if resolved.mesh.pp > 1 else ''}, {'fused kernels' if use_kernels else 'ATen ops'}"):
+        # a model that returns only its loss when given labels leaves no logits in the training graph
+        forward_only = len(graph.program.graph_signature.output_specs) < 2
+        inference = _forward_graph(model, inputs, resolved, cluster, world_size) if forward_only else None
+        pm = parallelize(graph=graph, plan=resolved, source=state_dict if state_dict is not None else model,
+                         model=model, optimizer=optimizer, device=run_on, dtype=dtype, seed=seed,
+                         max_grad_norm=max_grad_norm, autocast=_autocast_dtype(autocast), kernels=use_kernels,
+                         fp8=resolved.fp8, inference=inference)
+    pm.progress = progress
     # torch.export leaves reference cycles that reach the model (the trace's frames and
     # closures). Collected now, `del model` frees the model's memory at once rather than at
     # Python's next full collection, which no device allocation waits for.
@@ -126,6 +138,15 @@ def _forward_graph(model: nn.Module, inputs: tuple[torch.Tensor, ...], plan: Pla
     graph = capture_for_training(model, inputs, with_loss=False)
     return graph, resolve_plan(plan, graph, cluster=cluster, world_size=world_size, global_batch=plan.global_batch,
                                fp8=plan.fp8)
+
+
+def _plan_words(plan: Plan, world_size: int) -> str:
+    """The plan in a few words, its step time and what that figure rests on (`prediction_basis`:
+    a time priced from placeholder figures must not read as a forecast)."""
+    from mplan.planner.explain import prediction_basis
+
+    return (f"{plan.describe()} on {world_size} rank{'s' if world_size > 1 else ''}; step "
+            f"{plan.predicted.step_time_s * 1e3:.1f} ms, {prediction_basis(plan)}")
 
 
 def _default_device() -> torch.device:

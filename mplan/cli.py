@@ -16,6 +16,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from mplan.cost_models.rates import flops_rate, percent
 from mplan.planner.parallel_config import DEFAULT_RUNTIME, RUNTIMES
+from mplan.progress import Progress
 from mplan.refusal import ArgumentParser, is_refusal, report
 
 
@@ -140,22 +141,18 @@ def _cluster(args: argparse.Namespace):  # noqa: ANN202 - ClusterSpec
     return ClusterSpec.preset(args.cluster, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
 
 
-def _stderr_progress():  # noqa: ANN202 - a rich status spinner on stderr, and its update function
-    from rich.console import Console
-
-    status = Console(stderr=True).status("planning", spinner="dots")
-    return status, lambda message: status.update(message)
+def _progress(args: argparse.Namespace) -> Progress:
+    """Phases and news on stderr (`mplan.progress`): a live line on a terminal, one line per phase
+    in a log, nothing with -q; stdout stays the command's own (`--json`: one document)."""
+    return Progress("quiet" if args.quiet else "auto")
 
 
 def _plan(args: argparse.Namespace) -> int:
     from mplan.planner.planning import plan
 
-    status, progress = _stderr_progress()
-    with status:
-        progress(f"capturing {args.model}")
-        made = plan(args.model, cluster=_cluster(args), global_batch=args.global_batch, spec=args.spec,
-                    seq_len=args.seq_len, allow_cross_node_tp=args.allow_cross_node_tp, kernels=args.kernels,
-                    fp8=args.fp8, runtime=args.runtime, moe_imbalance=args.moe_imbalance, progress=progress)
+    made = plan(args.model, cluster=_cluster(args), global_batch=args.global_batch, spec=args.spec,
+                seq_len=args.seq_len, allow_cross_node_tp=args.allow_cross_node_tp, kernels=args.kernels,
+                fp8=args.fp8, runtime=args.runtime, moe_imbalance=args.moe_imbalance, progress=_progress(args))
     if args.output:
         made.save(args.output)
     if args.json:
@@ -191,7 +188,7 @@ def _explain(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from mplan.bench import bench_plans, rankings, write_csv
 
-    status, progress = _stderr_progress()
+    progress = _progress(args)
     reports = int(os.environ.get("RANK", "0")) == 0  # under torchrun (--measure) every rank runs the plans
 
     def document(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -201,7 +198,8 @@ def _bench(args: argparse.Namespace) -> int:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(document(rows), f, indent=1)
 
-    with status:
+    with progress.phase("bench", f"{len(args.plans)} plan{'s' if len(args.plans) > 1 else ''}"
+                                 f"{', measured' if args.measure else ''}"):
         rows = bench_plans(args.model, _cluster(args), args.global_batch, args.plans, seq_len=args.seq_len,
                            measure=args.measure, profile=args.profile, moe_imbalance=args.moe_imbalance,
                            progress=progress,
@@ -256,8 +254,8 @@ def _profile(args: argparse.Namespace) -> int:
     from mplan.cost_models.profile_cluster import profile_cluster
     from mplan.runtime.launch import init_distributed_from_env
 
-    status, progress = _stderr_progress()
-    with status:
+    progress = _progress(args)
+    with progress.phase("profile", "kernels" + ("" if args.no_links else " and links")):
         cluster = profile_cluster(args.output, init_distributed_from_env(), quick=args.quick,
                                   links=not args.no_links, progress=progress)
     if int(os.environ.get("RANK", "0")) != 0:
@@ -277,9 +275,8 @@ def _verify(args: argparse.Namespace) -> int:
         from mplan.planner.plan import Plan
 
         model, plan = Plan.load(args.target).model.name, args.target
-    status, progress = _stderr_progress()
-    with status:
-        progress(f"running {plan} scaled down on {args.world_size} CPU ranks and on one process")
+    progress = _progress(args)
+    with progress.phase("verify", f"{plan} scaled down on {args.world_size} CPU ranks and on one process"):
         report = verify_plan(model, plan, args.world_size, steps=args.steps)
     doc = {"model": report.model, "scaled_model": report.scaled_model, "plan": report.plan,
            "executed": report.executed, "world_size": report.world_size, "steps": report.steps,
@@ -312,6 +309,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON document and nothing else")
     p.set_defaults(func=_inspect)
 
+    def quiet_arg(q: argparse.ArgumentParser) -> None:
+        q.add_argument("-q", "--quiet", action="store_true",
+                       help="no progress on stderr (default: a live line on a terminal, one line per phase in a log)")
+
     def cluster_args(q: argparse.ArgumentParser) -> None:
         q.add_argument("--cluster", default="dgx-h100",
                        help="preset (dgx-a100, dgx-h100, dgx-h200, h200, cpu) or a cluster JSON file")
@@ -336,6 +337,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="MoE models: the busiest expert-parallel rank's token load over the mean (1.0: uniform)")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON and nothing else")
+    quiet_arg(p)
     p.set_defaults(func=_plan)
 
     p = sub.add_parser("explain", help="why a plan won: stages, memory, time, per-op sharding, alternatives")
@@ -356,6 +358,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", default=None, help="also write the table as CSV")
     p.add_argument("--out", default=None, help="also write the rows as JSON here, rewritten after each plan")
     p.add_argument("--json", action="store_true", help="print one JSON document and nothing else")
+    quiet_arg(p)
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("profile", help="measure this machine's kernels and links (run under torchrun on every rank)")
@@ -363,6 +366,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a small grid: seconds, for a smoke test")
     p.add_argument("--no-links", action="store_true", help="time the device only")
     p.add_argument("--json", action="store_true", help="print the cluster file and nothing else")
+    quiet_arg(p)
     p.set_defaults(func=_profile)
 
     p = sub.add_parser("verify", help="run a plan scaled down on CPU ranks, compare with one device")
@@ -371,6 +375,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=positive_int, default=4, help="gloo CPU ranks to start")
     p.add_argument("--steps", type=positive_int, default=3, help="optimizer steps to compare")
     p.add_argument("--json", action="store_true", help="print one JSON document and nothing else")
+    quiet_arg(p)
     p.set_defaults(func=_verify)
     return parser
 

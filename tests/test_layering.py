@@ -22,6 +22,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mplan"
 BRIDGE = {"mplan.planner.plan", "mplan.planner.parallel_config"}
 ALLOWED: dict[str, set[str]] = {
     "refusal": set(),  # how a refused run ends (one line on rank 0): the runtime's torchrun hook uses it
+    "progress": set(),  # a word while it works (phases and their times on stderr): planner, API and runtime report
     "json_fields": set(),  # reading a JSON file field by field, each error naming its field: every reader's
     "kernels": set(),
     "models": {"kernels", "json_fields"},  # the MoE family's experts are the `moe_experts` op; config.json
@@ -30,9 +31,11 @@ ALLOWED: dict[str, set[str]] = {
     "ir": {"models", "kernels"},
     "collectives": {"ir"},
     "cost_models": {"ir", "json_fields"},
-    "planner": {"ir", "cost_models", "kernels", "json_fields"},  # kernels: their byte counts price fused chains
+    "planner": {"ir", "cost_models", "kernels", "json_fields", "progress", "models"},  # kernels: their byte counts
+    # price fused chains; models: what a model spec's config states refuses an impossible plan spec before capture
     "passes": {"ir", "cost_models", "collectives", "kernels", "models"} | BRIDGE,
-    "runtime": {"ir", "cost_models", "collectives", "kernels", "models", "passes", "refusal", "json_fields"} | BRIDGE,
+    "runtime": {"ir", "cost_models", "collectives", "kernels", "models", "passes", "refusal", "json_fields",
+                "progress"} | BRIDGE,
 }
 TOP_LEVEL = {"__init__", "__main__", "api", "cli", "bench", "measure", "verify"}
 """The application layer: the public API and the commands, which may use every layer."""

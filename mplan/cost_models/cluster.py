@@ -147,6 +147,19 @@ class ClusterSpec:
     def world_size(self) -> int:
         return self.num_nodes * self.gpus_per_node
 
+    @property
+    def figures(self) -> str:
+        """Where this cluster's prices come from, in one word, for every place a prediction is
+        shown: "measured" (a profile from `mplan profile`, or the packaged one of this device),
+        "nominal" (a placeholder, such as the `cpu` preset's: no prediction for any machine, since
+        a CPU step measured 22-30x the step priced from it), or "datasheet" (published figures)."""
+        if self.profile is not None or self.device.source.startswith("measured"):
+            return "measured"
+        links = [link for link in (self.links.intra_node, self.links.inter_node) if link.kind != "none"]
+        if any(part.source.startswith("nominal") for part in (self.device, *links)):
+            return "nominal"
+        return "datasheet"
+
     def link_fit(self, collective: str, level: str, bus_bytes: float = 0.0) -> AlphaBetaFit | None:
         """The measured alpha-beta fit for ``collective`` on ``level`` at ``bus_bytes``, if the profile has one."""
         if self.profile is None or self.profile.links is None:

@@ -56,6 +56,21 @@ COST_COLUMNS = ("compute ms", "comm ms", "reshard ms")
 GLUE_SEGMENTS = ("prologue", "epilogue")
 
 
+PREDICTION_BASIS = {
+    "measured": "predicted from measured figures",
+    "datasheet": "predicted from datasheet figures, not measured",
+    "nominal": "NOT a prediction for this machine: the cluster's figures are nominal placeholders "
+               "(`mplan profile` measures real ones)",
+    "unrecorded": "predicted, not measured",
+}
+"""What a predicted figure rests on, by `ClusterInfo.figures`: shown wherever one is printed, so
+that a time priced from placeholders (the `cpu` preset's) is never read as a forecast."""
+
+
+def prediction_basis(plan: Plan) -> str:
+    return PREDICTION_BASIS.get(plan.cluster.figures, PREDICTION_BASIS["unrecorded"])
+
+
 def _op_facts(key: str, text: str) -> dict[str, Any]:
     """Module path and op of a node key (`attn.q_proj:linear#0`), and what its strategy text says
     about cost without re-pricing: the work split or not, the op's own collectives (bytes, forward)."""
@@ -232,7 +247,8 @@ def explain_data(plan: Plan) -> dict[str, Any]:
                           # what the bubble counts: the busiest rank's idle share of the pipeline time
                           "bubble_rank": sim.critical_rank, "pipeline_ms": sim.pipeline_time_s * 1e3,
                           "exposed_grad_sync_ms": sim.exposed_comm_s * 1e3,
-                          "optimizer_ms": plan.predicted.optimizer_s * 1e3},
+                          "optimizer_ms": plan.predicted.optimizer_s * 1e3,
+                          "figures": plan.cluster.figures, "basis": prediction_basis(plan)},
             "notation": NOTATION,
             "schedule": {"name": plan.schedule, "text": schedule_of(config_of(plan)).render() if plan.mesh.pp > 1 else ""},
             "stages": stages, "ranks": per_rank, "block_type": main, "block_ops": block_ops,
@@ -276,7 +292,7 @@ def render(plan: Plan, console: Any) -> None:
                   f"(MFU {p['mfu']:.1%}), {p['tokens_per_s']:,.0f} tokens/s, bubble {p['bubble_fraction']:.1%}"
                   + (f" (idle share of the pipeline time on rank {p['bubble_rank']}, the busiest)"
                      if plan.mesh.pp > 1 else "")
-                  + f", peak memory {p['memory_gib']:.1f} GiB  [predicted, not measured]")
+                  + f", peak memory {p['memory_gib']:.1f} GiB  \\[{prediction_basis(plan)}]")
     if d["head_loss_chunk_rows"] is not None:
         console.print(f"fused head + loss: {d['head_loss_chunk_rows']} rows a chunk, below the op's default: "
                       f"the default chunk of logits would not fit in the last stage's memory")

@@ -40,6 +40,13 @@ TP_LAYOUTS = ("ilp", "megatron")
 layout (columns, rows, heads, vocabulary), as a hand-written Megatron plan has it."""
 
 
+SEQ_LEN_SOURCES = ("--seq-len", "model preset", "model spec seq=", "config max_position_embeddings",
+                   "config n_positions", "config n_ctx", "config seq_length", "factory config", "example inputs")
+"""Where a plan's sequence length came from (`model.seq_len_source`): given (`--seq-len`, or
+`seq_len=` in Python), a preset, a family spec's `seq=`, the Hugging Face config field that states
+it, a model factory's config, or the example inputs of a module (`autoparallel`, `mplan.plan(module)`)."""
+
+
 class PlanError(ValueError):
     """A plan file that is malformed, or that does not match the model or cluster at hand."""
 
@@ -83,6 +90,8 @@ class ModelInfo:
     num_layers: int
     seq_len: int
     graph_hash: str  # structural hash of the captured model (graph_hash.py)
+    # where seq_len came from (SEQ_LEN_SOURCES); optional in the file (plans written before it: None)
+    seq_len_source: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,6 +101,9 @@ class ClusterInfo:
     gpus_per_node: int
     world_size: int
     device: str
+    # where the prices came from (`ClusterSpec.figures`): "measured", "datasheet" or "nominal"
+    # (placeholders: every prediction shown from them says so); "unrecorded" in plans made before
+    figures: str = "unrecorded"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -305,14 +317,21 @@ def _head_loss_chunk_rows(r: FieldReader) -> int | None:
 def _model(r: FieldReader) -> ModelInfo:
     info = ModelInfo(name=r.string("name"), num_parameters=r.integer("num_parameters"),
                      num_layers=r.integer("num_layers", minimum=0), seq_len=r.integer("seq_len"),
-                     graph_hash=r.string("graph_hash"))
+                     graph_hash=r.string("graph_hash"), seq_len_source=_seq_len_source(r))
     r.finish()
     return info
 
 
+def _seq_len_source(r: FieldReader) -> str | None:
+    if not r.has("seq_len_source") or r.raw("seq_len_source") is None:
+        return None
+    return r.string("seq_len_source", choices=SEQ_LEN_SOURCES)
+
+
 def _cluster(r: FieldReader) -> ClusterInfo:
     info = ClusterInfo(name=r.string("name"), nodes=r.integer("nodes"), gpus_per_node=r.integer("gpus_per_node"),
-                       world_size=r.integer("world_size"), device=r.string("device"))
+                       world_size=r.integer("world_size"), device=r.string("device"),
+                       figures=r.string("figures") if r.has("figures") else "unrecorded")
     r.finish()
     return info
 

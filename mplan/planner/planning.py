@@ -25,6 +25,8 @@ from mplan.planner.plan import Plan, PlanError
 from mplan.planner.plan_builder import build_plan
 from mplan.planner.search import Planner, SearchResult
 from mplan.planner.sharding_ilp import StrategyFilter
+from mplan.planner.spec_check import check_before_capture
+from mplan.progress import Progress
 
 
 def capture_for_planning(model: nn.Module | str, example_inputs: Sequence[Any] | None = None, *,
@@ -65,7 +67,7 @@ def plan(model: nn.Module | str, example_inputs: Sequence[Any] | None = None, *,
          global_batch: int, spec: PlanSpec | str = "auto", seq_len: int | None = None,
          loss_fn: Callable[..., torch.Tensor] | None = None, allow_cross_node_tp: bool = False,
          kernels: bool | None = None, fp8: bool = False, runtime: str = DEFAULT_RUNTIME, moe_imbalance: float = 1.0,
-         progress: Callable[[str], None] | None = None) -> Plan:
+         progress: Progress | Callable[[str], None] | str | None = None) -> Plan:
     """The fastest plan that fits, with the best rejected alternatives and why each lost.
 
     `kernels`: price the memory-bound chains as mplan's fused kernels, as `autoparallel` runs
@@ -73,17 +75,27 @@ def plan(model: nn.Module | str, example_inputs: Sequence[Any] | None = None, *,
     block linears run as FP8 GEMMs, priced so; `autoparallel` runs such a plan in FP8.
     `runtime`: whose optimizer memory is priced, Megatron-LM's ("megatron") or mplan's ("mplan",
     as `autoparallel` plans). `moe_imbalance`: MoE models, the busiest expert-parallel rank's token
-    load over the mean that the all-to-all and expert GEMMs are priced at (1.0: uniform routing)."""
+    load over the mean that the all-to-all and expert GEMMs are priced at (1.0: uniform routing).
+    `progress`: how the capture and the search are shown while they run (`mplan.progress`: a
+    Progress, a mode name such as "quiet", a callback, or None for a live line on a terminal and
+    one line per phase in a log)."""
     check_batch(global_batch, seq_len)  # before the capture: a bad number costs nothing
     if fp8 and not cluster.device.peak_fp8:
         raise PlanError(f"fp8=True: {cluster.device.name} has no FP8 tensor cores (no fp8 peak in its cluster spec)")
     start = time.perf_counter()
+    # everything that needs no graph (the spec, the cluster, what the model's config states), before the capture
+    checked = check_before_capture(spec, cluster=cluster, global_batch=global_batch, model=model, seq_len=seq_len,
+                                   allow_cross_node_tp=allow_cross_node_tp)
     kernels = cluster.device.name != "cpu" if kernels is None else kernels
-    graph = capture_for_planning(model, example_inputs, seq_len=seq_len, loss_fn=loss_fn)
-    _, result = search_plans(graph, cluster, global_batch, spec, allow_cross_node_tp=allow_cross_node_tp,
-                             kernels=kernels, fp8=fp8, runtime=runtime, moe_imbalance=moe_imbalance,
-                             progress=progress)
+    progress = Progress.of(progress)
+    with progress.phase("capture", model if isinstance(model, str) else type(model).__name__):
+        graph = capture_for_planning(model, example_inputs, seq_len=seq_len, loss_fn=loss_fn)
+    with progress.phase("search", f"{cluster.world_size} {cluster.device.name} ranks"):
+        _, result = search_plans(graph, cluster, global_batch, checked.spec, allow_cross_node_tp=allow_cross_node_tp,
+                                 kernels=kernels, fp8=fp8, runtime=runtime, moe_imbalance=moe_imbalance,
+                                 progress=progress)
     made = dataclasses.replace(build_plan(result, graph, cluster, global_batch, runtime=runtime), fp8=fp8)
+    made = dataclasses.replace(made, model=dataclasses.replace(made.model, seq_len_source=checked.seq_len_source))
     made.planner["total_seconds"] = round(time.perf_counter() - start, 3)
     made.planner["fused_kernels_priced"] = float(kernels)
     if kernels:  # what the pass will fuse, per kernel over the whole model (`mplan explain` shows it)

@@ -74,6 +74,7 @@ from mplan.passes.recompute import checkpoint_units
 from mplan.passes.shard_parameters import ParameterSource, materialize_buffers, shard_parameters
 from mplan.passes.split_stages import StageProgram, split_stages
 from mplan.planner.plan import Plan, PlanError
+from mplan.progress import Progress
 from mplan.runtime.checkpoint import load_checkpoint, save_checkpoint
 from mplan.runtime.compute_copies import ComputeCopies, autocast_cast_parameters
 from mplan.runtime.data_parallel import needs_reduction
@@ -284,6 +285,9 @@ class ParallelModule:
         self._micro: list[tuple[torch.Tensor, ...]] = []
         self.executor = self._executor() if pipeline is not None else None
         self._meter = StepMeter(plan=plan, graph=graph, device=device, optimizer=self.optimizer.optimizer)
+        # `autoparallel` hands its Progress over: the first step is the last phase it reports
+        # (it pays for the kernels' compilation and the allocator's warm-up), then it is dropped.
+        self.progress: Progress | None = None
 
     def _executor(self) -> PipelineExecutor:
         pipeline = self.pipeline
@@ -321,13 +325,33 @@ class ParallelModule:
         None before the first step."""
         return self._meter.last()
 
+    # -- the data-parallel coordinates a user's data loader needs -------------------------------
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel replica, 0 .. dp_size - 1: a sampler's `rank`
+        (`DistributedSampler(data, num_replicas=pm.dp_size, rank=pm.dp_rank)`). Ranks that differ
+        only in TP, PP or EP share it: they must read the same rows."""
+        return self.groups.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        """The number of data-parallel replicas (the plan's dp): a sampler's `num_replicas`."""
+        return self.plan.mesh.dp
+
+    @property
+    def local_batch_size(self) -> int:
+        """Rows of one replica's slice of the global batch: what `train_step(..., local=True)` takes."""
+        return self.plan.global_batch // self.plan.mesh.dp
+
     # -- training -----------------------------------------------------------------------------
     def train_step(self, inputs: Batch, labels: torch.Tensor, *, local: bool = False) -> float:
         """One optimizer step over the global batch; the loss, equal on every rank. Timed for
         `last_metrics` (the loss's read-back already waits for the device)."""
-        self._meter.start()
-        loss = self._step(inputs, labels, local=local)
-        self._meter.stop(loss)
+        first, self.progress = self.progress, None
+        with first.phase("first step", "later steps: pm.last_metrics") if first else contextlib.nullcontext():
+            self._meter.start()
+            loss = self._step(inputs, labels, local=local)
+            self._meter.stop(loss)
         return loss
 
     def _step(self, inputs: Batch, labels: torch.Tensor, *, local: bool) -> float:
