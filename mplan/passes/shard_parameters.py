@@ -22,8 +22,10 @@ Meta-device models, how each parameter is made:
   distribution, not the weights of some other single-device instance. A module neither rule
   initializes is an error.
 Buffers are never sharded (`materialize_buffers`): a real model's own (moved if on another
-device; the local program only reads them), or recomputed for meta-device mplan models
-(`reset_tables`, RoPE).
+device; the local program only reads them); for a model on meta, the state dict's where it holds
+the buffer, else recomputed by the owner's `reset_tables()` (mplan's RoPE) or a Hugging Face
+model's `_init_weights`, and refused, naming it, where that rule leaves any element unset.
+Whatever the dtype (complex, integer, bool, float), no rank ever reads uninitialized memory.
 
 Storage: a TP shard, or a parameter moved to another device or dtype, is a copy that owns its
 storage, so the full model can be freed. A parameter stored whole (replicated: all of them at
@@ -144,40 +146,69 @@ def _init_module_copy(model: nn.Module, name: str, seed: int,
                       init: Callable[[nn.Module], None] | None) -> torch.Tensor:
     """Parameter `name`, initialized on a CPU copy of its owner module (without its children):
     by `init(module)` (a Hugging Face model's `_init_weights`), else by the module's own
-    `reset_parameters()`."""
+    `reset_parameters()`; refused where the rule leaves any element of it unset."""
     owner_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_name)
     if init is None and not hasattr(owner, "reset_parameters"):
         raise TypeError(f"parameter {name} is on the meta device and {type(owner).__name__} "
                         f"({owner_name or 'the root'}) has no reset_parameters(); build the model "
                         f"on a real device or pass a state dict")
-    fresh = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        for p in fresh.parameters(recurse=False):
-            p.fill_(float("nan"))  # what the rule leaves alone shows, rather than stale memory
-        torch.manual_seed(parameter_seed(seed, owner_name))
-        if init is None:
-            fresh.reset_parameters()
-        else:
-            init(fresh)
-    value = getattr(fresh, leaf).detach()
-    if value.is_floating_point() and torch.isnan(value).any():
-        rule = "_init_weights" if init is not None else "reset_parameters()"
-        raise TypeError(f"parameter {name} is on the meta device and {type(model).__name__}'s {rule} leaves it "
-                        f"uninitialized; build the model on a real device or pass a state dict")
+    rule: Callable[[nn.Module], None] = init if init is not None else (lambda module: module.reset_parameters())
+    seeded = parameter_seed(seed, owner_name)
+    # A NaN survives whatever arithmetic a rule does to it, so one run shows an element the rule
+    # left alone wherever the dtype has NaN (float and complex: every trainable parameter), at the
+    # cost of one init of a possibly large tensor. Other dtypes have no value a rule could not
+    # write itself: two runs from different fills must agree.
+    value = _run_rule(owner, leaf, rule, seed=seeded, fill=0)
+    unset = (torch.isnan(value).any() if _has_nan(value)
+             else not torch.equal(value, _run_rule(owner, leaf, rule, seed=seeded, fill=1)))
+    if unset:
+        what = "_init_weights" if init is not None else "reset_parameters()"
+        raise TypeError(f"parameter {name} ({_dtype_name(value)}) is on the meta device and "
+                        f"{type(model).__name__}'s {what} leaves it uninitialized; build the model on a real "
+                        f"device or pass a state dict")
     return value
 
 
-def materialize_buffers(graph: Graph, model: nn.Module, names: list[str], *,
-                        device: torch.device | str) -> dict[str, torch.Tensor]:
-    """The whole buffers `names` (IR names) on `device`; recomputed when the model is on meta."""
+def _has_nan(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _run_rule(owner: nn.Module, leaf: str, rule: Callable[[nn.Module], None], *, seed: int,
+              fill: int) -> torch.Tensor:
+    """`owner`'s tensor `leaf` after `rule` ran on a CPU copy of `owner` (its children stay on
+    meta) whose own tensors were first filled with NaN where their dtype has it, else `fill`:
+    what the rule leaves alone shows, never uninitialized memory."""
+    fresh = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        for tensor in (*fresh.parameters(recurse=False), *fresh.buffers(recurse=False)):
+            tensor.fill_(float("nan") if _has_nan(tensor) else fill)
+        torch.manual_seed(seed)
+        rule(fresh)
+    return getattr(fresh, leaf).detach()
+
+
+def materialize_buffers(graph: Graph, model: nn.Module, names: list[str], *, device: torch.device | str,
+                        state_dict: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The whole buffers `names` (IR names) on `device`. A buffer of a model on meta comes from
+    `state_dict` where that holds it (a persistent buffer), else is recomputed (`_recompute_buffer`)."""
     buffers = dict(model.named_buffers(remove_duplicate=False))
     out: dict[str, torch.Tensor] = {}
     for name in names:
         if name not in buffers:
             raise KeyError(f"the model has no buffer {name}")
         value = buffers[name]
-        if value.is_meta:
+        if value.is_meta and state_dict is not None and name in state_dict:
+            given = state_dict[name]
+            if tuple(given.shape) != tuple(value.shape) or given.dtype != value.dtype:
+                raise ValueError(f"buffer {name}: the state dict has {_dtype_name(given)}{list(given.shape)}, "
+                                 f"the model {_dtype_name(value)}{list(value.shape)}")
+            value = given
+        elif value.is_meta:
             value = _recompute_buffer(model, name)
         out[name] = value.detach().to(device=device)
     return out
@@ -185,24 +216,28 @@ def materialize_buffers(graph: Graph, model: nn.Module, names: list[str], *,
 
 def _recompute_buffer(model: nn.Module, name: str) -> torch.Tensor:
     """Buffer `name` recomputed on a CPU copy of its owner: by mplan's `reset_tables()`, or by a
-    Hugging Face model's `_init_weights` (which recomputes RoPE's inverse frequencies)."""
+    Hugging Face model's `_init_weights` (which recomputes RoPE's inverse frequencies).
+
+    The rule runs twice, under seeds 0 and 1, from fills that differ (0 then 1) or never equal
+    themselves (NaN, where the dtype has it), and must give the same tensor both times: an
+    element it leaves unset keeps its fill and one it draws at random differs, and either way the
+    buffer is not what the model computes, so it is refused. This holds for every dtype alike (a
+    NaN check alone misses integer and bool buffers, and a complex one unless asked for), and
+    costs little, as buffers are small tables."""
     owner_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_name)
     init = getattr(model, "_init_weights", None) if hasattr(model, "config") else None
-    if not hasattr(owner, "reset_tables") and not callable(init):
-        raise TypeError(f"buffer {name} is on the meta device and {type(owner).__name__} cannot "
-                        f"recompute it (no reset_tables()); build the model on a real device")
-    fresh = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
-    with torch.no_grad():
-        if hasattr(owner, "reset_tables"):
-            fresh.reset_tables()
-        else:
-            for b in fresh.buffers(recurse=False):
-                if b.is_floating_point():
-                    b.fill_(float("nan"))
-            init(fresh)  # type: ignore[misc]
-    value = getattr(fresh, leaf)
-    if value.is_floating_point() and torch.isnan(value).any():
-        raise TypeError(f"buffer {name} is on the meta device and {type(model).__name__}'s _init_weights leaves "
-                        f"it unset; build the model on a real device")
-    return value
+    rule: Callable[[nn.Module], None]
+    if hasattr(owner, "reset_tables"):
+        rule, what = (lambda module: module.reset_tables()), f"{type(owner).__name__}.reset_tables()"
+    elif callable(init):
+        rule, what = init, f"{type(model).__name__}._init_weights"
+    else:
+        raise TypeError(f"buffer {name} is on the meta device and not in a state dict, and {type(owner).__name__} "
+                        f"cannot recompute it (no reset_tables()); build the model on a real device")
+    first = _run_rule(owner, leaf, rule, seed=0, fill=0)
+    if not torch.equal(first, _run_rule(owner, leaf, rule, seed=1, fill=1)):
+        raise TypeError(f"buffer {name} ({_dtype_name(first)}) is on the meta device and not in a state dict, "
+                        f"and {what} leaves it unset (or random); build the model on a real device, or register "
+                        f"the buffer as persistent and pass it in the state dict")
+    return first

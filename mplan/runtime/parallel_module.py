@@ -174,7 +174,8 @@ def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.
                               names=pipeline.parameters if pipeline is not None else None,
                               experts=experts.parameters, ep_rank=experts.ep.rank, ep_size=experts.ep.size)
     buffers = [spec.name for spec in inputs if spec.kind == "BUFFER"]
-    statics = materialize_buffers(graph, model, buffers, device=device)
+    statics = materialize_buffers(graph, model, buffers, device=device,
+                                  state_dict=None if isinstance(source, nn.Module) else source)
     if dtype is not None:  # as model.to(dtype) would: floating buffers (RoPE tables) follow
         statics = {k: v.to(dtype) if v.is_floating_point() else v for k, v in statics.items()}
     for spec in inputs:
