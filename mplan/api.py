@@ -41,7 +41,7 @@ from mplan.ir.graph import Graph
 from mplan.ir.trace import capture_for_training
 from mplan.planner.parallel_config import PlanSpec
 from mplan.planner.plan import Plan
-from mplan.planner.resolve import resolve_plan
+from mplan.planner.resolve import check_before_capture, resolve_plan
 from mplan.progress import Progress
 from mplan.runtime.launch import init_distributed_from_env
 from mplan.runtime.parallel_module import ParallelModule, check_executable, parallelize
@@ -90,6 +90,9 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     cluster = cluster or _local_cluster(world_size)
     inputs = tuple(example_inputs)
     use_kernels = run_on.type == "cuda" if kernels is None else kernels
+    # a spec string or plan file that cannot run on this world and batch, refused before the capture's seconds
+    plan = check_before_capture(plan, world_size=world_size, global_batch=global_batch,
+                                micro_batch_size=micro_batch_size, tp_layout=tp_layout)
     progress = Progress.of(progress)
     with progress.phase("capture", type(model).__name__):
         graph = capture_for_training(model, inputs, loss_fn=loss_fn)

@@ -30,27 +30,35 @@ from mplan.planner.plan import PlanError
 from mplan.planner.plan_builder import predicted_of
 from mplan.planner.planning import capture_for_planning
 from mplan.planner.search import Planner, PlanningError
+from mplan.planner.spec_check import check_before_capture
 
 Row = dict[str, Any]
 
 
 def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequence[str], *,
-                seq_len: int | None = None, measure: bool = False, profile: bool = False,
+                seq_len: int | None = None, vocab: int | None = None, measure: bool = False, profile: bool = False,
                 moe_imbalance: float = 1.0, progress: Callable[[str], None] | None = None,
                 on_row: Callable[[list[Row]], None] | None = None) -> list[Row]:
     """One row per spec, in order; `on_row` sees the rows so far after each one (a measured bench
     on large models takes minutes a plan: what finished survives a run that is cut short)."""
     progress = progress or (lambda _: None)
-    progress(f"capturing {model}")
-    graph = capture_for_planning(model, seq_len=seq_len)
-    # priced as mplan runs them: its fused kernels on GPUs and its optimizer's memory
-    planner = Planner(graph, cluster, kernels=cluster.device.name != "cpu", runtime="mplan",
-                      moe_imbalance=moe_imbalance, progress=progress)
+    # refusals that need no graph come before the capture: the model's own ends the bench, a row's is its error
+    check_before_capture("auto", cluster=cluster, global_batch=global_batch, model=model, seq_len=seq_len)
+    early = {text: _refused_before_capture(text, cluster, global_batch, model, seq_len) for text in specs}
+    planner = None
+    if not all(early.values()):
+        progress(f"capturing {model}")
+        graph = capture_for_planning(model, seq_len=seq_len)
+        # priced as mplan runs them: its fused kernels on GPUs and its optimizer's memory
+        planner = Planner(graph, cluster, kernels=cluster.device.name != "cpu", runtime="mplan",
+                          moe_imbalance=moe_imbalance, progress=progress)
     rows: list[Row] = []
     for text in specs:
         progress(f"planning {text}")
         row: Row = {"spec": text, "mesh": None, "fits": False, "predicted": None, "error": None, "measured": None}
         try:
+            if early[text]:
+                raise PlanSpecError(early[text])
             spec = parse_plan_spec(text)
             best = planner.search(global_batch, spec).best
         except (PlanSpecError, PlanningError) as exc:
@@ -69,7 +77,7 @@ def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequ
         if measure:
             progress(f"measuring {c.spec()}")
             row["measured"] = _measure(model, cluster, best, global_batch=global_batch, seq_len=seq_len,
-                                       profile=profile)
+                                       vocab=vocab, profile=profile)
             if row["measured"].get("step_time_s"):
                 allocated = planner.evaluate(c, fast=True, fragmentation=0.0)
                 row["measured"]["prediction_error"] = _prediction_error(row["measured"], best, allocated)
@@ -80,6 +88,16 @@ def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequ
         if on_row is not None:
             on_row(rows)
     return rows
+
+
+def _refused_before_capture(text: str, cluster: ClusterSpec, global_batch: int, model: str,
+                            seq_len: int | None) -> str | None:
+    """Why a row's spec cannot run, found without the graph (`spec_check`), or None."""
+    try:
+        check_before_capture(text, cluster=cluster, global_batch=global_batch, model=model, seq_len=seq_len)
+    except PlanSpecError as exc:
+        return str(exc)
+    return None
 
 
 def rankings(rows: Sequence[Row]) -> dict[str, list[str]]:
@@ -101,7 +119,7 @@ def _prediction_error(measured: dict[str, Any], predicted: Any, allocated: Any) 
 
 
 def _measure(model: str, cluster: ClusterSpec, best: Estimate, *, global_batch: int, seq_len: int | None,
-             profile: bool) -> dict[str, Any]:
+             vocab: int | None, profile: bool) -> dict[str, Any]:
     """`best` run for real on this job's ranks, resolved on the cluster it was predicted on (not the
     job's own, `ClusterSpec.local()`), or why it did not run."""
     import torch
@@ -109,8 +127,8 @@ def _measure(model: str, cluster: ClusterSpec, best: Estimate, *, global_batch: 
     from mplan.measure import measure_plan
 
     try:
-        return measure_plan(model, best.config.spec(), global_batch=global_batch, seq_len=seq_len, profile=profile,
-                            cluster=cluster)
+        return measure_plan(model, best.config.spec(), global_batch=global_batch, seq_len=seq_len, vocab=vocab,
+                            profile=profile, cluster=cluster)
     except (PlanError, ScheduleError) as exc:  # raised alike on every rank, before any collective
         return {"error": str(exc)}
     except torch.OutOfMemoryError as exc:  # a plan predicted to fit did not

@@ -150,6 +150,7 @@ def _progress(args: argparse.Namespace) -> Progress:
 def _plan(args: argparse.Namespace) -> int:
     from mplan.planner.planning import plan
 
+    _check_vocab(args)
     made = plan(args.model, cluster=_cluster(args), global_batch=args.global_batch, spec=args.spec,
                 seq_len=args.seq_len, allow_cross_node_tp=args.allow_cross_node_tp, kernels=args.kernels,
                 fp8=args.fp8, runtime=args.runtime, moe_imbalance=args.moe_imbalance, progress=_progress(args))
@@ -198,9 +199,11 @@ def _bench(args: argparse.Namespace) -> int:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(document(rows), f, indent=1)
 
+    _check_vocab(args)
     with progress.phase("bench", f"{len(args.plans)} plan{'s' if len(args.plans) > 1 else ''}"
                                  f"{', measured' if args.measure else ''}"):
         rows = bench_plans(args.model, _cluster(args), args.global_batch, args.plans, seq_len=args.seq_len,
+                           vocab=args.vocab,
                            measure=args.measure, profile=args.profile, moe_imbalance=args.moe_imbalance,
                            progress=progress,
                            on_row=write_so_far if args.out and reports else None)
@@ -267,6 +270,14 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_vocab(args: argparse.Namespace) -> None:
+    """--vocab gives a factory module's vocabulary; where the model states another, one line says so."""
+    if args.vocab is not None:
+        from mplan.models.spec import resolve_model
+
+        resolve_model(args.model, seq_len=args.seq_len, vocab=args.vocab)
+
+
 def _verify(args: argparse.Namespace) -> int:
     from mplan.verify import verify_plan
 
@@ -275,6 +286,7 @@ def _verify(args: argparse.Namespace) -> int:
         from mplan.planner.plan import Plan
 
         model, plan = Plan.load(args.target).model.name, args.target
+    _check_verify(model, plan, args.world_size)
     progress = _progress(args)
     with progress.phase("verify", f"{plan} scaled down on {args.world_size} CPU ranks and on one process"):
         report = verify_plan(model, plan, args.world_size, steps=args.steps)
@@ -291,6 +303,24 @@ def _verify(args: argparse.Namespace) -> int:
               f"parameters {report.max_param_rel_err:.2e} ({report.worst_param}) -> "
               f"{'PASS' if report.passed else 'FAIL'}")
     return 0 if report.passed else 1
+
+
+def _check_verify(model: str, plan: str, world_size: int) -> None:
+    """What `verify` would refuse once its ranks have started and captured, refused before it starts
+    them: the model spec, the plan spec (or plan file) and experts asked of a model without them."""
+    from mplan.models.spec import resolve_model, stated_shape
+    from mplan.planner.parallel_config import PlanSpecError, parse_plan_spec
+    from mplan.planner.plan import Plan
+    from mplan.planner.spec_check import experts_refusal
+    from mplan.verify import scaled_plan
+
+    source = resolve_model(model)
+    scaled_plan(plan, world_size)  # parses the spec or reads the plan file, as each rank will
+    asked = Plan.load(plan).spec() if plan.strip().endswith(".json") else plan
+    reason = experts_refusal(parse_plan_spec(asked), f"plan spec {asked!r}", source.name,
+                             stated_shape(source.config, source.name).num_experts)
+    if reason:
+        raise PlanSpecError(reason)
 
 
 Command = Callable[[argparse.Namespace], int]
@@ -319,7 +349,11 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--nodes", type=positive_int, default=1, help="nodes of the preset")
         q.add_argument("--gpus-per-node", type=positive_int, default=None, help="override the preset's GPUs per node")
         q.add_argument("--global-batch", type=positive_int, required=True, help="sequences per optimizer step")
-        q.add_argument("--seq-len", type=positive_int, default=None, help="sequence length (default: the model's)")
+        q.add_argument("--seq-len", type=positive_int, default=None,
+                       help="sequence length (default: the model's; the plan says which it used)")
+        q.add_argument("--vocab", type=positive_int, default=None,
+                       help="vocabulary of a package.module:factory model whose module states none (the token ids "
+                            "bench --measure draws); refused where the model states another")
 
     p = sub.add_parser("plan", help="search the fastest plan that fits and explain it")
     p.add_argument("model", help="preset, family:k=v,..., config.json path or package.module:factory")

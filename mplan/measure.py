@@ -58,7 +58,7 @@ def step_kernel_split(step: Callable[[], Any]) -> dict[str, float]:
 
 
 def measure_plan(model_spec: str, plan_spec: str, *, global_batch: int, seq_len: int | None = None,
-                 steps: int = 5, warmup: int = 2, profile: bool = False,
+                 vocab: int | None = None, steps: int = 5, warmup: int = 2, profile: bool = False,
                  cluster: ClusterSpec | None = None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -66,7 +66,7 @@ def measure_plan(model_spec: str, plan_spec: str, *, global_batch: int, seq_len:
     import mplan
     from mplan.models import build_model, resolve_model
 
-    source = resolve_model(model_spec)
+    source = resolve_model(model_spec, vocab=vocab)  # vocab: a factory module's (--vocab)
     seq = seq_len or source.seq_len
     on_gpu = torch.cuda.is_available()
     # built in the dtype it trains in (bf16 on GPUs), so every stage's activations have the dtypes

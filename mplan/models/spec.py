@@ -10,7 +10,12 @@ Grammar (docs/models.md), tried in this order:
 
 `resolve_model` only reads the spec (cheap, no weights); `build_model` makes the module, on
 the meta device by default. Every malformed spec raises one ValueError that names the cause
-and lists what is valid.
+and lists what is valid. `stated_shape` is what a spec's config says of the model's layers,
+heads and experts before any capture (the planner refuses an impossible plan spec on it).
+
+A ModelSource records where its sequence length came from (`seq_len_source`): a plan made at a
+Hugging Face config's `max_position_embeddings` (40960 for some 8B configs) says so. A model built
+from a Hugging Face config sets its attention implementation explicitly (`HF_ATTENTION`).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -76,6 +81,16 @@ _REQUIRED = {
     "llama": ("layers", "hidden", "heads", "seq", "vocab", "ffn"),
     "moe": ("layers", "hidden", "heads", "seq", "vocab", "ffn", "experts"),
 }
+HF_ATTENTION = "sdpa"
+"""The attention implementation of every model mplan builds from a Hugging Face config: fused SDPA,
+what users train with. Left unset, the installed transformers release picks its own default (one
+release captured eager matmul-softmax, another SDPA, for the same config), and the captured graph,
+hence the plan, changed with the release. A model class without SDPA support gets "eager",
+explicitly too. A user's own module (`autoparallel(model)`) is captured as the user set it."""
+
+SEQ_LEN_GIVEN = "--seq-len"
+"""`seq_len_source` of a sequence length given explicitly (`--seq-len`, or `seq_len=` in Python)."""
+
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 GRAMMAR = (
@@ -101,16 +116,47 @@ class ModelSource:
     vocab: int | None
     factory: Callable[[], Any] | None = None
     """the callable, for family "factory" """
+    seq_len_source: str | None = None
+    """where `seq_len` came from: SEQ_LEN_GIVEN, "model preset", "model spec seq=", "config
+    max_position_embeddings" (or the config field that said it), "factory config"; None with no seq_len"""
 
 
-def resolve_model(spec: str) -> ModelSource:
-    """Parse a spec string (see the module docstring) into a ModelSource. Never downloads."""
-    spec = spec.strip()
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StatedShape:
+    """What a model's config says of its shape before any capture; None where it does not say."""
+
+    name: str
+    num_layers: int | None = None
+    """repeated blocks (transformer layers)"""
+    num_heads: int | None = None
+    """attention (query) heads"""
+    num_experts: int | None = None
+    """experts per MoE layer; 0: the config says the model has no MoE layer"""
+
+
+def resolve_model(spec: str, *, seq_len: int | None = None, vocab: int | None = None) -> ModelSource:
+    """Parse a spec string (see the module docstring) into a ModelSource. Never downloads.
+
+    `seq_len` (the command's --seq-len) replaces the model's own sequence length, and says so in
+    `seq_len_source`; `vocab` (--vocab) gives the vocabulary of a factory module that states none,
+    and is refused, naming both, where the model states another."""
+    source = _resolve(spec.strip())
+    if vocab is not None:
+        if source.vocab is not None and source.vocab != vocab:
+            raise ValueError(f"model spec {source.spec!r} states its vocabulary, {source.vocab} tokens; --vocab "
+                             f"{vocab} is for a package.module:factory model that states none")
+        source = replace(source, vocab=vocab)
+    if seq_len is not None:
+        source = replace(source, seq_len=seq_len, seq_len_source=SEQ_LEN_GIVEN)
+    return source
+
+
+def _resolve(spec: str) -> ModelSource:
     if spec in PRESETS:
-        return _from_config(PRESETS[spec], spec)
+        return _from_config(PRESETS[spec], spec, "model preset")
     family, sep, rest = spec.partition(":")
     if sep and family in FAMILY_KEYS:
-        return _from_config(_parse_family(family, rest, spec), spec)
+        return _from_config(_parse_family(family, rest, spec), spec, "model spec seq=")
     if os.path.exists(spec):
         return _from_hf_config(spec)
     if _FACTORY.match(spec):
@@ -120,11 +166,39 @@ def resolve_model(spec: str) -> ModelSource:
     raise ValueError(f"unknown model {spec!r}: {GRAMMAR}; presets: {', '.join(PRESETS)}")
 
 
-def _from_config(config: ModelConfig, spec: str) -> ModelSource:
+def _from_config(config: ModelConfig, spec: str, seq_len_source: str) -> ModelSource:
     return ModelSource(
         spec=spec, family=config.family, config=config, name=config.name,
-        seq_len=config.seq_len, vocab=config.vocab,
+        seq_len=config.seq_len, vocab=config.vocab, seq_len_source=seq_len_source,
     )
+
+
+def stated_shape(config: Any, name: str) -> StatedShape:
+    """The layers, heads and experts a model's `config` states (a ModelSource's, or a module's
+    `.config`; None each where there is none or it does not say): mplan's families always say; a
+    Hugging Face config says through its own field names; one with no field naming experts is dense."""
+    if isinstance(config, tuple(CONFIG_TYPES.values())):
+        experts = config.num_experts if isinstance(config, MoEConfig) else 0
+        return StatedShape(name=name, num_layers=config.num_layers, num_heads=config.num_heads, num_experts=experts)
+    if config is None or not callable(getattr(config, "to_dict", None)):
+        return StatedShape(name=name)
+    fields = config.to_dict()
+    return StatedShape(name=name, num_layers=_positive(fields, _HF_LAYERS), num_heads=_positive(fields, _HF_HEADS),
+                       num_experts=_positive(fields, _HF_EXPERTS) if any("expert" in key for key in fields) else 0)
+
+
+_HF_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
+_HF_HEADS = ("num_attention_heads", "n_head", "num_heads")
+_HF_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+"""Hugging Face config fields that state layers, heads and experts, as the model families name them"""
+
+
+def _positive(fields: dict[str, Any], keys: tuple[str, ...]) -> int | None:
+    for key in keys:
+        value = fields.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def _parse_family(family: str, body: str, spec: str) -> ModelConfig:
@@ -176,9 +250,11 @@ def _from_hf_config(path: str) -> ModelSource:
     config.use_cache = False
     _hf_model_class(config, path)  # an architecture mplan cannot train is refused here, before any capture
     name = os.path.basename(os.path.dirname(os.path.abspath(file))) or config.model_type
+    seq_len, field = _hf_seq_len(config)
     return ModelSource(
         spec=path, family="hf", config=config, name=name,
-        seq_len=_hf_seq_len(config), vocab=getattr(config, "vocab_size", None),
+        seq_len=seq_len, vocab=getattr(config, "vocab_size", None),
+        seq_len_source=None if field is None else f"config {field}",
     )
 
 
@@ -233,12 +309,13 @@ def _hf_model_class(config: Any, spec: str) -> Any:
         + (f"; for this model type set \"architectures\": [\"{instead}\"]" if instead else ""))
 
 
-def _hf_seq_len(config: Any) -> int | None:
+def _hf_seq_len(config: Any) -> tuple[int | None, str | None]:
+    """The sequence length a Hugging Face config states, and the field that states it."""
     for attribute in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
         value = getattr(config, attribute, None)
         if isinstance(value, int):
-            return value
-    return None
+            return value, attribute
+    return None, None
 
 
 def _from_factory(spec: str) -> ModelSource:
@@ -257,7 +334,7 @@ def _from_factory(spec: str) -> ModelSource:
     if isinstance(made, tuple(CONFIG_TYPES.values())):
         return ModelSource(
             spec=spec, family=made.family, config=made, name=made.name,
-            seq_len=made.seq_len, vocab=made.vocab, factory=factory,
+            seq_len=made.seq_len, vocab=made.vocab, factory=factory, seq_len_source="factory config",
         )
     if not isinstance(made, nn.Module):
         raise ValueError(
@@ -268,6 +345,7 @@ def _from_factory(spec: str) -> ModelSource:
     return ModelSource(
         spec=spec, family="factory", config=config, name=attribute,
         seq_len=seq_len, vocab=vocab, factory=factory,
+        seq_len_source=None if seq_len is None else "factory config",
     )
 
 
@@ -287,24 +365,36 @@ def build_model(
     elif isinstance(spec_or_config, ModelSource):
         source = spec_or_config
     else:
-        source = _from_config(spec_or_config, spec_or_config.name)
+        source = _from_config(spec_or_config, spec_or_config.name, "model spec seq=")
     if source.family in MODEL_TYPES:
         return MODEL_TYPES[source.family](source.config, device=device, dtype=dtype, seed=seed)
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
         if source.family == "hf":  # the class config.json names (AutoModelForCausalLM's when it names none)
             model_class = _hf_model_class(source.config, source.spec)
+            attention = _hf_attention(model_class, source.config)
             if hasattr(model_class, "_from_config"):
-                return model_class._from_config(source.config, dtype=dtype)
-            return model_class.from_config(source.config, dtype=dtype)
+                return model_class._from_config(source.config, dtype=dtype, attn_implementation=attention)
+            return model_class.from_config(source.config, dtype=dtype, attn_implementation=attention)
         assert source.factory is not None
         return source.factory().to(dtype)
+
+
+def _hf_attention(model_class: Any, config: Any) -> str:
+    """HF_ATTENTION, or "eager" for a class that has no SDPA path (an Auto class is asked about the
+    class it builds for this config)."""
+    if not hasattr(model_class, "_supports_sdpa"):
+        try:
+            model_class = model_class._model_mapping[type(config)]
+        except (AttributeError, KeyError):
+            return HF_ATTENTION
+    return HF_ATTENTION if model_class._supports_sdpa else "eager"
 
 
 def _seq_len_and_vocab(config: Any) -> tuple[int | None, int | None]:
     if isinstance(config, tuple(CONFIG_TYPES.values())):
         return config.seq_len, config.vocab
-    return _hf_seq_len(config), getattr(config, "vocab_size", None)
+    return _hf_seq_len(config)[0], getattr(config, "vocab_size", None)
 
 
 def example_inputs(
@@ -318,17 +408,18 @@ def example_inputs(
     """(input_ids, labels), int64 [batch, seq_len], labels the next token of each input.
 
     Random ids from a CPU generator seeded with `seed` on real devices (the same on every
-    device); zeros on meta. seq_len defaults to the model's."""
+    device); zeros on meta, where the vocabulary is not needed. seq_len defaults to the model's."""
     if isinstance(model_or_config, ModelSource):
         default_seq, vocab = model_or_config.seq_len, model_or_config.vocab
     else:
         config = getattr(model_or_config, "config", model_or_config)
         default_seq, vocab = _seq_len_and_vocab(config)
     seq_len = default_seq if seq_len is None else seq_len
-    if seq_len is None or vocab is None:
-        raise ValueError(
-            "example_inputs: the model does not state its seq_len and vocab; pass seq_len and a config"
-        )
+    if seq_len is None:
+        raise ValueError("example_inputs: the model states no sequence length; pass seq_len (--seq-len)")
+    if vocab is None and torch.device(device).type != "meta":
+        raise ValueError("example_inputs: the model states no vocabulary to draw token ids from; pass a config "
+                         "(or --vocab)")
     if torch.device(device).type == "meta":
         ids = torch.zeros(batch, seq_len + 1, dtype=torch.int64, device="meta")
     else:

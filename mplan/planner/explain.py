@@ -232,7 +232,8 @@ def explain_data(plan: Plan) -> dict[str, Any]:
                     for a in plan.alternatives]
     # closest loser first; those that do not fit last, in the planner's order
     alternatives.sort(key=lambda a: (a["delta_ms"] is None, a["delta_ms"] or 0.0))
-    return {"model": plan.model.name, "cluster": f"{plan.cluster.name} x{plan.cluster.nodes}",
+    return {"model": plan.model.name, "seq_len": plan.model.seq_len, "seq_len_source": plan.model.seq_len_source,
+            "cluster": f"{plan.cluster.name} x{plan.cluster.nodes}",
             "world_size": plan.cluster.world_size, "spec": plan.spec(), "fp8": plan.fp8, "runtime": plan.runtime,
             "head_loss_chunk_rows": plan.head_loss_chunk_rows,
             "fused_kernels_priced": bool(plan.planner.get("fused_kernels_priced")),
@@ -269,6 +270,16 @@ def _experts(plan: Plan) -> dict[str, Any] | None:
             "all_to_all_ms": p.a2a_s * 1e3, "all_to_all_share": p.a2a_s / p.step_time_s}
 
 
+def _seq_len_words(source: str | None) -> str:
+    """Where the sequence length came from, as the first line says it: a config's field is named, since
+    a config's maximum (40960 for some 8B models) is seldom the length a user trains at."""
+    if source is None:
+        return "source not recorded: a plan written before plans recorded it"
+    if source.startswith("config "):
+        return f"the config's {source.removeprefix('config ')}; --seq-len plans another"
+    return {"--seq-len": "given by --seq-len / seq_len="}.get(source, f"from the {source}")
+
+
 def render(plan: Plan, console: Any) -> None:
     """Print the explanation as rich tables."""
     from rich.table import Table
@@ -277,7 +288,8 @@ def render(plan: Plan, console: Any) -> None:
     p = d["predicted"]
     m = d["mesh"]
     device = device_word(plan.cluster.device)
-    console.print(f"[bold]{d['model']}[/] on {d['cluster']} ({d['world_size']} {device}s): "
+    console.print(f"[bold]{d['model']}[/] at sequence length {d['seq_len']:,} ({_seq_len_words(d['seq_len_source'])}) "
+                  f"on {d['cluster']} ({d['world_size']} {device}s): "
                   f"dp={m['dp']} tp={m['tp']} pp={m['pp']} vpp={m['vpp']} ep={m['ep']}, "
                   f"{plan.schedule}, micro-batch {plan.micro_batch_size} x {plan.num_micro_batches}, "
                   f"SP {'on' if plan.sequence_parallel else 'off'}, zero={plan.zero}, recompute={plan.recompute}")

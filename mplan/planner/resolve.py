@@ -21,6 +21,10 @@ reads it (`Plan.op_strategies`): it never solves, searches or re-captures.
                  shallow bf16 capture of a model spec has no `slice` that a symbolic batch adds)
                  runs replicated, which is always exact, and the Plan records how many did.
 
+`check_before_capture` is every refusal above that needs no graph (a spec's grammar and arithmetic
+on this world and batch, a plan file for another world size or batch), for a caller to run
+before it captures: `autoparallel` refuses those in well under a second.
+
 Every resolved Plan passes `ir.sharding.check_sharding` and `ir.stage_cut.stage_of_units` on the
 graph before it is returned, so a plan the passes cannot run (a sharding no pass lowers, a stage
 cut that does not list the model's units) fails here, on every rank alike, before any collective.
@@ -52,12 +56,8 @@ def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec,
                  within: PlanSpec = PlanSpec(), kernels: bool = False, fp8: bool = False,
                  progress: Callable[[str], None] | None = None) -> Plan:
     """One complete Plan for `graph` (see the module docstring)."""
-    if tp_layout not in TP_LAYOUTS:
-        raise PlanSpecError(f"tp_layout must be one of {TP_LAYOUTS}, got {tp_layout!r}")
-    if global_batch < 1:
-        raise PlanSpecError(f"global_batch must be a positive number of sequences, got {global_batch}")
-    if isinstance(plan, str) and plan.strip().endswith(".json"):
-        plan = Plan.load(plan.strip())
+    plan = check_before_capture(plan, world_size=world_size, global_batch=global_batch,
+                                micro_batch_size=micro_batch_size, tp_layout=tp_layout)
 
     def planner(layout: str) -> Planner:
         # FP8 GEMMs priced where the cluster has them; elsewhere the runtime refuses fp8, naming why
@@ -79,14 +79,43 @@ def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec,
         made = build_plan(result, graph, cluster, global_batch, tp_layout=tp_layout, runtime="mplan")
     else:
         raise TypeError(f"plan must be None, a Plan, a plan.json path or a spec string, not {type(plan).__name__}")
+    if not isinstance(plan, Plan):  # planned here, at the sequence length of the example inputs captured
+        made = dataclasses.replace(made, model=dataclasses.replace(made.model, seq_len_source="example inputs"))
     made = dataclasses.replace(made, fp8=made.fp8 or fp8)
     _check(made, graph)
     return made
 
 
-def _config_of(text: str, world_size: int, global_batch: int, micro_batch_size: int | None,
-               graph: Graph) -> ParallelConfig:
-    """The complete config a spec string asks for, with every refusal showing its arithmetic."""
+def check_before_capture(plan: Plan | str | None, *, world_size: int, global_batch: int,
+                         micro_batch_size: int | None = None, tp_layout: str = "megatron") -> Plan | str | None:
+    """Whatever `resolve_plan` can refuse without the graph, refused before the capture (a capture
+    costs seconds): the tp layout, a spec string's grammar and arithmetic on this world and
+    batch, a plan file that cannot be read or was made for another world size or global batch.
+    Returns the plan argument with a plan.json path read into its Plan (read once)."""
+    if tp_layout not in TP_LAYOUTS:
+        raise PlanSpecError(f"tp_layout must be one of {TP_LAYOUTS}, got {tp_layout!r}")
+    if global_batch < 1:
+        raise PlanSpecError(f"global_batch must be a positive number of sequences, got {global_batch}")
+    if isinstance(plan, str) and plan.strip().endswith(".json"):
+        plan = Plan.load(plan.strip())
+    if isinstance(plan, Plan):
+        plan.check_runs_on(world_size=world_size)
+        _check_batch_of(plan, global_batch)
+    elif isinstance(plan, str) and plan.strip() not in ("", "auto"):
+        _degrees_of(plan, world_size, global_batch, micro_batch_size)
+    return plan
+
+
+def _check_batch_of(plan: Plan, global_batch: int) -> None:
+    if plan.global_batch != global_batch:
+        raise PlanError(f"plan was made for a global batch of {plan.global_batch}, "
+                        f"autoparallel was given {global_batch}")
+
+
+def _degrees_of(text: str, world_size: int, global_batch: int,
+                micro_batch_size: int | None) -> tuple[PlanSpec, int, int]:
+    """The spec, dp and micro-batch size a spec string asks for on this world and batch, with
+    every refusal showing its arithmetic: all `_config_of` checks that need no graph."""
     spec = parse_plan_spec(text)
     tp, pp = spec.tp or 1, spec.pp or 1
     if spec.dp is None and world_size % (tp * pp):
@@ -98,7 +127,6 @@ def _config_of(text: str, world_size: int, global_batch: int, micro_batch_size: 
     if spec.ep is not None and dp % spec.ep:
         raise PlanSpecError(f"plan {text!r}: ep={spec.ep} does not divide the dp={dp} data-parallel ranks it is "
                             f"carved from ({dp} % {spec.ep} = {dp % spec.ep})")
-    _check_experts(text, spec.ep or 1, spec.capacity, graph)
     if spec.mbs is not None and micro_batch_size is not None and spec.mbs != micro_batch_size:
         raise PlanSpecError(f"plan {text!r} says mbs={spec.mbs} but micro_batch_size={micro_batch_size}")
     if global_batch % dp:
@@ -110,6 +138,15 @@ def _config_of(text: str, world_size: int, global_batch: int, micro_batch_size: 
     if replica % mbs:
         raise PlanSpecError(f"each of dp={dp} replicas gets {replica} sequences, not a multiple of "
                          f"the micro-batch size {mbs} ({replica} % {mbs} = {replica % mbs})")
+    return spec, dp, mbs
+
+
+def _config_of(text: str, world_size: int, global_batch: int, micro_batch_size: int | None,
+               graph: Graph) -> ParallelConfig:
+    """The complete config a spec string asks for, with every refusal showing its arithmetic."""
+    spec, dp, mbs = _degrees_of(text, world_size, global_batch, micro_batch_size)
+    tp, pp, replica = spec.tp or 1, spec.pp or 1, global_batch // dp
+    _check_experts(text, spec.ep or 1, spec.capacity, graph)
     stages = pp * (spec.vpp or 1)
     if stages > len(graph.segments):
         raise PlanSpecError(f"plan {text!r}: pp*vpp = {stages} pipeline stages but {graph.model_name} has "
@@ -130,9 +167,7 @@ def _config_of(text: str, world_size: int, global_batch: int, micro_batch_size: 
 def _bind(plan: Plan, graph: Graph, world_size: int, global_batch: int) -> Plan:
     """`plan` checked against this job and completed for `graph` (see the module docstring)."""
     plan.check_runs_on(world_size=world_size, graph_hash=graph_hash(graph))
-    if plan.global_batch != global_batch:
-        raise PlanError(f"plan was made for a global batch of {plan.global_batch}, "
-                        f"autoparallel was given {global_batch}")
+    _check_batch_of(plan, global_batch)
     ops = {segment: dict(entries) for segment, entries in plan.ops.items()}
     unbound = 0
     at = _at_micro_batch(graph, plan.micro_batch_size)
@@ -211,4 +246,4 @@ def _check_divisible(graph: Graph, choice: dict[str, Strategy], n: int) -> None:
                                            f"{n} ranks: that dim does not divide")
 
 
-__all__ = ["resolve_plan"]
+__all__ = ["check_before_capture", "resolve_plan"]

@@ -34,6 +34,7 @@ from mplan.planner.op_cost import OpCoster
 from mplan.planner.parallel_config import (DEFAULT_RUNTIME, RUNTIMES, ModelLimits, ParallelConfig, PlanSpec, PlanSpecError,
                                            enumerate_configs)
 from mplan.planner.plan import TP_LAYOUTS
+from mplan.planner.spec_check import spec_refusal
 from mplan.planner.sharding_ilp import (GraphSharding, ShardingInfeasible, StrategyFilter, reprice_graph,
                                         reprice_segment, stream_meta)
 from mplan.planner.tp_layout import solve_tp_layout
@@ -174,7 +175,8 @@ class Planner:
                                          max_mbs=8 if self.dynamic else 1))
         if not configs:
             raise PlanningError(_no_config_reason(world, self.cluster.gpus_per_node, global_batch, self.limits,
-                                                  spec, _ranks(self.cluster)))
+                                                  spec, _ranks(self.cluster), model=self.graph.model_name,
+                                                  allow_cross_node_tp=allow_cross_node_tp))
         estimates = []
         with _PricedAhead(self.units, [(c.tp, c.sp, c.mbs) for c in configs]) as priced:
             for config in configs:
@@ -302,30 +304,16 @@ def _what_would_fit(estimate: Estimate, cluster: ClusterSpec) -> str:
 
 
 def _no_config_reason(world: int, gpus_per_node: int, global_batch: int, limits: ModelLimits,
-                      spec: PlanSpec, ranks: str = "GPUs") -> str:
+                      spec: PlanSpec, ranks: str = "GPUs", *, model: str = "the model",
+                      allow_cross_node_tp: bool = False) -> str:
     """Why a spec admits no config, quoting the spec as written (`tp=8,pp=4`) and the arithmetic
-    that fails (`tp x pp = 8 x 4 = 32 > 8 GPUs`); `ranks` names the cluster's devices."""
-    asked = f"plan spec {str(spec)!r}"
-    fixed = {k: getattr(spec, k) for k in ("dp", "tp", "pp") if getattr(spec, k) is not None}
-    product = math.prod(fixed.values())
-    degrees = f" = {' x '.join(map(str, fixed.values()))}" if len(fixed) > 1 else ""
-    expr = f"{' x '.join(fixed)}{degrees} = {product}"
-    if len(fixed) == 3 and product != world:
-        return f"{asked}: {expr} ranks, but the cluster has {world} {ranks} (dp x tp x pp must equal {world})"
-    if fixed and product > world:
-        return f"{asked}: {expr} > {world} {ranks}, the whole cluster; fix fewer or smaller degrees, or add --nodes"
-    if spec.tp is not None and limits.num_heads % spec.tp:
-        return f"{asked}: tp={spec.tp} does not divide the model's {limits.num_heads} attention heads"
-    if fixed and world % product:
-        return f"{asked}: {expr} does not divide the cluster's {world} {ranks} (dp x tp x pp must equal {world})"
-    if spec.tp is not None and spec.tp > gpus_per_node:
-        return f"{asked}: tp={spec.tp} would cross nodes ({gpus_per_node} {ranks} per node)"
-    if spec.pp is not None and spec.pp > max(1, limits.num_layers):
-        return f"{asked}: pp={spec.pp} exceeds the model's {limits.num_layers} layers"
-    if spec.dp is not None and global_batch % spec.dp:
-        return f"{asked}: global batch {global_batch} is not divisible by dp={spec.dp}"
-    return (f"no split of {world} {ranks} fits {asked} (global batch {global_batch}, "
-            f"{limits.num_heads} heads, {limits.num_layers} layers)")
+    that fails (`tp x pp = 8 x 4 = 32 > 8 GPUs`): `spec_check`'s reason on the graph's figures, the
+    same sentence a check before the capture gives; `ranks` names the cluster's devices."""
+    reason = spec_refusal(spec, world_size=world, gpus_per_node=gpus_per_node, global_batch=global_batch,
+                          model=model, num_layers=limits.num_layers, num_heads=limits.num_heads,
+                          num_experts=limits.num_experts, allow_cross_node_tp=allow_cross_node_tp, ranks=ranks)
+    return reason or (f"no split of {world} {ranks} fits plan spec {str(spec)!r} (global batch {global_batch}, "
+                      f"{limits.num_heads} heads, {limits.num_layers} layers)")
 
 
 def _limits(graph: Graph) -> ModelLimits:

@@ -1,0 +1,127 @@
+"""What a plan spec asks of the cluster and the model, checked without a graph.
+
+Input: a `PlanSpec` (or its string), the cluster's world size and GPUs per node, the global
+batch, and what the model states of itself before any capture: its layers, attention heads and
+experts per MoE layer (`mplan.models.spec.stated_shape`; None where it does not say). Output:
+the reason the spec cannot be searched, as one sentence that quotes the spec as written and the
+arithmetic that fails, or None.
+
+Why here: a capture costs seconds (tens for a long sequence), and every refusal this module
+can give is decided by numbers known before it (`tp=16` on 8 GPUs, `ep=2` on a dense model).
+`check_before_capture` runs it ahead of the capture (`mplan.plan`, `mplan bench` per row); the
+search (`search.Planner.search`) runs the same function on the captured graph's figures when no
+config passes, so a refusal reads the same whichever finds it.
+
+Invariant: it refuses only what `parallel_config.enumerate_configs` would admit no config for
+(a superset of its checks would refuse plans that run): dp x tp x pp fills the world, tp divides
+the heads and stays in a node (unless allowed), pp at most the layers, dp divides the global
+batch, ep needs experts and divides them and dp, mbs divides each replica's share.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from mplan.cost_models.cluster import ClusterSpec
+from mplan.planner.evaluate import device_word
+from mplan.planner.parallel_config import PlanSpec, PlanSpecError, parse_plan_spec
+
+
+def spec_refusal(spec: PlanSpec, *, world_size: int, gpus_per_node: int, global_batch: int,
+                 model: str = "the model", num_layers: int | None = None, num_heads: int | None = None,
+                 num_experts: int | None = None, allow_cross_node_tp: bool = False,
+                 ranks: str = "GPUs") -> str | None:
+    """Why `spec` admits no config (see the module docstring), or None; `ranks` names the devices."""
+    asked = f"plan spec {str(spec)!r}"
+    moe = experts_refusal(spec, asked, model, num_experts)
+    if moe:
+        return moe
+    fixed = {k: getattr(spec, k) for k in ("dp", "tp", "pp") if getattr(spec, k) is not None}
+    product = math.prod(fixed.values())
+    degrees = f" = {' x '.join(map(str, fixed.values()))}" if len(fixed) > 1 else ""
+    expr = f"{' x '.join(fixed)}{degrees} = {product}"
+    if len(fixed) == 3 and product != world_size:
+        return f"{asked}: {expr} ranks, but the cluster has {world_size} {ranks} (dp x tp x pp must equal {world_size})"
+    if fixed and product > world_size:
+        return f"{asked}: {expr} > {world_size} {ranks}, the whole cluster; fix fewer or smaller degrees, or add --nodes"
+    if spec.tp is not None and num_heads is not None and num_heads % spec.tp:
+        return f"{asked}: tp={spec.tp} does not divide the model's {num_heads} attention heads"
+    if fixed and world_size % product:
+        return f"{asked}: {expr} does not divide the cluster's {world_size} {ranks} (dp x tp x pp must equal {world_size})"
+    if spec.tp is not None and not allow_cross_node_tp and spec.tp > gpus_per_node:
+        return f"{asked}: tp={spec.tp} would cross nodes ({gpus_per_node} {ranks} per node)"
+    if spec.tp is not None and not allow_cross_node_tp and gpus_per_node % spec.tp:
+        return (f"{asked}: tp={spec.tp} does not divide the {gpus_per_node} {ranks} of a node, so some tensor-parallel "
+                f"group would straddle two nodes")
+    if spec.pp is not None and num_layers is not None and spec.pp > max(1, num_layers):
+        return f"{asked}: pp={spec.pp} exceeds the model's {num_layers} layers"
+    dp = spec.dp if spec.dp is not None else (world_size // (spec.tp * spec.pp)
+                                              if spec.tp is not None and spec.pp is not None else None)
+    if dp is not None and global_batch % dp:
+        return f"{asked}: global batch {global_batch} is not divisible by dp={dp}"
+    if dp is not None and spec.ep is not None and dp % spec.ep:
+        return (f"{asked}: ep={spec.ep} does not divide the dp={dp} data-parallel ranks it is carved from "
+                f"({dp} % {spec.ep} = {dp % spec.ep})")
+    if dp is not None and spec.mbs is not None and (global_batch // dp) % spec.mbs:
+        replica = global_batch // dp
+        return (f"{asked}: each of dp={dp} replicas gets {replica} sequences, not a multiple of mbs={spec.mbs} "
+                f"({replica} % {spec.mbs} = {replica % spec.mbs})")
+    return None
+
+
+def experts_refusal(spec: PlanSpec, asked: str, model: str, num_experts: int | None) -> str | None:
+    """Expert parallelism and a capacity factor need MoE layers, and ep must divide their experts;
+    `asked` quotes the request, `num_experts` None: the model does not say (nothing refused)."""
+    if num_experts is None:
+        return None
+    wants = f"ep={spec.ep}" if spec.ep is not None and spec.ep > 1 else \
+        (f"capacity={spec.capacity:g}" if spec.capacity is not None else None)
+    if wants and not num_experts:
+        return (f"{asked} asks for {wants} but {model} has no MoE layer: expert parallelism and a capacity factor "
+                f"need one; use ep=1 and no capacity")
+    if spec.ep is not None and num_experts and num_experts % spec.ep:
+        return (f"{asked}: ep={spec.ep} does not divide the {num_experts} experts of {model}'s MoE layers "
+                f"({num_experts} % {spec.ep} = {num_experts % spec.ep}): use an ep that divides {num_experts}")
+    return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Checked:
+    """A plan request that passed the checks before the capture."""
+
+    spec: PlanSpec
+    seq_len_source: str | None
+    """where the sequence length planned at comes from (`ModelSource.seq_len_source`; "example
+    inputs" for a module)"""
+
+
+def check_before_capture(spec: PlanSpec | str, *, cluster: ClusterSpec, global_batch: int,
+                         model: nn.Module | str, seq_len: int | None = None,
+                         allow_cross_node_tp: bool = False) -> Checked:
+    """The parsed spec and the sequence length's source, or one error naming the cause: a spec's
+    grammar or ranges (`parse_plan_spec`), a model spec that cannot be read or states no
+    sequence length, and `spec_refusal` on what the model's config states (PlanSpecError): what
+    a search would refuse after a capture, refused before it."""
+    from mplan.models.spec import resolve_model, stated_shape
+
+    parsed = parse_plan_spec(spec) if isinstance(spec, str) else spec
+    if isinstance(model, str):
+        source = resolve_model(model, seq_len=seq_len)
+        if source.seq_len is None:
+            raise PlanSpecError(f"model spec {model!r} states no sequence length (no config says it): give one "
+                                f"with --seq-len (seq_len= in Python)")
+        shape, seq_len_source = stated_shape(source.config, source.name), source.seq_len_source
+    else:
+        shape, seq_len_source = stated_shape(getattr(model, "config", None), type(model).__name__), "example inputs"
+    reason = spec_refusal(parsed, world_size=cluster.world_size, gpus_per_node=cluster.gpus_per_node,
+                          global_batch=global_batch, model=shape.name, num_layers=shape.num_layers,
+                          num_heads=shape.num_heads, num_experts=shape.num_experts,
+                          allow_cross_node_tp=allow_cross_node_tp, ranks=device_word(cluster.device.name) + "s")
+    if reason:
+        raise PlanSpecError(reason)
+    return Checked(spec=parsed, seq_len_source=seq_len_source)
+
+
+__all__ = ["Checked", "check_before_capture", "experts_refusal", "spec_refusal"]
