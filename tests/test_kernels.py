@@ -8,14 +8,16 @@ CPU and its refusal to run there through the public op.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import os
-import re
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 import torch
@@ -222,6 +224,21 @@ INTERPRETED = {
 }
 
 
+def _junit_outcomes(path: str) -> dict[tuple[str, str], str]:
+    """(file, test name with its parameters) -> passed / failed / error / skipped, from a JUnit report."""
+    outcomes = {}
+    for case in ElementTree.parse(path).iter("testcase"):
+        file = case.get("classname", "").replace(".", "/") + ".py"
+        kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+        outcomes[(file, case.get("name", ""))] = kinds[0] if kinds else "passed"
+    return outcomes
+
+
+def _test_functions(file: str) -> list[str]:
+    tree = ast.parse(Path(ROOT, file).read_text(encoding="utf-8"))
+    return [node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")]
+
+
 @pytest.mark.slow
 @needs_reference_dispatch
 def test_interpreter_suite() -> None:
@@ -229,12 +246,21 @@ def test_interpreter_suite() -> None:
     mode is fixed when Triton is imported; one process pays the imports once)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     selection = " or ".join(f"({expr})" for expr in INTERPRETED.values())
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *INTERPRETED,
-                          "-k", selection], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) >= 70 and "skipped" not in summary, summary
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "interpreted.xml")
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *INTERPRETED,
+                              "-k", selection, f"--junitxml={report}"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=400)
+        assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+        outcomes = _junit_outcomes(report)
+    # every test the selection ran passed: none skipped, none xfailed, none errored
+    assert outcomes and set(outcomes.values()) == {"passed"}, {k: v for k, v in outcomes.items() if v != "passed"}
+    # and every test the suite names ran: all of test_kernels_interpret.py's, and each other file's
+    # tests named for the interpreter (a renamed or deselected one would drop out silently)
+    ran = {(file, name.partition("[")[0]) for file, name in outcomes}
+    named = {(file, name) for file in INTERPRETED for name in _test_functions(file)
+             if file.endswith("test_kernels_interpret.py") or "interpret" in name}
+    assert named and named <= ran, sorted(named - ran)
 
 
 def test_everything_imports_and_runs_its_reference_without_triton() -> None:
