@@ -90,6 +90,10 @@ PARSE_ONLY = {
         "starts 2 gloo CPU ranks and trains twice (10-20 s on 2 cores)",
     "bash scripts/demo.sh": "sets up .venv, plans GPT-3 175B and trains on 4 CPU ranks: minutes",
     '.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not script_smoke"': "the whole test suite, this module included",
+    "torchrun --nproc-per-node 4 examples/train_your_model.py":
+        "trains on 4 gloo ranks; tests/test_progress.py runs the script under torchrun on 2",
+    "torchrun --nproc-per-node 4 examples/train_your_model.py --plan tp=2,dp=2,sp=1,zero=1 --check":
+        "trains on 4 gloo ranks and on one process; tests/test_progress.py runs the script under torchrun on 2",
     "torchrun --nproc-per-node 4 examples/train_cpu.py --check":
         "trains on 4 gloo ranks and on one process; tests/test_refusals.py and tests/test_profile_command.py "
         "run the script under torchrun",
@@ -152,6 +156,19 @@ PYTHON_BLOCKS = {
         prelude=_tiny_llama(64), given=("model", "ids", "labels"),
         replace=(('"llama3-70b"', '"tiny-gpt"'),
                  ('plan="tp=2,pp=2,dp=2,sp=1,zero=1"', 'plan="tp=1,pp=1,dp=1,sp=1,zero=1"'))),
+    ("README.md", "num_replicas=pm.dp_size, rank=pm.dp_rank"): Runs(
+        why=f"{ONE_RANK}; the model, loss and data of examples/train_your_model.py",
+        prelude="""
+import functools, importlib.util, pathlib, torch, mplan
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+path = pathlib.Path(mplan.__file__).resolve().parent.parent / "examples" / "train_your_model.py"
+spec = importlib.util.spec_from_file_location("train_your_model", path)
+example = importlib.util.module_from_spec(spec); spec.loader.exec_module(example)
+model, loss_fn = example.TinyGPT(), example.loss_fn
+tokens = torch.randint(0, 96, (128, 33), generator=torch.Generator().manual_seed(0))
+dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+ids = tokens[:64, :-1]
+""", given=("model", "ids", "loss_fn", "dataset")),
     ("docs/contract.md", 'plan = mplan.Plan.load("plan.json")'): Runs(
         why="llama3-70b by tiny-gpt (the same call: the 70B model plans in ~20 s, tiny-gpt in ~2)",
         prelude=_tiny_llama(64), given=("model", "ids", "labels"),

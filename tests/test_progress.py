@@ -112,3 +112,24 @@ def test_every_shown_prediction_says_what_it_rests_on(preset: str, figures: str,
     shown = io.StringIO()
     render(made, Console(file=shown, width=400))
     assert words in shown.getvalue()
+
+
+def test_a_users_own_model_and_data_loader_train_exactly_under_torchrun_with_one_word_per_phase() -> None:
+    """The README's quick start as a user runs it: a hand-written model, a DataLoader with a
+    DistributedSampler fed pm.dp_size / pm.dp_rank, plan=None, on 2 gloo ranks; its log (not a
+    terminal) holds one line per phase, from rank 0 only, and the losses match one process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    torchrun = Path(sys.executable).with_name("torchrun")
+    done = subprocess.run([str(torchrun), "--nproc-per-node", "2", str(root / "examples" / "train_your_model.py"),
+                           "--check"], capture_output=True, text=True, timeout=300, cwd=root,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "MPLAN_PROGRESS": "lines"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    phases = [line for line in done.stderr.splitlines() if line.startswith("mplan: ")]
+    assert [PHASE_LINE.match(line)["name"] for line in phases] == ["capture", "plan", "lowering", "first step"]
+    difference = float(done.stdout.rsplit("largest relative loss difference from one process: ", 1)[1].split()[0])
+    assert difference < 1e-9
