@@ -16,6 +16,11 @@ head_dim] with seq_q == seq_kv; its backward is timed as forward-then-backward. 
 events: a memory-bound kernel in a training step runs among others, and events around one copy
 add a launch (about 7 us on the H200: 3.4 TB/s at 134 MB against 4.2 back to back,
 benchmarks/copy_table_h200.py).
+Host time per launch (``measure_host``): streams of tiny eager ops (one element of work each) timed
+on the host's clock with the device idle, so the host binds: an ATen op with autograd recording, a
+view, the same two without autograd (their difference is one kernel launch), one autograd backward
+node per op of a chain, a Triton kernel launch, and the per-tensor slope of a foreach and a fused
+AdamW step (32 against 160 tensors).
 Invariants: torch is imported inside the functions (planning never pays for it); nothing is kept on
 the device after return.
 """
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mplan.cost_models.dtypes import canonical_dtype
-from mplan.cost_models.profile import AttentionTiming, CopyTiming, DeviceProfile, GemmTiming
+from mplan.cost_models.profile import AttentionTiming, CopyTiming, DeviceProfile, GemmTiming, HostTiming
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "tf32": "float32", "fp64": "float64"}
 COPY_BATCH = 20
@@ -174,6 +179,118 @@ def _time_copies(torch: Any, device: Any, grid: ProfileGrid, timer: MedianTimer)
     return out
 
 
+HOST_STREAM = 400
+"""Tiny ops per timed stream when measuring host time: below CUDA's launch queue (about a thousand
+kernels), so the host never waits for a free slot, and long enough to dwarf the timer."""
+
+
+def _host_seconds(torch: Any, device: Any, stream: Callable[[int], Callable[[], object]], count: int,
+                  reps: int) -> float:
+    """Median host seconds per op of `stream(count)` (a setup returning the timed call), the
+    device idle at its start (synchronized before, and after, outside the timed part)."""
+    samples = []
+    for _ in range(reps + 1):  # the first stream warms up
+        run = stream(count)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()
+        samples.append((time.perf_counter() - start) / count)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return statistics.median(samples[1:])
+
+
+def _triton_launch(torch: Any, device: Any, count: int, reps: int) -> float | None:
+    """Host seconds per launch of a one-element Triton kernel, or None where Triton cannot run (a CPU)."""
+    if device.type != "cuda":
+        return None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def add_one(ptr):
+        tl.store(ptr, tl.load(ptr) + 1.0)
+
+    x = torch.zeros(1, device=device, dtype=torch.float32)
+
+    def stream(n: int) -> Callable[[], object]:
+        def run() -> None:
+            for _ in range(n):
+                add_one[(1,)](x)
+        return run
+    return _host_seconds(torch, device, stream, count, reps)
+
+
+def _adamw_tensor_s(torch: Any, device: Any, reps: int, **kind: bool) -> float | None:
+    """Host seconds per parameter tensor of one AdamW step (`kind`: foreach=True or fused=True):
+    the slope between steps over 32 and 160 tiny tensors (the fixed per-step part cancels)."""
+    def step_s(tensors: int) -> float:
+        params = [torch.zeros(16, device=device, requires_grad=True) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer = torch.optim.AdamW(params, lr=1e-3, **kind)
+
+        def stream(_n: int) -> Callable[[], object]:
+            return optimizer.step
+        return _host_seconds(torch, device, stream, 1, reps)
+    try:
+        return max(0.0, (step_s(160) - step_s(32)) / 128)
+    except (RuntimeError, ValueError):  # fused AdamW where this torch has none for the device
+        return None
+
+
+def measure_host(device: str = "cuda", quick: bool = False) -> HostTiming:
+    """Host seconds per kind of launch on `device` (``HostTiming``): streams of tiny ops timed on
+    the host's clock while the device is idle, so the host is what binds."""
+    import torch
+
+    dev = torch.device(device)
+    count, reps = (100, 3) if quick else (HOST_STREAM, 9)
+    w = torch.ones(16, device=dev, requires_grad=True)
+
+    def ops(grad: bool, view: bool) -> Callable[[int], Callable[[], object]]:
+        def stream(n: int) -> Callable[[], object]:
+            def run() -> None:
+                with torch.set_grad_enabled(grad):
+                    y = w
+                    for _ in range(n):
+                        y = y.view(16) if view else y.mul(1.0001)
+            return run
+        return stream
+
+    def backward(n: int) -> Callable[[], object]:
+        y = w
+        for _ in range(n):
+            y = y.mul(1.0001)  # MulBackward0: one kernel, the gradient times the scalar
+        loss = y.sum()
+        return lambda: loss.backward()
+
+    aten_op = _host_seconds(torch, dev, ops(True, False), count, reps)
+    view_op = _host_seconds(torch, dev, ops(True, True), count, reps)
+    launch = max(0.0, _host_seconds(torch, dev, ops(False, False), count, reps)
+                 - _host_seconds(torch, dev, ops(False, True), count, reps))
+    backward_node = _host_seconds(torch, dev, backward, count, reps)
+    triton = _triton_launch(torch, dev, count, reps)
+    foreach = _adamw_tensor_s(torch, dev, reps, foreach=True)
+    fused = _adamw_tensor_s(torch, dev, reps, fused=True)
+    w.grad = None
+    on_gpu = dev.type == "cuda"
+    name = torch.cuda.get_device_name(dev) if on_gpu else "cpu"
+    gaps = [what for what, value in (("Triton launch", triton), ("fused AdamW", fused)) if value is None]
+    return HostTiming(
+        aten_op_s=aten_op, view_op_s=view_op, launch_s=launch, backward_node_s=backward_node,
+        triton_launch_s=aten_op if triton is None else triton,
+        adamw_foreach_tensor_s=foreach if foreach is not None else 0.0,
+        adamw_fused_tensor_s=(foreach or 0.0) if fused is None else fused, overlaps=on_gpu,
+        source=f"measured by measure_device.measure_host on {name}, torch {torch.__version__}, "
+               f"{datetime.date.today().isoformat()}" + ("; QUICK" if quick else "")
+               + (f"; not measurable here, taken equal to the ATen op's or foreach's: {', '.join(gaps)}" if gaps else ""))
+
+
 def profile_device(device: str = "cuda", dtypes: tuple[str, ...] | None = None, quick: bool = False,
                    grid: ProfileGrid | None = None,
                    progress: Callable[[str], None] | None = None) -> DeviceProfile:
@@ -204,8 +321,10 @@ def profile_device(device: str = "cuda", dtypes: tuple[str, ...] | None = None, 
     attention = _time_attention(torch, dev, attention_dtype, grid, timer)
     say("copies")
     copy = _time_copies(torch, dev, grid, timer)
+    say("host time per launch")
+    host = measure_host(device, quick=quick)
     name = torch.cuda.get_device_name(dev) if on_gpu else "cpu"
     if on_gpu:
         torch.cuda.empty_cache()
     return DeviceProfile(name=name, torch_version=torch.__version__, measured_on=datetime.date.today().isoformat(),
-                         gemm=tuple(gemm), attention=tuple(attention), copy=tuple(copy))
+                         gemm=tuple(gemm), attention=tuple(attention), copy=tuple(copy), host=host)

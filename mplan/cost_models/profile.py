@@ -11,11 +11,17 @@ File format (``"format": "mplan.profile"``, ``"version": 1``)::
      "device": null | {"name", "torch_version", "measured_on", "gemm": [{m, n, k, dtype, seconds}],
                        "attention": [{batch, heads, seq_q, seq_kv, head_dim, dtype, causal,
                                       forward_s, forward_backward_s}],
-                       "copy": [{bytes_moved, seconds}]},
+                       "copy": [{bytes_moved, seconds}],
+                       "host": {aten_op_s, view_op_s, launch_s, backward_node_s, triton_launch_s,
+                                adamw_foreach_tensor_s, adamw_fused_tensor_s, overlaps, source}},
      "links": null | {"backend", "world_size", "ranks_per_node", "measured_on",
                       "timings": [{collective, level, group_size, ranks_per_node, nbytes, seconds}],
                       "fits": [{collective, level, alpha_s, beta_Bps, group_size, num_points,
                                 max_rel_error}]}}
+
+``host`` (host seconds per launch kind, ``HostTiming``) may be absent: profiles written before it
+was measured load with ``NOMINAL_HOST`` (or ``NOMINAL_CPU_HOST`` for a "cpu" device), whose
+``source`` says "nominal, not measured" (``DeviceProfile.host_timing``).
 
 Invariants: every field is validated on load and the first wrong one raises one ``ProfileError``
 naming the file and the field; nothing is unpickled. A ``ClusterSpec`` file may hold a profile
@@ -85,6 +91,39 @@ class CopyTiming:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class HostTiming:
+    """Host seconds per kind of launch, timed on a stream of tiny ops while the device is idle, so
+    the host is the bottleneck (``measure_device.measure_host``); ``host_cost`` prices a program
+    with them and ``host_queue`` overlaps them with the device."""
+
+    aten_op_s: float  # one ATen op launching one kernel, autograd recording (a training forward's op)
+    view_op_s: float  # one view op (no kernel), autograd recording
+    launch_s: float  # each kernel an op launches beyond its first (no-grad op minus no-grad view)
+    backward_node_s: float  # one autograd backward node launching one kernel
+    triton_launch_s: float  # one Triton kernel launched from Python (mplan's fused kernels)
+    adamw_foreach_tensor_s: float  # per parameter tensor of torch's foreach AdamW step (the default)
+    adamw_fused_tensor_s: float  # per parameter tensor of torch's fused AdamW step (mplan's kernel alike)
+    # whether kernels run beside the host (a GPU's stream) or on it (a CPU: host and device add up)
+    overlaps: bool = True
+    source: str  # "measured by ... on DATE" or "nominal, not measured: ..."
+
+
+NOMINAL_HOST = HostTiming(
+    aten_op_s=10e-6, view_op_s=4e-6, launch_s=3e-6, backward_node_s=12e-6, triton_launch_s=15e-6,
+    adamw_foreach_tensor_s=6e-6, adamw_fused_tensor_s=2e-6, overlaps=True,
+    source="nominal, not measured: the order of eager PyTorch's per-op host overhead on a server CPU "
+           "driving a GPU (a few us to launch a kernel, about 10 us for an op with autograd); "
+           "run `mplan profile` (measure_device.measure_host) to measure it")
+"""Host figures of a GPU profile that has none (profiles before 2026-12-05, presets)."""
+NOMINAL_CPU_HOST = HostTiming(
+    aten_op_s=10e-6, view_op_s=4e-6, launch_s=3e-6, backward_node_s=12e-6, triton_launch_s=10e-6,
+    adamw_foreach_tensor_s=6e-6, adamw_fused_tensor_s=2e-6, overlaps=False,
+    source="nominal, not measured: NOMINAL_HOST's figures for a CPU rank, where the kernels run on the "
+           "host thread itself; run `mplan profile` to measure it")
+"""Host figures of a "cpu" device without a measured host table."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DeviceProfile:
     """Kernel timings of one device."""
 
@@ -94,6 +133,17 @@ class DeviceProfile:
     gemm: tuple[GemmTiming, ...] = ()
     attention: tuple[AttentionTiming, ...] = ()
     copy: tuple[CopyTiming, ...] = ()
+    host: HostTiming | None = None  # None: not measured (`host_timing` gives the nominal figures)
+
+    @property
+    def host_timing(self) -> HostTiming:
+        """The measured host figures, else the nominal ones of this kind of device."""
+        return self.host or nominal_host(self.name)
+
+
+def nominal_host(device_name: str) -> HostTiming:
+    """The nominal host figures of a device by name: a CPU's runs its kernels on the host."""
+    return NOMINAL_CPU_HOST if device_name == "cpu" else NOMINAL_HOST
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -162,7 +212,8 @@ def _device_to_dict(device: DeviceProfile) -> dict[str, Any]:
     return {"name": device.name, "torch_version": device.torch_version, "measured_on": device.measured_on,
             "gemm": [_record_dict(t) for t in device.gemm],
             "attention": [_record_dict(t) for t in device.attention],
-            "copy": [_record_dict(t) for t in device.copy]}
+            "copy": [_record_dict(t) for t in device.copy],
+            **({} if device.host is None else {"host": _record_dict(device.host)})}
 
 
 def _links_to_dict(links: LinkProfile) -> dict[str, Any]:
@@ -207,7 +258,17 @@ def _read_device(r: FieldReader) -> DeviceProfile:
         gemm=tuple(_read_gemm(g) for g in r.objects("gemm")),
         attention=tuple(_read_attention(a) for a in r.objects("attention")),
         copy=tuple(_finished(c, CopyTiming(bytes_moved=c.integer("bytes_moved"), seconds=c.number("seconds")))
-                   for c in r.objects("copy"))))
+                   for c in r.objects("copy")),
+        host=_read_host(r.obj("host")) if r.has("host") else None))
+
+
+def _read_host(h: FieldReader) -> HostTiming:
+    return _finished(h, HostTiming(
+        aten_op_s=h.number("aten_op_s"), view_op_s=h.number("view_op_s"), launch_s=h.number("launch_s", allow_equal=True),
+        backward_node_s=h.number("backward_node_s"), triton_launch_s=h.number("triton_launch_s"),
+        adamw_foreach_tensor_s=h.number("adamw_foreach_tensor_s"),
+        adamw_fused_tensor_s=h.number("adamw_fused_tensor_s"), overlaps=h.boolean("overlaps"),
+        source=h.string("source")))
 
 
 def _read_timing(t: FieldReader) -> CollectiveTiming:

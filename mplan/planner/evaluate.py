@@ -52,7 +52,8 @@ from mplan.cost_models.simulator import PipelineCosts, SimResult, simulate
 from mplan.ir.schedule import Schedule, build_schedule, check_schedule, max_in_flight_by_rank
 from mplan.planner.parallel_config import DEFAULT_RUNTIME, ParallelConfig
 from mplan.planner.stage_partition import Partition, partition
-from mplan.planner.unit_costs import UnitCost
+from mplan.planner.host_cost import host_timing
+from mplan.planner.unit_costs import UnitCost, chunk_backward_s, chunk_forward_s, param_tensors
 from mplan.planner.unit_experts import UnitExperts
 
 ADAMW_STREAMS = 8
@@ -249,8 +250,10 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         reason = NO_CUT_IN_MEMORY if cut is not None else _no_cut(len(units), k)
         cut = cut or _fallback(times, k)
     short_of_memory = reason == NO_CUT_IN_MEMORY
-    chunk_f = tuple(sum(fwd[a:b]) for a, b in cut.bounds)
-    chunk_b = tuple(sum(bwd[a:b]) for a, b in cut.bounds)
+    issue = host_timing(cluster)  # each op's host time queued against the device (unit_costs.chunk_*_s)
+    chunk_f = tuple(chunk_forward_s(units, fwd, ab, serial=not issue.overlaps) for ab in cut.bounds)
+    chunk_b = tuple(chunk_backward_s(units, bwd, ab, recompute=config.recompute, serial=not issue.overlaps)
+                    for ab in cut.bounds)
     chunk_w = tuple(sum(wgt[a:b]) for a, b in cut.bounds)
     if config.schedule == "zb-h1" and config.pp > 1:  # W as long as its host work at least
         host = tuple(SPLIT_W_HOST_S * sum(u.num_weight_ops for u in units[a:b]) for a, b in cut.bounds)
@@ -301,6 +304,11 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         opt = max(opt, step)
         holdings.append((rank_units, dense, expert_params))
         memory.append(rank_memory(rank))
+    # the optimizer's host work per parameter tensor: torch's foreach AdamW (its default), or one
+    # multi-tensor kernel (mplan's) priced as torch's fused one; alongside its kernels on a GPU
+    tensors_s = (issue.adamw_fused_tensor_s if facts.mplan_adamw else issue.adamw_foreach_tensor_s) * max(
+        param_tensors(units, rank_units) for rank_units, _, _ in holdings)
+    opt = opt + tensors_s if not issue.overlaps else max(opt, tensors_s)
     head_rows = None
     if not reason:
         head_rows, chunk_f = _lean_head_chunk(units, cut.bounds, chunk_f, memory, cluster, compute, rank_memory)

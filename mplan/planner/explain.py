@@ -126,6 +126,9 @@ def _difference_why(plan: Plan, difference_ms: float, total_ms: float) -> str:
                        f"all-to-all), the ILP every expert local")
     if plan.schedule == "zb-h1" and plan.mesh.pp > 1:
         reasons.append("zb-h1 charges each weight-gradient pass at least the host time of issuing it")
+    if difference_ms > 0:
+        reasons.append("the host issues every op before the device can run it (planner/host_cost.py): the "
+                       "stages add what the device does not hide of that time")
     return "; ".join(reasons) or "not accounted for by this plan's settings"
 
 

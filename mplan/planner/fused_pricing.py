@@ -33,7 +33,7 @@ Llama's transposed layout 0.93).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Sequence
 
 from mplan.cost_models.compute_cost import ComputeCostModel
@@ -111,6 +111,8 @@ class FusedSave:
     chunked: bool = False
     """inside a kernel that makes this value one chunk of rows at a time (the fused head + loss's
     logits): that chunk is the kernel's working memory (`HeadChunking`)"""
+    kernel: str = ""
+    """on a chain's anchor: the fused op it runs (a key of FUSED_LAUNCHES), for its host time"""
 
 
 NOTHING_KEPT = FusedSave()
@@ -162,8 +164,44 @@ def find_fused_saves(graph: Graph) -> dict[str, FusedSave]:
         saves.update({node.name: INSIDE_A_KERNEL for node in match.chain if node.name in graph})
         if kernel == "linear_cross_entropy" and match.chain[0].name in graph:  # the head GEMM's logits
             saves[match.chain[0].name] = MADE_IN_CHUNKS
-        saves[match.anchor.name] = _keeps(kernel, match)
+        saves[match.anchor.name] = replace(_keeps(kernel, match), kernel=kernel)
     return saves
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Launches:
+    """Kernels one call of a fused op launches, by who launches them: Triton kernels from the
+    op's Python, ATen ops it calls (GEMMs, the sum of a norm's weight-gradient partials)."""
+
+    forward_triton: int
+    forward_aten: int
+    backward_triton: int
+    backward_aten: int
+
+
+FUSED_LAUNCHES: dict[str, Launches] = {
+    # counted in mplan/kernels (2026-12-05); allocations (torch.empty) and views launch nothing
+    "rms_norm_residual": Launches(forward_triton=1, forward_aten=0, backward_triton=1, backward_aten=1),  # + sum_partials
+    "rms_norm": Launches(forward_triton=1, forward_aten=0, backward_triton=1, backward_aten=1),
+    "layer_norm_residual": Launches(forward_triton=1, forward_aten=0, backward_triton=1, backward_aten=1),
+    "bias_gelu": Launches(forward_triton=1, forward_aten=0, backward_triton=1, backward_aten=1),  # + db's sum
+    "swiglu": Launches(forward_triton=1, forward_aten=0, backward_triton=1, backward_aten=0),
+    "geglu": Launches(forward_triton=1, forward_aten=0, backward_triton=1, backward_aten=0),
+    # the packed [gate | up] GEMM, then the packed kernel; backward: the packed kernel, dX and dW GEMMs
+    "linear_swiglu": Launches(forward_triton=1, forward_aten=1, backward_triton=1, backward_aten=2),
+    "linear_geglu": Launches(forward_triton=1, forward_aten=1, backward_triton=1, backward_aten=2),
+    "rope": Launches(forward_triton=1, forward_aten=0, backward_triton=1, backward_aten=0),
+    # block statistics, combine, mean; backward: the gradient kernel
+    "cross_entropy": Launches(forward_triton=3, forward_aten=0, backward_triton=1, backward_aten=0),
+    # PER CHUNK of rows (`HeadChunking`): statistics, combine, gradient in place; the logits, d_x and
+    # d_W GEMMs. Backward: d_x and d_W scaled by the loss's gradient
+    "linear_cross_entropy": Launches(forward_triton=3, forward_aten=3, backward_triton=2, backward_aten=0),
+    # the weights' concatenation and one GEMM; backward: dX and dW GEMMs
+    "linear_group": Launches(forward_triton=0, forward_aten=2, backward_triton=0, backward_aten=2),
+    "attention": Launches(forward_triton=0, forward_aten=1, backward_triton=0, backward_aten=1),  # SDPA
+}
+"""Kernels per call of each fused op (`fuse_kernels`' kernels), what `host_cost` charges a fused
+chain's anchor in host time; RoPE on q and k paired into one launch is counted as two."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,13 +31,16 @@ of a micro-batch is counted by one unit under selective and full recomputation.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from mplan.ir.graph import Graph
 from mplan.ir.op_table import persistent_inputs
 from mplan.ir.placement import R, Shard
 from mplan.ir.strategy import Strategy
+from mplan.cost_models.host_queue import HostQueue
 from mplan.planner.fused_pricing import HeadChunking, head_chunking
+from mplan.planner.host_cost import grad_values, host_timing, op_host
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.op_registry import shard_bytes
 from mplan.planner.sharding_ilp import GraphSharding, SegmentSharding, stream_meta, value_meta
@@ -69,6 +72,12 @@ class UnitCost:
     largest_op_bytes: int  # largest single op's local output: a transient bound
     # the fused head + loss, when this unit runs it: its chunk of logits is the unit's working memory
     head: HeadChunking | None = None
+    # the unit's ops as the host issues them against the device (`host_cost`, `cost_models.host_queue`):
+    # forward in program order, backward in reverse, each op's device time at its own price
+    host_forward: HostQueue = HostQueue()
+    host_backward: HostQueue = HostQueue()
+    selective_host_s: float = 0.0  # host seconds of the forward ops selective recomputation re-runs
+    num_param_tensors: int = 0  # parameter tensors the unit reads first (the optimizer's per-tensor work)
 
     def working_bytes(self, head_rows: int | None = None) -> int:
         """The most a fused kernel holds while it runs beyond its saves: the head + loss's chunk of
@@ -77,9 +86,16 @@ class UnitCost:
 
 
 def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[str, ...],
-                 sharding: SegmentSharding, coster: OpCoster, input_bytes: int) -> UnitCost:
-    """Costs of one segment under its solved sharding, keeping `input_bytes` of inputs when checkpointed."""
+                 sharding: SegmentSharding, coster: OpCoster, input_bytes: int,
+                 needs_grad: frozenset[str] | None = None) -> UnitCost:
+    """Costs of one segment under its solved sharding, keeping `input_bytes` of inputs when
+    checkpointed; `needs_grad`: `host_cost.grad_values(graph)`, computed when not given."""
     n = sharding.axis_size
+    needs_grad = grad_values(graph) if needs_grad is None else needs_grad
+    host = host_timing(coster.cluster)
+    forward_ops: list[HostQueue] = []
+    backward_ops: list[HostQueue] = []
+    selective_host = 0.0
     inside = set(nodes)
     # A kept output that a later unit reads is kept there, as that unit's input (`_kept_inputs`):
     # the prologue's embedding output is the first block's input.
@@ -99,9 +115,16 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
         if node.kind in _KEEP_UNDER_SELECTIVE:
             selective_saved.add(graph.storage_root(node.name))
             kept_extra += node.saved_extra_bytes // (n if s.split else 1)  # attention's logsumexp
-        elif node.kind not in ("view", "getitem", "scalar"):
-            extra += coster.op(node, s).forward_s
         fused = coster.saves.get(node.name)
+        chunks = -(-head.rows // head.default_rows) if head is not None and fused is not None and \
+            fused.kernel == "linear_cross_entropy" else 1
+        op_cost, op_host_s = coster.op(node, s), op_host(node, host, fused=fused, needs_grad=needs_grad,
+                                                          head_chunks=chunks)
+        forward_ops.append(HostQueue.op(op_host_s.forward_s, op_cost.forward_s))
+        backward_ops.append(HostQueue.op(op_host_s.backward_s, op_cost.backward_s))
+        if node.kind not in _KEEP_UNDER_SELECTIVE and node.kind not in ("view", "getitem", "scalar"):
+            extra += op_cost.forward_s
+            selective_host += op_host_s.forward_s
         if node.outputs and not (fused is not None and fused.inside):  # a fused chain's inside is never made
             largest = max(largest, shard_bytes(node.output, s.output, n))
         elif fused is not None and fused.chunked and node.outputs:
@@ -129,7 +152,9 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
                     selective_bytes=selective_bytes,
                     # the reshards' collectives re-run too: the runtime's policy caches no collective
                     selective_extra_s=extra + sharding.comm_forward_s, input_bytes=input_bytes,
-                    largest_op_bytes=largest, head=head)
+                    largest_op_bytes=largest, head=head,
+                    host_forward=HostQueue.sequence(forward_ops), host_backward=HostQueue.sequence(reversed(backward_ops)),
+                    selective_host_s=selective_host, num_param_tensors=len(seen_params))
 
 
 def _kept_inputs(graph: Graph, nodes: tuple[str, ...], choice: dict[str, Strategy], n: int,
@@ -157,8 +182,9 @@ def unit_costs(graph: Graph, sharding: GraphSharding, coster: OpCoster) -> list[
     """Every unit of the model in execution order (untraced block instances included)."""
     n = sharding.axis_size
     # a block type is priced once without inputs; each instance adds the inputs it keeps
-    per_type = {bt.name: segment_unit(graph, bt.name, bt.name, bt.template, sharding.segments[bt.name], coster, 0)
-                for bt in graph.block_types}
+    needs_grad = grad_values(graph)
+    per_type = {bt.name: segment_unit(graph, bt.name, bt.name, bt.template, sharding.segments[bt.name], coster, 0,
+                                      needs_grad) for bt in graph.block_types}
     stream = stream_meta(graph)
     # an untraced instance reads the residual stream from the block before it, in the boundary placement
     untraced_input = 0 if stream is None else shard_bytes(stream, sharding.boundary, n)
@@ -174,5 +200,34 @@ def unit_costs(graph: Graph, sharding: GraphSharding, coster: OpCoster) -> list[
                                  selective_bytes=template.selective_bytes + inputs))
         else:
             units.append(segment_unit(graph, segment.name, None, segment.nodes, sharding.segments[segment.name],
-                                      coster, inputs))
+                                      coster, inputs, needs_grad))
     return units
+
+
+def chunk_forward_s(units: Sequence[UnitCost], device_s: Sequence[float], bounds: tuple[int, int], *,
+                    serial: bool) -> float:
+    """Seconds of one micro-batch's forward through units [a, b) of a pipeline chunk: their ops
+    queued on the host against `device_s` (each unit's device seconds as the evaluator prices
+    them: collectives, re-priced experts) from an idle device (`cost_models.host_queue`)."""
+    a, b = bounds
+    return HostQueue.sequence(units[u].host_forward.with_device(device_s[u]) for u in range(a, b)).makespan(serial)
+
+
+def chunk_backward_s(units: Sequence[UnitCost], device_s: Sequence[float], bounds: tuple[int, int], *,
+                     recompute: str, serial: bool) -> float:
+    """The same for the backward (units in reverse), `device_s` with recomputation's re-run
+    forward included, whose host time is issued before each unit's backward: the whole forward's
+    under full recomputation, the re-run ops' (`selective_host_s`) under selective."""
+    a, b = bounds
+
+    def rerun(unit: UnitCost) -> float:
+        return {"none": 0.0, "selective": unit.selective_host_s, "full": unit.host_forward.host_s}[recompute]
+    return HostQueue.sequence(units[u].host_backward.with_device(device_s[u]).with_host(rerun(units[u]))
+                              for u in reversed(range(a, b))).makespan(serial)
+
+
+def param_tensors(units: Sequence[UnitCost], indices: Sequence[int]) -> int:
+    """Parameter tensors a rank holding units `indices` steps: blocks add up, glue parameters
+    count once by name (a tied embedding)."""
+    glue = {name for u in indices for name, _ in units[u].glue_params}
+    return len(glue) + sum(units[u].num_param_tensors for u in indices if not units[u].glue_params)

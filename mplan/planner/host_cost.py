@@ -1,0 +1,81 @@
+"""Host seconds of each op of a rank's program: what the Python side of a training step costs.
+
+Role: give every op the host time it takes to issue (forward) and to run its autograd node
+(backward), from the cluster's measured ``HostTiming`` (``mplan profile``; nominal where it was
+not measured), for ``unit_costs`` to queue against the device (``cost_models.host_queue``).
+Input: an ``OpNode``, what the fused kernel it belongs to is (``FusedSave``, from the planner's
+fusion), whether it takes part in autograd, the host figures. Output: ``OpHost`` (seconds).
+
+Counting, not guessing: an op's host time is its kinds of launch times their counts.
+- An ATen op in the forward: ``aten_op_s`` (dispatch, autograd recording, one kernel); a view
+  launches nothing: ``view_op_s``; a tuple's ``getitem`` and a symbolic scalar are Python only: 0.
+- Its backward node: ``backward_node_s`` for the node and its first kernel, ``launch_s`` for each
+  further one, one kernel per floating-point input that needs a gradient (a linear with a bias:
+  dX, dW and db); a view's node launches nothing (``backward_node_s - launch_s``); an op no
+  gradient flows through (masks, position ids, RoPE's tables) has no node.
+- A fused chain (``fuse_kernels``): nothing on its inner ops, and on its anchor the kernels
+  ``fused_pricing.FUSED_LAUNCHES`` counts: the autograd Function's bookkeeping (a view's host
+  time forward, a kernel-less node backward) plus ``triton_launch_s`` per Triton kernel and
+  ``aten_op_s`` per ATen op it calls; the fused head + loss's forward per chunk of rows.
+Left out: the host time of collectives (TP reshards, the vocabulary-parallel loss's), of the
+allocator, and of mplan's runtime around the program (pipeline sends, hooks).
+Invariants: every figure >= 0; an op's host time does not depend on its sharding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mplan.cost_models.cluster import ClusterSpec
+from mplan.cost_models.profile import HostTiming, nominal_host
+from mplan.ir.graph import Graph, OpNode
+from mplan.planner.fused_pricing import FUSED_LAUNCHES, FusedSave
+
+_FLOATING = frozenset({"float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+                       "float8_e4m3fn", "float8_e5m2"})
+_PYTHON_ONLY = ("getitem", "scalar")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OpHost:
+    forward_s: float  # host seconds to issue the op in the forward
+    backward_s: float  # host seconds of its autograd node in the backward (0: none)
+
+
+def host_timing(cluster: ClusterSpec) -> HostTiming:
+    """The cluster's measured host figures, else the nominal ones of its device."""
+    device = cluster.profile.device if cluster.profile is not None else None
+    return device.host_timing if device is not None else nominal_host(cluster.device.name)
+
+
+def grad_values(graph: Graph) -> frozenset[str]:
+    """Values a gradient flows to: parameters, and floating outputs of ops reading one of them
+    (forward order). Buffers and integer inputs (ids, labels, RoPE's tables) need none."""
+    needs = set(graph.params)
+    for node in graph.nodes:
+        if node.outputs and node.output.dtype in _FLOATING and any(a in needs for a in node.inputs):
+            needs.add(node.name)
+    return frozenset(needs)
+
+
+def op_host(node: OpNode, host: HostTiming, *, fused: FusedSave | None, needs_grad: frozenset[str],
+            head_chunks: int = 1) -> OpHost:
+    """Host seconds of `node` (module docstring); `fused`: its entry in the planner's fused saves
+    (None: it runs as its ATen op); `head_chunks`: chunks of rows of a fused head + loss."""
+    if fused is not None and fused.inside:
+        return OpHost(forward_s=0.0, backward_s=0.0)  # the anchor launches the chain's kernels
+    if fused is not None and fused.kernel:
+        n = FUSED_LAUNCHES[fused.kernel]
+        chunks = head_chunks if fused.kernel == "linear_cross_entropy" else 1
+        forward = host.view_op_s + chunks * (n.forward_triton * host.triton_launch_s + n.forward_aten * host.aten_op_s)
+        backward = (max(0.0, host.backward_node_s - host.launch_s) + n.backward_triton * host.triton_launch_s
+                    + n.backward_aten * host.aten_op_s)
+        return OpHost(forward_s=forward, backward_s=backward)
+    if node.kind in _PYTHON_ONLY:
+        return OpHost(forward_s=0.0, backward_s=0.0)
+    if node.kind == "view" or not node.outputs:
+        forward = host.view_op_s
+        backward = max(0.0, host.backward_node_s - host.launch_s) if node.name in needs_grad else 0.0
+        return OpHost(forward_s=forward, backward_s=backward)
+    grads = sum(1 for a, meta in zip(node.inputs, node.input_metas) if meta.dtype in _FLOATING and a in needs_grad)
+    backward = host.backward_node_s + (grads - 1) * host.launch_s if node.name in needs_grad and grads else 0.0
+    return OpHost(forward_s=host.aten_op_s, backward_s=backward)
