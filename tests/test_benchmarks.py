@@ -206,3 +206,19 @@ def test_split_backward_benchmark_on_tiny_stages(tmp_path: Path) -> None:
         for method in ("repeat_full", "split", "torch_split"):
             # float32 on the CPU: the same kernels on the same values, summed in the same order
             assert correctness[method]["passed"] and correctness[method]["max_rel_error"] < 1e-6, (key, correctness)
+
+
+@pytest.mark.script_smoke
+def test_host_overhead_benchmark_measures_and_compares_every_micro_batch(tmp_path: Path) -> None:
+    """benchmarks/host_overhead_h200.py on the CPU: host figures measured, every micro-batch's plan
+    measured by `mplan bench --measure` and predicted with and without the host term."""
+    out = tmp_path / "host.json"
+    _run("host_overhead_h200.py", "--device", "cpu", "--small", "--out", str(out), timeout=420)
+    report = json.loads(out.read_text())
+    assert report["host"]["aten_op_s"] > 0 and report["host"]["source"].startswith("measured")
+    rows = report["comparison"]["rows"]
+    assert [r["mbs"] for r in rows] == [1, 2, 8] and all(r["measured_step_s"] for r in rows), rows
+    # the host term is priced: at micro-batch 1 it adds more than at 8 (the same tokens)
+    assert all(r["predicted_step_s"] > r["predicted_free_host_step_s"] for r in rows), rows
+    ratios = report["comparison"]["ratios"]
+    assert ratios["mbs1_over_mbs8_predicted"] > ratios["mbs1_over_mbs8_predicted_free_host"], ratios
