@@ -2,7 +2,9 @@
 
 Times a bf16 GEMM grid covering transformer training shapes (hidden 1024-8192 split by TP 1-8, MLP
 up to 32768 features, 512-16384 tokens per microbatch), SDPA attention (forward, forward+backward;
-batch*heads 8-128, sequences 1k-16k, head_dim 64 and 128) and device copies (64 KiB to 4 GiB), using
+batch*heads 8-128, sequences 1k-16k, head_dim 64 and 128), device copies (64 KiB to 4 GiB) and host
+time per launch (``measure_device.measure_host``: ATen op, view, backward node, Triton launch, AdamW
+tensor; streams of tiny ops with the GPU idle), using
 ``mplan.cost_models.measure_device.profile_device``; about a minute on an H200 (budget: 3 minutes).
 
 Writes
@@ -66,6 +68,10 @@ def summary(profile: ClusterProfile, wall_s: float) -> dict[str, object]:
             "best_gemm": {"m": best.m, "n": best.n, "k": best.k, "dtype": best.dtype,
                           "tflops": round(best.flops_per_s / 1e12, 1)},
             "best_copy_TBps": None if copy is None else round(copy.bytes_moved / copy.seconds / 1e12, 3),
+            "host_us": None if device.host is None else {
+                k: round(getattr(device.host, k) * 1e6, 2) for k in ("aten_op_s", "view_op_s", "launch_s",
+                                                                     "backward_node_s", "triton_launch_s",
+                                                                     "adamw_foreach_tensor_s", "adamw_fused_tensor_s")},
             "reference_gemms": rows}
 
 

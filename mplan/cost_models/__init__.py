@@ -8,8 +8,9 @@ Public names (one module per idea):
   memory_model.py     estimate_memory, MemoryBreakdown, bytes_per_param
   moe_cost.py         ExpertsLayer, experts_time, all_to_all_time, load_factor (an MoE layer under EP)
   simulator.py        simulate, PipelineCosts, SimResult
-  profile.py          ClusterProfile, DeviceProfile, LinkProfile (the measured-profile file format)
-  measure_device.py   profile_device (imports torch when called)
+  host_queue.py       HostQueue (a stream of ops: the host issues, the device runs; makespan)
+  profile.py          ClusterProfile, DeviceProfile, HostTiming, LinkProfile (the measured-profile file format)
+  measure_device.py   profile_device, measure_host (import torch when called)
   measure_links.py    profile_links (imports torch when called)
   alpha_beta.py       AlphaBetaFit, fit_alpha_beta
 Importing this package does not import torch.
