@@ -71,8 +71,8 @@ def bench_one(config: Path, rows_path: Path, *, cluster: str, global_batch: int,
     return result
 
 
-def judge(rows: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per measured plan: predicted vs measured step and memory, and whether both are within TARGET."""
+def judge(rows: dict[str, Any], *, target: float = TARGET) -> list[dict[str, Any]]:
+    """Per measured plan: predicted vs measured step and memory, and whether both are within `target`."""
     judged = []
     for row in rows.get("plans", []):
         measured = row.get("measured") or {}
@@ -86,7 +86,7 @@ def judge(rows: dict[str, Any]) -> list[dict[str, Any]]:
                          predicted_allocated_gib=error["predicted_allocated_gib"],
                          step_time_error=error["step_time"], peak_memory_error=error["peak_memory"])
             errors = [e for e in (error["step_time"], error["peak_memory"]) if e is not None]
-            entry["within_target"] = all(abs(e) <= TARGET for e in errors)
+            entry["within_target"] = all(abs(e) <= target for e in errors)
         judged.append(entry)
     return judged
 
