@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -180,3 +181,90 @@ def test_selective_recomputation_is_priced_with_the_collectives_it_reruns() -> N
 def test_an_unknown_mode_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match="recompute must be one of none, selective, full, got 'sometimes'"):
         parse_plan_spec("dp=1,recompute=sometimes")
+
+
+class _RotaryInNoGrad(torch.nn.Module):
+    """Rotary tables as transformers computed them before 5.x dropped the decorator (Llama,
+    Qwen2): under `torch.no_grad()`, in 4.x with an inner `torch.autocast(enabled=False)`
+    forcing float32. torch.export records each region as a higher-order op whose body is a
+    submodule read by a `get_attr` node, and places that node after the ops computing the
+    region's inputs: after the embedding, in the middle of the prologue."""
+
+    def __init__(self, head_dim: int, autocast_inside: bool) -> None:
+        super().__init__()
+        self.autocast_inside = autocast_inside
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, head_dim, 2).double() / head_dim),
+                             persistent=False)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast(device_type=x.device.type, enabled=False) if self.autocast_inside else nullcontext():
+            freqs = (self.inv_freq[None, :, None].expand(positions.shape[0], -1, 1) @ positions[:, None, :].double())
+            angles = torch.cat((freqs, freqs), dim=1).transpose(1, 2)
+            return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+
+class _RotaryBlock(torch.nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, hidden), \
+            torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = self.up(self.norm(x))
+        return x + self.down(torch.nn.functional.gelu(h * cos + h.flip(-1) * sin))
+
+
+class _RotaryLM(torch.nn.Module):
+    def __init__(self, autocast_inside: bool, vocab: int = 32, hidden: int = 16, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.rotary = _RotaryInNoGrad(hidden, autocast_inside)
+        self.layers = torch.nn.ModuleList(_RotaryBlock(hidden) for _ in range(layers))
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        cos, sin = self.rotary(x, positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.head(x)
+
+
+def _next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
+@pytest.mark.parametrize("autocast_inside", [False, True], ids=["no_grad", "no_grad+autocast"])
+def test_a_region_body_read_midway_through_a_unit_is_carried_into_it(recompute: str, autocast_inside: bool) -> None:
+    """`mplan bench --measure` with recompute=selective on a Qwen2-style config, 2026-12-05 (an
+    H100, transformers 4.x): `graph.lint()`: "Argument 'submod_1' of Node 'recompute_0_prologue'
+    was used before it has been defined!". The unit's call went before its first op, and the
+    rotary region's `get_attr` came after that op. Any size of the family had it with a
+    transformers whose RoPE runs under `torch.no_grad()`; the one here has no such region, which
+    is why a small config did not fail. The nested autocast region of 4.x's RoPE also lost its
+    body when the local program was built (recompute=none included)."""
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 32, (4, 8), generator=gen), torch.randint(0, 32, (4, 8), generator=gen))
+            for _ in range(3)]
+    torch.manual_seed(0)
+    model = _RotaryLM(autocast_inside).double()
+    reference = _RotaryLM(autocast_inside).double()
+    reference.load_state_dict(model.state_dict())
+    pm = mplan.autoparallel(model, example_inputs=(data[0][0],), loss_fn=_next_token_loss, optimizer=OPTIMIZER,
+                            global_batch=4, plan=f"dp=1,tp=1,recompute={recompute}", device="cpu")
+    order = list(pm.graph.program.graph.nodes)
+    first_op = next(i for i, n in enumerate(order) if n.op == "call_function")
+    assert any(n.op == "get_attr" and i > first_op for i, n in enumerate(order)), "the trigger is gone"
+    assert len(pm.recomputed_units) == (0 if recompute == "none" else 4)
+    optimizer = OPTIMIZER(reference.parameters())
+    for ids, labels in data:
+        loss = _next_token_loss(reference(ids), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert pm.train_step(ids, labels) == pytest.approx(loss.item(), rel=1e-12)
+    for name, param in reference.named_parameters():
+        assert torch.allclose(pm.params[name], param, rtol=1e-9, atol=0), name

@@ -135,7 +135,12 @@ class _Rewriter:
                 if next(spec for spec in inputs if spec.placeholder == n.name).kind == "USER_INPUT":
                     module.graph.erase_node(n)
             inputs = [spec for spec in inputs if not (spec.kind == "USER_INPUT" and spec.placeholder in unused)]
-        module.delete_all_unused_submodules()
+        # the reshards and region bodies nothing reads any more; not torch's
+        # delete_all_unused_submodules, which also deletes the regions nested in a body that is
+        # read (transformers 4.x's RoPE: an autocast region inside a no_grad one)
+        read = {n.target for n in module.graph.nodes if n.op in ("call_module", "get_attr")}
+        for name in [name for name, _ in module.named_children() if name not in read]:
+            module.delete_submodule(name)
         module.recompile()
         module.meta[INPUTS] = tuple(inputs)
         return module

@@ -116,18 +116,26 @@ def _contiguous_runs(program: fx.GraphModule, graph: Graph) -> list[tuple[str, l
 def _extract(program: fx.GraphModule, nodes: list[fx.Node], name: str, mode: str) -> None:
     """Replace the contiguous `nodes` by one call of a `CheckpointedUnit` submodule `name`."""
     inside = set(nodes)
-    inputs = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in inside))
+    outside = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in inside))
+    # A higher-order op's body (a `torch.no_grad()` or autocast region) is read by a `get_attr`
+    # node that torch.export may place anywhere before the op, e.g. after the unit's first op
+    # (transformers 4.x's rotary tables, mid-prologue): the unit reads its own copy, so the call
+    # below takes only values defined before the unit's first op.
+    bodies = [i for i in outside if i.op == "get_attr"]
+    inputs = [i for i in outside if i.op != "get_attr"]
     outputs = [n for n in nodes if any(u not in inside for u in n.users)]
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in inputs:
         env[node] = sub.placeholder(node.name)
         env[node].meta = dict(node.meta)
+    for node in bodies:
+        env[node] = sub.get_attr(node.target)
     for node in nodes:
         env[node] = sub.node_copy(node, lambda x: env[x])
     sub.output(tuple(env[o] for o in outputs))
     program.add_submodule(name, CheckpointedUnit(fx.GraphModule(program, sub), mode))
-    # contiguous in program order: every input is defined before the first node
+    # contiguous in program order: every op input is defined before the first node
     with program.graph.inserting_before(nodes[0]):
         call = program.graph.call_module(name, tuple(inputs))
         results = [program.graph.call_function(operator.getitem, (call, k)) for k in range(len(outputs))]
@@ -136,3 +144,11 @@ def _extract(program: fx.GraphModule, nodes: list[fx.Node], name: str, mode: str
         old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in inside)
     for node in reversed(nodes):
         program.graph.erase_node(node)
+    for node in bodies:
+        if not node.users:
+            program.graph.erase_node(node)
+        if not any(n.op == "get_attr" and n.target == node.target for n in program.graph.nodes):
+            # moved, not shared: the program's clean-up of unused submodules would delete the
+            # nested bodies of its copy, the very objects the unit still reads
+            owner, _, attr = node.target.rpartition(".")
+            delattr(program.get_submodule(owner), attr)
