@@ -13,24 +13,44 @@ from mplan.cost_models.megatron_reference import ReferenceError, default_referen
 from mplan.cost_models.reference_data import REFERENCE_FILES, load_h200_gemm_points, reference_path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from megatron_calibration import calibrate  # noqa: E402
+from megatron_calibration import calibrate, own_configs  # noqa: E402
 
 
 CHECKED_ROWS = ("narayanan21_t1_1.7B", "narayanan21_t1_7.5B", "narayanan21_t1_39.1B", "narayanan21_t1_1008.0B",
                 "narayanan21_t2_PTD-P_174.6B_384gpu", "narayanan21_t2_PTD-P_529.6B_2240gpu")
-"""Six of the 16 rows, both tables, the smallest and largest models, the two worst predicted and the
-one predicted high: all 16 take ~100 s, too long for CI, and `benchmarks/megatron_calibration.py`
-writes the whole table (benchmarks/results/megatron-calibration-2026-12-02.json)."""
+"""Six of the 16 rows, both tables, the smallest and largest models, the worst predicted (7.5B)
+and the one with the most candidates (39.1B): all 16 take minutes, too long for CI, and
+`benchmarks/megatron_calibration.py` writes the whole table
+(benchmarks/results/megatron-calibration-2026-12-05.json)."""
 
 
 @pytest.mark.slow
-def test_published_rows_are_predicted_within_15_percent_and_8_on_average():
+def test_published_rows_are_predicted_within_15_5_percent_and_7_5_on_average_at_the_median_candidate():
+    """Each row scored at its median candidate in the published layout, never its fastest (which,
+    as the model predicts low, is also its closest). These six rows: 15.2% at most, 7.3% on
+    average (the whole table: 15.2% / 7.3%); the bounds sit just above."""
     runs = [run for run in load_megatron_runs() if run.id in CHECKED_ROWS]
     rows = [calibrate(run, with_auto=False) for run in runs]
     errors = [abs(r["own_error"]) for r in rows]
     assert len(rows) == len(CHECKED_ROWS)
-    assert max(errors) < 0.15, {r["id"]: round(r["own_error"], 3) for r in rows}
-    assert sum(errors) / len(errors) < 0.08
+    for r in rows:
+        ordered = r["candidate_errors_fastest_first"]
+        assert r["own_error"] == ordered[(len(ordered) - 1) // 2], r["id"]
+    assert max(errors) < 0.155, {r["id"]: round(r["own_error"], 3) for r in rows}
+    assert sum(errors) / len(errors) < 0.075
+
+
+def test_candidates_keep_the_published_layout():
+    """Table 2's micro-batch of 1 and Table 1's interleaved schedule on pipelined rows are kept;
+    only what the paper does not report (micro-batch size, virtual stages) varies."""
+    runs = {r.id: r for r in load_megatron_runs()}
+    table2 = own_configs(runs["narayanan21_t2_PTD-P_174.6B_1536gpu"])
+    assert table2 and {c.mbs for c in table2} == {1}
+    pipelined = own_configs(runs["narayanan21_t1_39.1B"])
+    assert pipelined and {c.schedule for c in pipelined} == {"interleaved"}
+    assert {c.mbs for c in pipelined} == {1, 2, 4, 8} and {c.vpp for c in pipelined} == {2, 3, 4, 6, 8}
+    unpipelined = own_configs(runs["narayanan21_t1_1.7B"])
+    assert [(c.schedule, c.mbs) for c in unpipelined] == [("1f1b", 1), ("1f1b", 2), ("1f1b", 4), ("1f1b", 8)]
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ class MegatronRun:
     dp: int
     global_batch: int
     micro_batch: int | None  # not reported for Table 1
+    schedule: str  # as the paper states it: Table 1 "interleaved 1F1B (...)", Table 2 "1F1B or interleaved (...)"
     measured_tflops_with_recompute: float
 
     def recompute_counted_flops(self) -> float:
@@ -63,5 +64,6 @@ def load_megatron_runs(path: str | None = None) -> list[MegatronRun]:
             num_gpus=cluster.integer("n_gpus"), gpus_per_node=cluster.integer("gpus_per_node"),
             tp=config.integer("tp"), pp=config.integer("pp"), dp=config.integer("dp"),
             global_batch=config.integer("global_batch"), micro_batch=micro if isinstance(micro, int) else None,
+            schedule=config.string("schedule"),
             measured_tflops_with_recompute=r.obj("measured").number("tflops_per_gpu_with_recompute_counted")))
     return runs
