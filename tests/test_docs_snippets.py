@@ -58,13 +58,13 @@ RUN = {
     "mplan bench MODEL --cluster dgx-h100 --global-batch 512 --plans auto tp=8,pp=4 dp=64 [--json] [--csv out.csv]":
         FULL,
     "mplan inspect MODEL [--batch B] [--seq-len S] [--shallow] [--json]": FULL,
-    "mplan plan MODEL --global-batch B [--cluster C] [--nodes N] [--gpus-per-node G] [--seq-len S] [--spec SPEC] "
-    "[--allow-cross-node-tp] [--kernels | --no-kernels] [--fp8] [--runtime mplan|megatron] [--moe-imbalance X] "
-    "[-o plan.json] [--json]": FULL,
+    "mplan plan MODEL --global-batch B [--cluster C] [--nodes N] [--gpus-per-node G] [--seq-len S] [--vocab V] "
+    "[--spec SPEC] [--allow-cross-node-tp] [--kernels | --no-kernels] [--fp8] [--runtime mplan|megatron] "
+    "[--moe-imbalance X] [-o plan.json] [--json] [-q]": FULL,
     "mplan explain plan.json [--gantt schedule.png] [--json]": BARE,
-    "mplan bench MODEL --global-batch B [--cluster C] [--nodes N] [--gpus-per-node G] [--seq-len S] "
-    "[--plans SPEC [SPEC ...]] [--measure [--profile]] [--moe-imbalance X] [--csv out.csv] [--out rows.json] [--json]":
-        BARE,
+    "mplan bench MODEL --global-batch B [--cluster C] [--nodes N] [--gpus-per-node G] [--seq-len S] [--vocab V] "
+    "[--plans SPEC [SPEC ...]] [--measure [--profile]] [--moe-imbalance X] [--csv out.csv] [--out rows.json] [--json] "
+    "[-q]": BARE,
 }
 """Doc command line -> the one variant of it that runs for real (each takes a second or a few on
 a 2-core CPU: captures of a 2-layer model, the planner on presets). The line's other variants are
@@ -75,13 +75,13 @@ PARSE_ONLY = {
     "torchrun --nproc-per-node 8 -m mplan bench MODEL --cluster cluster.json --global-batch 64 --plans auto tp=8 "
     "--measure --out rows.json": "`--measure` trains every plan on 8 ranks; tests/test_profile_command.py runs "
                        "`bench --measure` for real on CPU ranks",
-    "mplan profile [-o cluster.json] [--quick] [--no-links] [--json]":
+    "mplan profile [-o cluster.json] [--quick] [--no-links] [--json] [-q]":
         "times this machine's kernel grid (minutes without --quick); tests/test_profile_command.py runs "
         "`profile --quick --no-links -o cluster.json`",
-    "mplan verify MODEL [--plan SPEC|plan.json] [--world-size N] [--steps N] [--json]":
+    "mplan verify MODEL [--plan SPEC|plan.json] [--world-size N] [--steps N] [--json] [-q]":
         "starts gloo CPU ranks and trains twice (10-30 s each on 2 cores); tests/test_profile_command.py runs "
         "`mplan verify plan.json --world-size 2 --json`",
-    "mplan verify plan.json [--world-size N] [--steps N] [--json]":
+    "mplan verify plan.json [--world-size N] [--steps N] [--json] [-q]":
         "starts gloo CPU ranks (10-30 s on 2 cores); tests/test_profile_command.py runs it",
     "mplan verify MODEL --plan SPEC_OR_PLAN_JSON [--world-size 4] [--steps 3] [--json]":
         "starts 4 gloo CPU ranks by default (tens of seconds on 2 cores)",
@@ -102,7 +102,7 @@ PARSE_ONLY = {
 
 PLACEHOLDERS = {
     "MODEL": "gpt:layers=2,hidden=64,heads=8,seq=32,vocab=128",  # 8 heads, for tp=8; the planner searches it in seconds
-    "B": "16", "S": "32", "N": "1", "G": "8", "X": "1.1", "C": "dgx-h100",
+    "B": "16", "S": "32", "V": "128", "N": "1", "G": "8", "X": "1.1", "C": "dgx-h100",
     "SPEC": "tp=2", "SPEC_OR_PLAN_JSON": "tp=2,dp=2",
 }
 """Placeholder word of a command line -> the small real value the check gives it. File names
