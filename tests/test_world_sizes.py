@@ -11,7 +11,8 @@ on one 3-GPU node across two nodes. Three tiers:
    every axis is priced on the cluster without a refusal;
 2. every spec (dp, tp, pp, zero 0/1) that divides a world of 1-8 resolves on `ClusterSpec.local()`
    and on dgx-h100 presets of every node shape that world fills, or is refused with the one
-   reason it cannot run (a tp that does not divide the heads, more stages than units);
+   reason it cannot run (a tp that does not divide the heads, more stages than units); the search
+   (plan=None) fills every world; transformers' Llama resolves on uneven worlds too;
 3. a sample trains exactly against one process in float64 on gloo (one group per world size):
    pp=3, dp=3 and tp=3 on 3 ranks, dp=2 x pp=3 on 6, pp=5 on 5, dp=7 on 7.
 The model has 6 heads, 3 layers (5 pipeline units) and a vocabulary of 96, so tp=2, 3 and 6 divide it.
@@ -145,6 +146,45 @@ def test_the_issues_pipeline_and_uneven_worlds_resolve_on_local() -> None:
         cluster = local_cluster({"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)})
         plan = resolve_plan(spec, graph(), cluster=cluster, world_size=world, global_batch=2 * world)
         assert plan.mesh.dp * plan.mesh.tp * plan.mesh.pp == world, plan.spec()
+
+
+@pytest.mark.parametrize("world", range(1, 9))
+def test_the_search_plans_every_world_size(world: int) -> None:
+    """plan=None on one node of `world` ranks and on `world` one-GPU nodes: a plan that fills the world."""
+    from mplan.cost_models.presets import local_cluster, make_preset
+    from mplan.planner.resolve import resolve_plan
+
+    for cluster in (local_cluster({"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}),
+                    make_preset("dgx-h100", nodes=world, gpus_per_node=1, measured=False)):
+        plan = resolve_plan(None, graph(), cluster=cluster, world_size=world, global_batch=6 * world)
+        assert plan.mesh.dp * plan.mesh.tp * plan.mesh.pp == world, (cluster.name, plan.spec())
+
+
+def test_a_hugging_face_llama_resolves_on_uneven_worlds() -> None:
+    """transformers' Llama (6 heads, 3 KV heads, 3 layers): the same arithmetic on a model mplan did not write."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mplan.cost_models.presets import local_cluster, make_preset
+    from mplan.ir.trace import capture_for_training
+    from mplan.planner.parallel_config import PlanSpecError
+    from mplan.planner.resolve import resolve_plan
+
+    config = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=16, use_cache=False)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to(torch.float64)
+    hf = capture_for_training(model, (batches(2, steps=1, vocab=96)[0][0],))
+    for world, spec, cluster in (
+            (3, "pp=3", local_cluster({"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"})),
+            (3, "tp=3", local_cluster({"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"})),
+            (6, "dp=2,pp=3", make_preset("dgx-h100", nodes=2, gpus_per_node=3, measured=False)),
+            (6, "dp=2,tp=3", make_preset("dgx-h100", nodes=3, gpus_per_node=2, measured=False)),
+            (5, "pp=5", make_preset("dgx-h100", nodes=1, gpus_per_node=5, measured=False))):
+        plan = resolve_plan(spec, hf, cluster=cluster, world_size=world, global_batch=4 * world)
+        assert plan.mesh.dp * plan.mesh.tp * plan.mesh.pp == world, plan.spec()
+    with pytest.raises(PlanSpecError, match="tp=4 does not divide the 6 attention heads of LlamaForCausalLM"):
+        resolve_plan("tp=4", hf, cluster=make_preset("dgx-h100", measured=False), world_size=8, global_batch=8)
 
 
 # -- 3. a sample trains exactly ------------------------------------------------------------------------
