@@ -1,12 +1,21 @@
-"""Wall time of the planning-time issue's two `mplan plan` jobs, each in a fresh process, start-up
-included (CPU only; what the README's planning-time row quotes).
+"""Wall time of `mplan plan ... --json`, each run in a fresh process, start-up included (CPU only;
+what the README's planning-time row quotes).
 
-Each job runs `python -m mplan plan ... -o PLAN` `--repeats` times; the file records every run's
-wall seconds, the plan's own `planner` figures (candidates, search and total seconds), the plan
-chosen (identical across runs or not) and the load average before and after, since other
-processes on a shared machine stretch wall time.
+Jobs:
+- the two preset jobs the README has always quoted: `gpt3-175b` on 128 DGX A100 nodes (1024
+  GPUs) and `llama3-8b` on 8 DGX H100 nodes at seq 8192;
+- every Hugging Face config under benchmarks/configs/ (1B, 8B and 70B shapes; Llama, Qwen2/3 and
+  Mistral styles) at `--seq-len` 4096 and 32768 on 8 DGX H100 nodes, each beside the mplan
+  family spec of the same shape (`llama:layers=...`, what a preset is), so that the file shows
+  whether a user's config plans as fast as the preset of its shape.
 
-    python benchmarks/planning_time.py -o benchmarks/results/planning_time-cpu-2026-12-02.json
+The file records every run's wall and CPU seconds, the plan's own `planner` figures (candidates,
+capture, search and total seconds), the mesh chosen (identical across runs or not), per config
+the ratio of its fastest run to its twin's, and the load average before and after each job,
+since other processes on a shared machine stretch wall time.
+
+    python benchmarks/planning_time.py -o benchmarks/results/planning_time-cpu-2026-12-05-after.json
+    python benchmarks/planning_time.py --only qwen3-8b --repeats 1     # one config, both lengths
 """
 from __future__ import annotations
 
@@ -14,51 +23,101 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
-JOBS = {
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = os.path.join(HERE, "configs")
+SEQ_LENS = (4096, 32768)
+H100_CLUSTER = ["--cluster", "dgx-h100", "--nodes", "8", "--global-batch", "512", "--runtime", "mplan"]
+PRESET_JOBS = {
     "gpt3-175b": ["gpt3-175b", "--cluster", "dgx-a100", "--nodes", "128", "--global-batch", "1536",
                   "--runtime", "mplan"],
-    "llama3-8b": ["llama3-8b", "--cluster", "dgx-h100", "--nodes", "8", "--seq-len", "8192",
-                  "--global-batch", "512", "--runtime", "mplan"],
+    "llama3-8b": ["llama3-8b", "--seq-len", "8192", *H100_CLUSTER],
 }
 
 
+def family_twin(config: dict, seq_len: int) -> str:
+    """The mplan family spec of the config's shape (layers, widths, heads, vocabulary, tying) with
+    its RoPE table `seq_len` long:
+    planned by the same code path as a preset. Biases and q/k norms have no family key; they
+    change a block's op count by a few, not its shape."""
+    heads = config["num_attention_heads"]
+    fields = {"layers": config["num_hidden_layers"], "hidden": config["hidden_size"], "heads": heads,
+              "kv_heads": config.get("num_key_value_heads") or heads, "ffn": config["intermediate_size"],
+              "seq": seq_len, "vocab": config["vocab_size"],
+              "tie": int(bool(config.get("tie_word_embeddings", False)))}
+    return "llama:" + ",".join(f"{k}={v}" for k, v in fields.items())
+
+
+def jobs(only: list[str] | None) -> dict[str, dict]:
+    """name -> {"args": the `mplan plan` arguments, "twin": the job it is compared with}."""
+    made: dict[str, dict] = {name: {"args": args, "twin": None} for name, args in PRESET_JOBS.items()}
+    for name in sorted(os.listdir(CONFIGS)):
+        path = os.path.join(CONFIGS, name)
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        for seq in SEQ_LENS:
+            length = ["--seq-len", str(seq)]
+            made[f"{name}@{seq}:family"] = {"args": [family_twin(config, seq), *length, *H100_CLUSTER], "twin": None}
+            made[f"{name}@{seq}"] = {"args": [os.path.relpath(path), *length, *H100_CLUSTER],
+                                     "twin": f"{name}@{seq}:family"}
+    if only:
+        made = {k: v for k, v in made.items() if any(k.split("@")[0].split(":")[0] == o for o in only)}
+    return made
+
+
 def run_job(args: list[str]) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "plan.json")
-        start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "mplan", "plan", *args, "-o", out], check=True,
-                       stdout=subprocess.DEVNULL)
-        wall = time.perf_counter() - start
-        with open(out, encoding="utf-8") as f:
-            made = json.load(f)
-    mesh = made.get("mesh", {})
-    return {"wall_s": round(wall, 3), "planner": made.get("planner", {}),
-            "plan": json.dumps(mesh, sort_keys=True)}
+    """One fresh process: its wall seconds, and its CPU seconds (user + system, every thread),
+    which other processes on a shared machine stretch far less than wall time."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "mplan", "plan", *args, "--json"], check=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    made = json.loads(done.stdout)
+    return {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3), "planner": made.get("planner", {}),
+            "plan": json.dumps(made.get("mesh", {}), sort_keys=True)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-o", "--output", default=None)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="job names to run (a preset, or a config directory's name)")
     args = parser.parse_args()
     doc = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
            "torch": torch.__version__, "python": platform.python_version(),
            "load_average_before": os.getloadavg(), "jobs": {}}
-    for name, job in JOBS.items():
-        runs = [run_job(job) for _ in range(args.repeats)]
+    for name, job in jobs(args.only).items():
+        load = os.getloadavg()
+        runs = [run_job(job["args"]) for _ in range(args.repeats)]
         walls = [r["wall_s"] for r in runs]
-        doc["jobs"][name] = {"command": "mplan plan " + " ".join(job), "runs": runs,
-                             "wall_s_min": min(walls), "wall_s_max": max(walls),
-                             "same_plan_every_run": len({r["plan"] for r in runs}) == 1}
-        print(f"{name}: {min(walls):.1f}-{max(walls):.1f} s wall, "
-              f"{runs[0]['planner'].get('candidates')} candidates", flush=True)
+        cpus = [r["cpu_s"] for r in runs]
+        entry = {"command": "mplan plan " + " ".join(job["args"]) + " --json", "runs": runs,
+                 "wall_s_min": min(walls), "wall_s_max": max(walls), "cpu_s_min": min(cpus),
+                 "same_plan_every_run": len({r["plan"] for r in runs}) == 1,
+                 "load_average_before": load, "load_average_after": os.getloadavg()}
+        twin = doc["jobs"].get(job["twin"]) if job["twin"] else None
+        if twin:
+            entry["twin"] = job["twin"]
+            entry["wall_over_twin"] = round(min(walls) / twin["wall_s_min"], 3)
+            entry["cpu_over_twin"] = round(min(cpus) / twin["cpu_s_min"], 3)
+            entry["same_plan_as_twin"] = runs[0]["plan"] == twin["runs"][0]["plan"]
+        doc["jobs"][name] = entry
+        print(f"{name}: {min(walls):.1f}-{max(walls):.1f} s wall, {min(cpus):.1f} s cpu, "
+              f"{runs[0]['planner'].get('candidates')} candidates, capture "
+              f"{runs[0]['planner'].get('capture_seconds')} s, search {runs[0]['planner'].get('search_seconds')} s"
+              + (f", {entry['wall_over_twin']}x its family twin's wall, {entry['cpu_over_twin']}x its cpu"
+                 if twin else "")
+              + f", load {load[0]:.2f}", flush=True)
     doc["load_average_after"] = os.getloadavg()
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:

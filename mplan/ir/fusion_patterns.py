@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+from mplan.ir.causal_mask import example_int, is_causal_mask
+
 __all__ = ["ATTENTION_OPS", "ATTENTION_PATTERN", "FUSION_PATTERNS", "LOSS_OPS", "FusionPattern", "PatternMatch",
            "feeds_the_loss", "fp8_linear_pattern", "is_call", "sole_consumer", "tensor_value"]
 
@@ -467,96 +469,6 @@ def _full_slice(node: Node) -> bool:
     return start in (0, None) and step in (1, None) and (end is None or (isinstance(end, int) and end >= value.shape[dim]))
 
 
-def is_causal_mask(mask: Node, q: Any, k: Any) -> bool:
-    """Whether `mask`, an SDPA attn_mask, is the causal mask: computed from constants and shapes
-    alone (evaluated here at the program's concrete shapes, once per mask node) and equal, where
-    it broadcasts over batch and heads, to keys <= query position (bool True, or additive 0)
-    with every other entry masked (bool False, or additive -inf or below half the dtype's
-    lowest value: exp then gives exactly 0 there, as a causal kernel's skip does). Query and key
-    lengths must be equal (top-left and bottom-right alignment agree then). A mask depending on
-    any input (padding, packed sequences given as inputs) is never causal here."""
-    qv, kv = tensor_value(q), tensor_value(k)
-    if qv is None or kv is None or qv.dim() != 4:
-        return False
-    q_shape = tuple(_example_int(d) for d in qv.shape)
-    if q_shape[-2] != _example_int(kv.shape[-2]):
-        return False
-    cached = mask.meta.get("mplan_causal_mask")
-    if cached is None:
-        cached = mask.meta["mplan_causal_mask"] = _evaluates_to_causal(mask, q_shape)
-    return cached
-
-
-def _evaluates_to_causal(mask: Node, q_shape: tuple[int, ...]) -> bool:
-    try:
-        value = _evaluate_constant(mask)
-    except (RuntimeError, TypeError, ValueError, IndexError, AttributeError):
-        return False
-    if not isinstance(value, torch.Tensor) or value.dim() != 4:
-        return False
-    seq = q_shape[-2]
-    if value.shape[-2:] != (seq, seq) or value.shape[0] not in (1, q_shape[0]) or value.shape[1] not in (1, q_shape[1]):
-        return False
-    allowed = torch.ones(seq, seq, dtype=torch.bool, device=value.device).tril().expand_as(value)
-    if value.dtype == torch.bool:
-        return bool(torch.equal(value, allowed))
-    if not value.is_floating_point():
-        return False
-    blocked = value.masked_select(~allowed)
-    return bool((value.masked_select(allowed) == 0).all()) and bool(
-        (blocked <= torch.finfo(value.dtype).min / 2).all())
-
-
-_EVALUATION_LIMIT = 256
-"""At most this many nodes are evaluated to decide a mask (transformers' mask takes ~40)."""
-
-
-def _example_int(value: Any) -> Any:
-    """A symbolic size (the planner's capture has a symbolic batch) as the example value it was
-    traced at; anything else as it is. A mask built from shapes is decided at that batch."""
-    if isinstance(value, torch.SymInt):
-        hint = value.node.hint
-        if not isinstance(hint, int):
-            raise ValueError("a symbolic size without an example value")
-        return hint
-    return value
-
-
-def _evaluate_constant(node: Node) -> Any:
-    """The value of `node`, computed from its ancestors when they are calls of ATen ops on
-    constants only (never a placeholder's values: no input, parameter or buffer, though an
-    input's size may be read; what a meta-device capture creates on the meta device is created
-    on the CPU). Raises ValueError when it
-    depends on anything else or needs more than _EVALUATION_LIMIT nodes."""
-    order: list[Node] = []
-    seen: set[Node] = set()
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        if current.op != "call_function" or not isinstance(current.target, torch._ops.OpOverload):
-            raise ValueError(f"{current} is not an ATen call on constants")
-        seen.add(current)
-        order.append(current)
-        if len(order) > _EVALUATION_LIMIT:
-            raise ValueError("mask computation too long to evaluate")
-        if current.target is not aten.sym_size.int:  # a size reads no values: its input stays unread
-            stack.extend(n for n in current.all_input_nodes if n not in seen)
-    position = {n: i for i, n in enumerate(node.graph.nodes)}
-    values: dict[Node, Any] = {}
-    for current in sorted(order, key=position.__getitem__):
-        if current.target is aten.sym_size.int:  # the batch of a symbolic capture, at its example value
-            values[current] = _example_int(tensor_value(current.args[0]).shape[current.args[1]])
-            continue
-        args, kwargs = torch.fx.node.map_arg((current.args, current.kwargs), values.__getitem__)
-        if kwargs.get("device") == torch.device("meta"):  # a meta-device capture: the same constants on the CPU
-            kwargs = {**kwargs, "device": torch.device("cpu")}
-        args, kwargs = torch.utils._pytree.tree_map(_example_int, (args, kwargs))
-        values[current] = current.target(*args, **kwargs)
-    return values[node]
-
-
 VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 """The reshaping views a rule looks through (shape changes, no data movement)."""
 
@@ -568,7 +480,7 @@ def _viewable_as_slices(outputs: list[Node], sizes: list[int]) -> bool:
     if first is None:
         return False
     try:  # a symbolic batch (the planner's capture) is tried at its example value
-        wide = torch.empty((*(_example_int(d) for d in first.shape[:-1]), sum(sizes)), dtype=first.dtype,
+        wide = torch.empty((*(example_int(d) for d in first.shape[:-1]), sum(sizes)), dtype=first.dtype,
                            device="meta")
     except ValueError:
         return False
@@ -577,7 +489,7 @@ def _viewable_as_slices(outputs: list[Node], sizes: list[int]) -> bool:
             shape = user.args[1] if is_call(user, *VIEW_OPS) and len(user.args) == 2 else None
             try:
                 shape = None if shape is None else [
-                    _example_int(d.meta.get("val") if isinstance(d, Node) else d) for d in shape]
+                    example_int(d.meta.get("val") if isinstance(d, Node) else d) for d in shape]
             except ValueError:
                 shape = None
             if shape is None or not all(isinstance(d, int) for d in shape):
