@@ -4,6 +4,10 @@
     triton_version()             Triton's version for the report, or None where it is not installed
     run_header(device)           a report's first keys: date, GPU (or the CPU smoke test), versions
     Clock()                      seconds since the script began: time-stamped log lines and budgets
+
+Run as a script, it checks the docs' figures against these reports (benchmarks/claims.py):
+
+    python benchmarks/report.py --check [--list]
 """
 from __future__ import annotations
 
@@ -50,3 +54,18 @@ class Clock:
 
     def log(self, message: str) -> None:
         print(f"[{self.elapsed():6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    if "--check" not in sys.argv[1:]:
+        print("usage: python benchmarks/report.py --check [--list]   (the docs' figures against benchmarks/results/)",
+              file=sys.stderr)
+        return 2
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import claims
+
+    return claims.main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,429 @@
+"""The figures README.md and docs/*.md quote, checked against the results files they cite.
+
+    python benchmarks/report.py --check          # exit 1 on any drift; CI runs it (tests/test_claims.py)
+    python benchmarks/report.py --check --list   # also every cited row's figures no claim checks yet
+
+Input: the repository's README.md and docs/*.md, and benchmarks/results/ (or the one source file
+a claim names, e.g. tests/zoo_models.py). Output: a `ClaimsReport`: `problems` (each one line
+naming the doc, the figure and the file) and `unchecked` (figures in cited rows that no claim
+covers: reported, not failed, so that registering the rest can go row by row).
+
+A doc is cut into units: each table row is one, each paragraph (lines between blank lines, table
+rows excluded) another, its line breaks read as spaces. A `Claim` is a regular expression whose
+groups are figures; it must match in its doc, in a unit that cites its source file by name (the
+figure sits next to its citation), and each group must read exactly what `figures` prints from
+that file, with the doc's rounding. So a figure that drifts from its file, a file that is
+renamed, or a sentence rewritten without its claim fails the check.
+
+Also failed: a dated results file cited anywhere that benchmarks/results/ does not hold, and a
+citation of a file marked `hand_assembled` from a unit that does not say "hand-assembled".
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = "benchmarks/results"
+CITABLE = (RESULTS, "mplan/cost_models/reference")
+"""Where a dated file the docs cite may live: the results, and the measurements shipped with mplan."""
+
+HAND_ASSEMBLED = "hand_assembled"
+"""The top-level key that marks a results file no script wrote whole (its value says what was done
+by hand); a doc that cites such a file must say it is hand-assembled."""
+
+
+# -- how the docs print numbers ------------------------------------------------------------------
+def fixed(x: float, digits: int = 1) -> str:
+    return f"{x:.{digits}f}"
+
+
+def percent(x: float, digits: int = 1, sign: bool = False) -> str:
+    """0.0316 -> '3.2%' ('+3.2%' with sign)."""
+    return f"{x * 100:{'+' if sign else ''}.{digits}f}%"
+
+
+def sci(x: float, digits: int = 1) -> str:
+    """1.06e-13 -> '1.1e-13'; digits=0: '2e-16'; 5.77e-6 -> '5.8e-06' (Python's exponent, as the tables print it)."""
+    return f"{x:.{digits}e}"
+
+
+def span(values: Sequence[float], fmt: Callable[[float], str], sep: str = "-") -> str:
+    """The smallest and largest of `values` as the docs write a range: '704-1061'."""
+    return f"{fmt(min(values))}{sep}{fmt(max(values))}"
+
+
+WORDS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine"}
+
+
+# -- the registry ----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Claim:
+    doc: str
+    """Path of the doc under the repository root (README.md, docs/claims.md)."""
+    pattern: str
+    """A regular expression over one unit's text; each group is one figure."""
+    source: str
+    """The file it comes from: a name under benchmarks/results/, or a repository path."""
+    figures: Callable[[Any], tuple[str, ...]]
+    """The source's content (JSON, or a .py file's module-level literals) -> each group's text."""
+
+
+def _rows(data: dict, key: str = "rows") -> list[dict]:
+    return data[key]
+
+
+def _plan(data: dict, spec: str) -> dict:
+    (row,) = [p for p in data["plans"] if p["spec"] == spec]
+    return row
+
+
+def _mesh(plan: dict) -> str:
+    return " x ".join(f"{axis}={plan['mesh'][axis]}" for axis in ("dp", "tp", "pp") if plan["mesh"][axis] > 1)
+
+
+def _experts(data: dict) -> tuple[str, ...]:
+    rows = _rows(data)
+    return str(len(rows)), sci(max(r["loss"] for r in rows), 0), sci(max(r["param"] for r in rows))
+
+
+def _pipelines(data: dict) -> tuple[str, ...]:
+    rows = _rows(data)
+    params = sorted(r["param"] for r in rows)
+    others = [r["param"] for r in rows if not r["worst_param"].endswith("k_proj.bias")]
+    return sci(max(r["loss"] for r in rows), 0), sci(params[-1], 0), sci(max(others), 0)
+
+
+def _moe_bench(data: dict) -> tuple[str, ...]:
+    ep = [p for p in data["plans"] if p["mesh"]["ep"] > 1]
+    measured = [p["measured"]["step_time_s"] * 1e3 for p in ep]
+    errors = [p["measured"]["prediction_error"]["step_time"] for p in ep]
+    (dense,) = [p for p in data["plans"] if p["mesh"]["ep"] == 1]
+    return (span(measured, lambda v: fixed(v, 0)), span(errors, lambda v: percent(v, 0, sign=True), " to "),
+            WORDS[len(ep)] if all(e > 0 for e in errors) else "not all",
+            fixed(dense["measured"]["step_time_s"] * 1e3, 0), fixed(dense["predicted"]["step_time_s"] * 1e3, 0),
+            percent(dense["measured"]["prediction_error"]["step_time"], 0, sign=True))
+
+
+def _pipeline_bench(data: dict) -> tuple[str, ...]:
+    errors = [p["measured"]["prediction_error"]["step_time"] for p in data["plans"]]
+    dp4 = sorted(p["measured"]["step_time_s"] for p in data["plans"] if p["resolved_spec"].startswith("dp=4,tp=1,pp=1"))
+    return span(errors, lambda v: percent(v, 0, sign=True), " to "), " and ".join(fixed(v, 2) for v in dp4)
+
+
+def _mixtral_even(data: dict) -> tuple[str, ...]:
+    auto = _plan(data, "auto")
+    p, without = auto["predicted"], auto["without_ep"]
+    return (_mesh(auto), str(auto["mesh"]["vpp"]), f"ep={auto['mesh']['ep']}", fixed(p["step_time_s"], 2),
+            fixed(p["a2a_s"] * 1e3, 0), percent(p["a2a_s"] / p["step_time_s"]), _mesh(without),
+            fixed(without["predicted"]["step_time_s"], 2), percent(without["slower"], sign=True))
+
+
+def _mixtral_skewed(data: dict) -> tuple[str, ...]:
+    auto, forced = _plan(data, "auto"), _plan(data, "tp=1,ep=8")
+    assert auto["mesh"]["ep"] == 1, "the search kept EP"
+    return _mesh(auto), fixed(auto["predicted"]["step_time_s"], 2), fixed(forced["predicted"]["step_time_s"], 2)
+
+
+def _megatron(data: dict) -> tuple[str, ...]:
+    rows, spread = _rows(data), data["candidate_spread"]
+    return (percent(data["max_abs_error"]), percent(data["mean_abs_error"]),
+            str(sum(r["own_error"] < 0 for r in rows)), str(len(rows)), str(max(r["candidates"] for r in rows)),
+            percent(spread["fastest"]["max_abs_error"]), percent(spread["fastest"]["mean_abs_error"]),
+            percent(spread["slowest"]["max_abs_error"]), percent(spread["slowest"]["mean_abs_error"]))
+
+
+def _megatron_auto(data: dict) -> tuple[str, ...]:
+    rows = _rows(data)
+    assert all(r["auto_tp_within_node"] for r in rows), "a planned TP leaves the node"
+    return (span([r["auto_vs_own"] for r in rows], lambda v: fixed(v, 2)),)
+
+
+def _activation_probe(data: dict) -> tuple[str, ...]:
+    return (percent(max(abs(r["error"]) for r in _rows(data))),)
+
+
+def _activation_probe_old(data: dict) -> tuple[str, ...]:
+    return (span([r["error"] for r in _rows(data)], lambda v: percent(v, 0, sign=True), " to "),)
+
+
+def _zoo_ci(module: dict) -> tuple[str, ...]:
+    tested = sum(len(plans) for plans in module["TESTED"].values())
+    total = sum(len(plans) for plans in module["PLANS"].values())
+    return WORDS[tested], WORDS[total], WORDS[total]
+
+
+def _zoo_row(model: str) -> Callable[[dict], tuple[str, ...]]:
+    def figures(data: dict) -> tuple[str, ...]:
+        cells = [result[model]["error"] for world in ("world2", "world4") for result in data["results"][world].values()]
+        return (sci(data["bounds"][model], 0), *(sci(c) for c in cells))
+    return figures
+
+
+def _capture(data: dict) -> tuple[str, ...]:
+    full = {r["preset"]: r for r in _rows(data) if r["mode"] == "full"}
+    return tuple(f for preset in ("gpt3-175b", "llama3-405b")
+                 for f in (fixed(full[preset]["export_s"]), fixed(full[preset]["peak_rss_gib"], 2)))
+
+
+def _planning(data: dict) -> tuple[str, ...]:
+    out = []
+    for job in ("gpt3-175b", "llama3-8b"):
+        walls = [r["wall_s"] for r in data["jobs"][job]["runs"]]
+        out.append(span(walls, fixed))
+    for job in ("gpt3-175b", "llama3-8b"):
+        out.append(f"{data['jobs'][job]['runs'][0]['planner']['candidates']:,}")
+    return tuple(out)
+
+
+def _h200_step(data: dict) -> tuple[str, ...]:
+    """The step errors' range as '2.5-7.4%' (all low), and the number of models."""
+    errors = [abs(r["step_error"]) * 100 for r in _rows(data)]
+    assert all(r["step_error"] < 0 for r in _rows(data)), "not all low"
+    return f"{span(errors, fixed)}%", str(len(_rows(data)))
+
+
+def _h200_memory(data: dict) -> tuple[str, ...]:
+    return (percent(max(abs(r["memory_error"]) for r in _rows(data))),)
+
+
+ZOO_MODELS = ("llama", "mistral", "qwen2", "gpt2", "gptj", "gemma", "phi2", "opt", "falcon", "stablelm",
+              "nanogpt", "einsum_lm")
+FIG = r"(\S+?)"
+"""A figure inside a table row: the shortest run of non-spaces."""
+
+CLAIMS: tuple[Claim, ...] = (
+    # README: the zoo
+    Claim(doc="README.md", source="tests/zoo_models.py", figures=_zoo_ci,
+          pattern=r"each CI run trains (\w+) of the (\w+) columns, tp=2 with SP and pp=2 .* the table's run has all (\w+)\)"),
+    *(Claim(doc="README.md", source="zoo-cpu-2026-12-02.json", figures=_zoo_row(model),
+            pattern=rf"^\| {model} \| " + r" \| ".join([FIG] * 10) + r" \|$") for model in ZOO_MODELS),
+    # README: the figures table
+    Claim(doc="README.md", source="h200_calibration-2026-11-29-session5.json", figures=lambda data: _h200_step(data)[::-1],
+          pattern=r"single-GPU step time, (\d) GPT/Llama models .* predicted within (\S+) of measured \(all low\)"),
+    Claim(doc="README.md", source="activation_probe_h100-2026-12-05.json", figures=_activation_probe,
+          pattern=r"IR count within (\S+) of measured"),
+    Claim(doc="README.md", source="activation_probe_h200-2026-11-29.json", figures=_activation_probe_old,
+          pattern=r"activation_probe_h200-2026-11-29.json`, the H200's, holds that day's IR count, (\S+ to \S+)\)"),
+    Claim(doc="README.md", source="pipeline-cpu-2026-12-02.json", figures=_pipelines,
+          pattern=r"largest relative error (\S+) on the losses, (\S+) on the parameters \(GPT's key bias, .*"
+                  r"every other parameter under (\S+)\)"),
+    Claim(doc="README.md", source="bench_cpu4_pipelines-2026-12-02.json", figures=_pipeline_bench,
+          pattern=r"step times predicted within (\S+ to \S+) of measured; .* the same dp=4 plan measured (\S+ and \S+) s"),
+    Claim(doc="README.md", source="experts-cpu-2026-12-02.json", figures=_experts,
+          pattern=r"(\d+) checks: largest relative error (\S+) on the losses, (\S+) on the parameters"),
+    Claim(doc="README.md", source="bench_cpu4_experts-2026-12-02.json", figures=_moe_bench,
+          pattern=r"expert-parallel plans measured (\S+) ms, predicted (\S+ to \S+) of measured \(all (\w+) high;"
+                  r".* dp=4 with ep=1 measured (\d+) ms, predicted (\d+) ms \((\S+)\)"),
+    Claim(doc="README.md", source="bench_mixtral-8x7b_dgx-h100x8-imbalance1.0-2026-12-05.json", figures=_mixtral_even,
+          pattern=r"\| (dp=\d+ x pp=\d+) \(interleaved, vpp (\d+)\) with (ep=\d+), ZeRO-1, no recomputation: (\S+) s per "
+                  r"step, all-to-all (\d+) ms \((\S+) of the step\); the best plan without EP \((.+?)\) (\S+) s, (\S+);"),
+    Claim(doc="README.md", source="bench_mixtral-8x7b_dgx-h100x8-imbalance1.1-2026-12-05.json", figures=_mixtral_skewed,
+          pattern=r"the search drops EP for (.+?) \((\S+) s\), where ep=8 would take (\S+) s;"),
+    Claim(doc="README.md", source="bench_mixtral-8x7b_dgx-h100x8-imbalance1.3-2026-12-05.json",
+          figures=lambda data: (fixed(_plan(data, "tp=1,ep=8")["predicted"]["step_time_s"], 2),),
+          pattern=r"at 1\.3 ep=8 would take (\S+) s:"),
+    Claim(doc="README.md", source="megatron-calibration-2026-12-05.json", figures=_megatron,
+          pattern=r"predicted within (\S+) on every row, (\S+) on average \(low on (\d+) of (\d+)\), .* spanning up to "
+                  r"(\d+) candidates\. The fastest candidate is within (\S+) / (\S+) on average, the slowest (\S+) / (\S+) "),
+    Claim(doc="README.md", source="megatron-calibration-2026-12-05.json", figures=_megatron_auto,
+          pattern=r"predicted (\S+)x faster than each published configuration's median candidate"),
+    Claim(doc="README.md", source="capture-cpu-2026-11-29.json", figures=_capture,
+          pattern=r"\| (\S+) s, (\S+) GiB / (\S+) s, (\S+) GiB \|"),
+    Claim(doc="README.md", source="planning_time-cpu-2026-12-03.json", figures=lambda data: _planning(data)[:2],
+          pattern=r"\| (\S+) s / (\S+) s of wall time over 3 runs each"),
+    Claim(doc="README.md", source="planning_time-cpu-2026-12-03.json", figures=lambda data: _planning(data)[2:],
+          pattern=r"in the search \((\S+) / (\S+) candidates\)"),
+    # docs/claims.md: the same figures in the table of sources
+    Claim(doc="docs/claims.md", source="h200_calibration-2026-11-29-session5.json",
+          figures=lambda data: (_h200_step(data)[0], _h200_memory(data)[0], _h200_step(data)[1]),
+          pattern=r"single-GPU step time within (\S+) \(all low\), peak memory within (\S+), (\d) models"),
+    Claim(doc="docs/claims.md", source="activation_probe_h100-2026-12-05.json", figures=_activation_probe,
+          pattern=r"IR within (\S+) of measured"),
+    Claim(doc="docs/claims.md", source="pipeline-cpu-2026-12-02.json", figures=_pipelines,
+          pattern=r"pipeline equivalence: (\S+) on losses, (\S+) on parameters \((\S+) but GPT's key bias\)"),
+    Claim(doc="docs/claims.md", source="bench_cpu4_pipelines-2026-12-02.json", figures=_pipeline_bench,
+          pattern=r"pipelines: within (\S+ to \S+), dp=4 (\S+ and \S+) s"),
+    Claim(doc="docs/claims.md", source="experts-cpu-2026-12-02.json", figures=_experts,
+          pattern=r"expert parallelism equivalence: (\d+) checks, (\S+) / (\S+),"),
+    Claim(doc="docs/claims.md", source="bench_cpu4_experts-2026-12-02.json",
+          figures=lambda data: tuple(f for i, f in enumerate(_moe_bench(data)) if i != 2),
+          pattern=r"MoE: (\S+) ms within (\S+ to \S+); dp=4 ep=1 (\d+) ms measured, (\d+) ms predicted \((\S+)\)"),
+    Claim(doc="docs/claims.md", source="bench_mixtral-8x7b_dgx-h100x8-imbalance1.0-2026-12-05.json",
+          figures=lambda data: (_mixtral_even(data)[3], _mixtral_even(data)[4], _mixtral_even(data)[7]),
+          pattern=r"Mixtral 8x7B on 64 H100s: (\S+) s, (\d+) ms all-to-all, (\S+) s without EP;"),
+    Claim(doc="docs/claims.md", source="bench_mixtral-8x7b_dgx-h100x8-imbalance1.1-2026-12-05.json",
+          figures=lambda data: _mixtral_skewed(data)[1:],
+          pattern=r"at imbalance 1\.1 no EP \((\S+) s; ep=8 (\S+) s\)"),
+    Claim(doc="docs/claims.md", source="bench_mixtral-8x7b_dgx-h100x8-imbalance1.3-2026-12-05.json",
+          figures=lambda data: (fixed(_plan(data, "tp=1,ep=8")["predicted"]["step_time_s"], 2),),
+          pattern=r"ep=8 (\S+) s at 1\.3"),
+    Claim(doc="docs/claims.md", source="megatron-calibration-2026-12-05.json",
+          figures=lambda data: _megatron(data)[:2] + _megatron(data)[5:],
+          pattern=r"median candidate in the published layout: (\S+) largest, (\S+) mean; fastest candidate (\S+) / (\S+), "
+                  r"slowest (\S+) / (\S+)"),
+    Claim(doc="docs/claims.md", source="capture-cpu-2026-11-29.json", figures=_capture,
+          pattern=r"capture of gpt3-175b / llama3-405b: (\S+) s, (\S+) GiB / (\S+) s, (\S+) GiB"),
+)
+
+
+# -- the check -------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Unit:
+    doc: str
+    line: int
+    """1-based line of the unit's first line."""
+    text: str
+    """The unit's lines joined by spaces."""
+    context: str = ""
+    """For a table row, the paragraph just above its table: where a table cites its file once."""
+
+    def cites(self, name: str) -> bool:
+        return name in self.text or name in self.context
+
+
+@dataclass(slots=True, kw_only=True)
+class ClaimsReport:
+    problems: list[str] = field(default_factory=list)
+    unchecked: list[tuple[Unit, list[str]]] = field(default_factory=list)
+    checked_figures: int = 0
+
+
+def units(doc: str, text: str) -> list[Unit]:
+    """Table rows one by one, other lines by paragraph (module docstring)."""
+    out: list[Unit] = []
+    paragraph: list[str] = []
+    start = 0
+
+    def flush() -> None:
+        if paragraph:
+            out.append(Unit(doc=doc, line=start, text=" ".join(line.strip() for line in paragraph)))
+            paragraph.clear()
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.lstrip().startswith("|"):
+            flush()
+            above = [u for u in out if not u.text.startswith("|")]
+            context = above[-1].text if above and out[-1].line >= above[-1].line else ""
+            out.append(Unit(doc=doc, line=number, text=line.strip(), context=context))
+        elif not line.strip():
+            flush()
+        else:
+            if not paragraph:
+                start = number
+            paragraph.append(line)
+    flush()
+    return out
+
+
+def load_source(root: Path, source: str) -> Any:
+    path = root / source if "/" in source else root / RESULTS / source
+    if path.suffix == ".py":
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        return {target.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.AnnAssign | ast.Assign)
+                for target in ([node.target] if isinstance(node, ast.AnnAssign) else node.targets)
+                if isinstance(target, ast.Name) and _literal(node.value)}
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _literal(node: ast.AST | None) -> bool:
+    try:
+        ast.literal_eval(node)  # type: ignore[arg-type]
+    except (ValueError, TypeError, SyntaxError):
+        return False
+    return True
+
+
+CITED = re.compile(r"[A-Za-z][\w.-]*\d{4}-\d{2}-\d{2}[\w.-]*\.(?:json|csv|log)")
+"""A dated results file name, as the docs cite them (suffix forms like `-run2` are not checked)."""
+NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:[.,]\d+)*(?:e-?\d+)?%?")
+CODE = re.compile(r"`[^`]*`")
+
+
+def check(root: Path = ROOT, docs: dict[str, str] | None = None, claims: Sequence[Claim] = CLAIMS) -> ClaimsReport:
+    """Every claim against its source, every citation against benchmarks/results/ (module docstring).
+    `docs` replaces doc texts by path (tests edit a copy this way)."""
+    texts = {str(p.relative_to(root)): p.read_text(encoding="utf-8")
+             for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))]}
+    texts.update(docs or {})
+    all_units = {doc: units(doc, text) for doc, text in texts.items()}
+    report = ClaimsReport()
+    covered: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for claim in claims:
+        _check_claim(root, claim, all_units.get(claim.doc, []), report, covered)
+    for doc, doc_units in all_units.items():
+        for unit in doc_units:
+            cited = set(CITED.findall(unit.text))
+            for name in sorted(cited):
+                paths = [root / folder / name for folder in CITABLE if (root / folder / name).is_file()]
+                if "*" not in name and not paths:
+                    report.problems.append(f"{doc}:{unit.line}: cites {name}, which {RESULTS}/ does not hold")
+                by_hand = _hand_assembled(paths[0]) if paths else None
+                if by_hand and "hand-assembled" not in unit.text:
+                    report.problems.append(f"{doc}:{unit.line}: cites {name} ({by_hand}) without saying it is "
+                                           "hand-assembled")
+            if cited:
+                loose = _unchecked_figures(unit, covered.get((doc, unit.line), []))
+                if loose:
+                    report.unchecked.append((unit, loose))
+    return report
+
+
+@functools.cache
+def _hand_assembled(path: Path) -> str | None:
+    """What was done by hand to a results file (its `hand_assembled` key), or None."""
+    if path.suffix != ".json":
+        return None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data.get(HAND_ASSEMBLED) if isinstance(data, dict) else None
+
+
+def _check_claim(root: Path, claim: Claim, doc_units: list[Unit], report: ClaimsReport,
+                 covered: dict[tuple[str, int], list[tuple[int, int]]]) -> None:
+    where = f"{claim.doc}: claim /{claim.pattern[:60]}.../"
+    try:
+        expected = claim.figures(load_source(root, claim.source))
+    except (OSError, ValueError, KeyError, AssertionError) as error:
+        report.problems.append(f"{where}: its source {claim.source} does not give its figures ({type(error).__name__}: {error})")
+        return
+    name = Path(claim.source).name
+    matches = [(unit, m) for unit in doc_units for m in re.finditer(claim.pattern, unit.text)]
+    if not matches:
+        report.problems.append(f"{where} is not in the doc: the sentence changed; register it again")
+        return
+    for unit, match in matches:
+        if not unit.cites(name):
+            report.problems.append(f"{claim.doc}:{unit.line}: {match.group(0)[:60]!r} does not cite {name}, its source")
+        if len(match.groups()) != len(expected):
+            report.problems.append(f"{where}: {len(match.groups())} figures in the doc, {len(expected)} from {name}")
+            continue
+        for index, (said, true) in enumerate(zip(match.groups(), expected), start=1):
+            if said != true:
+                report.problems.append(f"{claim.doc}:{unit.line}: says {said} where {name} gives {true} "
+                                       f"(figure {index} of /{claim.pattern[:50]}.../)")
+        report.checked_figures += len(expected)
+        covered.setdefault((claim.doc, unit.line), []).append(match.span())
+
+
+def _unchecked_figures(unit: Unit, spans: list[tuple[int, int]]) -> list[str]:
+    code = [m.span() for m in CODE.finditer(unit.text)]
+    return [m.group(0) for m in NUMBER.finditer(unit.text)
+            if not any(a <= m.start() < b for a, b in spans + code)]
+
+
+def main(argv: Sequence[str], root: Path = ROOT) -> int:
+    report = check(root)
+    for problem in report.problems:
+        print(problem)
+    loose = sum(len(figures) for _, figures in report.unchecked)
+    if "--list" in argv:
+        for unit, figures in report.unchecked:
+            print(f"unchecked {unit.doc}:{unit.line}: {' '.join(figures)}")
+    print(f"{report.checked_figures} figures checked by {len(CLAIMS)} claims; {len(report.problems)} problems; "
+          f"{loose} figures in {len(report.unchecked)} cited rows or paragraphs not yet registered (--list)")
+    return 1 if report.problems else 0
