@@ -10,6 +10,18 @@ planner's fragmentation margin), or says why the runtime refused that plan (a `P
 rank alike, for the symmetric plans the runtime executes). `rankings` orders the measured plans by
 prediction and by measurement, which is what a planner must get right.
 
+One row's failure is that row's alone: anything a row raises (a bug in a pass included) becomes its
+`error`, with the exception's type and where it was raised, and the next row runs. Under torchrun
+(`--measure`) every rank must then agree: a row that failed on one rank (a pass that fails on one
+pipeline stage only) must fail on all, or the others would wait forever in the row's first
+collective. The ranks exchange their errors on a gloo group of their own (`_RowAgreement`) at
+fixed points of every row: once it is planned, once its program is built (before the first step's
+collectives), and at its end; a rank that failed attends the points left with its error. A rank
+that fails inside a step while the others wait in one of the step's collectives cannot be rescued
+in the process: it waits at the next point until the group's timeout (`AGREEMENT_TIMEOUT_S`), then
+raises (its own error printed as the context), and torchrun stops the others; the rows written so
+far (`--out`) stay.
+
 For an MoE model, a row whose plan uses expert parallelism (ep > 1) also carries `without_ep`: the
 best plan the same spec allows with ep=1 (`resolved_spec`, `mesh`, `fits`, `predicted`, `error`,
 and `slower`: its predicted step over the chosen one's, minus one), what expert parallelism buys;
@@ -20,6 +32,9 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import datetime
+import os
+import traceback
 from typing import Any, Callable, Sequence
 
 from mplan.cost_models.cluster import ClusterSpec
@@ -33,6 +48,11 @@ from mplan.planner.search import Planner, PlanningError
 from mplan.planner.spec_check import check_before_capture
 
 Row = dict[str, Any]
+AGREEMENT_TIMEOUT_S = 600.0
+"""How long a rank waits for the others at a row's agreement point: longer than a measured row
+takes on the largest models benched (minutes), so it only ends a job whose ranks can no longer meet."""
+REFUSALS = (PlanSpecError, PlanningError, PlanError, ScheduleError)
+"""mplan's own refusals: their message is one line for users and says the cause already."""
 
 
 def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequence[str], *,
@@ -52,35 +72,32 @@ def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequ
         # priced as mplan runs them: its fused kernels on GPUs and its optimizer's memory
         planner = Planner(graph, cluster, kernels=cluster.device.name != "cpu", runtime="mplan",
                           moe_imbalance=moe_imbalance, progress=progress)
+    agreement = _RowAgreement.of_job() if measure else _RowAgreement(None)
     rows: list[Row] = []
     for text in specs:
-        progress(f"planning {text}")
         row: Row = {"spec": text, "mesh": None, "fits": False, "predicted": None, "error": None, "measured": None}
+        agreement.begin_row()
         try:
-            if early[text]:
-                raise PlanSpecError(early[text])
-            spec = parse_plan_spec(text)
-            best = planner.search(global_batch, spec).best
-        except (PlanSpecError, PlanningError) as exc:
-            row["error"] = str(exc)
-            rows.append(row)
-            if on_row is not None:
-                on_row(rows)
-            continue
-        c = best.config
-        row.update(spec=text, resolved_spec=c.spec(), fits=best.fits,
-                   mesh={"dp": c.dp, "tp": c.tp, "pp": c.pp, "ep": c.ep, "vpp": c.vpp},
-                   predicted=_predicted_dict(best))
-        if c.ep > 1:
-            progress(f"planning {text} without expert parallelism")
-            row["without_ep"] = _without_ep(planner, global_batch, spec, best)
+            best = _plan_row(planner, row, text, early[text], global_batch, progress)
+            agreement.point()  # planned
+            if measure and best is not None:
+                progress(f"measuring {best.config.spec()}")
+                row["measured"] = _measure(model, cluster, best, global_batch=global_batch, seq_len=seq_len,
+                                           vocab=vocab, profile=profile, built=agreement.point)
+                if row["measured"].get("step_time_s"):
+                    allocated = planner.evaluate(best.config, fast=True, fragmentation=0.0)
+                    row["measured"]["prediction_error"] = _prediction_error(row["measured"], best, allocated)
+            errors = agreement.finish(None)
+        except Exception as exc:  # noqa: BLE001 - any failure is this row's, reported in it; the next row runs
+            errors = agreement.finish(None if isinstance(exc, _FailedElsewhere) else _failure(exc))
+        if errors:
+            said = "; ".join(message for message, _ in errors)
+            refused = measure and row["predicted"] is not None
+            if refused:  # the runtime did not run the plan predicted
+                row["measured"] = {"error": said}
+            if not refused or not all(refusal for _, refusal in errors):  # a crash is the row's error too
+                row["error"] = said
         if measure:
-            progress(f"measuring {c.spec()}")
-            row["measured"] = _measure(model, cluster, best, global_batch=global_batch, seq_len=seq_len,
-                                       vocab=vocab, profile=profile)
-            if row["measured"].get("step_time_s"):
-                allocated = planner.evaluate(c, fast=True, fragmentation=0.0)
-                row["measured"]["prediction_error"] = _prediction_error(row["measured"], best, allocated)
             # out here, where nothing of the run is referenced any more (an exception's traceback
             # holds its frames' locals, the model and its module), so the next plan starts bare
             _release_device_memory()
@@ -88,6 +105,116 @@ def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequ
         if on_row is not None:
             on_row(rows)
     return rows
+
+
+def _plan_row(planner: Planner | None, row: Row, text: str, early: str | None, global_batch: int,
+              progress: Callable[[str], None]) -> Estimate | None:
+    """Fill `row`'s plan and predicted figures; None (and `error`) where the spec is refused,
+    `early` when that needed no graph."""
+    progress(f"planning {text}")
+    try:
+        if early:
+            raise PlanSpecError(early)
+        spec = parse_plan_spec(text)
+        best = planner.search(global_batch, spec).best
+    except (PlanSpecError, PlanningError) as exc:
+        row["error"] = str(exc)
+        return None
+    c = best.config
+    row.update(spec=text, resolved_spec=c.spec(), fits=best.fits,
+               mesh={"dp": c.dp, "tp": c.tp, "pp": c.pp, "ep": c.ep, "vpp": c.vpp},
+               predicted=_predicted_dict(best))
+    if c.ep > 1:
+        progress(f"planning {text} without expert parallelism")
+        row["without_ep"] = _without_ep(planner, global_batch, spec, best)
+    return best
+
+
+Failure = tuple[str, bool]
+"""What a rank reports of a failed row: one line saying the cause, and whether it is a refusal
+(mplan's own, or the device's memory running out) rather than a crash."""
+
+
+def _failure(exc: BaseException) -> Failure:
+    """A refusal's own message; anything else its type, its message's first line and the
+    innermost frame that raised it (where a bug is found)."""
+    import torch
+
+    if isinstance(exc, REFUSALS):
+        return str(exc), True
+    first = (str(exc).strip().splitlines() or [""])[0]
+    if isinstance(exc, torch.OutOfMemoryError):  # a plan predicted to fit did not
+        return f"out of memory: {first}", True
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (raised at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {first}{where}", False
+
+
+class _FailedElsewhere(Exception):
+    """Another rank reported an error at an agreement point: this rank abandons the row too."""
+
+
+class _RowAgreement:
+    """The ranks of a measured bench agree on each row's fate (module docstring).
+
+    Each row has the same `POINTS` points on every rank: planned, built, finished. At each the
+    ranks all-gather their `Failure` (None: none so far) on a gloo group used for nothing else, so
+    that an agreement's message never pairs with a collective of the plan being measured. A rank
+    that failed attends the points it skipped with its error (`finish`); one that learns of an
+    error at a point raises `_FailedElsewhere` and does the same. Every rank ends the row with the
+    same errors, each named by its rank. Without a process group (one process) it only collects."""
+
+    POINTS = 3
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.attended = 0
+        self.errors: list[Failure] = []
+
+    @classmethod
+    def of_job(cls) -> _RowAgreement:
+        """The agreement of this torchrun job (initializing its process group, as `autoparallel`
+        would), or of one process when there is no job."""
+        import torch.distributed as dist
+
+        from mplan.runtime.launch import init_distributed_from_env
+
+        world = init_distributed_from_env()
+        if world is None or dist.get_world_size() == 1:
+            return cls(None)
+        return cls(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=AGREEMENT_TIMEOUT_S)))
+
+    def begin_row(self) -> None:
+        self.attended, self.errors = 0, []
+
+    def point(self) -> None:
+        """Meet the other ranks; raise `_FailedElsewhere` if any of them reported a failure."""
+        self._meet(None)
+        if self.errors:
+            raise _FailedElsewhere(self.errors[0][0])
+
+    def finish(self, failure: Failure | None) -> list[Failure]:
+        """Attend the points left in this row (reporting `failure`, this rank's); the row's failures."""
+        while self.attended < self.POINTS:
+            self._meet(failure)
+        return self.errors
+
+    def _meet(self, failure: Failure | None) -> None:
+        self.attended += 1
+        if self.group is None:
+            reported: list[Any] = [failure]
+        else:
+            import torch.distributed as dist
+
+            reported = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(reported, failure, group=self.group)  # tuples of str and bool, from our ranks
+        for rank, reported_failure in enumerate(reported):
+            if reported_failure is None:
+                continue
+            message, refusal = reported_failure
+            named = (f"rank {rank}: {message}" if self.group is not None else message, bool(refusal))
+            if named not in self.errors:
+                self.errors.append(named)
 
 
 def _refused_before_capture(text: str, cluster: ClusterSpec, global_batch: int, model: str,
@@ -119,20 +246,14 @@ def _prediction_error(measured: dict[str, Any], predicted: Any, allocated: Any) 
 
 
 def _measure(model: str, cluster: ClusterSpec, best: Estimate, *, global_batch: int, seq_len: int | None,
-             vocab: int | None, profile: bool) -> dict[str, Any]:
+             vocab: int | None, profile: bool, built: Callable[[], None]) -> dict[str, Any]:
     """`best` run for real on this job's ranks, resolved on the cluster it was predicted on (not the
-    job's own, `ClusterSpec.local()`), or why it did not run."""
-    import torch
-
+    job's own, `ClusterSpec.local()`); a failure, a refusal or not, is raised for the row's
+    agreement to report. `built` is called once the plan's program is built."""
     from mplan.measure import measure_plan
 
-    try:
-        return measure_plan(model, best.config.spec(), global_batch=global_batch, seq_len=seq_len, vocab=vocab,
-                            profile=profile, cluster=cluster)
-    except (PlanError, ScheduleError) as exc:  # raised alike on every rank, before any collective
-        return {"error": str(exc)}
-    except torch.OutOfMemoryError as exc:  # a plan predicted to fit did not
-        return {"error": f"out of memory: {str(exc).splitlines()[0]}"}
+    return measure_plan(model, best.config.spec(), global_batch=global_batch, seq_len=seq_len, vocab=vocab,
+                        profile=profile, cluster=cluster, built=built)
 
 
 def _release_device_memory() -> None:

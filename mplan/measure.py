@@ -59,7 +59,9 @@ def step_kernel_split(step: Callable[[], Any]) -> dict[str, float]:
 
 def measure_plan(model_spec: str, plan_spec: str, *, global_batch: int, seq_len: int | None = None,
                  vocab: int | None = None, steps: int = 5, warmup: int = 2, profile: bool = False,
-                 cluster: ClusterSpec | None = None) -> dict[str, Any]:
+                 cluster: ClusterSpec | None = None, built: Callable[[], None] | None = None) -> dict[str, Any]:
+    """`built`, when given, is called on every rank once the plan's program is built, before its
+    first step's collectives: `mplan bench` has its ranks agree there that no rank failed."""
     import torch
     import torch.distributed as dist
 
@@ -77,6 +79,8 @@ def measure_plan(model_spec: str, plan_spec: str, *, global_batch: int, seq_len:
     labels = torch.roll(ids, -1, dims=1)
     pm = mplan.autoparallel(model, cluster=cluster, example_inputs=(ids,), global_batch=global_batch,
                             plan=plan_spec, optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
+    if built is not None:
+        built()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     ids, labels = ids.to(device), labels.to(device)
     if on_gpu:
