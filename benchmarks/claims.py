@@ -208,6 +208,20 @@ def _adamw(data: dict) -> tuple[str, ...]:
             *(fixed(rows["bf16"][system]["host_ms"], 2) for system in (mplan, torch_)))
 
 
+def _hf_models(data: dict) -> tuple[str, ...]:
+    """mplan's step (ms) and its ratios to the fastest peer, eager and compile, its peak (GiB) and its
+    ratio to the lowest peer's, each as 'llama / mistral / qwen2'; the fastest and lowest peer must be Liger."""
+    models = [data["models"][name] for name in ("llama", "mistral", "qwen2")]
+    assert all(m["best_peer"] == "liger" and m["lowest_peak_peer"] == "liger" for m in models), "a peer other than Liger"
+
+    def each(value: Callable[[dict], float], digits: int, unit: str = "") -> str:
+        """'1.037x / 1.033x / 1.100' for unit 'x': the last unit stays outside the group."""
+        return f"{unit} / ".join(fixed(value(m), digits) for m in models)
+    return (each(lambda m: m["systems"]["mplan"]["step_s"] * 1e3, 1), each(lambda m: m["mplan_vs_best_peer"], 3, "x"),
+            each(lambda m: m["mplan_vs_eager"], 2, "x"), each(lambda m: m["mplan_vs_compile"], 2, "x"),
+            each(lambda m: m["systems"]["mplan"]["peak_gib"], 2), each(lambda m: m["mplan_peak_vs_lowest_peer"], 3, "x"))
+
+
 ZOO_MODELS = ("llama", "mistral", "qwen2", "gpt2", "gptj", "gemma", "phi2", "opt", "falcon", "stablelm",
               "nanogpt", "einsum_lm")
 FIG = r"(\S+?)"
@@ -220,6 +234,10 @@ CLAIMS: tuple[Claim, ...] = (
     *(Claim(doc="README.md", source="zoo-cpu-2026-12-02.json", figures=_zoo_row(model),
             pattern=rf"^\| {model} \| " + r" \| ".join([FIG] * 10) + r" \|$") for model in ZOO_MODELS),
     # README: the figures table
+    Claim(doc="README.md", source="hf_models_h200-2026-12-03.json", figures=_hf_models,
+          pattern=r"\| mplan (\S+ / \S+ / \S+) ms a step: (\S+ / \S+ / \S+)x the fastest peer \(Liger each time\), "
+                  r"(\S+ / \S+ / \S+)x eager, (\S+ / \S+ / \S+)x compile; peak (\S+ / \S+ / \S+) GiB, "
+                  r"(\S+ / \S+ / \S+)x Liger's \(the lowest\)"),
     Claim(doc="README.md", source="h200_calibration-2026-11-29-session5.json", figures=lambda data: _h200_step(data)[::-1],
           pattern=r"single-GPU step time, (\d) GPT/Llama models .* predicted within (\S+) of measured \(all low\)"),
     Claim(doc="README.md", source="activation_probe_h100-2026-12-05.json", figures=_activation_probe,
