@@ -96,8 +96,8 @@ def test_saved_activations_of_a_gpt_block_match_korthikanti():
     that is 16 elements per token and hidden unit: LN1 in, LN1 out (QKV input), q, k, v, the
     attention output (kept by the fused kernel; CUDA lays it out [b, s, h, d], so the output
     projection reads the same storage through a view), LN2 in, LN2 out, fc_in out (4h), GELU out
-    (4h). Measured on the H200, a block keeps within 1.6% of this count
-    (benchmarks/results/activation_probe_h200-2026-11-29.json)."""
+    (4h). Measured on an H100 (the same bytes as the H200's), a block keeps within 1.6% of this count
+    (benchmarks/results/activation_probe_h100-2026-12-05.json)."""
     h, s = 256, 64
     cfg = GPTConfig(num_layers=2, hidden=h, num_heads=4, seq_len=s, vocab=512)
     graph, _ = capture_config(cfg, batch=1, dtype=torch.bfloat16)
