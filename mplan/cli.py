@@ -137,7 +137,9 @@ def _cluster(args: argparse.Namespace):  # noqa: ANN202 - ClusterSpec
     from mplan.cost_models.cluster import ClusterSpec
 
     if args.cluster.endswith(".json"):
-        return ClusterSpec.from_json(args.cluster)
+        cluster = ClusterSpec.from_json(args.cluster)
+        _say_completion(cluster, args.cluster)
+        return cluster
     return ClusterSpec.preset(args.cluster, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
 
 
@@ -267,7 +269,20 @@ def _profile(args: argparse.Namespace) -> int:
         print(json.dumps(cluster.to_dict(), indent=1))
     elif args.output:
         print(f"cluster profile written to {args.output}")
+    _say_completion(cluster, args.output or "the profile")
     return 0
+
+
+def _say_completion(cluster: Any, file: str) -> None:
+    """On stderr, whatever `--json` says: a cluster file whose kernel tables are too thin to price
+    a model (`mplan profile --quick`'s) is completed from the datasheet; every plan made with it
+    says so too (`ClusterSpec.figures`)."""
+    from mplan.cost_models.profile import completion_note
+
+    device = cluster.profile.device if cluster.profile is not None else None
+    note = completion_note(device) if device is not None else None
+    if note is not None:
+        print(f"mplan: {file}: {note}", file=sys.stderr)
 
 
 def _check_vocab(args: argparse.Namespace) -> None:

@@ -39,7 +39,7 @@ from typing import Any
 from mplan.cost_models.alpha_beta import AlphaBetaFit
 from mplan.cost_models.dtypes import DTYPES, canonical_dtype
 from mplan.json_fields import FieldReader, load_json_file
-from mplan.cost_models.profile import ClusterProfile, ProfileError
+from mplan.cost_models.profile import ClusterProfile, ProfileError, thin_tables
 
 CLUSTER_FORMAT = "mplan.cluster"
 CLUSTER_VERSION = 1
@@ -152,7 +152,11 @@ class ClusterSpec:
         """Where this cluster's prices come from, in one word, for every place a prediction is
         shown: "measured" (a profile from `mplan profile`, or the packaged one of this device),
         "nominal" (a placeholder, such as the `cpu` preset's: no prediction for any machine, since
-        a CPU step measured 22-30x the step priced from it), or "datasheet" (published figures)."""
+        a CPU step measured 22-30x the step priced from it), or "datasheet" (published figures);
+        "completed" where a profile's kernel tables are too thin to price a model and the device's
+        datasheet prices those kernels (`profile.thin_tables`, `mplan profile --quick`'s file)."""
+        if self.profile is not None and self.profile.device is not None and thin_tables(self.profile.device):
+            return "nominal" if self.device.source.startswith("nominal") else "completed"
         if self.profile is not None or self.device.source.startswith("measured"):
             return "measured"
         links = [link for link in (self.links.intra_node, self.links.inter_node) if link.kind != "none"]

@@ -54,6 +54,7 @@ import numpy
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.dtypes import canonical_dtype, dtype_bytes
 from mplan.cost_models.log_interpolation import LogInterpolator
+from mplan.cost_models.profile import usable_tables
 
 GEMM_CURVE_C_MN = 3.24e6
 """Output elements (m*n) at which the occupancy factor is one half; fitted (see GEMM_POINTS_FILES)."""
@@ -167,6 +168,8 @@ class ComputeCostModel:
         self.cluster = cluster
         self._cache: dict[tuple[object, ...], float] = {}
         device = cluster.profile.device if cluster.profile is not None else None
+        # a table too thin to price a model (`mplan profile --quick`'s) is left to the datasheet
+        device = usable_tables(device) if device is not None else None
         self._gemm: dict[str, LogInterpolator] = {}
         self._attention: dict[tuple[str, bool, bool], LogInterpolator] = {}
         self._copy: LogInterpolator | None = None

@@ -29,6 +29,7 @@ inline under its ``profile`` key, or the path of a profile file (see ``cluster.p
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -144,6 +145,55 @@ class DeviceProfile:
 def nominal_host(device_name: str) -> HostTiming:
     """The nominal host figures of a device by name: a CPU's runs its kernels on the host."""
     return NOMINAL_CPU_HOST if device_name == "cpu" else NOMINAL_HOST
+
+
+# -- kernel tables too thin to price a model ----------------------------------------------------------
+# A table prices shapes above its largest point at that point's rate (`compute_cost` holds it flat
+# there), and a tiny kernel's rate is its launch's: `mplan profile --quick`'s largest GEMM, 64 x 64
+# x 64, ran at about 0.01% of an H100's peak, and a Llama step priced from it came to 11,359 s
+# against 0.383 s measured. Such a table is not used: the device's datasheet figures (the preset
+# of the same GPU, which the profile's cluster file carries as its `device`) price those kernels
+# instead, and the cluster's `figures` say "completed". Completed rather than refused: the quick
+# file's links and host timings are measured and still price the plan, and a plan priced like the
+# preset is what the user would get without any profile; every place a prediction is shown then
+# says that its kernels were not measured (`ClusterSpec.figures`). The reaches below are those of
+# the smallest grid `mplan profile` measures without --quick (the CPU one): shapes a model's
+# layers actually have, so a full profile of any device passes.
+THIN_GEMM_REACH = 1024
+"""A GEMM table must hold a product whose m, n and k are all at least this (elements)."""
+THIN_ATTENTION_SEQ = 512
+"""An attention table must hold a sequence at least this long (tokens)."""
+THIN_COPY_BYTES = 1 << 24
+"""A copy table must hold a copy moving at least this many bytes (16 MiB)."""
+
+
+def thin_tables(device: DeviceProfile) -> dict[str, str]:
+    """The kernel tables of `device` too small to price a model (see above), by field name
+    ("gemm", "attention", "copy"), each with its reach; empty for a full profile. A table the
+    profile lacks is not thin: the datasheet prices it anyway."""
+    reaches = {"gemm": (max((min(t.m, t.n, t.k) for t in device.gemm), default=None), THIN_GEMM_REACH,
+                        "GEMMs up to {} per side"),
+               "attention": (max((t.seq_q for t in device.attention), default=None), THIN_ATTENTION_SEQ,
+                             "attention up to {} tokens"),
+               "copy": (max((t.bytes_moved for t in device.copy), default=None), THIN_COPY_BYTES,
+                        "copies up to {} bytes")}
+    return {table: f"{words.format(reach)} (a model needs {needed}+)"
+            for table, (reach, needed, words) in reaches.items() if reach is not None and reach < needed}
+
+
+def usable_tables(device: DeviceProfile) -> DeviceProfile:
+    """`device` without its thin kernel tables (its host timings kept): what prices kernels."""
+    return dataclasses.replace(device, **{table: () for table in thin_tables(device)})
+
+
+def completion_note(device: DeviceProfile) -> str | None:
+    """One line saying which tables of `device` the datasheet completes, or None when none."""
+    thin = thin_tables(device)
+    if not thin:
+        return None
+    return (f"the profile of {device.name} measured on {device.measured_on} is too thin to price a model "
+            f"({'; '.join(thin.values())}): those kernels are priced from the datasheet instead "
+            "(run `mplan profile` without --quick to measure them)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -59,6 +59,8 @@ GLUE_SEGMENTS = ("prologue", "epilogue")
 PREDICTION_BASIS = {
     "measured": "predicted from measured figures",
     "datasheet": "predicted from datasheet figures, not measured",
+    "completed": "predicted from a measured profile too thin to price a model, its kernels from datasheet "
+                 "figures (`mplan profile` without --quick measures them)",
     "nominal": "NOT a prediction for this machine: the cluster's figures are nominal placeholders "
                "(`mplan profile` measures real ones)",
     "unrecorded": "predicted, not measured",
