@@ -119,7 +119,7 @@ def _extract(program: fx.GraphModule, nodes: list[fx.Node], name: str, mode: str
     outside = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in inside))
     # A higher-order op's body (a `torch.no_grad()` or autocast region) is read by a `get_attr`
     # node that torch.export may place anywhere before the op, e.g. after the unit's first op
-    # (transformers 4.x's rotary tables, mid-prologue): the unit reads its own copy, so the call
+    # (transformers' RoPE under @torch.no_grad(), mid-prologue): the unit reads its own copy, so the call
     # below takes only values defined before the unit's first op.
     bodies = [i for i in outside if i.op == "get_attr"]
     inputs = [i for i in outside if i.op != "get_attr"]
