@@ -237,3 +237,19 @@ def test_trains_exactly(group_at, world: int, check) -> None:
     values = group_at(world).assert_passed(check)
     assert_equivalent(values)
     assert all(v["ran"].startswith(MESH[check]) for v in values), [v["ran"] for v in values]
+
+
+def test_a_micro_batch_that_is_no_power_of_two_is_searched_and_taken() -> None:
+    """A replica's share of 6 sequences splits in 3s: `mbs=3` is a valid spec and the search
+    tries it (it enumerated 1, 2, 4, 8, 16 only, so `mbs=3` was refused as fitting nothing)."""
+    from mplan.cost_models.presets import local_cluster
+    from mplan.planner.parallel_config import ModelLimits, PlanSpec, enumerate_configs
+    from mplan.planner.resolve import resolve_plan
+
+    cluster = local_cluster({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+    plan = resolve_plan("dp=2,mbs=3", graph(), cluster=cluster, world_size=2, global_batch=12)
+    assert (plan.micro_batch_size, plan.num_micro_batches) == (3, 2)
+    limits = ModelLimits(num_heads=4, num_kv_heads=4, num_layers=2, num_experts=0, seq_len=16)
+    sizes = {c.mbs for c in enumerate_configs(world_size=1, gpus_per_node=1, global_batch=12, limits=limits,
+                                              spec=PlanSpec())}
+    assert sizes == {1, 2, 3, 4, 6}

@@ -194,8 +194,10 @@ def enumerate_configs(*, world_size: int, gpus_per_node: int, global_batch: int,
             for ep in divisors(dp) if limits.num_experts else [1]:
                 if limits.num_experts and limits.num_experts % ep:
                     continue
-                for mbs in (1, 2, 4, 8, 16):
-                    if mbs > max_mbs or (global_batch // dp) % mbs:
+                # every micro-batch that divides the replica's share, not only powers of two: a
+                # share of 6 (6 sequences on one replica, 12 on two) splits in 3s too
+                for mbs in divisors(global_batch // dp):
+                    if mbs > max_mbs:
                         continue
                     m = global_batch // (dp * mbs)
                     yield from _variants(ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, mbs=mbs, num_micro_batches=m),
