@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Issue 30 on one GPU, in one device call: host time per launch measured (host_overhead_h200.py,
+# which also benches a Qwen2-0.5B config at micro-batch 1, 2 and 8), then `mplan bench --measure`
+# on the unseen HF configs (hf_measure_gpu.py). On an H200 the configs are priced on the packaged
+# H200 kernel tables carrying the host figures just measured; on any other GPU hf_measure_gpu.py
+# profiles the machine first (`mplan profile`, host figures included), as a user would.
+#     bash benchmarks/hf_measure_gpu.sh [MODELS] [--skip-host]     (MODELS: qwen3,smollm2,gemma)
+# Results (JSON, the GPU's name and versions) go to $OUT; work files stay in /tmp/r.
+set -u
+cd "$(dirname "$0")/.."
+models=${1:-qwen3}
+python3 -m pip install -q --no-index --find-links .device_wheels pulp highspy 2>&1 | tail -2
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+mkdir -p /tmp/r "$OUT"
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+{ echo "$gpu"; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"; } > "$OUT/gpu.txt"
+cat "$OUT/gpu.txt"
+if [ "${2:-}" != "--skip-host" ]; then
+    timeout 240 python3 benchmarks/host_overhead_h200.py --out /tmp/r/host_overhead.json 2>&1 | tail -20
+    cp /tmp/r/host_overhead.json "$OUT/" 2>/dev/null
+fi
+cluster=()
+case "$gpu" in *H200*) [ -f /tmp/r/host_overhead_work/cluster.json ] && cluster=(--cluster /tmp/r/host_overhead_work/cluster.json) ;; esac
+for m in ${models//,/ }; do
+    timeout 330 python3 benchmarks/hf_measure_gpu.py --models "$m" "${cluster[@]}" --timeout-s 300 \
+        --out "/tmp/r/hf_measure_$m.json" 2>&1 | tail -3
+    cp "/tmp/r/hf_measure_$m.json" "$OUT/" 2>/dev/null
+    [ -f /tmp/r/hf_measure_${m}_work/cluster.json ] && cp /tmp/r/hf_measure_${m}_work/cluster.json "$OUT/profile_$m.json"
+done
