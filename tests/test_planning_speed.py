@@ -107,3 +107,94 @@ def test_a_mask_too_large_to_evaluate_is_not_called_causal(tmp_path: Path) -> No
     with largest:
         assert not is_causal_mask(mask, q, k)
     assert largest.numel < 8192 * 8192
+
+
+# -- The sharding ILP of a Hugging Face block: followers folded (mplan/planner/ilp_followers.py) --
+#
+# The second cause: HiGHS on the Qwen3-8B block (86 ops: q/k norms, upcasts, views) took 1-2.5 s
+# per solve against 0.2 s for the Llama-family block of its shape, 6 solves a search. Nodes that
+# provably follow their producer are folded into it, impossible copies are constraints rather than
+# 1e3-second prices, and the objective is scaled to its largest coefficient. The plans must be the
+# ones the unfolded problem has: these tests solve both and compare.
+
+MEDIUM = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+              num_key_value_heads=2, vocab_size=1024, max_position_embeddings=1024, torch_dtype="bfloat16")
+FAMILIES = {
+    "gpt": "gpt:layers=2,hidden=256,heads=8,seq=512,vocab=1024",
+    "llama": "llama:layers=2,hidden=256,heads=8,kv_heads=2,ffn=512,seq=512,vocab=1024",
+    "moe": "moe:layers=2,hidden=256,heads=8,kv_heads=2,ffn=256,seq=512,vocab=1024,experts=4,topk=2",
+}
+HF = {
+    "llama": ("LlamaForCausalLM", MEDIUM),
+    "qwen3": ("Qwen3ForCausalLM", {**MEDIUM, "head_dim": 32}),  # q/k norms
+    "gpt2": ("GPT2LMHeadModel", dict(n_layer=2, n_embd=256, n_head=8, n_positions=1024, vocab_size=1024,
+                                     torch_dtype="bfloat16")),
+}
+
+
+def _hf_dir(tmp_path: Path, name: str) -> str:
+    architecture, fields = HF[name]
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": [architecture], "model_type": name, **fields}))
+    return str(folder)
+
+
+def planner_graph(planner: Planner) -> mplan.ir.Graph:
+    return planner.graph
+
+
+def _unfolded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mplan.planner import sharding_ilp
+
+    monkeypatch.setattr(sharding_ilp, "find_followers", lambda *args: {})
+
+
+@pytest.mark.parametrize("model", [*FAMILIES, *(f"hf-{name}" for name in HF)])
+def test_folding_followers_changes_no_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: str) -> None:
+    """Every segment at TP 2 and 4, with and without sequence parallelism, as the search solves it:
+    the same strategy for every op and the same objective (1e-6 relative) folded and unfolded."""
+    spec = FAMILIES.get(model) or _hf_dir(tmp_path, model.removeprefix("hf-"))
+    graph = capture_for_planning(spec, seq_len=512)
+    cluster = mplan.ClusterSpec.preset("dgx-h100", nodes=1)
+    keys = [(tp, sp) for tp in (2, 4) for sp in (False, True)]
+    folded = Planner(graph, cluster, kernels=True)
+    solved = {key: folded.sharded(*key).sharding for key in keys}
+    with monkeypatch.context() as patch:
+        _unfolded(patch)
+        unfolded = Planner(graph, cluster, kernels=True)
+        reference = {key: unfolded.sharded(*key).sharding for key in keys}
+    fewer = 0
+    for key in keys:
+        for name, want in reference[key].segments.items():
+            got = solved[key].segments[name]
+            assert got.objective_s == pytest.approx(want.objective_s, rel=1e-6), (key, name)
+            differ = {op for op in want.choice if want.choice[op] != got.choice[op]}
+            # the unfolded problem has exact ties (a gather before a view or after it, a fused norm's
+            # zero-priced members run gathered or sharded), which HiGHS broke either way; folded,
+            # a follower takes its producer's layout. Anything priced, or holding a parameter, is equal.
+            priced = {op for op in differ if planner_graph(folded).node(op).params or
+                      want.op_prices[op].compute_s or got.op_prices[op].compute_s or
+                      want.op_prices[op].comm_s or got.op_prices[op].comm_s}
+            assert not priced, (key, name, {op: (str(want.choice[op]), str(got.choice[op])) for op in priced})
+            assert got.num_variables <= want.num_variables
+            fewer += want.num_variables - got.num_variables
+    assert fewer > 0, "nothing was folded: the comparison tested nothing"
+
+
+def test_a_qwen3_block_folds_its_followers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Qwen3 block (q/k norms, upcasts, views, RoPE, GQA expansion) at TP 4: a sixth fewer
+    ILP variables folded (here 1686 -> 1396)."""
+    from mplan.planner.sharding_ilp import solve_block_sharding
+    from mplan.ir.placement import R
+
+    graph = capture_for_planning(_hf_dir(tmp_path, "qwen3"), seq_len=512)
+    planner = Planner(graph, mplan.ClusterSpec.preset("dgx-h100", nodes=1), kernels=True)
+    coster = planner.sharded(4, False).coster
+    block = max(planner.graph.block_types, key=lambda b: b.num_instances)
+    assert block.name == "Qwen3DecoderLayer"
+    folded = solve_block_sharding(planner.graph, block, coster, R)
+    _unfolded(monkeypatch)
+    unfolded = solve_block_sharding(planner.graph, block, coster, R)
+    assert folded.objective_s == pytest.approx(unfolded.objective_s, rel=1e-6)
+    assert folded.num_variables <= 0.85 * unfolded.num_variables, (folded.num_variables, unfolded.num_variables)

@@ -3,25 +3,44 @@ tensor-parallel axis, as an integer program.
 
 Formulation (Alpa-style, one mesh axis of size n, the nodes of one segment of the captured graph):
 
-    variables   x[v,s] in {0,1}      node v runs strategy s
-                w[u,s,k] in [0,1]    value u, produced under strategy s, is also materialized in
-                                     layout k = (p, g): placement p forward, gradient placement g
+    variables   x[v,s] in {0,1}        node v runs strategy s (a node with one strategy: x = 1;
+                                       a follower, below: no variable of its own)
+                z[u,v,s,k] in [0,1]    u runs s and its reader v reads it in layout k = (p, g):
+                                       placement p forward, gradient placement g
+                w[u,s,k] in [0,1]      u, produced under s, is also materialized in layout k
     minimize    sum_v sum_s c[v,s] x[v,s]  +  sum_(u,s,k) r[u,s,k] w[u,s,k]
-    subject to  (1) sum_s x[v,s] = 1                         one strategy per node
-                (2) w[u,s,k] >= x[u,s] + x[v,t] - 1           for every consumer v of u whose
-                                                              strategy t takes u in layout k
-                (3) sum_v sum_s m[v,s] x[v,s] <= M            per-device memory (optional)
+    subject to  (1) sum_s x[v,s] = 1                            one strategy per node
+                (2) sum_k z[u,v,s,k] = x[u,s]                    the edge's marginals: u's choice
+                    sum_s z[u,v,s,k] = y[v,k]                    and v's, y[v,k] = sum of x[v,t]
+                                                                 over v's strategies t reading u in k
+                    w[u,s,k] >= z[u,v,s,k]                       for every reader v of u
+                (3) sum_v sum_s m[v,s] x[v,s] <= M               per-device memory (optional)
+                (4) z[u,v,s,k] = 0 where no pass turns s's output into k (R -> P: `can_transition`)
 
     c[v,s]   forward + backward seconds of v's op on its local shapes and its own collectives, plus
              `grad_sync_share` (1 / micro-batches) of the once-per-step TP all-reduce of the
              parameter gradients s leaves partial                                  (`_node_costs`)
     r[u,s,k] the resharding collective from s's output placement to p (forward) and from g back to
              the gradient placement s's output needs (backward), priced by the cost model
-             (`_copy_costs`). All consumers that want u in the same layout share one copy, as
+             (`_copy_cost`). All consumers that want u in the same layout share one copy, as
              the passes emit it: Megatron's single all-gather feeding q, k and v, for instance.
+             Where one reader alone may want layout k, w[u,s,k] is its z (no variable of its own);
+             where u or v has a single option, z is the other's x or y.
     m[v,s]   bytes v adds on one device: its parameters' shards times the optimizer-state factor,
              plus its output's shard when backward keeps it, times the micro-batches in flight
              (`_memory_coefficients`)
+
+Why z (2) and not w >= x[u,s] + x[v,t] - 1, as until 2026-12-05: that row lets the relaxation set
+every w to 0 at x = 1/2, so the Qwen3-8B block's root bound sat 30% under its optimum and HiGHS
+cut and branched for 1-2.5 s per solve; with the edge's marginals the relaxation is tight on
+chains and trees, and the same block solves at the root in 0.03 s. Why (4): an impossible copy
+was priced at `op_cost.IMPOSSIBLE_S` (1e3 s), a coefficient 1e9 times the smallest.
+Followers (`ilp_followers.py`): a node that provably loses nothing by taking the layout its one
+input arrives in is folded into its producer: x[v,t] := sum of x[root,s] over the root's
+strategies s that make it run t, so its c is charged to those x; it reads its input uncopied.
+Scale: the objective is divided by its largest coefficient (seconds, or `tp_layout`'s collective
+counts), so HiGHS's absolute tolerances (1e-6 to 1e-7) mean the same on every cost model: in
+seconds (coefficients 1.6e-6 to 1e-2 on that block) one variant came back 0.5% above its optimum.
 
 Edges to values outside the segment (its input, buffers, its outputs) have one fixed endpoint and
 fold into c. Values crossing the border with the residual stream's shape take the boundary
@@ -41,11 +60,18 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from mplan.ir.graph import BlockType, Graph, OpNode, TensorMeta
 from mplan.ir.op_table import persistent_inputs, rule_for
-from mplan.ir.placement import Placement, R, grad_placement
+from mplan.ir.placement import Placement, R, can_transition, grad_placement
 from mplan.ir.strategy import Strategy
 from mplan.planner.fused_pricing import FusedSave, extra_saved_bytes
+from mplan.planner.ilp_followers import Follower, Layout, find_followers
 from mplan.planner.op_cost import OpCoster, partial_param_grad_bytes
 from mplan.planner.op_registry import shard_bytes, strategies_for
+
+
+GAP = 1e-7
+"""Relative gap at which a solve stops: HiGHS's default, 1e-4, let a Mistral-7B epilogue stop 3.1e-5
+above its optimum; the tight relaxation (2) closes these problems at the root, so the exact optimum
+costs nothing more."""
 
 
 def _load_pulp() -> tuple[Any, tuple[Any, ...]]:
@@ -73,8 +99,9 @@ def _load_pulp() -> tuple[Any, tuple[Any, ...]]:
         import pulp
 
         loaded["pulp"] = pulp
-        loaded["solvers"] = ((pulp.HiGHS(msg=False, threads=1), pulp.HiGHS(msg=False))
-                             if "HiGHS" in pulp.listSolvers(onlyAvailable=True) else (pulp.PULP_CBC_CMD(msg=False),))
+        loaded["solvers"] = ((pulp.HiGHS(msg=False, threads=1, gapRel=GAP), pulp.HiGHS(msg=False, gapRel=GAP))
+                             if "HiGHS" in pulp.listSolvers(onlyAvailable=True)
+                             else (pulp.PULP_CBC_CMD(msg=False, gapRel=GAP),))
     thread = threading.Thread(target=load, name="mplan-import-pulp")
     thread.start()
     thread.join()
@@ -212,8 +239,6 @@ def _node_costs_of(v: OpNode, strategies: Sequence[Strategy] | Strategy, coster:
     return row
 
 
-Layout = tuple[Placement, Placement]  # (forward placement, gradient placement) of a copy
-
 
 def _uses(problem: _Problem) -> dict[str, list[tuple[str, int]]]:
     """Every non-parameter value read by the segment, with its (consumer, argument slot) pairs."""
@@ -276,40 +301,31 @@ def solve_segment_sharding(graph: Graph, name: str, node_names: Sequence[str], c
         return _price(problem, {v: ss[0] for v, ss in problem.strategies.items()}, coster, boundary,
                       grad_sync_share, solve_seconds=time.perf_counter() - start)
     node_cost = _node_costs(problem, coster, grad_sync_share)
+    uses = _uses(problem)
+    copy = _copy_pricer(problem, coster)
+    # the fold's proof compares prices only: under a memory bound the problem is solved unfolded
+    followers = {} if memory_budget_bytes is not None else find_followers(
+        problem.nodes, problem.strategies, uses, problem.outputs,
+        {v: [c[0] + c[1] for c in row] for v, row in node_cost.items()},
+        lambda u, out, layout: sum(copy(u, out, layout)))
     lp = pulp.LpProblem(f"shard_{n}", pulp.LpMinimize)
-    x = {v: [pulp.LpVariable(f"x_{i}_{j}", cat="Binary") for j in range(len(ss))]
-         for i, (v, ss) in enumerate(problem.strategies.items())}
-    objective = [(c[0] + c[1]) * var for v, row in node_cost.items() for c, var in zip(row, x[v])]
-    for v in x:
-        lp += pulp.lpSum(x[v]) == 1
-
-    copies: list[tuple[str, int, Layout, float, float, pulp.LpVariable]] = []
-    for ui, (u, consumers) in enumerate(_uses(problem).items()):
-        meta = value_meta(graph, u)
-        produced = u in problem.strategies
-        outs = [s.output for s in problem.strategies[u]] if produced else [_fixed_input(problem, u, boundary)]
-        wants: dict[Layout, list] = {}
-        for v, slot in consumers:
-            for t, var in zip(problem.strategies[v], x[v]):
-                wants.setdefault((t.inputs[slot], t.input_grads[slot]), []).append(var)
-        if produced and u in problem.outputs:
-            need = problem.outputs[u]
-            wants.setdefault((need, need), []).append(1)
-        for si, out in enumerate(outs):
-            for ki, (layout, users) in enumerate(wants.items()):
-                fwd, bwd = _copy_cost(coster, meta, out, layout)  # type: ignore[arg-type]
-                if fwd == bwd == 0.0:
-                    continue
-                w = pulp.LpVariable(f"w_{ui}_{si}_{ki}", lowBound=0, upBound=1)
-                producer = x[u][si] if produced else 1
-                for user in users:
-                    lp += w >= producer + user - 1
-                objective.append((fwd + bwd) * w)
-                copies.append((u, si, layout, fwd, bwd, w))
+    x = _choice_terms(problem, followers)
+    objective: list[tuple[float, Any]] = [(c[0] + c[1], term) for v, row in node_cost.items()
+                                          for c, term in zip(row, x[v]) if term is not None]
+    for v, terms in x.items():
+        if v not in followers and len(terms) > 1:
+            lp += pulp.lpSum(terms) == 1
+    for ui, u in enumerate(uses):
+        def price(out: Placement, layout: Layout, u: str = u) -> float:
+            return sum(copy(u, out, layout))
+        objective += _copy_terms(lp, str(ui), _outs(problem, x, u, boundary),
+                                 _readers(problem, x, followers, u, uses[u]), price)
     if memory_budget_bytes is not None:
         mem = _memory_coefficients(problem, n, param_state_factor, activation_factor)
-        lp += pulp.lpSum(c * var for v in x for c, var in zip(mem[v], x[v])) <= memory_budget_bytes
-    lp += pulp.lpSum(objective)
+        lp += pulp.lpSum(c * term for v in x for c, term in zip(mem[v], x[v])) <= memory_budget_bytes
+    objective = [(c, term) for c, term in objective if c and not isinstance(term, int)]  # constants choose nothing
+    scale = 1.0 / max((c for c, _ in objective), default=1.0)  # see "Scale" in the module docstring
+    lp += pulp.lpSum(c * scale * term for c, term in objective)
     with _quiet_stdout():
         for solver in _SOLVERS:
             status = lp.solve(solver)
@@ -319,9 +335,133 @@ def solve_segment_sharding(graph: Graph, name: str, node_names: Sequence[str], c
         raise ShardingInfeasible(f"{name} on a tensor-parallel axis of {n}: no sharding fits "
                                  f"{memory_budget_bytes / 2**30:.2f} GiB" if memory_budget_bytes
                                  else f"{name}: solver status {pulp.LpStatus[status]}")
-    choice = {v: problem.strategies[v][_argmax(x[v])] for v in problem.strategies}
+    index: dict[str, int] = {}
+    for v, terms in x.items():
+        follow = followers.get(v)
+        index[v] = follow.pick[index[follow.root]] if follow else 0 if len(terms) == 1 else _argmax(terms)
+    choice = {v: problem.strategies[v][i] for v, i in index.items()}
     return _price(problem, choice, coster, boundary, grad_sync_share,
                   solve_seconds=time.perf_counter() - start, solver=solver.name, num_variables=len(lp.variables()))
+
+
+def _outs(problem: _Problem, x: dict[str, list[Any]], u: str, boundary: Placement) -> list[tuple[int, Placement, Any]]:
+    """(strategy index, output placement, x term) of every strategy u can run; a value from
+    outside the segment has one, fixed."""
+    if u not in problem.strategies:
+        return [(0, _fixed_input(problem, u, boundary), 1)]
+    return [(si, s.output, term) for si, (s, term) in enumerate(zip(problem.strategies[u], x[u])) if term is not None]
+
+
+def _readers(problem: _Problem, x: dict[str, list[Any]], followers: Mapping[str, Follower], u: str,
+             consumers: Sequence[tuple[str, int]]) -> list[dict[Layout, Any]]:
+    """Per reader of u (a consumer's slot, or the border's requirement): layout k -> y[k], the sum
+    of the reader's x over its strategies that read u in k (at most one of them is 1). A follower
+    reads u as u lays it out, by construction: no copy, no reader here."""
+    readers = []
+    for v, slot in consumers:
+        if v in followers:
+            continue
+        reads: dict[Layout, list[Any]] = {}
+        for t, term in zip(problem.strategies[v], x[v]):
+            if term is not None:
+                reads.setdefault((t.inputs[slot], t.input_grads[slot]), []).append(term)
+        readers.append({k: _sum_of(terms) for k, terms in reads.items()})
+    if u in problem.outputs:
+        need = problem.outputs[u]
+        readers.append({(need, need): 1})
+    return readers
+
+
+def _copy_terms(lp: Any, tag: str, outs: list[tuple[int, Placement, Any]], readers: list[dict[Layout, Any]],
+                price: Callable[[Placement, Layout], float]) -> list[tuple[float, Any]]:
+    """Constraints (2) and (4) of one value, and the objective's r terms: a reader's z directly
+    where it alone may want the layout, else w (one copy, shared)."""
+    sharers: dict[Layout, int] = {}
+    for reads in readers:
+        for k in reads:
+            sharers[k] = sharers.get(k, 0) + 1
+    terms: list[tuple[float, Any]] = []
+    shared: dict[tuple[int, Layout], Any] = {}
+    for ri, reads in enumerate(readers):
+        for (si, k), (out, z) in _pairs(lp, f"{tag}_{ri}", outs, reads).items():
+            r = price(out, k)
+            if r == 0.0:
+                continue
+            if sharers[k] == 1:
+                terms.append((r, z))
+                continue
+            if (si, k) not in shared:
+                shared[(si, k)] = pulp.LpVariable(f"w_{tag}_{si}_{len(shared)}", lowBound=0, upBound=1)
+                terms.append((r, shared[(si, k)]))
+            lp += shared[(si, k)] >= z
+    return terms
+
+
+def _pairs(lp: Any, tag: str, outs: list[tuple[int, Placement, Any]],
+           reads: dict[Layout, Any]) -> dict[tuple[int, Layout], tuple[Placement, Any]]:
+    """z[s,k] of one (value, reader) edge with constraints (2): u runs s and the reader reads it
+    in layout k. Where either side has one option, z is the other side's term; an impossible
+    pair (4) gets no z, which the marginals then hold at 0."""
+    z: dict[tuple[int, Layout], tuple[Placement, Any]] = {}
+    if len(outs) == 1 or len(reads) == 1:
+        for si, out, xs in outs:
+            for k, y in reads.items():
+                term = y if len(outs) == 1 else xs
+                if _possible(out, k):
+                    z[(si, k)] = (out, term)
+                elif not isinstance(term, int):  # both fixed: nothing to choose (priced as it is)
+                    lp += term <= 0
+        return z
+    for si, out, xs in outs:
+        row = []
+        for k in reads:
+            if _possible(out, k):
+                z[(si, k)] = (out, pulp.LpVariable(f"z_{tag}_{si}_{len(z)}", lowBound=0, upBound=1))
+                row.append(z[(si, k)][1])
+        lp += pulp.lpSum(row) == xs
+    for k, y in reads.items():
+        lp += pulp.lpSum(var for (_, kk), (_, var) in z.items() if kk == k) == y
+    return z
+
+
+def _choice_terms(problem: _Problem, followers: Mapping[str, Follower]) -> dict[str, list[Any]]:
+    """x[v,s] per node and strategy: a binary variable; 1 for a node with one strategy; for a
+    follower, the sum of its root's variables of the strategies that make it run s (None where
+    none does)."""
+    x: dict[str, list[Any]] = {}
+    for i, (v, strategies) in enumerate(problem.strategies.items()):
+        follow = followers.get(v)
+        if follow is not None:
+            x[v] = [_sum_of([x[follow.root][r] for r, p in enumerate(follow.pick) if p == j])
+                    for j in range(len(strategies))]
+        elif len(strategies) == 1:
+            x[v] = [1]
+        else:
+            x[v] = [pulp.LpVariable(f"x_{i}_{j}", cat="Binary") for j in range(len(strategies))]
+    return x
+
+
+def _sum_of(terms: list[Any]) -> Any:
+    if not terms:
+        return None
+    return terms[0] if len(terms) == 1 else pulp.lpSum(terms)
+
+
+def _copy_pricer(problem: _Problem, coster: OpCoster) -> Callable[[str, Placement, Layout], tuple[float, float]]:
+    """(value, its placement, layout) -> the copy's (forward s, backward s), each priced once."""
+    prices: dict[tuple[str, Placement, Layout], tuple[float, float]] = {}
+
+    def copy(u: str, out: Placement, layout: Layout) -> tuple[float, float]:
+        key = (u, out, layout)
+        if key not in prices:
+            prices[key] = _copy_cost(coster, value_meta(problem.graph, u), out, layout)  # type: ignore[arg-type]
+        return prices[key]
+    return copy
+
+
+def _possible(out: Placement, layout: Layout) -> bool:
+    place, grad = layout
+    return can_transition(out, place) and can_transition(grad, grad_placement(out))
 
 
 def _price(problem: _Problem, choice: dict[str, Strategy], coster: OpCoster, boundary: Placement,
