@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,3 +165,32 @@ def test_a_host_bound_step_takes_the_host_time_of_its_ops(llama_graph):
 
 def _units(graph, host: HostTiming):  # noqa: ANN001, ANN202
     return Planner(graph, _cluster(host)).units(1, False, 1)
+
+
+def test_mplans_runtime_pays_the_fitted_host_factor_on_gpus_only() -> None:
+    """The factor scales every per-launch figure for mplan's runtime on a GPU; Megatron-LM's
+    runtime and a CPU (kernels on the host, nominal figures) keep the bare ops' figures."""
+    from mplan.cost_models.cluster import ClusterSpec
+    from mplan.planner.host_cost import MPLAN_RUNTIME_HOST_FACTOR, host_timing, runtime_host
+
+    gpu, cpu = ClusterSpec.preset("dgx-h100"), ClusterSpec.preset("cpu")
+    bare = host_timing(gpu)
+    mine = runtime_host(gpu, "mplan")
+    assert mine.aten_op_s == pytest.approx(bare.aten_op_s * MPLAN_RUNTIME_HOST_FACTOR)
+    assert mine.triton_launch_s == pytest.approx(bare.triton_launch_s * MPLAN_RUNTIME_HOST_FACTOR)
+    assert runtime_host(gpu, "megatron") == bare and runtime_host(cpu, "mplan") == host_timing(cpu)
+    assert runtime_host(gpu, "mplan", 1.0) == bare
+
+
+def test_the_host_factor_is_its_fit_and_holds_out_within_ten_percent() -> None:
+    """MPLAN_RUNTIME_HOST_FACTOR is what benchmarks/host_factor_fit.py fitted on one H100 step, and
+    the six steps it was not fitted on are predicted within 10% with it, not without it."""
+    from mplan.planner.host_cost import MPLAN_RUNTIME_HOST_FACTOR
+
+    report = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results" /
+                         "host_factor_fit-cpu-2026-12-05.json").read_text())
+    assert MPLAN_RUNTIME_HOST_FACTOR == pytest.approx(report["factor"], abs=0.005)
+    held = [row for row in report["rows"] if not row["fitted_on"]]
+    assert len(held) == 6
+    assert all(abs(row["error_fitted"]) <= 0.10 for row in held), held
+    assert max(abs(row["error_as_measured"]) for row in held) > 0.5  # the bare ops' figures were far off

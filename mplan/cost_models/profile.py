@@ -108,6 +108,17 @@ class HostTiming:
     overlaps: bool = True
     source: str  # "measured by ... on DATE" or "nominal, not measured: ..."
 
+    def scaled(self, factor: float, why: str) -> HostTiming:
+        """Every per-launch figure times `factor` (a runtime that pays more per op than the
+        micro-benchmark's stream of bare ops), `why` appended to the source."""
+        return dataclasses.replace(self, **{f: getattr(self, f) * factor for f in HOST_SECONDS},
+                                   source=f"{self.source}; x {factor:g}: {why}")
+
+
+HOST_SECONDS = ("aten_op_s", "view_op_s", "launch_s", "backward_node_s", "triton_launch_s",
+                "adamw_foreach_tensor_s", "adamw_fused_tensor_s")
+"""The per-launch fields of HostTiming (seconds)."""
+
 
 NOMINAL_HOST = HostTiming(
     aten_op_s=10e-6, view_op_s=4e-6, launch_s=3e-6, backward_node_s=12e-6, triton_launch_s=15e-6,

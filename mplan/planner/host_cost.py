@@ -41,10 +41,33 @@ class OpHost:
     backward_s: float  # host seconds of its autograd node in the backward (0: none)
 
 
+MPLAN_RUNTIME_HOST_FACTOR = 6.03
+"""Host seconds mplan's own runtime pays per op over what `measure_host`'s streams of bare ops
+take: its fused kernels are autograd Functions whose Python forward and backward allocate and
+launch, the local program is an FX module, a micro-batch runs the runtime's hooks. Fitted on ONE
+step measured on an H100 (Qwen2-0.5B shape, 8 x 1024 tokens at micro-batch 1, the most host-bound:
+938 ms, 117 ms a micro-batch) with that session's measured host figures and kernel tables; held
+out on six other steps of the same session (the same model at micro-batch 2 and 8, Qwen3-1.7B and
+SmolLM2-1.7B shapes at 8 x 2048 tokens at micro-batch 1 and 8): within 7.9% with the factor,
+up to 57% low without it on the host-bound rows (benchmarks/host_factor_fit.py,
+results/host_factor_fit-cpu-2026-12-05.json).
+A constant of mplan's runtime on a GPU host, not of a machine: fitted, not measured per cluster."""
+
+
 def host_timing(cluster: ClusterSpec) -> HostTiming:
     """The cluster's measured host figures, else the nominal ones of its device."""
     device = cluster.profile.device if cluster.profile is not None else None
     return device.host_timing if device is not None else nominal_host(cluster.device.name)
+
+
+def runtime_host(cluster: ClusterSpec, runtime: str, factor: float | None = None) -> HostTiming:
+    """The host figures a plan for `runtime` pays: `host_timing`'s, times `factor` (None:
+    MPLAN_RUNTIME_HOST_FACTOR for mplan's runtime on a GPU, whose kernels overlap the host; 1 for
+    Megatron-LM's runtime, priced as bare ops, and on a CPU, whose figures are nominal)."""
+    host = host_timing(cluster)
+    if factor is None:
+        factor = MPLAN_RUNTIME_HOST_FACTOR if runtime == "mplan" and host.overlaps else 1.0
+    return host if factor == 1.0 else host.scaled(factor, f"per op in {runtime}'s runtime (host_cost)")
 
 
 def grad_values(graph: Graph) -> frozenset[str]:

@@ -22,10 +22,12 @@ from mplan.cost_models.collective_cost import GroupShape, collective_time
 from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.cost_models.dtypes import canonical_dtype
 from mplan.cost_models.moe_cost import experts_layer, experts_time
+from mplan.cost_models.profile import HostTiming
 from mplan.ir.graph import OpNode, TensorMeta
 from mplan.ir.op_table import op_packet
 from mplan.ir.placement import Partial, Placement, R, can_transition, local_shape, transition
 from mplan.ir.strategy import Strategy
+from mplan.planner.host_cost import host_timing
 from mplan.planner.fused_pricing import (
     MEASURED_COPY_FRACTION,
     FusedChain,
@@ -49,8 +51,10 @@ class OpCoster:
 
     def __init__(self, cluster: ClusterSpec, axis_size: int, group: GroupShape,
                  fused: Mapping[str, FusedChain] | None = None, fp8_linears: frozenset[str] = frozenset(),
-                 saves: Mapping[str, FusedSave] | None = None) -> None:
+                 saves: Mapping[str, FusedSave] | None = None, host: HostTiming | None = None) -> None:
         self.cluster = cluster
+        self.host = host if host is not None else host_timing(cluster)
+        """host seconds per launch the program pays (`host_cost.runtime_host`; default: the bare ops')"""
         self.n = axis_size
         self.group = group
         self.fused = fused or {}

@@ -30,6 +30,7 @@ from mplan.ir.rebatch import rebatch
 from mplan.ir.strategy import Strategy
 from mplan.planner.evaluate import Estimate, ModelFacts, device_word, evaluate, gib_versus
 from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains, find_fused_saves
+from mplan.planner.host_cost import runtime_host
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.parallel_config import (DEFAULT_RUNTIME, RUNTIMES, ModelLimits, ParallelConfig, PlanSpec, PlanSpecError,
                                            enumerate_configs)
@@ -84,9 +85,10 @@ class Planner:
     def __init__(self, graph: Graph, cluster: ClusterSpec, *, allow: StrategyFilter | None = None,
                  grad_dtype: str = "fp32", fp32_grad_copy: bool = True, kernels: bool = False,
                  fp8: bool = False, runtime: str = DEFAULT_RUNTIME, tp_layout: str = "ilp", moe_imbalance: float = 1.0,
-                 progress: Callable[[str], None] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, host_factor: float | None = None) -> None:
         """`moe_imbalance`: for MoE models, the token copies the busiest expert-parallel rank takes
-        over the mean (1.0: uniform routing; `ModelFacts.moe_imbalance`)."""
+        over the mean (1.0: uniform routing; `ModelFacts.moe_imbalance`). `host_factor`: host
+        seconds per op over the bare ops' (None: the runtime's own, `host_cost.runtime_host`)."""
         if runtime not in RUNTIMES:
             raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
         if tp_layout not in TP_LAYOUTS:
@@ -103,6 +105,7 @@ class Planner:
         self.graph = rebatch(graph, 1) if self.dynamic else graph
         self._at_batch: dict[int, Graph] = {1: self.graph}
         self.cluster = cluster
+        self.host = runtime_host(cluster, runtime, host_factor)
         self.allow = allow
         # chains fuse_kernels will run as one kernel, priced so (names survive rebatching)
         self.fused = find_fused_chains(graph) if kernels else {}
@@ -119,7 +122,7 @@ class Planner:
         if key not in self._sharded:
             group = GroupShape.from_mesh_axis(size=tp, stride=1, gpus_per_node=self.cluster.gpus_per_node)
             coster = OpCoster(self.cluster, tp, group, fused=self.fused, fp8_linears=self.fp8_linears,
-                              saves=self.saves)
+                              saves=self.saves, host=self.host)
             self.progress(f"solving the sharding ILP for tp={tp}{' with SP' if sp else ''}")
             sharding = self._solve(self.graph, coster, sp)
             units = unit_costs(self.graph, sharding, coster)

@@ -40,7 +40,7 @@ from mplan.ir.placement import R, Shard
 from mplan.ir.strategy import Strategy
 from mplan.cost_models.host_queue import HostQueue
 from mplan.planner.fused_pricing import HeadChunking, head_chunking
-from mplan.planner.host_cost import grad_values, host_timing, op_host
+from mplan.planner.host_cost import grad_values, op_host
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.op_registry import shard_bytes
 from mplan.planner.sharding_ilp import GraphSharding, SegmentSharding, stream_meta, value_meta
@@ -92,7 +92,7 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
     checkpointed; `needs_grad`: `host_cost.grad_values(graph)`, computed when not given."""
     n = sharding.axis_size
     needs_grad = grad_values(graph) if needs_grad is None else needs_grad
-    host = host_timing(coster.cluster)
+    host = coster.host
     forward_ops: list[HostQueue] = []
     backward_ops: list[HostQueue] = []
     selective_host = 0.0
