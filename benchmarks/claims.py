@@ -62,6 +62,19 @@ def span(values: Sequence[float], fmt: Callable[[float], str], sep: str = "-") -
 WORDS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine"}
 
 
+def _host_factor(data: dict) -> tuple[str, ...]:
+    """host_factor_fit: the seven steps measured (ms), the bare figures' worst error, the held-out
+    worst with the factor, and the two 1.7B configs' micro-batch-8 errors."""
+    rows = {(r["model"], r["mbs"]): r for r in data["rows"]}
+    order = [("qwen2-0.5b", 1), ("qwen2-0.5b", 2), ("qwen2-0.5b", 8), ("qwen3", 1), ("qwen3", 8), ("smollm2", 1),
+             ("smollm2", 8)]
+    held = [r for r in data["rows"] if not r["fitted_on"]]
+    return (*(fixed(rows[k]["measured_step_s"] * 1e3, 0) for k in order),
+            fixed(max(abs(r["error_as_measured"]) for r in held) * 100, 0),
+            percent(data["held_out_worst_error_fitted"]),
+            percent(rows[("qwen3", 8)]["error_fitted"], sign=True), percent(rows[("smollm2", 8)]["error_fitted"], sign=True))
+
+
 # -- the registry ----------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Claim:
@@ -277,6 +290,10 @@ CLAIMS: tuple[Claim, ...] = (
           pattern=r"\| (\S+) s / (\S+) s of wall time over 3 runs each"),
     Claim(doc="README.md", source="planning_time-cpu-2026-12-03.json", figures=lambda data: _planning(data)[2:],
           pattern=r"in the search \((\S+) / (\S+) candidates\)"),
+    Claim(doc="README.md", source="host_factor_fit-cpu-2026-12-05.json", figures=_host_factor,
+          pattern=r"measured (\d+) / (\d+) / (\d+) ms and (\d+) / (\d+), (\d+) / (\d+) ms; with the bare ops' host "
+                  r"figures predicted up to (\d+)% low at micro-batch 1 and 2; with the runtime factor fitted on the Qwen2 "
+                  r"micro-batch-1 step, the six others within (\S+) \(the two 1\.7B configs at micro-batch 8: (\S+) / (\S+)\)"),
     # docs/claims.md: the same figures in the table of sources
     Claim(doc="docs/claims.md", source="h200_calibration-2026-11-29-session5.json",
           figures=lambda data: (_h200_step(data)[0], _h200_memory(data)[0], _h200_step(data)[1]),
