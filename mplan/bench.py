@@ -46,6 +46,7 @@ from mplan.planner.plan_builder import predicted_of
 from mplan.planner.planning import capture_for_planning
 from mplan.planner.search import Planner, PlanningError
 from mplan.planner.spec_check import check_before_capture
+from mplan.progress import Progress
 
 Row = dict[str, Any]
 AGREEMENT_TIMEOUT_S = 600.0
@@ -57,58 +58,82 @@ REFUSALS = (PlanSpecError, PlanningError, PlanError, ScheduleError)
 
 def bench_plans(model: str, cluster: ClusterSpec, global_batch: int, specs: Sequence[str], *,
                 seq_len: int | None = None, vocab: int | None = None, measure: bool = False, profile: bool = False,
-                moe_imbalance: float = 1.0, progress: Callable[[str], None] | None = None,
+                moe_imbalance: float = 1.0, progress: Progress | Callable[[str], None] | str | None = None,
                 on_row: Callable[[list[Row]], None] | None = None) -> list[Row]:
     """One row per spec, in order; `on_row` sees the rows so far after each one (a measured bench
     on large models takes minutes a plan: what finished survives a run that is cut short)."""
-    progress = progress or (lambda _: None)
+    progress = Progress.of(progress if progress is not None else "quiet")
     # refusals that need no graph come before the capture: the model's own ends the bench, a row's is its error
     check_before_capture("auto", cluster=cluster, global_batch=global_batch, model=model, seq_len=seq_len)
     early = {text: _refused_before_capture(text, cluster, global_batch, model, seq_len) for text in specs}
     planner = None
     if not all(early.values()):
-        progress(f"capturing {model}")
-        graph = capture_for_planning(model, seq_len=seq_len)
+        with progress.phase("capture", model):
+            graph = capture_for_planning(model, seq_len=seq_len)
         # priced as mplan runs them: its fused kernels on GPUs and its optimizer's memory
         planner = Planner(graph, cluster, kernels=cluster.device.name != "cpu", runtime="mplan",
                           moe_imbalance=moe_imbalance, progress=progress)
     agreement = _RowAgreement.of_job() if measure else _RowAgreement(None)
     rows: list[Row] = []
-    for text in specs:
+    for number, text in enumerate(specs, start=1):
         row: Row = {"spec": text, "mesh": None, "fits": False, "predicted": None, "error": None, "measured": None}
-        agreement.begin_row()
-        try:
-            best = _plan_row(planner, row, text, early[text], global_batch, progress)
-            agreement.point()  # planned
-            if measure and best is not None:
-                progress(f"measuring {best.config.spec()}")
-                row["measured"] = _measure(model, cluster, best, global_batch=global_batch, seq_len=seq_len,
-                                           vocab=vocab, profile=profile, built=agreement.point)
-                if row["measured"].get("step_time_s"):
-                    allocated = planner.evaluate(best.config, fast=True, fragmentation=0.0)
-                    row["measured"]["prediction_error"] = _prediction_error(row["measured"], best, allocated)
-            errors = agreement.finish(None)
-        except Exception as exc:  # noqa: BLE001 - any failure is this row's, reported in it; the next row runs
-            errors = agreement.finish(None if isinstance(exc, _FailedElsewhere) else _failure(exc))
-        if errors:
-            said = "; ".join(message for message, _ in errors)
-            refused = measure and row["predicted"] is not None
-            if refused:  # the runtime did not run the plan predicted
-                row["measured"] = {"error": said}
-            if not refused or not all(refusal for _, refusal in errors):  # a crash is the row's error too
-                row["error"] = said
-        if measure:
-            # out here, where nothing of the run is referenced any more (an exception's traceback
-            # holds its frames' locals, the model and its module), so the next plan starts bare
-            _release_device_memory()
+        with progress.phase(f"row {number}/{len(specs)}", text) as told:
+            _run_row(row, text, early=early[text], planner=planner, agreement=agreement, model=model,
+                     cluster=cluster, global_batch=global_batch, seq_len=seq_len, vocab=vocab, measure=measure,
+                     profile=profile, progress=progress)
+            told.detail = f"{text}: {_row_words(row)}"
         rows.append(row)
         if on_row is not None:
             on_row(rows)
     return rows
 
 
+def _run_row(row: Row, text: str, *, early: str | None, planner: Planner | None, agreement: _RowAgreement,
+             model: str, cluster: ClusterSpec, global_batch: int, seq_len: int | None, vocab: int | None,
+             measure: bool, profile: bool, progress: Progress) -> None:
+    """Plan (and measure) one row in place; whatever it raises becomes its error."""
+    agreement.begin_row()
+    try:
+        best = _plan_row(planner, row, text, early, global_batch, progress)
+        agreement.point()  # planned
+        if measure and best is not None:
+            progress(f"measuring {best.config.spec()}")
+            row["measured"] = _measure(model, cluster, best, global_batch=global_batch, seq_len=seq_len,
+                                       vocab=vocab, profile=profile, built=agreement.point)
+            if row["measured"].get("step_time_s"):
+                allocated = planner.evaluate(best.config, fast=True, fragmentation=0.0)
+                row["measured"]["prediction_error"] = _prediction_error(row["measured"], best, allocated)
+        errors = agreement.finish(None)
+    except Exception as exc:  # noqa: BLE001 - any failure is this row's, reported in it; the next row runs
+        errors = agreement.finish(None if isinstance(exc, _FailedElsewhere) else _failure(exc))
+    if errors:
+        said = "; ".join(message for message, _ in errors)
+        refused = measure and row["predicted"] is not None
+        if refused:  # the runtime did not run the plan predicted
+            row["measured"] = {"error": said}
+        if not refused or not all(refusal for _, refusal in errors):  # a crash is the row's error too
+            row["error"] = said
+    if measure:
+        # out here, where nothing of the run is referenced any more (an exception's traceback
+        # holds its frames' locals, the model and its module), so the next plan starts bare
+        _release_device_memory()
+
+
+def _row_words(row: Row) -> str:
+    """A finished row in a few words for its progress line: its step, measured too, or its error."""
+    if row["error"]:
+        return row["error"].split("\n")[0][:120]
+    words = f"predicted {row['predicted']['step_time_s'] * 1e3:.1f} ms" if row["predicted"] else "not planned"
+    measured = row.get("measured") or {}
+    if measured.get("step_time_s"):
+        words += f", measured {measured['step_time_s'] * 1e3:.1f} ms"
+    elif measured.get("error"):
+        words += f", not run: {measured['error'][:80]}"
+    return words
+
+
 def _plan_row(planner: Planner | None, row: Row, text: str, early: str | None, global_batch: int,
-              progress: Callable[[str], None]) -> Estimate | None:
+              progress: Progress) -> Estimate | None:
     """Fill `row`'s plan and predicted figures; None (and `error`) where the spec is refused,
     `early` when that needed no graph."""
     progress(f"planning {text}")

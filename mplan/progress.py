@@ -79,18 +79,22 @@ class Progress:
         take a new detail once its outcome is known (`phase.detail = "tp=2,pp=2"`)."""
         if self.forward is not None:
             self.forward(f"{name}{f' {detail}' if detail else ''}")
-        self._current = name + (f" ({detail})" if detail else "")
+        outer, self._current = self._current, name + (f" ({detail})" if detail else "")
         running = Phase(detail)
-        if self.mode == "bar" and self._status is None:
+        owns_line = self.mode == "bar" and self._status is None  # a phase inside another shares its line
+        if owns_line:
             from rich.console import Console
 
             self._status = Console(file=self.stream).status(self._line(""), spinner="dots")
             self._status.start()
+        elif self._status is not None:
+            self._status.update(self._line(""))
         start = time.perf_counter()
         try:
             yield running
         finally:
-            if self._status is not None:
+            self._current = outer
+            if owns_line and self._status is not None:
                 self._status.stop()
                 self._status = None
         seconds = time.perf_counter() - start

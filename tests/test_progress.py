@@ -17,7 +17,7 @@ from mplan.planner.explain import explain_data, render
 from mplan.progress import Progress
 
 SMALL = "llama:layers=2,hidden=64,heads=8,kv_heads=4,ffn=128,seq=32,vocab=128"
-PHASE_LINE = re.compile(r"^mplan: (?P<name>[a-z ]+) (?P<seconds>\d+\.\d\d) s(?: \((?P<detail>.*)\))?$")
+PHASE_LINE = re.compile(r"^mplan: (?P<name>[a-z0-9/ ]+?) (?P<seconds>\d+\.\d\d) s(?: \((?P<detail>.*)\))?$")
 
 
 def _phases(text: str) -> list[str]:
@@ -133,3 +133,32 @@ def test_a_users_own_model_and_data_loader_train_exactly_under_torchrun_with_one
     assert [PHASE_LINE.match(line)["name"] for line in phases] == ["capture", "plan", "lowering", "first step"]
     difference = float(done.stdout.rsplit("largest relative loss difference from one process: ", 1)[1].split()[0])
     assert difference < 1e-9
+
+
+def test_bench_tells_each_row_as_it_ends_inside_its_own_phase() -> None:
+    """`mplan bench` in a log: the capture, then one line per row with what it found (a refused
+    row says why), then the bench as a whole."""
+    log = io.StringIO()
+    progress = Progress("lines", stream=log)
+    with progress.phase("bench", "2 plans"):
+        from mplan.bench import bench_plans
+
+        bench_plans(SMALL, mplan.ClusterSpec.preset("cpu", gpus_per_node=2), 4, ["dp=2", "tp=3"], progress=progress)
+    lines = log.getvalue().splitlines()
+    assert _phases(log.getvalue()) == ["capture", "row 1/2", "row 2/2", "bench"]
+    assert "dp=2: predicted" in lines[1] and "tp=3: " in lines[2]
+
+
+def test_a_phase_inside_another_keeps_the_outer_live_line() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    progress = Progress(stream=Terminal())
+    assert progress.mode == "bar"
+    with progress.phase("bench"):
+        outer = progress._status
+        with progress.phase("row 1/1"):
+            assert progress._status is outer
+        assert progress._status is outer and progress._current == "bench"
+    assert progress._status is None
