@@ -79,6 +79,29 @@ def test_megatron_layout_of_llama_under_sp() -> None:
     assert not any(layouts[name].tp_sharded for name in tp_reduced_parameters(layouts))
 
 
+def test_megatron_layout_takes_a_hugging_face_head_by_vocabulary() -> None:
+    """Megatron's layout runs the head by vocabulary, as the fused head + loss needs. On this HF
+    Llama (RMSNorm in float64 ops, sequence parallel) the head by rows, its logits all-reduced,
+    costs as many collectives and 6 KB more: with the 1e-12-per-byte tie-breaker summed into one
+    objective with the counts it sat under HiGHS's tolerances, and the solver returned the rows.
+    The ILP minimizes the counts, then the tie-breakers (`sharding_ilp`, "Tiers")."""
+    pytest.importorskip("transformers")
+    from test_equivalence import batches
+    from test_vocab_parallel_head_loss import BATCH, SEQ, VOCAB, hf_llama
+
+    from mplan.ir.trace import capture_for_training
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # as on the ranks (tests/distributed.py)
+    try:
+        graph = capture_for_training(hf_llama(), (batches(BATCH, steps=1, vocab=VOCAB, seq=SEQ)[0][0],))
+    finally:
+        torch.set_default_dtype(default)
+    for sp in (False, True):
+        layouts = parameter_layouts(graph, layout_of(graph, 2, sp))
+        assert layouts["lm_head.weight"].placement == S(0), (sp, layouts["lm_head.weight"])
+
+
 def test_kv_heads_fewer_than_tp_replicate_kv() -> None:
     """tiny-llama has 4 query and 2 key/value heads: at tp=4 each rank takes one query head and
     reads the kv head of its group from whole k and v."""

@@ -41,6 +41,16 @@ strategies s that make it run t, so its c is charged to those x; it reads its in
 Scale: the objective is divided by its largest coefficient (seconds, or `tp_layout`'s collective
 counts), so HiGHS's absolute tolerances (1e-6 to 1e-7) mean the same on every cost model: in
 seconds (coefficients 1.6e-6 to 1e-2 on that block) one variant came back 0.5% above its optimum.
+Tiers: a cost model may rank solutions lexicographically (`tp_layout`'s collective counts: fewest
+collectives, then the bytes and work that break ties, `coster.tiers`); the ILP then minimizes
+each tier in turn, each held at its optimum (within `TIER_SLACK`) for the next. One weighted sum
+cannot do it: a tie-breaker of 1e-12 per byte sits under HiGHS's tolerances (1e-7 of the
+largest coefficient), so among equal counts the solver returned whichever vertex it reached
+first (a TP=2 Hugging Face Llama's head by rows, its logits all-reduced, against Megatron's head
+by vocabulary that moves 6 KB less; the fused head + loss needs the latter). c and r above are
+then vectors, one entry per tier; the fold's dominance test adds them up with the model's own
+weights, which implies dominance in every tier while one node's tie-breakers stay under one
+collective.
 
 Edges to values outside the segment (its input, buffers, its outputs) have one fixed endpoint and
 fold into c. Values crossing the border with the residual stream's shape take the boundary
@@ -303,6 +313,9 @@ def solve_segment_sharding(graph: Graph, name: str, node_names: Sequence[str], c
     node_cost = _node_costs(problem, coster, grad_sync_share)
     uses = _uses(problem)
     copy = _copy_pricer(problem, coster)
+    tiers: Sequence[OpCoster] = getattr(coster, "tiers", (coster,))  # see "Tiers" in the module docstring
+    tier_costs = [node_cost] if len(tiers) == 1 else [_node_costs(problem, t, grad_sync_share) for t in tiers]
+    tier_copies = [copy] if len(tiers) == 1 else [_copy_pricer(problem, t) for t in tiers]
     # the fold's proof compares prices only: under a memory bound the problem is solved unfolded
     followers = {} if memory_budget_bytes is not None else find_followers(
         problem.nodes, problem.strategies, uses, problem.outputs,
@@ -310,27 +323,21 @@ def solve_segment_sharding(graph: Graph, name: str, node_names: Sequence[str], c
         lambda u, out, layout: sum(copy(u, out, layout)))
     lp = pulp.LpProblem(f"shard_{n}", pulp.LpMinimize)
     x = _choice_terms(problem, followers)
-    objective: list[tuple[float, Any]] = [(c[0] + c[1], term) for v, row in node_cost.items()
-                                          for c, term in zip(row, x[v]) if term is not None]
+    objective: list[tuple[tuple[float, ...], Any]] = [
+        (tuple(costs[v][j][0] + costs[v][j][1] for costs in tier_costs), term)
+        for v in node_cost for j, term in enumerate(x[v]) if term is not None]
     for v, terms in x.items():
         if v not in followers and len(terms) > 1:
             lp += pulp.lpSum(terms) == 1
     for ui, u in enumerate(uses):
-        def price(out: Placement, layout: Layout, u: str = u) -> float:
-            return sum(copy(u, out, layout))
+        def price(out: Placement, layout: Layout, u: str = u) -> tuple[float, ...]:
+            return tuple(sum(priced(u, out, layout)) for priced in tier_copies)
         objective += _copy_terms(lp, str(ui), _outs(problem, x, u, boundary),
                                  _readers(problem, x, followers, u, uses[u]), price)
     if memory_budget_bytes is not None:
         mem = _memory_coefficients(problem, n, param_state_factor, activation_factor)
         lp += pulp.lpSum(c * term for v in x for c, term in zip(mem[v], x[v])) <= memory_budget_bytes
-    objective = [(c, term) for c, term in objective if c and not isinstance(term, int)]  # constants choose nothing
-    scale = 1.0 / max((c for c, _ in objective), default=1.0)  # see "Scale" in the module docstring
-    lp += pulp.lpSum(c * scale * term for c, term in objective)
-    with _quiet_stdout():
-        for solver in _SOLVERS:
-            status = lp.solve(solver)
-            if status != pulp.LpStatusNotSolved:
-                break
+    status, solver = _solve_in_tiers(lp, objective, len(tiers))
     if pulp.LpStatus[status] != "Optimal":
         raise ShardingInfeasible(f"{name} on a tensor-parallel axis of {n}: no sharding fits "
                                  f"{memory_budget_bytes / 2**30:.2f} GiB" if memory_budget_bytes
@@ -342,6 +349,34 @@ def solve_segment_sharding(graph: Graph, name: str, node_names: Sequence[str], c
     choice = {v: problem.strategies[v][i] for v, i in index.items()}
     return _price(problem, choice, coster, boundary, grad_sync_share,
                   solve_seconds=time.perf_counter() - start, solver=solver.name, num_variables=len(lp.variables()))
+
+
+TIER_SLACK = 1e-6
+"""How far above its optimum a tier may go while the next is minimized, on the tier's scaled
+objective (coefficients at most 1): a collective fewer is at least 1 / its largest coefficient."""
+
+
+def _solve_in_tiers(lp: Any, objective: Sequence[tuple[tuple[float, ...], Any]], num_tiers: int) -> tuple[int, Any]:
+    """(status, solver) of minimizing each tier of `objective` in turn, each held at its optimum
+    for the next ("Tiers", "Scale" in the module docstring)."""
+    status, solver = pulp.LpStatusNotSolved, _SOLVERS[0]
+    for tier in range(num_tiers):
+        terms = [(c[tier], term) for c, term in objective if c[tier] and not isinstance(term, int)]  # constants choose nothing
+        if not terms and tier:
+            continue
+        scale = 1.0 / max((c for c, _ in terms), default=1.0)
+        expr = pulp.lpSum(c * scale * term for c, term in terms)
+        lp.setObjective(expr)
+        with _quiet_stdout():
+            for solver in _SOLVERS:
+                status = lp.solve(solver)
+                if status != pulp.LpStatusNotSolved:
+                    break
+        if pulp.LpStatus[status] != "Optimal":
+            return status, solver
+        if terms and tier < num_tiers - 1:
+            lp += expr <= pulp.value(expr) + TIER_SLACK
+    return status, solver
 
 
 def _outs(problem: _Problem, x: dict[str, list[Any]], u: str, boundary: Placement) -> list[tuple[int, Placement, Any]]:
@@ -373,19 +408,19 @@ def _readers(problem: _Problem, x: dict[str, list[Any]], followers: Mapping[str,
 
 
 def _copy_terms(lp: Any, tag: str, outs: list[tuple[int, Placement, Any]], readers: list[dict[Layout, Any]],
-                price: Callable[[Placement, Layout], float]) -> list[tuple[float, Any]]:
+                price: Callable[[Placement, Layout], tuple[float, ...]]) -> list[tuple[tuple[float, ...], Any]]:
     """Constraints (2) and (4) of one value, and the objective's r terms: a reader's z directly
     where it alone may want the layout, else w (one copy, shared)."""
     sharers: dict[Layout, int] = {}
     for reads in readers:
         for k in reads:
             sharers[k] = sharers.get(k, 0) + 1
-    terms: list[tuple[float, Any]] = []
+    terms: list[tuple[tuple[float, ...], Any]] = []
     shared: dict[tuple[int, Layout], Any] = {}
     for ri, reads in enumerate(readers):
         for (si, k), (out, z) in _pairs(lp, f"{tag}_{ri}", outs, reads).items():
             r = price(out, k)
-            if r == 0.0:
+            if not any(r):
                 continue
             if sharers[k] == 1:
                 terms.append((r, z))

@@ -41,12 +41,21 @@ class CollectiveCountCoster:
     PER_UNIT = 1e-15  # ties between equal traffic: more work split (FLOPs + bytes touched)
     IMPOSSIBLE = 1e6  # a transition no pass can emit (R -> P)
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, *, per_collective: float = COLLECTIVE, per_byte: float = PER_BYTE,
+                 per_unit: float = PER_UNIT) -> None:
         self.n = n
+        self.per_collective, self.per_byte, self.per_unit = per_collective, per_byte, per_unit
         self.saves: dict[str, object] = {}  # memory as the ATen ops keep it: the layout is chosen by counts
 
+    @property
+    def tiers(self) -> tuple[CollectiveCountCoster, CollectiveCountCoster]:
+        """The counts, then the tie-breakers (bytes, work) alone: the ILP minimizes them in this
+        order (`sharding_ilp`, "Tiers"), since the tie-breakers' 1e-12 is under its tolerances."""
+        return (CollectiveCountCoster(self.n, per_byte=0.0, per_unit=0.0),
+                CollectiveCountCoster(self.n, per_collective=0.0, per_byte=self.per_byte, per_unit=self.per_unit))
+
     def collective(self, kind: str | None, nbytes: int) -> float:
-        return 0.0 if kind is None or nbytes == 0 or self.n == 1 else self.COLLECTIVE + self.PER_BYTE * nbytes
+        return 0.0 if kind is None or nbytes == 0 or self.n == 1 else self.per_collective + self.per_byte * nbytes
 
     def reshard(self, meta: TensorMeta, src: Placement, dst: Placement) -> float:
         if not can_transition(src, dst):
@@ -57,6 +66,6 @@ class CollectiveCountCoster:
         return sum(self.collective(kind, nbytes) for kind, nbytes in strategy.comm)
 
     def op(self, node: OpNode, strategy: Strategy) -> Cost:
-        work = self.PER_UNIT * (node.flops + node.bytes_read + node.bytes_written) / (self.n if strategy.split else 1)
+        work = self.per_unit * (node.flops + node.bytes_read + node.bytes_written) / (self.n if strategy.split else 1)
         comm = self.op_comm(strategy)
         return Cost(forward_s=work + comm, backward_s=2 * work + comm)
