@@ -24,7 +24,7 @@ from torch import nn
 
 from capture_cache import reused_captures
 from distributed import rel_err, run_checks
-from test_equivalence import OPTIMIZER, assert_equivalent, batches, compare, family, single_device
+from test_equivalence import OPTIMIZER, TOL, assert_equivalent, batches, compare, family, single_device
 
 
 def _planned(spec: str, gpus: int, name: str) -> str:
@@ -121,7 +121,13 @@ def test_one_device_without_a_process_group() -> None:
     assert pm.plan.num_micro_batches == 2
     assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 1e-12
     state = pm.full_state_dict()
-    assert max(rel_err(state[k], v) for k, v in ref_state.items()) < 1e-12
+    # Attention's key bias has a zero gradient in exact arithmetic (softmax is invariant to it):
+    # AdamW normalizes what rounding leaves there, so two summation orders (micro-batches of 2
+    # against one batch of 4) part at ~1e-12 on it, and by the thread count's order (1.3e-12 on
+    # one intra-op thread). It is held to the project's bound; every other parameter to 1e-12.
+    key_bias = {k for k in ref_state if k.endswith("k_proj.bias")}
+    assert key_bias and max(rel_err(state[k], ref_state[k]) for k in key_bias) < TOL
+    assert max(rel_err(state[k], v) for k, v in ref_state.items() if k not in key_bias) < 1e-12
 
 
 def test_fp8_on_a_cpu_is_refused_naming_why() -> None:
