@@ -194,8 +194,11 @@ def _bench(args: argparse.Namespace) -> int:
     progress = _progress(args)
     reports = int(os.environ.get("RANK", "0")) == 0  # under torchrun (--measure) every rank runs the plans
 
+    cluster = _cluster(args)
+
     def document(rows: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"plans": rows, **({"ranking": rankings(rows)} if args.measure else {})}
+        # `figures`: what every predicted figure rests on (measured, datasheet, completed, nominal)
+        return {"plans": rows, "figures": cluster.figures, **({"ranking": rankings(rows)} if args.measure else {})}
 
     def write_so_far(rows: list[dict[str, Any]]) -> None:
         with open(args.out, "w", encoding="utf-8") as f:
@@ -204,7 +207,7 @@ def _bench(args: argparse.Namespace) -> int:
     _check_vocab(args)
     with progress.phase("bench", f"{len(args.plans)} plan{'s' if len(args.plans) > 1 else ''}"
                                  f"{', measured' if args.measure else ''}"):
-        rows = bench_plans(args.model, _cluster(args), args.global_batch, args.plans, seq_len=args.seq_len,
+        rows = bench_plans(args.model, cluster, args.global_batch, args.plans, seq_len=args.seq_len,
                            vocab=args.vocab,
                            measure=args.measure, profile=args.profile, moe_imbalance=args.moe_imbalance,
                            progress=progress,
@@ -216,7 +219,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(document(rows), indent=1))
         return 0
-    _print_bench(rows)
+    _print_bench(rows, cluster.figures)
     if args.measure:
         order = rankings(rows)
         print(f"fastest first, predicted: {' < '.join(order['predicted'])}")
@@ -224,10 +227,14 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_bench(rows: list[dict[str, Any]]) -> None:
+def _print_bench(rows: list[dict[str, Any]], figures: str) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title="plans side by side, priced for mplan's runtime (predicted unless marked measured)")
+    from mplan.planner.explain import PREDICTION_BASIS
+
+    table = Table(title="plans side by side, priced for mplan's runtime (predicted unless marked measured): "
+                        + escape(PREDICTION_BASIS.get(figures, PREDICTION_BASIS["unrecorded"])))
     for col in ("plan", "mesh dp/tp/pp/vpp/ep", "fits", "step ms", "FLOP/s per device", "MFU", "memory GiB",
                 "all-to-all", "measured ms", "note"):
         table.add_column(col)

@@ -162,3 +162,11 @@ def test_a_phase_inside_another_keeps_the_outer_live_line() -> None:
             assert progress._status is outer
         assert progress._status is outer and progress._current == "bench"
     assert progress._status is None
+
+
+def test_bench_says_what_its_predictions_rest_on(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", SMALL, "--cluster", "cpu", "--gpus-per-node", "2", "--global-batch", "4", "--plans", "dp=2", "-q"]
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["figures"] == "nominal"
+    assert main(args) == 0
+    assert "NOT a prediction for this machine" in " ".join(capsys.readouterr().out.split())
