@@ -94,8 +94,8 @@ def plan(model: nn.Module | str, example_inputs: Sequence[Any] | None = None, *,
         _, result = search_plans(graph, cluster, global_batch, checked.spec, allow_cross_node_tp=allow_cross_node_tp,
                                  kernels=kernels, fp8=fp8, runtime=runtime, moe_imbalance=moe_imbalance,
                                  progress=progress)
-    made = dataclasses.replace(build_plan(result, graph, cluster, global_batch, runtime=runtime), fp8=fp8)
-    made = dataclasses.replace(made, model=dataclasses.replace(made.model, seq_len_source=checked.seq_len_source))
+    made = build_plan(result, graph, cluster, global_batch, runtime=runtime)
+    made = dataclasses.replace(made, fp8=fp8, model=dataclasses.replace(made.model, seq_len_source=checked.seq_len_source))
     made.planner["total_seconds"] = round(time.perf_counter() - start, 3)
     made.planner["fused_kernels_priced"] = float(kernels)
     if kernels:  # what the pass will fuse, per kernel over the whole model (`mplan explain` shows it)
