@@ -91,7 +91,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     inputs = tuple(example_inputs)
     use_kernels = run_on.type == "cuda" if kernels is None else kernels
     # a spec string or plan file that cannot run on this world and batch, refused before the capture's seconds
-    plan = check_before_capture(plan, world_size=world_size, global_batch=global_batch,
+    plan = check_before_capture(plan, world_size=world_size, global_batch=global_batch, model=model,
                                 micro_batch_size=micro_batch_size, tp_layout=tp_layout)
     progress = Progress.of(progress)
     with progress.phase("capture", type(model).__name__):

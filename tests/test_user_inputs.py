@@ -146,6 +146,27 @@ def test_autoparallel_refuses_a_spec_string_before_capturing(plan: str, match: s
     assert time.perf_counter() - start < 1.0
 
 
+def test_autoparallel_refuses_what_a_users_module_config_states_before_capturing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module with a config (mplan's families, transformers' models) states its layers, heads
+    and experts: a spec string against them is refused before the capture, naming the model."""
+    from mplan.models import build_model
+    from mplan.planner.resolve import check_before_capture
+
+    _no_capture(monkeypatch)
+    model = build_model("tiny-llama", device="cpu", dtype=torch.float64, seed=0)
+    with pytest.raises(PlanSpecError, match="has no MoE layer"):
+        mplan.autoparallel(model, example_inputs=(torch.zeros(2, 8, dtype=torch.long),), global_batch=4,
+                           plan="dp=1,capacity=1.25")
+    heads, layers = model.config.num_heads, model.config.num_layers
+    with pytest.raises(PlanSpecError, match=f"tp=3 does not divide LlamaModel's {heads} attention heads"):
+        check_before_capture("tp=3", world_size=3, global_batch=3, model=model)
+    with pytest.raises(PlanSpecError, match=f"pp={layers + 1} exceeds LlamaModel's {layers} layers"):
+        check_before_capture(f"pp={layers + 1}", world_size=layers + 1, global_batch=layers + 1, model=model)
+    assert check_before_capture("tp=2", world_size=2, global_batch=2, model=model) == "tp=2"
+    assert check_before_capture("tp=3", world_size=3, global_batch=3, model=torch.nn.Linear(2, 2)) == "tp=3"
+
+
 def test_verify_refuses_before_starting_its_ranks(monkeypatch: pytest.MonkeyPatch, capsys) -> None:  # noqa: ANN001
     import mplan.verify
 

@@ -49,6 +49,7 @@ from mplan.planner.parallel_config import ParallelConfig, PlanSpec, PlanSpecErro
 from mplan.planner.plan import TP_LAYOUTS, Plan, PlanError
 from mplan.planner.plan_builder import build_plan
 from mplan.planner.search import Planner, SearchResult
+from mplan.planner.spec_check import experts_refusal
 
 
 def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec, world_size: int,
@@ -87,10 +88,13 @@ def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec,
 
 
 def check_before_capture(plan: Plan | str | None, *, world_size: int, global_batch: int,
-                         micro_batch_size: int | None = None, tp_layout: str = "megatron") -> Plan | str | None:
+                         micro_batch_size: int | None = None, tp_layout: str = "megatron",
+                         model: object = None) -> Plan | str | None:
     """Whatever `resolve_plan` can refuse without the graph, refused before the capture (a capture
     costs seconds): the tp layout, a spec string's grammar and arithmetic on this world and
-    batch, a plan file that cannot be read or was made for another world size or global batch.
+    batch, what `model`'s own config states against it (tp dividing its heads, pp at most its
+    layers, ep and capacity only with experts; a module without a config states nothing), a plan
+    file that cannot be read or was made for another world size or global batch.
     Returns the plan argument with a plan.json path read into its Plan (read once)."""
     if tp_layout not in TP_LAYOUTS:
         raise PlanSpecError(f"tp_layout must be one of {TP_LAYOUTS}, got {tp_layout!r}")
@@ -102,8 +106,25 @@ def check_before_capture(plan: Plan | str | None, *, world_size: int, global_bat
         plan.check_runs_on(world_size=world_size)
         _check_batch_of(plan, global_batch)
     elif isinstance(plan, str) and plan.strip() not in ("", "auto"):
-        _degrees_of(plan, world_size, global_batch, micro_batch_size)
+        spec, _, _ = _degrees_of(plan, world_size, global_batch, micro_batch_size)
+        if model is not None:
+            _check_stated(spec, plan, model)
     return plan
+
+
+def _check_stated(spec: PlanSpec, text: str, model: object) -> None:
+    """`spec` against the layers, heads and experts `model.config` states (`stated_shape`)."""
+    from mplan.models.spec import stated_shape
+
+    shape = stated_shape(getattr(model, "config", None), type(model).__name__)
+    asked = f"plan {text!r}"
+    reason = experts_refusal(spec, asked, shape.name, shape.num_experts)
+    if reason is None and spec.tp and shape.num_heads and shape.num_heads % spec.tp:
+        reason = f"{asked}: tp={spec.tp} does not divide {shape.name}'s {shape.num_heads} attention heads"
+    if reason is None and spec.pp and shape.num_layers and spec.pp > shape.num_layers:
+        reason = f"{asked}: pp={spec.pp} exceeds {shape.name}'s {shape.num_layers} layers"
+    if reason is not None:
+        raise PlanSpecError(reason)
 
 
 def _check_batch_of(plan: Plan, global_batch: int) -> None:
