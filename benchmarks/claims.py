@@ -235,6 +235,141 @@ def _hf_models(data: dict) -> tuple[str, ...]:
             each(lambda m: m["systems"]["mplan"]["peak_gib"], 2), each(lambda m: m["mplan_peak_vs_lowest_peer"], 3, "x"))
 
 
+def _hf_models_each(data: dict, names: Sequence[str], peak_digits: int) -> tuple[str, ...]:
+    """The README's HF-models sentence, quantity by quantity, each for the models in `names` (those
+    the file holds): step (ms), ratios to the fastest peer, eager and compile, peak (GiB), ratio to
+    the lowest peer's peak; the fastest and lowest peer must be Liger."""
+    models = [data["models"][name] for name in names]
+    assert all(m["best_peer"] == "liger" and m["lowest_peak_peer"] == "liger" for m in models), "a peer other than Liger"
+    quantities: tuple[tuple[Callable[[dict], float], int], ...] = (
+        (lambda m: m["systems"]["mplan"]["step_s"] * 1e3, 1), (lambda m: m["mplan_vs_best_peer"], 3),
+        (lambda m: m["mplan_vs_eager"], 2), (lambda m: m["mplan_vs_compile"], 2),
+        (lambda m: m["systems"]["mplan"]["peak_gib"], peak_digits), (lambda m: m["mplan_peak_vs_lowest_peer"], 3))
+    return tuple(fixed(value(m), digits) for value, digits in quantities for m in models)
+
+
+def _hf_models_setup(data: dict) -> tuple[str, ...]:
+    """Tokens a step (batch x sequence, the same for every model) and Liger Kernel's version."""
+    (batch,) = {m["batch"] for m in data["models"].values()}
+    (seq,) = {m["seq_len"] for m in data["models"].values()}
+    return str(batch), str(seq), data["liger-kernel"]
+
+
+def _hf_models_earlier(data: dict) -> tuple[str, ...]:
+    """The first 12-02 run: mplan's ratio to the fastest peer, then its peak's to the lowest peer's."""
+    models = [data["models"][name] for name in ("llama", "mistral", "qwen2")]
+    return (*(fixed(m["mplan_vs_best_peer"], 3) for m in models), *(fixed(m["mplan_peak_vs_lowest_peer"], 3) for m in models))
+
+
+def _judged(data: dict, model: str) -> dict:
+    (row,) = data["models"][model]["judged"]
+    return row
+
+
+def _hf_bench(model: str) -> Callable[[dict], tuple[str, ...]]:
+    """`mplan bench --measure` of one HF model: step error, peak error, predicted and measured peak (GiB)."""
+    def figures(data: dict) -> tuple[str, ...]:
+        row = _judged(data, model)
+        return (percent(row["step_time_error"], sign=True), percent(row["peak_memory_error"], sign=True),
+                fixed(row["predicted_allocated_gib"], 2), fixed(row["measured_peak_gib"], 2))
+    return figures
+
+
+def _margin() -> float:
+    """The planner's allocator margin, FRAGMENTATION_FRACTION of mplan/cost_models/memory_model.py. A
+    predicted peak over (1 + margin) is the peak without it, to the largest workspace (exempt from
+    the margin, 0.002% of HF Llama's peak in hf_price_h200-cpu-2026-12-02.json)."""
+    return load_source(ROOT, "mplan/cost_models/memory_model.py")["FRAGMENTATION_FRACTION"]
+
+
+def _hf_price(data: dict) -> tuple[str, ...]:
+    """The planner's HF Llama and Mistral prices against the H200 run: step, peak with and without the margin."""
+    llama, mistral = data["rows"]["llama"], data["rows"]["mistral"]
+
+    def peak(row: dict, margin: bool) -> float:
+        return row["predicted"]["memory_gib"] / (1.0 if margin else 1.0 + _margin())
+    return (fixed(llama["predicted"]["step_time_s"] * 1e3), percent(llama["step_time_error"], sign=True),
+            fixed(llama["measured_step_s"] * 1e3), fixed(peak(llama, True)), percent(_margin(), 0),
+            percent(peak(llama, True) / llama["measured_peak_gib"] - 1, sign=True), fixed(llama["measured_peak_gib"]),
+            fixed(peak(llama, False)), percent(peak(llama, False) / llama["measured_peak_gib"] - 1, sign=True),
+            fixed(mistral["predicted"]["step_time_s"] * 1e3), percent(mistral["step_time_error"], sign=True),
+            fixed(peak(mistral, True)), percent(peak(mistral, True) / mistral["measured_peak_gib"] - 1, sign=True),
+            percent(peak(mistral, False) / mistral["measured_peak_gib"] - 1, sign=True))
+
+
+def _fp8(data: dict) -> tuple[str, ...]:
+    """Tokens; the 16384-row casts' share of copy bandwidth ('82-86%'); fwd+bwd speed-up over bf16
+    (bf16 time over FP8's) at the block shapes, and at the narrowest output (N) with its N."""
+    linears = list(data["linears"].values())
+    (tokens,) = {row["tokens"] for row in linears}
+    casts = [c for c in data["cast"] if c["shape"][0] == tokens]
+    assert all(c["bit_identical"] for c in data["cast"]), "a cast differs from torch's"
+    narrow = min(linears, key=lambda row: row["out"])
+    ratio = [row["bf16"]["fwd_bwd_ms"] / row["fp8"]["fwd_bwd_ms"] for row in linears if row is not narrow]
+    return (str(tokens), f"{span([c['copy_fraction'] * 100 for c in casts], lambda v: fixed(v, 0))}%",
+            span(ratio, lambda v: fixed(v, 2)), fixed(narrow["bf16"]["fwd_bwd_ms"] / narrow["fp8"]["fwd_bwd_ms"], 2),
+            str(narrow["out"]))
+
+
+def _equivalence_gpus(data: dict) -> tuple[str, ...]:
+    """GPUs, model size (B), steps; worst loss difference over the first loss, worst parameter
+    difference, and the two tolerances (the same for every plan, all passed)."""
+    plans = list(data["plans"].values())
+    assert all(p["passed"] for p in plans), "a plan failed"
+    ((loss_tol, param_tol),) = {(p["tolerance"]["loss"], p["tolerance"]["param"]) for p in plans}
+    (size,) = re.findall(r"(\d+)b", data["model"])
+    return (str(data["world_size"]), size, str(data["steps"]),
+            percent(max(p["max_loss_diff_over_first_loss"] for p in plans), 2),
+            percent(max(p["max_param_rel_diff"] for p in plans)), percent(loss_tol, 0), percent(param_tol, 0))
+
+
+LINK_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+def _links(data: dict) -> tuple[str, ...]:
+    """`mplan profile` on 2 H200s: each collective's fitted bus bandwidth (GB/s), the per-call time
+    (us) of every call under 4 MiB, and the fitted lines' worst errors ('12-30%')."""
+    links = data["profile"]["links"]
+    fits = {f["collective"]: f for f in links["fits"]}
+    small = [t["seconds"] * 1e6 for t in links["timings"] if t["nbytes"] < 4 << 20]
+    return (*(fixed(fits[c]["beta_Bps"] / 1e9, 0) for c in LINK_COLLECTIVES), span(small, lambda v: fixed(v, 0)),
+            f"{span([f['max_rel_error'] * 100 for f in fits.values()], lambda v: fixed(v, 0))}%")
+
+
+def _llama3_h200x2(data: dict) -> tuple[str, ...]:
+    """Session 7's three plans (dp=2, tp=2 + SP, tp=2 + SP + selective): the first's dp and micro-batch,
+    the second's tp, the third's micro-batch, each with its measured step (s) and its prediction's error; the predicted peaks' errors with the margin ('12-30%'), then without it."""
+    plans = {p["spec"]: p for p in data["plans"]}
+    order = [plans[spec] for spec in ("pp=1", "tp=2,sp=1", "tp=2,sp=1,recompute=selective")]
+    assert order[0]["mesh"]["dp"] == 2, "the planner's choice is not dp=2"
+
+    def peak_error(p: dict, margin: bool) -> float:
+        return p["predicted"]["memory_gib"] / (1.0 if margin else 1.0 + _margin()) / p["measured"]["peak_memory_gib"] - 1
+    def step(p: dict) -> tuple[str, str]:
+        return (fixed(p["measured"]["step_time_s"], 3),
+                percent(p["predicted"]["step_time_s"] / p["measured"]["step_time_s"] - 1, sign=True))
+
+    def mbs(p: dict) -> str:
+        return re.search(r"mbs=(\d+)", p["resolved_spec"])[1]  # type: ignore[index]
+    no_margin = [peak_error(p, False) for p in order]
+    return (str(order[0]["mesh"]["dp"]), mbs(order[0]), *step(order[0]), str(order[1]["mesh"]["tp"]), *step(order[1]),
+            mbs(order[2]), *step(order[2]), f"{span([peak_error(p, True) * 100 for p in order], lambda v: fixed(v, 0))}%", percent(_margin(), 0),
+            percent(no_margin[0], sign=True), percent(no_margin[1], 0, sign=True), percent(no_margin[2], sign=True),
+            percent(no_margin[1], 0))
+
+
+def _llama3_h200x2_first(data: dict) -> tuple[str, ...]:
+    """The first run's tp=2 + SP + selective plan: measured and predicted step (s), the prediction's error."""
+    (plan,) = [p for p in data["plans"] if p["spec"] == "tp=2,sp=1,recompute=selective"]
+    measured, predicted = plan["measured"]["step_time_s"], plan["predicted"]["step_time_s"]
+    return fixed(measured, 3), fixed(predicted, 3), percent(1 - predicted / measured, 0)
+
+
+def _fused_activation_bytes(data: dict) -> tuple[str, ...]:
+    """How far the planner's count of one block's activations is under the fused runtime's, Llama then GPT."""
+    return tuple(percent(-data["models"][m]["per_block"]["planner_vs_kernels"]) for m in ("llama", "gpt"))
+
+
 ZOO_MODELS = ("llama", "mistral", "qwen2", "gpt2", "gptj", "gemma", "phi2", "opt", "falcon", "stablelm",
               "nanogpt", "einsum_lm")
 FIG = r"(\S+?)"
@@ -294,6 +429,59 @@ CLAIMS: tuple[Claim, ...] = (
           pattern=r"measured (\d+) / (\d+) / (\d+) ms and (\d+) / (\d+), (\d+) / (\d+) ms; with the bare ops' host "
                   r"figures predicted up to (\d+)% low at micro-batch 1 and 2; with the runtime factor fitted on the Qwen2 "
                   r"micro-batch-1 step, the six others within (\S+) \(the two 1\.7B configs at micro-batch 8: (\S+) / (\S+)\)"),
+    # README: the measured GPU rows' other figures
+    Claim(doc="README.md", source="hf_models_h200-2026-12-03.json", figures=_hf_models_setup,
+          pattern=r"fused AdamW, (\d+) x (\d+) tokens, fresh batches; HF eager, `torch\.compile`, HF \+ Liger Kernel (\S+) \("),
+    Claim(doc="README.md", source="hf_models_h200-2026-12-02-session5.json",
+          figures=lambda data: _hf_models_each(data, ("llama", "mistral"), 1),
+          pattern=r"the first having hit its time limit\): mplan " + r"(\S+) / (\S+) / \S+ ms a step: (\S+)x / (\S+)x / \S+x the fastest "
+                  r"peer \(Liger each time\), (\S+)x / (\S+)x / \S+x eager, (\S+)x / (\S+)x / \S+x compile; peak (\S+) / (\S+) / \S+ "
+                  r"GiB, (\S+)x / (\S+)x / \S+x Liger's"),
+    Claim(doc="README.md", source="hf_models_h200-2026-12-02-session5-qwen2.json",
+          figures=lambda data: _hf_models_each(data, ("qwen2",), 1),
+          pattern=r"the first having hit its time limit\): mplan " + r"\S+ / \S+ / (\S+) ms a step: \S+x / \S+x / (\S+)x the fastest "
+                  r"peer \(Liger each time\), \S+x / \S+x / (\S+)x eager, \S+x / \S+x / (\S+)x compile; peak \S+ / \S+ / (\S+) "
+                  r"GiB, \S+x / \S+x / (\S+)x Liger's"),
+    Claim(doc="README.md", source="hf_models_h200-2026-12-02-session4.json", figures=_hf_models_earlier,
+          pattern=r"head chunks\): (\S+)x / (\S+)x / (\S+)x, peaks (\S+)x / (\S+)x / (\S+)x \|"),
+    Claim(doc="README.md", source="hf_bench_h200-2026-12-02-session5.json",
+          figures=lambda data: tuple(_hf_bench("llama")(data)[i] for i in (0, 1, 2, 3)),
+          pattern=r"\| step predicted (\S+) / \S+ of measured; peak memory predicted (\S+) / \S+ of `max_memory_allocated` "
+                  r"\((\S+) vs (\S+) GiB;"),
+    Claim(doc="README.md", source="hf_bench_h200-2026-12-02-session5-qwen2.json", figures=_hf_bench("qwen2"),
+          pattern=r"\| step predicted \S+ / (\S+) of measured; peak memory predicted \S+ / (\S+) of `max_memory_allocated` "
+                  r"\(\S+ vs \S+ GiB; (\S+) vs (\S+)\)"),
+    Claim(doc="README.md", source="hf_bench_h200-2026-12-02.json",
+          figures=lambda data: (_hf_bench("llama")(data)[1], _hf_bench("mistral")(data)[1]),
+          pattern=r"the peak was predicted (\S+) \(Llama\) / (\S+) \(Mistral\)"),
+    Claim(doc="README.md", source="hf_price_h200-cpu-2026-12-02.json",
+          figures=lambda data: (".".join(data["transformers"].split(".")[:2]),),
+          pattern=r"\(transformers (\d+\.\d+) here"),
+    Claim(doc="README.md", source="hf_price_h200-cpu-2026-12-02.json", figures=_hf_price,
+          pattern=r"step (\S+) ms \((\S+) of the (\S+) ms `mplan bench --measure` measured\); peak (\S+) GiB with the (\S+) "
+                  r"allocator margin \((\S+) of that run's (\S+) GiB `max_memory_allocated`\), (\S+) GiB without it \((\S+), what "
+                  r"`bench --measure` compares\); Mistral (\S+) ms \((\S+)\), (\S+) GiB \((\S+); (\S+) without the margin\)"),
+    Claim(doc="README.md", source="optimizer_h200-2026-11-29.json",
+          figures=lambda data: tuple({str(r["num_tensors"]) for r in _rows(data) if r["model"] == "gpt-1.3b"}),
+          pattern=r"AdamW on GPT-1\.3B's (\d+) tensors"),
+    Claim(doc="README.md", source="fp8_h200-2026-11-29.json", figures=_fp8,
+          pattern=r"vs bf16 \(H200, (\d+) tokens\) \| cast bit-identical to torch's, (\S+) of copy bandwidth; forward\+backward "
+                  r"(\S+)x faster at the GPT/Llama block shapes, (\S+)x at N=(\d+) \|"),
+    Claim(doc="README.md", source="equivalence_h200x2-2026-11-29.json", figures=_equivalence_gpus,
+          pattern=r"vs one GPU on (\d) H200s \(NCCL, bf16, Llama (\d+)B, (\d+) steps\).* \| losses within (\S+) of the first "
+                  r"loss, every parameter within (\S+) \(tolerances (\S+) and (\S+)\) \|"),
+    Claim(doc="README.md", source="profile_h200x2-2026-11-29-session5.json", figures=_links,
+          pattern=r"all-reduce (\d+) GB/s, all-gather (\d+), reduce-scatter (\d+), all-to-all (\d+), send/recv (\d+); ~(\S+) us "
+                  r"per call below 4 MiB \(host-bound\); one alpha-beta line per collective missed the measured points above 1 MiB by (\S+) "),
+    Claim(doc="README.md", source="bench_llama3-8b_h200x2-2026-11-29-session7.json", figures=_llama3_h200x2,
+          pattern=r"executable plans \(dp=(\d), mbs (\d+)\) (\S+) s/step, predicted (\S+); tp=(\d) with SP (\S+) s, predicted (\S+); "
+                  r"tp=\d with SP and selective recomputation \(mbs (\d+)\) (\S+) s, predicted (\S+); peak memory predicted (\S+) "
+                  r"high with the planner's (\S+) fragmentation margin, (\S+), (\S+) and (\S+) of `max_memory_allocated` without "
+                  r"it; the (\S+) \(tp=2 with SP, no recomputation\)"),
+    Claim(doc="README.md", source="fused_activation_bytes-cpu-2026-11-29.json", figures=_fused_activation_bytes,
+          pattern=r"the planner's count of one block is (\S+) \(Llama\) and (\S+) \(GPT\) under what the fused runtime keeps"),
+    Claim(doc="README.md", source="bench_llama3-8b_h200x2-2026-11-29.json", figures=_llama3_h200x2_first,
+          pattern=r"(\S+) s measured against the (\S+) s predicted before the run \(the prediction (\S+) low;"),
     # docs/claims.md: the same figures in the table of sources
     Claim(doc="docs/claims.md", source="h200_calibration-2026-11-29-session5.json",
           figures=lambda data: (_h200_step(data)[0], _h200_memory(data)[0], _h200_step(data)[1]),
@@ -326,6 +514,19 @@ CLAIMS: tuple[Claim, ...] = (
           pattern=r"wide Llama on one H200: step (\S+ / \S+), peak (\S+ / \S+) "),
     Claim(doc="docs/claims.md", source="optimizer_h200-2026-11-29.json", figures=_adamw,
           pattern=r"AdamW: bf16 (\S+) vs (\S+) ms, fp32 (\S+) vs (\S+) ms, host (\S+) vs (\S+) ms"),
+    Claim(doc="docs/claims.md", source="fp8_h200-2026-11-29.json", figures=lambda data: _fp8(data)[1:],
+          pattern=r"FP8 linear: (\S+) of copy bandwidth, (\S+)x, (\S+)x at N=(\d+) \|"),
+    Claim(doc="docs/claims.md", source="equivalence_h200x2-2026-11-29.json",
+          figures=lambda data: (_equivalence_gpus(data)[0], *_equivalence_gpus(data)[3:5]),
+          pattern=r"(\d) H200s bf16 equivalence: losses within (\S+), parameters (\S+) \|"),
+    Claim(doc="docs/claims.md", source="bench_llama3-8b_h200x2-2026-11-29-session7.json",
+          figures=lambda data: tuple(_llama3_h200x2(data)[i] for i in (2, 5, 8, 3, 6, 9)),
+          pattern=r"Llama-3-8B on 2 H200s, session 7: (\S+) / (\S+) / (\S+) s, predicted (\S+) / (\S+) / (\S+), memory \|"),
+    Claim(doc="docs/claims.md", source="fused_activation_bytes-cpu-2026-11-29.json", figures=_fused_activation_bytes,
+          pattern=r"planner's count (\S+) \(Llama\) / (\S+) \(GPT\) under the fused runtime's"),
+    Claim(doc="docs/claims.md", source="bench_llama3-8b_h200x2-2026-11-29.json",
+          figures=lambda data: _llama3_h200x2_first(data)[:2],
+          pattern=r"the first 2-H200 run: (\S+) s measured, (\S+) s predicted before the run"),
     Claim(doc="docs/claims.md", source="capture-cpu-2026-11-29.json", figures=_capture,
           pattern=r"capture of gpt3-175b / llama3-405b: (\S+) s, (\S+) GiB / (\S+) s, (\S+) GiB"),
 )
