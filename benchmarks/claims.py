@@ -370,6 +370,28 @@ def _fused_activation_bytes(data: dict) -> tuple[str, ...]:
     return tuple(percent(-data["models"][m]["per_block"]["planner_vs_kernels"]) for m in ("llama", "gpt"))
 
 
+def _fp8_convergence(data: dict) -> tuple[str, ...]:
+    """Steps, the chain's best loss; each model's final FP8-over-bf16 difference with its FP8 and bf16
+    final losses (GPT, then Llama); the smoothed curves' largest gap, as a range over the two."""
+    gpt, llama = (data["models"][m] for m in ("gpt-1.3b", "llama-1.1b"))
+    ((steps, best),) = {(len(m["systems"]["mplan"]["losses"]), m["chain"]["best_final_loss"]) for m in (gpt, llama)}
+
+    def final(m: dict) -> tuple[str, ...]:
+        c = m["comparison"]
+        return percent(c["final_rel_diff"], 2, sign=True), fixed(c["final_loss_fp8"], 3), fixed(c["final_loss_bf16"], 3)
+    gaps = [m["comparison"]["smoothed_max_rel_gap"] * 100 for m in (gpt, llama)]
+    return str(steps), fixed(best, 3), *final(gpt), *final(llama), f"{span(gaps, lambda v: fixed(v, 0))}%"
+
+
+def _fused_pricing(data: dict) -> tuple[str, ...]:
+    """GPT/Llama: the predicted step's error against eager, mplan bf16 and mplan FP8, then the
+    kernels' gain predicted and measured."""
+    rows = [data["rows"][m] for m in ("gpt-1.3b", "llama-1.1b")]
+    errors = [percent(r[key], sign=True) for key in ("unfused_error", "fused_error", "fp8_error") for r in rows]
+    gains = [fixed(r[key], 3) for key in ("predicted_gain", "measured_gain") for r in rows]
+    return (*errors, *gains)
+
+
 ZOO_MODELS = ("llama", "mistral", "qwen2", "gpt2", "gptj", "gemma", "phi2", "opt", "falcon", "stablelm",
               "nanogpt", "einsum_lm")
 FIG = r"(\S+?)"
@@ -482,6 +504,15 @@ CLAIMS: tuple[Claim, ...] = (
           pattern=r"the planner's count of one block is (\S+) \(Llama\) and (\S+) \(GPT\) under what the fused runtime keeps"),
     Claim(doc="README.md", source="bench_llama3-8b_h200x2-2026-11-29.json", figures=_llama3_h200x2_first,
           pattern=r"(\S+) s measured against the (\S+) s predicted before the run \(the prediction (\S+) low;"),
+    Claim(doc="README.md", source="fp8_convergence_h200-2026-11-29.json", figures=_fp8_convergence,
+          pattern=r"FP8 against bf16 training, (\d+) fresh batches of a synthetic Markov-chain language \(best loss (\S+)\) \| "
+                  r"final loss (\S+) \(GPT, (\S+) vs (\S+)\), (\S+) \(Llama, (\S+) vs (\S+)\); FP8 runs a few steps behind "
+                  r"mid-descent \(curves up to (\S+) apart"),
+    Claim(doc="README.md", source="fused_pricing_check-2026-11-29-session7.json", figures=_fused_pricing,
+          pattern=r"one H200 step predicted (\S+)/(\S+) of eager, (\S+)/(\S+) of mplan bf16, (\S+)/(\S+) of mplan FP8 \(GPT/Llama\), "
+                  r"each optimizer priced as the AdamW that runs; the kernels' gain predicted (\S+)x/(\S+)x, measured (\S+)x/(\S+)x"),
+    Claim(doc="README.md", source="fused_pricing_check-2026-11-29-session7.json", figures=lambda data: _fused_pricing(data)[2:4],
+          pattern=r"not on this one, which misses it \((\S+)/(\S+)\)"),
     # docs/claims.md: the same figures in the table of sources
     Claim(doc="docs/claims.md", source="h200_calibration-2026-11-29-session5.json",
           figures=lambda data: (_h200_step(data)[0], _h200_memory(data)[0], _h200_step(data)[1]),
@@ -527,6 +558,11 @@ CLAIMS: tuple[Claim, ...] = (
     Claim(doc="docs/claims.md", source="bench_llama3-8b_h200x2-2026-11-29.json",
           figures=lambda data: _llama3_h200x2_first(data)[:2],
           pattern=r"the first 2-H200 run: (\S+) s measured, (\S+) s predicted before the run"),
+    Claim(doc="docs/claims.md", source="fp8_convergence_h200-2026-11-29.json",
+          figures=lambda data: tuple(_fp8_convergence(data)[i] for i in (2, 5, 8)),
+          pattern=r"FP8 against bf16 training: (\S+) / (\S+), (\S+) apart mid-descent"),
+    Claim(doc="docs/claims.md", source="fused_pricing_check-2026-11-29-session7.json", figures=_fused_pricing,
+          pattern=r"vs the session-7 run \((\S+)/(\S+), (\S+)/(\S+), (\S+)/(\S+), gains (\S+)x/(\S+)x vs (\S+)x/(\S+)x\)"),
     Claim(doc="docs/claims.md", source="capture-cpu-2026-11-29.json", figures=_capture,
           pattern=r"capture of gpt3-175b / llama3-405b: (\S+) s, (\S+) GiB / (\S+) s, (\S+) GiB"),
 )
