@@ -187,6 +187,40 @@ def test_hugging_face_llama_local_program() -> None:
     assert not any("assert" in str(n.target) for n in program.graph.nodes)
 
 
+def test_assertions_emit_no_collective_in_any_layout() -> None:
+    """An assertion reads its input as it arrives (`op_registry._assertion`): the passes drop it
+    and reshard nothing for it, under the ILP's layout and Megatron's, with sequence parallelism
+    (HF's RMSNorm asserts before its float32 upcast, on sequence shards). Every copy in the local
+    program feeds an op that runs, and reads its value as that op's strategy asks."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mplan.ir.op_table import op_packet
+    from mplan.passes.insert_collectives import Redistribute
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    ids = torch.zeros(2, 8, dtype=torch.int64)
+    graph = capture(model, (ids,), labels=ids.clone())
+    asserts = {n.name for n in graph.nodes if op_packet(n.op) == "_assert_tensor_metadata"}
+    for strategies in ("ilp", "megatron"):
+        choice = layout_of(graph, 2, True, strategies)
+        assert any(choice[a].inputs[0] != R for a in asserts)  # some read shards: a gather would be priced
+        check_sharding(graph, choice)
+        reads = {(value, choice[v.name].inputs[slot], choice[v.name].input_grads[slot])
+                 for v in graph.nodes if v.name not in asserts for slot, value in enumerate(v.inputs)}
+        for rank in range(2):
+            program = insert_collectives(graph, choice, TensorParallelAxis(group=None, size=2, rank=rank), device="meta")
+            check_local_graph(program, graph)
+            assert not any("assert" in str(n.target) for n in program.graph.nodes)
+            for node in program.graph.nodes:
+                module = program.get_submodule(node.target) if node.op == "call_module" else None
+                if isinstance(module, Redistribute):
+                    assert node.users and (module.value, module.dst, module.grad_src) in reads, (strategies, module)
+
+
 def test_one_rank_program_is_the_model() -> None:
     torch.manual_seed(0)
     model = build_model("tiny-gpt", device="cpu", dtype=torch.float64, seed=3)

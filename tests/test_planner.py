@@ -679,3 +679,56 @@ def test_a_division_by_a_symbolic_size_keeps_a_placement_per_input() -> None:
         assert offered[0].is_replicated, (node.name, offered)  # every op can run whole
         for strategy in offered:
             assert len(strategy.inputs) == len(node.inputs), (node.name, strategy)
+
+
+def test_an_assertion_reads_its_input_as_it_arrives_at_no_price() -> None:
+    """Hugging Face's RMSNorm upcasts to float32, and export asserts on the tensor it casts
+    (`_assert_tensor_metadata`). The passes drop an assertion and read nothing, so the ILP may not
+    price a copy for it: with the replicated strategy alone it charged a gather into R wherever
+    sharding crossed one (tp=2 with sequence parallelism: the residual stream on sequence shards).
+    Each assertion now reads its producer's layout as it is, and each segment costs less than
+    with assertions held replicated (the old pricing, as `allow` below)."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    from mplan.ir.op_table import op_packet
+    from mplan.planner.sharding_ilp import value_meta
+    from mplan.planner.tp_layout import solve_tp_layout
+
+    config = HFLlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)  # the upcast in RMSNorm is real
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    graph = capture(model, (ids,), labels=ids.clone())
+    asserts = {n.name for n in graph.nodes if op_packet(n.op) == "_assert_tensor_metadata"}
+    sharded = {a for a in asserts if not graph.node(a).params and value_meta(graph, graph.node(a).inputs[0])}
+    assert len(sharded) >= 6  # two norms per block, the final norm, the head's upcast, ...
+    coster = OpCoster(ClusterSpec.preset("dgx-h100"), 2, GroupShape(size=2, ranks_per_node=2))
+
+    def as_before(node, strategy) -> bool:  # noqa: ANN001 - the old registry: assertions read R
+        return node.name not in asserts or strategy.is_replicated
+
+    for layout in ("ilp", "megatron"):
+        now = solve_tp_layout(graph, coster, sp=True, layout=layout)
+        before = solve_tp_layout(graph, coster, sp=True, layout=layout, allow=as_before)
+        for segment in now.segments.values():
+            assert all(segment.op_prices[a].reshard_s == 0.0 for a in asserts & set(segment.op_prices)), layout
+        priced = [sum(s.op_prices[a].reshard_s for a in asserts & set(s.op_prices)) for s in before.segments.values()]
+        assert sum(priced) > 0, layout  # the old pricing charged them: the test can fail
+        for name, segment in now.segments.items():
+            assert segment.objective_s <= before.segments[name].objective_s * (1 + 1e-12), (layout, name)
+        total = [sum(s.objective_s for s in g.segments.values()) for g in (now, before)]
+        assert total[0] < total[1], layout
+        if layout == "megatron":  # its norms run on sequence shards: every block's assertions read S(1)
+            block = graph.block_types[0].name
+            assert now.segments[block].objective_s < before.segments[block].objective_s
+        # what the Plan records: an assertion reads its producer's placement (one of the segment's
+        # own; a value from outside it arrives in the segment's border placement)
+        for segment in now.segments.values():
+            for a in sharded & set(segment.choice):
+                producer = graph.node(a).inputs[0]
+                if producer in segment.choice:
+                    assert segment.choice[a].inputs[0] == segment.choice[producer].output, (layout, a)

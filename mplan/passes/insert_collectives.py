@@ -206,7 +206,7 @@ class _Rewriter:
             return
         strategy = self.choice[fx_node.name]
         rule = lowering_of(node, strategy)
-        if rule == "dropped":
+        if rule == "dropped":  # before its arguments: no copy is made for it, and none is priced
             return
         args = self._args(fx_node, node, strategy)
         if any(v.name in self.differentiable for v in fx_node.all_input_nodes):

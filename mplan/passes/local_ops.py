@@ -10,7 +10,8 @@ linear and the vocabulary-parallel loss after it).
 The lowerings (`mplan.ir.strategy.LOWERINGS`), each saying why the local result is exact:
 
     replicated      every input R, output R, op not split: the single-device op, unchanged
-    dropped         an assertion about the captured (global) tensors: not true of local shards
+    dropped         an assertion about the captured (global) tensors: not true of local shards;
+                    its input is never read, so it is taken in whatever placement it arrives
     local           ops for which running on the shards gives the shard of the result under
                     the strategy (elementwise and masked selects, matmuls, heads- or batch-split
                     attention, norms over unsplit dims, transposes, cuts of unsharded dims, ...)

@@ -36,6 +36,15 @@ which every follower follows. Ties (a reshard before a view or after it, same by
 follower. A resharding that is cheaper before the node (gathering bf16 before an upcast to
 fp32, or a GQA key before its expansion) fails the test, and the node keeps its variables.
 Only the objective is compared: a memory bound on the ILP is solved unfolded.
+
+Free readers. A node c with no output and no parameters that reads one value u of the segment,
+and that has, for every strategy u can run, a strategy reading u's output with no copy at c's
+least price (an assertion: `op_registry._assertion`, dropped by the passes), is not counted
+among the uses in the test above: from any solution, c switching to its free strategy adds
+nothing and can only remove a copy, so an optimum exists in which c reads as it is laid out, and
+c then follows u by the same rule (nothing reads it). Counted, an assertion beside a cast made
+the cast's producer never "alone" and its readers' wanted layouts every placement: a tiny Hugging
+Face Llama's prologue folds its four RoPE casts only so (20 followers against 16).
 """
 from __future__ import annotations
 
@@ -72,6 +81,8 @@ def find_followers(nodes: Sequence[OpNode], strategies: Mapping[str, Sequence[St
     for u, consumers in uses.items():
         for v, slot in consumers:
             reads.setdefault(v, []).append((u, slot))
+    free = _free_readers(nodes, strategies, reads, cost, copy)
+    live = {u: [(c, k) for c, k in consumers if c not in free] for u, consumers in uses.items()}
     followers: dict[str, Follower] = {}
     for v in nodes:
         read = reads.get(v.name, [])
@@ -80,7 +91,7 @@ def find_followers(nodes: Sequence[OpNode], strategies: Mapping[str, Sequence[St
         u, slot = read[0]
         above = followers.get(u)
         reachable = sorted(set(above.pick)) if above else range(len(strategies[u]))
-        picks = {s: _follow(v.name, u, slot, s, strategies, uses, outputs, cost, copy) for s in reachable}
+        picks = {s: _follow(v.name, u, slot, s, strategies, live, outputs, cost, copy) for s in reachable}
         if any(p is None for p in picks.values()):
             continue
         root_picks = above.pick if above else tuple(range(len(strategies[u])))
@@ -89,10 +100,28 @@ def find_followers(nodes: Sequence[OpNode], strategies: Mapping[str, Sequence[St
     return followers
 
 
+def _free_readers(nodes: Sequence[OpNode], strategies: Mapping[str, Sequence[Strategy]],
+                  reads: Mapping[str, Sequence[tuple[str, int]]], cost: Mapping[str, Sequence[float]],
+                  copy: CopyPrice) -> set[str]:
+    """The nodes that read every layout of their one input for free ("Free readers" above)."""
+    free = set()
+    for c in nodes:
+        read = reads.get(c.name, [])
+        if c.outputs or c.params or len(read) != 1 or read[0][0] not in strategies:
+            continue
+        (u, slot), least = read[0], min(cost[c.name])
+        cheapest = [t for t, price in zip(strategies[c.name], cost[c.name]) if price <= least]
+        if all(any(copy(u, s.output, (t.inputs[slot], t.input_grads[slot])) == 0.0 for t in cheapest)
+               for s in strategies[u]):
+            free.add(c.name)
+    return free
+
+
 def _follow(v: str, u: str, slot: int, s: int, strategies: Mapping[str, Sequence[Strategy]],
             uses: Mapping[str, Sequence[tuple[str, int]]], outputs: Mapping[str, Placement],
             cost: Mapping[str, Sequence[float]], copy: CopyPrice) -> int | None:
-    """f(s): the strategy v runs when u runs its s-th, where it dominates every other; else None."""
+    """f(s): the strategy v runs when u runs its s-th, where it dominates every other; else None.
+    `uses` leaves out the free readers ("Free readers" above)."""
     out = strategies[u][s].output
     mine = strategies[v]
 
@@ -105,7 +134,7 @@ def _follow(v: str, u: str, slot: int, s: int, strategies: Mapping[str, Sequence
     wanted = [{(t.inputs[k], t.input_grads[k]) for t in strategies[c]} for c, k in uses.get(v, ())]
     if v in outputs:
         wanted.append({(outputs[v], outputs[v])})
-    alone = len(uses[u]) == 1 and u not in outputs
+    alone = all(c == v for c, _ in uses[u]) and u not in outputs
     for i, t in enumerate(mine):
         if i == f:
             continue

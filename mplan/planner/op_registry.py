@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 from mplan.ir.graph import OpNode, TensorMeta
 from mplan.ir.op_table import op_packet
-from mplan.ir.placement import P, Placement, R, Shard
+from mplan.ir.placement import P, Placement, R, Shard, grad_placement
 from mplan.ir.strategy import Strategy
 from mplan.ir.strategy import replicated as _replicated
 
@@ -445,6 +445,30 @@ def _moe_experts(node: OpNode, n: int) -> list[Strategy]:
     return strategies
 
 
+def _assertion(node: OpNode, n: int) -> list[Strategy]:
+    """An assertion about the captured tensors (`_ASSERTIONS`): one strategy per placement its
+    input may arrive in (R, P, S(d) on every divisible dim), all lowered "dropped".
+
+    The passes drop an assertion without reading its input (`insert_collectives`, rule "dropped"),
+    so no copy is ever made for it: whatever placement the producer leaves is read as it is. With
+    the replicated strategy alone the ILP priced a gather (S(d) -> R) into every sharded value an
+    assertion reads, which no rank runs; Hugging Face blocks assert after every upcast, so their
+    sharded layouts were overpriced (and the fold of `ilp_followers` blocked) wherever sharding
+    crossed one. Offering each placement lets the ILP price the truth: the strategy that reads its
+    producer's layout costs nothing, and the Plan records it so. Why strategies and not an ILP
+    that skips assertion readers: the Plan stores a strategy per node and `check_sharding` checks
+    every edge, so the strategy should say what the rank does (nothing, on the value as it is).
+    A parameter (its storage is one placement, voted by its readers: `ir.sharding.parameter_layouts`)
+    or an assertion on several tensors keeps the replicated strategy alone."""
+    if len(node.inputs) != 1 or len(node.input_metas) != 1 or node.params:  # a symbolic size has no meta
+        return [replicated(node)]
+    shape = node.input_metas[0].shape
+    return [replicated(node)] + [
+        Strategy(name="as_arrives", inputs=(p,), output=R, input_grads=(grad_placement(p),), split=False,
+                 lowering="dropped")
+        for p in (R, P, *(Shard(d) for d, size in enumerate(shape) if _divisible(size, n)))]
+
+
 _ASSERTIONS = frozenset({"_assert_tensor_metadata", "_assert_scalar", "_assert_async",
                          "sym_constrain_range_for_size"})
 """Assertions about the captured (global, possibly meta) tensors: not true of local shards."""
@@ -466,6 +490,7 @@ REGISTRY: dict[str, OpEntry] = {
     "sum": OpEntry(rule=_reduction), "mean": OpEntry(rule=_reduction),
     "getitem": OpEntry(rule=_getitem),
     "moe_experts": OpEntry(rule=_moe_experts, megatron=frozenset({"ffn"})),
+    **{p: OpEntry(rule=_assertion) for p in _ASSERTIONS},
     **{p: OpEntry(rule=_elementwise) for p in (*_ELEMENTWISE, *_SELECTS)},
     **{p: OpEntry(rule=_view) for p in (*_CUT_DIM, *_RESHAPES, *_SAME_SHAPE, "transpose", "t", "permute",
                                         "expand")},
@@ -475,7 +500,8 @@ REGISTRY: dict[str, OpEntry] = {
 def strategies_for(node: OpNode, n: int) -> list[Strategy]:
     """Every strategy of `node` on an axis of size n; replicated first. n == 1: replicated only."""
     entry = REGISTRY.get(op_packet(node.op))
-    if n == 1 or entry is None or not node.known or not node.outputs or _tensor_keyword(node):
+    if n == 1 or entry is None or not node.known or _tensor_keyword(node) or \
+            not (node.outputs or op_packet(node.op) in _ASSERTIONS):  # an assertion has none: `_assertion`
         return [replicated(node)]
     # a rule that read only the tensor inputs gives no placement to a symbolic size among them
     # (a division by the token count): such strategies cannot be lowered

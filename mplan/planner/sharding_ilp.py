@@ -121,6 +121,8 @@ def _load_pulp() -> tuple[Any, tuple[Any, ...]]:
 
 
 pulp, _SOLVERS = _load_pulp()
+_NO_PRESOLVE = _SOLVERS[-1] if len(_SOLVERS) == 1 else pulp.HiGHS(msg=False, gapRel=GAP, presolve="off")
+"""The solver of a later tier found infeasible (`_solve_in_tiers`); CBC where HiGHS is missing."""
 
 
 class ShardingInfeasible(RuntimeError):
@@ -372,6 +374,12 @@ def _solve_in_tiers(lp: Any, objective: Sequence[tuple[tuple[float, ...], Any]],
                 status = lp.solve(solver)
                 if status != pulp.LpStatusNotSolved:
                     break
+        if tier and pulp.LpStatus[status] == "Infeasible" and solver is not _NO_PRESOLVE:
+            # impossible: the previous tier's optimum satisfies every row. HiGHS 1.16's MIP presolve
+            # said so of a TP=2 Hugging Face Llama's epilogue (Megatron's layout, bf16, its assertions
+            # folded), and of the same model read back from an MPS file; without presolve it solves
+            with _quiet_stdout():
+                status, solver = lp.solve(_NO_PRESOLVE), _NO_PRESOLVE
         if pulp.LpStatus[status] != "Optimal":
             return status, solver
         if terms and tier < num_tiers - 1:
