@@ -92,8 +92,9 @@ def check_before_capture(plan: Plan | str | None, *, world_size: int, global_bat
                          model: object = None) -> Plan | str | None:
     """Whatever `resolve_plan` can refuse without the graph, refused before the capture (a capture
     costs seconds): the tp layout, a spec string's grammar and arithmetic on this world and
-    batch, what `model`'s own config states against it (tp dividing its heads, pp at most its
-    layers, ep and capacity only with experts; a module without a config states nothing), a plan
+    batch, what `model`'s own config states against it (tp dividing its heads, ep and capacity
+    only with experts; a module without a config states nothing; stages are cut over units, the
+    prologue and epilogue too, so pp is left to the graph), a plan
     file that cannot be read or was made for another world size or global batch.
     Returns the plan argument with a plan.json path read into its Plan (read once)."""
     if tp_layout not in TP_LAYOUTS:
@@ -113,7 +114,7 @@ def check_before_capture(plan: Plan | str | None, *, world_size: int, global_bat
 
 
 def _check_stated(spec: PlanSpec, text: str, model: object) -> None:
-    """`spec` against the layers, heads and experts `model.config` states (`stated_shape`)."""
+    """`spec` against the heads and experts `model.config` states (`stated_shape`)."""
     from mplan.models.spec import stated_shape
 
     shape = stated_shape(getattr(model, "config", None), type(model).__name__)
@@ -121,8 +122,6 @@ def _check_stated(spec: PlanSpec, text: str, model: object) -> None:
     reason = experts_refusal(spec, asked, shape.name, shape.num_experts)
     if reason is None and spec.tp and shape.num_heads and shape.num_heads % spec.tp:
         reason = f"{asked}: tp={spec.tp} does not divide {shape.name}'s {shape.num_heads} attention heads"
-    if reason is None and spec.pp and shape.num_layers and spec.pp > shape.num_layers:
-        reason = f"{asked}: pp={spec.pp} exceeds {shape.name}'s {shape.num_layers} layers"
     if reason is not None:
         raise PlanSpecError(reason)
 
