@@ -159,7 +159,7 @@ def test_autoparallel_refuses_what_a_users_module_config_states_before_capturing
         mplan.autoparallel(model, example_inputs=(torch.zeros(2, 8, dtype=torch.long),), global_batch=4,
                            plan="dp=1,capacity=1.25")
     heads, layers = model.config.num_heads, model.config.num_layers
-    with pytest.raises(PlanSpecError, match=f"tp=3 does not divide LlamaModel's {heads} attention heads"):
+    with pytest.raises(PlanSpecError, match=f"plan 'tp=3': tp=3 does not divide the model's {heads} attention heads"):
         check_before_capture("tp=3", world_size=3, global_batch=3, model=model)
     # stages are cut over units, the prologue and the epilogue too: more stages than layers can run
     assert check_before_capture(f"pp={layers + 2}", world_size=layers + 2, global_batch=layers + 2,

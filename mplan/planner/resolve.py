@@ -49,7 +49,7 @@ from mplan.planner.parallel_config import ParallelConfig, PlanSpec, PlanSpecErro
 from mplan.planner.plan import TP_LAYOUTS, Plan, PlanError
 from mplan.planner.plan_builder import build_plan
 from mplan.planner.search import Planner, SearchResult
-from mplan.planner.spec_check import experts_refusal
+from mplan.planner.spec_check import experts_refusal, heads_refusal
 
 
 def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec, world_size: int,
@@ -119,9 +119,7 @@ def _check_stated(spec: PlanSpec, text: str, model: object) -> None:
 
     shape = stated_shape(getattr(model, "config", None), type(model).__name__)
     asked = f"plan {text!r}"
-    reason = experts_refusal(spec, asked, shape.name, shape.num_experts)
-    if reason is None and spec.tp and shape.num_heads and shape.num_heads % spec.tp:
-        reason = f"{asked}: tp={spec.tp} does not divide {shape.name}'s {shape.num_heads} attention heads"
+    reason = experts_refusal(spec, asked, shape.name, shape.num_experts) or heads_refusal(spec, asked, shape.num_heads)
     if reason is not None:
         raise PlanSpecError(reason)
 

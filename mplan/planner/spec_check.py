@@ -46,8 +46,9 @@ def spec_refusal(spec: PlanSpec, *, world_size: int, gpus_per_node: int, global_
         return f"{asked}: {expr} ranks, but the cluster has {world_size} {ranks} (dp x tp x pp must equal {world_size})"
     if fixed and product > world_size:
         return f"{asked}: {expr} > {world_size} {ranks}, the whole cluster; fix fewer or smaller degrees, or add --nodes"
-    if spec.tp is not None and num_heads is not None and num_heads % spec.tp:
-        return f"{asked}: tp={spec.tp} does not divide the model's {num_heads} attention heads"
+    heads = heads_refusal(spec, asked, num_heads)
+    if heads:
+        return heads
     if fixed and world_size % product:
         return f"{asked}: {expr} does not divide the cluster's {world_size} {ranks} (dp x tp x pp must equal {world_size})"
     if spec.tp is not None and not allow_cross_node_tp and spec.tp > gpus_per_node:
@@ -68,6 +69,13 @@ def spec_refusal(spec: PlanSpec, *, world_size: int, gpus_per_node: int, global_
         replica = global_batch // dp
         return (f"{asked}: each of dp={dp} replicas gets {replica} sequences, not a multiple of mbs={spec.mbs} "
                 f"({replica} % {spec.mbs} = {replica % spec.mbs})")
+    return None
+
+
+def heads_refusal(spec: PlanSpec, asked: str, num_heads: int | None) -> str | None:
+    """A tensor-parallel degree must divide the attention heads; `num_heads` None: not stated."""
+    if spec.tp is not None and num_heads is not None and num_heads % spec.tp:
+        return f"{asked}: tp={spec.tp} does not divide the model's {num_heads} attention heads"
     return None
 
 
@@ -124,4 +132,4 @@ def check_before_capture(spec: PlanSpec | str, *, cluster: ClusterSpec, global_b
     return Checked(spec=parsed, seq_len_source=seq_len_source)
 
 
-__all__ = ["Checked", "check_before_capture", "experts_refusal", "spec_refusal"]
+__all__ = ["Checked", "check_before_capture", "experts_refusal", "heads_refusal", "spec_refusal"]
