@@ -51,7 +51,9 @@ out on six other steps of the same session (the same model at micro-batch 2 and 
 SmolLM2-1.7B shapes at 8 x 2048 tokens at micro-batch 1 and 8): within 7.9% with the factor,
 up to 57% low without it on the host-bound rows (benchmarks/host_factor_fit.py,
 results/host_factor_fit-cpu-2026-12-05.json).
-A constant of mplan's runtime on a GPU host, not of a machine: fitted, not measured per cluster."""
+It scales the program's ops only: the optimizer's per-tensor host time (`evaluate`) stays at the
+bare figures, as it was in the fit. A constant of mplan's runtime on a GPU host, not of a
+machine: fitted, not measured per cluster."""
 
 
 def host_timing(cluster: ClusterSpec) -> HostTiming:
