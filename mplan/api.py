@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import os
 from typing import Any, Callable, Mapping, Sequence
 
@@ -112,6 +113,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
                          max_grad_norm=max_grad_norm, autocast=_autocast_dtype(autocast), kernels=use_kernels,
                          fp8=resolved.fp8, inference=inference)
     pm.progress = progress
+    pm.hf_config = _hf_config(model)
     # torch.export leaves reference cycles that reach the model (the trace's frames and
     # closures). Collected now, `del model` frees the model's memory at once rather than at
     # Python's next full collection, which no device allocation waits for.
@@ -141,6 +143,15 @@ def _forward_graph(model: nn.Module, inputs: tuple[torch.Tensor, ...], plan: Pla
     graph = capture_for_training(model, inputs, with_loss=False)
     return graph, resolve_plan(plan, graph, cluster=cluster, world_size=world_size, global_batch=plan.global_batch,
                                fp8=plan.fp8)
+
+
+def _hf_config(model: nn.Module) -> dict[str, Any] | None:
+    """A Hugging Face model's config as JSON data (what `pm.save(dir, format="hf")` writes as
+    config.json); None for other models."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string") or not type(config).__module__.startswith("transformers"):
+        return None
+    return json.loads(config.to_json_string(use_diff=False))
 
 
 def _plan_words(plan: Plan, world_size: int) -> str:

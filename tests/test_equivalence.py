@@ -220,13 +220,12 @@ def meta_model_shards() -> dict[str, Any]:
     return {"init": init, "keys_match": keys_match}
 
 
-def resumed_difference(plan: str, *, refused_by: str | None = None, **options: Any) -> float:
-    """tiny-gpt under `plan`: save after 2 steps, load into a fresh job (built from other weights),
-    continue; the largest difference from never stopping (losses and parameters). A job under the
-    plan `refused_by` must refuse the checkpoint, naming the field."""
+def resumed_difference(plan: str, *, resumed_under: str | None = None, **options: Any) -> float:
+    """tiny-gpt under `plan`: save after 2 steps, load into a fresh job (built from other weights;
+    under the plan `resumed_under` if given), continue; the largest difference from never
+    stopping (losses and parameters)."""
     import mplan
     from mplan.models import build_model
-    from mplan.runtime.checkpoint import CheckpointError
 
     data = batches(4)
     build = functools.partial(mplan.autoparallel, example_inputs=(data[0][0],), optimizer=OPTIMIZER,
@@ -238,13 +237,9 @@ def resumed_difference(plan: str, *, refused_by: str | None = None, **options: A
     where = [tempfile.mkdtemp(prefix="mplan_ckpt_") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(where)
     first.save(where[0])
-    second = build(build_model("tiny-gpt", device="cpu", dtype=torch.float64, seed=3))
+    second = build(build_model("tiny-gpt", device="cpu", dtype=torch.float64, seed=3),
+                   **({"plan": resumed_under} if resumed_under else {}))
     second.load(where[0])
-    if refused_by is not None:
-        other_plan = mplan.autoparallel(family("tiny-gpt")(), example_inputs=(data[0][0],), global_batch=4,
-                                        plan=refused_by)
-        with pytest.raises(CheckpointError, match="zero is 0 but this job runs 1"):
-            other_plan.load(where[0])
     tail_a = [first.train_step(ids, labels) for ids, labels in data[2:]]
     tail_b = [second.train_step(ids, labels) for ids, labels in data[2:]]
     a, b = first.full_state_dict(), second.full_state_dict()
@@ -252,9 +247,11 @@ def resumed_difference(plan: str, *, refused_by: str | None = None, **options: A
 
 
 def checkpoint_round_trip() -> float:
-    """save, load into a fresh job, continue: identical to never stopping; a job under another
-    plan refuses the checkpoint, naming the field."""
-    return resumed_difference("tp=2,sp=1,zero=0", refused_by="tp=2,sp=1,zero=1")
+    """save, load into a fresh job and continue: under the same plan bit-identical to never
+    stopping; under another ZeRO level (0 -> 1: the optimizer state resharded over DP) equal
+    within float64 rounding (the gradients are reduced in another order)."""
+    return {"same plan": resumed_difference("tp=2,sp=1,zero=0"),
+            "zero 0 -> 1": resumed_difference("tp=2,sp=1,zero=0", resumed_under="tp=2,sp=1,zero=1")}
 
 
 def local_rows() -> float:
@@ -361,7 +358,8 @@ def test_meta_model_initialized_per_shard(outcomes) -> None:
 
 
 def test_checkpoint_round_trip(outcomes) -> None:
-    assert max(outcomes.assert_passed(checkpoint_round_trip)) == 0.0
+    for result in outcomes.assert_passed(checkpoint_round_trip):
+        assert result["same plan"] == 0.0 and result["zero 0 -> 1"] < TOL, result
 
 
 def test_local_rows(outcomes) -> None:

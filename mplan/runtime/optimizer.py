@@ -18,7 +18,7 @@ import torch
 
 from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES
 from mplan.runtime.compute_copies import ComputeCopies
-from mplan.runtime.optimizer_state import ParamsArg
+from mplan.runtime.optimizer_state import ParamsArg, StateRange
 from mplan.runtime.param_placement import Placements
 from mplan.runtime.process_groups import ProcessGroups
 from mplan.runtime.replicated_optimizer import OptimizerFactory, ReplicatedOptimizer
@@ -42,6 +42,15 @@ class DistributedOptimizer(Protocol):
     def state_dict(self) -> dict[str, torch.Tensor]: ...
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
+
+    def state_ranges(self) -> list[StateRange]:
+        """Where this rank keeps the optimizer state of each parameter it owns elements of."""
+        ...
+
+    def params_loaded(self) -> None:
+        """The parameters were overwritten (a checkpoint load): re-derive what is kept from them
+        (ZeRO-1's master weights, compute copies)."""
+        ...
 
 
 def build_optimizer(

@@ -17,12 +17,26 @@ values (`betas` stays a tuple of floats).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 ParamsArg = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 """What torch optimizers accept: parameters, or parameter groups with per-group options."""
+
+
+@dataclass(frozen=True, slots=True)
+class StateRange:
+    """Elements [start, stop) of `param` (flattened, row-major) whose optimizer state this rank
+    keeps in `holder` (the tensor the torch optimizer steps: the parameter itself, or a ZeRO-1
+    shard of master weights), starting at element `at` of it. What checkpoints read and write."""
+
+    param: torch.Tensor
+    holder: torch.Tensor
+    start: int
+    stop: int
+    at: int
 
 
 def as_param_groups(params: ParamsArg) -> list[dict[str, Any]]:

@@ -54,6 +54,8 @@ import dataclasses
 import functools
 import hashlib
 import json
+import os
+from concurrent.futures import Future
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -75,7 +77,7 @@ from mplan.passes.shard_parameters import ParameterSource, materialize_buffers, 
 from mplan.passes.split_stages import StageProgram, split_stages
 from mplan.planner.plan import Plan, PlanError
 from mplan.progress import Progress
-from mplan.runtime.checkpoint import load_checkpoint, save_checkpoint
+from mplan.runtime.checkpoint import Stateful, is_hf_directory, load_checkpoint, save_checkpoint
 from mplan.runtime.compute_copies import ComputeCopies, autocast_cast_parameters
 from mplan.runtime.data_parallel import needs_reduction
 from mplan.runtime.launch import collective_device
@@ -289,6 +291,13 @@ class ParallelModule:
         # `autoparallel` hands its Progress over: the first step is the last phase it reports
         # (it pays for the kernels' compilation and the allocator's warm-up), then it is dropped.
         self.progress: Progress | None = None
+        self.hf_config: dict | None = None
+        """The model's Hugging Face config (`config.to_dict()`), where it has one: `save(format="hf")`
+        writes it, and checkpoints carry it so `mplan checkpoint convert` can."""
+        self.step = 0
+        """Optimizer steps taken (restored by `load`): the step a checkpoint is saved as."""
+        self._saving: Future[str] | None = None  # a background save still writing
+        self._checkpoint_group: dist.ProcessGroup | None = None
 
     def _executor(self) -> PipelineExecutor:
         pipeline = self.pipeline
@@ -353,6 +362,7 @@ class ParallelModule:
             self._meter.start()
             loss = self._step(inputs, labels, local=local)
             self._meter.stop(loss)
+        self.step += 1
         return loss
 
     def _step(self, inputs: Batch, labels: torch.Tensor, *, local: bool) -> float:
@@ -506,15 +516,53 @@ class ParallelModule:
                 out[alias] = whole
         return out
 
-    def save(self, directory: str) -> None:
-        """Per-rank tensor files and a JSON manifest (collective: call on every rank)."""
-        save_checkpoint(directory, self)
+    def save(self, directory: str, *, background: bool = False, keep_latest: int | None = None,
+             format: str = "mplan", extras: Mapping[str, Stateful] | None = None) -> str:
+        """Save the training state as `directory/step-<self.step>` (collective: call on every rank):
+        parameters, optimizer state, step, random generators, the Plan and `extras` (objects with
+        a JSON `state_dict()`, e.g. a learning-rate scheduler), each rank writing its own pieces
+        (`checkpoint.py`). Loads under any plan and world size. `background=True` returns once the
+        state is copied to CPU memory and writes while training goes on (`wait_for_save()`);
+        `keep_latest=k` keeps the newest k checkpoints. `format="hf"` writes a Hugging Face
+        directory instead (`hf_checkpoint.py`). Returns the checkpoint's directory."""
+        self.wait_for_save()
+        if format == "hf":
+            if background or keep_latest is not None or extras:
+                raise ValueError("format='hf' writes the weights only: no background, keep_latest or extras")
+            from mplan.runtime.hf_checkpoint import save_hf  # safetensors, only when asked
+            save_hf(directory, self)
+            return directory
+        if format != "mplan":
+            raise ValueError(f"format must be 'mplan' or 'hf', got {format!r}")
+        future = save_checkpoint(directory, self, background=background, keep_latest=keep_latest, extras=extras)
+        if background:
+            self._saving = future
+        return future.result() if not background else os.path.join(directory, f"step-{self.step:08d}")
 
-    def load(self, directory: str) -> None:
-        """Restore parameters and optimizer state saved by `save` under the same plan."""
-        load_checkpoint(directory, self)
-        if self.copies is not None:
-            self.copies.refresh()
+    def wait_for_save(self) -> str | None:
+        """Wait for a background save to be committed; its directory (None if there was none).
+        A failure of the background save is raised here."""
+        saving, self._saving = self._saving, None
+        return None if saving is None else saving.result()
+
+    def load(self, directory: str, *, extras: Mapping[str, Stateful] | None = None) -> str:
+        """Load a checkpoint saved under any plan and world size (collective), resharding it to
+        this one: a checkpoint root (its newest step), one step's directory, or a Hugging Face
+        model directory (config.json + safetensors: the weights only). Returns what it loaded."""
+        self.wait_for_save()
+        if is_hf_directory(directory):
+            from mplan.runtime.hf_checkpoint import load_hf  # safetensors, only when asked
+
+            load_hf(directory, self)
+            return directory
+        return load_checkpoint(directory, self, extras=extras)
+
+    def checkpoint_group(self) -> dist.ProcessGroup | None:
+        """A gloo group over the world for background saves (created on first use, collectively),
+        so their collectives run beside training's instead of inside its communicator."""
+        if dist.is_initialized() and self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        return self._checkpoint_group
 
 
 def _compute_copies(program: fx.GraphModule, params: Mapping[str, nn.Parameter],

@@ -26,6 +26,7 @@ from mplan.runtime.data_parallel import GradientSync
 from mplan.runtime.grad_clip import replicated_grad_norm, step_clipped, step_unclipped
 from mplan.runtime.optimizer_state import (
     ParamsArg,
+    StateRange,
     as_param_groups,
     flatten_optimizer_state,
     unflatten_optimizer_state,
@@ -103,3 +104,11 @@ class ReplicatedOptimizer:
         self.optimizer.load_state_dict(
             unflatten_optimizer_state(state, self.optimizer.state_dict())
         )
+
+    def state_ranges(self) -> list[StateRange]:
+        """Every parameter's state is whole, in the parameter's own entry of the torch optimizer."""
+        return [StateRange(param=p, holder=p, start=0, stop=p.numel(), at=0) for p in self.params]
+
+    def params_loaded(self) -> None:
+        if self.copies is not None:
+            self.copies.refresh()

@@ -57,6 +57,7 @@ from mplan.runtime.data_parallel import (
 from mplan.runtime.grad_clip import global_grad_norm, step_clipped, step_unclipped
 from mplan.runtime.optimizer_state import (
     ParamsArg,
+    StateRange,
     as_param_groups,
     flatten_optimizer_state,
     unflatten_optimizer_state,
@@ -235,6 +236,32 @@ class ShardedOptimizer:
             for param in bucket.params:
                 param.copy_(full[offset:offset + param.numel()].view_as(param))
                 offset += param.numel()
+
+    def state_ranges(self) -> list[StateRange]:
+        """This rank's slice of each bucket, cut at parameter boundaries: the elements of each
+        parameter whose state and master weights it keeps, and where they sit in the shard."""
+        out = []
+        for part in self._partitions:
+            rank = group_rank(part.group)
+            for bucket in part.buckets:
+                own, start = slice(rank * bucket.shard_numel, (rank + 1) * bucket.shard_numel), 0
+                for param in bucket.params:
+                    lo, hi = max(start, own.start), min(start + param.numel(), own.stop)
+                    if lo < hi:
+                        out.append(StateRange(param=param, holder=part.master, start=lo - start, stop=hi - start,
+                                              at=bucket.shard_offset + lo - own.start))
+                    start += param.numel()
+        return out
+
+    @torch.no_grad()
+    def params_loaded(self) -> None:
+        """Master weights from the (just loaded) parameters, as the constructor takes them."""
+        for part in self._partitions:
+            rank = group_rank(part.group)
+            for bucket in part.buckets:
+                padded = _flatten_padded(list(bucket.params), bucket.shard_numel * part.num_replicas,
+                                         part.master.dtype)
+                part.master[bucket.in_shard] = padded[rank * bucket.shard_numel:(rank + 1) * bucket.shard_numel]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's shard: optimizer state, master weights and the layout it assumes.
