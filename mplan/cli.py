@@ -345,6 +345,93 @@ def _check_verify(model: str, plan: str, world_size: int) -> None:
         raise PlanSpecError(reason)
 
 
+def _checkpoint_inspect(args: argparse.Namespace) -> int:
+    from mplan.runtime.inspect_checkpoint import describe_checkpoint
+
+    doc = describe_checkpoint(args.directory)
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    elif doc["format"] == "huggingface":
+        _print_hf_checkpoint(doc)
+    else:
+        _print_checkpoint(doc)
+    return 0
+
+
+def _print_checkpoint(doc: dict[str, Any]) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = _console()
+    totals = doc["totals"]
+    console.print(f"[bold]{escape(doc['path'])}[/]: {doc['format']} version {doc['version']}, step {doc['step']}, "
+                  f"saved {doc['saved_at']}")
+    files = f"{len(doc['files'])} file{'s' if len(doc['files']) != 1 else ''}"
+    console.print(f"model {escape(doc['model'])}: {totals['num_parameters']:,} parameters "
+                  f"({_size(totals['parameter_bytes'])}), optimizer state {_size(totals['optimizer_state_bytes'])}, "
+                  f"{_size(totals['stored_bytes'])} on disk in {files}")
+    plan = doc["plan"]
+    mesh = "" if plan is None else " ".join(f"{k}={v}" for k, v in plan["mesh"].items())
+    console.print(f"plan: {'converted (no plan)' if plan is None else escape(plan['spec'])}"
+                  f"{f' (mesh {mesh})' if mesh else ''}, saved by {doc['world_size']} "
+                  f"rank{'s' if doc['world_size'] != 1 else ''}")
+    for k, group in enumerate(doc["optimizer"]["param_groups"]):
+        hyper = ", ".join(f"{key}={value}" for key, value in group.items())
+        console.print(f"optimizer {escape(doc['optimizer']['class'])}"
+                      f"{f' group {k}' if len(doc['optimizer']['param_groups']) > 1 else ''}: {escape(hyper)}")
+    console.print(f"extras: {escape(', '.join(doc['extras'])) if doc['extras'] else 'none'}")
+    table = Table(title="tensors")
+    for col in ("tensor", "dtype", "shape", "bytes", "chunks", "on disk"):
+        table.add_column(col, justify="right" if col in ("bytes", "chunks", "on disk") else "left")
+    for t in doc["tensors"]:
+        name = t["name"] + (f" (= {', '.join(t['aliases'])})" if t.get("aliases") else "")
+        table.add_row(escape(name), t["dtype"], str(tuple(t["shape"])), f"{t['bytes']:,}", str(t["chunks"]),
+                      f"{t['stored_bytes']:,}")
+    console.print(table)
+    steps = ", ".join(str(s) for s in doc["committed_steps"]) or "none"
+    latest = f" (latest: {escape(doc['latest'])})" if doc["latest"] else ""
+    console.print(f"committed steps under {escape(doc['root'])}: {steps}{latest}")
+
+
+def _print_hf_checkpoint(doc: dict[str, Any]) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = _console()
+    totals = doc["totals"]
+    what = ", ".join(doc["architectures"] or []) or doc["model_type"] or "architecture not stated"
+    dtype = f" (config dtype {escape(doc['config_dtype'])})" if doc["config_dtype"] else ""
+    console.print(f"[bold]{escape(doc['path'])}[/]: Hugging Face model directory, {escape(what)}{dtype}")
+    files = f"{len(doc['files'])} safetensors file{'s' if len(doc['files']) != 1 else ''}"
+    console.print(f"{totals['num_parameters']:,} parameters in {totals['num_tensors']} tensors "
+                  f"({_size(totals['bytes'])}), {_size(totals['stored_bytes'])} on disk in {files}"
+                  f"{' (sharded, with an index)' if doc['sharded'] else ''}")
+    table = Table(title="tensors")
+    for col in ("tensor", "dtype", "shape", "bytes", "file"):
+        table.add_column(col, justify="right" if col == "bytes" else "left")
+    for t in doc["tensors"]:
+        table.add_row(escape(t["name"]), t["dtype"], str(tuple(t["shape"])), f"{t['bytes']:,}", escape(t["file"]))
+    console.print(table)
+
+
+def _size(num_bytes: int) -> str:
+    """Bytes as a person reads them: the largest binary unit in which the figure is at least 1."""
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} B"
+
+
+def _checkpoint_convert(args: argparse.Namespace) -> int:
+    from mplan.runtime.hf_checkpoint import convert_checkpoint  # safetensors, only when asked
+
+    progress = _progress(args)
+    with progress.phase("convert", f"{args.src} -> {args.dst}"):
+        written = convert_checkpoint(args.src, args.dst)
+    print(f"converted {args.src} -> {written}")
+    return 0
+
+
 Command = Callable[[argparse.Namespace], int]
 
 
@@ -433,6 +520,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON document and nothing else")
     quiet_arg(p)
     p.set_defaults(func=_verify)
+
+    p = sub.add_parser("checkpoint", help="inspect or convert a checkpoint (mplan's or a Hugging Face directory)")
+    actions = p.add_subparsers(dest="action", required=True)
+    q = actions.add_parser("inspect", help="plan, step, tensors and sizes of a checkpoint, from its metadata alone")
+    q.add_argument("directory", help="a checkpoint root (its latest step), one step-N directory, or a Hugging Face "
+                                     "model directory (config.json + safetensors)")
+    q.add_argument("--json", action="store_true", help="print one JSON document and nothing else")
+    q.set_defaults(func=_checkpoint_inspect)
+    q = actions.add_parser("convert", help="an mplan checkpoint to a Hugging Face directory (safetensors), or back")
+    q.add_argument("src", help="an mplan checkpoint (root or step-N directory) or a Hugging Face model directory")
+    q.add_argument("dst", help="the directory to write, in the other format")
+    quiet_arg(q)
+    q.set_defaults(func=_checkpoint_convert)
     return parser
 
 
@@ -450,7 +550,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         status = report(exc, prog=f"mplan {args.command}", hint=False)
     if argv is None and (args.command in ("plan", "inspect", "explain") or
-                         (args.command == "bench" and not args.measure)):
+                         (args.command == "bench" and not args.measure) or
+                         (args.command == "checkpoint" and args.action == "inspect")):
         _exit_without_teardown(status)
     return status
 
