@@ -29,13 +29,15 @@ on every rank at once (none trains on alone). Data files are read with
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import os
 import re
 import shutil
-from collections.abc import Collection, Mapping
+import warnings
+from collections.abc import Collection, Iterator, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -108,13 +110,15 @@ def save_checkpoint(root: str, pm: ParallelModule, *, background: bool = False, 
         return final
 
     if not background:
-        dcp.save(state, storage_writer=writer, planner=planner, process_group=world, no_dist=world is None)
+        with _one_process_quietly():
+            dcp.save(state, storage_writer=writer, planner=planner, process_group=world, no_dist=world is None)
         commit()
         agree(None, world)  # committed everywhere when save returns
         return _done(final)
     group = pm.checkpoint_group()
-    upload = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=group,
-                            no_dist=world is None, async_stager=SnapshotStager())
+    with _one_process_quietly():
+        upload = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=group,
+                                no_dist=world is None, async_stager=SnapshotStager())
     result: Future[str] = Future()
 
     def finished(done: Future[Any]) -> None:
@@ -180,6 +184,15 @@ def _commit(root: str, partial: str, final: str, keep_latest: int | None) -> Non
         for old in committed_steps(root)[:-keep_latest]:
             if step_dir(root, old) != final:
                 shutil.rmtree(step_dir(root, old), ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _one_process_quietly() -> Iterator[None]:
+    """DCP warns on every call without a process group that it assumes one process: that is
+    what mplan asked for (`no_dist`), so the warning says nothing to the user."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _done(path: str) -> Future[str]:
@@ -314,8 +327,9 @@ def load_checkpoint(path: str, pm: ParallelModule, *, extras: Mapping[str, State
     agree(error, world)
     assert targets is not None and manifest is not None
     try:
-        dcp.load(targets.state, storage_reader=_NamingReader(directory), planner=ChunkLoadPlanner(),
-                 process_group=world, no_dist=world is None)
+        with _one_process_quietly():
+            dcp.load(targets.state, storage_reader=_NamingReader(directory), planner=ChunkLoadPlanner(),
+                     process_group=world, no_dist=world is None)
     except dcp.api.CheckpointException as exc:
         raise CheckpointError(_first_failure(directory, exc)) from None
     targets.finish()
@@ -403,7 +417,8 @@ def read_tensors(directory: str, names: Collection[str] | None = None) -> dict[s
     wanted = metadata.state_dict_metadata if names is None else {n: metadata.state_dict_metadata[n] for n in names}
     out = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in wanted.items()}
     try:
-        dcp.load(out, storage_reader=_NamingReader(directory), planner=ChunkLoadPlanner(), no_dist=True)
+        with _one_process_quietly():
+            dcp.load(out, storage_reader=_NamingReader(directory), planner=ChunkLoadPlanner(), no_dist=True)
     except dcp.api.CheckpointException as exc:
         raise CheckpointError(_first_failure(directory, exc)) from None
     return out
