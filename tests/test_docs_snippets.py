@@ -72,6 +72,9 @@ parsed only: every option they hold is exercised by the run of another line or v
 running each would take the module past its minute."""
 
 PARSE_ONLY = {
+    "mplan checkpoint inspect ckpt": "needs a checkpoint; tests/test_checkpoint_cli.py runs inspect on real ones",
+    "mplan checkpoint convert ckpt out/hf": "needs a checkpoint of a Hugging Face model; tests/test_hf_checkpoint.py "
+                                            "converts both ways",
     "torchrun --nproc-per-node 8 -m mplan bench MODEL --cluster cluster.json --global-batch 64 --plans auto tp=8 "
     "--measure --out rows.json": "`--measure` trains every plan on 8 ranks; tests/test_profile_command.py runs "
                        "`bench --measure` for real on CPU ranks",
@@ -151,6 +154,12 @@ ONE_RANK = "substitutes: each multi-rank spec by its one-rank equivalent (every 
            "as this process is one rank"
 
 PYTHON_BLOCKS = {
+    ("README.md", 'pm.save("ckpt", background=True, keep_latest=3)'): ParseOnly(
+        why="needs torchrun ranks and a Hugging Face directory; tests/test_checkpoint_local.py, "
+            "test_checkpoint_resharding.py and test_hf_checkpoint.py run every call"),
+    ("docs/checkpoints.md", 'pm.save("ckpt", background=True, keep_latest=3)'): ParseOnly(
+        why="needs torchrun ranks and a Hugging Face directory; tests/test_checkpoint_local.py, "
+            "test_checkpoint_resharding.py and test_hf_checkpoint.py run every call"),
     ("README.md", 'mplan.plan("llama3-70b"'): Runs(
         why=f"{ONE_RANK}; llama3-70b by tiny-gpt (the same call: the 70B model plans in ~20 s, tiny-gpt in ~2)",
         prelude=_tiny_llama(64), given=("model", "ids", "labels"),
@@ -203,6 +212,7 @@ log_every = 1
 """(doc, a text only that block holds) -> how the python block is checked."""
 
 TEXT_BLOCKS = {
+    ("docs/checkpoints.md", "latest                   \"step-00001000\""): "a checkpoint directory's layout",
     ("docs/architecture.md", "model + example inputs"): "a diagram of the pipeline",
     ("docs/execution.md", "plan tp=2,dp=2,sp=1,zero=1: "): "the output of the command above it",
     ("docs/training.md", "plan tp=2,dp=2,sp=1,zero=1: "): "the output of the command above it",
