@@ -2,8 +2,8 @@
 
 Run under torchrun (every rank; gloo on CPUs, NCCL on GPUs) or as one process:
 
-    torchrun --nproc-per-node 2 benchmarks/checkpoint_time.py --plan tp=2 --other pp=2 \
-        -o benchmarks/results/checkpoint_time-cpu-2026-12-05.json
+    torchrun --nproc-per-node 2 benchmarks/checkpoint_time.py --plan tp=2 --other pp=2 --dtype bfloat16 \
+        -o benchmarks/results/checkpoint_time-cpu-2026-12-05.json   # bf16: a background save's CPU copy fits 24 GiB
     python benchmarks/checkpoint_time.py --plan dp=1 --other dp=1,recompute=full   # one GPU
 
 One optimizer step creates the AdamW state; then, timed between barriers on every rank:
@@ -18,6 +18,7 @@ import argparse
 import functools
 import gc
 import json
+import math
 import os
 import platform
 import shutil
@@ -84,7 +85,7 @@ def main() -> None:
     root = root[0]
 
     pm, ids = _build(args.model, args.plan, dtype, args.batch, device)
-    parameters = sum(v.numel() for v in pm.full_state_dict().values()) if rank >= 0 else 0
+    parameters = sum(math.prod(p.meta.shape) for p in pm.graph.params.values())
     step_s, _ = _timed(lambda: pm.train_step(ids, ids))
     plain_step_s, _ = _timed(lambda: pm.train_step(ids, ids))
     save_s, path = _timed(lambda: pm.save(os.path.join(root, "blocking")))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issues 7 and 18 on one host of N H200s, in one device call: the NCCL link profile, bf16 equivalence of
+# Issues 7, 18 and 31 on one host of N H200s, in one device call: the NCCL link profile, bf16 equivalence of
 # plans against one GPU, the planner's auto plan against hand-written Megatron-style plans on a
-# Llama-3-8B, and expert parallelism on a Mixtral-shaped MoE, each run for real. Prepared on
+# Llama-3-8B, expert parallelism on a Mixtral-shaped MoE and checkpoint save/load times, each run for real. Prepared on
 # 2026-11-29 and 2026-12-02 (smoke-tested on CPU ranks only); run as
 #     run(kind="nvidia-h200-x8", carry=[".device_wheels"],
 #         command="bash benchmarks/multi_gpu_h200.sh 8")
@@ -44,3 +44,10 @@ run -m mplan bench "moe:layers=2,hidden=4096,heads=32,kv_heads=8,ffn=14336,exper
     --cluster "$out/profile-x$n.json" --global-batch $((2 * n)) --plans "dp=$n,ep=$n" "dp=$n,ep=1" auto \
     --measure --out "$out/bench-moe-x$n.json" > /dev/null
 tail -c 2000 "$out/bench-moe-x$n.json"
+
+# 5. checkpoints on NCCL ranks (issue 31): a 1.3B Llama saved under tp=N with ZeRO-1 ranks, blocking and
+#    in the background (the stall: the call's return), loaded under the same plan and resharded to
+#    another; times between barriers on every rank
+run benchmarks/checkpoint_time.py --model "llama:layers=24,hidden=2048,heads=16,kv_heads=8,seq=2048,vocab=32000,ffn=5632" \
+    --plan "tp=$half,dp=2,zero=1" --other "dp=$n,zero=1" --dtype bfloat16 --batch $((2 * n)) \
+    --dir /tmp/mplan_ckpt -o "$out/checkpoint_time-x$n.json" 2>&1 | tail -3

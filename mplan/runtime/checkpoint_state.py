@@ -91,10 +91,12 @@ def _live_state(pm: ParallelModule) -> Callable[[StateRange, str], dict[str, tor
     return of
 
 
-def _optimizer_pieces(pm: ParallelModule, state_of: Callable[[StateRange, str], Mapping[str, torch.Tensor]]
+def _optimizer_pieces(pm: ParallelModule, state_of: Callable[[StateRange, str], Mapping[str, torch.Tensor]],
+                      stored: Mapping[str, str] | None = None
                       ) -> tuple[dict[str, tuple[tuple[int, ...], list[Piece]]], dict[str, torch.Tensor]]:
     """Every optimizer-state tensor this rank keeps, as pieces of its parameter-shaped global
-    tensor, and its scalars."""
+    tensor, and its scalars; keyed by each parameter's name, or the name `stored` maps it to (the
+    tied alias a checkpoint holds it under)."""
     names = {id(p): n for n, p in pm.params.items()}
     pieces: dict[str, tuple[tuple[int, ...], list[Piece]]] = {}
     scalars: dict[str, torch.Tensor] = {}
@@ -102,7 +104,7 @@ def _optimizer_pieces(pm: ParallelModule, state_of: Callable[[StateRange, str], 
         name = names[id(r.param)]
         shape, offsets = param_region(pm, name)
         for key, value in state_of(r, name).items():
-            fqn = f"{OPTIM}{name}/{key}"
+            fqn = f"{OPTIM}{stored[name] if stored else name}/{key}"
             if value.dim() == 0:
                 scalars[fqn] = value
                 continue
@@ -197,7 +199,7 @@ def load_targets(pm: ParallelModule, metadata: Metadata, directory: str) -> Load
             if theirs != mine:
                 raise CheckpointError(f"{directory}: the optimizer state of {name} ({sorted(mine)}) differs from "
                                       f"that of {first} ({sorted(theirs)}), which this plan steps with it")
-        pieces, plain = _optimizer_pieces(pm, allocate)
+        pieces, plain = _optimizer_pieces(pm, allocate, stored)
         if any(masters) and not all(masters):
             raise CheckpointError(f"{directory}: holds master weights for some parameters but not all")
         for key, (size, parts) in pieces.items():
