@@ -185,6 +185,13 @@ def _capture(data: dict) -> tuple[str, ...]:
                  for f in (fixed(full[preset]["export_s"]), fixed(full[preset]["peak_rss_gib"], 2)))
 
 
+def _checkpoint_time(data: dict) -> tuple[str, ...]:
+    row = _rows(data)[0]
+    return (fixed(row["save_blocking_s"]), fixed(row["save_gb_per_s"], 2), fixed(row["background_stall_s"]),
+            fixed(row["step_during_background_save_s"]), fixed(row["step_s"]), fixed(row["load_same_plan_s"]),
+            fixed(row["load_other_plan_s"]))
+
+
 def _planning(data: dict) -> tuple[str, ...]:
     out = []
     for job in ("gpt3-175b", "llama3-8b"):
@@ -563,6 +570,9 @@ CLAIMS: tuple[Claim, ...] = (
           pattern=r"FP8 against bf16 training: (\S+) / (\S+), (\S+) apart mid-descent"),
     Claim(doc="docs/claims.md", source="fused_pricing_check-2026-11-29-session7.json", figures=_fused_pricing,
           pattern=r"vs the session-7 run \((\S+)/(\S+), (\S+)/(\S+), (\S+)/(\S+), gains (\S+)x/(\S+)x vs (\S+)x/(\S+)x\)"),
+    Claim(doc="README.md", source="checkpoint_time-cpu-2026-12-05.json", figures=_checkpoint_time,
+          pattern=r"blocking save (\S+) s \((\S+) GB/s\); a background save stalls (\S+) s, and the step beside it "
+                  r"takes (\S+) s against (\S+) s .*; load (\S+) s under the same plan, (\S+) s resharded"),
     Claim(doc="docs/claims.md", source="capture-cpu-2026-11-29.json", figures=_capture,
           pattern=r"capture of gpt3-175b / llama3-405b: (\S+) s, (\S+) GiB / (\S+) s, (\S+) GiB"),
 )
