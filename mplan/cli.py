@@ -432,6 +432,12 @@ def _checkpoint_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_prepare(args: argparse.Namespace) -> int:
+    from mplan.data.prepare_command import run  # tokenizers, only when asked
+
+    return run(args, _progress(args))
+
+
 Command = Callable[[argparse.Namespace], int]
 
 
@@ -533,6 +539,15 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("dst", help="the directory to write, in the other format")
     quiet_arg(q)
     q.set_defaults(func=_checkpoint_convert)
+
+    from mplan.data.prepare_command import add_arguments as data_prepare_args
+
+    p = sub.add_parser("data", help="real training data: text to memory-mapped token shards")
+    actions = p.add_subparsers(dest="action", required=True)
+    q = actions.add_parser("prepare", help="tokenize text files (globs) or JSONL into token shards + tokenizer.json")
+    data_prepare_args(q)
+    quiet_arg(q)
+    q.set_defaults(func=_data_prepare)
     return parser
 
 

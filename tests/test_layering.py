@@ -25,6 +25,8 @@ ALLOWED: dict[str, set[str]] = {
     "progress": set(),  # a word while it works (phases and their times on stderr): planner, API and runtime report
     "json_fields": set(),  # reading a JSON file field by field, each error naming its field: every reader's
     "kernels": set(),
+    "data": {"json_fields", "progress"},  # text to token shards and packed batches: no layer imports it, it
+    # imports none (the index is read field by field; `mplan data prepare` reports phases)
     "models": {"kernels", "json_fields"},  # the MoE family's experts are the `moe_experts` op; config.json
     # `ir.summary` builds models from specs to capture them; capture turns experts modules into
     # the `moe_experts` op of `mplan.kernels.moe`
