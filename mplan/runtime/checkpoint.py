@@ -56,6 +56,7 @@ from mplan.runtime.checkpoint_storage import (
     JsonMetadataWriter,
     check_data_files,
     read_dcp_metadata,
+    verify_items,
 )
 from mplan.runtime.launch import collective_device
 
@@ -384,8 +385,10 @@ class _NamingReader(JsonMetadataReader):
         for item in plan.items:
             by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for name, items in by_file.items():
+            one_file = dataclasses.replace(plan, items=items)
+            verify_items(str(self.path), one_file, self.storage_data)  # CheckpointError naming the file
             try:
-                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+                super().read_data(one_file, planner).wait()
             except Exception as exc:  # noqa: BLE001 - any failure to read a file is that file's
                 what = ("holds something other than the tensors mplan writes (torch refused to "
                         "unpickle it; mplan never unpickles)" if "weights_only" in str(exc).lower()
@@ -401,7 +404,9 @@ def _first_failure(directory: str, exc: Any) -> str:
     """One line for DCP's gathered failures: the first rank's own `CheckpointError`, else what it raised."""
     failures = getattr(exc, "failures", {}) or {}
     for rank in sorted(failures):
-        inner = getattr(failures[rank], "exception", failures[rank])
+        inner = failures[rank]
+        if isinstance(inner, tuple):  # torch 2.13: (exception, its stack summary)
+            inner = inner[0]
         if isinstance(inner, CheckpointError):
             return str(inner)
         text = str(inner).splitlines()[0][:200] if str(inner) else ""

@@ -154,10 +154,15 @@ def load_targets(pm: ParallelModule, metadata: Metadata, directory: str) -> Load
             raise CheckpointError(f"{directory}: has no parameter {name}")
         stored[name] = found
     state: dict[str, Entry] = {}
+    # DCP reads into copies, moved into the live tensors only once every read succeeded: a load
+    # refused midway (a corrupt file) leaves the model as it was.
+    moves: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, entry in _model_entries(pm).items():
         key = MODEL + stored[name.removeprefix(MODEL)]
         _check(directory, key, saved[key], entry.shape, entry.dtype)
-        state[key] = entry
+        staged = [Piece(p.offsets, torch.empty_like(p.tensor)) for p in entry.pieces]
+        moves += [(s.tensor, p.tensor) for s, p in zip(staged, entry.pieces)]
+        state[key] = ChunkedTensor(entry.shape, staged)
 
     optimizer_keys = [k for k in saved if k.startswith(OPTIM)]
     buffers: dict[tuple[int, str], torch.Tensor] = {}
@@ -177,7 +182,10 @@ def load_targets(pm: ParallelModule, metadata: Metadata, directory: str) -> Load
             md = saved[f"{OPTIM}{stored[name]}/{key}"]
             if key == MASTER:
                 if r.holder.dtype != r.param.dtype:  # else the parameter itself is the weight
-                    out[key] = r.holder.detach()
+                    if (id(r.holder), key) not in buffers:
+                        buffers[(id(r.holder), key)] = torch.empty_like(r.holder.detach().view(-1))
+                        moves.append((buffers[(id(r.holder), key)], r.holder.detach().view(-1)))
+                    out[key] = buffers[(id(r.holder), key)]
             elif len(md.size) == 0:
                 out[key] = torch.zeros((), dtype=md.properties.dtype)
                 scalars[(id(r.holder), key)].append(out[key])
@@ -211,15 +219,19 @@ def load_targets(pm: ParallelModule, metadata: Metadata, directory: str) -> Load
         state.update(plain)
 
     rng = {}
-    for key in _rng_entries(pm.groups.rank, pm.device):
+    for key, live in _rng_entries(pm.groups.rank, pm.device).items():
         if key in saved:
-            md = saved[key]
-            rng[key] = torch.empty(md.size, dtype=md.properties.dtype)
+            _check(directory, key, saved[key], live.shape, live.dtype)
+            rng[key] = torch.empty_like(live)
     state.update(rng)
 
     def finish() -> None:
-        if buffers or scalars:
-            _install(pm, buffers, scalars, directory)
+        with torch.no_grad():
+            for staged, live in moves:
+                live.copy_(staged)
+        state_buffers = {k: v for k, v in buffers.items() if k[1] != MASTER}
+        if state_buffers or scalars:
+            _install(pm, state_buffers, scalars, directory)
         if not any(masters):  # masters (if this optimizer keeps any) from the loaded weights
             pm.optimizer.params_loaded()
     return LoadTargets(state=state, rng=rng, finish=finish)

@@ -9,20 +9,32 @@ each chunk's bytes lie (file, start, length). `read_dcp_metadata` validates it f
 and `check_data_files` that every file it names exists, is a plain name inside the directory,
 and is long enough for its items (a truncated file is named before any rank reads it).
 
+Checksums: torch.load does not check the CRC-32 its zip records carry, so bytes flipped inside a
+tensor would load silently. Each rank therefore takes the CRC-32 of every item it wrote (read back
+from the page cache, right after writing) and `dcp.json` records it; `verify_items` checks the
+items a rank is about to read before torch.load sees them (a second read of those bytes, from the
+page cache after the first).
+
 Invariants: only tensors are stored (no BytesIO items: they would be pickles); file names are
-DCP's own (`__<rank>_<n>.distcp`); the metadata file is written last, to a temporary name and
-renamed, so a directory holding `dcp.json` holds every byte it describes.
+DCP's own (`__<rank>_<n>.distcp`); every tensor's chunks cover it exactly (no gap, no overlap:
+a gap would leave elements of the loading model as they were); the metadata file is written last,
+to a temporary name and renamed, so a directory holding `dcp.json` holds every byte it describes.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import re
+import zlib
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -49,8 +61,31 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@dataclasses.dataclass
+class _ChecksummedInfo(_StorageInfo):
+    """Where an item lies, and the CRC-32 of its bytes."""
+
+    crc32: int = 0
+
+
 class JsonMetadataWriter(FileSystemWriter):
-    """torch's file-system writer, finishing with `dcp.json` instead of a pickled `.metadata`."""
+    """torch's file-system writer, finishing with `dcp.json` instead of a pickled `.metadata`, and
+    recording each item's CRC-32."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
+        results: list[WriteResult] = super().write_data(plan, planner).wait()
+        checked = []
+        for wr in results:
+            info = wr.storage_data
+            with open(os.path.join(str(self.path), info.relative_path), "rb") as handle:
+                handle.seek(info.offset)
+                crc = zlib.crc32(handle.read(info.length))
+            checked.append(dataclasses.replace(wr, storage_data=_ChecksummedInfo(
+                relative_path=info.relative_path, offset=info.offset, length=info.length,
+                transform_descriptors=info.transform_descriptors, crc32=crc)))
+        done: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        done.set_result(checked)
+        return done
 
     def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
         storage = [wr for ranks in results for wr in ranks]
@@ -65,7 +100,8 @@ class JsonMetadataWriter(FileSystemWriter):
             if info.transform_descriptors:
                 raise CheckpointError(f"{wr.index.fqn}: stream transforms are not part of mplan's format")
             doc["storage"].append({"fqn": wr.index.fqn, "offset": list(wr.index.offset or ()),
-                                   "file": info.relative_path, "start": info.offset, "length": info.length})
+                                   "file": info.relative_path, "start": info.offset, "length": info.length,
+                                   "crc32": info.crc32})
         path = os.path.join(str(self.path), METADATA_FILE)
         with open(path + ".tmp", "w", encoding="utf-8") as handle:
             json.dump(doc, handle)
@@ -116,17 +152,53 @@ def read_dcp_metadata(directory: str) -> Metadata:
         if fqn not in tensors:
             raise e.error("fqn", f"names {fqn!r}, which tensors does not list")
         if not _DATA_FILE.fullmatch(file):
-            raise e.error("file", f"must be a DCP data file name (__<rank>_<n>.distcp), got {file!r}")
+            raise e.error("file", "must be a DCP data file name (__<rank>_<n>.distcp)")
         offset = _int_list(e.raw("offset"), len(tensors[fqn].size), f"{path}: storage[{k}].offset")
-        storage[MetadataIndex(fqn, offset)] = _StorageInfo(relative_path=file, offset=e.integer("start", minimum=0),
-                                                           length=e.integer("length", minimum=0))
+        storage[MetadataIndex(fqn, offset)] = _ChecksummedInfo(
+            relative_path=file, offset=e.integer("start", minimum=0), length=e.integer("length", minimum=0),
+            crc32=e.integer("crc32", minimum=0))
         e.finish()
     r.finish()
     for fqn, md in tensors.items():
         for chunk in md.chunks:
             if MetadataIndex(fqn, chunk.offsets) not in storage:
                 raise CheckpointError(f"{path}: chunk {list(chunk.offsets)} of {fqn} has no storage entry")
+        _check_cover(path, fqn, md)
     return Metadata(state_dict_metadata=tensors, storage_data=storage)
+
+
+def _check_cover(path: str, fqn: str, md: TensorStorageMetadata) -> None:
+    """The chunks of a tensor cover it exactly: their volumes add up to its own and no two overlap
+    (pairs are compared only where their first-dimension ranges meet, after sorting by it)."""
+    total = math.prod(md.size)
+    if sum(math.prod(c.sizes) for c in md.chunks) != total:
+        raise CheckpointError(f"{path}: the chunks of {fqn} hold {sum(math.prod(c.sizes) for c in md.chunks)} "
+                              f"elements, the tensor {total}: they do not cover it exactly")
+    if len(md.size) == 0:
+        return
+    ordered = sorted(md.chunks, key=lambda c: c.offsets[0])
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1:]:
+            if b.offsets[0] >= a.offsets[0] + a.sizes[0]:
+                break
+            if all(bo < ao + az and ao < bo + bz for ao, az, bo, bz in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
+                raise CheckpointError(f"{path}: chunks {list(a.offsets)} and {list(b.offsets)} of {fqn} overlap")
+
+
+def verify_items(directory: str, plan: LoadPlan, storage: dict[Any, Any]) -> None:
+    """The CRC-32 of every item `plan` reads matches the one recorded when it was written."""
+    by_file: dict[str, dict[Any, Any]] = {}
+    for item in plan.items:  # several reads of one stored chunk (resharding) check it once
+        info = storage[item.storage_index]
+        by_file.setdefault(info.relative_path, {})[item.storage_index] = info
+    for name, items in by_file.items():
+        with open(os.path.join(directory, name), "rb") as handle:
+            for index, info in items.items():
+                handle.seek(info.offset)
+                if zlib.crc32(handle.read(info.length)) != info.crc32:
+                    raise CheckpointError(f"{os.path.join(directory, name)}: the bytes of {index.fqn} at "
+                                          f"{list(index.offset or ())} changed after they were written "
+                                          f"(checksum mismatch)")
 
 
 def check_data_files(directory: str, metadata: Metadata) -> None:
