@@ -40,6 +40,7 @@ from torch import nn
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.ir.graph import Graph
 from mplan.ir.trace import capture_for_training
+from mplan.models.config import GPTConfig, LlamaConfig, MoEConfig
 from mplan.planner.parallel_config import PlanSpec
 from mplan.planner.plan import Plan
 from mplan.planner.resolve import check_before_capture, resolve_plan
@@ -147,8 +148,15 @@ def _forward_graph(model: nn.Module, inputs: tuple[torch.Tensor, ...], plan: Pla
 
 def _hf_config(model: nn.Module) -> dict[str, Any] | None:
     """A Hugging Face model's config as JSON data (what `pm.save(dir, format="hf")` writes as
-    config.json); None for other models."""
+    config.json), or the matching architecture's for mplan's families; None for other models."""
     config = getattr(model, "config", None)
+    if isinstance(config, (GPTConfig, LlamaConfig, MoEConfig)):  # mplan's families: their HF twin's
+        from mplan.models.hf_names import NotMappable, hf_config  # imports no transformers
+
+        try:
+            return hf_config(config)
+        except NotMappable:
+            return None
     if config is None or not hasattr(config, "to_json_string") or not type(config).__module__.startswith("transformers"):
         return None
     return json.loads(config.to_json_string(use_diff=False))

@@ -379,8 +379,6 @@ def test_conversions_are_exact(world2) -> None:
                                     "model/model.layers.0.mlp.experts.gate_up_proj"], first
 
 
-@pytest.mark.xfail(strict=True, reason="checkpoint.py's load refuses a weights-only checkpoint (no optimizer "
-                                       "class, no parameter groups) as saved with another optimizer")
 def test_converted_hf_directory_loads_as_mplan_checkpoint(world2) -> None:
     for result in world2.assert_passed(mplan_checkpoint_converted):
         assert result["pm.load"] == "exact", result

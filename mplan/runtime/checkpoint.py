@@ -367,6 +367,8 @@ def _check_model(directory: str, manifest: Manifest, metadata: Any, pm: Parallel
 
 
 def _check_groups(directory: str, manifest: Manifest, pm: ParallelModule) -> None:
+    if not manifest.optimizer:  # weights only (converted from Hugging Face): the optimizer starts fresh
+        return
     live = pm.optimizer.optimizer
     if type(live).__name__ != manifest.optimizer:
         raise CheckpointError(f"{directory}: was saved with optimizer {manifest.optimizer}, this job runs "

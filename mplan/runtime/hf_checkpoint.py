@@ -55,9 +55,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from mplan.collectives.flat import broadcast_tensor
-from mplan.collectives.redistribute import apply_transition
-from mplan.ir.placement import R, Shard
 from mplan.json_fields import load_json_file
 from mplan.models.hf_names import FAMILY_ARCHITECTURES, HfLayout, Link, NotMappable, hf_layout, hf_parameters
 from mplan.runtime.checkpoint import FORMAT, MANIFEST, VERSION, agree, is_hf_directory, read_manifest, \
@@ -347,7 +344,7 @@ def save_hf(directory: str, pm: ParallelModule, *, max_shard_bytes: int | None =
     owners = _spread([sum(nbytes[k] for k in keys) for _, keys in files], size)
     writer = _Writer(layout, files, partial, mine={f for (f, _), r in zip(files, owners) if r == rank})
     for name in writer.order():
-        whole = _whole_parameter(pm, name)  # collective: a rank that failed to write still takes part
+        whole = pm.whole_parameter(name)  # collective: a rank that failed to write still takes part
         if error is None:
             try:
                 writer.add(name, whole)
@@ -372,21 +369,6 @@ def _check_shard_bytes(max_shard_bytes: int | None) -> None:
     if max_shard_bytes is not None and (isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int)
                                         or max_shard_bytes < 1):
         raise CheckpointError(f"max_shard_bytes must be a positive number of bytes, got {max_shard_bytes!r}")
-
-
-def _whole_parameter(pm: ParallelModule, name: str) -> torch.Tensor:
-    """Parameter `name` whole on every rank (collective), as `pm.full_state_dict` gathers each."""
-    placement = pm.layouts[name].placement
-    owner = pm.pipeline.owner(name) if pm.pipeline is not None else pm.groups.pp_rank
-    whole = None
-    if owner == pm.groups.pp_rank:
-        whole = apply_transition(pm.params[name].detach(), placement, R, pm.axis)
-        if name in pm.experts.parameters:  # every EP rank's experts, in rank order
-            whole = apply_transition(whole, Shard(0), R, pm.experts.ep)
-    if pm.pipeline is not None:
-        whole = broadcast_tensor(whole, src=pm.groups.ranks("pp")[owner], group=pm.groups.pp, device=pm.device)
-    assert whole is not None
-    return whole
 
 
 def _file_split(layout: HfLayout, source: Mapping[str, str] | None, max_shard_bytes: int | None,

@@ -291,6 +291,9 @@ class ParallelModule:
         # `autoparallel` hands its Progress over: the first step is the last phase it reports
         # (it pays for the kernels' compilation and the allocator's warm-up), then it is dropped.
         self.progress: Progress | None = None
+        self.hf_file_split: dict[str, str] | None = None
+        """Which file of the Hugging Face directory it was loaded from holds each tensor: what
+        `save(format="hf")` keeps (`hf_checkpoint.py`)."""
         self.hf_config: dict | None = None
         """The model's Hugging Face config (`config.to_dict()`), where it has one: `save(format="hf")`
         writes it, and checkpoints carry it so `mplan checkpoint convert` can."""
@@ -501,20 +504,28 @@ class ParallelModule:
         (collective: call on every rank; under a pipeline plan each parameter is sent from the
         pipeline rank that owns it)."""
         out: dict[str, torch.Tensor] = {}
-        peers = self.groups.ranks("pp")
-        for name, layout in self.layouts.items():
-            owner = self.pipeline.owner(name) if self.pipeline is not None else self.groups.pp_rank
-            whole = None
-            if owner == self.groups.pp_rank:
-                whole = apply_transition(self.params[name].detach(), layout.placement, R, self.axis)
-                if name in self.experts.parameters:  # every EP rank's experts, in rank order
-                    whole = apply_transition(whole, Shard(0), R, self.experts.ep)
-                whole = whole.clone()
-            if self.pipeline is not None:
-                whole = broadcast_tensor(whole, src=peers[owner], group=self.groups.pp, device=self.device)
+        for name in self.layouts:
+            whole = self.whole_parameter(name).clone()
             for alias in self.graph.names_of(name):
                 out[alias] = whole
         return out
+
+    @torch.no_grad()
+    def whole_parameter(self, name: str) -> torch.Tensor:
+        """Parameter `name` whole on every rank (collective): gathered over TP and EP on the
+        pipeline rank that owns it, then sent to the others. May share the local tensor's storage
+        where nothing was gathered: clone it to keep it."""
+        owner = self.pipeline.owner(name) if self.pipeline is not None else self.groups.pp_rank
+        whole = None
+        if owner == self.groups.pp_rank:
+            whole = apply_transition(self.params[name].detach(), self.layouts[name].placement, R, self.axis)
+            if name in self.experts.parameters:  # every EP rank's experts, in rank order
+                whole = apply_transition(whole, Shard(0), R, self.experts.ep)
+        if self.pipeline is not None:
+            whole = broadcast_tensor(whole, src=self.groups.ranks("pp")[owner], group=self.groups.pp,
+                                     device=self.device)
+        assert whole is not None
+        return whole
 
     def save(self, directory: str, *, background: bool = False, keep_latest: int | None = None,
              format: str = "mplan", extras: Mapping[str, Stateful] | None = None) -> str:
