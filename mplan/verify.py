@@ -25,6 +25,11 @@ model whose loss is not a plain mean over sequences (an MoE's capacity-bounded r
 load-balancing loss depend on the batch) is compared like for like; for dense models this is
 the same as one full-batch step.
 
+With `bisect=True` the ranks also run `runtime.bisect` before training, on the first micro-batch and the
+scaled model's initial weights (the one-process model's, so a parameter sharded wrongly shows too): the
+first op whose value or gradient differs from one device, with its placement and error
+(`VerifyReport.bisect`; a pipeline plan is refused, `bisect_refused` says why).
+
 Ranks are fresh `spawn`ed processes joined in a gloo group over a TCP store the parent owns.
 """
 from __future__ import annotations
@@ -37,7 +42,10 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mplan.runtime.bisect import BisectReport
 
 TOLERANCE = 1e-9  # the project's bar: float64 plans match one process to this relative error
 SCALED = {"num_layers": 2, "seq_len": 16, "vocab": 64}
@@ -58,18 +66,22 @@ class VerifyReport:
     max_param_rel_err: float
     worst_param: str
     seconds: float
+    bisect: BisectReport | None = None  # with bisect=True: the first op that differs, op by op
+    bisect_refused: str | None = None  # why bisect could not run this plan (a pipeline)
 
     @property
     def passed(self) -> bool:
-        return self.max_loss_rel_err < TOLERANCE and self.max_param_rel_err < TOLERANCE
+        agrees = self.bisect is None or self.bisect.agrees
+        return self.max_loss_rel_err < TOLERANCE and self.max_param_rel_err < TOLERANCE and agrees
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "passed": self.passed, "tolerance": TOLERANCE}
 
 
 def verify_plan(model_spec: str, plan_spec: str, world_size: int, steps: int = 3, *,
-                timeout_s: float = 300.0) -> VerifyReport:
-    """Run `plan_spec` on `world_size` gloo CPU ranks and one process; compare (see module doc)."""
+                timeout_s: float = 300.0, bisect: bool = False) -> VerifyReport:
+    """Run `plan_spec` on `world_size` gloo CPU ranks and one process; compare (see module doc);
+    `bisect`: also op by op on one micro-batch."""
     import torch.distributed as dist
 
     start = time.perf_counter()
@@ -77,7 +89,7 @@ def verify_plan(model_spec: str, plan_spec: str, world_size: int, steps: int = 3
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     results = context.Queue()
     ranks = [context.Process(target=_rank_main, daemon=True,
-                             args=(rank, world_size, store.port, model_spec, plan_spec, steps, results))
+                             args=(rank, world_size, store.port, model_spec, plan_spec, steps, results, bisect))
              for rank in range(world_size)]
     for process in ranks:
         process.start()
@@ -109,7 +121,7 @@ def _wait(ranks: list[Any], results: Any, deadline: float) -> VerifyReport:
 
 
 def _rank_main(rank: int, world_size: int, port: int, model_spec: str, plan_spec: str, steps: int,
-               results: Any) -> None:
+               results: Any, bisect: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
@@ -119,7 +131,7 @@ def _rank_main(rank: int, world_size: int, port: int, model_spec: str, plan_spec
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
-        report = _run(model_spec, plan_spec, world_size, steps)
+        report = _run(model_spec, plan_spec, world_size, steps, bisect=bisect)
         if rank == 0:
             results.put((True, report))
     except BaseException:  # noqa: BLE001 - the parent must see every failure
@@ -227,7 +239,7 @@ def scaled_model(model_spec: str, tp: int, num_layers: int = SCALED["num_layers"
     return source
 
 
-def _run(model_spec: str, plan_spec: str, world_size: int, steps: int) -> VerifyReport:
+def _run(model_spec: str, plan_spec: str, world_size: int, steps: int, *, bisect: bool = False) -> VerifyReport:
     import functools
 
     import torch
@@ -245,8 +257,14 @@ def _run(model_spec: str, plan_spec: str, world_size: int, steps: int) -> Verify
                 torch.randint(0, 64, (global_batch, 16), generator=generator)) for _ in range(steps)]
     optimizer = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
     model = perturbed(build_model(config, device="cpu", dtype=torch.float64, seed=0))
+    if bisect:  # before autoparallel, whose whole parameters share the model's storage and then train
+        from mplan.ir.trace import capture_for_training
+
+        weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+        captured = capture_for_training(model, (batches[0][0],))
     pm = autoparallel(model, example_inputs=(batches[0][0],), optimizer=optimizer, global_batch=global_batch,
                       plan=spec, max_grad_norm=1.0)
+    divergence, refused = _bisect(pm, batches[0], captured, weights) if bisect else (None, None)
     losses = tuple(pm.train_step(x, y) for x, y in batches)
     state = pm.full_state_dict()
     reference = perturbed(build_model(config, device="cpu", dtype=torch.float64, seed=0))
@@ -269,7 +287,18 @@ def _run(model_spec: str, plan_spec: str, world_size: int, steps: int) -> Verify
     return VerifyReport(model=model_spec, scaled_model=str(config), plan=plan_spec, executed=pm.plan.describe(),
                         world_size=world_size, steps=steps, losses=losses, reference_losses=tuple(ref_losses),
                         max_loss_rel_err=max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
-                        max_param_rel_err=errors[worst], worst_param=worst, seconds=0.0)
+                        max_param_rel_err=errors[worst], worst_param=worst, seconds=0.0,
+                        bisect=divergence, bisect_refused=refused)
+
+
+def _bisect(pm: Any, batch: tuple[Any, Any], captured: Any, weights: dict[str, Any]) -> tuple[Any, str | None]:
+    """`runtime.bisect` on the first micro-batch (every rank the same one), or why it cannot run."""
+    from mplan.runtime.bisect import BisectRefused, bisect
+
+    try:
+        return bisect(pm, batch[0], batch[1], captured=captured, weights=weights), None
+    except BisectRefused as refused:
+        return None, str(refused)
 
 
 def perturbed(model: Any, scale: float = 0.01) -> Any:
