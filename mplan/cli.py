@@ -311,12 +311,14 @@ def _verify(args: argparse.Namespace) -> int:
     _check_verify(model, plan, args.world_size)
     progress = _progress(args)
     with progress.phase("verify", f"{plan} scaled down on {args.world_size} CPU ranks and on one process"):
-        report = verify_plan(model, plan, args.world_size, steps=args.steps)
+        report = verify_plan(model, plan, args.world_size, steps=args.steps, bisect=args.bisect)
     doc = {"model": report.model, "scaled_model": report.scaled_model, "plan": report.plan,
            "executed": report.executed, "world_size": report.world_size, "steps": report.steps,
            "losses": list(report.losses), "reference_losses": list(report.reference_losses),
            "max_loss_rel_err": report.max_loss_rel_err, "max_param_rel_err": report.max_param_rel_err,
            "worst_param": report.worst_param, "passed": report.passed, "seconds": round(report.seconds, 2)}
+    if args.bisect:
+        doc["bisect"] = report.bisect.to_dict() if report.bisect else {"refused": report.bisect_refused}
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
@@ -324,6 +326,8 @@ def _verify(args: argparse.Namespace) -> int:
               f"largest relative difference from one process: loss {report.max_loss_rel_err:.2e}, "
               f"parameters {report.max_param_rel_err:.2e} ({report.worst_param}) -> "
               f"{'PASS' if report.passed else 'FAIL'}")
+        if args.bisect:
+            print(report.bisect.describe() if report.bisect else f"bisect: not run: {report.bisect_refused}")
     return 0 if report.passed else 1
 
 
@@ -523,6 +527,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", default="tp=2,dp=2,sp=1,zero=1", help="plan spec string or plan.json")
     p.add_argument("--world-size", type=positive_int, default=4, help="gloo CPU ranks to start")
     p.add_argument("--steps", type=positive_int, default=3, help="optimizer steps to compare")
+    p.add_argument("--bisect", action="store_true",
+                   help="also compare one micro-batch op by op: name the first op whose value or gradient differs")
     p.add_argument("--json", action="store_true", help="print one JSON document and nothing else")
     quiet_arg(p)
     p.set_defaults(func=_verify)
