@@ -360,10 +360,10 @@ class TokenShards:
         sources.finish()
         stored = _sha256_field(r, "fingerprint")
         r.finish()
+        for shard in shards:  # before the fingerprint: a wrong dtype or count is named as such
+            _check_size(directory, shard, np.dtype(fields["dtype"]))
         if stored != fingerprint(fields):
             raise r.error("fingerprint", "does not match the index's other fields (edited by hand?)")
-        for shard in shards:
-            _check_size(directory, shard, np.dtype(fields["dtype"]))
         return cls(directory=directory, dtype=fields["dtype"], vocab_size=fields["vocab_size"],
                    eos_id=fields["eos_id"], fingerprint=stored, shards=shards,
                    tokenizer_file=os.path.join(directory, tokenizer), tokenizer_sha256=fields["tokenizer_sha256"])
