@@ -1,9 +1,11 @@
 """Every file mplan reads, fuzzed: a mutated file loads as the same object or fails with one clear error.
 
 Readers: plan JSON (`Plan.load`), cluster JSON (`ClusterSpec.from_json`, with an inline profile and
-with a profile path), profile JSON (`ClusterProfile.from_json`), checkpoint manifests
-(`read_manifest`) and model specs (`resolve_model`: presets, `family:k=v,...`, a Hugging Face
-config.json path, `package.module:factory`).
+with a profile path), profile JSON (`ClusterProfile.from_json`), a checkpoint's manifest `mplan.json`
+(`read_manifest`, without a plan as a converted checkpoint's, and with one) and its DCP metadata
+`dcp.json` (`read_dcp_metadata`, whose loads round-trip through `JsonMetadataWriter`), and model
+specs (`resolve_model`: presets, `family:k=v,...`, a Hugging Face config.json path,
+`package.module:factory`).
 
 Mutations of a valid seed file: drop a key or a list item at any depth, replace a value by one of
 another type or out of range (null, bools, strings, lists, objects, negative, zero, huge ints with
@@ -14,8 +16,8 @@ nothing) or raises the reader's documented error class whose message names the f
 (a key of the mutated path); any other exception fails the test with its traceback.
 
 Besides the random mutations (hypothesis), `sweep` tries every single mutation exhaustively: each
-field and object of the plan, cluster, profile and checkpoint seeds set to each of `SWEEP_VALUES`,
-dropped, and (objects) given an unknown key.
+field and object of the plan, cluster, profile, mplan.json and dcp.json seeds set to each of
+`SWEEP_VALUES`, dropped, and (objects) given an unknown key.
 
 Deterministic (`derandomize=True`); the cases tried per reader are counted in `CASES` and checked
 by the last test (`pytest -s` prints them).
@@ -50,6 +52,7 @@ from mplan.cost_models.profile import (
 from mplan.models.spec import resolve_model
 from mplan.planner.plan import Plan, PlanError
 from mplan.runtime.checkpoint import CheckpointError, read_manifest
+from mplan.runtime.checkpoint_storage import JsonMetadataWriter, read_dcp_metadata
 
 CASES: collections.Counter[str] = collections.Counter()
 """reader -> cases tried (one per hypothesis example)"""
@@ -57,6 +60,7 @@ OUTCOMES: collections.Counter[tuple[str, str]] = collections.Counter()
 """(reader, "loaded" | "rejected") -> cases"""
 
 EXAMPLES = {"plan": 300, "cluster": 300, "cluster+profile-path": 150, "profile": 300, "checkpoint": 250,
+            "checkpoint+plan": 100, "dcp-metadata": 250,
             "hf-config": 80, "model-spec": 600}
 
 HUGE = "@@HUGE@@"  # serialized as 5000 digits: more than Python's int() parses by default
@@ -149,9 +153,10 @@ def _same_json(a, b) -> bool:
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
-RELATED = {"checkpoint": {"world_size": ("files",)}}
+RELATED = {"dcp-metadata": {"offset": ("storage entry",), "chunks": ("storage entry",)}}
 """Per reader, a field whose wrong value an error may report under the field it disagrees with
-(`files must list one file per rank (N)` when world_size is N)."""
+(dcp.json: a storage entry moved to other offsets, or a chunk moved, leaves `chunk [..] of T has no
+storage entry`)."""
 
 
 def check(reader, load, error, seed, seed_object, ops, file, roundtrip):
@@ -348,25 +353,83 @@ def test_fuzz_cluster_file_with_profile_path(cluster_seed, profile_seed, workdir
 
 
 CHECKPOINT_SEED = {
-    "format": "mplan.checkpoint", "version": 1, "world_size": 2, "zero": 1, "sequence_parallel": False,
-    "plan_hash": "0123abcd", "mesh": {"dp": 2, "tp": 1, "pp": 1, "ep": 1}, "files": ["rank0.pt", "rank1.pt"],
-    "params": {"embed.weight": {"placement": "S(0)", "shape": [128, 64]}}}
+    "format": "mplan.checkpoint", "version": 2, "step": 6, "world_size": 2, "saved_at": "2026-12-05T12:00:00+00:00",
+    "model": {"name": "GPTModel", "params": {
+        "embed.weight": {"shape": [64, 32], "aliases": ["lm_head.weight"]},
+        "layers.0.attn.q_proj.bias": {"shape": [32], "aliases": []},
+        "norm.weight": {"shape": [32], "aliases": []}}},
+    "optimizer": {"class": "AdamW", "param_groups": [
+        {"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-08, "weight_decay": 0.01, "amsgrad": False}]},
+    "extras": {"lr_schedule": {"last_epoch": 6, "base_lrs": [0.01]}},
+    "hf_config": {"architectures": ["GPT2LMHeadModel"], "n_embd": 32, "n_layer": 1}}
+"""An mplan.json as `save_checkpoint` writes it, less the plan (a converted checkpoint has none);
+`_with_plan` adds the plan of `plan_seed`."""
+
+DCP_SEED = {
+    "format": "mplan.dcp-metadata",
+    "tensors": {
+        "model/embed.weight": {"dtype": "float64", "size": [64, 32],
+                               "chunks": [[[0, 0], [32, 32]], [[32, 0], [32, 32]]]},
+        "optim/embed.weight/exp_avg": {"dtype": "float32", "size": [64, 32], "chunks": [[[0, 0], [64, 32]]]},
+        "optim/embed.weight/step": {"dtype": "float32", "size": [], "chunks": [[[], []]]},
+        "rng/rank0/cpu": {"dtype": "uint8", "size": [5056], "chunks": [[[0], [5056]]]}},
+    "storage": [
+        {"fqn": "model/embed.weight", "offset": [0, 0], "file": "__0_0.distcp", "start": 0, "length": 9769,
+         "crc32": 2206214473},
+        {"fqn": "model/embed.weight", "offset": [32, 0], "file": "__1_0.distcp", "start": 0, "length": 9769,
+         "crc32": 93840211},
+        {"fqn": "optim/embed.weight/exp_avg", "offset": [0, 0], "file": "__0_0.distcp", "start": 9769, "length": 9769,
+         "crc32": 3910256634},
+        {"fqn": "optim/embed.weight/step", "offset": [], "file": "__0_0.distcp", "start": 19538, "length": 1100,
+         "crc32": 0},
+        {"fqn": "rng/rank0/cpu", "offset": [0], "file": "__0_0.distcp", "start": 20638, "length": 6500,
+         "crc32": 4294967295}]}
+"""A dcp.json as `JsonMetadataWriter` writes it: a TP-sharded parameter (two chunks, one per rank's
+file), a whole optimizer state, a scalar (`step`) and a random generator's state."""
 
 
-def test_fuzz_checkpoint_manifest(workdir):
-    seed = CHECKPOINT_SEED
-    directory = os.path.join(workdir, "checkpoint")
-    os.makedirs(directory, exist_ok=True)
-    file = os.path.join(directory, "manifest.json")
-    expected = {k: seed[k] for k in ("world_size", "zero", "sequence_parallel", "plan_hash", "mesh", "files", "params")}
+def _with_plan(plan_seed) -> dict:
+    return {**copy.deepcopy(CHECKPOINT_SEED), "plan": copy.deepcopy(plan_seed[0])}
 
-    @settings(max_examples=EXAMPLES["checkpoint"], **FUZZ)
+
+def _dcp_roundtrip(metadata):
+    """Write the loaded metadata with mplan's writer, read it back."""
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    with tempfile.TemporaryDirectory(prefix="mplan-dcp-") as directory:
+        results = [[WriteResult(index=index, size_in_bytes=info.length, storage_data=info)
+                    for index, info in metadata.storage_data.items()]]
+        JsonMetadataWriter(directory).finish(metadata, results)
+        return read_dcp_metadata(directory)
+
+
+def _fuzz_checkpoint_file(reader, seed, file, load, roundtrip):
+    with open(file, "w") as handle:
+        json.dump(seed, handle)
+    expected = load(file)
+
+    @settings(max_examples=EXAMPLES[reader], **FUZZ)
     @given(mutations(seed))
     def fuzz(ops):
-        check("checkpoint", lambda _: read_manifest(directory), CheckpointError, seed, expected, ops, file,
-              lambda doc: doc)
+        check(reader, load, CheckpointError, seed, expected, ops, file, roundtrip)
 
     fuzz()
+
+
+@pytest.mark.parametrize("reader", ["checkpoint", "checkpoint+plan"])
+def test_fuzz_checkpoint_manifest(reader, request, workdir):
+    seed = CHECKPOINT_SEED if reader == "checkpoint" else _with_plan(request.getfixturevalue("plan_seed"))
+    directory = os.path.join(workdir, reader)
+    os.makedirs(directory, exist_ok=True)
+    _fuzz_checkpoint_file(reader, seed, os.path.join(directory, "mplan.json"), lambda _: read_manifest(directory),
+                          lambda doc: doc)
+
+
+def test_fuzz_dcp_metadata(workdir):
+    directory = os.path.join(workdir, "dcp")
+    os.makedirs(directory, exist_ok=True)
+    _fuzz_checkpoint_file("dcp-metadata", DCP_SEED, os.path.join(directory, "dcp.json"),
+                          lambda _: read_dcp_metadata(directory), _dcp_roundtrip)
 
 
 # -- exhaustive single mutations -----------------------------------------------------------------
@@ -390,19 +453,41 @@ def test_sweep_profile(profile_seed):
                  profile, lambda p: ClusterProfile.from_dict(_via_json(p.to_dict()))) > 700
 
 
-def test_sweep_checkpoint_manifest(workdir):
-    directory = os.path.join(workdir, "checkpoint-sweep")
-    os.makedirs(directory, exist_ok=True)
-
+def _checkpoint_loader(directory, name, read):
+    """Write a (mutated) seed tree as `directory/name` and read it back."""
     def load(tree):
         text = json.dumps(tree, default=lambda huge: HUGE)
         for token, raw in RAW.items():
             text = text.replace(token, raw)
-        with open(os.path.join(directory, "manifest.json"), "w") as handle:
+        with open(os.path.join(directory, name), "w") as handle:
             handle.write(text)
-        return read_manifest(directory)
+        return read(directory)
+    return load
 
-    assert sweep("checkpoint", copy.deepcopy(CHECKPOINT_SEED), load, CheckpointError, None, lambda doc: doc) > 250
+
+def test_sweep_checkpoint_manifest(workdir, plan_seed):
+    directory = os.path.join(workdir, "checkpoint-sweep")
+    os.makedirs(directory, exist_ok=True)
+    load = _checkpoint_loader(directory, "mplan.json", read_manifest)
+    assert sweep("checkpoint", copy.deepcopy(CHECKPOINT_SEED), load, CheckpointError, None, lambda doc: doc) > 550
+    # the plan's own fields are swept by test_sweep_plan; here the plan as a whole, in its place
+    seed = _with_plan(plan_seed)
+    assert load(seed).plan == plan_seed[1]
+    for odd in SWEEP_VALUES:
+        CASES["checkpoint (sweep)"] += 1
+        try:
+            loaded = load({**seed, "plan": odd})
+        except CheckpointError as exc:
+            assert "mplan.json: plan" in str(exc), str(exc)
+            continue
+        assert odd is None and loaded.plan is None, f"plan = {odd!r} loaded"
+
+
+def test_sweep_dcp_metadata(workdir):
+    directory = os.path.join(workdir, "dcp-sweep")
+    os.makedirs(directory, exist_ok=True)
+    load = _checkpoint_loader(directory, "dcp.json", read_dcp_metadata)
+    assert sweep("dcp-metadata", copy.deepcopy(DCP_SEED), load, CheckpointError, None, _dcp_roundtrip) > 1200
 
 
 # -- model specs ---------------------------------------------------------------------------------
