@@ -379,10 +379,13 @@ def _print_checkpoint(doc: dict[str, Any]) -> None:
     console.print(f"plan: {'converted (no plan)' if plan is None else escape(plan['spec'])}"
                   f"{f' (mesh {mesh})' if mesh else ''}, saved by {doc['world_size']} "
                   f"rank{'s' if doc['world_size'] != 1 else ''}")
-    for k, group in enumerate(doc["optimizer"]["param_groups"]):
+    optimizer = doc["optimizer"] or {"class": "", "param_groups": []}
+    if not optimizer["param_groups"]:
+        console.print(f"optimizer {escape(optimizer['class']) or 'state'}: none saved (weights only)")
+    for k, group in enumerate(optimizer["param_groups"]):
         hyper = ", ".join(f"{key}={value}" for key, value in group.items())
-        console.print(f"optimizer {escape(doc['optimizer']['class'])}"
-                      f"{f' group {k}' if len(doc['optimizer']['param_groups']) > 1 else ''}: {escape(hyper)}")
+        console.print(f"optimizer {escape(optimizer['class'])}"
+                      f"{f' group {k}' if len(optimizer['param_groups']) > 1 else ''}: {escape(hyper)}")
     console.print(f"extras: {escape(', '.join(doc['extras'])) if doc['extras'] else 'none'}")
     table = Table(title="tensors")
     for col in ("tensor", "dtype", "shape", "bytes", "chunks", "on disk"):
@@ -392,9 +395,10 @@ def _print_checkpoint(doc: dict[str, Any]) -> None:
         table.add_row(escape(name), t["dtype"], str(tuple(t["shape"])), f"{t['bytes']:,}", str(t["chunks"]),
                       f"{t['stored_bytes']:,}")
     console.print(table)
-    steps = ", ".join(str(s) for s in doc["committed_steps"]) or "none"
-    latest = f" (latest: {escape(doc['latest'])})" if doc["latest"] else ""
-    console.print(f"committed steps under {escape(doc['root'])}: {steps}{latest}")
+    if doc["root"] is not None:
+        steps = ", ".join(str(s) for s in doc["committed_steps"]) or "none"
+        latest = f" (latest: {escape(doc['latest'])})" if doc["latest"] else ""
+        console.print(f"committed steps under {escape(doc['root'])}: {steps}{latest}")
 
 
 def _print_hf_checkpoint(doc: dict[str, Any]) -> None:
@@ -440,6 +444,23 @@ def _data_prepare(args: argparse.Namespace) -> int:
     from mplan.data.prepare_command import run  # tokenizers, only when asked
 
     return run(args, _progress(args))
+
+
+def _train(args: argparse.Namespace) -> int:
+    from mplan.train.config import load_config
+    from mplan.train.run import train  # the data package and tokenizers, only when asked
+
+    overrides = list(args.set) + ([f"metrics.profile_steps={args.profile_steps}"] if args.profile_steps else [])
+    summary = train(load_config(args.config, overrides), progress=_progress(args))
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        loss = "" if summary.final_loss is None else f", loss {summary.final_loss:.4f}"
+        where = "".join(f"; {what} {path}" for what, path in (("checkpoint", summary.checkpoint),
+                        ("Hugging Face export", summary.exported), ("metrics", summary.metrics),
+                        ("loss curve", summary.plot)) if path)
+        print(f"mplan train: steps {summary.first_step} -> {summary.last_step} under {summary.plan}{loss}{where}")
+    return 0
 
 
 Command = Callable[[argparse.Namespace], int]
@@ -554,6 +575,16 @@ def _parser() -> argparse.ArgumentParser:
     data_prepare_args(q)
     quiet_arg(q)
     q.set_defaults(func=_data_prepare)
+
+    p = sub.add_parser("train", help="a whole training run from one config: data, plan, checkpoints, metrics "
+                                     "(every rank, under torchrun)")
+    p.add_argument("config", help="the run's TOML file (docs/training.md lists every key)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one key, e.g. --set train.steps=100 (repeatable)")
+    p.add_argument("--profile-steps", default=None, metavar="A:B",
+                   help="a torch profiler trace of steps A to B-1 (metrics.profile_steps)")
+    quiet_arg(p)
+    p.set_defaults(func=_train)
     return parser
 
 

@@ -1,0 +1,152 @@
+"""What a training run shows and writes as it goes: metrics JSONL, TensorBoard, a progress line
+with an ETA, profiler traces, a CUDA memory snapshot, the loss curve.
+
+Input: the config's `metrics` section, this rank, the step range, the Plan. Output, from rank 0
+only (every rank's metrics are its own measurements, and the loss is the same on every rank):
+- `metrics.jsonl`: one JSON object per step: `step` (steps done, the first is 1), `loss`, `lr`
+  (the rate the step ran at) and `pm.last_metrics`'s fields (`step_time_s`, `tokens_per_s`,
+  `model_tflops_per_s`, `mfu`, `peak_memory_gib`, the plan's predictions). A resumed run first
+  drops the lines of steps after the checkpoint it resumed from, so the file reads as one run;
+- a line on stderr every `train.log_every` steps (the first and last always) with the ETA;
+- on GPUs, a warning when a step's measured time or memory parts from the plan's prediction by
+  more than 15% (once per kind, after the first two steps, whose one-time work is not the plan's);
+- `metrics.plot`: the loss curve as a PNG (matplotlib, Agg), from the JSONL at the end.
+Profiler traces (`metrics.profile_steps = "a:b"`, steps a to b-1) are written by every rank, each
+its own (`trace-rank<r>.json` beside the JSONL, or in the working directory).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from mplan.train.config import ConfigError, TrainConfig
+
+PREDICTION_GAP = 0.15
+"""Measured against predicted step time or memory: a warning beyond this relative gap."""
+
+
+class Observer:
+    def __init__(self, config: TrainConfig, *, rank: int, first_step: int, total_steps: int, plan: Any) -> None:
+        self.config, self.rank, self.first, self.total = config, rank, first_step, total_steps
+        m = config.metrics
+        self.jsonl = m.jsonl if rank == 0 and m.jsonl else None
+        self.started = time.perf_counter()
+        self.warned: set[str] = set()
+        self.writer = None
+        if m.tensorboard and rank == 0:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("metrics.tensorboard: tensorboard is not installed (pip install tensorboard), "
+                                  "or leave the key out") from None
+            self.writer = SummaryWriter(m.tensorboard)
+        if self.jsonl:
+            _keep_lines_up_to(self.jsonl, first_step)
+        a, _, b = m.profile_steps.partition(":")
+        self.profile = (int(a), int(b)) if m.profile_steps else None
+        self.profiler: Any = None
+        self.snapshot = m.memory_snapshot if torch.cuda.is_available() else ""
+        if m.memory_snapshot and not torch.cuda.is_available() and rank == 0:
+            print("mplan: metrics.memory_snapshot needs CUDA: no snapshot on this CPU run", file=sys.stderr)
+        if self.snapshot:
+            torch.cuda.memory._record_memory_history()
+        if rank == 0:
+            print(f"mplan: training {plan.spec()} from step {first_step} to {total_steps}", file=sys.stderr)
+
+    @contextlib.contextmanager
+    def step(self, index: int) -> Iterator[None]:
+        """Around step `index` (0-based, about to run): the profiler's start and stop."""
+        if self.profile is not None and index == self.profile[0]:
+            self.profiler = torch.profiler.profile(record_shapes=True)
+            self.profiler.__enter__()
+        yield
+        if self.profiler is not None and index == self.profile[1] - 1:
+            self.profiler.__exit__(None, None, None)
+            folder = os.path.dirname(self.config.metrics.jsonl) if self.config.metrics.jsonl else "."
+            self.profiler.export_chrome_trace(os.path.join(folder or ".", f"trace-rank{self.rank}.json"))
+            self.profiler = None
+        if self.snapshot and index == self.first:
+            torch.cuda.memory._dump_snapshot(self.snapshot)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.snapshot = ""
+
+    def record(self, pm: Any, loss: float, lr: float) -> None:
+        if self.rank != 0:
+            return
+        m = pm.last_metrics
+        row = {**m.to_dict(), "step": pm.step, "loss": loss, "lr": lr}
+        if self.jsonl:
+            with open(self.jsonl, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(row, allow_nan=True) + "\n")
+        if self.writer is not None:
+            for key in ("loss", "lr", "step_time_s", "tokens_per_s", "mfu", "peak_memory_gib"):
+                if isinstance(row.get(key), (int, float)):
+                    self.writer.add_scalar(key, row[key], pm.step)
+        done = pm.step - self.first
+        if pm.step == self.first + 1 or pm.step % self.config.train.log_every == 0 or pm.step == self.total:
+            elapsed = time.perf_counter() - self.started
+            eta = elapsed / done * (self.total - pm.step) if done else 0.0
+            figures = m.line().split(" | ", 1)[1]  # the meter counts this job's steps; the run's are pm.step
+            print(f"step {pm.step}/{self.total} | {figures} | ETA {_duration(eta)}", file=sys.stderr, flush=True)
+        if done > 2:
+            self._check_prediction("step time", m.step_time_s, m.predicted_step_time_s)
+            self._check_prediction("memory", m.peak_memory_gib, m.predicted_memory_gib)
+
+    def _check_prediction(self, what: str, measured: float | None, predicted: float | None) -> None:
+        if measured is None or not predicted or what in self.warned:
+            return
+        gap = measured / predicted - 1
+        if abs(gap) > PREDICTION_GAP:
+            self.warned.add(what)
+            print(f"mplan: warning: measured {what} {measured:.4g} is {gap:+.0%} off the plan's prediction "
+                  f"{predicted:.4g} (more than {PREDICTION_GAP:.0%}): the cluster's figures may not be this "
+                  f"machine's (`mplan profile` measures them)", file=sys.stderr)
+
+    def finish(self) -> str | None:
+        """Close the writers; the loss curve's PNG (rank 0, when asked), else None."""
+        if self.writer is not None:
+            self.writer.close()
+        plot = self.config.metrics.plot
+        if self.rank != 0 or not plot or not self.jsonl:
+            return None
+        rows = [json.loads(line) for line in open(self.jsonl, encoding="utf-8") if line.strip()]
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        figure, axis = plt.subplots(figsize=(7, 4))
+        axis.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2)
+        axis.set_xlabel("step")
+        axis.set_ylabel("training loss")
+        axis.set_title(f"{os.path.basename(self.config.model.spec)[:60]}")
+        axis.grid(alpha=0.3)
+        figure.tight_layout()
+        figure.savefig(plot, dpi=120)
+        plt.close(figure)
+        return plot
+
+
+def _keep_lines_up_to(path: str, step: int) -> None:
+    """Drop the lines of steps after `step` (a resumed run rewrites what the checkpoint lost)."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as handle:
+        kept = [line for line in handle if line.strip() and json.loads(line).get("step", math.inf) <= step]
+    with open(path + ".tmp", "w", encoding="utf-8") as handle:
+        handle.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else \
+        f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
