@@ -8,8 +8,9 @@ Asserted: inspect's figures against the live model and optimizer that wrote the 
 tensor's name, dtype, shape, bytes and chunks; the totals; plan spec, step, extras), and a Hugging
 Face directory's against safetensors' own reader; inspect reads metadata only (the same document
 with every data byte zeroed); `--json` prints one JSON document and nothing else; a directory
-that holds no checkpoint is refused in one line with exit status 2; convert calls
-`mplan.runtime.hf_checkpoint.convert_checkpoint(src, dst)`.
+that holds no checkpoint is refused in one line with exit status 2; convert
+(`mplan.runtime.hf_checkpoint.convert_checkpoint`) takes a tiny Llama's checkpoint to a Hugging
+Face directory and back, each result as inspect shows it, and its refusals are one line.
 """
 from __future__ import annotations
 
@@ -18,8 +19,6 @@ import json
 import math
 import os
 import shutil
-import sys
-import types
 from typing import Any
 
 import pytest
@@ -28,15 +27,14 @@ import torch
 import mplan
 from mplan.cli import main
 from mplan.models import build_model
-from mplan.runtime.checkpoint_storage import CheckpointError
 
 from distributed import run_checks
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 64
 
 
-def _tiny_gpt(plan: str) -> tuple[Any, torch.Tensor]:
-    model = build_model("tiny-gpt", device="cpu", dtype=torch.float64)
+def _build(plan: str, spec: str = "tiny-gpt") -> tuple[Any, torch.Tensor]:
+    model = build_model(spec, device="cpu", dtype=torch.float64)
     ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     pm = mplan.autoparallel(model, example_inputs=(ids,), optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
                             global_batch=GLOBAL_BATCH, plan=plan, progress="quiet")
@@ -60,7 +58,7 @@ class _Position:
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A root holding steps 1 and 2 of a one-process run, and what the live run held at step 2."""
     root = str(tmp_path_factory.mktemp("checkpoints") / "run")
-    pm, ids = _tiny_gpt("dp=1")
+    pm, ids = _build("dp=1")
     position = _Position()
     for _ in range(2):
         pm.train_step(ids, ids)
@@ -134,7 +132,8 @@ def test_a_root_with_several_steps_an_older_step_and_no_latest(saved: dict[str, 
     assert newest["step"] == 2 and newest["committed_steps"] == [1, 2]
 
 
-def test_inspect_reads_metadata_only(saved: dict[str, Any], tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+def test_inspect_reads_metadata_only(saved: dict[str, Any], tmp_path,  # noqa: ANN001
+                                     capsys: pytest.CaptureFixture[str]) -> None:
     """Every data byte zeroed (same lengths): the same document, so no tensor data was read."""
     expected = _inspect_json(saved["root"], capsys)
     copy = str(tmp_path / "zeroed")
@@ -159,7 +158,8 @@ def test_inspect_reads_metadata_only(saved: dict[str, Any], tmp_path, capsys: py
 ], ids=["empty", "other-files", "latest-names-a-missing-step", "latest-names-a-path", "hf-pickle-weights"])
 @pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
 def test_a_directory_without_a_checkpoint_is_refused_in_one_line(make, named: str, as_json: bool,  # noqa: ANN001
-                                                                  tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+                                                                  tmp_path,  # noqa: ANN001
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     directory = tmp_path / "not-a-checkpoint"
     directory.mkdir()
     make(str(directory))
@@ -208,7 +208,7 @@ def _shared_directory() -> str:
 
 
 def check_save_under_tp2() -> dict[str, Any]:
-    pm, ids = _tiny_gpt("tp=2")
+    pm, ids = _build("tp=2")
     pm.train_step(ids, ids)
     root = _shared_directory()
     pm.save(root)
@@ -288,23 +288,43 @@ def test_a_truncated_safetensors_file_is_refused_naming_it(hf_dirs: dict[str, st
 
 
 # -- convert ----------------------------------------------------------------------------------------
-def test_convert_calls_the_hugging_face_bridge(tmp_path, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
-                                               capsys: pytest.CaptureFixture[str]) -> None:
-    """Wired to `mplan.runtime.hf_checkpoint.convert_checkpoint(src, dst)` (stood in for here);
-    its refusal is one line."""
-    calls = []
+def test_convert_to_hugging_face_and_back(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    """`convert` runs `mplan.runtime.hf_checkpoint.convert_checkpoint(src, dst)` both ways; inspect
+    shows each result: the Hugging Face architecture, then a converted checkpoint (no plan, no
+    optimizer state) of the same tensors."""
+    from mplan.models.hf_names import hf_config
+    from mplan.models.spec import resolve_model
 
-    def convert_checkpoint(src: str, dst: str) -> str:
-        calls.append((src, dst))
-        if dst.endswith("bad"):
-            raise CheckpointError(f"{src}: holds no mplan checkpoint")
-        return dst
+    pm, ids = _build("dp=1", spec="tiny-llama")
+    pm.hf_config = hf_config(resolve_model("tiny-llama").config)  # what export writes as config.json
+    pm.train_step(ids, ids)
+    root, hf, back = str(tmp_path / "run"), str(tmp_path / "hf"), str(tmp_path / "back")
+    pm.save(root)
+    original = _inspect_json(root, capsys)
 
-    bridge = types.ModuleType("mplan.runtime.hf_checkpoint")
-    bridge.convert_checkpoint = convert_checkpoint  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "mplan.runtime.hf_checkpoint", bridge)
-    assert main(["checkpoint", "convert", "-q", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
-    assert capsys.readouterr().out == f"converted {tmp_path / 'a'} -> {tmp_path / 'b'}\n"
-    assert main(["checkpoint", "convert", "-q", str(tmp_path / "a"), str(tmp_path / "bad")]) == 2
-    assert capsys.readouterr().err == f"mplan checkpoint: error: {tmp_path / 'a'}: holds no mplan checkpoint\n"
-    assert calls == [(str(tmp_path / "a"), str(tmp_path / "b")), (str(tmp_path / "a"), str(tmp_path / "bad"))]
+    assert main(["checkpoint", "convert", "-q", root, hf]) == 0
+    assert capsys.readouterr().out == f"converted {root} -> {hf}\n"
+    exported = _inspect_json(hf, capsys)
+    assert exported["format"] == "huggingface" and exported["architectures"] == ["LlamaForCausalLM"]
+    assert exported["totals"]["num_parameters"] == original["totals"]["num_parameters"]
+
+    assert main(["checkpoint", "convert", "-q", hf, back]) == 0
+    assert capsys.readouterr().out == f"converted {hf} -> {back}\n"
+    imported = _inspect_json(back, capsys)
+    assert imported["converted"] and imported["plan"] is None and imported["optimizer"] is None
+    assert imported["root"] is None and imported["committed_steps"] == []
+    files = {t["name"]: t["shape"] for t in exported["tensors"]}  # under the Hugging Face names
+    assert {t["name"].removeprefix("model/"): t["shape"] for t in imported["tensors"] if t["kind"] == "model"} == files
+    assert main(["checkpoint", "inspect", back]) == 0
+    out = capsys.readouterr().out
+    assert "plan: converted (no plan)" in out and "none saved (weights only)" in out and "committed steps" not in out
+
+
+def test_convert_refuses_in_one_line(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    """What the bridge refuses (no checkpoint there, no such path) is one line."""
+    (tmp_path / "empty").mkdir()
+    for src in (str(tmp_path / "empty"), str(tmp_path / "nowhere")):
+        assert main(["checkpoint", "convert", "-q", src, str(tmp_path / "out")]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+        assert captured.err.startswith(f"mplan checkpoint: error: {src}")

@@ -7,9 +7,10 @@ Output: `describe_checkpoint(path)`, one JSON-ready document:
 
     mplan's format   format, version, step, saved_at, model name, plan (spec string and mesh;
                      null for a checkpoint converted from another format), world size, optimizer
-                     class and hyperparameters, extras keys, every tensor (name, kind, dtype,
-                     shape, bytes, saved chunks, bytes on disk), totals, data files, and the
-                     committed steps under the root
+                     class and hyperparameters (null: weights only), extras keys, every tensor
+                     (name, kind, dtype, shape, bytes, saved chunks, bytes on disk), totals, data
+                     files, and the committed steps under the root (root null for a checkpoint
+                     directory that is no step of one, as `mplan checkpoint convert` writes)
     Hugging Face     architectures, model type, every tensor (name, dtype, shape, bytes, file),
                      totals and files
 
@@ -39,6 +40,7 @@ from mplan.runtime.checkpoint import (
     is_hf_directory,
     read_manifest,
     resolve_checkpoint,
+    step_dir,
 )
 from mplan.runtime.checkpoint_state import MODEL, OPTIM, RNG
 from mplan.runtime.checkpoint_storage import CheckpointError, check_data_files, dtype_name, read_dcp_metadata
@@ -91,7 +93,9 @@ def describe_mplan_checkpoint(directory: str) -> dict[str, Any]:
         tensors.append(entry)
     model = [t for t in tensors if t["kind"] == "model"]
     plan = manifest.plan
-    root = os.path.dirname(os.path.abspath(directory))
+    parent = os.path.dirname(os.path.abspath(directory))
+    # a step of a root (ROOT/step-N), or a checkpoint directory of its own (what convert writes)
+    root = parent if step_dir(parent, manifest.step) == os.path.abspath(directory) else None
     return {
         "path": directory,
         "format": FORMAT,
@@ -103,7 +107,8 @@ def describe_mplan_checkpoint(directory: str) -> dict[str, Any]:
         "plan": None if plan is None else {"spec": plan.spec(), "mesh": dataclasses.asdict(plan.mesh)},
         "converted": plan is None,
         "world_size": manifest.world_size,
-        "optimizer": {"class": manifest.optimizer, "param_groups": manifest.param_groups},
+        "optimizer": ({"class": manifest.optimizer, "param_groups": manifest.param_groups}
+                      if manifest.optimizer or manifest.param_groups else None),  # None: weights only
         "extras": sorted(manifest.extras),
         "tensors": tensors,
         "totals": {
@@ -115,8 +120,8 @@ def describe_mplan_checkpoint(directory: str) -> dict[str, Any]:
         },
         "files": [{"name": name, "bytes": size} for name, size in sorted(files.items())],
         "root": root,
-        "committed_steps": committed_steps(root),
-        "latest": _latest(root),
+        "committed_steps": committed_steps(root) if root else [],
+        "latest": _latest(root) if root else None,
     }
 
 
