@@ -7,15 +7,18 @@ shapes). Each case of CASES copies the good checkpoint and breaks it one way: a 
 missing data file, bytes flipped in a data file (in an item's zip header; in a tensor's bytes), a
 plain pickle and a `torch.save` of a Python object in place of `__0_0.distcp` (their payload
 opens a marker file when unpickled), `dcp.json` and `mplan.json` malformed (not JSON; a wrong
-field; a storage entry naming a file outside the directory), a parameter the model has left out,
-optimizer state left out for one parameter, another model's checkpoint, a `latest` naming a
+field; a storage entry naming a file outside the directory; a tensor's chunks covering half of
+it; rank 0's random generator state of another dtype or length), a parameter the model has left
+out, optimizer state left out for one parameter, another model's checkpoint, a `latest` naming a
 missing step, a directory holding no checkpoint, a path that does not exist.
 Asserted, on both ranks and in one process: `pm.load` raises `CheckpointError` whose message is
 one line naming the file or key and what is wrong (no traceback, no torch advice about
 `weights_only`), the same line on every rank, within `SECONDS` (no rank trains on alone: a
 rank left in a collective would wait for gloo's timeout); the marker never appears; after the
 refusal the ranks still train together, and the model's parameters, optimizer state and step are
-those it had before the load.
+those it had before the load. A rank's own random generator state of a size no memory holds
+(found on that rank alone) is refused on both ranks too, in a group of its own with a short
+deadline: a rank that raised before the ranks agree would leave the other waiting in a collective.
 """
 from __future__ import annotations
 
@@ -158,7 +161,8 @@ def flipped_tensor_bytes(root: str, fresh: str) -> tuple[str, str]:
         blob = handle.read(item["length"])
     record = next(i for i in zipfile.ZipFile(io.BytesIO(blob)).infolist() if "/data/" in i.filename)
     header = blob[record.header_offset:record.header_offset + 30]
-    begin = record.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+    name_and_extra = int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+    begin = record.header_offset + 30 + name_and_extra  # the local header, then the record's bytes
     _flip(path, item["start"] + begin + record.file_size // 2, 16)
     return fresh, path
 
@@ -229,6 +233,27 @@ def chunks_leave_a_gap(root: str, fresh: str) -> tuple[str, str]:
         tensor["chunks"] = [[[0, 0], [tensor["size"][0] // 2, tensor["size"][1]]]]
     _edit_json(os.path.join(step, "dcp.json"), halve)
     return fresh, "embed.weight"
+
+
+RNG = "rng/rank0/cpu"
+
+
+def _edit_rng(step: str, edit: Callable[[dict[str, Any]], None]) -> None:
+    _edit_json(os.path.join(step, "dcp.json"), lambda doc: edit(doc["tensors"][RNG]))
+
+
+def rng_state_of_another_dtype(root: str, fresh: str) -> tuple[str, str]:
+    """Rank 0's random generator state said to be float64 (it is bytes)."""
+    _edit_rng(_copy(root, fresh), lambda t: t.update(dtype="float64"))
+    return fresh, RNG
+
+
+def rng_state_cut_short(root: str, fresh: str) -> tuple[str, str]:
+    """Rank 0's random generator state said to be half as long (one chunk of it)."""
+    def halve(t: dict[str, Any]) -> None:
+        t.update(size=[t["size"][0] // 2], chunks=[[[0], [t["size"][0] // 2]]])
+    _edit_rng(_copy(root, fresh), halve)
+    return fresh, RNG
 
 
 def mplan_json_not_json(root: str, fresh: str) -> tuple[str, str]:
@@ -315,14 +340,16 @@ class Case:
 
 
 NOT_TENSORS = ": holds something other than the tensors mplan writes"
+CHECKSUM = ": the bytes of "
+"""`FILE: the bytes of T at [offsets] changed after they were written (checksum mismatch)`"""
 CASES = [
     Case(truncated, ": truncated: "),
     Case(data_file_missing, ": missing (the checkpoint's metadata stores tensors in it)"),
     # no zip signature: torch reads it as a pickle of the format before zip, and refuses that
-    Case(flipped_zip_header, (": is corrupt", NOT_TENSORS), while_reading=True),
-    Case(flipped_tensor_bytes, ": is corrupt", while_reading=True),
-    Case(plain_pickle, NOT_TENSORS, while_reading=True),
-    Case(torch_saved_object, NOT_TENSORS, while_reading=True),
+    Case(flipped_zip_header, (CHECKSUM, ": is corrupt", NOT_TENSORS), while_reading=True),
+    Case(flipped_tensor_bytes, (CHECKSUM, ": is corrupt"), while_reading=True),
+    Case(plain_pickle, (CHECKSUM, NOT_TENSORS), while_reading=True),
+    Case(torch_saved_object, (CHECKSUM, NOT_TENSORS), while_reading=True),
     Case(dcp_json_not_json, ": not valid JSON"),
     Case(dcp_json_file_outside, ": storage[3].file must be a DCP data file name"),
     Case(chunks_leave_a_gap, ("cover", "missing")),
@@ -332,6 +359,8 @@ CASES = [
     Case(optimizer_state_missing, "holds optimizer state for some parameters but none for "),
     Case(other_names, "which this model (GPTModel) does not have"),
     Case(other_shapes, " has shape "),
+    Case(rng_state_of_another_dtype, ("uint8", "float64", "dtype")),
+    Case(rng_state_cut_short, ("size", "shape", "long")),
     Case(latest_names_a_missing_step, ": names step-00000099, which holds no mplan.json"),
     Case(no_checkpoint, ": holds no mplan checkpoint"),
     Case(no_such_path, ": no such directory"),
@@ -388,48 +417,25 @@ def outcomes() -> Any:
 
 
 @pytest.fixture(scope="module")
-def one_process(outcomes: Any) -> dict[str, dict[str, Any]]:
-    """The same cases on one process (no process group): the 2-rank checkpoints, resharded."""
+def single(outcomes: Any) -> dict[str, Any]:
+    """A one-process job (no process group) of the same model, and the 2-rank checkpoints."""
     (root, _) = outcomes.assert_passed(check_save)
     pm, ids = _build("tiny-gpt", "dp=1")
     pm.train_step(ids, ids)
-    _STATE.update(pm=pm, ids=ids, root=root, scratch=os.path.join(root, "one-process"))
+    return {"pm": pm, "ids": ids, "root": root, "scratch": os.path.join(root, "one-process")}
+
+
+@pytest.fixture(scope="module")
+def one_process(single: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The cases in one process: the 2-rank checkpoints, resharded."""
+    _STATE.update(single)
     try:
         return {case.name: case() for case in CASES}
     finally:
         _STATE.clear()
 
 
-def _bug(why: str) -> Any:
-    return pytest.mark.xfail(strict=True, reason=why)
-
-
-FIRST_FAILURE_TUPLE = _bug(
-    "checkpoint._first_failure reads DCP's failures as exceptions, but torch 2.13 gives (exception, "
-    "StackSummary) tuples: the line reads 'DIR: rank 0 could not read its pieces (tuple: "
-    "(CheckpointError('FILE: is corrupt (...)'), [<FrameSummary ...' instead of the reader's own line")
-PARTIAL_LOAD = _bug(
-    "a load refused while DCP reads the data has already copied the pieces read before the bad one into "
-    "the live parameters (and optimizer state), which stay changed after the CheckpointError")
-NO_CHECKSUM = _bug(
-    "bytes flipped in a tensor's data load silently: torch.load(weights_only=True) does not check the "
-    "CRC-32 its zip records carry, and dcp.json records no checksum")
-
-
-NO_COVERAGE = _bug(
-    "read_dcp_metadata accepts a tensor whose chunks do not cover it (no chunks at all, or half of the rows): "
-    "the load then leaves the uncovered elements as they were, silently")
-VALUE_TWICE = _bug(
-    "read_dcp_metadata's storage[k].file refusal says what it got twice: the `what` it passes to "
-    "FieldReader.error ends in 'got {file!r}', and error() appends ', got \"...\"' itself")
-SILENT = {"flipped-tensor-bytes": NO_CHECKSUM, "chunks-leave-a-gap": NO_COVERAGE}
-
-
-def _cases(marks: dict[str, Any]) -> list[Any]:
-    return [pytest.param(c, id=c.name, marks=marks.get(c.name, ())) for c in CASES]
-
-
-@pytest.mark.parametrize("case", _cases(SILENT))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_refused_in_one_line_on_every_rank_at_once(outcomes: Any, case: Case) -> None:
     ranks = outcomes.assert_passed(case)
     for rank, seen in enumerate(ranks):
@@ -442,7 +448,7 @@ def test_refused_in_one_line_on_every_rank_at_once(outcomes: Any, case: Case) ->
     assert len(lines) == 1, f"the ranks refused with different lines: {lines}"
 
 
-@pytest.mark.parametrize("case", _cases(SILENT))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_refused_in_one_process(one_process: dict[str, dict[str, Any]], case: Case) -> None:
     seen = one_process[case.name]
     assert seen["error"] == "CheckpointError", seen
@@ -461,8 +467,7 @@ def _assert_clear(seen: dict[str, Any], case: Case) -> None:
 READ_TIME = [c for c in CASES if c.while_reading]
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=(NO_CHECKSUM if c.name == "flipped-tensor-bytes"
-                                                                    else FIRST_FAILURE_TUPLE)) for c in READ_TIME])
+@pytest.mark.parametrize("case", READ_TIME, ids=lambda c: c.name)
 def test_a_file_that_fails_to_read_is_the_line_itself(outcomes: Any, case: Case) -> None:
     """What the reader said of the file, as it said it: `FILE: what is wrong`, not DCP's wrapping."""
     for seen in outcomes.assert_passed(case):
@@ -473,17 +478,49 @@ def test_a_file_that_fails_to_read_is_the_line_itself(outcomes: Any, case: Case)
         assert any(message.startswith(f"{seen['named']}{s}") for s in says), message
 
 
-@pytest.mark.parametrize("case", _cases({**{c.name: PARTIAL_LOAD for c in READ_TIME}, **SILENT}))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_a_refused_load_changes_nothing(outcomes: Any, one_process: dict[str, dict[str, Any]], case: Case) -> None:
     for where, seen in [*enumerate(outcomes.assert_passed(case)), ("one process", one_process[case.name])]:
         assert seen["error"] == "CheckpointError" and not seen["changed"], \
             f"{where}: the refused load changed {len(seen['changed'])}: {seen['changed'][:4]}"
 
 
-@pytest.mark.parametrize("case", _cases({**SILENT, "dcp-json-file-outside": VALUE_TWICE}))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_a_line_says_the_value_it_got_once(outcomes: Any, case: Case) -> None:
     message = outcomes.assert_passed(case)[0]["message"] or ""
     assert message and message.count(", got ") <= 1, message
+
+
+def _rng_of_no_memory(root: str, fresh: str) -> str:
+    _edit_rng(_copy(root, fresh), lambda t: t.update(size=[2 ** 62]))
+    return fresh
+
+
+@dataclass(frozen=True)
+class LoadEverywhere:
+    """A check (carrying its path to the ranks): build the model, load `path`, say what happened."""
+
+    path: str
+    __name__ = "check_load_a_state_of_no_memory"
+
+    def __call__(self) -> dict[str, Any]:
+        pm, _ = _build("tiny-gpt", PLAN)
+        start = time.monotonic()
+        try:
+            pm.load(self.path)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
+        return {"error": None, "message": None, "seconds": time.monotonic() - start}
+
+
+def test_a_state_no_memory_holds_is_refused_before_allocating_it(single: dict[str, Any]) -> None:
+    fresh = _rng_of_no_memory(single["root"], os.path.join(single["scratch"], "rng-state-of-no-memory"))
+    with pytest.raises(CheckpointError, match=RNG):
+        single["pm"].load(fresh)
+    check = LoadEverywhere(_rng_of_no_memory(single["root"], os.path.join(single["root"], "rng-of-no-memory-2")))
+    for rank, seen in enumerate(run_checks(2, [check], timeout_s=30).assert_passed(check)):
+        assert seen["error"] == "CheckpointError" and RNG in seen["message"], (rank, seen)
+        assert seen["seconds"] < SECONDS, (rank, seen)
 
 
 def test_the_payload_is_live(tmp_path) -> None:  # noqa: ANN001
