@@ -192,6 +192,37 @@ def test_a_broken_manifest_is_refused_naming_the_field(saved: dict[str, Any], tm
     assert err.count("\n") == 1 and "mplan.json: step must be an integer >= 0, got -3" in err
 
 
+def _sizes_disagree(saved: dict[str, Any], directory: str) -> str:
+    """A copy of the newest step whose dcp.json gives norm.weight a size mplan.json does not."""
+    shutil.copytree(os.path.join(saved["root"], "step-00000002"), directory)
+    path = os.path.join(directory, "dcp.json")
+    with open(path) as handle:
+        doc = json.load(handle)
+    doc["tensors"]["model/norm.weight"].update(size=[2 ** 62], chunks=[[[0], [2 ** 62]]])
+    with open(path, "w") as handle:
+        json.dump(doc, handle)
+    return directory
+
+
+def test_inspect_refuses_shapes_the_two_files_disagree_on(saved: dict[str, Any], tmp_path,  # noqa: ANN001
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    directory = _sizes_disagree(saved, str(tmp_path / "step-00000002"))
+    assert main(["checkpoint", "inspect", directory]) == 2
+    assert capsys.readouterr().err == (f"mplan checkpoint: error: {directory}/dcp.json: model/norm.weight has size "
+                                       f"[{2 ** 62}], but mplan.json says [32]\n")
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+    "checkpoint.read_tensors allocates torch.empty(size from dcp.json) without holding it to mplan.json's shape "
+    "(nor to any bound): convert ends in torch's 'Storage size calculation overflowed' traceback"))
+def test_convert_refuses_shapes_the_two_files_disagree_on(saved: dict[str, Any], tmp_path,  # noqa: ANN001
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    directory = _sizes_disagree(saved, str(tmp_path / "step-00000002"))
+    assert main(["checkpoint", "convert", "-q", directory, str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "norm.weight" in err
+
+
 # -- a sharded checkpoint: two ranks under tp=2 -----------------------------------------------------
 def _shared_directory() -> str:
     """A fresh directory, made by rank 0, named to every rank."""

@@ -16,7 +16,8 @@ Output: `describe_checkpoint(path)`, one JSON-ready document:
 
 Invariants: no tensor's bytes are read and nothing is unpickled. mplan's `mplan.json` and
 `dcp.json` are read by the checkpoint's own validating readers (`read_manifest`,
-`read_dcp_metadata`: a wrong field is one `CheckpointError` naming it), data files are only
+`read_dcp_metadata`: a wrong field is one `CheckpointError` naming it) and must agree on every
+parameter's shape (else one line naming the tensor and both shapes), data files are only
 measured (`check_data_files`: a missing or truncated one is refused, as a load would refuse it),
 and a safetensors file is read up to the end of its header (8 bytes of length, then JSON),
 validated field by field, and measured against the bytes that header promises.
@@ -43,7 +44,13 @@ from mplan.runtime.checkpoint import (
     step_dir,
 )
 from mplan.runtime.checkpoint_state import MODEL, OPTIM, RNG
-from mplan.runtime.checkpoint_storage import CheckpointError, check_data_files, dtype_name, read_dcp_metadata
+from mplan.runtime.checkpoint_storage import (
+    METADATA_FILE,
+    CheckpointError,
+    check_data_files,
+    dtype_name,
+    read_dcp_metadata,
+)
 
 HF_FORMAT = "huggingface"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -83,6 +90,10 @@ def describe_mplan_checkpoint(directory: str) -> dict[str, Any]:
         files[info.relative_path] = os.path.getsize(os.path.join(directory, info.relative_path))
     tensors = []
     for fqn, md in metadata.state_dict_metadata.items():
+        listed = manifest.params.get(fqn.removeprefix(MODEL)) if fqn.startswith(MODEL) else None
+        if listed is not None and tuple(md.size) != listed[0]:
+            raise CheckpointError(f"{os.path.join(directory, METADATA_FILE)}: {fqn} has size {list(md.size)}, "
+                                  f"but {MANIFEST} says {list(listed[0])}")
         kind = next((k for k, prefix in (("model", MODEL), ("optimizer", OPTIM), ("rng", RNG))
                      if fqn.startswith(prefix)), "other")
         entry = {"name": fqn, "kind": kind, "dtype": dtype_name(md.properties.dtype), "shape": list(md.size),
