@@ -1,6 +1,8 @@
 """`bisect`: the first op at which a plan's local program parts from the single-device graph.
 
-Role: when a plan's losses differ from one device (`mplan verify --bisect`), say where. Input: a
+Role: when a plan's losses differ from one device (`mplan verify --bisect`), say where. A layer
+of the runtime because it runs a `ParallelModule`'s own program on its own groups and reads only
+what the passes left there; `mplan.verify` (the application) builds the run and calls it. Input: a
 flat (one-stage) `ParallelModule`, the captured `Graph` the plan runs (its `program`, the
 ExportedProgram: `pm.graph` where it kept one, else a capture of the same model at the same
 inputs, whose node names are the same), one micro-batch, and the whole weights (default
@@ -22,12 +24,14 @@ How, in four steps (`bisect`):
      getitem (source, k)    element k of a multi-output op: the source's output placement
      a parameter            its `ParamLayout` (gradient: `grad_placement`), experts S(0) on ep
    A `CheckpointedUnit` (recomputation) is walked inside, as the ops it holds. Nodes that hold no
-   IR value (row_bias's bias share, a fused kernel's inside) are not compared.
+   IR value (row_bias's bias share, a fused kernel's inside) are not compared. The program runs
+   to its end or to the op that raises (reported, after any value that diverged before it).
 3. Whole values: each recorded value is moved to R with `apply_transition` (S(d): all-gather,
-   P: all-reduce), its gradient likewise from its gradient placement; in program order, the same
-   on every rank (the program is), so the collectives match.
-4. Compare, forward values in program order, then gradients in reverse program order (the order
-   backward makes them), parameters last. The first beyond tolerance is reported.
+   P: all-reduce), its gradient likewise from its gradient placement; a replicated value's copies
+   are all gathered, so one rank's wrong copy shows. A piece whose shape is not its placement's
+   share of the whole is a divergence by itself (split along the wrong dim), never gathered.
+4. Compare, forward values in program order, then (when all agree) gradients in reverse program
+   order, the order backward makes them, parameters last. The first beyond tolerance is reported.
 
 Why an ordered scan and not a binary search: one run of each side records every value, and the
 scan then costs nothing more. The first divergent value locates the fault: its inputs all agreed,
@@ -41,7 +45,11 @@ is zero in exact arithmetic (a GPT key bias's gradient: softmax ignores a shift 
 from comparing rounding noise with rounding noise.
 
 Invariants: collective (every rank of the job calls it with the same micro-batch; every replica
-then holds the same values, so DP and EP ranks agree); nothing of `pm` changes. Refused: pipeline
+then holds the same values, so DP and EP ranks agree, and an expert's gradient, which holds every
+EP rank's tokens, is divided by ep); the ranks of a TP group compare the same whole values, reach
+the same verdicts in the same order, so their collectives match and their reports are equal;
+nothing of `pm` changes. The keying relies on `insert_collectives` naming each emitted op after its
+IR node (tests/test_bisect.py holds it to that on GPT, Llama and SP). Refused: pipeline
 plans (each rank holds only its stages' parameters and no flat program runs them), autocast and
 FP8 (the local program then computes in another precision than the graph it is compared with).
 """
@@ -50,16 +58,19 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 
 from mplan.collectives.redistribute import AxisGroup, apply_transition
 from mplan.ir.graph import Graph
-from mplan.ir.placement import Partial, Placement, R, Shard, grad_placement, local_shape, transition
+from mplan.ir.placement import Placement, R, Replicate, Shard, grad_placement, local_shape, transition
 from mplan.passes.insert_collectives import INPUTS, LocalInput, Redistribute
 from mplan.passes.recompute import CheckpointedUnit
+
+if TYPE_CHECKING:  # the module that runs the plan; bisect only reads it
+    from mplan.runtime.parallel_module import ParallelModule
 
 TOLERANCE = 1e-9  # relative, float64: the bar of `mplan verify` (docs/execution.md)
 ROUNDING = 1e-13
@@ -82,8 +93,8 @@ class Divergence:
     collective: str  # that reshard's collective ("all_reduce P->R"), "" for an op
     module_path: str  # the module the op belongs to ("" for the root)
     block: str | None  # the repeated block instance ("layers.0"), if any
-    source: str  # the model's source line the capture recorded, "" where none
-    strategy: str  # the op's Strategy (text form of ir/strategy.py), "" for a parameter
+    source: str  # the model's own source line the capture recorded (innermost frame outside torch), "" where none
+    strategy: str  # the op's Strategy (text form of ir/strategy.py); a parameter's storage layout
     placements: tuple[tuple[str, str], ...]  # (mesh axis, placement) of the local value compared
     consumers: tuple[str, ...]  # backward: the local nodes whose backward produced this gradient
     shape: tuple[int, ...]  # of the whole value (one device)
@@ -91,7 +102,7 @@ class Divergence:
     rel_err: float  # ||a - e|| / ||e||; inf where the shapes differ or the program raised
     max_abs_err: float  # largest |a - e| of one element
     worst_index: tuple[int, ...]  # where it is (index into the whole value)
-    worst_rank: int | None  # the tp rank whose shard holds that element; None where every rank holds it
+    worst_rank: int | None  # the tp rank whose shard (or copy, where the copies differ) holds it; else None
     expected: float  # the one-device value there
     actual: float  # the parallel value there
     note: str = ""  # a shape mismatch, or the error the local program raised
@@ -123,19 +134,21 @@ class Divergence:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BisectReport:
     first: Divergence | None  # None: every compared value agrees
-    num_values: int  # forward values compared (parameters included)
-    num_gradients: int  # gradients compared
+    num_values: int  # forward values compared (parameters included), up to the first divergent one
+    num_gradients: int  # gradients compared (none after a forward divergence)
     not_compared: tuple[str, ...]  # IR nodes with no value in the local program (dropped, fused)
-    loss: float  # the local program's loss on the micro-batch
+    loss: float  # the local program's loss on the micro-batch (nan where it raised)
     reference_loss: float  # the exported graph's on one device
     tolerance: float
+    raised: str = ""  # where and what the local program raised ("" where it ran): no gradients then
 
     @property
     def agrees(self) -> bool:
         return self.first is None
 
     def describe(self) -> str:
-        head = (f"bisect: one micro-batch, loss {self.loss:.12g} vs {self.reference_loss:.12g} on one device; "
+        loss = f"loss {self.loss:.12g}" if not self.raised else f"the local program raised at {self.raised}"
+        head = (f"bisect: one micro-batch, {loss} (one device: loss {self.reference_loss:.12g}); "
                 f"{self.num_values} values and {self.num_gradients} gradients compared (tolerance {self.tolerance:g})")
         if self.first is None:
             return (f"{head}\nno op diverges: forward and backward of one micro-batch agree op by op (a loss that "
@@ -151,7 +164,8 @@ class BisectReport:
                 first[key] = first[key] if math.isfinite(first[key]) else None
         return {"agrees": self.agrees, "first": first, "num_values": self.num_values,
                 "num_gradients": self.num_gradients, "not_compared": list(self.not_compared),
-                "loss": self.loss, "reference_loss": self.reference_loss, "tolerance": self.tolerance}
+                "loss": self.loss if math.isfinite(self.loss) else None, "reference_loss": self.reference_loss,
+                "tolerance": self.tolerance, "raised": self.raised}
 
 
 @dataclass(slots=True)
@@ -168,7 +182,7 @@ class _Value:
     consumers: list[str] = field(default_factory=list)
 
 
-def bisect(pm: Any, inputs: torch.Tensor | Sequence[torch.Tensor], labels: torch.Tensor, *,
+def bisect(pm: ParallelModule, inputs: torch.Tensor | Sequence[torch.Tensor], labels: torch.Tensor, *,
            captured: Graph | None = None, weights: Mapping[str, torch.Tensor] | None = None,
            tolerance: float = TOLERANCE) -> BisectReport:
     """Compare `pm`'s local program with the captured graph op by op on the first micro-batch of
@@ -188,36 +202,36 @@ def bisect(pm: Any, inputs: torch.Tensor | Sequence[torch.Tensor], labels: torch
     whole = dict(weights) if weights is not None else pm.full_state_dict()
 
     reference, ref_loss, ref_leaves = _run_reference(pm, program, specs, whole, user)
-    local, loss, leaves, failure = _run_local(pm, specs, user)
+    local, loss, failure = _run_local(pm, specs, user)
     expected = {v.ir: v.tensor.detach() for v in reference}
     expected.update({name: leaf.detach() for name, leaf in ref_leaves.items()})
     gradients = {v.ir: v.tensor.grad for v in reference}
     gradients.update({name: leaf.grad for name, leaf in ref_leaves.items()})
-    for v in local:
-        if v.local in leaves:
-            v.tensor = leaves[v.local]
 
+    # Every rank of a TP group reaches the same verdict on each value (it compares the same whole
+    # value), so all stop at the same one and their collectives stay matched.
     compare = _Comparer(pm, program, expected, gradients, tolerance)
-    first = None
+    first, num_values, num_gradients = None, 0, 0
     for v in local:
-        first = first or compare.value(v)
-    if failure is not None and first is None:
+        num_values += 1
+        if (first := compare.value(v)) is not None:
+            break
+    if first is None and failure is not None:
         first = compare.raised(*failure)
-    num_gradients = 0
-    if failure is None:
+    if first is None:  # gradients of a wrong forward say nothing more
         for v in reversed(local):
             if v.tensor.requires_grad:
                 num_gradients += 1
-                found = compare.gradient(v)
-                first = first or found
+                if (first := compare.gradient(v)) is not None:
+                    break
     seen = {v.ir for v in local}
-    return BisectReport(first=first, num_values=len(local), num_gradients=num_gradients,
+    return BisectReport(first=first, num_values=num_values, num_gradients=num_gradients,
                         not_compared=tuple(n.name for n in pm.graph.nodes if n.name not in seen and n.outputs),
                         loss=float(loss) if loss is not None else math.nan, reference_loss=float(ref_loss),
-                        tolerance=tolerance)
+                        tolerance=tolerance, raised=f"{failure[0]}: {failure[1]}" if failure else "")
 
 
-def _check_runnable(pm: Any) -> None:
+def _check_runnable(pm: ParallelModule) -> None:
     if pm.pipeline is not None:
         raise BisectRefused(f"plan {pm.plan.describe()}: bisect compares the flat program, and under a pipeline each "
                             f"rank holds only its stages' parameters; bisect the same tp/sp/ep layout with pp=1")
@@ -257,8 +271,10 @@ def _alias(value: Any) -> Any:
     return value
 
 
-def _run_reference(pm: Any, program: Any, specs: tuple[LocalInput, ...], whole: Mapping[str, torch.Tensor],
+def _run_reference(pm: ParallelModule, program: Any, specs: tuple[LocalInput, ...], whole: Mapping[str, torch.Tensor],
                    user: tuple[torch.Tensor, ...]) -> tuple[list[_Value], torch.Tensor, dict[str, torch.Tensor]]:
+    """The exported graph's values on whole weights, its loss, and the weights' leaves (by IR
+    name), after backward."""
     by_placeholder = {s.placeholder: s for s in specs}
     leaves = {s.name: whole[s.name].detach().clone().requires_grad_(whole[s.name].is_floating_point())
               for s in specs if s.kind == "PARAMETER"}
@@ -284,8 +300,10 @@ def _run_reference(pm: Any, program: Any, specs: tuple[LocalInput, ...], whole: 
     return values, loss.detach(), leaves
 
 
-def _run_local(pm: Any, specs: tuple[LocalInput, ...], user: tuple[torch.Tensor, ...]
-               ) -> tuple[list[_Value], torch.Tensor | None, dict[str, torch.Tensor], tuple[str, str] | None]:
+def _run_local(pm: ParallelModule, specs: tuple[LocalInput, ...], user: tuple[torch.Tensor, ...]
+               ) -> tuple[list[_Value], torch.Tensor | None, tuple[str, str] | None]:
+    """The local program's values (a parameter's: the leaf it was fed), its loss, and where and
+    what it raised (None: it ran, and backward too)."""
     leaves = {name: p.detach().clone().requires_grad_(p.requires_grad) for name, p in pm.params.items()}
     given = iter(user)
     feed = [leaves[s.name] if s.kind == "PARAMETER" else next(given) if s.kind == "USER_INPUT"
@@ -315,9 +333,9 @@ def _run_local(pm: Any, specs: tuple[LocalInput, ...], user: tuple[torch.Tensor,
         loss = recorder.run(*feed)
     except Exception as error:  # noqa: BLE001 - where the local program breaks is the finding
         where = recorder.current.name if recorder.current is not None else "?"
-        return values, None, {}, (where, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        return values, None, (where, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
     loss.backward()
-    return values, loss.detach(), {v.local: leaves[v.ir] for v in values if v.local in kinds}, None
+    return values, loss.detach(), None
 
 
 def _getitems(graph: Graph) -> dict[tuple[str, int], str]:
@@ -329,7 +347,7 @@ def _getitems(graph: Graph) -> dict[tuple[str, int], str]:
     return found
 
 
-def _held(pm: Any, module: fx.GraphModule, n: fx.Node, value: Any, placeholders: Mapping[str, LocalInput],
+def _held(pm: ParallelModule, module: fx.GraphModule, n: fx.Node, value: Any, placeholders: Mapping[str, LocalInput],
           multi: Mapping[tuple[str, int], str]) -> _Value | None:
     """The IR value local node `n` holds, with its placements (module docstring, step 2); None if none."""
     if not isinstance(value, torch.Tensor):
@@ -363,7 +381,7 @@ def _held(pm: Any, module: fx.GraphModule, n: fx.Node, value: Any, placeholders:
 
 # -- step 3 and 4: whole values, compared -----------------------------------------------------
 class _Comparer:
-    def __init__(self, pm: Any, program: Any, expected: Mapping[str, torch.Tensor],
+    def __init__(self, pm: ParallelModule, program: Any, expected: Mapping[str, torch.Tensor],
                  gradients: Mapping[str, torch.Tensor | None], tolerance: float) -> None:
         self.pm, self.expected, self.gradients, self.tolerance = pm, expected, gradients, tolerance
         self.axis: AxisGroup = pm.axis
@@ -406,39 +424,55 @@ class _Comparer:
             return self._divergence(v, phase, placement, expected, local, None, note=(
                 f"this rank's piece is {list(local.shape)}, but {placement} of {list(expected.shape)} over "
                 f"{self.axis.size} ranks is {list(wanted)}: split along another dim (or by another count)"))
-        actual = apply_transition(local.detach(), placement, R, self.axis)
+        expected = expected.detach().to(torch.float64)
+        holder, note = None, ""
+        if isinstance(placement, Replicate) and self.axis.size > 1:
+            # every rank's copy, so that a copy one rank alone got wrong is seen (and all ranks report alike)
+            copies = apply_transition(local.detach().unsqueeze(0), Shard(0), R, self.axis).to(torch.float64)
+            errors = [float((copy - expected).norm()) for copy in copies]
+            holder = max(range(len(errors)), key=errors.__getitem__)
+            actual = copies[holder]
+            if all(torch.equal(copies[0], copy) for copy in copies[1:]):
+                holder = None
+            else:
+                note = f"the tp ranks hold different copies of this replicated value; rank {holder}'s differs most"
+        else:
+            actual = apply_transition(local.detach(), placement, R, self.axis).to(torch.float64)
         if v.ep:
             actual = apply_transition(actual, Shard(0), R, self.pm.experts.ep)
-        diff = (actual.to(torch.float64) - expected.detach().to(torch.float64)).abs()
-        error, size = float(diff.norm()), _norm(expected)
+        diff = (actual - expected).abs()
+        error, size = float(diff.norm()), float(expected.norm())
         if error <= self.tolerance * size or error <= ROUNDING * scale:
             return None
-        return self._divergence(v, phase, placement, expected, local, (actual, diff, error / size if size else math.inf))
+        found = (actual, diff, error / size if size else math.inf, holder)
+        return self._divergence(v, phase, placement, expected, local, found, note=note)
 
     def _divergence(self, v: _Value, phase: str, placement: Placement, expected: torch.Tensor, local: torch.Tensor,
-                    found: tuple[torch.Tensor, torch.Tensor, float] | None, note: str = "") -> Divergence:
+                    found: tuple[torch.Tensor, torch.Tensor, float, int | None] | None, note: str = "") -> Divergence:
         node = self.pm.graph.node(v.ir) if v.ir in self.pm.graph else None
         index: tuple[int, ...] = ()
         at = (math.nan, math.nan, math.nan)
         rank = None
         if found is not None:
-            actual, diff, _ = found
+            actual, diff, _, rank = found
             index = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)) if diff.numel() else ()
             at = (float(diff[index]), float(expected[index]), float(actual[index]))
             if isinstance(placement, Shard) and index:
                 rank = index[placement.dim] // local.shape[placement.dim]
-        placements = [("tp", str(placement) if not v.collective else f"{v.collective.split()[1]}")]
+        shown = f"{_transition_of(v)}" if v.collective else str(v.placement)
+        placements = [("tp", shown if phase == "forward" else f"{shown}, gradient {placement}")]
         if v.ep:
             placements.append(("ep", "S(0)"))
         return Divergence(
             phase=phase, node=v.ir, op=node.op if node else "parameter", computed_by=v.local,
             collective=v.collective, module_path=node.module_path if node else v.ir.rpartition(".")[0],
             block=node.block if node else None, source=_source(self.stack.get(v.ir, "")),
-            strategy=str(self.pm.choice[v.ir]) if v.ir in self.pm.choice else "",
+            strategy=str(self.pm.choice[v.ir]) if v.ir in self.pm.choice else (
+                f"parameter stored {v.placement}, gradient {v.grad}" if v.ir in self.pm.layouts else ""),
             placements=tuple(placements), consumers=tuple(v.consumers) if phase == "backward" else (),
             shape=tuple(expected.shape), local_shape=tuple(local.shape),
             rel_err=found[2] if found is not None else math.inf, max_abs_err=at[0], worst_index=index,
-            worst_rank=rank if not isinstance(placement, Partial) else None, expected=at[1], actual=at[2], note=note)
+            worst_rank=rank, expected=at[1], actual=at[2], note=note)
 
     def raised(self, where: str, error: str) -> Divergence:
         node = self.pm.graph.node(where) if where in self.pm.graph else None
@@ -451,15 +485,21 @@ class _Comparer:
             actual=math.nan, note=f"the local program raised here: {error}")
 
 
+def _transition_of(v: _Value) -> str:
+    """`src->dst` of a reshard's collective text ("all_reduce P->R" -> "P->R")."""
+    return v.collective.split(",")[0].split()[-1]
+
+
 def _norm(t: torch.Tensor) -> float:
     return float(t.detach().to(torch.float64).norm())
 
 
 def _source(stack_trace: str) -> str:
-    """The innermost frame of a capture's stack trace: 'file:line  code'."""
+    """The innermost frame of a capture's stack trace outside torch (the model's own line, not
+    `nn.Linear`'s): 'file:line  code'."""
     lines = [line.strip() for line in stack_trace.strip().splitlines()]
     for k in range(len(lines) - 1, -1, -1):
-        if lines[k].startswith("File "):
+        if lines[k].startswith("File ") and "/torch/" not in lines[k]:
             parts = lines[k].split('"')
             place = f"{parts[1]}:{lines[k].split('line ')[-1].split(',')[0]}" if len(parts) > 2 else lines[k]
             code = lines[k + 1] if k + 1 < len(lines) else ""
