@@ -75,7 +75,8 @@ class VerifyReport:
         return self.max_loss_rel_err < TOLERANCE and self.max_param_rel_err < TOLERANCE and agrees
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "passed": self.passed, "tolerance": TOLERANCE}
+        return {**dataclasses.asdict(self), "bisect": self.bisect.to_dict() if self.bisect else None,
+                "passed": self.passed, "tolerance": TOLERANCE}
 
 
 def verify_plan(model_spec: str, plan_spec: str, world_size: int, steps: int = 3, *,
