@@ -72,6 +72,15 @@ parsed only: every option they hold is exercised by the run of another line or v
 running each would take the module past its minute."""
 
 PARSE_ONLY = {
+    "mplan data prepare 'STDLIB/*.py' -o out/tokens":
+        "scripts/demo.sh runs it on the standard library; tests/test_train.py prepares a part of it",
+    "torchrun --nproc-per-node 4 -m mplan train examples/train_stdlib.toml --set train.stop_at=70":
+        "scripts/demo.sh runs it; tests/test_train.py stops and resumes jobs on gloo ranks",
+    "torchrun --nproc-per-node 4 -m mplan train examples/train_stdlib.toml --set plan.spec=tp=2,dp=2,sp=1,zero=1":
+        "scripts/demo.sh runs it; tests/test_train.py resumes under other plans",
+    "mplan data prepare 'texts/**/*.txt' -o tokens/": "needs text files; tests/test_data.py prepares corpora",
+    "torchrun --nproc-per-node 8 -m mplan train CONFIG.toml --set train.steps=1000 --set plan.spec=auto":
+        "a training run on 8 ranks; tests/test_train.py runs mplan train on gloo ranks",
     "mplan checkpoint inspect ckpt": "needs a checkpoint; tests/test_checkpoint_cli.py runs inspect on real ones",
     "mplan checkpoint convert ckpt out/hf": "needs a checkpoint of a Hugging Face model; tests/test_hf_checkpoint.py "
                                             "converts both ways",

@@ -421,6 +421,13 @@ def read_tensors(directory: str, names: Collection[str] | None = None) -> dict[s
     alone (no process group): what `mplan checkpoint` inspects and converts."""
     metadata = read_dcp_metadata(directory)
     check_data_files(directory, metadata)
+    if os.path.isfile(os.path.join(directory, MANIFEST)):
+        params = read_manifest(directory).params
+        for key, md in metadata.state_dict_metadata.items():
+            name = key.removeprefix(MODEL)
+            if key.startswith(MODEL) and name in params and tuple(md.size) != params[name][0]:
+                raise CheckpointError(f"{directory}/dcp.json: {key} has size {list(md.size)}, but {MANIFEST} "
+                                      f"says {list(params[name][0])}")
     wanted = metadata.state_dict_metadata if names is None else {n: metadata.state_dict_metadata[n] for n in names}
     out = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in wanted.items()}
     try:

@@ -154,15 +154,24 @@ def read_dcp_metadata(directory: str) -> Metadata:
         if not _DATA_FILE.fullmatch(file):
             raise e.error("file", "must be a DCP data file name (__<rank>_<n>.distcp)")
         offset = _int_list(e.raw("offset"), len(tensors[fqn].size), f"{path}: storage[{k}].offset")
-        storage[MetadataIndex(fqn, offset)] = _ChecksummedInfo(
-            relative_path=file, offset=e.integer("start", minimum=0), length=e.integer("length", minimum=0),
-            crc32=e.integer("crc32", minimum=0))
+        info = _ChecksummedInfo(relative_path=file, offset=e.integer("start", minimum=0),
+                                length=e.integer("length", minimum=0), crc32=e.integer("crc32", minimum=0))
+        if info.offset + info.length >= 1 << 63:
+            raise e.error("length", "with start must lie within a file (under 2**63 bytes)")
+        if info.crc32 >= 1 << 32:
+            raise e.error("crc32", "must be a CRC-32 (under 2**32)")
+        storage[MetadataIndex(fqn, offset)] = info
         e.finish()
     r.finish()
     for fqn, md in tensors.items():
         for chunk in md.chunks:
-            if MetadataIndex(fqn, chunk.offsets) not in storage:
+            index = MetadataIndex(fqn, chunk.offsets)
+            if index not in storage:
                 raise CheckpointError(f"{path}: chunk {list(chunk.offsets)} of {fqn} has no storage entry")
+            need = math.prod(chunk.sizes) * md.properties.dtype.itemsize  # the raw bytes torch.save stores
+            if need > storage[index].length:
+                raise CheckpointError(f"{path}: chunk {list(chunk.offsets)} of {fqn} needs {need} bytes, its "
+                                      f"storage entry holds {storage[index].length}")
         _check_cover(path, fqn, md)
     return Metadata(state_dict_metadata=tensors, storage_data=storage)
 

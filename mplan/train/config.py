@@ -39,6 +39,7 @@ class ClusterSection:
     name: str = "local"
     """`local` (torchrun's ranks as they are), a preset name, or a cluster.json path."""
     nodes: int = 1
+    """Nodes of a preset cluster (a cluster.json says its own)."""
 
 
 @dataclass(frozen=True)
@@ -55,9 +56,13 @@ class OptimizerSection:
     name: str = "adamw"
     """adamw or sgd."""
     lr: float = 3e-4
+    """The peak learning rate (the schedule scales it)."""
     weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW's), or SGD's L2 term."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's moment decay rates."""
     eps: float = 1e-8
+    """AdamW's denominator term."""
     momentum: float = 0.0
     """sgd only."""
     max_grad_norm: float = 1.0
@@ -77,9 +82,13 @@ class ScheduleSection:
 @dataclass(frozen=True)
 class TrainSection:
     steps: int = 100
+    """Optimizer steps of the whole run (what the schedule spans)."""
     global_batch: int = 8
+    """Sequences per optimizer step, over all data-parallel ranks."""
     seq_len: int = 128
+    """Tokens per sequence (the model's own is replaced for a family spec)."""
     seed: int = 0
+    """The model's initial weights and the data's order."""
     log_every: int = 10
     """A progress line every this many steps (the first and the last always)."""
     stop_at: int = 0
@@ -100,6 +109,7 @@ class CheckpointSection:
     interval: int = 0
     """Save every this many steps (0: only at the end)."""
     keep_latest: int = 2
+    """Checkpoints kept: the newest this many."""
     background: bool = False
     """Save asynchronously: training stalls only while the state is copied to CPU memory."""
     resume: bool = True

@@ -34,8 +34,9 @@ PREDICTION_GAP = 0.15
 
 
 class Observer:
-    def __init__(self, config: TrainConfig, *, rank: int, first_step: int, total_steps: int, plan: Any) -> None:
-        self.config, self.rank, self.first, self.total = config, rank, first_step, total_steps
+    def __init__(self, config: TrainConfig, *, rank: int, first_step: int, total_steps: int, stop: int,
+                 plan: Any) -> None:
+        self.config, self.rank, self.first, self.total, self.stop = config, rank, first_step, total_steps, stop
         m = config.metrics
         self.jsonl = m.jsonl if rank == 0 and m.jsonl else None
         self.started = time.perf_counter()
@@ -59,7 +60,7 @@ class Observer:
         if self.snapshot:
             torch.cuda.memory._record_memory_history()
         if rank == 0:
-            print(f"mplan: training {plan.spec()} from step {first_step} to {total_steps}", file=sys.stderr)
+            print(f"mplan: training {plan.spec()} from step {first_step} to {stop} of {total_steps}", file=sys.stderr)
 
     @contextlib.contextmanager
     def step(self, index: int) -> Iterator[None]:
@@ -91,9 +92,9 @@ class Observer:
                 if isinstance(row.get(key), (int, float)):
                     self.writer.add_scalar(key, row[key], pm.step)
         done = pm.step - self.first
-        if pm.step == self.first + 1 or pm.step % self.config.train.log_every == 0 or pm.step == self.total:
+        if pm.step == self.first + 1 or pm.step % self.config.train.log_every == 0 or pm.step == self.stop:
             elapsed = time.perf_counter() - self.started
-            eta = elapsed / done * (self.total - pm.step) if done else 0.0
+            eta = elapsed / done * (self.stop - pm.step) if done else 0.0  # this job's end
             figures = m.line().split(" | ", 1)[1]  # the meter counts this job's steps; the run's are pm.step
             print(f"step {pm.step}/{self.total} | {figures} | ETA {_duration(eta)}", file=sys.stderr, flush=True)
         if done > 2:

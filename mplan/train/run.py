@@ -83,9 +83,9 @@ def train(config: TrainConfig, *, progress: Any = None) -> RunSummary:
     elif config.model.init_from:
         pm.load(config.model.init_from)
     first = pm.step
-    observer = Observer(config, rank=rank, first_step=first, total_steps=t.steps, plan=pm.plan)
-    loss = None
     last = min(t.steps, t.stop_at) if t.stop_at else t.steps
+    observer = Observer(config, rank=rank, first_step=first, total_steps=t.steps, stop=last, plan=pm.plan)
+    loss = None
     for _ in range(first, last):
         ids, labels = loader.next_batch(pm.dp_rank, pm.dp_size)
         with observer.step(pm.step):
