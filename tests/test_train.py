@@ -142,3 +142,21 @@ def test_the_schedule_warms_up_then_decays_to_its_floor() -> None:
     assert factors[:3] == [0.5, 1.0, 1.0]
     assert factors[3] > factors[4] > factors[5] and factors[5] == pytest.approx(0.1) and factors[6] == factors[5]
     assert lr_factor(3, warmup=0, total=5, decay="linear", min_ratio=0.0) == pytest.approx(0.25)
+
+
+def test_one_process_writes_a_trace_a_plot_and_refuses_tensorboard_it_lacks(tmp_path, tokens) -> None:
+    from mplan.train.config import ConfigError, load_config
+    from mplan.train.run import train
+
+    config = _config(str(tmp_path), tokens, "observed")
+    plot = str(tmp_path / "loss.png")
+    summary = train(load_config(config, ["train.steps=3", "metrics.profile_steps=1:2", f"metrics.plot={plot}",
+                                         "checkpoint.dir="]), progress="quiet")
+    assert summary.checkpoint is None and summary.plot == plot and os.path.getsize(plot) > 1000
+    trace = json.load(open(tmp_path / "trace-rank0.json", encoding="utf-8"))
+    assert any(event.get("name", "").startswith("aten::") for event in trace["traceEvents"])
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="metrics.tensorboard: tensorboard is not installed"):
+            train(load_config(config, [f"metrics.tensorboard={tmp_path / 'tb'}"]), progress="quiet")

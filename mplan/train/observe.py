@@ -34,6 +34,16 @@ PREDICTION_GAP = 0.15
 
 
 class Observer:
+    @staticmethod
+    def preflight(config: TrainConfig) -> None:
+        """What the run will need to write, checked before the minutes of building it."""
+        if config.metrics.tensorboard:
+            try:
+                import torch.utils.tensorboard  # noqa: F401
+            except ImportError:
+                raise ConfigError("metrics.tensorboard: tensorboard is not installed (pip install tensorboard), "
+                                  "or leave the key out") from None
+
     def __init__(self, config: TrainConfig, *, rank: int, first_step: int, total_steps: int, stop: int,
                  plan: Any) -> None:
         self.config, self.rank, self.first, self.total, self.stop = config, rank, first_step, total_steps, stop
@@ -43,11 +53,8 @@ class Observer:
         self.warned: set[str] = set()
         self.writer = None
         if m.tensorboard and rank == 0:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ConfigError("metrics.tensorboard: tensorboard is not installed (pip install tensorboard), "
-                                  "or leave the key out") from None
+            from torch.utils.tensorboard import SummaryWriter  # `preflight` checked it is there
+
             self.writer = SummaryWriter(m.tensorboard)
         if self.jsonl:
             _keep_lines_up_to(self.jsonl, first_step)

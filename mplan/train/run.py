@@ -61,6 +61,7 @@ def train(config: TrainConfig, *, progress: Any = None) -> RunSummary:
     from mplan.runtime.checkpoint import committed_steps
     from mplan.runtime.launch import init_distributed_from_env
 
+    Observer.preflight(config)
     init_distributed_from_env()
     rank = dist.get_rank() if dist.is_initialized() else 0
     shards = TokenShards.open(config.data.path)
