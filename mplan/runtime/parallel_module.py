@@ -88,6 +88,7 @@ from mplan.runtime.pipeline_executor import PipelineExecutor, StageRunner
 from mplan.runtime.pipeline_stages import RankStages, pipeline_schedule, rank_stages
 from mplan.runtime.process_groups import ProcessGroups, group_size, init_process_groups
 from mplan.runtime.replicated_optimizer import OptimizerFactory
+from mplan.runtime.watchdog import Position, Watchdog, watch
 
 Batch = torch.Tensor | Sequence[torch.Tensor]
 Inference = tuple[Graph, Plan]
@@ -286,6 +287,9 @@ class ParallelModule:
         # the step's micro-batches, filled in place for the stages' feeds (which hold this list, the
         # parameters and the buffers, never the module: deleting pm frees it without a collection)
         self._micro: list[tuple[torch.Tensor, ...]] = []
+        # where this rank is inside a step, for the hang watchdog (`watch_for_hangs`; off by default)
+        self.position = Position.of(groups, clipping=max_grad_norm is not None)
+        self.watchdog: Watchdog | None = None
         self.executor = self._executor() if pipeline is not None else None
         self._meter = StepMeter(plan=plan, graph=graph, device=device, optimizer=self.optimizer.optimizer)
         # `autoparallel` hands its Progress over: the first step is the last phase it reports
@@ -311,7 +315,7 @@ class ParallelModule:
             params = tuple(dict.fromkeys(self.params[n] for n in stage.parameters if self.params[n].requires_grad))
             runners[s] = StageRunner(program=stage, feed=self._stage_feed(stage.inputs), params=params)
         return PipelineExecutor(schedule=pipeline.schedule, pp_rank=self.groups.pp_rank, stages=runners,
-                                peers=self.groups.ranks("pp"), device=self.device,
+                                peers=self.groups.ranks("pp"), device=self.device, position=self.position,
                                 autocast=functools.partial(_autocast_context, self.device, self.autocast))
 
     def _stage_feed(self, specs: tuple[LocalInput, ...]) -> Callable[[int], list[torch.Tensor]]:
@@ -363,7 +367,8 @@ class ParallelModule:
         first, self.progress = self.progress, None
         with first.phase("first step", "later steps: pm.last_metrics") if first else contextlib.nullcontext():
             self._meter.start()
-            loss = self._step(inputs, labels, local=local)
+            with self.position.stepping(self.step):
+                loss = self._step(inputs, labels, local=local)
             self._meter.stop(loss)
         self.step += 1
         return loss
@@ -387,6 +392,7 @@ class ParallelModule:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         try:
             for i in range(count):
+                self.position.micro_batch(i)
                 micro = tuple(t[i * mbs:(i + 1) * mbs] for t in tensors)
                 with self._autocast():
                     loss = self.program(*self._feed(self.program, micro))
@@ -394,6 +400,7 @@ class ParallelModule:
                     self.optimizer.before_last_backward()
                 (loss if count == 1 else loss / count).backward()
                 total += loss.detach().to(torch.float64)
+            self.position.collective("optimizer step")
             self._last_grad_norm = self.optimizer.step(max_grad_norm=self.max_grad_norm)
         finally:
             # Gradients live from the first backward to the update, as in an eager loop that
@@ -401,6 +408,7 @@ class ParallelModule:
             self.optimizer.zero_grad()
         total /= count * self.plan.mesh.dp
         if group_size(self.groups.dp) > 1:
+            self.position.collective("loss all-reduce", "dp")
             dist.all_reduce(total, group=self.groups.dp)
         return float(total)
 
@@ -411,7 +419,9 @@ class ParallelModule:
         self._micro[:] = micro
         try:
             losses = self.executor.run()
+            self.position.collective("stage copies' gradient sum")
             self.pipeline.copies.sum_gradients(self.params)
+            self.position.collective("optimizer step")
             self._last_grad_norm = self.optimizer.step(max_grad_norm=self.max_grad_norm)
         finally:
             self._micro.clear()
@@ -420,10 +430,23 @@ class ParallelModule:
         for loss in losses:
             total += loss.to(torch.float64)
         total /= len(micro) * self.plan.mesh.dp
-        for group in (self.groups.pp, self.groups.dp):  # the last stage's sum, then over replicas
+        # the last stage's sum, then over replicas
+        for axis, group in (("pp", self.groups.pp), ("dp", self.groups.dp)):
             if group_size(group) > 1:
+                self.position.collective("loss all-reduce", axis)
                 dist.all_reduce(total, group=group)
         return float(total)
+
+    def watch_for_hangs(self, timeout_s: float | None = None, **options: float) -> Watchdog | None:
+        """Start the hang watchdog (`watchdog.py`): a rank with no progress inside a step for
+        `timeout_s` seconds makes every rank report where it is, and every rank raise `HangError`
+        naming the stuck ones (or exit, where a blocked wait cannot be interrupted). None reads
+        MPLAN_HANG_TIMEOUT_S (unset: off). Call on every rank alike; replaces an earlier one."""
+        if self.watchdog is not None:
+            self.watchdog.close()
+        schedule = self.pipeline.schedule if self.pipeline is not None else None
+        self.watchdog = watch(self.position, timeout_s, schedule=schedule, **options)
+        return self.watchdog
 
     def _autocast(self) -> contextlib.AbstractContextManager[None]:
         return _autocast_context(self.device, self.autocast)

@@ -30,6 +30,8 @@ from its F to its B (or W), which is exactly the count of activations in flight 
 model assumes (`ir.schedule.max_in_flight_per_stage`).
 
 `executed` records each action as it starts when `record=True` (tests compare it with the IR's list).
+`position` (`watchdog.Position`, the hang watchdog's record of where this rank is) gets each
+action as it starts and each transfer before its wait: a few attribute writes per action.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ import torch.distributed as dist
 from mplan.ir.schedule import COMM_KINDS, Action, Schedule
 from mplan.passes.split_stages import BoundaryValue, StageProgram
 from mplan.runtime.split_backward import WeightGradients, backward_full, backward_input
+from mplan.runtime.watchdog import Position
 
 Feed = Callable[[int], list[torch.Tensor]]
 """Micro-batch index -> the stage's own inputs (parameters, buffers, constants, user inputs) in
@@ -77,9 +80,10 @@ class PipelineExecutor:
     def __init__(self, *, schedule: Schedule, pp_rank: int, stages: Mapping[int, StageRunner],
                  peers: Sequence[int], device: torch.device,
                  autocast: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
-                 record: bool = False) -> None:
+                 record: bool = False, position: Position | None = None) -> None:
         self.schedule, self.pp_rank, self.stages, self.peers = schedule, pp_rank, stages, tuple(peers)
         self.device, self.autocast, self.record = device, autocast, record
+        self.position = position if position is not None else Position()
         self.last_stage = schedule.num_stages - 1
         mine = set(schedule.stages_of(pp_rank))
         if set(stages) != mine:
@@ -97,26 +101,35 @@ class PipelineExecutor:
         self._state: dict[tuple[int, int], _MicroBatch] = {}
         self._losses: list[torch.Tensor] = []
         self._ops: list[dist.P2POp] = []  # transfers posted by the current run of comm actions
+        self._op_actions: list[tuple[int, Action]] = []  # the schedule action (and its index) of each
         self._receiving: list[Callable[[], None]] = []  # what to do with their received data
-        self._sends: list[object] = []  # this step's send requests (or, coalesced, their tensors), kept to its end
+        # this step's send requests (or, coalesced, their tensors), kept to its end, with their
+        # action, its index and the peer
+        self._sends: list[tuple[object, int, Action, int]] = []
 
     # -- the walk --------------------------------------------------------------------------
     def run(self) -> list[torch.Tensor]:
         """One step; the last stage's (unscaled, detached) losses, one per micro-batch."""
         self._losses = []
+        actions, position = self.schedule.actions[self.pp_rank], self.position
         try:
-            for action in self.schedule.actions[self.pp_rank]:
+            for index, action in enumerate(actions):
+                position.pipeline_action(index, action)
                 if action.kind not in COMM_KINDS:
                     self._post()
                 if self.record:
                     self.executed.append(action)
+                queued = len(self._ops)
                 self.handlers[action.kind](action)
+                self._op_actions += [(index, action)] * (len(self._ops) - queued)
+            position.pipeline_action(len(actions), None)
             self._post()
-            for work in self._sends:
+            for work, index, action, peer in self._sends:
                 if not isinstance(work, torch.Tensor):
+                    position.transfer(index, action, peer)
                     work.wait()  # type: ignore[attr-defined]
         finally:
-            self._sends, self._state, self._ops, self._receiving = [], {}, [], []
+            self._sends, self._state, self._ops, self._op_actions, self._receiving = [], {}, [], [], []
         return self._losses
 
     def _post(self) -> None:
@@ -125,18 +138,21 @@ class PipelineExecutor:
             return
         works = dist.batch_isend_irecv(self._ops)
         if len(works) == len(self._ops):  # a request per transfer (gloo): sends stay in flight
-            for op, work in zip(self._ops, works):
+            for op, work, (index, action) in zip(self._ops, works, self._op_actions):
                 if op.op is dist.isend:
-                    self._sends.append(work)
+                    self._sends.append((work, index, action, op.peer))
                 else:
+                    self.position.transfer(index, action, op.peer)
                     work.wait()
         else:  # one request for the coalesced batch (NCCL): waiting orders the compute stream after it
+            self.position.transfer(*self._op_actions[0], self._ops[0].peer)
             for work in works:
                 work.wait()
-            self._sends += [op.tensor for op in self._ops if op.op is dist.isend]  # alive until the step ends
+            # alive until the step ends
+            self._sends += [(op.tensor, *at, op.peer) for op, at in zip(self._ops, self._op_actions) if op.op is dist.isend]
         for deliver in self._receiving:
             deliver()
-        self._ops, self._receiving = [], []
+        self._ops, self._op_actions, self._receiving = [], [], []
 
     # -- compute ---------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
