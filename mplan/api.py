@@ -48,6 +48,7 @@ from mplan.progress import Progress
 from mplan.runtime.launch import init_distributed_from_env
 from mplan.runtime.parallel_module import ParallelModule, check_executable, parallelize
 from mplan.runtime.replicated_optimizer import OptimizerFactory
+from mplan.runtime.watchdog import hang_timeout
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -65,7 +66,8 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
                  state_dict: Mapping[str, torch.Tensor] | None = None,
                  device: torch.device | str | None = None, tp_layout: str = "megatron",
                  kernels: bool | None = None, fp8: bool = False,
-                 progress: Progress | Callable[[str], None] | str | None = None) -> ParallelModule:
+                 progress: Progress | Callable[[str], None] | str | None = None,
+                 hang_timeout_s: float | None = None) -> ParallelModule:
     """Parallelize `model` under `plan` on this job's ranks (see the module docstring).
 
     `max_grad_norm` clips the global gradient norm (over every shard) before each step, as
@@ -82,10 +84,14 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     in the training dtype) and raises `Fp8Unavailable` naming why where they cannot run. `progress`
     shows each phase (capture, plan, lowering, first step) with its time on rank 0's stderr: a
     live line on a terminal, one line per phase in a log, nothing with "quiet" (`mplan.progress`;
-    the MPLAN_PROGRESS variable sets it for a whole job). Collective: every rank of the job
-    calls it with the same arguments.
+    the MPLAN_PROGRESS variable sets it for a whole job). `hang_timeout_s` starts the hang
+    watchdog (`runtime.watchdog`, `pm.watch_for_hangs`): a rank with no progress inside a step for
+    that many seconds makes every rank report where it is and the job stop with `HangError`
+    naming the stuck ranks; None reads MPLAN_HANG_TIMEOUT_S (unset: off). Collective: every rank
+    of the job calls it with the same arguments.
     """
     _check_numbers(global_batch=global_batch, micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm)
+    hang_timeout(hang_timeout_s)  # a bad timeout (or MPLAN_HANG_TIMEOUT_S) refused before the capture
     world = init_distributed_from_env()
     world_size = world.size() if world is not None else 1
     run_on = torch.device(device) if device is not None else _default_device()
@@ -115,6 +121,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
                          fp8=resolved.fp8, inference=inference)
     pm.progress = progress
     pm.hf_config = _hf_config(model)
+    pm.watch_for_hangs(hang_timeout_s)
     # torch.export leaves reference cycles that reach the model (the trace's frames and
     # closures). Collected now, `del model` frees the model's memory at once rather than at
     # Python's next full collection, which no device allocation waits for.
