@@ -90,11 +90,19 @@ PARSE_ONLY = {
     "mplan profile [-o cluster.json] [--quick] [--no-links] [--json] [-q]":
         "times this machine's kernel grid (minutes without --quick); tests/test_profile_command.py runs "
         "`profile --quick --no-links -o cluster.json`",
-    "mplan verify MODEL [--plan SPEC|plan.json] [--world-size N] [--steps N] [--json] [-q]":
+    "mplan verify MODEL [--plan SPEC|plan.json] [--world-size N] [--steps N] [--bisect] [--json] [-q]":
         "starts gloo CPU ranks and trains twice (10-30 s each on 2 cores); tests/test_profile_command.py runs "
         "`mplan verify plan.json --world-size 2 --json`",
-    "mplan verify plan.json [--world-size N] [--steps N] [--json] [-q]":
-        "starts gloo CPU ranks (10-30 s on 2 cores); tests/test_profile_command.py runs it",
+    "mplan verify plan.json [--world-size N] [--steps N] [--bisect] [--json] [-q]":
+        "starts gloo CPU ranks (10-30 s on 2 cores); tests/test_profile_command.py runs it, "
+        "tests/test_bisect.py runs --bisect",
+    "mplan checkpoint inspect DIR [--json]": "needs a checkpoint; tests/test_checkpoint_cli.py runs it on real ones",
+    "mplan checkpoint convert SRC DST [-q]": "needs a checkpoint; tests/test_checkpoint_cli.py and "
+                                             "tests/test_hf_checkpoint.py convert both ways",
+    "mplan data prepare INPUTS... -o DIR [--tokenizer DIR] [--vocab-size N] [--jsonl FILE] [--json] [-q]":
+        "needs a corpus; tests/test_data.py runs the command",
+    "torchrun ... -m mplan train CONFIG.toml [--set KEY=VALUE ...] [--profile-steps A:B] [-q]":
+        "a training run under torchrun; tests/test_train.py runs mplan train on gloo ranks",
     "mplan verify MODEL --plan SPEC_OR_PLAN_JSON [--world-size 4] [--steps 3] [--json]":
         "starts 4 gloo CPU ranks by default (tens of seconds on 2 cores)",
     "mplan verify plan.json [--world-size 4] [--steps 3]": "starts 4 gloo CPU ranks (tens of seconds on 2 cores)",
@@ -116,6 +124,8 @@ PLACEHOLDERS = {
     "MODEL": "gpt:layers=2,hidden=64,heads=8,seq=32,vocab=128",  # 8 heads, for tp=8; the planner searches it in seconds
     "B": "16", "S": "32", "V": "128", "N": "1", "G": "8", "X": "1.1", "C": "dgx-h100",
     "SPEC": "tp=2", "SPEC_OR_PLAN_JSON": "tp=2,dp=2",
+    "DIR": "ckpt", "SRC": "ckpt", "DST": "out", "INPUTS...": "texts/a.txt", "FILE": "data.jsonl",
+    "KEY=VALUE": "train.steps=3", "A:B": "1:2",
 }
 """Placeholder word of a command line -> the small real value the check gives it. File names
 (plan.json, cluster.json, schedule.png, ...) stay as written: the run's directory holds a real
