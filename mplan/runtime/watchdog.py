@@ -58,11 +58,22 @@ raised within `exit_s` prints that and leaves with `os._exit(1)`: the stuck rank
 others `exit_s` later, so that the stuck ranks' closed connections fail the others' waits and
 those raise `HangError` as a Python exception.
 
+Under torchrun (checked on 2 CPU ranks with each fault of tests/test_watchdog.py): the first
+rank to exit makes the agent stop the others (SIGTERM), which is why every rank prints its line
+when the summary is agreed, before any exits. A worker that dies is reported by the agent itself
+(it stops the survivors within its monitor interval, before their `grace_s` ends); the
+watchdog's "dead" is for deaths no agent sees at once (another node's, a frozen process) and for
+launchers without one. A `HangError` that escapes the script is printed once more by mplan's
+refusal hook (`mplan: error: hang ...`).
+
 Limits: on NCCL the host does not block in a transfer or a reduction (their waits only order the
 device's stream), so positions are where the host waited (mostly the loss read-back); the device
 side is NCCL's own watchdog and flight recorder. The optimizer step is one position (reduction,
-clipping, update). A store served by a rank that died (torchrun without its agent store) leaves
-each rank only its own position.
+clipping, update), and so is a micro-batch's forward and backward (tensor- and expert-parallel
+collectives inside it are timed, not named). Inference, `full_state_dict` and checkpoints are not
+watched. A store served by a rank that died (torchrun without its agent store) leaves each rank
+only its own position. Every rank polls the store once per `poll_s` and, when one fires, reads
+every rank's report: fine for hundreds of ranks; thousands would want a tree.
 """
 from __future__ import annotations
 
