@@ -17,11 +17,19 @@ here is global state, and nothing here plans: the runtime reads the Plan.
     grad_clip.py              global-norm clipping across TP, DP, PP and ZeRO shards
     compute_copies.py         bf16 compute copies of fp32 weights under autocast
     parallel_module.py        ParallelModule: train_step, inference, full_state_dict (autoparallel's pm)
-    checkpoint.py             per-rank tensor files + validated JSON manifest
+    checkpoint.py             save/load through torch.distributed.checkpoint: step directories,
+                              atomic commit, background saves, validation agreed over the ranks
+    checkpoint_state.py       the training state as global tensors under the model's own names
+    checkpoint_chunks.py      a rank's pieces of a global tensor as DCP reads and writes them
+    checkpoint_storage.py     DCP's file layout with JSON metadata and per-item checksums
+    hf_checkpoint.py          Hugging Face directories in and out (safetensors slices per rank)
+    inspect_checkpoint.py     what `mplan checkpoint inspect` shows, from metadata alone
+    watchdog.py               where each rank is; a hang named by rank, action and peer
+    bisect.py                 the first op whose value or gradient differs from one device
 
-The rank layout is `mplan.ir.mesh`; the collectives are `mplan.collectives`. The last two modules
-build on passes/ and are imported by their full module path (the names below stay importable
-without them).
+The rank layout is `mplan.ir.mesh`; the collectives are `mplan.collectives`. The modules from
+parallel_module.py on build on passes/ and are imported by their full module path (the names
+below stay importable without them).
 """
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ def train(config: TrainConfig, *, progress: Any = None) -> RunSummary:
     pm = mplan.autoparallel(model, cluster=_cluster(config), example_inputs=(ids,), optimizer=_optimizer(config),
                             global_batch=t.global_batch, plan=None if config.plan.spec == "auto" else config.plan.spec,
                             max_grad_norm=config.optimizer.max_grad_norm or None, seed=t.seed, progress=progress,
-                            **_watchdog(config))
+                            hang_timeout_s=config.plan.hang_timeout_s or None)
     del model
     s = config.schedule
     schedule = make_schedule(pm.optimizer.optimizer, warmup=s.warmup_steps, total=t.steps, decay=s.decay,
@@ -146,16 +146,3 @@ def _optimizer(config: TrainConfig) -> Any:
     if o.name == "sgd":
         return functools.partial(torch.optim.SGD, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
     return functools.partial(torch.optim.AdamW, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-
-
-def _watchdog(config: TrainConfig) -> dict[str, Any]:
-    """autoparallel's hang watchdog argument, where this mplan has one and the config asks."""
-    import inspect
-
-    import mplan
-
-    if config.plan.hang_timeout_s and "hang_timeout_s" in inspect.signature(mplan.autoparallel).parameters:
-        return {"hang_timeout_s": config.plan.hang_timeout_s}
-    if config.plan.hang_timeout_s:
-        raise ConfigError("plan.hang_timeout_s: this mplan has no hang watchdog yet")
-    return {}
