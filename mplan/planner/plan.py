@@ -255,7 +255,7 @@ class Plan:
         if version != PLAN_VERSION:
             raise PlanError(f"{file}: version {version} is not supported (this mplan reads version {PLAN_VERSION})")
         plan = cls(model=_model(r.obj("model")), cluster=_cluster(r.obj("cluster")), mesh=_mesh(r.obj("mesh")),
-                   sequence_parallel=r.boolean("sequence_parallel"), zero=_choice(r, "zero", (0, 1)),
+                   sequence_parallel=r.boolean("sequence_parallel"), zero=_choice(r, "zero", (0, 1, 2, 3)),
                    micro_batch_size=r.integer("micro_batch_size"), num_micro_batches=r.integer("num_micro_batches"),
                    global_batch=r.integer("global_batch"),
                    schedule=r.string("schedule", choices=SCHEDULES),
