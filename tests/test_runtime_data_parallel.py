@@ -235,5 +235,7 @@ def test_one_process_zero1_is_adamw_to_the_bit() -> None:
 
 
 def test_zero_level_is_checked() -> None:
-    with pytest.raises(ValueError, match="zero must be 0 or 1, got 3"):
+    with pytest.raises(ValueError, match="zero must be 0, 1, 2 or 3, got 4"):
+        build_optimizer(_model().parameters(), ADAMW, init_process_groups(MeshShape()), zero=4)
+    with pytest.raises(ValueError, match="zero=3 gathers parameters per unit"):
         build_optimizer(_model().parameters(), ADAMW, init_process_groups(MeshShape()), zero=3)

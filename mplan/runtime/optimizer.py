@@ -1,4 +1,4 @@
-"""The training-step interface over data parallelism, and the choice of zero=0 or zero=1.
+"""The training-step interface over data parallelism, and the choice of zero level.
 
 Input: the plan's `zero` setting, local parameters, a torch optimizer factory, groups and
 placements. Output: a `DistributedOptimizer` whose `step()` turns the gradients accumulated
@@ -6,18 +6,22 @@ over a global batch's micro-batches into one update, equal to the single-device 
 
     zero=0  ReplicatedOptimizer  all-reduce gradients; full optimizer state on every rank
     zero=1  ShardedOptimizer     reduce-scatter; state and fp32 masters sharded over DP
+    zero=2  ShardedOptimizer     and gradients: reduce-scattered in every micro-batch's backward
+    zero=3  FullyShardedOptimizer  and parameters: gathered per unit (fully_sharded.py)
 
-The two are interchangeable: same methods, same results (float64: relative error < 1e-12).
+They are interchangeable: same methods, same results (float64: relative error < 1e-12).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
 import torch
 
 from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES
 from mplan.runtime.compute_copies import ComputeCopies
+from mplan.runtime.fully_sharded import FullyShardedOptimizer
 from mplan.runtime.optimizer_state import ParamsArg, StateRange
 from mplan.runtime.param_placement import Placements
 from mplan.runtime.process_groups import ProcessGroups
@@ -52,6 +56,16 @@ class DistributedOptimizer(Protocol):
         (ZeRO-1's master weights, compute copies)."""
         ...
 
+    def sharded_params(self) -> list[StateRange] | None:
+        """zero=3: where this rank keeps the elements of each parameter it holds (flat ranges of its
+        shards, in the parameters' dtype); None where `pm.params` hold the local tensors whole."""
+        ...
+
+    def parameters_whole(self) -> contextlib.AbstractContextManager[None]:
+        """A context inside which every parameter is whole (zero=3 gathers them all, and on exit
+        takes back into its shards what was written to them); a no-op below zero=3."""
+        ...
+
 
 def build_optimizer(
     params: ParamsArg,
@@ -62,14 +76,26 @@ def build_optimizer(
     placements: Placements | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     copies: ComputeCopies | None = None,
+    summed_first: Collection[torch.Tensor] = (),
+    units: Sequence[Sequence[torch.Tensor]] | None = None,
+    keep_gathered: bool = False,
 ) -> DistributedOptimizer:
-    """The data-parallel optimizer for a plan's `zero` level (0 or 1); `copies` (compute copies
-    of some parameters, `compute_copies.py`) only with zero=0."""
-    if zero not in (0, 1):
-        raise ValueError(f"zero must be 0 or 1, got {zero!r}")
-    if zero == 1:
-        if copies is not None:
-            raise ValueError("compute copies are kept by the zero=0 optimizer only")
-        return ShardedOptimizer(params, optimizer, groups, placements=placements, bucket_bytes=bucket_bytes)
+    """The data-parallel optimizer for a plan's `zero` level (0 to 3); `copies` (compute copies
+    of some parameters, `compute_copies.py`) only with zero=0. zero>=2: `summed_first`, the
+    parameters whose gradient is first summed with other pipeline ranks' copies (reduced at the
+    step). zero=3: `units`, the parameters each unit of the program reads, in forward order
+    (`unit_gathers.py`), and `keep_gathered` (pipelines: gathered once per step)."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
+    if copies is not None and zero != 0:
+        raise ValueError("compute copies are kept by the zero=0 optimizer only")
+    if zero == 3:
+        if units is None:
+            raise ValueError("zero=3 gathers parameters per unit: give the program's units")
+        return FullyShardedOptimizer(params, optimizer, groups, placements=placements, units=units,
+                                     summed_first=summed_first, keep_gathered=keep_gathered)
+    if zero in (1, 2):
+        return ShardedOptimizer(params, optimizer, groups, placements=placements, bucket_bytes=bucket_bytes,
+                                shard_gradients=zero == 2, summed_first=summed_first)
     return ReplicatedOptimizer(params, optimizer, groups, placements=placements, bucket_bytes=bucket_bytes,
                                copies=copies)

@@ -88,6 +88,7 @@ from mplan.runtime.pipeline_executor import PipelineExecutor, StageRunner
 from mplan.runtime.pipeline_stages import RankStages, pipeline_schedule, rank_stages
 from mplan.runtime.process_groups import ProcessGroups, group_size, init_process_groups
 from mplan.runtime.replicated_optimizer import OptimizerFactory
+from mplan.runtime.unit_gathers import insert_unit_gathers, unit_parameters
 from mplan.runtime.watchdog import Position, Watchdog, watch
 
 Batch = torch.Tensor | Sequence[torch.Tensor]
@@ -281,8 +282,16 @@ class ParallelModule:
         # after the copies, whose analysis reads which ops use each parameter in the flat program
         self.recomputed_units = (checkpoint_units(program, graph, plan.recompute) if pipeline is None
                                  else list(pipeline.recomputed_units))
+        # zero=3 (fully_sharded.py): parameters gathered per unit of the final programs, recomputed
+        # units included; a pipeline stage's once per step
+        programs = [program] if pipeline is None else [pipeline.stages[s].module for s in pipeline.mine]
+        units = unit_parameters(programs, graph, params) if plan.zero == 3 else None
         self.optimizer: DistributedOptimizer = build_optimizer(
-            list(params.values()), optimizer, groups, zero=plan.zero, placements=placements, copies=self.copies)
+            list(params.values()), optimizer, groups, zero=plan.zero, placements=placements, copies=self.copies,
+            summed_first=[params[n] for n in shared.groups] if shared is not None else (), units=units,
+            keep_gathered=pipeline is not None)
+        for module in programs if units is not None else ():
+            insert_unit_gathers(module, graph, params, self.optimizer, keep=pipeline is not None)
         self._last_grad_norm: torch.Tensor | None = None
         # the step's micro-batches, filled in place for the stages' feeds (which hold this list, the
         # parameters and the buffers, never the module: deleting pm frees it without a collection)
@@ -474,7 +483,8 @@ class ParallelModule:
         program = self._inference[rows]
         with self._autocast():
             if isinstance(program, tuple):
-                return self._pipeline_forward(program, tensors)
+                with self.optimizer.parameters_whole():  # zero=3: the units of this rank's stages
+                    return self._pipeline_forward(program, tensors)
             return program(*self._feed(program, tensors))
 
     def _inference_program(self, rows: int) -> fx.GraphModule | tuple[StageProgram, ...]:
@@ -496,6 +506,8 @@ class ParallelModule:
                                 output=output, experts=self.experts, head_chunk_rows=plan.head_loss_chunk_rows)
         if self.pipeline is not None:
             return split_stages(program, graph, [s.units for s in self.plan.stages])
+        if self.plan.zero == 3:
+            insert_unit_gathers(program, graph, self.params, self.optimizer, keep=False)  # type: ignore[arg-type]
         return program
 
     def _pipeline_forward(self, stages: tuple[StageProgram, ...], tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -527,10 +539,11 @@ class ParallelModule:
         (collective: call on every rank; under a pipeline plan each parameter is sent from the
         pipeline rank that owns it)."""
         out: dict[str, torch.Tensor] = {}
-        for name in self.layouts:
-            whole = self.whole_parameter(name).clone()
-            for alias in self.graph.names_of(name):
-                out[alias] = whole
+        with self.optimizer.parameters_whole():  # zero=3: gathered once for them all
+            for name in self.layouts:
+                whole = self.whole_parameter(name).clone()
+                for alias in self.graph.names_of(name):
+                    out[alias] = whole
         return out
 
     @torch.no_grad()
@@ -541,9 +554,12 @@ class ParallelModule:
         owner = self.pipeline.owner(name) if self.pipeline is not None else self.groups.pp_rank
         whole = None
         if owner == self.groups.pp_rank:
-            whole = apply_transition(self.params[name].detach(), self.layouts[name].placement, R, self.axis)
-            if name in self.experts.parameters:  # every EP rank's experts, in rank order
-                whole = apply_transition(whole, Shard(0), R, self.experts.ep)
+            with self.optimizer.parameters_whole():  # zero=3: gathered over DP for the while
+                whole = apply_transition(self.params[name].detach(), self.layouts[name].placement, R, self.axis)
+                if name in self.experts.parameters:  # every EP rank's experts, in rank order
+                    whole = apply_transition(whole, Shard(0), R, self.experts.ep)
+                if self.plan.zero == 3:  # the gathered storage is released on leaving
+                    whole = whole.clone()
         if self.pipeline is not None:
             whole = broadcast_tensor(whole, src=self.groups.ranks("pp")[owner], group=self.groups.pp,
                                      device=self.device)
@@ -564,7 +580,8 @@ class ParallelModule:
             if background or keep_latest is not None or extras:
                 raise ValueError("format='hf' writes the weights only: no background, keep_latest or extras")
             from mplan.runtime.hf_checkpoint import save_hf  # safetensors, only when asked
-            save_hf(directory, self)
+            with self.optimizer.parameters_whole():  # zero=3: gathered once for every tensor
+                save_hf(directory, self)
             return directory
         if format != "mplan":
             raise ValueError(f"format must be 'mplan' or 'hf', got {format!r}")
@@ -587,7 +604,8 @@ class ParallelModule:
         if is_hf_directory(directory):
             from mplan.runtime.hf_checkpoint import load_hf  # safetensors, only when asked
 
-            load_hf(directory, self)
+            with self.optimizer.parameters_whole():  # zero=3: written whole, taken into the shards
+                load_hf(directory, self)
             return directory
         return load_checkpoint(directory, self, extras=extras)
 

@@ -15,6 +15,7 @@ micro-batch; `zero_grad()` between steps (it keeps the gradients as bucket views
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 
 import torch
@@ -112,3 +113,11 @@ class ReplicatedOptimizer:
     def params_loaded(self) -> None:
         if self.copies is not None:
             self.copies.refresh()
+
+    def sharded_params(self) -> None:
+        """The parameters are held whole (see `DistributedOptimizer.sharded_params`)."""
+        return None
+
+    def parameters_whole(self) -> contextlib.AbstractContextManager[None]:
+        """The parameters are always whole here."""
+        return contextlib.nullcontext()

@@ -1,0 +1,244 @@
+"""The zero=3 optimizer (ZeRO stage 3, FSDP-style): parameters sharded over DP too.
+
+Input: as zero=2's (`sharded_optimizer.py`), plus the program's *units* (`unit_gathers.py`: the
+parameters each group of consecutive segments reads, in forward order). Output: the same
+`DistributedOptimizer`, and parameters that exist whole only while a unit runs:
+
+    each rank keeps   its flat shard of every bucket: fp32 (or wider) masters, the optimizer
+                      state, the gradient shard, and the same elements in the parameters' dtype
+                      (the gather's source; the masters themselves where the dtypes agree)
+    a bucket          the parameters of one unit and one partition (placement, dtype, group)
+    gather(unit)      all-gather of its buckets, in the parameters' dtype, into storage the
+                      local parameters (`pm.params`, the program's placeholders) point into
+    release(unit)     that storage resized to 0 bytes: the parameter tensors stay, empty
+
+In a one-stage program a unit is gathered before its first op, released after its last (forward),
+gathered again when the first gradient of its outputs arrives (a multi-grad hook: before any of
+its backward, recomputation included) and released when every one of its parameters has its
+gradient, which zero=2's machinery then reduce-scatters into the shards. Under a pipeline plan
+(`keep_gathered`) a stage's units are gathered at their first forward of the step and kept until
+the update: one gather per unit and step, the weights of the stage whole during it.
+
+Why mplan's own gathers rather than torch's FSDP2 (`fully_shard`): FSDP2 unshards and reshards
+around `nn.Module.forward` calls and keeps parameters as DTensors (sharded per tensor on dim 0)
+registered on those modules. mplan's rank program is one generated FX graph whose parameters are
+placeholders fed by the caller (`ParallelModule._feed`), cut into units by segment labels, and
+its runtime already owns what FSDP2 would have to be taught: the gradient convention (divide by
+dp, sum over the replica group, expert weights over expert-DP: `param_placement.py`), TP partial
+sums, the fp32 master shards, flat ranges in checkpoints and clipping. So the gathers are two
+calls inserted into the program at unit borders, and FSDP2's one trick that matters is reused:
+freeing by resizing storage, which leaves every tensor autograd saved valid for the regather.
+
+Exactness: the gathered values are the masters in the parameters' dtype, as zero=1's all-gather
+writes them; the gradients are zero=2's. Float64 runs match one process to rounding.
+
+What is not overlapped yet: gathers are synchronous (a unit's all-gather does not run under the
+previous unit's compute, nor does the next unit's prefetch); reduce-scatters are asynchronous
+(at most `MAX_IN_FLIGHT`). Under autocast, torch's cast cache keeps a low-precision copy of each
+weight for the forward's duration.
+
+Invariants: storage is gathered only from the shards (never written back from it, except by
+`params_loaded` after a load into the whole parameters); gathers and releases run in program
+order, the same on every replica; outside a step (and its `parameters_whole` contexts) no unit is
+gathered.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mplan.collectives.flat import all_gather_flat
+from mplan.runtime.optimizer_state import ParamsArg, StateRange
+from mplan.runtime.param_placement import Placements
+from mplan.runtime.process_groups import ProcessGroup, ProcessGroups, group_rank, group_size
+from mplan.runtime.replicated_optimizer import OptimizerFactory
+from mplan.runtime.sharded_optimizer import ShardedOptimizer, _Bucket, _Partition
+
+
+@dataclass(slots=True, eq=False)
+class _Gathered:
+    """One bucket's parameters, whole while gathered."""
+
+    bucket: _Bucket
+    group: ProcessGroup | None
+    source: torch.Tensor
+    """This rank's slice of the bucket in the parameters' dtype (a view of the compute shard)."""
+    whole: torch.Tensor
+    """The padded bucket, flat; the parameters point into its storage. Written only by the
+    gather, through this tensor, so no parameter's version counter moves (autograd's saved
+    tensors stay valid)."""
+    gathered: bool = False
+    arrived: int = 0
+    """Gradients of its parameters that landed since it was last gathered."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.whole.numel() * self.whole.element_size()
+
+
+class FullyShardedOptimizer(ShardedOptimizer):
+    """ZeRO-3: zero=2 plus parameters held as shards and gathered per unit (module docstring)."""
+
+    def __init__(self, params: ParamsArg, optimizer: OptimizerFactory, groups: ProcessGroups, *,
+                 placements: Placements | None = None, units: Sequence[Sequence[torch.Tensor]],
+                 summed_first: Collection[torch.Tensor] = (), keep_gathered: bool = False) -> None:
+        super().__init__(params, optimizer, groups, placements=placements, units=units, summed_first=summed_first)
+        self.keep_gathered = keep_gathered
+        self._pinned = 0  # depth of `parameters_whole` contexts
+        self._units: list[list[_Gathered]] = [[] for _ in units]
+        self._unread: list[_Gathered] = []
+        self._compute: list[torch.Tensor] = []
+        by_bucket: dict[int, _Gathered] = {}
+        with torch.no_grad():
+            for part in self._partitions:
+                dtype = part.buckets[0].params[0].dtype
+                master = part.master.detach()
+                compute = master if dtype == master.dtype else master.to(dtype)
+                self._compute.append(compute)
+                for bucket in part.buckets:
+                    held = self._hold(part, bucket, compute)
+                    by_bucket[id(bucket)] = held
+                    (self._units[bucket.unit] if bucket.unit >= 0 else self._unread).append(held)
+        self._held_of_slot = [by_bucket[id(bucket)] for _, bucket in self._slots]
+        self._release_all()
+
+    @staticmethod
+    def _hold(part: _Partition, bucket: _Bucket, compute: torch.Tensor) -> _Gathered:
+        """The bucket's whole storage, with its parameters re-pointed into it."""
+        first = bucket.params[0]
+        whole = torch.empty(bucket.shard_numel * part.num_replicas, dtype=first.dtype, device=first.device)
+        offset = 0
+        for param in bucket.params:
+            view = torch.empty(0, dtype=param.dtype, device=param.device)
+            view.set_(whole.untyped_storage(), offset, param.shape)
+            param.data = view  # same Parameter object (placements, the program's feeds), new storage
+            offset += param.numel()
+        return _Gathered(bucket=bucket, group=part.group, source=compute[bucket.in_shard], whole=whole)
+
+    def _all(self) -> Iterator[_Gathered]:
+        for unit in self._units:
+            yield from unit
+        yield from self._unread
+
+    # -- gathering -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def gather(self, units: Sequence[int]) -> None:
+        """All-gather the units' buckets not yet whole (collective over each bucket's replicas)."""
+        for unit in units:
+            for held in self._units[unit]:
+                if not held.gathered:
+                    self._gather(held)
+
+    @staticmethod
+    def _gather(held: _Gathered) -> None:
+        held.whole.untyped_storage().resize_(held.nbytes)
+        if group_size(held.group) > 1:
+            all_gather_flat(held.whole, held.source, group=held.group)
+        else:
+            held.whole.copy_(held.source)
+        held.gathered, held.arrived = True, 0
+
+    def _drop(self, held: _Gathered) -> None:
+        if held.gathered and not self._pinned:
+            held.whole.untyped_storage().resize_(0)
+            held.gathered = False
+
+    def _release_all(self) -> None:
+        for held in self._all():
+            self._drop(held)
+
+    def after_unit(self, release: Sequence[int], regather: Sequence[int], outputs: Sequence[object]) -> None:
+        """After a unit's forward (one-stage programs): release the units it read last, and have the
+        first gradient of its outputs gather again the units it reads, before its backward."""
+        if self.keep_gathered:
+            return
+        for unit in release:
+            for held in self._units[unit]:
+                self._drop(held)
+        needing = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
+        if needing and torch.is_grad_enabled():
+            torch.autograd.graph.register_multi_grad_hook(
+                needing, functools.partial(_gather_again, weakref.ref(self), tuple(regather)), mode="any")
+
+    def _bucket_landed(self, index: int) -> None:
+        held = self._held_of_slot[index]
+        held.arrived += 1
+        # every op that read these weights has run its backward: their gradients are all in
+        if held.arrived >= len(held.bucket.params) and not self.keep_gathered:
+            self._drop(held)
+
+    def unit_of(self, param: torch.Tensor) -> int | None:
+        """The unit `param` is gathered with; None for a parameter this optimizer does not hold
+        (frozen) or no unit reads."""
+        for held in self._all():
+            if any(p is param for p in held.bucket.params):
+                return held.bucket.unit if held.bucket.unit >= 0 else None
+        return None
+
+    @contextlib.contextmanager
+    def parameters_whole(self) -> Iterator[None]:
+        """Every parameter whole inside the context (collective on entry: all-gathers), released on
+        exit; writes to them are taken into the shards by `params_loaded()`."""
+        if not self._pinned:
+            with torch.no_grad():
+                for held in self._all():
+                    if not held.gathered:
+                        self._gather(held)
+        self._pinned += 1
+        try:
+            yield
+        finally:
+            self._pinned -= 1
+            self._release_all()
+
+    # -- the step and the state ----------------------------------------------------------------
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self._release_all()  # a step that failed midway may have left units whole
+
+    @torch.no_grad()
+    def _masters_changed(self) -> None:
+        """The masters changed (a step, a load): the compute shards follow; whole units are
+        released (or, inside `parameters_whole`, gathered again)."""
+        for part, compute in zip(self._partitions, self._compute):
+            if compute is not part.master:
+                compute.copy_(part.master)
+        for held in self._all():
+            if self._pinned and held.gathered:
+                self._gather(held)
+            else:
+                self._drop(held)
+
+    def sharded_params(self) -> list[StateRange]:
+        """Where this rank keeps each parameter's elements: ranges of the compute shards (the
+        parameters' dtype), laid out as `state_ranges()` lays out the masters; an empty range for
+        a parameter of which this rank keeps no element."""
+        compute = {id(part): c for part, c in zip(self._partitions, self._compute)}
+        return self._ranges(lambda part: compute[id(part)], empty=True)
+
+    @torch.no_grad()
+    def params_loaded(self) -> None:
+        """The parameters were written: whole ones (inside `parameters_whole`, a Hugging Face
+        load) go back into the shards, else the compute shards were (a checkpoint's pieces), and
+        the masters follow them."""
+        for part, compute in zip(self._partitions, self._compute):
+            rank = group_rank(part.group)
+            for bucket in part.buckets:
+                held = next(h for h in self._all() if h.bucket is bucket)
+                if held.gathered:
+                    own = held.whole[rank * bucket.shard_numel:(rank + 1) * bucket.shard_numel]
+                    compute[bucket.in_shard] = own
+                if compute is not part.master:
+                    part.master[bucket.in_shard] = compute[bucket.in_shard]
+        self._release_all()
+
+
+def _gather_again(owner: weakref.ref[FullyShardedOptimizer], units: tuple[int, ...], *_: object) -> None:
+    alive = owner()
+    if alive is not None:
+        alive.gather(units)
