@@ -16,7 +16,8 @@ plus `finish()`, which hands the loaded optimizer state to the torch optimizer.
 Where a piece sits: a parameter's local tensor is chunk `tp_rank` of its TP-sharded dim and,
 for experts, chunk `ep_rank` of dim 0 of that (`shard_parameters`); optimizer state is kept where
 `DistributedOptimizer.state_ranges` says: the whole local parameter (zero=0), or a flat range of
-it (ZeRO-1), cut into rectangles (`flat_range_rectangles`).
+it (ZeRO-1), cut into rectangles (`flat_range_rectangles`). zero=3 keeps the parameters so too
+(`DistributedOptimizer.sharded_params`): their pieces are such rectangles of its shards.
 
 Invariants: replicas of a piece (DP, TP-replicated parameters, a tied parameter's pipeline
 copies) give the same offsets, so DCP stores one; a load fills every local element or refuses
@@ -72,9 +73,28 @@ def saved_state(pm: ParallelModule) -> dict[str, Entry]:
 
 def _model_entries(pm: ParallelModule) -> dict[str, ChunkedTensor]:
     out = {}
+    sharded = _sharded_params(pm)
     for name, param in pm.params.items():
         shape, offsets = param_region(pm, name)
-        out[MODEL + name] = ChunkedTensor(shape, [Piece(offsets, param.detach())])
+        pieces = sharded.get(name, [Piece(offsets, param.detach())])
+        if pieces:  # none: a zero=3 rank that keeps no element of it
+            out[MODEL + name] = ChunkedTensor(shape, pieces)
+    return out
+
+
+def _sharded_params(pm: ParallelModule) -> dict[str, list[Piece]]:
+    """zero=3: the pieces of each parameter this rank keeps in its flat shards (possibly none), by
+    name; empty where parameters are held whole."""
+    names = {id(p): n for n, p in pm.params.items()}
+    out: dict[str, list[Piece]] = {}
+    for r in pm.optimizer.sharded_params() or ():
+        name = names[id(r.param)]
+        _, offsets = param_region(pm, name)
+        parts = out.setdefault(name, [])
+        for at, sizes, first in flat_range_rectangles(r.param.shape, r.start, r.stop):
+            begin = r.at + first - r.start
+            data = r.holder.detach()[begin:begin + math.prod(sizes)].view(sizes)
+            parts.append(Piece(tuple(o + a for o, a in zip(offsets, at)), data))
     return out
 
 
