@@ -10,13 +10,16 @@ here is global state, and nothing here plans: the runtime reads the Plan.
     param_placement.py        per-parameter facts: TP-sharded, TP partial grads, expert (reduced
                               over expert_dp), pipeline copy
     data_parallel.py          bucketed gradient sync over DP (zero=0)
-    sharded_optimizer.py      ZeRO-1: reduce-scatter, sharded fp32 masters, all-gather
+    sharded_optimizer.py      ZeRO-1: reduce-scatter, sharded fp32 masters, all-gather; ZeRO-2:
+                              a reduce-scatter per bucket in every micro-batch's backward
+    fully_sharded.py          ZeRO-3: parameters as flat shards, gathered per unit, released after
     replicated_optimizer.py   zero=0: sync, clip, any torch optimizer
     optimizer.py              DistributedOptimizer interface, build_optimizer(zero=...)
     optimizer_state.py        parameter groups in, tensor-only state dicts out
     grad_clip.py              global-norm clipping across TP, DP, PP and ZeRO shards
     compute_copies.py         bf16 compute copies of fp32 weights under autocast
     parallel_module.py        ParallelModule: train_step, inference, full_state_dict (autoparallel's pm)
+    unit_gathers.py           ZeRO-3's units of a rank program and the gather/release calls in it
     checkpoint.py             save/load through torch.distributed.checkpoint: step directories,
                               atomic commit, background saves, validation agreed over the ranks
     checkpoint_state.py       the training state as global tensors under the model's own names

@@ -40,7 +40,9 @@ weight for the forward's duration.
 Invariants: storage is gathered only from the shards (never written back from it, except by
 `params_loaded` after a load into the whole parameters); gathers and releases run in program
 order, the same on every replica; outside a step (and its `parameters_whole` contexts) no unit is
-gathered.
+gathered. So outside them `pm.params` hold tensors of the right shape over storage of 0 bytes:
+reading one there reads freed memory (torch does not check; it may crash). Read them inside
+`pm.optimizer.parameters_whole()`, as `full_state_dict`, inference and the checkpoints do.
 """
 from __future__ import annotations
 
@@ -90,6 +92,8 @@ class FullyShardedOptimizer(ShardedOptimizer):
         super().__init__(params, optimizer, groups, placements=placements, units=units, summed_first=summed_first)
         self.keep_gathered = keep_gathered
         self._pinned = 0  # depth of `parameters_whole` contexts
+        self.num_gathers = 0
+        """Buckets all-gathered so far (a unit of one partition is one bucket)."""
         self._units: list[list[_Gathered]] = [[] for _ in units]
         self._unread: list[_Gathered] = []
         self._compute: list[torch.Tensor] = []
@@ -105,7 +109,9 @@ class FullyShardedOptimizer(ShardedOptimizer):
                     by_bucket[id(bucket)] = held
                     (self._units[bucket.unit] if bucket.unit >= 0 else self._unread).append(held)
         self._held_of_slot = [by_bucket[id(bucket)] for _, bucket in self._slots]
-        self._release_all()
+        self._held_of_bucket = by_bucket
+        self._unit_of = {id(p): bucket.unit for part in self._partitions for bucket in part.buckets
+                         for p in bucket.params if bucket.unit >= 0}
 
     @staticmethod
     def _hold(part: _Partition, bucket: _Bucket, compute: torch.Tensor) -> _Gathered:
@@ -118,6 +124,7 @@ class FullyShardedOptimizer(ShardedOptimizer):
             view.set_(whole.untyped_storage(), offset, param.shape)
             param.data = view  # same Parameter object (placements, the program's feeds), new storage
             offset += param.numel()
+        whole.untyped_storage().resize_(0)  # released until its unit's first gather
         return _Gathered(bucket=bucket, group=part.group, source=compute[bucket.in_shard], whole=whole)
 
     def _all(self) -> Iterator[_Gathered]:
@@ -134,8 +141,8 @@ class FullyShardedOptimizer(ShardedOptimizer):
                 if not held.gathered:
                     self._gather(held)
 
-    @staticmethod
-    def _gather(held: _Gathered) -> None:
+    def _gather(self, held: _Gathered) -> None:
+        self.num_gathers += 1
         held.whole.untyped_storage().resize_(held.nbytes)
         if group_size(held.group) > 1:
             all_gather_flat(held.whole, held.source, group=held.group)
@@ -175,10 +182,7 @@ class FullyShardedOptimizer(ShardedOptimizer):
     def unit_of(self, param: torch.Tensor) -> int | None:
         """The unit `param` is gathered with; None for a parameter this optimizer does not hold
         (frozen) or no unit reads."""
-        for held in self._all():
-            if any(p is param for p in held.bucket.params):
-                return held.bucket.unit if held.bucket.unit >= 0 else None
-        return None
+        return self._unit_of.get(id(param))
 
     @contextlib.contextmanager
     def parameters_whole(self) -> Iterator[None]:
@@ -229,7 +233,7 @@ class FullyShardedOptimizer(ShardedOptimizer):
         for part, compute in zip(self._partitions, self._compute):
             rank = group_rank(part.group)
             for bucket in part.buckets:
-                held = next(h for h in self._all() if h.bucket is bucket)
+                held = self._held_of_bucket[id(bucket)]
                 if held.gathered:
                     own = held.whole[rank * bucket.shard_numel:(rank + 1) * bucket.shard_numel]
                     compute[bucket.in_shard] = own

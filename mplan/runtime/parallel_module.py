@@ -17,8 +17,10 @@ Building (`parallelize`), in this order:
 3. `shard_parameters` -> this rank's leaf parameters (a tied weight is one parameter, read under
    each of its names); `insert_collectives` on the graph at the plan's micro-batch -> the local
    program, then `fuse_kernels` when asked (see `local_program`);
-4. the data-parallel optimizer (`build_optimizer`: zero=0 bucketed all-reduce, zero=1 ZeRO-1),
-   told which parameters are TP shards and which replicated ones carry partial gradients;
+4. the data-parallel optimizer (`build_optimizer`: zero=0 bucketed all-reduce, zero=1 ZeRO-1,
+   zero=2 gradients sharded too, zero=3 parameters too: gathered per unit of the final programs,
+   `unit_gathers.py`), told which parameters are TP shards and which replicated ones carry
+   partial gradients;
    under autocast (zero=0) the compute copies of the weights autocast would cast every step
    (`compute_copies.py`), which the training program then reads;
 5. the plan's activation recomputation: each unit of the training program (prologue, block
@@ -283,15 +285,16 @@ class ParallelModule:
         self.recomputed_units = (checkpoint_units(program, graph, plan.recompute) if pipeline is None
                                  else list(pipeline.recomputed_units))
         # zero=3 (fully_sharded.py): parameters gathered per unit of the final programs, recomputed
-        # units included; a pipeline stage's once per step
+        # units included; once per step under a pipeline or where the plan keeps the weights
         programs = [program] if pipeline is None else [pipeline.stages[s].module for s in pipeline.mine]
         units = unit_parameters(programs, graph, params) if plan.zero == 3 else None
+        keep = pipeline is not None or getattr(plan, "zero3_keep_weights", False)
         self.optimizer: DistributedOptimizer = build_optimizer(
             list(params.values()), optimizer, groups, zero=plan.zero, placements=placements, copies=self.copies,
             summed_first=[params[n] for n in shared.groups] if shared is not None else (), units=units,
-            keep_gathered=pipeline is not None)
+            keep_gathered=keep)
         for module in programs if units is not None else ():
-            insert_unit_gathers(module, graph, params, self.optimizer, keep=pipeline is not None)
+            insert_unit_gathers(module, graph, params, self.optimizer, keep=keep)
         self._last_grad_norm: torch.Tensor | None = None
         # the step's micro-batches, filled in place for the stages' feeds (which hold this list, the
         # parameters and the buffers, never the module: deleting pm frees it without a collection)
