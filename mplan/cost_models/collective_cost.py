@@ -1,4 +1,4 @@
-"""Seconds a collective takes on a cluster: ring alpha-beta model, hierarchical across nodes.
+"""Seconds a collective takes on a cluster: NCCL's rings (and its two-node tree) in alpha-beta terms.
 
 Role: ``collective_time(cluster, kind, nbytes, group)`` for all_reduce, all_gather, reduce_scatter,
 all_to_all, send_recv and broadcast; the planner calls it for every collective a sharding implies.
@@ -18,20 +18,42 @@ in the cluster's profile replaces ``t_level`` (and the base latency, which its a
 
 A group of ``n`` ranks with ``g`` per node on ``k = n / g`` nodes:
   * ``k == 1``: one ring inside the node.  ``g == 1``: one ring over the network.
-  * both > 1, hierarchical (the two-level scheme NCCL's rings and Megatron's DP both amount to):
-      all_reduce     = intra reduce_scatter(S) + inter all_reduce(S/g) + intra all_gather(S)
-      reduce_scatter = intra reduce_scatter(S) + inter reduce_scatter(S/g)
-      all_gather     = inter all_gather(S/g)   + intra all_gather(S)
-      broadcast      = inter broadcast(S/g)    + intra all_gather(S)   (scatter + all-gather)
-      all_to_all     = intra share S(g-1)/n over NVLink, inter share S(n-g)/n over the NICs
-    The inter-node phases move 1/g of the data per GPU over that GPU's own NIC, so all g NICs of a
-    node work at once. The intra- and inter-node phases are pipelined chunk by chunk (as NCCL's
-    rings are), so the collective takes as long as its slower level: ``max(sum of intra phases,
-    inter phase)``. Check against measurement: with many DGX A100 nodes this gives an all-reduce
-    bus bandwidth of 8 NICs x 24 GB/s = 192 GB/s, what NVIDIA measures (nccl#812); summing the
-    phases instead would predict ~125 GB/s on 4 nodes, far below it.
+  * both > 1, all_reduce, reduce_scatter and all_gather: one flat ring through all ``n`` ranks, as
+    NCCL runs large messages (src/graph/tuning.cc at v2.8.3, the version of Megatron-LM's SC'21
+    container, and since: ring bus bandwidth = channels x per-channel speed, algorithm bandwidth
+    = bus bandwidth x n / nsteps). Every rank pushes ``bus = bus_factor(kind, n) * S`` over
+    NVLink; the ring enters and leaves each node once per channel, so a node's ``g`` GPUs send
+    ``bus`` over the network between them, each through its own NIC::
+
+        t_ring = (steps - inter_steps) * nvlink_latency + inter_steps * net_latency
+                 + max(bus / nvlink_bandwidth, bus / (g * nic_bandwidth))
+
+    The hops add up (a ring's steps follow one another: NCCL's latency model charges
+    ``(nsteps - nInterSteps) intraLat + nInterSteps interLat``, ``nInterSteps`` = 2(k-1) for
+    all-reduce, k-1 for the others); the two levels' transfers are pipelined chunk by chunk, so
+    the slower one paces. On DGX A100 nodes this is NVIDIA's measured all-reduce bus bandwidth,
+    192 GB/s = 8 NICs x 24 GB/s, at any node count (nccl#812; nccl-tests#196/#160: "on 3 nodes
+    or more rings are used for large sizes and busbw reflects the total NIC bandwidth"). The
+    two-level scheme this file priced before (intra reduce-scatter, inter all-reduce of S/g,
+    intra all-gather) moves only 2(k-1)/k S per node where the ring moves 2(n-1)/n S: it gave
+    248 GB/s on 4 DGX A100 nodes and 360 on 2, above what NCCL reaches, and priced a 32-way DP
+    all-reduce over 4 nodes 23% short.
+  * all_reduce on exactly two nodes: NCCL takes its double binary tree there when it is faster
+    (nccl#812: "Tree performs better on two nodes as there are fewer inter-node data
+    transmissions"): each node sends S over the network, not 2(n-1)/n S, and the chain through
+    the node reduces S up and broadcasts S down over NVLink; the cheaper of ring and tree::
+
+        t_tree = 2 ((g-1) nvlink_latency + net_latency) + max(2 S / nvlink_bandwidth, S / (g * nic_bandwidth))
+
+    (NCCL's tree latency ``2 ((nRanks/nNodes - 1) intraLat + log2(nNodes) interLat)``.)
+  * broadcast = inter broadcast(S/g) + intra all_gather(S) (scatter + all-gather), the levels
+    pipelined (the slower paces); all_to_all: intra share S(g-1)/n over NVLink, inter share
+    S(n-g)/n over the NICs, posted at once (the slower level paces, each with one hop).
   * send_recv: one message between neighbouring ranks; across nodes when the group spans nodes
     (the slowest hop, which paces a pipeline).
+A measured ``AlphaBetaFit`` for (kind, level) stands in for that level's analytic line: its alpha
+for the level's hops, its beta for the level's bandwidth (a network fit is measured one rank per
+node, so it prices the ``bus / g`` bytes each NIC carries).
 Invariants: a group of one rank or zero bytes costs 0; per-GPU bandwidths assume every group of the
 mesh axis communicates at once, so no GPU borrows another's NIC (PXN and NVLink SHARP not modelled:
 conservative).
@@ -78,12 +100,18 @@ class _Phases:
     def bus_time(self, level: str, kind: str, bus_bytes: float, steps: int) -> float:
         if steps == 0:
             return 0.0
+        latency, transfer = self.split(level, kind, bus_bytes, steps)
+        return latency + transfer
+
+    def split(self, level: str, kind: str, bus_bytes: float, steps: int) -> tuple[float, float]:
+        """(latency, transfer) seconds of ``bus_bytes`` over ``steps`` hops of ``level``: a fit's
+        alpha and bytes over its beta, else the link's hop latency and effective bandwidth."""
         fit = self.cluster.link_fit(kind, level, bus_bytes)
         if fit is not None:
-            return fit.time(bus_bytes)
+            return fit.alpha_s, bus_bytes / fit.beta_Bps
         self.analytic = True
         link = self.cluster.links.intra_node if level == "intra_node" else self.cluster.links.inter_node
-        return steps * link.latency_s + bus_bytes / link.effective_bandwidth_Bps
+        return steps * link.latency_s, bus_bytes / link.effective_bandwidth_Bps
 
     def total(self, seconds: float) -> float:
         return seconds + (NCCL_BASE_LATENCY_S if self.analytic else 0.0)
@@ -103,16 +131,12 @@ def collective_time(cluster: ClusterSpec, kind: str, nbytes: float, group: Group
         return phases.total(phases.time("intra_node" if k == 1 else "inter_node", kind, 2, nbytes))
     if k == 1 or g == 1:
         return phases.total(phases.time("intra_node" if k == 1 else "inter_node", kind, n, nbytes))
-    if kind == "all_reduce":
-        intra = phases.time("intra_node", "reduce_scatter", g, nbytes) + phases.time("intra_node", "all_gather", g, nbytes)
-        inter = phases.time("inter_node", "all_reduce", k, nbytes / g)
-    elif kind == "reduce_scatter":
-        intra = phases.time("intra_node", "reduce_scatter", g, nbytes)
-        inter = phases.time("inter_node", "reduce_scatter", k, nbytes / g)
-    elif kind == "all_gather":
-        intra = phases.time("intra_node", "all_gather", g, nbytes)
-        inter = phases.time("inter_node", "all_gather", k, nbytes / g)
-    elif kind == "broadcast":
+    if kind in ("all_reduce", "reduce_scatter", "all_gather"):
+        seconds = _flat_ring(phases, kind, n, g, k, nbytes)
+        if kind == "all_reduce" and k == 2:
+            seconds = min(seconds, _two_node_tree(phases, g, nbytes))
+        return phases.total(seconds)
+    if kind == "broadcast":
         intra = phases.time("intra_node", "all_gather", g, nbytes)
         inter = phases.time("inter_node", "broadcast", k, nbytes / g)
     else:
@@ -120,3 +144,19 @@ def collective_time(cluster: ClusterSpec, kind: str, nbytes: float, group: Group
         inter = phases.bus_time("inter_node", kind, nbytes * (n - g) / n, 1)
     seconds = max(intra, inter)  # the levels are pipelined: the slower one paces the collective
     return phases.total(seconds)
+
+
+def _flat_ring(phases: _Phases, kind: str, n: int, g: int, k: int, nbytes: float) -> float:
+    """One ring through all n ranks on k nodes (module docstring): hops add, transfers pipeline."""
+    bus = bus_factor(kind, n) * nbytes
+    inter_steps = (2 if kind == "all_reduce" else 1) * (k - 1)
+    intra_latency, intra = phases.split("intra_node", kind, bus, ring_steps(kind, n) - inter_steps)
+    inter_latency, inter = phases.split("inter_node", kind, bus / g, inter_steps)
+    return intra_latency + inter_latency + max(intra, inter)
+
+
+def _two_node_tree(phases: _Phases, g: int, nbytes: float) -> float:
+    """NCCL's tree all-reduce over two nodes of g ranks (module docstring)."""
+    chain_latency, chain = phases.split("intra_node", "all_reduce", 2 * nbytes, 2 * (g - 1))
+    net_latency, net = phases.split("inter_node", "all_reduce", nbytes / g, 2)
+    return chain_latency + net_latency + max(chain, net)
