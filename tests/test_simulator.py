@@ -114,6 +114,22 @@ def test_interleaved_hides_the_later_chunks_grad_sync() -> None:
     assert syncs[0].end_s < rank0.compute_end_s
 
 
+def test_without_grad_sync_actions_a_rank_reduces_every_chunk_after_its_schedule() -> None:
+    """Megatron-LM's DDP of the SC'21 runs reduces each model chunk once the schedule has returned:
+    the same interleaved schedule without GRAD_SYNC actions exposes both chunks' syncs on rank 0,
+    where with them chunk 1's hides behind chunk 0's backwards."""
+    pp, m, vpp, sync = 2, 4, 2, 1.0
+    costs = PipelineCosts.uniform(pp * vpp, forward_s=0.5, backward_s=1.0, grad_sync_s=sync)
+    after = simulate(interleaved_1f1b(pp, m, vpp), costs)
+    during = simulate(interleaved_1f1b(pp, m, vpp, grad_sync=True), costs)
+    assert after.pipeline_time_s == pytest.approx(during.pipeline_time_s)
+    for rank in after.ranks:
+        syncs = [e for e in after.timeline if e.stream == "comm" and e.rank == rank.rank]
+        assert min(e.start_s for e in syncs) == pytest.approx(rank.compute_end_s)
+        assert rank.grad_sync_end_s == pytest.approx(rank.compute_end_s + 2 * sync)
+    assert after.exposed_comm_s == pytest.approx(2 * sync) and during.exposed_comm_s == pytest.approx(sync)
+
+
 def test_timeline_is_a_valid_gantt_chart() -> None:
     schedule = interleaved_1f1b(4, 8, 2)
     result = simulate(schedule, PipelineCosts.uniform(8, forward_s=1.0, backward_s=2.0, p2p_s=0.1))

@@ -14,9 +14,14 @@ Model:
     a split backward takes ``backward_s - weight_s`` for I and ``weight_s`` for W, so I + W = B.
   * A SEND is asynchronous: the rank goes on at once and the message arrives ``p2p_s[boundary]``
     later; a RECV waits for its message (the rank idles). Transfers do not contend.
-  * Gradient sync of a stage starts when its last B or W ends (or at its GRAD_SYNC action) on a
-    separate communication stream of the rank, one sync at a time; it overlaps with the rank's
-    remaining compute, so only the tail past the rank's last compute is exposed.
+  * Gradient sync of a stage starts at its GRAD_SYNC action, where the schedule has one (a runtime
+    that reduces a chunk as soon as its last B or W is done), else when the rank's last compute
+    ends: Megatron-LM's DDP of the SC'21 runs reduces every model chunk's gradients once the
+    pipeline schedule has returned (`allreduce_gradients()` per chunk after `forward_backward_func`
+    in `train_step`, megatron/training.py at 8cfef1b, April 2021), and mplan's runtime at the step.
+    Syncs run on a separate communication stream of the rank, one at a time; a rank's sync hides
+    behind what its own later compute and the other ranks' drain still take, and only the tail
+    past the pipeline's end is exposed.
   * Step time = max over ranks of (end of compute and grad sync) + optimizer step.
   * Bubble fraction, as Megatron defines the pipeline bubble: on the critical (busiest) rank, idle
     compute time over the pipeline's total time (first action to the last compute of any rank):
@@ -136,8 +141,8 @@ def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) ->
 
 
 class _Run:
-    __slots__ = ("s", "c", "clock", "pos", "arrivals", "timeline", "busy", "sent", "last_weight_grad_end", "sync_at",
-                 "live", "peak_rank", "peak_stage")
+    __slots__ = ("s", "c", "clock", "pos", "arrivals", "timeline", "busy", "sent", "sync_at", "live", "peak_rank",
+                 "peak_stage")
 
     def __init__(self, schedule: Schedule, costs: PipelineCosts) -> None:
         self.s, self.c = schedule, costs
@@ -147,7 +152,6 @@ class _Run:
         self.timeline: list[TimelineEvent] = []
         self.busy = [0.0] * schedule.pp
         self.sent = [0.0] * schedule.pp  # p2p seconds issued per rank
-        self.last_weight_grad_end: dict[int, float] = {}  # stage -> end of its last B or W
         self.sync_at: dict[int, float] = {}  # stage -> time its GRAD_SYNC action was reached
         self.live = [0] * schedule.num_stages
         self.peak_rank = [0] * schedule.pp
@@ -174,8 +178,6 @@ class _Run:
             self.peak_stage[a.stage] = max(self.peak_stage[a.stage], self.live[a.stage])
             on_rank = sum(self.live[s] for s in self.s.stages_of(rank))
             self.peak_rank[rank] = max(self.peak_rank[rank], on_rank)
-            if a.kind in ("B", "W"):
-                self.last_weight_grad_end[a.stage] = self.clock[rank]
         elif a.kind in ("SEND_F", "SEND_B"):
             boundary = a.stage if a.kind == "SEND_F" else a.stage - 1
             dst = self.s.rank_of(a.stage + 1 if a.kind == "SEND_F" else a.stage - 1)
@@ -195,8 +197,7 @@ class _Run:
     def _grad_syncs(self, rank: int) -> tuple[float, float]:
         """Issue the rank's grad syncs on its comm stream; (seconds issued, end time)."""
         issued, free = 0.0, 0.0
-        starts = sorted((self.sync_at.get(stage, self.last_weight_grad_end.get(stage, 0.0)), stage)
-                        for stage in self.s.stages_of(rank))
+        starts = sorted((self.sync_at.get(stage, self.clock[rank]), stage) for stage in self.s.stages_of(rank))
         for ready, stage in starts:
             duration = self.c.grad_sync_s[stage]
             if duration <= 0:
