@@ -288,7 +288,8 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     holdings: list[tuple[list[int], int, int]] = []  # per pipeline rank: its units, dense and expert parameters
     # ranks holding as many parameters (the middle ranks of a deep pipeline) sync and step alike
     by_params: dict[tuple[int, int, int, float | None], tuple[float, float]] = {}
-    overlapped = facts.runtime == "mplan" and config.dp > 1 and config.pp == 1
+    # a CPU rank's gloo reductions run on the cores its backward runs on: they take turns, nothing overlaps
+    overlapped = facts.runtime == "mplan" and config.dp > 1 and config.pp == 1 and issue.overlaps
     for rank in range(config.pp):
         chunks = range(rank, k, config.pp)
         rank_units = [u for c in chunks for u in range(*cut.bounds[c])]
