@@ -28,8 +28,14 @@ copy 4.25 of 4.8 TB/s (0.885). 788 was read off a run that is not committed; the
 benchmarks/results/gemm_ceiling_h200-2026-11-29.json, times every GEMM of two 1B-parameter training
 steps, and the median of those with both weight dimensions >= 2048 (24 of 27) is 786 TFLOP/s
 (695-834; `compute_cost.achievable_gemm_rate`, checked in tests/test_held_out.py). The copy rate is
-mplan/cost_models/reference/h200-measured-2026-11-29.json's. Both are applied to A100 and H100 as
-an assumption (same cuBLAS/HBM behaviour), not a measurement.
+mplan/cost_models/reference/h200-measured-2026-11-29.json's. The H100 takes both as an assumption
+(same GH100 compute; the published maximum achievable matmul rate below puts the H100 SXM at 794.5
+of 989 TFLOP/s, 0.803, beside the H200's 0.796 here). The A100 takes the copy rate as an assumption
+but not the GEMM rate: its largest bf16 GEMMs reach 271.2 of 312 TFLOP/s (0.869), published in
+the "Maximum Achievable Matmul FLOPS comparison table" of stas00/ml-engineering,
+compute/accelerator/README.md (A100 SXM, torch 2.6.0+cu126, best of a search over shapes, mean of
+100 calls; an earlier revision of the table, CUDA 12.1, had 267.9, 0.859). The H200's 0.796,
+carried over until 2026-12-05, rated the A100's GEMMs 8% below that.
 """
 from __future__ import annotations
 
@@ -46,14 +52,16 @@ H200_MEASURED_ON = "2026-11-29"
 _H200_ACHIEVABLE_BF16 = 788e12  # FLOP/s, achievable large bf16 GEMM on the H200 (module docstring)
 _H200_COPY_BPS = 4.25e12  # B/s, measured here on 2026-11-29: copy, bytes read + written
 _GEMM_EFF = _H200_ACHIEVABLE_BF16 / 989.4e12  # 0.796, see module docstring
+_A100_ACHIEVABLE_BF16 = 271.2e12  # FLOP/s, published maximum achievable bf16 matmul (module docstring)
 _MEM_EFF = _H200_COPY_BPS / 4.8e12  # 0.885, see module docstring
 
 A100_80GB = DeviceSpec(
     name="A100-SXM4-80GB", peak_bf16=312e12, peak_fp16=312e12, peak_fp32=19.5e12, peak_tf32=156e12,
     peak_fp8=0.0, peak_fp64=19.5e12, memory_bytes=80 * GiB, memory_bandwidth_Bps=2.039e12,
-    gemm_efficiency=_GEMM_EFF, memory_efficiency=_MEM_EFF,
-    source="datasheet (NVIDIA A100 datasheet r4: 312 TFLOP/s bf16 dense, 2,039 GB/s HBM2e); "
-           "efficiencies measured on H200 here 2026-11-29, assumed to carry over")
+    gemm_efficiency=_A100_ACHIEVABLE_BF16 / 312e12, memory_efficiency=_MEM_EFF,
+    source="datasheet (NVIDIA A100 datasheet r4: 312 TFLOP/s bf16 dense, 2,039 GB/s HBM2e); GEMM efficiency "
+           "published (stas00/ml-engineering MAMF table: 271.2 TFLOP/s); copy efficiency measured on H200 "
+           "here 2026-11-29, assumed to carry over")
 H100_SXM = DeviceSpec(
     name="H100-SXM5-80GB", peak_bf16=989.4e12, peak_fp16=989.4e12, peak_fp32=66.9e12, peak_tf32=494.7e12,
     peak_fp8=1978.9e12, peak_fp64=66.9e12, memory_bytes=80 * GiB, memory_bandwidth_Bps=3.35e12,
