@@ -26,6 +26,10 @@ holds since the previous one. Parameters whose gradient is summed with another p
 copy first (`summed_first`: a tied embedding and head on two stages, `stage_copies.py`) keep
 their `.grad` whole until `step()`, in partitions of their own.
 At most `MAX_IN_FLIGHT` reduce-scatters are outstanding (each holds its bucket's flat gradient).
+The starts come from post-accumulate-grad hooks, i.e. from autograd's own accumulation: the
+pipeline executor adds a stage's gradients into `.grad` itself (`split_backward.py`, for its
+B/I/W split), so under a pipeline plan no hook fires and every bucket is reduced at `step()`,
+its gradients whole over the step's micro-batches as under zero=1.
 
 Layout: parameters of one group, placement, dtype and device form a *partition*. Its
 parameters are laid end to end and cut into buckets at parameter boundaries (at most
