@@ -15,9 +15,11 @@ parameters each group of consecutive segments reads, in forward order). Output: 
 In a one-stage program a unit is gathered before its first op, released after its last (forward),
 gathered again when the first gradient of its outputs arrives (a multi-grad hook: before any of
 its backward, recomputation included) and released when every one of its parameters has its
-gradient, which zero=2's machinery then reduce-scatters into the shards. Under a pipeline plan
-(`keep_gathered`) a stage's units are gathered at their first forward of the step and kept until
-the update: one gather per unit and step, the weights of the stage whole during it.
+gradient, which zero=2's machinery then reduce-scatters into the shards. Under a pipeline plan,
+or a Plan that keeps the weights (`zero3_keep_weights`), `keep_gathered`: a rank's units are
+gathered at their first forward of the step and kept until the update, one gather per unit and
+step, the weights of its stages whole meanwhile. (A pipeline's gradients are reduced at the step:
+its executor accumulates them itself, which no hook sees; `sharded_optimizer.py`.)
 
 Why mplan's own gathers rather than torch's FSDP2 (`fully_shard`): FSDP2 unshards and reshards
 around `nn.Module.forward` calls and keeps parameters as DTensors (sharded per tensor on dim 0)
