@@ -238,6 +238,10 @@ def _check_runnable(pm: ParallelModule) -> None:
     if pm.autocast is not None or pm.fp8:
         raise BisectRefused("bisect compares values in the dtypes the graph was captured in; under autocast or FP8 "
                             "the local program computes in another precision: build it without them")
+    if pm.plan.zero >= 3:
+        raise BisectRefused(f"plan {pm.plan.describe()}: under zero=3 the program gathers and frees its own weights "
+                            f"unit by unit, so bisect cannot feed it copies; bisect the same layout with zero=1 "
+                            f"(the arithmetic is the same)")
 
 
 # -- step 1 and 2: the two runs ---------------------------------------------------------------
