@@ -13,6 +13,22 @@ model:
   * `auto`: the planner's free choice (TP kept inside a node).
 The predicted TFLOP/s per GPU counts the recomputed forward (Narayanan eq. 3), as the paper does.
 
+Data parallelism as the paper's code ran it (Megatron-LM at 8cfef1b, April 2021, the release that
+went with the paper; assumptions where the paper is silent):
+  * fp16 gradients: its GPT-3 script (examples/pretrain_gpt3_175B.sh) trains with --fp16 and
+    without --accumulate-allreduce-grads-in-fp32, so the DDP buffer takes the parameters' dtype
+    (megatron/model/distributed.py, `_get_buffer_type`) and the all-reduce moves 2 bytes a
+    parameter; the fp16 optimizer keeps fp32 copies of them (`fp32_grad_copy`). Until 2026-12-05
+    this script priced fp32 gradients (Megatron's bf16 rule), twice the bytes;
+  * `--DDP-impl local`, the default: `allreduce_gradients()` reduces each model chunk's whole
+    buffer in one call after the pipeline schedule returns (megatron/training.py, `train_step`):
+    no buckets, no overlap with backward; a pipeline rank's sync hides only behind the other
+    ranks' drain (cost_models/simulator.py). torch's DDP (`--DDP-impl torch`) would overlap it;
+    the paper does not say which its runs used;
+  * NCCL's rings across nodes, 32-way DP paced by the NICs the group owns on each node
+    (cost_models/collective_cost.py).
+`--before FILE` sets the per-row errors of an earlier run of this script beside this run's.
+
 The row's score is the median candidate by predicted step time (the lower median: for an even
 count, the faster of the two middle ones), among those predicted to fit (all of them if none
 does). Not the fastest: the model predicts low on most rows, so its fastest candidate is also
@@ -21,6 +37,7 @@ stated beside it: per row the error of the fastest, the median and the slowest c
 over the table the largest and mean |error| under each.
 
     python benchmarks/megatron_calibration.py -o benchmarks/results/megatron-calibration-2026-12-05.json
+    python benchmarks/megatron_calibration.py --before OLD.json -o benchmarks/results/megatron-calibration-2026-12-05-dp.json
 """
 from __future__ import annotations
 
@@ -62,13 +79,20 @@ def own_configs(run: MegatronRun) -> list[ParallelConfig]:
     return configs
 
 
-def calibrate(run: MegatronRun, *, with_auto: bool = True) -> dict:
+def planner_for(run: MegatronRun) -> Planner:
+    """The row's model on its DGX A100 nodes, priced as Megatron-LM ran it (module docstring)."""
     config = GPTConfig(name=run.id, num_layers=run.layers, hidden=run.hidden, num_heads=run.heads,
                        seq_len=run.seq_len, vocab=run.vocab, tie_embeddings=True, fused_attention=False)
     model = build_model(config, device="meta", dtype=torch.bfloat16)  # priced in the dtype it trains in
     graph = capture_for_planning(model, (torch.zeros(1, run.seq_len, dtype=torch.long),))
     cluster = ClusterSpec.preset("dgx-a100", nodes=run.num_gpus // run.gpus_per_node)
-    planner = Planner(graph, cluster, grad_dtype="fp32", fp32_grad_copy=True, runtime="megatron")  # as the paper ran
+    # fp16 gradients all-reduced as they are, with fp32 copies in the optimizer
+    return Planner(graph, cluster, grad_dtype="fp16", fp32_grad_copy=True, runtime="megatron")
+
+
+def calibrate(run: MegatronRun, *, with_auto: bool = True) -> dict:
+    planner = planner_for(run)
+    cluster = planner.cluster
     estimates = [planner.evaluate(c, fast=False) for c in own_configs(run)]
     fitting = [e for e in estimates if e.fits] or estimates  # Megatron ran it: keep it even if we think it does not fit
     by_time = sorted(fitting, key=lambda e: e.step_time_s)
@@ -100,6 +124,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-o", "--output", default=None)
     parser.add_argument("--reference", default=None, help="path of megatron-sc21-a100.json")
+    parser.add_argument("--before", default=None,
+                        help="a results file this script wrote earlier: its per-row errors are set beside this run's")
+    parser.add_argument("--before-note", default="", help="what the --before run was (its commit)")
     args = parser.parse_args()
     start = time.time()
     rows = []
@@ -118,7 +145,7 @@ def main() -> None:
         abs_errors = [abs(r[key]) for r in rows]
         spread[rule] = {"max_abs_error": max(abs_errors), "mean_abs_error": sum(abs_errors) / len(abs_errors),
                         "rows_predicted_low": sum(r[key] < 0 for r in rows)}
-    doc = {"date": time.strftime("%Y-%m-%d"), "cluster": "dgx-a100 preset (datasheet + published NCCL figures)",
+    doc = {"date": time.strftime("%Y-%m-%d"), "cluster": "dgx-a100 preset (datasheet, published NCCL and matmul figures)",
            "rule": "own = the lower-median predicted candidate that fits, among the row's published layout "
                    "(micro-batch size where reported, interleaved where Table 1 says so) x what the paper "
                    "leaves out (micro-batch size, interleaving depth); max_abs_error and mean_abs_error "
@@ -132,9 +159,29 @@ def main() -> None:
     for rule, s in spread.items():
         print(f"  {rule:>7} candidate: max |error| {s['max_abs_error']:.1%}, "
               f"mean |error| {s['mean_abs_error']:.1%}, {s['rows_predicted_low']} of {len(rows)} rows predicted low")
+    if args.before:
+        doc["before"] = set_beside(rows, args.before, args.before_note)
+        for row in rows:
+            print(f"{row['id']:>36}: {row['before']['own_error']:+.1%} -> {row['own_error']:+.1%}")
+        print(f"max |error| {doc['before']['max_abs_error']:.1%} -> {doc['max_abs_error']:.1%}, "
+              f"mean |error| {doc['before']['mean_abs_error']:.1%} -> {doc['mean_abs_error']:.1%}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump(doc, f, indent=1)
+
+
+def set_beside(rows: list[dict], path: str, note: str) -> dict:
+    """Each row's errors in the earlier results file at `path` (written by this script) under the
+    row's "before" key; the earlier file's summary, returned."""
+    with open(path) as f:
+        earlier = json.load(f)
+    by_id = {row["id"]: row for row in earlier["rows"]}
+    keys = ("own_spec", "own_step_s", "own_error", "fastest_candidate_error", "median_candidate_error",
+            "slowest_candidate_error", "auto_spec", "auto_vs_own")
+    for row in rows:
+        row["before"] = {key: by_id[row["id"]][key] for key in keys if key in by_id[row["id"]]}
+    return {"note": note, "date": earlier["date"], "max_abs_error": earlier["max_abs_error"],
+            "mean_abs_error": earlier["mean_abs_error"], "candidate_spread": earlier.get("candidate_spread")}
 
 
 if __name__ == "__main__":
