@@ -439,10 +439,10 @@ CLAIMS: tuple[Claim, ...] = (
     Claim(doc="README.md", source="bench_mixtral-8x7b_dgx-h100x8-imbalance1.3-2026-12-05.json",
           figures=lambda data: (fixed(_plan(data, "tp=1,ep=8")["predicted"]["step_time_s"], 2),),
           pattern=r"at 1\.3 ep=8 would take (\S+) s:"),
-    Claim(doc="README.md", source="megatron-calibration-2026-12-05.json", figures=_megatron,
+    Claim(doc="README.md", source="megatron-calibration-2026-12-05-dp-pricing.json", figures=_megatron,
           pattern=r"predicted within (\S+) on every row, (\S+) on average \(low on (\d+) of (\d+)\), .* spanning up to "
-                  r"(\d+) candidates\. The fastest candidate is within (\S+) / (\S+) on average, the slowest (\S+) / (\S+) "),
-    Claim(doc="README.md", source="megatron-calibration-2026-12-05.json", figures=_megatron_auto,
+                  r"(\d+) candidates\. The fastest candidate is within (\S+) / (\S+) on average, the slowest (\S+) / (\S+)\."),
+    Claim(doc="README.md", source="megatron-calibration-2026-12-05-dp-pricing.json", figures=_megatron_auto,
           pattern=r"predicted (\S+)x faster than each published configuration's median candidate"),
     Claim(doc="README.md", source="bench_wide_llama_h200-2026-12-02.json", figures=_wide_llama,
           pattern=r"\| step predicted (\S+ / \S+); peak memory predicted (\S+ / \S+) of `max_memory_allocated`"),
@@ -544,7 +544,7 @@ CLAIMS: tuple[Claim, ...] = (
     Claim(doc="docs/claims.md", source="bench_mixtral-8x7b_dgx-h100x8-imbalance1.3-2026-12-05.json",
           figures=lambda data: (fixed(_plan(data, "tp=1,ep=8")["predicted"]["step_time_s"], 2),),
           pattern=r"ep=8 (\S+) s at 1\.3"),
-    Claim(doc="docs/claims.md", source="megatron-calibration-2026-12-05.json",
+    Claim(doc="docs/claims.md", source="megatron-calibration-2026-12-05-dp-pricing.json",
           figures=lambda data: _megatron(data)[:2] + _megatron(data)[5:],
           pattern=r"median candidate in the published layout: (\S+) largest, (\S+) mean; fastest candidate (\S+) / (\S+), "
                   r"slowest (\S+) / (\S+)"),
