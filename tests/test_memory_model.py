@@ -108,9 +108,11 @@ def test_evaluate_overlaps_gradients_and_activations_only_where_the_runtime_does
     assert m2.total_bytes > m1.total_bytes  # accumulating over micro-batches holds the gradients throughout
 
 
-def test_zero_must_be_0_or_1() -> None:
-    with pytest.raises(ValueError, match="zero must be 0 or 1"):
-        estimate_memory(num_params=1, per_param=bytes_per_param(), zero=2, dp=2, activation_bytes=0, num_in_flight=1)
+def test_zero_must_be_0_to_3() -> None:
+    for zero in (4, -1, True):
+        with pytest.raises(ValueError, match="zero must be 0, 1, 2 or 3"):
+            estimate_memory(num_params=1, per_param=bytes_per_param(), zero=zero, dp=2, activation_bytes=0,
+                            num_in_flight=1)
 
 
 # --- the planner's evaluation goes through this model ------------------------------------------

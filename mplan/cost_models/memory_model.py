@@ -14,14 +14,24 @@ largest single-op workspace.
 Output: ``MemoryBreakdown`` in bytes (``.gib`` for GiB, ``.as_dict()`` for JSON).
 
 Optimizer accounting (Megatron-LM's distributed optimizer, docs/source/api-guide/dist_optimizer.md):
-bytes per parameter = parameter + gradient (never sharded here: Megatron's grad buffer stays whole)
-+ optimizer state, the last divided by DP when ``zero=1``. Optimizer state = an fp32 master copy
-when parameters are narrower than fp32, Adam's two moments (fp32; fp64 for fp64 parameters) and an
-fp32 copy of the gradient when gradients are kept in 16 bits. That reproduces Megatron's table:
+bytes per parameter = parameter + gradient (never sharded at zero <= 1: Megatron's grad buffer stays
+whole) + optimizer state, the last divided by DP when ``zero >= 1``. Optimizer state = an fp32 master
+copy when parameters are narrower than fp32, Adam's two moments (fp32; fp64 for fp64 parameters) and
+an fp32 copy of the gradient when gradients are kept in 16 bits. That reproduces Megatron's table:
   bf16 params, fp32 grads: 2 + 4 + 12      = 18  -> 6 + 12/d with the distributed optimizer
   fp16 params, fp16 grads: 2 + 2 + 4+8+4   = 20  -> 4 + 16/d
   fp32 params, fp32 grads: 4 + 4 + 8       = 16  -> 8 + 8/d
 ``mplan_bytes_per_param`` is mplan's own runtime instead, measured against on two H200s.
+ZeRO-2 and ZeRO-3 (FSDP-style; ``BytesPerParam.total``), per local parameter:
+  zero=2: param + grad_shard/d + optimizer/d, plus the gradients that exist whole between
+          backward making them and their reduce-scatter into the shard (``grad_transient_bytes``,
+          the caller's count: a bucket's gradients and the flat copies its reduce-scatters hold);
+  zero=3: param_shard/d + grad_shard/d + optimizer/d, plus the gathered units in flight
+          (``gathered_params``, the caller's count) in the gathered dtype, and the same gradient
+          transient; with ``keep_weights`` the rank's whole gathered stage instead of the units in
+          flight (held from the first forward to the last backward).
+  bf16 under mplan's runtime: zero=2 2 + 16/d, zero=3 (2 + 16)/d; under Megatron's: 2 + 16/d and
+  (2 + 4 + 12)/d.
 Activations: ``none`` keeps every in-flight microbatch's activations; ``selective`` keeps
 ``selective_activation_bytes`` per microbatch (Korthikanti et al. 2022: attention's softmax/dropout
 recomputed, 34sbh instead of 34sbh + 5as^2b per layer); ``full`` keeps only each layer's input
@@ -76,23 +86,55 @@ class MemoryBreakdown:
                 "transient_bytes": self.transient_bytes, "total_bytes": self.total_bytes, "total_gib": self.gib}
 
 
+ZERO_LEVELS: tuple[int, ...] = (0, 1, 2, 3)
+"""0 replicated optimizer; 1 optimizer state sharded over DP; 2 gradients too; 3 parameters too."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BytesPerParam:
     """Bytes each local parameter costs, before ZeRO sharding."""
 
-    param: float
-    grad: float
-    optimizer: float  # master + moments + fp32 grad copy
+    param: float  # the parameter as the forward reads it (whole at zero <= 2; gathered at zero=3)
+    grad: float  # its gradient as backward makes it (held whole at zero <= 1)
+    optimizer: float  # master + moments (+ fp32 grad copy at zero <= 1), sharded over DP at zero >= 1
+    # bytes per element of the gradient shard a zero >= 2 reduce-scatter accumulates into (None: `grad`)
+    grad_shard: float | None = None
+    # bytes per element of zero=3's persistent parameter shard, the one the all-gathers read (None:
+    # `param`; 0: the gathers read the master shard, counted in `optimizer`)
+    param_shard: float | None = None
 
-    def total(self, *, zero: int = 0, dp: int = 1) -> float:
-        return self.param + self.grad + self.optimizer / (dp if zero else 1)
+    def shard_bytes(self) -> tuple[float, float]:
+        """(parameter shard, gradient shard) bytes per element at zero=3 (zero=2: the second)."""
+        return (self.param if self.param_shard is None else self.param_shard,
+                self.grad if self.grad_shard is None else self.grad_shard)
+
+    def total(self, *, zero: int = 0, dp: int = 1, keep_weights: bool = False) -> float:
+        """Bytes a local parameter holds through the step at `zero` over `dp` replicas, the
+        transients of zero 2 and 3 apart (one unit's gradients, the gathered units in flight), but
+        with zero=3's weights whole where it keeps them through the step (`keep_weights`)."""
+        check_zero(zero)
+        param_shard, grad_shard = self.shard_bytes()
+        optimizer = self.optimizer / (dp if zero else 1)
+        if zero <= 1:
+            return self.param + self.grad + optimizer
+        if zero == 2:
+            return self.param + grad_shard / dp + optimizer
+        return param_shard / dp + grad_shard / dp + optimizer + (self.param if keep_weights else 0.0)
+
+
+def check_zero(zero: object) -> None:
+    if zero not in ZERO_LEVELS or isinstance(zero, bool):
+        raise ValueError(f"zero must be 0, 1, 2 or 3 (1 optimizer state sharded over DP, 2 gradients too, 3 "
+                         f"parameters too), got {zero!r}")
 
 
 def bytes_per_param(param_dtype: object = "bf16", grad_dtype: object = "fp32", optimizer: str = "adam", *,
                     fp32_grad_copy: bool = True) -> BytesPerParam:
     """Megatron's per-parameter accounting (module docstring). `fp32_grad_copy=False` describes
     mplan's runtime, which reduces 16-bit gradients bucket by bucket straight into the fp32 master
-    shard's update and keeps no persistent fp32 copy of them."""
+    shard's update and keeps no persistent fp32 copy of them. At zero 2 and 3 (Megatron-FSDP) the
+    gradient shard is the main gradient's dtype and the parameter shard the parameters' (its model
+    weight buffer, beside the fp32 main weights in `optimizer`)."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZERS)}")
     param, grad = dtype_bytes(param_dtype), dtype_bytes(grad_dtype)
@@ -108,12 +150,20 @@ def mplan_bytes_per_param(param_dtype: object = "bf16", *, zero: int) -> BytesPe
     sharded_optimizer.py): gradients in the parameters' dtype, no fp32 copy of them. zero=0 steps
     the parameters themselves (two moments in their dtype, no master: bf16 2 + 2 + 4 = 8 bytes);
     zero=1 keeps a master shard in at least fp32 with its gradient and fp32 moments
-    (bf16 2 + 2 + 16/d)."""
+    (bf16 2 + 2 + 16/d). zero 2 and 3 (runtime/sharded_optimizer.py, fully_sharded.py) reduce-scatter
+    each bucket's gradients into a gradient shard in the master's dtype beside the master and its
+    moments (bf16 2 + 16/d); zero=3 keeps the parameters' shard in their own dtype for the gathers to
+    read, where that is narrower than the master (bf16 (2 + 16)/d; fp32 gathers the master itself,
+    16/d). Read off the runtime's layout; not yet held to a measured peak on a GPU."""
+    check_zero(zero)
     param = dtype_bytes(param_dtype)
     if not zero:
         return BytesPerParam(param=param, grad=param, optimizer=2 * param)
     master = max(param, 4)
-    return BytesPerParam(param=param, grad=param, optimizer=4 * master)
+    if zero == 1:
+        return BytesPerParam(param=param, grad=param, optimizer=4 * master)
+    return BytesPerParam(param=param, grad=param, optimizer=3 * master, grad_shard=master,
+                         param_shard=param if param < master else 0.0)
 
 
 def activation_bytes_kept(*, recompute: str, activation_bytes: float, num_in_flight: int,
@@ -136,7 +186,9 @@ def activation_bytes_kept(*, recompute: str, activation_bytes: float, num_in_fli
 
 
 def estimate_memory(*, num_params: float, per_param: BytesPerParam, zero: int = 0, dp: int = 1,
-                    expert_params: float = 0.0, expert_dp: int = 1, activation_bytes: float, num_in_flight: int,
+                    expert_params: float = 0.0, expert_dp: int = 1, keep_weights: bool = False,
+                    gathered_params: float = 0.0, grad_transient_bytes: float = 0.0,
+                    activation_bytes: float, num_in_flight: int,
                     recompute: str = "none",
                     selective_activation_bytes: float | None = None, checkpoint_bytes: float | None = None,
                     layer_activation_bytes: float = 0.0, largest_workspace_bytes: float = 0.0,
@@ -151,17 +203,32 @@ def estimate_memory(*, num_params: float, per_param: BytesPerParam, zero: int = 
     4096 peaked at 70.4 GiB: 80.9 GiB counting both, 68.6 GiB counting the larger).
     ``expert_params``: the rank's share of MoE experts' parameters (E/ep experts a layer), on top of
     its ``num_params``; ZeRO shards their optimizer state over the ``expert_dp`` ranks that hold the
-    same experts (``ir/mesh.py``), not over all ``dp``.
+    same experts (``ir/mesh.py``), not over all ``dp``; so do zero 2 and 3 their gradients and
+    parameters. ``gathered_params`` (zero=3 without ``keep_weights``): elements of the units
+    gathered at once; ``grad_transient_bytes`` (zero >= 2): bytes of gradients whole at once before
+    their reduce-scatter (module docstring); both counted by the caller, who knows the units.
     """
-    if zero not in (0, 1):
-        raise ValueError(f"zero must be 0 or 1 (ZeRO-1: optimizer state sharded over DP), got {zero}")
+    check_zero(zero)
     if dp < 1 or num_params < 0 or activation_bytes < 0 or largest_workspace_bytes < 0 or not 0 <= fragmentation < 1:
         raise ValueError("estimate_memory: dp >= 1, non-negative sizes and 0 <= fragmentation < 1 required")
     if expert_dp < 1 or dp % expert_dp or expert_params < 0:
         raise ValueError(f"estimate_memory: expert_dp must divide dp (it is dp / ep) and expert_params be >= 0, got "
                          f"dp={dp}, expert_dp={expert_dp}, expert_params={expert_params}")
+    if gathered_params < 0 or grad_transient_bytes < 0 or (keep_weights and zero != 3):
+        raise ValueError(f"estimate_memory: gathered_params and grad_transient_bytes must be >= 0 and keep_weights "
+                         f"needs zero=3, got {gathered_params}, {grad_transient_bytes}, keep_weights={keep_weights} "
+                         f"at zero={zero}")
     held = num_params + expert_params
-    params, grads = held * per_param.param, held * per_param.grad
+    param_shard, grad_shard = per_param.shard_bytes()
+    if zero <= 2:
+        params = held * per_param.param
+    else:
+        whole = held if keep_weights else min(gathered_params, held)
+        params = (num_params / dp + expert_params / expert_dp) * param_shard + whole * per_param.param
+    if zero <= 1:
+        grads = held * per_param.grad
+    else:
+        grads = (num_params / dp + expert_params / expert_dp) * grad_shard + grad_transient_bytes
     opt = num_params * per_param.optimizer / (dp if zero else 1) + \
         expert_params * per_param.optimizer / (expert_dp if zero else 1)
     acts = activation_bytes_kept(recompute=recompute, activation_bytes=activation_bytes, num_in_flight=num_in_flight,

@@ -61,6 +61,8 @@ class UnitCost:
     comm_forward_s: float
     comm_backward_s: float
     num_params: int  # local parameters (elements) on one TP rank
+    # the largest of them (elements, one tensor): a ZeRO bucket holds it alone where it outgrows one
+    largest_param: int = 0
     # (name, local elements) of a glue unit's parameters: a tied embedding read by both the
     # prologue and the epilogue is held once by a rank that runs both
     glue_params: tuple[tuple[str, int], ...] = ()
@@ -108,7 +110,7 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
     weight_grad = 0.0
     weight_ops = 0
     seen_params: set[str] = set()
-    num_params = 0
+    num_params = largest_param = 0
     glue: list[tuple[str, int]] = []
     for node in graph.nodes_of(nodes):
         s = sharding.choice[node.name]
@@ -140,6 +142,7 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
             placement = sharding.choice[node.name].inputs[node.inputs.index(param)]
             numel = graph.params[param].meta.numel // (n if isinstance(placement, Shard) else 1)
             num_params += numel
+            largest_param = max(largest_param, numel)
             glue.append((param, numel))
     selective_bytes = input_bytes + kept_extra + sum(
         shard_bytes(meta, sharding.choice[r].output if r in sharding.choice else sharding.boundary, n)
@@ -147,7 +150,8 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
     return UnitCost(name=name, block_type=block_type, forward_s=sharding.forward_s, backward_s=sharding.backward_s,
                     weight_backward_s=min(weight_grad, sharding.backward_s), num_weight_ops=weight_ops,
                     comm_forward_s=sharding.comm_forward_s, comm_backward_s=sharding.comm_backward_s,
-                    num_params=num_params, glue_params=tuple(glue) if block_type is None else (),
+                    num_params=num_params, largest_param=largest_param,
+                    glue_params=tuple(glue) if block_type is None else (),
                     tp_grad_sync_bytes=sharding.tp_grad_sync_bytes, saved_bytes=sharding.saved_bytes,
                     selective_bytes=selective_bytes,
                     # the reshards' collectives re-run too: the runtime's policy caches no collective
