@@ -22,6 +22,17 @@ Model (each term from the cost models, nothing fitted here):
   under mplan's runtime the buckets' reduction starts during the last backward (`overlapped_sync`)
   of a one-stage plan, and under a pipeline it runs at the step, after every rank's last action
   (the pipeline executor reduces gradients once the schedule is done: nothing overlaps);
+- ZeRO-2 and ZeRO-3 (`zero_collectives`), as mplan's runtime runs them (runtime/sharded_optimizer.py,
+  fully_sharded.py): zero=2 reduce-scatters each bucket's gradients over DP in every micro-batch's
+  backward (not once a step) and gathers the updated parameters after the step as zero=1 does;
+  zero=3 also all-gathers each unit's weights before its forward and again before its backward,
+  every micro-batch, or, keeping them (`keep_weights`, and always under a pipeline in mplan's
+  runtime), once a step at the unit's first forward, on the pipeline's way down (serial); no
+  gather after the step. Overlap as the runtime achieves it (`ZERO_OVERLAP`): mplan's gathers are
+  synchronous, its reduce-scatters asynchronous (hidden under the backward after them, the last
+  one of the step exposed); nothing is assumed overlapped that the runtime does not overlap.
+  Memory counts the gathered units in flight (`ZERO3_UNITS_IN_FLIGHT`) and the gradients whole
+  between backward and their reduce-scatter (`zero_grad_transient_bytes`; `cost_models.memory_model`);
 - the optimizer step is memory-bound over the rank's optimizer shard: clipping's gradient norm,
   then one multi-tensor AdamW, mplan's kernel or torch's fused one (`optimizer_time`), and under
   ZeRO-1 the copies between parameters, flat gradients and master shard (`zero1_copy_time`);
@@ -98,6 +109,34 @@ Fitted by `fit_split_w_host_s` on the two 1 x 2048 rows (20.72 ms over 68 ops, 0
 held out (tests/test_held_out.py): one model's row predicts the other's, the two predict 4 x 2048."""
 
 
+ZERO3_UNITS_IN_FLIGHT = 2
+"""Units whose gathered weights a zero=3 rank holds at once: the one computing and the next one,
+prefetched (FSDP2's default: one unit's all-gather ahead in forward and in backward). Counted even
+while the runtime gathers synchronously (no prefetch; the time is priced so), so that memory never
+falls short once the prefetch lands. A window of this many consecutive units of the rank, the largest."""
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ZeroOverlap:
+    """Which of zero 2/3's collectives a runtime runs under compute."""
+
+    gathers: bool  # the all-gathers of a unit's weights run under the compute before them (prefetch)
+    reduce_scatters: bool  # a unit's reduce-scatter runs under the backward of the units after it
+
+
+ZERO_OVERLAP: dict[str, ZeroOverlap] = {"mplan": ZeroOverlap(gathers=False, reduce_scatters=True),
+                                        "megatron": ZeroOverlap(gathers=False, reduce_scatters=False)}
+"""As each runtime runs zero 2/3. mplan (runtime/fully_sharded.py, "what is not overlapped yet"):
+gathers synchronous, no prefetch; reduce-scatters asynchronous, at most two outstanding
+(sharded_optimizer.py MAX_IN_FLIGHT): hidden under the backward that follows them, by
+construction (not yet measured on a GPU, where they also take SMs from it). Megatron-LM: neither,
+as Megatron-FSDP's overlap has not been measured here. Flip an entry when the runtime (and a
+measurement) says so: an overlapped collective costs a unit max(its compute, it), else their sum."""
+
+ZERO_REDUCTIONS_IN_FLIGHT = 3
+"""Flat gradient copies (the master dtype) zero 2/3's reduce-scatters hold at once: mplan's
+runtime keeps at most two outstanding and makes the third's copy before waiting for the oldest
+(runtime/sharded_optimizer.py `_reduce`, MAX_IN_FLIGHT = 2)."""
+
 def fit_copy_fraction(pairs: Sequence[tuple[float, float]]) -> float:
     """The rule this module's copy fractions (MPLAN_ADAMW_, TORCH_ADAMW_, GRAD_NORM_COPY_FRACTION)
     were fitted by: over (seconds the fewest bytes take at the run's copy bandwidth, seconds the
@@ -152,6 +191,75 @@ def overlapped_sync(cluster: ClusterSpec, reduction: str, sync_s: float, last_ba
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ZeroCollectives:
+    """zero 2/3's collectives of each unit (in order) in one micro-batch, seconds, and where they run."""
+
+    gather_s: tuple[float, ...]  # one all-gather of the unit's weights (zero=3, before forward and backward)
+    scatter_s: tuple[float, ...]  # the reduce-scatter of its gradients (zero 2 and 3)
+    per_micro_batch: bool  # zero=3 gathers before every forward and backward (False: once a step)
+    overlap: ZeroOverlap
+
+    def unit_seconds(self, forward_s: Sequence[float], backward_s: Sequence[float]) -> tuple[list[float], list[float]]:
+        """Each unit's forward and backward seconds with its collectives: an overlapped one costs
+        it only what outlasts the compute, the others their whole time (`ZERO_OVERLAP`)."""
+        gather = self.gather_s if self.per_micro_batch else tuple(0.0 for _ in self.gather_s)
+
+        def with_comm(compute: float, gathered: float, scattered: float) -> float:
+            hidden = (gathered if self.overlap.gathers else 0.0) + (scattered if self.overlap.reduce_scatters else 0.0)
+            shown = (0.0 if self.overlap.gathers else gathered) + (0.0 if self.overlap.reduce_scatters else scattered)
+            return max(compute, hidden) + shown
+        return ([with_comm(f, g, 0.0) for f, g in zip(forward_s, gather)],
+                [with_comm(b, g, r) for b, g, r in zip(backward_s, gather, self.scatter_s)])
+
+
+def zero_collectives(config: ParallelConfig, cluster: ClusterSpec, per: BytesPerParam,
+                     params: Sequence[tuple[int, int]], overlap: ZeroOverlap) -> ZeroCollectives:
+    """Per unit (its `params`: dense and expert elements a rank holds), the collectives of one
+    micro-batch at `config.zero`, each over the group that shares the unit's shards: dense weights
+    over DP, the experts' over expert-DP (`ir/mesh.py`). All-gathers move the weights in the
+    parameters' dtype (`per.param`: mixed precision gathers the compute dtype), reduce-scatters the
+    gradients in theirs (`per.grad`); one call a unit, its whole size (nccl-tests' size: the
+    gather's output, the scatter's input; zero=2's buckets of a unit add up to about the same)."""
+    zeros = tuple(0.0 for _ in params)
+    if config.zero < 2:
+        return ZeroCollectives(gather_s=zeros, scatter_s=zeros, per_micro_batch=False, overlap=overlap)
+    mesh, gpn = config.mesh, cluster.gpus_per_node
+    groups = (mesh.group_shape("dp", gpn), mesh.group_shape("expert_dp", gpn))
+    priced: dict[tuple[int, int], tuple[float, float]] = {}  # identical blocks priced once
+    for held in params:
+        if held not in priced:
+            gather = sum(collective_time(cluster, "all_gather", n * per.param, g) for n, g in zip(held, groups))
+            scatter = sum(collective_time(cluster, "reduce_scatter", n * per.grad, g) for n, g in zip(held, groups))
+            priced[held] = (gather if config.zero == 3 else 0.0, scatter)
+    return ZeroCollectives(gather_s=tuple(priced[h][0] for h in params), scatter_s=tuple(priced[h][1] for h in params),
+                           per_micro_batch=not config.keep_weights, overlap=overlap)
+
+
+def zero_grad_transient_bytes(config: ParallelConfig, per: BytesPerParam, units: Sequence[UnitCost],
+                              sizes: Sequence[float]) -> float:
+    """Bytes of gradients a zero 2/3 rank holds whole at once (units `units`, of `sizes` local
+    elements each): one bucket's as backward makes them (`per.grad`) and the flat copies of the
+    reductions in flight in the master dtype (`ZERO_REDUCTIONS_IN_FLIGHT`). A bucket is zero=3's
+    unit, zero=2's `DEFAULT_BUCKET_BYTES` of parameters or the largest parameter where that is
+    larger (runtime/sharded_optimizer.py, data_parallel.split_into_buckets); never more than the rank holds."""
+    if config.zero < 2 or not sizes:
+        return 0.0
+    if config.zero == 3:
+        bucket = max(sizes)
+    else:
+        bucket = min(sum(sizes), max(DEFAULT_BUCKET_BYTES / per.param, max(u.largest_param for u in units)))
+    master = max(per.param, 4)
+    return bucket * (per.grad + ZERO_REDUCTIONS_IN_FLIGHT * master)
+
+
+def gathered_window(sizes: Sequence[float], width: int = ZERO3_UNITS_IN_FLIGHT) -> float:
+    """The most elements `width` consecutive units of `sizes` hold (all of them when fewer)."""
+    if len(sizes) <= width:
+        return float(sum(sizes))
+    return float(max(sum(sizes[i:i + width]) for i in range(len(sizes) - width + 1)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelFacts:
     """What the evaluator needs to know about the model beyond its unit costs."""
 
@@ -194,6 +302,10 @@ class Estimate:
     # MoE models: the experts' all-to-all (dispatch and combine, forward and backward, the re-run
     # forward under full recomputation) over one step on the busiest pipeline rank, seconds
     a2a_s: float = 0.0
+    # zero 2/3: seconds per step their per-unit all-gathers and reduce-scatters add to the busiest
+    # pipeline rank's forward and backward (what the runtime does not overlap, ZERO_OVERLAP), and
+    # zero=3's gathers once a step where it keeps its weights
+    zero_comm_s: float = 0.0
     experts_per_rank: int = 0  # experts of each MoE layer a rank holds (0: no MoE layers)
     moe_imbalance: float = 0.0  # the busiest EP rank's load over the mean priced (`ModelFacts`; 0.0: no MoE layers)
     reason: str = ""  # why it does not fit, if it does not
@@ -218,15 +330,26 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     of allocated bytes (0 to compare with `torch.cuda.max_memory_allocated`, which does not see it)."""
     compute = ComputeCostModel(cluster)
     moe = _price_experts(config, units, experts, cluster, compute, facts.moe_imbalance)
-    fwd = moe.forward_s
+    per = _bytes_per_param(config, facts)
     bwd = [b + {"none": 0.0, "selective": u.selective_extra_s, "full": f}[config.recompute]
-           for u, f, b in zip(units, fwd, moe.backward_s)]
+           for u, f, b in zip(units, moe.forward_s, moe.backward_s)]
+    issue = host_timing(cluster)  # each op's host time queued against the device (unit_costs.chunk_*_s)
+    # zero 2/3's collectives of each unit, after recomputation: a re-run forward reads the weights
+    # its backward gathered; on CPU ranks gloo's collectives take turns with the compute on the
+    # same cores, so nothing overlaps there
+    overlap = ZERO_OVERLAP[facts.runtime] if issue.overlaps else ZeroOverlap(gathers=False, reduce_scatters=False)
+    zc = zero_collectives(config, cluster, per, list(zip(moe.dense_params, moe.expert_params)), overlap)
+    fwd, zero_added = moe.forward_s, [0.0] * len(units)
+    if config.zero >= 2:
+        fwd, bwd_zero = zc.unit_seconds(moe.forward_s, bwd)
+        # what they add to each unit's micro-batch (all of them that the runtime does not overlap)
+        zero_added = [f - f0 + b - b0 for f, f0, b, b0 in zip(fwd, moe.forward_s, bwd_zero, bwd)]
+        bwd = bwd_zero
     wgt = moe.weight_s
     k = config.pp * config.vpp
-    per = _bytes_per_param(config, facts)
     mesh = config.mesh
-    param_state = per.total(zero=config.zero, dp=config.dp)
-    expert_state = per.total(zero=config.zero, dp=mesh.expert_dp)
+    param_state = per.total(zero=config.zero, dp=config.dp, keep_weights=config.keep_weights)
+    expert_state = per.total(zero=config.zero, dp=mesh.expert_dp, keep_weights=config.keep_weights)
     in_flight = in_flight_of(config)
     # what a unit keeps of one micro-batch under the plan's recomputation, for the stage cut's memory
     kept = [activation_bytes_kept(recompute=config.recompute, activation_bytes=saved, num_in_flight=1,
@@ -250,7 +373,6 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         reason = NO_CUT_IN_MEMORY if cut is not None else _no_cut(len(units), k)
         cut = cut or _fallback(times, k)
     short_of_memory = reason == NO_CUT_IN_MEMORY
-    issue = host_timing(cluster)  # each op's host time queued against the device (unit_costs.chunk_*_s)
     chunk_f = tuple(chunk_forward_s(units, fwd, ab, serial=not issue.overlaps) for ab in cut.bounds)
     chunk_b = tuple(chunk_backward_s(units, bwd, ab, recompute=config.recompute, serial=not issue.overlaps)
                     for ab in cut.bounds)
@@ -271,9 +393,13 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         # once, in its forward.
         workspace = max((max(2 * units[u].largest_op_bytes, units[u].working_bytes(head_rows)) for u in rank_units),
                         default=0.0)
+        sizes = [moe.dense_params[u] + moe.expert_params[u] for u in rank_units] if config.zero >= 2 else []
         return estimate_memory(
             num_params=dense, per_param=per, zero=config.zero, dp=config.dp, expert_params=expert_params,
-            expert_dp=mesh.expert_dp, recompute=config.recompute,
+            expert_dp=mesh.expert_dp, keep_weights=config.keep_weights,
+            gathered_params=gathered_window(sizes) if config.zero == 3 else 0.0,
+            grad_transient_bytes=zero_grad_transient_bytes(config, per, [units[u] for u in rank_units], sizes),
+            recompute=config.recompute,
             activation_bytes=sum(moe.saved_bytes[u] for u in rank_units) / config.vpp,
             selective_activation_bytes=sum(moe.selective_bytes[u] for u in rank_units) / config.vpp,
             checkpoint_bytes=sum(units[u].input_bytes for u in rank_units) / config.vpp,
@@ -282,12 +408,13 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
             num_in_flight=in_flight[rank], largest_workspace_bytes=workspace, fragmentation=fragmentation,
             # mplan's runtime keeps no gradient buffer at dp=1: one micro-batch's gradients replace
             # its activations as backward runs (data_parallel.py)
-            grads_during_backward=facts.runtime == "mplan" and config.dp == 1 and config.num_micro_batches == 1)
+            grads_during_backward=facts.runtime == "mplan" and config.dp == 1 and config.num_micro_batches == 1
+            and config.zero <= 1)
 
     memory, syncs, opt = [], [], 0.0
     holdings: list[tuple[list[int], int, int]] = []  # per pipeline rank: its units, dense and expert parameters
     # ranks holding as many parameters (the middle ranks of a deep pipeline) sync and step alike
-    by_params: dict[tuple[int, int, int, float | None], tuple[float, float]] = {}
+    by_params: dict[tuple[int, int, int, float | None, float], tuple[float, float]] = {}
     # a CPU rank's gloo reductions run on the cores its backward runs on: they take turns, nothing overlaps
     overlapped = facts.runtime == "mplan" and config.dp > 1 and config.pp == 1 and issue.overlaps
     for rank in range(config.pp):
@@ -296,10 +423,13 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         dense, expert_params = _rank_params(units, moe, rank_units)
         tp_sync = sum(units[u].tp_grad_sync_bytes for u in rank_units)
         last_backward = sum(chunk_b[c] for c in chunks) if overlapped else None
-        key = (dense, expert_params, tp_sync, last_backward)
+        # the step waits for the reduce-scatters still in flight: the last unit's at most
+        last_scatter = max((zc.scatter_s[u] for u in rank_units), default=0.0) if zc.overlap.reduce_scatters else 0.0
+        key = (dense, expert_params, tp_sync, last_backward, last_scatter)
         if key not in by_params:
             by_params[key] = _sync_and_step(config, cluster, compute, facts, dense=dense, experts=expert_params,
-                                            tp_sync_bytes=tp_sync, last_backward_s=last_backward)
+                                            tp_sync_bytes=tp_sync, last_backward_s=last_backward,
+                                            last_scatter_s=last_scatter)
         sync, step = by_params[key]
         syncs.append(sync)
         opt = max(opt, step)
@@ -320,15 +450,20 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         short_of_memory = True
 
     at_step = facts.runtime == "mplan" and config.pp > 1  # the sync waits for the schedule's end
+    # zero=3 keeping its weights gathers each unit once a step, at its first forward: one after the
+    # other down the pipeline, on the way every micro-batch waits for (serial, not overlapped)
+    kept_gather = sum(zc.gather_s) if config.zero == 3 and config.keep_weights else 0.0
     costs = PipelineCosts(forward_s=chunk_f, backward_s=chunk_b, p2p_s=(p2p,) * (k - 1),
                           grad_sync_s=tuple(0.0 if at_step else syncs[c % config.pp] / config.vpp for c in range(k)),
-                          optimizer_s=opt + (max(syncs) if at_step else 0.0), weight_s=chunk_w)
+                          optimizer_s=opt + kept_gather + (max(syncs) if at_step else 0.0), weight_s=chunk_w)
     if fast:
         step, bubble, busy = _closed_form(config, costs)
         sim = None
     else:
         sim = simulate(schedule_of(config), costs, check=False)  # schedule_of checked it once
         step, bubble, busy = sim.step_time_s, sim.bubble_fraction, sim.compute_s
+    zero_comm = max(sum(zero_added[u] for c in range(rank, k, config.pp) for u in range(*cut.bounds[c]))
+                    for rank in range(config.pp)) * config.num_micro_batches + kept_gather
     tp_comm = sum((units[u].comm_forward_s + units[u].comm_backward_s)
                   for c in range(0, k, config.pp) for u in range(*cut.bounds[c])) * config.num_micro_batches
     # all-to-all passes a micro-batch runs: forward and backward, and forward again when fully recomputed
@@ -342,9 +477,10 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     return Estimate(config=config, fits=fits, step_time_s=step, tflops_per_gpu=flops / world / 1e12,
                     mfu=flops / world / cluster.device.peak_flops("bf16"),
                     tokens_per_s=sequences * facts.seq_len / step, bubble_fraction=bubble,
-                    compute_s=busy, comm_s=tp_comm + a2a + 2 * (config.pp - 1) * p2p + exposed,
+                    compute_s=busy, comm_s=tp_comm + a2a + zero_comm + 2 * (config.pp - 1) * p2p + exposed,
                     memory=tuple(memory), stage_bounds=cut.bounds, chunk_forward_s=chunk_f, chunk_backward_s=chunk_b,
                     chunk_weight_s=chunk_w, p2p_s=p2p, grad_sync_s=tuple(syncs), optimizer_s=opt, a2a_s=a2a,
+                    zero_comm_s=zero_comm,
                     experts_per_rank=moe.experts_per_rank,
                     moe_imbalance=facts.moe_imbalance if moe.experts_per_rank else 0.0, reason=reason,
                     short_of_memory=short_of_memory, head_chunk_rows=head_rows, simulation=sim)
@@ -385,24 +521,33 @@ def _bytes_per_param(config: ParallelConfig, facts: ModelFacts) -> BytesPerParam
 
 
 def _sync_and_step(config: ParallelConfig, cluster: ClusterSpec, compute: ComputeCostModel, facts: ModelFacts, *,
-                   dense: int, experts: int, tp_sync_bytes: int, last_backward_s: float | None) -> tuple[float, float]:
+                   dense: int, experts: int, tp_sync_bytes: int, last_backward_s: float | None,
+                   last_scatter_s: float = 0.0) -> tuple[float, float]:
     """Seconds of one pipeline rank's gradient sync and optimizer step, for its `dense` parameters
-    (synced and, under ZeRO-1, sharded over dp) and its `experts` (the same over expert_dp, the
-    ranks holding the same experts); `last_backward_s`: the backward a sync overlaps, if any."""
+    (synced and, under ZeRO, sharded over dp) and its `experts` (the same over expert_dp, the
+    ranks holding the same experts); `last_backward_s`: the backward a sync overlaps, if any.
+    zero 2 and 3 reduce-scatter their gradients in every micro-batch's backward (`zero_collectives`),
+    not here: the step waits only for the last of them still in flight (`last_scatter_s`); zero 1
+    and 2 gather the updated parameters after the step, zero=3 never does (it gathers per unit,
+    `evaluate`)."""
     per = _bytes_per_param(config, facts)
     mesh, gpn = config.mesh, cluster.gpus_per_node
     dp_group, expert_dp_group = mesh.group_shape("dp", gpn), mesh.group_shape("expert_dp", gpn)
     reduction = "reduce_scatter" if config.zero else "all_reduce"
-    sync = collective_time(cluster, reduction, dense * per.grad, dp_group)
-    sync += collective_time(cluster, reduction, experts * per.grad, expert_dp_group)
+    sync = 0.0
+    if config.zero <= 1:
+        sync += collective_time(cluster, reduction, dense * per.grad, dp_group)
+        sync += collective_time(cluster, reduction, experts * per.grad, expert_dp_group)
     sync += collective_time(cluster, "all_reduce", tp_sync_bytes * per.grad / max(1, per.param),
                             mesh.group_shape("tp", gpn))
-    if last_backward_s is not None:
+    if last_backward_s is not None and config.zero <= 1:
         sync = overlapped_sync(cluster, reduction, sync, last_backward_s, (dense + experts) * per.grad, dp_group)
-    if config.zero:  # the updated parameters, gathered after the step: never overlapped
+    sync += last_scatter_s
+    if config.zero in (1, 2):  # never overlapped
         sync += collective_time(cluster, "all_gather", dense * per.param, dp_group)
         sync += collective_time(cluster, "all_gather", experts * per.param, expert_dp_group)
-    # the dtype AdamW steps: the parameters', or ZeRO-1's master shard (at least fp32, sharded_optimizer.py)
+    # the dtype AdamW steps: the parameters', or ZeRO's master shard (at least fp32, sharded_optimizer.py);
+    # zero 2 and 3's copies around the collectives priced as zero=1's until the runtime's own are counted
     step_bytes = max(per.param, 4) if config.zero else per.param
     shard = dense / config.dp + experts / mesh.expert_dp if config.zero else dense + experts
     step = optimizer_time(compute, shard, step_bytes, mplan_adamw=facts.mplan_adamw)

@@ -1,6 +1,8 @@
 """Why a plan won: the mesh, the stages and their layers, memory and time per stage, the per-op
-sharding of one block, what each rejected alternative would have cost, and for an MoE model its
-expert parallelism (experts per rank, the load imbalance priced, the all-to-all's share of the step).
+sharding of one block, what each rejected alternative would have cost, why its ZeRO level won
+(`Plan.zero_levels`: the plan's layout at every level, memory against the extra all-gathers and
+reduce-scatters, and whether any plan fits below it), and for an MoE model its expert parallelism
+(experts per rank, the load imbalance priced, the all-to-all's share of the step).
 
 `explain_data(plan)` is plain data (for `--json`); `render(plan, console)` prints it as rich
 tables, which also read fine as text without a terminal: ops named by module path and op, the
@@ -22,9 +24,9 @@ from typing import Any
 from mplan.cost_models.rates import flops_rate
 from mplan.cost_models.simulator import PipelineCosts, SimResult, simulate
 from mplan.ir.strategy import StrategyParseError, parse_strategy
-from mplan.planner.evaluate import device_word, schedule_of
-from mplan.planner.parallel_config import ParallelConfig
-from mplan.planner.plan import Plan
+from mplan.planner.evaluate import ZERO_OVERLAP, ZeroOverlap, device_word, schedule_of
+from mplan.planner.parallel_config import EXECUTABLE_ZERO, ParallelConfig
+from mplan.planner.plan import Plan, ZeroLevel
 
 RUNTIME_NAMES = {"mplan": "mplan's runtime", "megatron": "Megatron-LM's runtime (--runtime megatron)"}
 
@@ -179,7 +181,7 @@ def config_of(plan: Plan) -> ParallelConfig:
     m = plan.mesh
     return ParallelConfig(dp=m.dp, tp=m.tp, pp=m.pp, vpp=m.vpp, ep=m.ep, mbs=plan.micro_batch_size,
                           num_micro_batches=plan.num_micro_batches, sp=plan.sequence_parallel, zero=plan.zero,
-                          recompute=plan.recompute, schedule=plan.schedule)
+                          keep_weights=plan.zero3_keep_weights, recompute=plan.recompute, schedule=plan.schedule)
 
 
 def simulate_plan(plan: Plan) -> SimResult:
@@ -259,7 +261,84 @@ def explain_data(plan: Plan) -> dict[str, Any]:
             "schedule": {"name": plan.schedule, "text": schedule_of(config_of(plan)).render() if plan.mesh.pp > 1 else ""},
             "stages": stages, "ranks": per_rank, "block_type": main, "block_ops": block_ops,
             "block_time": _block_time(plan, main),
-            "experts": _experts(plan), "alternatives": alternatives}
+            "experts": _experts(plan), "zero": _zero(plan), "alternatives": alternatives}
+
+
+def _level_name(zero: int, keep_weights: bool) -> str:
+    return f"zero={zero}" + (" keeping its weights" if keep_weights else "")
+
+
+def _zero(plan: Plan) -> dict[str, Any]:
+    """The plan's ZeRO level and why it won: its zero 2/3 collectives per step, the plan's layout
+    at every other level (`Plan.zero_levels`), whether mplan's runtime runs the level, and one
+    sentence saying it (`zero_summary`)."""
+    levels = [{"zero": z.zero, "keep_weights": z.keep_weights, "spec": z.spec, "fits": z.fits,
+               "step_ms": z.step_time_s * 1e3, "memory_gib": z.memory_gib, "zero_comm_ms": z.zero_comm_s * 1e3,
+               "best_spec": z.best_spec,
+               "best_step_ms": None if z.best_step_time_s is None else z.best_step_time_s * 1e3,
+               "nothing_fits_below": z.nothing_fits_below} for z in plan.zero_levels]
+    runs = plan.runtime != "mplan" or plan.zero in EXECUTABLE_ZERO["mplan"]
+    return {"zero": plan.zero, "keep_weights": plan.zero3_keep_weights,
+            "zero_comm_ms": plan.predicted.zero_comm_s * 1e3,
+            "gathers_overlapped": _zero_overlap(plan).gathers,
+            "reduce_scatters_overlapped": _zero_overlap(plan).reduce_scatters, "runtime_runs_it": runs,
+            "levels": levels, "summary": zero_summary(plan)}
+
+
+def _zero_overlap(plan: Plan) -> ZeroOverlap:
+    """What of zero 2/3's collectives the plan was priced as overlapping (`evaluate.ZERO_OVERLAP`;
+    nothing on CPU ranks, whose gloo collectives take turns with the compute)."""
+    return ZeroOverlap(gathers=False, reduce_scatters=False) if plan.cluster.device == "cpu" else \
+        ZERO_OVERLAP[plan.runtime]
+
+
+def zero_summary(plan: Plan) -> str:
+    """Why the plan's ZeRO level won, in one sentence: that nothing fits below it, or what the
+    levels below would need and the levels above would cost (memory saved against the extra
+    all-gathers and reduce-scatters), each in the plan's own layout."""
+    own_name = _level_name(plan.zero, plan.zero3_keep_weights)
+    overlap = _zero_overlap(plan)
+    gathers = ""
+    if plan.zero == 3:
+        how = ("one gather of each unit a step, its weights kept through the step" if plan.zero3_keep_weights else
+               "a gather before each unit's forward and backward")
+        gathers = f", {how}, {'overlapped with' if overlap.gathers else 'NOT overlapped with'} compute"
+    traffic = "" if plan.zero < 2 else (
+        f"; its all-gathers and reduce-scatters add {plan.predicted.zero_comm_s * 1e3:,.0f} ms a step (priced as "
+        f"{RUNTIME_NAMES[plan.runtime]} runs them: reduce-scatters "
+        f"{'overlapped with' if overlap.reduce_scatters else 'NOT overlapped with'} the backward{gathers})")
+    runs = "" if plan.runtime != "mplan" or plan.zero in EXECUTABLE_ZERO["mplan"] else (
+        f"; mplan's runtime does not run zero={plan.zero} yet (it runs zero "
+        f"{', '.join(map(str, EXECUTABLE_ZERO['mplan']))}): autoparallel refuses this plan")
+    if plan.mesh.dp == 1:
+        return f"{own_name}: dp=1, nothing to shard over{traffic}{runs}"
+    if not plan.zero_levels:
+        return f"{own_name}, as the spec asked (no other level was searched){traffic}{runs}"
+    own = next((z for z in plan.zero_levels if (z.zero, z.keep_weights) == (plan.zero, plan.zero3_keep_weights)),
+               None)
+    others = [z for z in plan.zero_levels if z is not own]
+    below = [z for z in others if z.zero < plan.zero]
+    if own is not None and own.nothing_fits_below and below:
+        head = (f"{own_name} chosen: the plan fits only with zero>={plan.zero}, no plan of the search fits at a lower "
+                f"level")
+    else:
+        head = f"{own_name} chosen, the fastest that fits"
+    parts = [_versus(z, plan) for z in others]
+    return head + (": " + "; ".join(parts) if parts else "") + traffic + runs
+
+
+def _versus(level: ZeroLevel, plan: Plan) -> str:
+    """One other level against the plan's, in the plan's layout."""
+    name = _level_name(level.zero, level.keep_weights)
+    here = plan.predicted.memory_gib
+    if not level.fits:
+        return f"{name} needs {level.memory_gib:.1f} GiB per GPU in this layout (this plan {here:.1f})"
+    slower = (level.step_time_s - plan.predicted.step_time_s) * 1e3
+    extra = (level.zero_comm_s - plan.predicted.zero_comm_s) * 1e3
+    saved = here - level.memory_gib
+    memory = f"{saved:.1f} GiB less" if saved > 0 else f"{-saved:.1f} GiB more"
+    comm = f", {extra:+,.0f} ms of all-gathers/reduce-scatters a step" if abs(extra) >= 0.5 else ""
+    return f"{name} would hold {memory} for a step {slower:+,.0f} ms{comm}"
 
 
 def _experts(plan: Plan) -> dict[str, Any] | None:
@@ -313,6 +392,7 @@ def render(plan: Plan, console: Any) -> None:
     if d["head_loss_chunk_rows"] is not None:
         console.print(f"fused head + loss: {d['head_loss_chunk_rows']} rows a chunk, below the op's default: "
                       f"the default chunk of logits would not fit in the last stage's memory")
+    console.print(f"ZeRO: {d['zero']['summary']}", highlight=False)
     e = d["experts"]
     if e is not None and e["ep"] == 1:
         console.print(f"experts: ep=1, all {e['num_experts']} experts of a layer on every rank, no all-to-all")

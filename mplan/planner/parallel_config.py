@@ -5,6 +5,12 @@ recomputation, optimizer sharding, schedule). `PlanSpec` is what a user writes
 (`dp=2,tp=4,pp=8,vpp=2,ep=1,mbs=1,sp=1,zero=1,recompute=selective,schedule=1f1b`): keys left out
 are searched, `auto` searches everything. `capacity=1.25` (never searched; `none`, the default, is
 dropless) sets the experts' capacity factor of an MoE model (`mplan.kernels.moe`).
+`zero` (ZERO_LEVELS): 0 replicated optimizer, 1 optimizer state sharded over DP, 2 gradients too,
+3 parameters too (FSDP-style: each unit all-gathered before its forward and again before its
+backward). `keep_weights=1` (zero=3 only) keeps each unit's gathered weights from its first forward
+to its last backward of the step instead: one gather per step, the stage's weights whole meanwhile
+(torchtitan keeps them so when pp > 1; mplan's runtime always does under a pipeline,
+`ZERO3_KEEPS_UNDER_PIPELINES`). `zero_variants` says which (zero, keep_weights) pairs a config tries.
 `enumerate_configs` lists every config a cluster and model admit, with the reason each excluded
 degree fails kept for error messages.
 """
@@ -13,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Iterator
 
-from mplan.cost_models.memory_model import RECOMPUTE_MODES
+from mplan.cost_models.memory_model import RECOMPUTE_MODES, ZERO_LEVELS
 from mplan.ir.mesh import MeshShape
 from mplan.ir.schedule import SCHEDULES
 
@@ -23,7 +29,18 @@ DEFAULT_RUNTIME = "mplan"
 """The runtime every command and API prices for unless told otherwise: the one that executes the
 plan (`autoparallel`, `bench --measure`). `mplan plan --runtime megatron` prices a plan for
 Megatron-LM instead (fp32 master weights, gradients and moments at any ZeRO stage)."""
-_INT_KEYS = ("dp", "tp", "pp", "vpp", "ep", "mbs", "sp", "zero")
+EXECUTABLE_ZERO: dict[str, tuple[int, ...]] = {"mplan": ZERO_LEVELS, "megatron": ZERO_LEVELS}
+"""The ZeRO levels each runtime executes, the only ones `autoparallel` searches and accepts
+(`resolve.py`). mplan's: 0-3 (`runtime/optimizer.py`: zero 2 and 3 since issue 33's runtime,
+`runtime/fully_sharded.py`). Megatron-LM: 0, 1 (distributed optimizer) and 2, 3 (Megatron-FSDP's
+`optim_grads` and `optim_grads_params` sharding strategies)."""
+ZERO3_KEEPS_UNDER_PIPELINES: dict[str, bool] = {"mplan": True, "megatron": False}
+"""Whether a runtime keeps zero=3's gathered weights through the step whenever pp > 1, whatever the
+plan says. mplan's does (`runtime/parallel_module.py`: `keep_gathered` under a pipeline), so its
+zero=3 pipeline plans are priced and recorded with keep_weights; Megatron-FSDP's is not known
+here, so both are priced for it."""
+_INT_KEYS = ("dp", "tp", "pp", "vpp", "ep", "mbs", "sp", "zero", "keep_weights")
+_FLAG_KEYS = ("sp", "keep_weights")
 _KEYS = _INT_KEYS + ("recompute", "schedule", "capacity")
 
 
@@ -41,7 +58,10 @@ class ParallelConfig:
     mbs: int = 1  # micro-batch size (sequences)
     num_micro_batches: int = 1  # per DP replica per step
     sp: bool = False  # sequence parallelism on the TP axis
-    zero: int = 0  # 1: optimizer state sharded over DP (distributed optimizer)
+    zero: int = 0  # ZERO_LEVELS: 1 optimizer state sharded over DP, 2 gradients too, 3 parameters too
+    # zero=3 only: each unit's gathered weights kept from its first forward to its last backward of
+    # the step (one gather per step) rather than gathered before every forward and backward and freed
+    keep_weights: bool = False
     recompute: str = "none"
     schedule: str = "1f1b"
     capacity_factor: float | None = None  # experts' capacity factor; None: dropless (not searched)
@@ -58,6 +78,7 @@ class ParallelConfig:
         """The manual spec string that reproduces this config."""
         return (f"dp={self.dp},tp={self.tp},pp={self.pp},vpp={self.vpp},ep={self.ep},mbs={self.mbs},"
                 f"sp={int(self.sp)},zero={self.zero},recompute={self.recompute},schedule={self.schedule}"
+                + (",keep_weights=1" if self.keep_weights else "")
                 + (f",capacity={self.capacity_factor:g}" if self.capacity_factor is not None else ""))
 
     def short(self) -> str:
@@ -70,7 +91,7 @@ class ParallelConfig:
         if self.sp:
             parts.append("sp")
         if self.zero:
-            parts.append("zero1")
+            parts.append(f"zero{self.zero}" + ("-keep" if self.keep_weights else ""))
         if self.recompute != "none":
             parts.append(f"rc-{self.recompute}")
         if self.capacity_factor is not None:
@@ -90,6 +111,7 @@ class PlanSpec:
     mbs: int | None = None
     sp: int | None = None
     zero: int | None = None
+    keep_weights: int | None = None  # 0 or 1; 1 needs zero=3
     recompute: str | None = None
     schedule: str | None = None
     capacity: float | None = None  # experts' capacity factor (None: dropless); passed through, not searched
@@ -112,7 +134,7 @@ class PlanSpec:
                 continue
             want = getattr(self, key)
             have = getattr(config, key)
-            if want is not None and (int(have) if key == "sp" else have) != want:
+            if want is not None and (int(have) if key in _FLAG_KEYS else have) != want:
                 return False
         return True
 
@@ -135,18 +157,28 @@ def parse_plan_spec(text: str) -> PlanSpec:
             continue
         if key == "capacity":
             values[key] = _capacity(text, raw)
-        elif key in _INT_KEYS:
-            if not raw.isdigit() or int(raw) < (0 if key in ("sp", "zero") else 1):
-                raise PlanSpecError(f"plan spec {text!r}: {key} must be a positive integer, got {raw!r}")
-            number = int(raw)
-            if key in ("sp", "zero") and number not in (0, 1):
+        elif key == "zero":
+            if raw not in tuple(map(str, ZERO_LEVELS)):
+                raise PlanSpecError(f"plan spec {text!r}: zero must be 0, 1, 2 or 3 (0 replicated optimizer, 1 "
+                                    f"optimizer state sharded over DP, 2 and gradients, 3 and parameters), "
+                                    f"got {raw!r}")
+            values[key] = int(raw)
+        elif key in _FLAG_KEYS:
+            if raw not in ("0", "1"):
                 raise PlanSpecError(f"plan spec {text!r}: {key} must be 0 or 1, got {raw!r}")
-            values[key] = number
+            values[key] = int(raw)
+        elif key in _INT_KEYS:
+            if not raw.isdigit() or int(raw) < 1:
+                raise PlanSpecError(f"plan spec {text!r}: {key} must be a positive integer, got {raw!r}")
+            values[key] = int(raw)
         else:
             choices = RECOMPUTE_MODES if key == "recompute" else SCHEDULES
             if raw not in choices:
                 raise PlanSpecError(f"plan spec {text!r}: {key} must be one of {', '.join(choices)}, got {raw!r}")
             values[key] = raw
+    if values.get("keep_weights") == 1 and values.get("zero", 3) != 3:
+        raise PlanSpecError(f"plan spec {text!r}: keep_weights=1 keeps zero=3's gathered weights through the step; "
+                            f"it needs zero=3, got zero={values['zero']}")
     return PlanSpec(**values)  # type: ignore[arg-type]
 
 
@@ -178,8 +210,10 @@ class ModelLimits:
 
 def enumerate_configs(*, world_size: int, gpus_per_node: int, global_batch: int, limits: ModelLimits,
                       spec: PlanSpec, allow_cross_node_tp: bool = False,
-                      max_mbs: int = 8) -> Iterator[ParallelConfig]:
-    """Every config the spec admits: dp*tp*pp == world, tp | heads, pp <= layers, mbs | batch share."""
+                      max_mbs: int = 8, zero_levels: tuple[int, ...] = ZERO_LEVELS,
+                      runtime: str = DEFAULT_RUNTIME) -> Iterator[ParallelConfig]:
+    """Every config the spec admits: dp*tp*pp == world, tp | heads, pp <= layers, mbs | batch share,
+    zero among `zero_levels` as `runtime` runs them (`zero_variants`)."""
     for tp in divisors(world_size):
         if not allow_cross_node_tp and (tp > gpus_per_node or gpus_per_node % tp):
             continue  # a TP group must sit inside one node (and not straddle two)
@@ -201,10 +235,33 @@ def enumerate_configs(*, world_size: int, gpus_per_node: int, global_batch: int,
                         continue
                     m = global_batch // (dp * mbs)
                     yield from _variants(ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, mbs=mbs, num_micro_batches=m),
-                                         limits, spec)
+                                         limits, spec, zero_levels, runtime)
 
 
-def _variants(base: ParallelConfig, limits: ModelLimits, spec: PlanSpec) -> Iterator[ParallelConfig]:
+def zero_variants(base: ParallelConfig, levels: tuple[int, ...], runtime: str = DEFAULT_RUNTIME, *,
+                  dominated: bool = False) -> list[tuple[int, bool]]:
+    """(zero, keep_weights) pairs a config tries: every level of `levels` where dp > 1 (at dp = 1
+    there is nothing to shard over); zero=3 under a pipeline as `runtime` runs it, keeping its
+    weights where it always does (`ZERO3_KEEPS_UNDER_PIPELINES`), else both ways, but keeping them
+    only where zero=2 is not searched or `dominated` asks for it too: keeping them costs zero=2's
+    reduce-scatters and a gather of the stage once a step (zero=2 gathers once too, after the
+    step) for zero=2's memory plus the parameter shard (`planner/evaluate.py`), so zero=2 is that
+    plan, no slower and never larger. (The search prices it beside its plan for `explain`.)"""
+    if base.dp == 1:
+        return [(0, False)] if 0 in levels else []
+    pairs = [(zero, False) for zero in levels if zero < 3]
+    if 3 in levels:
+        if base.pp > 1 and ZERO3_KEEPS_UNDER_PIPELINES[runtime]:
+            pairs.append((3, True))
+        else:
+            pairs.append((3, False))
+            if base.pp > 1 and (2 not in levels or dominated):
+                pairs.append((3, True))
+    return pairs
+
+
+def _variants(base: ParallelConfig, limits: ModelLimits, spec: PlanSpec,
+              zero_levels: tuple[int, ...] = ZERO_LEVELS, runtime: str = DEFAULT_RUNTIME) -> Iterator[ParallelConfig]:
     schedules: list[tuple[str, int]] = [("1f1b", 1)]
     if base.pp > 1:
         if spec.schedule == "gpipe":  # same time as 1F1B, more memory: only when asked for
@@ -216,9 +273,9 @@ def _variants(base: ParallelConfig, limits: ModelLimits, spec: PlanSpec) -> Iter
                 schedules.append(("interleaved", vpp))
     for schedule, vpp in schedules:
         for sp in ((False, True) if base.tp > 1 else (False,)):
-            for zero in ((0, 1) if base.dp > 1 else (0,)):
+            for zero, keep in zero_variants(base, zero_levels, runtime):
                 for recompute in RECOMPUTE_MODES:
-                    config = replace(base, schedule=schedule, vpp=vpp, sp=sp, zero=zero, recompute=recompute,
-                                     capacity_factor=spec.capacity)
+                    config = replace(base, schedule=schedule, vpp=vpp, sp=sp, zero=zero, keep_weights=keep,
+                                     recompute=recompute, capacity_factor=spec.capacity)
                     if spec.admits(config):
                         yield config

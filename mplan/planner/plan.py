@@ -14,6 +14,12 @@ sharding: it never solves, searches or consults the op registry.
 `op_costs` (optional) is keyed like `ops` and holds what the sharding ILP priced each op at under
 its chosen strategy (`OpCost`), for `mplan explain`'s per-op table; the runtime never reads it.
 
+`zero` is 0-3 (`parallel_config.ZERO_LEVELS`); `zero3_keep_weights` (optional, False; True only
+with zero=3) tells the runtime to keep each unit's gathered weights from its first forward to its
+last backward of the step (one all-gather per step) instead of gathering them before every forward
+and backward. `zero_levels` (optional) records, for `explain`, the plan's layout priced at every
+other ZeRO level the search could choose and the search's best plan at each (`ZeroLevel`).
+
 JSON is validated field by field on load (`PlanError` names the field); nothing is unpickled.
 """
 from __future__ import annotations
@@ -23,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mplan.json_fields import FieldReader, is_finite_number, load_json_file
-from mplan.cost_models.memory_model import RECOMPUTE_MODES
+from mplan.cost_models.memory_model import RECOMPUTE_MODES, ZERO_LEVELS
 from mplan.ir.graph import Graph
 from mplan.ir.mesh import MeshShape
 from mplan.ir.schedule import SCHEDULES
@@ -81,6 +87,9 @@ class Predicted:
     a2a_s: float = 0.0
     experts_per_rank: int = 0
     moe_imbalance: float = 0.0
+    # zero 2/3 (optional, 0.0): seconds per step their per-unit all-gathers and reduce-scatters add
+    # to the busiest pipeline rank's forward and backward (not overlapped with compute)
+    zero_comm_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -150,6 +159,25 @@ class OpCost:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ZeroLevel:
+    """One ZeRO level beside the plan's (the plan's own level included), for `explain`: the plan's
+    layout priced at that level, and the search's fastest plan at that level that fits."""
+
+    zero: int
+    keep_weights: bool  # zero=3 keeping its gathered weights through the step
+    spec: str  # the plan's layout at this level
+    fits: bool
+    step_time_s: float  # of the layout at this level (priced even where it does not fit)
+    memory_gib: float  # its peak per GPU
+    zero_comm_s: float  # its zero 2/3 collectives per step (`Predicted.zero_comm_s`)
+    # the search's fastest fitting plan at this level (a level above 1 is searched only where the
+    # level below does not fit); None where it found none
+    best_spec: str | None = None
+    best_step_time_s: float | None = None
+    nothing_fits_below: bool = False  # no plan of the search fits at a lower level
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Alternative:
     spec: str
     predicted: Predicted | None  # None when it does not fit
@@ -185,6 +213,9 @@ class Plan:
     head_loss_chunk_rows: int | None = None
     # segment key -> {node key: what the ILP priced it at} (module doc); optional in the file (absent: {})
     op_costs: dict[str, dict[str, OpCost]] = field(default_factory=dict, hash=False)
+    # zero=3 only: the gathered weights kept through the step (module doc); optional (absent: False)
+    zero3_keep_weights: bool = False
+    zero_levels: tuple[ZeroLevel, ...] = ()  # optional (absent: none recorded)
     version: int = PLAN_VERSION
 
     def spec(self) -> str:
@@ -193,6 +224,7 @@ class Plan:
         return (f"dp={m.dp},tp={m.tp},pp={m.pp},vpp={m.vpp},ep={m.ep},mbs={self.micro_batch_size},"
                 f"sp={int(self.sequence_parallel)},zero={self.zero},recompute={self.recompute},"
                 f"schedule={self.schedule}"
+                + (",keep_weights=1" if self.zero3_keep_weights else "")
                 + (f",capacity={self.capacity_factor:g}" if self.capacity_factor is not None else ""))
 
     def mesh_shape(self) -> MeshShape:
@@ -235,6 +267,8 @@ class Plan:
         doc["stages"] = [{**asdict(s), "layers": list(s.layers)} for s in self.stages]
         if not self.op_costs:
             del doc["op_costs"]
+        if not self.zero_levels:
+            del doc["zero_levels"]
         return _json_data({"version": doc.pop("version"), **doc})
 
     def to_json(self) -> str:
@@ -255,7 +289,7 @@ class Plan:
         if version != PLAN_VERSION:
             raise PlanError(f"{file}: version {version} is not supported (this mplan reads version {PLAN_VERSION})")
         plan = cls(model=_model(r.obj("model")), cluster=_cluster(r.obj("cluster")), mesh=_mesh(r.obj("mesh")),
-                   sequence_parallel=r.boolean("sequence_parallel"), zero=_choice(r, "zero", (0, 1, 2, 3)),
+                   sequence_parallel=r.boolean("sequence_parallel"), zero=_choice(r, "zero", ZERO_LEVELS),
                    micro_batch_size=r.integer("micro_batch_size"), num_micro_batches=r.integer("num_micro_batches"),
                    global_batch=r.integer("global_batch"),
                    schedule=r.string("schedule", choices=SCHEDULES),
@@ -268,7 +302,10 @@ class Plan:
                    tp_layout=r.string("tp_layout", choices=TP_LAYOUTS) if r.has("tp_layout") else "ilp",
                    runtime=r.string("runtime", choices=RUNTIMES) if r.has("runtime") else LEGACY_RUNTIME,
                    capacity_factor=_capacity(r), head_loss_chunk_rows=_head_loss_chunk_rows(r),
-                   op_costs=_op_costs(r, "op_costs"), version=version)
+                   op_costs=_op_costs(r, "op_costs"),
+                   zero3_keep_weights=r.boolean("zero3_keep_weights") if r.has("zero3_keep_weights") else False,
+                   zero_levels=tuple(_zero_level(z) for z in r.objects("zero_levels")) if r.has("zero_levels")
+                   else (), version=version)
         r.finish()
         _check_consistent(plan, file)
         return plan
@@ -369,12 +406,28 @@ def _predicted(r: FieldReader) -> Predicted:
     keys = ("step_time_s", "tflops_per_gpu", "mfu", "tokens_per_s", "bubble_fraction", "memory_gib",
             "compute_s", "comm_s", "p2p_s", "optimizer_s")
     values = {k: r.number(k, allow_equal=True) for k in keys}
-    values.update({k: r.number(k, allow_equal=True) for k in ("a2a_s", "moe_imbalance") if r.has(k)})
+    values.update({k: r.number(k, allow_equal=True) for k in ("a2a_s", "moe_imbalance", "zero_comm_s") if r.has(k)})
     experts = r.integer("experts_per_rank", minimum=0) if r.has("experts_per_rank") else 0
     predicted = Predicted(memory_by_stage=tuple(_stage_memory(s) for s in r.objects("memory_by_stage")),
                           experts_per_rank=experts, **values)
     r.finish()
     return predicted
+
+
+def _zero_level(r: FieldReader) -> ZeroLevel:
+    best = r.string("best_spec") if r.has("best_spec") else None
+    level = ZeroLevel(zero=_choice(r, "zero", ZERO_LEVELS), keep_weights=r.boolean("keep_weights"),
+                      spec=r.string("spec"), fits=r.boolean("fits"),
+                      step_time_s=r.number("step_time_s", allow_equal=True),
+                      memory_gib=r.number("memory_gib", allow_equal=True),
+                      zero_comm_s=r.number("zero_comm_s", allow_equal=True), best_spec=best,
+                      best_step_time_s=r.number("best_step_time_s", allow_equal=True)
+                      if r.has("best_step_time_s") else None,
+                      nothing_fits_below=r.boolean("nothing_fits_below") if r.has("nothing_fits_below") else False)
+    if level.keep_weights and level.zero != 3:
+        raise r.error("keep_weights", f"is true at zero={level.zero}: only zero=3 keeps gathered weights")
+    r.finish()
+    return level
 
 
 def _alternative(r: FieldReader) -> Alternative:
@@ -448,6 +501,8 @@ def _check_consistent(plan: Plan, file: str) -> None:
         raise PlanError(f"{file}: stages has {len(plan.stages)} entries but pp*vpp = {m.pp * m.vpp}")
     if m.ep > 1 and m.dp % m.ep:
         raise PlanError(f"{file}: mesh.ep={m.ep} must divide mesh.dp={m.dp}")
+    if plan.zero3_keep_weights and plan.zero != 3:
+        raise PlanError(f"{file}: zero3_keep_weights is true at zero={plan.zero}: only zero=3 gathers weights to keep")
     if m.ep > 1 and not any(placements.get("ep") == "S(0)" for placements in plan.sharding.values()):
         raise PlanError(f"{file}: mesh.ep={m.ep} but no parameter in sharding is split over ep (\"ep\": \"S(0)\")")
     for segment, entries in plan.op_costs.items():

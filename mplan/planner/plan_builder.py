@@ -5,7 +5,8 @@ first traced instance's nodes stand for every instance), glue segments by name (
 Parameters of block instances a shallow capture did not trace take the placements of the first
 instance; a tied parameter is listed under each of its names. Each op's price in the sharding
 ILP's objective at the plan's micro-batch is kept under the same keys (`Plan.op_costs`), so
-`mplan explain` shows per-op costs without pricing anything again.
+`mplan explain` shows per-op costs without pricing anything again; so are the ZeRO levels the
+search weighed (`Plan.zero_levels`, from `SearchResult.zero_levels`).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from mplan.ir.strategy import Strategy
 from mplan.planner.evaluate import Estimate
 from mplan.planner.parallel_config import DEFAULT_RUNTIME
 from mplan.planner.plan import (Alternative, ClusterInfo, Mesh, ModelInfo, OpCost, Plan, Predicted, Stage,
-                                StageMemory)
+                                StageMemory, ZeroLevel)
 from mplan.planner.search import SearchResult, ShardedModel
 from mplan.planner.sharding_ilp import GraphSharding, SegmentSharding
 
@@ -62,7 +63,20 @@ def predicted_of(estimate: Estimate) -> Predicted:
                      memory_gib=estimate.peak_memory_bytes / GiB, memory_by_stage=memory,
                      compute_s=estimate.compute_s, comm_s=estimate.comm_s, p2p_s=estimate.p2p_s,
                      optimizer_s=estimate.optimizer_s, a2a_s=estimate.a2a_s,
-                     experts_per_rank=estimate.experts_per_rank, moe_imbalance=estimate.moe_imbalance)
+                     experts_per_rank=estimate.experts_per_rank, moe_imbalance=estimate.moe_imbalance,
+                     zero_comm_s=estimate.zero_comm_s)
+
+
+def zero_levels_of(result: SearchResult) -> tuple[ZeroLevel, ...]:
+    """`Plan.zero_levels`: each ZeRO level the search weighed beside its best plan, in level order."""
+    return tuple(ZeroLevel(zero=level.zero, keep_weights=level.keep_weights, spec=level.same_layout.config.spec(),
+                           fits=level.same_layout.fits, step_time_s=level.same_layout.step_time_s,
+                           memory_gib=level.same_layout.peak_memory_bytes / GiB,
+                           zero_comm_s=level.same_layout.zero_comm_s,
+                           best_spec=None if level.best_fitting is None else level.best_fitting.config.spec(),
+                           best_step_time_s=None if level.best_fitting is None else level.best_fitting.step_time_s,
+                           nothing_fits_below=level.nothing_fits_below)
+                 for level in result.zero_levels.values())
 
 
 def _why_lost(best: Estimate, other: Estimate) -> str:
@@ -153,5 +167,6 @@ def build_plan(result: SearchResult, graph: Graph, cluster: ClusterSpec, global_
         recompute=config.recompute, stages=stages, sharding=_param_placements(graph, model, best, units), ops=ops,
         predicted=predicted_of(best), alternatives=alternatives, tp_layout=tp_layout, runtime=runtime,
         capacity_factor=config.capacity_factor, head_loss_chunk_rows=best.head_chunk_rows, op_costs=op_costs,
+        zero3_keep_weights=config.keep_weights, zero_levels=zero_levels_of(result) if best is result.best else (),
         planner={"search_seconds": round(result.seconds, 3), "candidates": result.num_candidates,
                  "capture_seconds": round(graph.capture_seconds, 3)})

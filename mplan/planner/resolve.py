@@ -8,7 +8,8 @@ keys the runtime can execute (ep=1 today), which a search respects. Output: a `P
 `ops` hold a strategy for every node of that graph under its stable key, so the runtime only
 reads it (`Plan.op_strategies`): it never solves, searches or re-captures.
 
-- None / "auto"  the planner searches (`search.Planner`) on this graph, within `within`;
+- None / "auto"  the planner searches (`search.Planner`) on this graph, within `within` and the
+                 ZeRO levels mplan's runtime executes (`EXECUTABLE_ZERO`);
 - a spec string  keys as in the plan-spec grammar; keys left out take defaults here (tp=1, sp=0,
                  zero=0, dp fills the world, mbs = the whole replica batch unless
                  `micro_batch_size` says otherwise, or with pp > 1 the largest that still gives
@@ -22,8 +23,9 @@ reads it (`Plan.op_strategies`): it never solves, searches or re-captures.
                  runs replicated, which is always exact, and the Plan records how many did.
 
 `check_before_capture` is every refusal above that needs no graph (a spec's grammar and arithmetic
-on this world and batch, a plan file for another world size or batch), for a caller to run
-before it captures: `autoparallel` refuses those in well under a second.
+on this world and batch, a plan file for another world size or batch, a ZeRO level the runtime
+does not execute), for a caller to run before it captures: `autoparallel` refuses those in well
+under a second.
 
 Every resolved Plan passes `ir.sharding.check_sharding` and `ir.stage_cut.stage_of_units` on the
 graph before it is returned, so a plan the passes cannot run (a sharding no pass lowers, a stage
@@ -45,7 +47,8 @@ from mplan.ir.sharding import UnexecutableStrategy, check_sharding
 from mplan.ir.stage_cut import StageCutError, stage_of_units
 from mplan.ir.strategy import Strategy, parse_strategy
 from mplan.planner.op_registry import replicated
-from mplan.planner.parallel_config import ParallelConfig, PlanSpec, PlanSpecError, parse_plan_spec
+from mplan.planner.parallel_config import (EXECUTABLE_ZERO, ZERO3_KEEPS_UNDER_PIPELINES, ParallelConfig, PlanSpec,
+                                           PlanSpecError, parse_plan_spec)
 from mplan.planner.plan import TP_LAYOUTS, Plan, PlanError
 from mplan.planner.plan_builder import build_plan
 from mplan.planner.search import Planner, SearchResult
@@ -66,7 +69,7 @@ def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec,
                        tp_layout=layout, progress=progress)
 
     if plan is None or (isinstance(plan, str) and plan.strip() in ("", "auto")):
-        result = planner("ilp").search(global_batch, within)
+        result = planner("ilp").search(global_batch, within, zero_levels=EXECUTABLE_ZERO["mplan"])
         made = build_plan(result, graph, cluster, global_batch, tp_layout="ilp", runtime="mplan")
     elif isinstance(plan, Plan):
         made = _bind(plan, graph, world_size, global_batch)
@@ -106,11 +109,27 @@ def check_before_capture(plan: Plan | str | None, *, world_size: int, global_bat
     if isinstance(plan, Plan):
         plan.check_runs_on(world_size=world_size)
         _check_batch_of(plan, global_batch)
+        refused = _unexecutable_zero(plan.zero, f"plan {plan.spec()!r}")
+        if refused:
+            raise PlanError(refused)
     elif isinstance(plan, str) and plan.strip() not in ("", "auto"):
         spec, _, _ = _degrees_of(plan, world_size, global_batch, micro_batch_size)
+        refused = _unexecutable_zero(spec.zero, f"plan {plan!r}")
+        if refused:
+            raise PlanSpecError(refused)
         if model is not None:
             _check_stated(spec, plan, model)
     return plan
+
+
+def _unexecutable_zero(zero: int | None, asked: str) -> str | None:
+    """Why mplan's runtime cannot run `zero` (`EXECUTABLE_ZERO`), or None."""
+    levels = EXECUTABLE_ZERO["mplan"]
+    if zero is None or zero in levels:
+        return None
+    return (f"{asked}: zero={zero} is planned and priced, but mplan's runtime runs zero "
+            f"{', '.join(map(str, levels[:-1]))}{' or ' if len(levels) > 1 else ''}{levels[-1]} only, not yet "
+            f"{zero}: use zero={max(levels)}")
 
 
 def _check_stated(spec: PlanSpec, text: str, model: object) -> None:
@@ -145,6 +164,9 @@ def _degrees_of(text: str, world_size: int, global_batch: int,
     if spec.ep is not None and dp % spec.ep:
         raise PlanSpecError(f"plan {text!r}: ep={spec.ep} does not divide the dp={dp} data-parallel ranks it is "
                             f"carved from ({dp} % {spec.ep} = {dp % spec.ep})")
+    if spec.zero == 3 and pp > 1 and spec.keep_weights == 0 and ZERO3_KEEPS_UNDER_PIPELINES["mplan"]:
+        raise PlanSpecError(f"plan {text!r}: mplan's runtime keeps zero=3's gathered weights through the step "
+                            f"under a pipeline (pp={pp}): keep_weights=0 cannot run there; leave it out")
     if spec.mbs is not None and micro_batch_size is not None and spec.mbs != micro_batch_size:
         raise PlanSpecError(f"plan {text!r} says mbs={spec.mbs} but micro_batch_size={micro_batch_size}")
     if global_batch % dp:
@@ -177,6 +199,8 @@ def _config_of(text: str, world_size: int, global_batch: int, micro_batch_size: 
                         f"run it; use mbs={graph.batch_size}")
     return ParallelConfig(dp=dp, tp=tp, pp=pp, vpp=spec.vpp or 1, ep=spec.ep or 1, mbs=mbs,
                           num_micro_batches=replica // mbs, sp=bool(spec.sp), zero=spec.zero or 0,
+                          keep_weights=bool(spec.keep_weights) or (spec.zero == 3 and pp > 1 and
+                                                                   ZERO3_KEEPS_UNDER_PIPELINES["mplan"]),
                           recompute=spec.recompute or "none",
                           schedule=spec.schedule or ("interleaved" if (spec.vpp or 1) > 1 else "1f1b"),
                           capacity_factor=spec.capacity)

@@ -10,8 +10,11 @@ Steps:
    `unit_experts`, which `evaluate` prices per expert-parallel degree) at every micro-batch size;
    cached, and done on a thread of its own ahead of step 2 (`_PricedAhead`);
 2. enumerate configs (`parallel_config.enumerate_configs`), evaluate each with the closed-form
-   schedule model (cuts by `stage_partition` under memory), drop those that do not fit;
-3. re-evaluate the best few with the event simulator and rank by simulated step time.
+   schedule model (cuts by `stage_partition` under memory), drop those that do not fit; zero 0 and
+   1 first, then zero 2 and 3 only where they can still win (`_AboveOne`);
+3. re-evaluate the best few with the event simulator and rank by simulated step time;
+4. for `explain`, the best plan's layout at every other ZeRO level (`zero_levels`), and whether any
+   plan of the search fits below the chosen level.
 """
 from __future__ import annotations
 
@@ -28,12 +31,12 @@ from mplan.ir.mesh import GroupShape
 from mplan.ir.moe import num_experts
 from mplan.ir.rebatch import rebatch
 from mplan.ir.strategy import Strategy
-from mplan.planner.evaluate import Estimate, ModelFacts, device_word, evaluate, gib_versus
+from mplan.planner.evaluate import NO_CUT_IN_MEMORY, Estimate, ModelFacts, device_word, evaluate, gib_versus
 from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains, find_fused_saves
 from mplan.planner.host_cost import runtime_host
 from mplan.planner.op_cost import OpCoster
-from mplan.planner.parallel_config import (DEFAULT_RUNTIME, RUNTIMES, ModelLimits, ParallelConfig, PlanSpec, PlanSpecError,
-                                           enumerate_configs)
+from mplan.planner.parallel_config import (DEFAULT_RUNTIME, RUNTIMES, ZERO_LEVELS, ModelLimits, ParallelConfig,
+                                           PlanSpec, PlanSpecError, enumerate_configs, zero_variants)
 from mplan.planner.plan import TP_LAYOUTS
 from mplan.planner.spec_check import spec_refusal
 from mplan.planner.sharding_ilp import (GraphSharding, ShardingInfeasible, StrategyFilter, reprice_graph,
@@ -67,6 +70,22 @@ class ShardedModel:
         return self.shardings[1]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ZeroLevelResult:
+    """One ZeRO level (and zero=3's keep_weights) beside the best plan: its layout at that level, and
+    whether the search found any plan at that level or below it that fits."""
+
+    zero: int
+    keep_weights: bool
+    same_layout: Estimate  # the best plan's config at this level (simulated)
+    # the search's fastest plan that fits at this level, among those it evaluated (a level above 1 is
+    # evaluated only where the level below does not fit); None where none did
+    best_fitting: Estimate | None
+    # whether the search found no fitting plan at any level below this one (it then evaluated this
+    # level on every config it tried)
+    nothing_fits_below: bool
+
+
 @dataclass(slots=True)
 class SearchResult:
     best: Estimate
@@ -77,6 +96,9 @@ class SearchResult:
     num_candidates: int
     seconds: float
     timings: dict[str, float] = field(default_factory=dict)
+    # the ZeRO levels beside the best plan (`ZeroLevelResult`), by (zero, keep_weights); empty where
+    # the best plan has dp = 1 or the search was held to one level
+    zero_levels: dict[tuple[int, bool], ZeroLevelResult] = field(default_factory=dict)
 
 
 class Planner:
@@ -168,23 +190,34 @@ class Planner:
         return evaluate(config, units, self.cluster, self.facts, experts=experts, fast=fast, **options)
 
     def search(self, global_batch: int, spec: PlanSpec | None = None, *,
-               allow_cross_node_tp: bool = False) -> SearchResult:
+               allow_cross_node_tp: bool = False, zero_levels: tuple[int, ...] = ZERO_LEVELS) -> SearchResult:
+        """The fastest config that fits (module docstring); `zero_levels`: the ZeRO levels to
+        search (those the runtime that will run the plan executes, `EXECUTABLE_ZERO`)."""
         spec = spec or PlanSpec()
         start = time.perf_counter()
         world = self.cluster.world_size
         configs = list(enumerate_configs(world_size=world, gpus_per_node=self.cluster.gpus_per_node,
                                          global_batch=global_batch, limits=self.limits, spec=spec,
                                          allow_cross_node_tp=allow_cross_node_tp,
-                                         max_mbs=8 if self.dynamic else 1))
+                                         max_mbs=8 if self.dynamic else 1, zero_levels=zero_levels,
+                                         runtime=self.facts.runtime))
         if not configs:
             raise PlanningError(_no_config_reason(world, self.cluster.gpus_per_node, global_batch, self.limits,
                                                   spec, _ranks(self.cluster), model=self.graph.model_name,
-                                                  allow_cross_node_tp=allow_cross_node_tp))
+                                                  allow_cross_node_tp=allow_cross_node_tp, zero_levels=zero_levels))
         estimates = []
+        above_one = _AboveOne()
+        fastest = math.inf  # of the configs evaluated so far that fit
         with _PricedAhead(self.units, [(c.tp, c.sp, c.mbs) for c in configs]) as priced:
-            for config in configs:
+            # zero 0 and 1 first, then zero 2 and 3 where they can still win (`_AboveOne`)
+            for config in [c for c in configs if c.zero <= 1] + [c for c in configs if c.zero > 1]:
+                if not above_one.worth(config, fastest):
+                    continue
                 priced.wait(config.tp, config.sp, config.mbs)
                 estimates.append(self.evaluate(config, fast=True))
+                above_one.record(estimates[-1])
+                if estimates[-1].fits:
+                    fastest = min(fastest, estimates[-1].step_time_s)
         feasible = sorted((e for e in estimates if e.fits), key=lambda e: e.step_time_s)
         infeasible = sorted((e for e in estimates if not e.fits), key=lambda e: e.peak_memory_bytes)
         if not feasible:
@@ -193,7 +226,81 @@ class Planner:
         finalists.sort(key=lambda e: e.step_time_s)
         ranked = finalists + feasible[SIMULATED_FINALISTS:]
         return SearchResult(best=ranked[0], ranked=ranked, rejected=infeasible[:5], sharded=self._sharded,
-                            facts=self.facts, num_candidates=len(configs), seconds=time.perf_counter() - start)
+                            facts=self.facts, num_candidates=len(configs), seconds=time.perf_counter() - start,
+                            zero_levels=self._zero_levels(ranked[0], feasible, spec, zero_levels))
+
+    def _zero_levels(self, best: Estimate, feasible: Sequence[Estimate], spec: PlanSpec,
+                     levels: tuple[int, ...]) -> dict[tuple[int, bool], ZeroLevelResult]:
+        """The best plan at every ZeRO level the search could choose (`ZeroLevelResult`)."""
+        if best.config.dp == 1 or spec.zero is not None or len(levels) < 2:
+            return {}
+        pairs = zero_variants(best.config, levels, self.facts.runtime, dominated=True)
+        fastest: dict[tuple[int, bool], Estimate] = {}
+        for e in feasible:  # sorted fastest first
+            fastest.setdefault((e.config.zero, e.config.keep_weights), e)
+        out = {}
+        for zero, keep in pairs:
+            config = replace(best.config, zero=zero, keep_weights=keep)
+            same = best if config == best.config else self.evaluate(config, fast=False)
+            out[(zero, keep)] = ZeroLevelResult(zero=zero, keep_weights=keep, same_layout=same,
+                                                best_fitting=fastest.get((zero, keep)),
+                                                nothing_fits_below=not any(z < zero for z, _ in fastest))
+        return out
+
+
+class _AboveOne:
+    """Which configs at zero 2 and 3 the search evaluates. They add DP traffic to save memory
+    (`evaluate`): zero=2 moves zero=1's reduce-scatter into every micro-batch's backward, zero=3
+    adds gathers to zero=2's. zero=3 is no faster than zero=2 for the same config (up to zero=2's
+    gather after the step, which the host's pace may hide behind zero=3's: 0.1% of a small
+    model's step here), nor is zero=2 than zero=1 in one stage (zero=1 overlaps its reduce-scatter
+    with the last backward); under mplan's pipeline zero=2 can be: zero=1 reduces at the step,
+    exposed, zero=2 under every backward. So a level is skipped where the level below fits (zero=3
+    always, zero=2 in one stage: it would fit too and be no faster), or where a lower bound on its
+    step from the same config at zero=1 (`_zero1_bound`) is no faster than a plan found to fit."""
+
+    def __init__(self) -> None:
+        self._fits: dict[tuple[ParallelConfig, int], bool] = {}  # (config at zero=0, zero) -> fits
+        self._bound: dict[ParallelConfig, float] = {}  # config at zero=0 -> zero=1's lower bound, seconds
+
+    @staticmethod
+    def _base(config: ParallelConfig) -> ParallelConfig:
+        return replace(config, zero=0, keep_weights=False)
+
+    def record(self, estimate: Estimate) -> None:
+        config, base = estimate.config, self._base(estimate.config)
+        if not config.keep_weights:
+            self._fits[(base, config.zero)] = estimate.fits
+        if config.zero == 1:
+            self._bound[base] = _zero1_bound(estimate)
+
+    def worth(self, config: ParallelConfig, fastest_fitting_s: float) -> bool:
+        if config.zero <= 1:
+            return True
+        base = self._base(config)
+        below_fits = self._fits.get((base, config.zero - 1), False)
+        if below_fits and (config.zero == 3 or config.pp == 1) or self._bound.get(base, 0.0) >= fastest_fitting_s:
+            self._fits[(base, config.zero)] = below_fits  # it would fit too where the level below does
+            return False
+        return True
+
+
+def _zero1_bound(estimate: Estimate) -> float:
+    """A lower bound on the step of `estimate`'s config at zero 2 or 3, from its estimate at zero=1.
+    One stage, a pipeline cut for time alone (no cut fits its memory) or one that fits: zero=1's
+    step less its gradient sync, as zero 2/3 run the same compute with more collectives inside it,
+    on the same cut, a no faster one, or (where zero=1 fits) one that zero 2/3's spare memory may
+    balance better, which this leaves out (nearly a bound there). Else zero=1's compute over the
+    ranks as the schedule's closed form (`evaluate._closed_form`) can do no better than: every
+    rank as busy as the mean, 1F1B's fill of one micro-batch's way down and back, interleaved's
+    (p - 1)/v of a rank's chunk, none for ZB-H1."""
+    config = estimate.config
+    if config.pp == 1 or estimate.reason == NO_CUT_IN_MEMORY or estimate.fits:
+        return estimate.step_time_s - max(estimate.grad_sync_s, default=0.0)
+    total = sum(estimate.chunk_forward_s) + sum(estimate.chunk_backward_s)
+    m, p = config.num_micro_batches, config.pp
+    fill = {"1f1b": p - 1.0, "gpipe": p - 1.0, "interleaved": (p - 1.0) / config.vpp}.get(config.schedule, 0.0)
+    return (m + fill) * total / p
 
 
 UnitsKey = tuple[int, bool, int]  # (tp, sp, micro-batch size)
@@ -308,13 +415,14 @@ def _what_would_fit(estimate: Estimate, cluster: ClusterSpec) -> str:
 
 def _no_config_reason(world: int, gpus_per_node: int, global_batch: int, limits: ModelLimits,
                       spec: PlanSpec, ranks: str = "GPUs", *, model: str = "the model",
-                      allow_cross_node_tp: bool = False) -> str:
+                      allow_cross_node_tp: bool = False, zero_levels: tuple[int, ...] = ZERO_LEVELS) -> str:
     """Why a spec admits no config, quoting the spec as written (`tp=8,pp=4`) and the arithmetic
     that fails (`tp x pp = 8 x 4 = 32 > 8 GPUs`): `spec_check`'s reason on the graph's figures, the
     same sentence a check before the capture gives; `ranks` names the cluster's devices."""
     reason = spec_refusal(spec, world_size=world, gpus_per_node=gpus_per_node, global_batch=global_batch,
                           model=model, num_layers=limits.num_layers, num_heads=limits.num_heads,
-                          num_experts=limits.num_experts, allow_cross_node_tp=allow_cross_node_tp, ranks=ranks)
+                          num_experts=limits.num_experts, allow_cross_node_tp=allow_cross_node_tp, ranks=ranks,
+                          zero_levels=zero_levels)
     return reason or (f"no split of {world} {ranks} fits plan spec {str(spec)!r} (global batch {global_batch}, "
                       f"{limits.num_heads} heads, {limits.num_layers} layers)")
 

@@ -15,7 +15,8 @@ config passes, so a refusal reads the same whichever finds it.
 Invariant: it refuses only what `parallel_config.enumerate_configs` would admit no config for
 (a superset of its checks would refuse plans that run): dp x tp x pp fills the world, tp divides
 the heads and stays in a node (unless allowed), pp at most the layers, dp divides the global
-batch, ep needs experts and divides them and dp, mbs divides each replica's share.
+batch, ep needs experts and divides them and dp, mbs divides each replica's share, zero among the
+levels searched and above 0 only where dp > 1.
 """
 from __future__ import annotations
 
@@ -26,15 +27,19 @@ from torch import nn
 
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.planner.evaluate import device_word
-from mplan.planner.parallel_config import PlanSpec, PlanSpecError, parse_plan_spec
+from mplan.planner.parallel_config import ZERO_LEVELS, PlanSpec, PlanSpecError, parse_plan_spec
 
 
 def spec_refusal(spec: PlanSpec, *, world_size: int, gpus_per_node: int, global_batch: int,
                  model: str = "the model", num_layers: int | None = None, num_heads: int | None = None,
                  num_experts: int | None = None, allow_cross_node_tp: bool = False,
-                 ranks: str = "GPUs") -> str | None:
-    """Why `spec` admits no config (see the module docstring), or None; `ranks` names the devices."""
+                 ranks: str = "GPUs", zero_levels: tuple[int, ...] = ZERO_LEVELS) -> str | None:
+    """Why `spec` admits no config (see the module docstring), or None; `ranks` names the devices,
+    `zero_levels` the ZeRO levels searched."""
     asked = f"plan spec {str(spec)!r}"
+    if spec.zero is not None and spec.zero not in zero_levels:
+        return (f"{asked}: zero={spec.zero} is not among the ZeRO levels searched here "
+                f"({', '.join(map(str, zero_levels))}: those the runtime executes)")
     moe = experts_refusal(spec, asked, model, num_experts)
     if moe:
         return moe
@@ -62,6 +67,9 @@ def spec_refusal(spec: PlanSpec, *, world_size: int, gpus_per_node: int, global_
                                               if spec.tp is not None and spec.pp is not None else None)
     if dp is not None and global_batch % dp:
         return f"{asked}: global batch {global_batch} is not divisible by dp={dp}"
+    if dp == 1 and spec.zero:
+        return (f"{asked}: zero={spec.zero} shards over the data-parallel ranks and dp=1 has one: the search tries "
+                f"zero > 0 only where dp > 1")
     if dp is not None and spec.ep is not None and dp % spec.ep:
         return (f"{asked}: ep={spec.ep} does not divide the dp={dp} data-parallel ranks it is carved from "
                 f"({dp} % {spec.ep} = {dp % spec.ep})")
