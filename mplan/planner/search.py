@@ -227,16 +227,17 @@ class Planner:
         ranked = finalists + feasible[SIMULATED_FINALISTS:]
         return SearchResult(best=ranked[0], ranked=ranked, rejected=infeasible[:5], sharded=self._sharded,
                             facts=self.facts, num_candidates=len(configs), seconds=time.perf_counter() - start,
-                            zero_levels=self._zero_levels(ranked[0], feasible, spec, zero_levels))
+                            zero_levels=self._zero_levels(ranked[0], ranked, spec, zero_levels))
 
-    def _zero_levels(self, best: Estimate, feasible: Sequence[Estimate], spec: PlanSpec,
+    def _zero_levels(self, best: Estimate, ranked: Sequence[Estimate], spec: PlanSpec,
                      levels: tuple[int, ...]) -> dict[tuple[int, bool], ZeroLevelResult]:
-        """The best plan at every ZeRO level the search could choose (`ZeroLevelResult`)."""
+        """The best plan at every ZeRO level the search could choose (`ZeroLevelResult`); `ranked`:
+        the search's fitting candidates, best first (the finalists simulated)."""
         if best.config.dp == 1 or spec.zero is not None or len(levels) < 2:
             return {}
         pairs = zero_variants(best.config, levels, self.facts.runtime, dominated=True)
         fastest: dict[tuple[int, bool], Estimate] = {}
-        for e in feasible:  # sorted fastest first
+        for e in ranked:
             fastest.setdefault((e.config.zero, e.config.keep_weights), e)
         out = {}
         for zero, keep in pairs:
