@@ -57,21 +57,10 @@ def zero_plan(make: Callable[[], nn.Module], spec: str, zero: int, ids: torch.Te
     return dataclasses.replace(plan, zero=zero)
 
 
-def _runtime_runs_zero23() -> None:
-    """The planner's list of the levels mplan's runtime executes (`EXECUTABLE_ZERO`, uncommitted
-    work of the planner's owner) named 0 and 1 only while this runtime was being written."""
-    from mplan.planner import parallel_config
-
-    executable = getattr(parallel_config, "EXECUTABLE_ZERO", None)
-    if executable is not None:
-        executable["mplan"] = (0, 1, 2, 3)
-
-
 def build(make: Callable[[], nn.Module], spec: str, zero: int, data: list, micro_batch_size: int | None = None,
           plan_fields: dict[str, Any] | None = None, **options: Any) -> Any:
     import mplan
 
-    _runtime_runs_zero23()
     ids = data[0][0]
     plan = dataclasses.replace(zero_plan(make, spec, zero, ids, ids.shape[0], micro_batch_size), **(plan_fields or {}))
     with reused_captures(make.capture_key):
