@@ -87,7 +87,7 @@ def test_autoparallel_records_the_example_inputs_as_the_source() -> None:
 # --- D: refusals before the capture ---------------------------------------------------------------
 @pytest.mark.parametrize("spec,match", [
     ("tp=16", r"plan spec 'tp=16': tp = 16 > 8 GPUs, the whole cluster"),
-    ("zero=5", r"zero must be 0 or 1, got '5'"),
+    ("zero=5", r"zero must be 0, 1, 2 or 3 .*, got '5'"),
     ("tp=3", r"tp=3 does not divide the model's 32 attention heads"),
     ("pp=4,dp=2,tp=2", r"pp=4 exceeds the model's 2 layers|dp x tp x pp = 2 x 2 x 4 = 16 ranks"),
     ("dp=8", r"global batch 12 is not divisible by dp=8"),
@@ -118,7 +118,7 @@ def test_bench_refuses_each_row_before_capturing(monkeypatch: pytest.MonkeyPatch
     rows = bench_plans("llama3-8b", H100, 8, ["tp=16", "zero=5", "ep=2"])
     assert time.perf_counter() - start < 2.0
     assert [r["spec"] for r in rows] == ["tp=16", "zero=5", "ep=2"]
-    assert "tp = 16 > 8 GPUs" in rows[0]["error"] and "zero must be 0 or 1" in rows[1]["error"]
+    assert "tp = 16 > 8 GPUs" in rows[0]["error"] and "zero must be 0, 1, 2 or 3" in rows[1]["error"]
     assert "llama3-8b has no MoE layer" in rows[2]["error"]
 
 
@@ -131,7 +131,7 @@ def test_bench_keeps_the_good_rows_beside_a_refused_one() -> None:
 
 @pytest.mark.parametrize("plan,match", [
     ("tp=3", r"tp\*pp = 3\*1 = 3 does not divide the world size 1"),
-    ("dp=1,zero=5", r"zero must be 0 or 1"),
+    ("dp=1,zero=5", r"zero must be 0, 1, 2 or 3"),
     ("dp=1,mbs=3", r"not a multiple of the micro-batch size 3"),
 ])
 def test_autoparallel_refuses_a_spec_string_before_capturing(plan: str, match: str,
