@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,9 +172,3 @@ class SnapshotStager:
     def close(self) -> None:
         """Holds no resources."""
 
-
-def done_future() -> Future[None]:
-    """A future that has already completed (what a blocking save returns)."""
-    future: Future[None] = Future()
-    future.set_result(None)
-    return future
