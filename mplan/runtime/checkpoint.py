@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from mplan.json_fields import FieldReader, is_finite_number, load_json_file
 from mplan.planner.plan import Plan, PlanError
 from mplan.runtime.checkpoint_chunks import ChunkLoadPlanner, ChunkSavePlanner, SnapshotStager
-from mplan.runtime.checkpoint_state import MODEL, RNG, load_targets, saved_state
+from mplan.runtime.checkpoint_state import MODEL, load_targets, saved_state
 from mplan.runtime.checkpoint_storage import (
     CheckpointError,
     JsonMetadataReader,
