@@ -17,6 +17,7 @@ so a checkpointed unit never straddles a stage border.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import torch.fx as fx
 
@@ -25,12 +26,14 @@ from mplan.ir.graph import Graph
 OP_KINDS = ("call_function", "call_module", "call_method")
 
 
-def op_segments(program: fx.GraphModule, graph: Graph) -> list[tuple[fx.Node, str]]:
+def op_segments(program: fx.GraphModule, graph: Graph, *,
+                label_of: Callable[[fx.Node], str | None] | None = None) -> list[tuple[fx.Node, str]]:
     """(op node, segment name) for every op of `program`, in program order (see module doc);
-    empty when no op is labelled."""
+    empty when no op is labelled. `label_of` names the segment of an op the planner did not see
+    (e.g. a checkpointed unit's call, by its inner ops), before the rule above applies."""
     segment_of = {name: seg.name for seg in graph.segments for name in seg.nodes}
     ops = [n for n in program.graph.nodes if n.op in OP_KINDS]
-    labels: list[str | None] = [segment_of.get(n.name) for n in ops]
+    labels: list[str | None] = [segment_of.get(n.name) or (label_of(n) if label_of else None) for n in ops]
     following: str | None = None
     for i in range(len(ops) - 1, -1, -1):
         if labels[i] is None:

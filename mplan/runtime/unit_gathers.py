@@ -38,27 +38,16 @@ from mplan.runtime.fully_sharded import FullyShardedOptimizer
 
 
 def _labels(program: fx.GraphModule, graph: Graph) -> list[tuple[fx.Node, str]]:
-    """`op_segments`, where a checkpointed unit's call takes its own ops' segment."""
-    segment_of = {name: seg.name for seg in graph.segments for name in seg.nodes}
-    ops = [n for n in program.graph.nodes if n.op in OP_KINDS]
-    labels: list[str | None] = []
-    for node in ops:
-        label = segment_of.get(node.name)
-        if label is None and node.op == "call_module":
-            inner = program.get_submodule(node.target)
-            if isinstance(inner, CheckpointedUnit):
-                label = next((segment for _, segment in op_segments(inner.unit, graph)), None)
-        labels.append(label)
-    following: str | None = None
-    for i in range(len(ops) - 1, -1, -1):  # unlabelled ops run where the next labelled one runs
-        labels[i] = following = labels[i] or following
-    last = next((label for label in reversed(labels) if label is not None), "program")
-    out: dict[fx.Node, str] = {}
-    for node, label in zip(ops, labels):
-        if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0] in out:
-            label = out[node.args[0]]
-        out[node] = label or last
-    return list(out.items())
+    """`op_segments`, where a checkpointed unit's call takes its own ops' segment; every op in
+    one unit "program" where no op is labelled."""
+    def inner_segment(node: fx.Node) -> str | None:
+        inner = program.get_submodule(node.target) if node.op == "call_module" else None
+        if isinstance(inner, CheckpointedUnit):
+            return next((segment for _, segment in op_segments(inner.unit, graph)), None)
+        return None
+
+    return (op_segments(program, graph, label_of=inner_segment)
+            or [(n, "program") for n in program.graph.nodes if n.op in OP_KINDS])
 
 
 def _runs(program: fx.GraphModule, graph: Graph) -> list[list[fx.Node]]:
