@@ -111,13 +111,13 @@ def save_checkpoint(root: str, pm: ParallelModule, *, background: bool = False, 
         return final
 
     if not background:
-        with _one_process_quietly():
+        with one_process_quietly():
             dcp.save(state, storage_writer=writer, planner=planner, process_group=world, no_dist=world is None)
         commit()
         agree(None, world)  # committed everywhere when save returns
         return _done(final)
     group = pm.checkpoint_group()
-    with _one_process_quietly():
+    with one_process_quietly():
         upload = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=group,
                                 no_dist=world is None, async_stager=SnapshotStager())
     result: Future[str] = Future()
@@ -168,14 +168,7 @@ def _write_json(path: str, doc: Any) -> None:
 
 def _commit(root: str, partial: str, final: str, keep_latest: int | None) -> None:
     """Rename the finished partial directory into place, point `latest` at it, prune."""
-    if os.path.exists(final):  # the same step saved again: the new one replaces it
-        trash = final + ".replaced"
-        shutil.rmtree(trash, ignore_errors=True)
-        os.replace(final, trash)
-        os.replace(partial, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(partial, final)
+    replace_directory(partial, final)  # the same step saved again: the new one replaces it
     with open(os.path.join(root, LATEST + ".tmp"), "w", encoding="utf-8") as handle:
         handle.write(os.path.basename(final) + "\n")
         handle.flush()
@@ -188,13 +181,26 @@ def _commit(root: str, partial: str, final: str, keep_latest: int | None) -> Non
 
 
 @contextlib.contextmanager
-def _one_process_quietly() -> Iterator[None]:
+def one_process_quietly() -> Iterator[None]:
     """DCP warns on every call without a process group that it assumes one process: that is
     what mplan asked for (`no_dist`), so the warning says nothing to the user. A background
     save warns from DCP's own thread, which a scoped filter does not reach: for that one
     message the filter is installed for the process."""
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     yield
+
+
+def replace_directory(partial: str, final: str) -> None:
+    """Put the finished directory `partial` at `final` by renames: an existing `final` is moved
+    aside first and removed after, so at every moment one whole directory holds the name or none."""
+    if os.path.exists(final):
+        trash = final + ".replaced"
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(final, trash)
+        os.replace(partial, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(partial, final)
 
 
 def _done(path: str) -> Future[str]:
@@ -329,7 +335,7 @@ def load_checkpoint(path: str, pm: ParallelModule, *, extras: Mapping[str, State
     agree(error, world)
     assert targets is not None and manifest is not None
     try:
-        with _one_process_quietly():
+        with one_process_quietly():
             dcp.load(targets.state, storage_reader=_NamingReader(directory), planner=ChunkLoadPlanner(),
                      process_group=world, no_dist=world is None)
     except dcp.api.CheckpointException as exc:
@@ -432,7 +438,7 @@ def read_tensors(directory: str, names: Collection[str] | None = None) -> dict[s
     wanted = metadata.state_dict_metadata if names is None else {n: metadata.state_dict_metadata[n] for n in names}
     out = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in wanted.items()}
     try:
-        with _one_process_quietly():
+        with one_process_quietly():
             dcp.load(out, storage_reader=_NamingReader(directory), planner=ChunkLoadPlanner(), no_dist=True)
     except dcp.api.CheckpointException as exc:
         raise CheckpointError(_first_failure(directory, exc)) from None

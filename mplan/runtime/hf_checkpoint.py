@@ -43,11 +43,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 import os
 import re
 import shutil
-import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,8 +57,8 @@ import torch.distributed.checkpoint as dcp
 
 from mplan.json_fields import load_json_file
 from mplan.models.hf_names import FAMILY_ARCHITECTURES, HfLayout, Link, NotMappable, hf_layout, hf_parameters
-from mplan.runtime.checkpoint import FORMAT, MANIFEST, VERSION, agree, is_hf_directory, read_manifest, \
-    read_tensors, resolve_checkpoint
+from mplan.runtime.checkpoint import FORMAT, MANIFEST, VERSION, agree, is_hf_directory, one_process_quietly, \
+    read_manifest, read_tensors, replace_directory, resolve_checkpoint
 from mplan.runtime.checkpoint_chunks import ChunkSavePlanner
 from mplan.runtime.checkpoint_state import MODEL, param_region
 from mplan.runtime.checkpoint_storage import CheckpointError, JsonMetadataWriter, read_dcp_metadata
@@ -240,6 +240,20 @@ def _order(link: Link) -> list[int]:
     return [*link.dims, *(d for d in range(len(link.at)) if d not in link.dims)]
 
 
+def _read_slice(handles: dict[str, Any], stack: contextlib.ExitStack, path: str, link: Link, lo: Sequence[int],
+                hi: Sequence[int]) -> torch.Tensor:
+    """The part [lo, hi) of `link`'s parameter rectangle, read from its file tensor alone (the
+    file opened once per `handles`); a file safetensors cannot read is one CheckpointError."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        if path not in handles:
+            handles[path] = stack.enter_context(safe_open(path, framework="pt"))
+        return handles[path].get_slice(link.key)[_key_slices(link, lo, hi)]
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: {_not_safetensors(path, exc)}") from None
+
+
 def _to_param(piece: torch.Tensor, link: Link, extent: Sequence[int]) -> torch.Tensor:
     """A file tensor's rectangle laid out as the parameter's rectangle of `extent`."""
     order = _order(link)
@@ -289,8 +303,6 @@ def _same_model_type(ours: Mapping[str, Any] | None, source: HfDirectory) -> Non
 
 @torch.no_grad()
 def _read_slices(pm: ParallelModule, source: HfDirectory, chosen: Mapping[str, tuple[Link, ...]]) -> None:
-    from safetensors import SafetensorError, safe_open
-
     with contextlib.ExitStack() as stack:
         handles: dict[str, Any] = {}
         for name, param in pm.params.items():
@@ -302,14 +314,7 @@ def _read_slices(pm: ParallelModule, source: HfDirectory, chosen: Mapping[str, t
                 if inside is None:
                     continue
                 lo, hi = inside
-                file = source.split[link.key]
-                path = os.path.join(source.path, file)
-                try:
-                    if file not in handles:
-                        handles[file] = stack.enter_context(safe_open(path, framework="pt"))
-                    piece = handles[file].get_slice(link.key)[_key_slices(link, lo, hi)]
-                except (SafetensorError, OSError, RuntimeError) as exc:
-                    raise CheckpointError(f"{path}: {_not_safetensors(path, exc)}") from None
+                piece = _read_slice(handles, stack, os.path.join(source.path, source.split[link.key]), link, lo, hi)
                 extent = [h - low for low, h in zip(lo, hi)]
                 target = param[tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets))]
                 target.copy_(_to_param(piece, link, extent))
@@ -332,7 +337,7 @@ def save_hf(directory: str, pm: ParallelModule, *, max_shard_bytes: int | None =
         layout = _pm_layout(pm, pm.hf_config, directory)
         # sizes from the capture's dtypes: the same on every rank, which must agree on the split
         dtype = {link.key: pm.graph.params[name].meta.dtype for name, links in layout.stored.items() for link in links}
-        nbytes = {key: _numel(layout.shapes[key]) * _itemsize(dtype[key]) for key in dtype}
+        nbytes = {key: math.prod(layout.shapes[key]) * _itemsize(dtype[key]) for key in dtype}
         files = _file_split(layout, getattr(pm, "hf_file_split", None), max_shard_bytes, nbytes)
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
@@ -415,7 +420,7 @@ class _Writer:
         self.layout, self.files, self.directory, self.mine = layout, files, directory, mine
         self.file_of = {key: name for name, keys in files for key in keys}
         self.pending = {name: set(keys) for name, keys in files if name in mine}
-        self.left = {key: _numel(layout.shapes[key]) for name in self.pending for key in self.pending[name]}
+        self.left = {key: math.prod(layout.shapes[key]) for name in self.pending for key in self.pending[name]}
         self.buffers: dict[str, torch.Tensor] = {}
         self.dtypes: list[torch.dtype] = []
 
@@ -476,8 +481,8 @@ def _write_metadata(directory: str, layout: HfLayout, files: Sequence[tuple[str,
         path = os.path.join(directory, name)
         for key, (shape, kind) in _read_header(path).items():
             weight_map[key] = name
-            total_parameters += _numel(shape)
-            total_size += _numel(shape) * _itemsize(DTYPES[kind])
+            total_parameters += math.prod(shape)
+            total_size += math.prod(shape) * _itemsize(DTYPES[kind])
     _write_json(os.path.join(directory, INDEX), {
         "metadata": {"total_parameters": total_parameters, "total_size": total_size},
         "weight_map": dict(sorted(weight_map.items()))})
@@ -496,13 +501,7 @@ def _commit(partial: str, directory: str) -> None:
                     or os.path.exists(os.path.join(partial, entry)):
                 continue
             os.replace(os.path.join(directory, entry), os.path.join(partial, entry))
-        trash = _partial(directory) + ".replaced"
-        shutil.rmtree(trash, ignore_errors=True)
-        os.replace(directory, trash)
-        os.replace(partial, directory)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(partial, directory)
+    replace_directory(partial, directory)
 
 
 # -- conversion ------------------------------------------------------------------------------------
@@ -534,7 +533,7 @@ def _mplan_to_hf(src: str, dst: str, max_shard_bytes: int | None) -> None:
             raise CheckpointError(f"{directory}: holds no tensor for parameter {name}")
     dtype = {link.key: saved[MODEL + stored[name]].properties.dtype
              for name, links in layout.stored.items() for link in links}
-    nbytes = {key: _numel(layout.shapes[key]) * _itemsize(dtype[key]) for key in dtype}
+    nbytes = {key: math.prod(layout.shapes[key]) * _itemsize(dtype[key]) for key in dtype}
     files = _file_split(layout, None, max_shard_bytes, nbytes)
     partial = _partial(dst)
     shutil.rmtree(partial, ignore_errors=True)
@@ -544,8 +543,7 @@ def _mplan_to_hf(src: str, dst: str, max_shard_bytes: int | None) -> None:
     for file, _ in files:  # one file's parameters in memory at a time (and the others they fill)
         names = [p for p in writer.order() if p not in done
                  and any(writer.file_of[link.key] == file for link in layout.stored[p])]
-        with _quiet_dcp():
-            tensors = read_tensors(directory, [MODEL + stored[name] for name in names])
+        tensors = read_tensors(directory, [MODEL + stored[name] for name in names])
         for name in names:
             writer.add(name, tensors[MODEL + stored[name]])
         done.update(names)
@@ -567,26 +565,17 @@ def _hf_to_mplan(src: str, dst: str) -> None:
     for name, shape in params.items():
         first = chosen[name][0].key
         state[name] = torch.empty(shape, dtype=DTYPES[source.dtypes[first]])
-    from safetensors import SafetensorError, safe_open
-
     with contextlib.ExitStack() as stack:
         handles: dict[str, Any] = {}
         for name, tensor in state.items():
             for link in chosen[name]:
-                file = source.split[link.key]
-                path = os.path.join(src, file)
                 lo, hi = list(link.at), [a + n for a, n in zip(link.at, link.size)]
-                try:
-                    if file not in handles:
-                        handles[file] = stack.enter_context(safe_open(path, framework="pt"))
-                    piece = handles[file].get_slice(link.key)[_key_slices(link, lo, hi)]
-                except (SafetensorError, OSError, RuntimeError) as exc:
-                    raise CheckpointError(f"{path}: {_not_safetensors(path, exc)}") from None
+                piece = _read_slice(handles, stack, os.path.join(src, source.split[link.key]), link, lo, hi)
                 tensor[tuple(slice(a, b) for a, b in zip(lo, hi))].copy_(_to_param(piece, link, link.size))
     partial = _partial(dst)
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
-    with _quiet_dcp():
+    with one_process_quietly():
         dcp.save({MODEL + name: t for name, t in state.items()}, storage_writer=JsonMetadataWriter(partial),
                  planner=ChunkSavePlanner(), no_dist=True)
     _write_json(os.path.join(partial, MANIFEST), {
@@ -599,23 +588,7 @@ def _hf_to_mplan(src: str, dst: str) -> None:
     os.replace(partial, dst)
 
 
-@contextlib.contextmanager
-def _quiet_dcp() -> Iterator[None]:
-    """DCP warns on every call without a process group that it assumes one process: that is what
-    a conversion asks for."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
 # -- small helpers ---------------------------------------------------------------------------------
-def _numel(shape: Sequence[int]) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out
-
-
 def _itemsize(dtype: torch.dtype | str) -> int:
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
