@@ -37,6 +37,19 @@ def moe(experts: int, topk: int, shared: int = 0, capacity: str = "none") -> Cal
 
 
 # -- Hugging Face models, float64-faithful ------------------------------------------------------
+def float64_faithful(model: nn.Module, loss_function: Callable[..., torch.Tensor]) -> nn.Module:
+    """`model` with Hugging Face's float32 RMSNorm and router softmax computed in float64 (the same
+    functions otherwise) and `loss_function` as its loss."""
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("RMSNorm"):
+            module.forward = types.MethodType(_rms_norm_float64, module)
+        elif name.endswith("TopKRouter"):
+            module.forward = types.MethodType(_router_float64, module)
+    model.loss_function = loss_function
+    return model
+
+
 def _router_float64(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Mixtral's and Qwen2-MoE's top-k router with the softmax in the model's dtype."""
     logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
@@ -76,14 +89,7 @@ def hf_moe(kind: str) -> Callable[[], nn.Module]:
         with torch.random.fork_rng():
             torch.manual_seed(0)
             model = model_type(config).to(torch.float64)
-        for module in model.modules():
-            name = type(module).__name__
-            if name.endswith("RMSNorm"):
-                module.forward = types.MethodType(_rms_norm_float64, module)
-            elif name.endswith("TopKRouter"):
-                module.forward = types.MethodType(_router_float64, module)
-        model.loss_function = _lm_loss_float64
-        return perturbed(model)
+        return perturbed(float64_faithful(model, _lm_loss_float64))
     make.capture_key = ("hf_moe", kind)  # test_equivalence.trained captures it once per rank
     return make
 

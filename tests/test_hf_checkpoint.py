@@ -29,7 +29,7 @@ from torch import nn
 from capture_cache import reused_captures
 from distributed import rel_err, run_checks
 from test_equivalence import MAX_NORM, OPTIMIZER, _causal_lm_loss_float64, batches
-from test_expert_parallel import _rms_norm_float64, _router_float64, hf_moe
+from test_expert_parallel import float64_faithful, hf_moe
 
 TOL = 1e-9
 STEPS = 3
@@ -41,14 +41,7 @@ LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_lay
 # -- models -----------------------------------------------------------------------------------------
 def faithful(model: nn.Module) -> nn.Module:
     """HF's float32 RMSNorm, router softmax and loss made float64 (the same functions otherwise)."""
-    for module in model.modules():
-        name = type(module).__name__
-        if name.endswith("RMSNorm"):
-            module.forward = types.MethodType(_rms_norm_float64, module)
-        elif name.endswith("TopKRouter"):
-            module.forward = types.MethodType(_router_float64, module)
-    model.loss_function = _causal_lm_loss_float64
-    return model
+    return float64_faithful(model, _causal_lm_loss_float64)
 
 
 def rope_float64(model: nn.Module) -> nn.Module:
