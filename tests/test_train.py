@@ -50,10 +50,14 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _config(directory: str, tokens: str, name: str) -> str:
+    """Every rank writes the same config; each writes its own file and renames it into place, so
+    no rank ever reads another's half-written (truncated) copy."""
     path = os.path.join(directory, f"{name}.toml")
-    with open(path, "w", encoding="utf-8") as handle:
+    partial = f"{path}.{os.getpid()}"
+    with open(partial, "w", encoding="utf-8") as handle:
         handle.write(TOML.format(data=tokens, ckpt=os.path.join(directory, f"{name}-ckpt"),
                                  jsonl=os.path.join(directory, f"{name}.jsonl")))
+    os.replace(partial, path)
     return path
 
 
