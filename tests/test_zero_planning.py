@@ -88,6 +88,16 @@ def test_the_search_tries_every_level_where_dp_shards_as_the_runtime_runs_it() -
     assert {c.zero for c in configs(zero_levels=(0, 1))} == {0, 1}
 
 
+def test_one_data_parallel_rank_gets_a_zero_level_only_when_the_spec_names_it() -> None:
+    """dp=1 has nothing to shard over, so the search never tries zero > 0 there; a spec that asks
+    (to measure zero=3's unit gathers on one GPU, say) gets exactly that level, priced."""
+    chosen = plan(TINY, cluster=ClusterSpec.preset("dgx-h100", nodes=1, gpus_per_node=1), global_batch=4,
+                  spec="dp=1,zero=3")
+    assert (chosen.mesh.dp, chosen.zero) == (1, 3) and chosen.predicted.step_time_s > 0
+    searched = plan(TINY, cluster=ClusterSpec.preset("dgx-h100", nodes=1, gpus_per_node=1), global_batch=4)
+    assert searched.zero == 0
+
+
 # --- the Plan file ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -239,16 +239,18 @@ def enumerate_configs(*, world_size: int, gpus_per_node: int, global_batch: int,
 
 
 def zero_variants(base: ParallelConfig, levels: tuple[int, ...], runtime: str = DEFAULT_RUNTIME, *,
-                  dominated: bool = False) -> list[tuple[int, bool]]:
+                  dominated: bool = False, asked: int | None = None) -> list[tuple[int, bool]]:
     """(zero, keep_weights) pairs a config tries: every level of `levels` where dp > 1 (at dp = 1
-    there is nothing to shard over); zero=3 under a pipeline as `runtime` runs it, keeping its
+    there is nothing to shard over, so only a spec that `asked` for a level gets it there: its
+    runtime still runs the master shard and zero=3's unit gathers, over one rank); zero=3 under a pipeline as `runtime` runs it, keeping its
     weights where it always does (`ZERO3_KEEPS_UNDER_PIPELINES`), else both ways, but keeping them
     only where zero=2 is not searched or `dominated` asks for it too: keeping them costs zero=2's
     reduce-scatters and a gather of the stage once a step (zero=2 gathers once too, after the
     step) for zero=2's memory plus the parameter shard (`planner/evaluate.py`), so zero=2 is that
     plan, no slower and never larger. (The search prices it beside its plan for `explain`.)"""
     if base.dp == 1:
-        return [(0, False)] if 0 in levels else []
+        level = asked or 0
+        return [(level, False)] if level in levels else []
     pairs = [(zero, False) for zero in levels if zero < 3]
     if 3 in levels:
         if base.pp > 1 and ZERO3_KEEPS_UNDER_PIPELINES[runtime]:
@@ -273,7 +275,7 @@ def _variants(base: ParallelConfig, limits: ModelLimits, spec: PlanSpec,
                 schedules.append(("interleaved", vpp))
     for schedule, vpp in schedules:
         for sp in ((False, True) if base.tp > 1 else (False,)):
-            for zero, keep in zero_variants(base, zero_levels, runtime):
+            for zero, keep in zero_variants(base, zero_levels, runtime, asked=spec.zero):
                 for recompute in RECOMPUTE_MODES:
                     config = replace(base, schedule=schedule, vpp=vpp, sp=sp, zero=zero, keep_weights=keep,
                                      recompute=recompute, capacity_factor=spec.capacity)

@@ -16,7 +16,8 @@ Invariant: it refuses only what `parallel_config.enumerate_configs` would admit 
 (a superset of its checks would refuse plans that run): dp x tp x pp fills the world, tp divides
 the heads and stays in a node (unless allowed), pp at most the layers, dp divides the global
 batch, ep needs experts and divides them and dp, mbs divides each replica's share, zero among the
-levels searched and above 0 only where dp > 1.
+levels searched (at dp=1 only when the spec names it: the search itself tries zero > 0 only
+where dp > 1).
 """
 from __future__ import annotations
 
@@ -67,9 +68,6 @@ def spec_refusal(spec: PlanSpec, *, world_size: int, gpus_per_node: int, global_
                                               if spec.tp is not None and spec.pp is not None else None)
     if dp is not None and global_batch % dp:
         return f"{asked}: global batch {global_batch} is not divisible by dp={dp}"
-    if dp == 1 and spec.zero:
-        return (f"{asked}: zero={spec.zero} shards over the data-parallel ranks and dp=1 has one: the search tries "
-                f"zero > 0 only where dp > 1")
     if dp is not None and spec.ep is not None and dp % spec.ep:
         return (f"{asked}: ep={spec.ep} does not divide the dp={dp} data-parallel ranks it is carved from "
                 f"({dp} % {spec.ep} = {dp % spec.ep})")
