@@ -7,6 +7,10 @@ only (every rank's metrics are its own measurements, and the loss is the same on
   (the rate the step ran at) and `pm.last_metrics`'s fields (`step_time_s`, `tokens_per_s`,
   `model_tflops_per_s`, `mfu`, `peak_memory_gib`, the plan's predictions). A resumed run first
   drops the lines of steps after the checkpoint it resumed from, so the file reads as one run;
+- `metrics.tensorboard`: the same rows as TensorBoard scalars, one tag per numeric JSONL field
+  (`loss`, `lr`, `step_time_s`, ...) at the row's `step`; a resumed run's event file purges the
+  steps after its checkpoint (`purge_step`), as the JSONL drops them. tensorboard is optional:
+  imported only when the key is set, and `Observer.preflight` refuses in one line without it;
 - a line on stderr every `train.log_every` steps (the first and last always) with the ETA;
 - on GPUs, a warning when a step's measured time or memory parts from the plan's prediction by
   more than 15% (once per kind, after the first two steps, whose one-time work is not the plan's);
@@ -55,7 +59,9 @@ class Observer:
         if m.tensorboard and rank == 0:
             from torch.utils.tensorboard import SummaryWriter  # `preflight` checked it is there
 
-            self.writer = SummaryWriter(m.tensorboard)
+            # steps after first_step were run by a job that died before its next checkpoint: hidden,
+            # or TensorBoard would draw them beside this run's redone steps
+            self.writer = SummaryWriter(m.tensorboard, purge_step=first_step + 1)
         if self.jsonl:
             _keep_lines_up_to(self.jsonl, first_step)
         a, _, b = m.profile_steps.partition(":")
@@ -95,9 +101,9 @@ class Observer:
             with open(self.jsonl, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(row, allow_nan=True) + "\n")
         if self.writer is not None:
-            for key in ("loss", "lr", "step_time_s", "tokens_per_s", "mfu", "peak_memory_gib"):
-                if isinstance(row.get(key), (int, float)):
-                    self.writer.add_scalar(key, row[key], pm.step)
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.writer.add_scalar(key, value, pm.step)
         done = pm.step - self.first
         if pm.step == self.first + 1 or pm.step % self.config.train.log_every == 0 or pm.step == self.stop:
             elapsed = time.perf_counter() - self.started
