@@ -21,7 +21,8 @@ from mplan.progress import Progress
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `prepare` subcommand's arguments (one flag per line, each with its help)."""
     parser.add_argument("inputs", nargs="*", help="text files or glob patterns (quote them: 'texts/**/*.txt'); "
-                                                  "each file is one document; a .jsonl file: one per line")
+                                                  "each file is one document; a .jsonl file: one per line; a "
+                                                  ".parquet file: one per row of its 'text' column (with pyarrow)")
     parser.add_argument("-o", "--output", required=True, help="directory to write (new or empty)")
     parser.add_argument("--tokenizer", default=None,
                         help="a local Hugging Face tokenizer directory or tokenizer.json (default: train a "

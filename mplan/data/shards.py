@@ -1,7 +1,8 @@
 """Token shards: a text corpus tokenized once into memory-mapped files a loader reads by offset.
 
 What: `prepare(inputs, out_dir)` reads text files (glob patterns, each file one document), JSONL
-files (one document per line, its "text" field) or parquet files (the "text" column, with pyarrow),
+files (one document per line, its "text" field) or parquet files (one per row of the "text" column,
+with pyarrow if installed: `mplan.data.parquet`, which checks each before anything is written),
 tokenizes every document (a given tokenizer, or a byte-level BPE trained on the same documents,
 `mplan.data.tokenizer`), and writes into `out_dir`:
 
@@ -52,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from mplan.data import parquet
 from mplan.data.errors import DataError
 from mplan.data.tokenizer import DEFAULT_VOCAB_SIZE, TextTokenizer, from_backend, load_tokenizer, train_tokenizer
 from mplan.json_fields import FieldReader, load_json_file
@@ -118,6 +120,9 @@ def prepare(inputs: str | Sequence[str], out_dir: str, *, tokenizer: str | TextT
     files = find_files(patterns, exclude=exclude)
     if not isinstance(shard_tokens, int) or isinstance(shard_tokens, bool) or shard_tokens < 1:
         raise DataError(f"shard_tokens must be an integer >= 1, got {shard_tokens!r}")
+    for path in files:  # before the output exists and the tokenizer trains: a wrong file costs a second
+        if path.endswith(".parquet"):
+            parquet.check(path, TEXT_FIELD)
     _make_empty_dir(out_dir)
     skipped: list[str] = []
     if tokenizer is None:
@@ -175,7 +180,7 @@ def _documents(files: Sequence[str], skipped: list[str]) -> Iterator[str]:
         if path.endswith(".jsonl"):
             yield from _jsonl_documents(path)
         elif path.endswith(".parquet"):
-            yield from _parquet_documents(path)
+            yield from parquet.documents(path, TEXT_FIELD)
         else:
             try:
                 with open(path, encoding="utf-8") as handle:
@@ -205,26 +210,6 @@ def _jsonl_documents(path: str) -> Iterator[str]:
         raise DataError(f"{path}: not UTF-8 text (byte {exc.start} of a line)") from None
     except OSError as exc:
         raise DataError(f"{path}: cannot read: {exc.strerror or exc}") from None
-
-
-def _parquet_documents(path: str) -> Iterator[str]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{path}: reading parquet needs pyarrow, which is not installed "
-                        f"(pip install pyarrow, or convert the file to JSONL)") from None
-    try:
-        table = pq.ParquetFile(path)
-        if TEXT_FIELD not in table.schema_arrow.names:
-            raise DataError(f"{path}: has no column {TEXT_FIELD!r} (it has {', '.join(table.schema_arrow.names)})")
-        for batch in table.iter_batches(columns=[TEXT_FIELD]):
-            for text in batch.column(0).to_pylist():
-                if text is not None:
-                    yield text
-    except (OSError, ValueError) as exc:
-        if isinstance(exc, DataError):
-            raise
-        raise DataError(f"{path}: cannot read as parquet: {exc}") from None
 
 
 def _batches(texts: Iterator[str]) -> Iterator[list[str]]:
