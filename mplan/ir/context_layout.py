@@ -1,0 +1,215 @@
+"""How a sequence is split over the ranks of a context-parallel (`cp`) axis, and how balanced
+the attention work of that split is. Pure data and arithmetic: no process group.
+
+    ContextLayout(seq_len, spans)       rank r holds the half-open ranges spans[r], in order
+      .positions(r)                     global positions of rank r's tokens (RoPE reads its
+                                        table rows at these: cos.index_select(0, positions))
+      .split(x, dim, r) / .unsplit(pieces, dim)   full tensor <-> rank r's piece (exact inverse)
+      .order()                          positions of the rank-order concatenation of the pieces
+                                        (what an all-gather along the sequence holds)
+    contiguous(seq_len, cp)             rank r holds [r S/cp, (r+1) S/cp)
+    head_tail(seq_len, cp)              2cp chunks; rank r holds chunk r and chunk 2cp-1-r
+    balance_attention(seq_len, cp, mask=, doc_ids=)   chunks dealt so each rank's attention
+                                        work is equal (packed documents, sliding windows)
+    num_visible_pairs(layout, mask, doc_ids)  per rank: unmasked (query, key) pairs of its queries
+    imbalance(work)                     max / mean - 1
+
+Why balance: in the ring and all-gather variants each rank computes attention for its own
+queries against every key (`mplan.collectives.context_attention`), and its cost is the number
+of unmasked pairs it meets (masked blocks are skipped). Under a causal mask the query at
+position p sees p + 1 keys, so a contiguous split gives rank r work proportional to 2r + 1:
+the last rank does (2cp - 1) / cp times the mean, and every rank waits for it. Chunk i of 2cp
+(c tokens each) has work c^2 i + c(c+1)/2, so chunks i and 2cp-1-i sum to the same
+c^2 (2cp-1) + c(c+1) for every i: head-tail pairing is exactly balanced for causal attention,
+with equal token counts, so every other op (per-token work) stays balanced too.
+
+Packed documents break that: work is the sum over documents of L(L+1)/2, quadratic in each
+document's length, wherever the documents fall; a sliding window of W makes the first W tokens
+cheaper than the rest (W = S/4 leaves both splits 14% off). `balance_attention` cuts the sequence into
+k chunks per rank, weighs each by the pairs its queries see (`attention_mask.keys_per_query`,
+summed over batch rows: one layout serves the whole batch), deals them largest first to the
+least-loaded rank that still has room for a chunk (k each: token counts stay equal), then
+swaps chunks between the heaviest and lightest rank while that lowers the heavier. It takes
+the fewest chunks per rank (the longest contiguous runs: kernels run best on long runs) whose
+imbalance is within `tolerance`, else the best it found. For one document it deals exactly the
+head-tail pairs at k = 2.
+
+Invariants: the spans of all ranks cover [0, seq_len) exactly once; every rank holds the same
+number of tokens (collectives exchange equal pieces, and per-token ops stay balanced); each
+rank's spans are sorted and never touch (adjacent chunks are merged).
+
+In the plan: a `cp` mesh axis on which every op holds its rank's slice of the sequence. Only
+attention needs other ranks' tokens; RoPE takes `positions(r)`; the loss normalizes by the
+token count summed over the cp group. A document-balanced layout depends on each batch's
+documents, so the runtime splits each batch with its own layout; head-tail is fixed per length.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from mplan.ir.attention_mask import CAUSAL, AttentionMask, keys_per_query
+
+__all__ = ["ContextLayout", "balance_attention", "contiguous", "head_tail", "imbalance", "num_visible_pairs"]
+
+Span = tuple[int, int]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ContextLayout:
+    """Rank r of the cp axis holds positions [a, b) for each (a, b) in spans[r] (module docstring)."""
+
+    seq_len: int
+    spans: tuple[tuple[Span, ...], ...]
+
+    def __post_init__(self) -> None:
+        if not self.spans:
+            raise ValueError("a context layout needs at least one rank")
+        covered = sorted(span for rank in self.spans for span in rank)
+        edge = 0
+        for start, end in covered:
+            if start != edge or end <= start:
+                raise ValueError(f"spans must tile [0, {self.seq_len}) exactly: {covered}")
+            edge = end
+        if edge != self.seq_len:
+            raise ValueError(f"spans cover [0, {edge}) of a sequence of {self.seq_len}")
+        counts = [sum(end - start for start, end in rank) for rank in self.spans]
+        if len(set(counts)) != 1:
+            raise ValueError(f"every rank must hold as many tokens as the others: {counts}")
+        for rank, own in enumerate(self.spans):
+            if any(a[1] >= b[0] for a, b in zip(own, own[1:])):
+                raise ValueError(f"rank {rank}'s spans must be sorted and separate: {own}")
+
+    @property
+    def cp(self) -> int:
+        return len(self.spans)
+
+    @property
+    def local_len(self) -> int:
+        """Tokens each rank holds: seq_len / cp."""
+        return self.seq_len // self.cp
+
+    def positions(self, rank: int, device: torch.device | None = None) -> torch.Tensor:
+        """Int64 [local_len]: the global positions of rank `rank`'s tokens, in its order."""
+        return torch.cat([torch.arange(a, b, device=device) for a, b in self.spans[rank]])
+
+    def order(self, device: torch.device | None = None) -> torch.Tensor:
+        """Int64 [seq_len]: positions of every rank's tokens, rank after rank."""
+        return torch.cat([self.positions(rank, device) for rank in range(self.cp)])
+
+    def split(self, x: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+        """Rank `rank`'s piece of the full tensor `x` along `dim` (differentiable)."""
+        if x.shape[dim] != self.seq_len:
+            raise ValueError(f"dim {dim} has {x.shape[dim]} positions, the layout {self.seq_len}")
+        return torch.cat([x.narrow(dim, a, b - a) for a, b in self.spans[rank]], dim)
+
+    def unsplit(self, pieces: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+        """The full tensor from every rank's piece (rank order), the inverse of `split`."""
+        if len(pieces) != self.cp:
+            raise ValueError(f"{len(pieces)} pieces for a layout of {self.cp} ranks")
+        joined = torch.cat(list(pieces), dim)
+        return joined.index_select(dim, torch.argsort(self.order(joined.device)))
+
+    def __str__(self) -> str:
+        ranks = " | ".join(f"{r}: " + " ".join(f"[{a}:{b})" for a, b in own) for r, own in enumerate(self.spans))
+        return f"cp={self.cp} over {self.seq_len} tokens; {ranks}"
+
+
+def _divide(seq_len: int, pieces: int, what: str) -> int:
+    if seq_len % pieces:
+        raise ValueError(f"{what}: {seq_len} tokens do not split into {pieces} equal chunks "
+                         f"({seq_len} % {pieces} = {seq_len % pieces})")
+    return seq_len // pieces
+
+
+def _from_chunks(seq_len: int, chunk: int, chunks: Sequence[Sequence[int]]) -> ContextLayout:
+    """Rank r holds chunks[r] (chunk i = [i chunk, (i+1) chunk)), adjacent chunks merged."""
+    spans = []
+    for own in chunks:
+        merged: list[list[int]] = []
+        for i in sorted(own):
+            if merged and merged[-1][1] == i * chunk:
+                merged[-1][1] += chunk
+            else:
+                merged.append([i * chunk, (i + 1) * chunk])
+        spans.append(tuple((a, b) for a, b in merged))
+    return ContextLayout(seq_len=seq_len, spans=tuple(spans))
+
+
+def contiguous(seq_len: int, cp: int) -> ContextLayout:
+    """Rank r holds the r-th of cp equal runs."""
+    chunk = _divide(seq_len, cp, "contiguous context layout")
+    return _from_chunks(seq_len, chunk, [[r] for r in range(cp)])
+
+
+def head_tail(seq_len: int, cp: int) -> ContextLayout:
+    """2cp equal chunks; rank r holds chunks r and 2cp-1-r (exact causal balance, module docstring)."""
+    chunk = _divide(seq_len, 2 * cp, f"head-tail context layout over cp={cp}")
+    return _from_chunks(seq_len, chunk, [[r, 2 * cp - 1 - r] for r in range(cp)])
+
+
+def num_visible_pairs(layout: ContextLayout, mask: AttentionMask = CAUSAL,
+                      doc_ids: torch.Tensor | None = None) -> tuple[int, ...]:
+    """Per rank: the unmasked (query, key) pairs of its queries, summed over batch rows."""
+    per_position = keys_per_query(mask, layout.seq_len, doc_ids).sum(dim=0)
+    return tuple(int(per_position[layout.positions(r)].sum()) for r in range(layout.cp))
+
+
+def imbalance(work: Sequence[int]) -> float:
+    """How far the busiest rank is above the mean: max / mean - 1 (0: perfectly balanced)."""
+    mean = sum(work) / len(work)
+    return max(work) / mean - 1 if mean else 0.0
+
+
+def _deal(weights: list[int], cp: int, per_rank: int) -> list[list[int]]:
+    """Chunk indices per rank, `per_rank` each: largest weight first to the lightest rank with
+    room, then heaviest/lightest swaps while they lower the heavier of the two."""
+    ranks: list[list[int]] = [[] for _ in range(cp)]
+    load = [0] * cp
+    open_ranks = [(0, r) for r in range(cp)]
+    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        _, r = heapq.heappop(open_ranks)
+        ranks[r].append(i)
+        load[r] += weights[i]
+        if len(ranks[r]) < per_rank:
+            heapq.heappush(open_ranks, (load[r], r))
+    for _ in range(cp * per_rank * per_rank):
+        hi, lo = max(range(cp), key=lambda r: load[r]), min(range(cp), key=lambda r: load[r])
+        gap = load[hi] - load[lo]
+        best = min(((abs(gap - 2 * (weights[a] - weights[b])), a, b) for a in ranks[hi] for b in ranks[lo]
+                    if 0 < weights[a] - weights[b] < gap), default=None)
+        if best is None:
+            break
+        _, a, b = best
+        ranks[hi][ranks[hi].index(a)], ranks[lo][ranks[lo].index(b)] = b, a
+        moved = weights[a] - weights[b]
+        load[hi] -= moved
+        load[lo] += moved
+    return ranks
+
+
+def balance_attention(seq_len: int, cp: int, *, mask: AttentionMask = CAUSAL, doc_ids: torch.Tensor | None = None,
+                      tolerance: float = 0.05, max_chunks_per_rank: int = 16) -> ContextLayout:
+    """A layout whose ranks hold equal tokens and near-equal attention work under `mask` and
+    documents `doc_ids` ([S] or [B, S]; None: one document): the fewest chunks per rank within
+    `tolerance` of balance, else the most balanced tried (module docstring)."""
+    per_position = keys_per_query(mask, seq_len, doc_ids).sum(dim=0)
+    best: tuple[float, ContextLayout] | None = None
+    per_rank = 1
+    while per_rank <= max_chunks_per_rank and seq_len % (cp * per_rank) == 0:
+        chunk = seq_len // (cp * per_rank)
+        weights = [int(w) for w in per_position.view(-1, chunk).sum(dim=1)]
+        ranks = _deal(weights, cp, per_rank)
+        spread = imbalance([sum(weights[i] for i in own) for own in ranks])
+        if best is None or spread < best[0]:
+            best = (spread, _from_chunks(seq_len, chunk, ranks))
+        if spread <= tolerance:
+            break
+        per_rank *= 2
+    if best is None:
+        raise ValueError(f"balance_attention: {seq_len} tokens do not split into {cp} equal pieces "
+                         f"({seq_len} % {cp} = {seq_len % cp})")
+    return best[1]
