@@ -1,0 +1,311 @@
+"""Context parallelism's foundation: the sequence layouts and their balance (pure arithmetic), and
+context attention on gloo ranks against one-process attention in float64.
+
+Layouts: split/unsplit are exact inverses; the closed-form work count agrees with the mask
+itself; head-tail is within 5% of equal causal work (it is exact) where a contiguous split
+leaves the last rank (2cp-1)/cp of the mean; the balancer brings packed documents and sliding
+windows within 5% where both fixed splits are far off.
+
+Attention: every rank builds the full q, k, v from one seed and runs one-process attention with
+a mask written here as a loop over pairs (not `attention_mask.visible`), then runs its slice
+through `context_attention`; outputs and the gradients of q, k, v, gathered from all ranks and
+put back in sequence order, must match the reference within 1e-12 relative, for every method.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import rel_err, run_checks
+from mplan.collectives.context_attention import METHODS, context_attention
+from mplan.ir.attention_mask import CAUSAL, AttentionMask, doc_ids_from_lengths, document_ids, keys_per_query, visible
+from mplan.ir.context_layout import (
+    ContextLayout,
+    balance_attention,
+    contiguous,
+    head_tail,
+    imbalance,
+    num_visible_pairs,
+)
+
+TOLERANCE = 1e-12
+BALANCED = 0.05
+
+
+# -- layouts (pure) --------------------------------------------------------------------------------
+def test_head_tail_gives_rank_r_chunks_r_and_2cp_minus_1_minus_r() -> None:
+    layout = head_tail(16, 2)
+    assert layout.spans == (((0, 4), (12, 16)), ((4, 12),))  # rank 1's chunks 1 and 2 touch: one span
+    assert layout.positions(0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert layout.local_len == 8
+    assert head_tail(32, 4).spans[1] == ((4, 8), (24, 28))
+    assert contiguous(12, 3).spans == (((0, 4),), ((4, 8),), ((8, 12),))
+    assert str(layout) == "cp=2 over 16 tokens; 0: [0:4) [12:16) | 1: [4:12)"
+
+
+@pytest.mark.parametrize("layout", [head_tail(48, 4), contiguous(48, 3),
+                                    balance_attention(48, 4, doc_ids=doc_ids_from_lengths([30, 6, 12]))],
+                         ids=["head_tail", "contiguous", "balanced"])
+def test_split_and_unsplit_are_inverse(layout: ContextLayout) -> None:
+    x = torch.randn(2, 3, 48, 5, generator=torch.Generator().manual_seed(0))
+    pieces = [layout.split(x, 2, rank) for rank in range(layout.cp)]
+    for rank, piece in enumerate(pieces):
+        assert torch.equal(piece, x.index_select(2, layout.positions(rank)))
+    assert torch.equal(layout.unsplit(pieces, 2), x)
+    assert sorted(layout.order().tolist()) == list(range(48))
+
+
+def test_layouts_refuse_what_they_cannot_hold() -> None:
+    with pytest.raises(ValueError, match=r"30 tokens do not split into 8 equal chunks \(30 % 8 = 6\)"):
+        head_tail(30, 4)
+    with pytest.raises(ValueError, match="must tile"):
+        ContextLayout(seq_len=8, spans=(((0, 4),), ((3, 8),)))
+    with pytest.raises(ValueError, match=r"as many tokens as the others: \[2, 6\]"):
+        ContextLayout(seq_len=8, spans=(((0, 2),), ((2, 8),)))
+    with pytest.raises(ValueError, match="decrease at position 3 of row 0"):
+        document_ids(torch.tensor([0, 0, 1, 0]), 4)
+
+
+def _allowed(seq_len: int, *, causal: bool = True, window: int | None = None,
+             doc_rows: list[list[int]] | None = None) -> torch.Tensor:
+    """The mask as the rules say it, pair by pair: bool [B | 1, S, S]."""
+    rows = doc_rows or [[0] * seq_len]
+    return torch.tensor([[[(not causal or k <= q) and (window is None or abs(q - k) < window) and docs[q] == docs[k]
+                           for k in range(seq_len)] for q in range(seq_len)] for docs in rows])
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("window", [None, 1, 5], ids=lambda w: f"window{w}")
+def test_the_mask_and_its_work_count_agree_with_the_rules(causal: bool, window: int | None) -> None:
+    lengths = [[7, 1, 12, 4], [24]]
+    mask, docs = AttentionMask(causal=causal, window=window), doc_ids_from_lengths(lengths)
+    everything = torch.arange(24)
+    for doc_ids, rows in ((None, None), (docs, docs.tolist())):
+        expected = _allowed(24, causal=causal, window=window, doc_rows=rows)
+        checked = None if doc_ids is None else document_ids(doc_ids, 24)
+        assert torch.equal(visible(mask, everything, everything, checked), expected)
+        assert torch.equal(keys_per_query(mask, 24, doc_ids), expected.sum(dim=-1))
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+@pytest.mark.parametrize("seq_len", [256, 4096, 131072])
+def test_head_tail_balances_causal_work_and_contiguous_does_not(cp: int, seq_len: int) -> None:
+    balanced = num_visible_pairs(head_tail(seq_len, cp))
+    assert sum(balanced) == seq_len * (seq_len + 1) // 2
+    assert imbalance(balanced) <= BALANCED
+    assert len(set(balanced)) == 1  # chunks i and 2cp-1-i sum to the same work: exact
+    # Contiguous: rank r's work grows as 2r + 1; the last rank holds (2cp-1)/cp of the mean.
+    naive = num_visible_pairs(contiguous(seq_len, cp))
+    assert naive == tuple(sorted(naive))
+    assert imbalance(naive) == pytest.approx((cp - 1) / cp, abs=cp / seq_len)
+
+
+def _packed(seed: int, seq_len: int) -> list[int]:
+    """Document lengths of a packed row: log-normal (median ~400 tokens), the last one cut."""
+    rng, lengths = random.Random(seed), []
+    while sum(lengths) < seq_len:
+        lengths.append(min(seq_len - sum(lengths), int(rng.lognormvariate(6, 1.2)) + 1))
+    return lengths
+
+
+DOCUMENT_CASES = {
+    "long_first": [6144, 1024, 512, 512],
+    "lognormal_a": _packed(0, 8192),
+    "lognormal_b": _packed(2, 8192),
+    "batch_of_two": [_packed(1, 8192), _packed(3, 8192)],
+}
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+@pytest.mark.parametrize("case", list(DOCUMENT_CASES))
+def test_balancing_equalizes_document_work_not_just_tokens(cp: int, case: str) -> None:
+    docs = doc_ids_from_lengths(DOCUMENT_CASES[case])
+    layout = balance_attention(8192, cp, doc_ids=docs)
+    work = num_visible_pairs(layout, doc_ids=docs)
+    assert imbalance(work) <= BALANCED, (layout, work)
+    lengths = DOCUMENT_CASES[case]
+    rows = lengths if isinstance(lengths[0], list) else [lengths]
+    assert sum(work) == sum(n * (n + 1) // 2 for row in rows for n in row)
+
+
+def test_fixed_splits_leave_documents_unbalanced() -> None:
+    """The balancer's reason to exist: one long document first (6144 of 8192 tokens), and both
+    fixed splits are off: head-tail by 71% at every cp, contiguous by 15% (cp=2) to 135% (cp=8)."""
+    docs = doc_ids_from_lengths(DOCUMENT_CASES["long_first"])
+    for cp in (2, 4, 8):
+        assert imbalance(num_visible_pairs(head_tail(8192, cp), doc_ids=docs)) > 0.7
+        assert imbalance(num_visible_pairs(contiguous(8192, cp), doc_ids=docs)) > 0.14
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_balancing_a_sliding_window(cp: int) -> None:
+    """Window S/4: the first window's tokens see fewer keys; both fixed splits are 14% off."""
+    mask = AttentionMask(window=1024)
+    assert imbalance(num_visible_pairs(head_tail(4096, cp), mask)) > 0.14
+    assert imbalance(num_visible_pairs(contiguous(4096, cp), mask)) > 0.14
+    assert imbalance(num_visible_pairs(balance_attention(4096, cp, mask=mask), mask)) <= BALANCED
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_balancing_one_causal_document_deals_head_tail(cp: int) -> None:
+    assert balance_attention(1024, cp) == head_tail(1024, cp)
+
+
+# -- attention (gloo ranks) -------------------------------------------------------------------------
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+               softcap: float | None) -> torch.Tensor:
+    """One-process attention: kv heads repeated, full scores, masked softmax."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    return torch.softmax(s.masked_fill(~allowed[:, None], -math.inf), dim=-1) @ v
+
+
+def _gathered(piece: torch.Tensor, layout: ContextLayout) -> torch.Tensor:
+    pieces = [torch.empty_like(piece) for _ in range(layout.cp)]
+    dist.all_gather(pieces, piece.contiguous())
+    return layout.unsplit(pieces, 2)
+
+
+def _compare(*, num_kv_heads: int, layout: ContextLayout, mask: AttentionMask = CAUSAL,
+             doc_lengths: list[list[int]] | None = None, softcap: float | None = None, scale: float | None = None,
+             magnitude: float = 1.0, num_heads: int = 8, transposed: bool = False) -> dict[str, float]:
+    """Max relative error of out, dq, dk, dv per method against `_reference` (asserted < 1e-12)."""
+    rank, seq_len = dist.get_rank(), layout.seq_len
+    gen = torch.Generator().manual_seed(seq_len + num_kv_heads)
+    q = torch.randn(2, num_heads, seq_len, 8, generator=gen) * magnitude
+    k = torch.randn(2, num_kv_heads, seq_len, 8, generator=gen) * magnitude
+    v = torch.randn(2, num_kv_heads, seq_len, 6, generator=gen)
+    probe = torch.randn(2, num_heads, seq_len, 6, generator=gen)
+    doc_ids = None if doc_lengths is None else doc_ids_from_lengths(doc_lengths)
+    allowed = _allowed(seq_len, causal=mask.causal, window=mask.window,
+                       doc_rows=None if doc_ids is None else doc_ids.tolist())
+    full = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    expected_out = _reference(*full, allowed, 8 ** -0.5 if scale is None else scale, softcap)
+    (expected_out * probe).sum().backward()
+    expected = {"out": expected_out.detach(), **{f"d{n}": x.grad for n, x in zip("qkv", full)}}
+
+    errors = {}
+    for method in METHODS:
+        local = [layout.split(x, 2, rank).detach().requires_grad_(True) for x in (q, k, v)]
+        inputs = list(local)
+        if transposed:  # as a model passes them: a transposed view of [B, S, H, D] projections
+            inputs = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in local]
+        out = context_attention(*inputs, layout=layout, group=dist.group.WORLD, method=method, mask=mask,
+                                doc_ids=doc_ids, scale=scale, softcap=softcap)
+        (out * layout.split(probe, 2, rank)).sum().backward()
+        got = {"out": out.detach(), **{f"d{n}": x.grad for n, x in zip("qkv", local)}}
+        for name, value in got.items():
+            error = rel_err(_gathered(value, layout), expected[name])
+            assert error < TOLERANCE, f"{method} {name}: relative error {error:.3e}"
+            errors[method] = max(errors.get(method, 0.0), error)
+    return errors
+
+
+def _world() -> int:
+    return dist.get_world_size()
+
+
+def check_causal() -> dict[str, float]:
+    return _compare(num_kv_heads=8, layout=head_tail(16 * _world(), _world()), transposed=True)
+
+
+def check_causal_gqa() -> dict[str, float]:
+    """Two kv heads (cp=4: Ulysses repeats each twice) and one (MQA: repeated cp times)."""
+    layout = head_tail(16 * _world(), _world())
+    two, one = _compare(num_kv_heads=2, layout=layout), _compare(num_kv_heads=1, layout=layout)
+    return {method: max(two[method], one[method]) for method in METHODS}
+
+
+def check_documents() -> dict[str, float]:
+    """Different packed documents per batch row, on the layout balanced for them (scattered spans)."""
+    seq_len = 16 * _world()
+    lengths = [[5, seq_len - 12, 1, 6], [seq_len // 2 + 3, seq_len // 2 - 3]]
+    layout = balance_attention(seq_len, _world(), doc_ids=doc_ids_from_lengths(lengths))
+    return _compare(num_kv_heads=2, layout=layout, doc_lengths=lengths)
+
+
+def check_sliding_window() -> dict[str, float]:
+    return _compare(num_kv_heads=4, layout=head_tail(16 * _world(), _world()), mask=AttentionMask(window=5))
+
+
+def check_softcap() -> dict[str, float]:
+    """Scores around the cap (inputs scaled up), so tanh bends them; an explicit scale."""
+    return _compare(num_kv_heads=2, layout=head_tail(16 * _world(), _world()), softcap=2.0, scale=0.3, magnitude=3.0)
+
+
+def check_bidirectional_documents_and_window_contiguous() -> dict[str, float]:
+    """An encoder's mask (no causality) with documents and a window, on a contiguous split."""
+    seq_len = 16 * _world()
+    return _compare(num_kv_heads=4, layout=contiguous(seq_len, _world()), mask=AttentionMask(causal=False, window=6),
+                    doc_lengths=[[3, seq_len - 3]], softcap=5.0)
+
+
+def check_ring_skips_masked_blocks() -> list[int]:
+    """The ring computes only block rows and columns with a visible pair, so the layout's balance
+    is the ranks' real balance: per (batch, head), head-tail costs every rank its own block plus
+    half of each other block; a contiguous split costs rank r r + 1 whole blocks."""
+    from mplan.collectives import context_attention as module
+
+    cp, rank, local = _world(), dist.get_rank(), 16
+    computed: list[int] = []
+    original = module._Scores.logits
+
+    def counting(self, q5, k):  # type: ignore[no-untyped-def]
+        computed.append(q5.shape[-2] * k.shape[-2])
+        return original(self, q5, k)
+
+    module._Scores.logits = counting
+    try:
+        q = torch.randn(1, 2, local, 4)
+        entries = []
+        for layout in (head_tail(local * cp, cp), contiguous(local * cp, cp)):
+            computed.clear()
+            context_attention(q, q[:, :1], q[:, :1], layout=layout, group=dist.group.WORLD)
+            entries.append(sum(computed))
+    finally:
+        module._Scores.logits = original
+    assert entries == [local * local * (cp + 1) // 2, local * local * (rank + 1)], entries
+    return entries
+
+
+CHECKS = [check_ring_skips_masked_blocks, check_causal, check_causal_gqa, check_documents, check_sliding_window,
+          check_softcap, check_bidirectional_documents_and_window_contiguous]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")
+def outcomes(request: pytest.FixtureRequest):
+    return run_checks(request.param, CHECKS)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+def test_distributed(outcomes, check) -> None:
+    outcomes.assert_passed(check)
+
+
+def test_one_rank_needs_no_group() -> None:
+    """cp=1 (no group) is plain attention, with every mask rule applied."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 12, 4, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+    docs = doc_ids_from_lengths([4, 8])
+    out = context_attention(q, k, v, layout=contiguous(12, 1), group=None, mask=AttentionMask(window=3),
+                            doc_ids=docs, softcap=1.5)
+    expected = _reference(q, k, v, _allowed(12, window=3, doc_rows=docs.view(1, -1).tolist()), 0.5, 1.5)
+    assert rel_err(out, expected) < TOLERANCE
+
+
+def test_entry_point_refuses_mismatched_inputs() -> None:
+    q = torch.randn(1, 4, 6, 4)
+    with pytest.raises(ValueError, match="one of all_gather, ring, all_to_all"):
+        context_attention(q, q, q, layout=contiguous(6, 1), group=None, method="ulysses")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="6 local tokens where the layout gives each rank 12"):
+        context_attention(q, q, q, layout=contiguous(12, 1), group=None)
+    with pytest.raises(ValueError, match="a layout over cp=2 ranks with a group of 1"):
+        context_attention(q, q, q, layout=contiguous(12, 2), group=None)
