@@ -21,6 +21,18 @@ gathered at their first forward of the step and kept until the update, one gathe
 step, the weights of its stages whole meanwhile. (A pipeline's gradients are reduced at the step:
 its executor accumulates them itself, which no hook sees; `sharded_optimizer.py`.)
 
+Prefetch, one unit ahead (`UNITS_IN_FLIGHT`): when a unit starts, forward or backward, it waits
+for its own gather and issues the next unit's before it computes, so that all-gather runs under
+its compute:
+
+    forward    unit r-1 running: r's gather in flight     start of r: wait(r), issue(r+1), run r
+    backward   r+1's backward:   r's gather in flight     start of r's: wait(r), issue(r-1), run it
+
+Only the first unit of each pass gathers blocking (forward: the first unit; backward: the last,
+released at the end of the forward before it). The next unit is the next run of the program that
+reads any parameter (`unit_gathers.py` names it when it inserts the calls). Keeping the weights,
+only the step's first forward prefetches: later passes find every unit whole.
+
 Why mplan's own gathers rather than torch's FSDP2 (`fully_shard`): FSDP2 unshards and reshards
 around `nn.Module.forward` calls and keeps parameters as DTensors (sharded per tensor on dim 0)
 registered on those modules. mplan's rank program is one generated FX graph whose parameters are
@@ -34,16 +46,19 @@ freeing by resizing storage, which leaves every tensor autograd saved valid for 
 Exactness: the gathered values are the masters in the parameters' dtype, as zero=1's all-gather
 writes them; the gradients are zero=2's. Float64 runs match one process to rounding.
 
-What is not overlapped yet: gathers are synchronous (a unit's all-gather does not run under the
-previous unit's compute, nor does the next unit's prefetch); reduce-scatters are asynchronous
-(at most `MAX_IN_FLIGHT`). Under autocast, torch's cast cache keeps a low-precision copy of each
+Overlap: an all-gather issued ahead is asynchronous (c10d's `async_op`: NCCL's own stream on a
+GPU, gloo's worker threads on CPU ranks, which share the cores with the compute); reduce-scatters
+are asynchronous too (at most `MAX_IN_FLIGHT`). Under autocast, torch's cast cache keeps a low-precision copy of each
 weight for the forward's duration.
 
 Invariants: storage is gathered only from the shards (never written back from it, except by
 `params_loaded` after a load into the whole parameters); gathers and releases run in program
-order, the same on every replica; outside a step (and its `parameters_whole` contexts) no unit is
-gathered. So outside them `pm.params` hold tensors of the right shape over storage of 0 bytes:
-reading one there reads freed memory (torch does not check; it may crash). Read them inside
+order, the same on every replica; a gather in flight is waited for before its storage is read,
+released or written (so a release never frees memory a collective still writes); at most
+`UNITS_IN_FLIGHT` runs' units are whole or in flight at once in a one-stage program, besides those
+a later run reads again; outside a step (and its `parameters_whole` contexts) no unit is gathered.
+So outside them `pm.params` hold tensors of the right shape over storage of 0 bytes: reading one
+there reads freed memory (torch does not check; it may crash). Read them inside
 `pm.optimizer.parameters_whole()`, as `full_state_dict`, inference and the checkpoints do.
 """
 from __future__ import annotations
@@ -55,6 +70,7 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from mplan.collectives.flat import all_gather_flat
 from mplan.runtime.optimizer_state import ParamsArg, StateRange
@@ -62,6 +78,13 @@ from mplan.runtime.param_placement import Placements
 from mplan.runtime.process_groups import ProcessGroup, ProcessGroups, group_rank, group_size
 from mplan.runtime.replicated_optimizer import OptimizerFactory
 from mplan.runtime.sharded_optimizer import ShardedOptimizer, _Bucket, _Partition
+
+UNITS_IN_FLIGHT = 2
+"""Runs of a one-stage program whose units are whole or being gathered at once: the one computing
+and the next `UNITS_IN_FLIGHT - 1` that read parameters (prefetched), in forward order in the
+forward and in reverse in the backward. Besides them, a unit that a later run reads again stays
+whole between its readers (a tied embedding and head, from the prologue to the epilogue). The
+planner's memory counts the same window (`planner.evaluate.ZERO3_UNITS_IN_FLIGHT`)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -77,6 +100,9 @@ class _Gathered:
     gather, through this tensor, so no parameter's version counter moves (autograd's saved
     tensors stay valid)."""
     gathered: bool = False
+    """Its storage allocated and filled, or being filled by `work`."""
+    work: dist.Work | None = None
+    """The all-gather still writing `whole` (issued ahead by `prefetch`); None once waited for."""
     arrived: int = 0
     """Gradients of its parameters that landed since it was last gathered."""
 
@@ -96,6 +122,8 @@ class FullyShardedOptimizer(ShardedOptimizer):
         self._pinned = 0  # depth of `parameters_whole` contexts
         self.num_gathers = 0
         """Buckets all-gathered so far (a unit of one partition is one bucket)."""
+        self.num_prefetched = 0
+        """Of them, those issued ahead of their unit by `prefetch` (asynchronous)."""
         self._units: list[list[_Gathered]] = [[] for _ in units]
         self._unread: list[_Gathered] = []
         self._compute: list[torch.Tensor] = []
@@ -137,23 +165,45 @@ class FullyShardedOptimizer(ShardedOptimizer):
     # -- gathering -----------------------------------------------------------------------------
     @torch.no_grad()
     def gather(self, units: Sequence[int]) -> None:
-        """All-gather the units' buckets not yet whole (collective over each bucket's replicas)."""
+        """The units' buckets whole on return: waits for those `prefetch` issued, all-gathers the
+        others (blocking; collective over each bucket's replicas)."""
         for unit in units:
             for held in self._units[unit]:
                 if not held.gathered:
-                    self._gather(held)
+                    self._start(held, blocking=True)
+                self._settle(held)
 
-    def _gather(self, held: _Gathered) -> None:
+    @torch.no_grad()
+    def prefetch(self, units: Sequence[int]) -> None:
+        """Issue the all-gathers of the units' buckets not yet whole and return at once: they run
+        under the compute that follows, and the units' `gather` waits for them."""
+        for unit in units:
+            for held in self._units[unit]:
+                if not held.gathered:
+                    self._start(held, blocking=False)
+
+    def _start(self, held: _Gathered, *, blocking: bool) -> None:
         self.num_gathers += 1
         held.whole.untyped_storage().resize_(held.nbytes)
         if group_size(held.group) > 1:
-            all_gather_flat(held.whole, held.source, group=held.group)
+            work = all_gather_flat(held.whole, held.source, group=held.group, async_op=not blocking)
+            if not blocking:
+                held.work = work
+                self.num_prefetched += 1
         else:
             held.whole.copy_(held.source)
         held.gathered, held.arrived = True, 0
 
+    @staticmethod
+    def _settle(held: _Gathered) -> None:
+        """Wait for the all-gather still writing `held`, if any."""
+        if held.work is not None:
+            held.work.wait()
+            held.work = None
+
     def _drop(self, held: _Gathered) -> None:
         if held.gathered and not self._pinned:
+            self._settle(held)  # the collective writes into the storage about to be freed
             held.whole.untyped_storage().resize_(0)
             held.gathered = False
 
@@ -161,9 +211,11 @@ class FullyShardedOptimizer(ShardedOptimizer):
         for held in self._all():
             self._drop(held)
 
-    def after_unit(self, release: Sequence[int], regather: Sequence[int], outputs: Sequence[object]) -> None:
+    def after_unit(self, release: Sequence[int], regather: Sequence[int], ahead: Sequence[int],
+                   outputs: Sequence[object]) -> None:
         """After a unit's forward (one-stage programs): release the units it read last, and have the
-        first gradient of its outputs gather again the units it reads, before its backward."""
+        first gradient of its outputs gather again the units it reads, before its backward, and
+        prefetch `ahead`, the units of the backward after it."""
         if self.keep_gathered:
             return
         for unit in release:
@@ -172,7 +224,8 @@ class FullyShardedOptimizer(ShardedOptimizer):
         needing = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
         if needing and torch.is_grad_enabled():
             torch.autograd.graph.register_multi_grad_hook(
-                needing, functools.partial(_gather_again, weakref.ref(self), tuple(regather)), mode="any")
+                needing, functools.partial(_gather_again, weakref.ref(self), tuple(regather), tuple(ahead)),
+                mode="any")
 
     def _bucket_landed(self, index: int) -> None:
         held = self._held_of_slot[index]
@@ -194,7 +247,8 @@ class FullyShardedOptimizer(ShardedOptimizer):
             with torch.no_grad():
                 for held in self._all():
                     if not held.gathered:
-                        self._gather(held)
+                        self._start(held, blocking=True)
+                    self._settle(held)
         self._pinned += 1
         try:
             yield
@@ -216,7 +270,8 @@ class FullyShardedOptimizer(ShardedOptimizer):
                 compute.copy_(part.master)
         for held in self._all():
             if self._pinned and held.gathered:
-                self._gather(held)
+                self._settle(held)
+                self._start(held, blocking=True)
             else:
                 self._drop(held)
 
@@ -244,7 +299,9 @@ class FullyShardedOptimizer(ShardedOptimizer):
         self._release_all()
 
 
-def _gather_again(owner: weakref.ref[FullyShardedOptimizer], units: tuple[int, ...], *_: object) -> None:
+def _gather_again(owner: weakref.ref[FullyShardedOptimizer], units: tuple[int, ...], ahead: tuple[int, ...],
+                  *_: object) -> None:
     alive = owner()
     if alive is not None:
         alive.gather(units)
+        alive.prefetch(ahead)

@@ -16,10 +16,14 @@ block, a tied embedding and output head as one group from the prologue to the ep
 are numbered in forward order, across a rank's stage modules in stage order.
 
 Calls inserted (`_GatherUnits`, `_AfterUnit`: modules, so the generated code can name them):
-    before run r  gather the groups with a parameter read in r (a no-op for those already whole)
+    before run r  gather the groups with a parameter read in r (waiting for those prefetched; a
+                  no-op for those already whole), then prefetch those of the next
+                  `UNITS_IN_FLIGHT - 1` runs that read any
     after run r   one-stage programs only: release the groups whose last reader is r, and hook
-                  r's outputs so that their first gradient gathers again what r reads
-A pipeline stage (`keep=True`) only gathers: its units stay whole until the step.
+                  r's outputs so that their first gradient gathers again what r reads and
+                  prefetches what the `UNITS_IN_FLIGHT - 1` runs before r read (their backward
+                  comes next)
+A pipeline stage (`keep=True`) only gathers (and prefetches): its units stay whole until the step.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from mplan.ir.graph import Graph
 from mplan.passes.insert_collectives import INPUTS, LocalInput
 from mplan.passes.program_segments import OP_KINDS, op_segments
 from mplan.passes.recompute import CheckpointedUnit
-from mplan.runtime.fully_sharded import FullyShardedOptimizer
+from mplan.runtime.fully_sharded import UNITS_IN_FLIGHT, FullyShardedOptimizer
 
 
 def _labels(program: fx.GraphModule, graph: Graph) -> list[tuple[fx.Node, str]]:
@@ -103,16 +107,18 @@ def unit_parameters(programs: Sequence[fx.GraphModule], graph: Graph,
 
 
 class _GatherUnits(nn.Module):
-    """Gathers its units (a no-op for those whole) before a run's first op."""
+    """Before a run's first op: gathers its units (a no-op for those whole), then prefetches the
+    next runs' (`ahead`), whose all-gathers run under this run's ops."""
 
     _is_impure = True  # no users: dead-code elimination must keep it
 
-    def __init__(self, owner: FullyShardedOptimizer, units: tuple[int, ...]) -> None:
+    def __init__(self, owner: FullyShardedOptimizer, units: tuple[int, ...], ahead: tuple[int, ...]) -> None:
         super().__init__()
-        self.owner, self.units = owner, units
+        self.owner, self.units, self.ahead = owner, units, ahead
 
     def forward(self) -> None:
         self.owner.gather(self.units)
+        self.owner.prefetch(self.ahead)
 
 
 class _AfterUnit(nn.Module):
@@ -120,35 +126,55 @@ class _AfterUnit(nn.Module):
 
     _is_impure = True
 
-    def __init__(self, owner: FullyShardedOptimizer, release: tuple[int, ...], regather: tuple[int, ...]) -> None:
+    def __init__(self, owner: FullyShardedOptimizer, release: tuple[int, ...], regather: tuple[int, ...],
+                 behind: tuple[int, ...]) -> None:
         super().__init__()
-        self.owner, self.release, self.regather = owner, release, regather
+        self.owner, self.release, self.regather, self.behind = owner, release, regather, behind
 
     def forward(self, *outputs: object) -> None:
-        self.owner.after_unit(self.release, self.regather, outputs)
+        self.owner.after_unit(self.release, self.regather, self.behind, outputs)
+
+
+def _nearby(units_of_run: list[tuple[int, ...]]) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """For each run, the units of the next `UNITS_IN_FLIGHT - 1` runs that read any (`ahead`, the
+    forward's prefetch) and of as many before it (`behind`, the backward's), less its own."""
+    reading = [k for k, units in enumerate(units_of_run) if units]
+    depth = UNITS_IN_FLIGHT - 1
+
+    def of(near: list[int], k: int) -> tuple[int, ...]:
+        return tuple(sorted({u for j in near for u in units_of_run[j]} - set(units_of_run[k])))
+    ahead: list[tuple[int, ...]] = [() for _ in units_of_run]
+    behind: list[tuple[int, ...]] = [() for _ in units_of_run]
+    for i, k in enumerate(reading):
+        ahead[k] = of(reading[i + 1:i + 1 + depth], k)
+        behind[k] = of(reading[max(0, i - depth):i], k)
+    return ahead, behind
 
 
 def insert_unit_gathers(program: fx.GraphModule, graph: Graph, params: Mapping[str, torch.Tensor],
                         owner: FullyShardedOptimizer, *, keep: bool) -> None:
-    """Edit `program` in place: gather each run's units before it and (unless `keep`) release them
-    after their last reader and hook the run's outputs to gather them again for backward."""
+    """Edit `program` in place: gather each run's units before it, prefetching the next runs', and
+    (unless `keep`) release them after their last reader and hook the run's outputs to gather them
+    again for backward, prefetching the runs' before it."""
     runs = _runs(program, graph)
-    units_of_run: list[set[int]] = [set() for _ in runs]
+    reads: list[set[int]] = [set() for _ in runs]
     last_of_unit: dict[int, int] = {}
     for name, readers in _reads(program, runs).items():
         unit = owner.unit_of(params[name])
         if unit is None:
             continue
         for k in readers:
-            units_of_run[k].add(unit)
+            reads[k].add(unit)
         if readers:
             last_of_unit[unit] = max(last_of_unit.get(unit, -1), max(readers))
+    units_of_run = [tuple(sorted(units)) for units in reads]
+    ahead, behind = _nearby(units_of_run)
     for k, run in enumerate(runs):
-        units = tuple(sorted(units_of_run[k]))
+        units = units_of_run[k]
         if not units:
             continue
         name = f"zero3_gather_{k}"
-        program.add_submodule(name, _GatherUnits(owner, units))
+        program.add_submodule(name, _GatherUnits(owner, units, ahead[k]))
         with program.graph.inserting_before(run[0]):
             program.graph.call_module(name, ())
         if keep:
@@ -157,7 +183,7 @@ def insert_unit_gathers(program: fx.GraphModule, graph: Graph, params: Mapping[s
         outputs = [n for n in run if any(u not in inside for u in n.users)]
         release = tuple(sorted(u for u, last in last_of_unit.items() if last == k))
         name = f"zero3_after_{k}"
-        program.add_submodule(name, _AfterUnit(owner, release, units))
+        program.add_submodule(name, _AfterUnit(owner, release, units, behind[k]))
         with program.graph.inserting_after(run[-1]):
             program.graph.call_module(name, tuple(outputs))
     program.graph.lint()
