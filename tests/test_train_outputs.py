@@ -104,3 +104,25 @@ def test_mplan_imports_without_tensorboard() -> None:
             "assert 'torch.utils.tensorboard' not in sys.modules\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("key, where, words", [
+    ("metrics.jsonl", "blocker/metrics.jsonl", "cannot create {p}: {b} is a file"),
+    ("metrics.tensorboard", "blocker/board", "cannot create {p}: {b} is a file"),
+    ("checkpoint.dir", "blocker", "{p} is a file, not a directory"),
+    ("checkpoint.export_hf", "blocker/deeper/hf", "cannot create {p}: {b} is a file"),
+    ("metrics.plot", "somedir", "{p} is a directory, not a file"),
+])
+def test_an_output_that_cannot_be_written_is_refused_before_the_run(tmp_path, tokens, capsys, key: str, where: str,  # noqa: F811
+                                                                    words: str) -> None:
+    from mplan.cli import main
+
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where a directory must go")
+    (tmp_path / "somedir").mkdir()
+    config = _config(str(tmp_path), tokens, "run")
+    path = str(tmp_path / where)
+    assert main(["train", config, "--set", f"{key}={path}", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"mplan train: error: {key}: {words.format(p=path, b=blocker)}\n"
+    assert not (tmp_path / "run.jsonl").exists()  # refused before anything ran

@@ -37,10 +37,33 @@ PREDICTION_GAP = 0.15
 """Measured against predicted step time or memory: a warning beyond this relative gap."""
 
 
+def _check_writable(key: str, path: str, is_dir: bool) -> None:
+    """`path` (a directory when `is_dir`, else a file) can be made: no file stands where a directory
+    must go, and the nearest existing directory above it takes new entries."""
+    target = os.path.abspath(path)
+    if os.path.exists(target) and os.path.isdir(target) != is_dir:
+        raise ConfigError(f"{key}: {path} is a {'file' if is_dir else 'directory'}, not a "
+                          f"{'directory' if is_dir else 'file'}")
+    parent = target if is_dir else os.path.dirname(target)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{key}: cannot create {path}: {parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: cannot create {path}: {parent} is not writable")
+
+
 class Observer:
     @staticmethod
     def preflight(config: TrainConfig) -> None:
         """What the run will need to write, checked before the minutes of building it."""
+        m, c = config.metrics, config.checkpoint
+        for key, path, is_dir in (("metrics.jsonl", m.jsonl, False), ("metrics.plot", m.plot, False),
+                                  ("metrics.memory_snapshot", m.memory_snapshot, False),
+                                  ("metrics.tensorboard", m.tensorboard, True), ("checkpoint.dir", c.dir, True),
+                                  ("checkpoint.export_hf", c.export_hf, True)):
+            if path:
+                _check_writable(key, path, is_dir)
         if config.metrics.tensorboard:
             try:
                 import torch.utils.tensorboard  # noqa: F401
