@@ -99,7 +99,7 @@ PARSE_ONLY = {
     "mplan checkpoint inspect DIR [--json]": "needs a checkpoint; tests/test_checkpoint_cli.py runs it on real ones",
     "mplan checkpoint convert SRC DST [-q]": "needs a checkpoint; tests/test_checkpoint_cli.py and "
                                              "tests/test_hf_checkpoint.py convert both ways",
-    "mplan data prepare INPUTS... -o DIR [--tokenizer DIR] [--vocab-size N] [--jsonl FILE] [--json] [-q]":
+    "mplan data prepare INPUTS... -o DIR [--tokenizer DIR] [--vocab-size N] [--jsonl FILE] [--exclude PATTERN] [--shard-tokens N] [--json] [-q]":
         "needs a corpus; tests/test_data.py runs the command",
     "torchrun ... -m mplan train CONFIG.toml [--set KEY=VALUE ...] [--profile-steps A:B] [-q]":
         "a training run under torchrun; tests/test_train.py runs mplan train on gloo ranks",
@@ -124,7 +124,7 @@ PLACEHOLDERS = {
     "MODEL": "gpt:layers=2,hidden=64,heads=8,seq=32,vocab=128",  # 8 heads, for tp=8; the planner searches it in seconds
     "B": "16", "S": "32", "V": "128", "N": "1", "G": "8", "X": "1.1", "C": "dgx-h100",
     "SPEC": "tp=2", "SPEC_OR_PLAN_JSON": "tp=2,dp=2",
-    "DIR": "ckpt", "SRC": "ckpt", "DST": "out", "INPUTS...": "texts/a.txt", "FILE": "data.jsonl",
+    "DIR": "ckpt", "SRC": "ckpt", "DST": "out", "INPUTS...": "texts/a.txt", "FILE": "data.jsonl", "PATTERN": "*/tests/*",
     "KEY=VALUE": "train.steps=3", "A:B": "1:2",
 }
 """Placeholder word of a command line -> the small real value the check gives it. File names

@@ -7,4 +7,6 @@ primitives (ZeRO's reduce-scatter and all-gather) and `apply_transition` (gather
     flat.py           collectives on flat contiguous buffers, chunk i on group rank i
     redistribute.py   any placement to any other, forward and backward; Megatron's named pairs
     uneven.py         all-to-all of rows in uneven splits (expert dispatch and combine), with autograd
+    context_attention.py  attention over a sequence split on a context-parallel group (all-gather of
+                      K/V, ring, or all-to-all of heads), exact forward and backward
 """
