@@ -2,7 +2,7 @@
 the whole batch never exist. Whole vocabulary, or sharded over it (TP).
 
     linear_cross_entropy(x [..., hidden], weight [vocab, hidden], labels [...], ignore_index=-100,
-                         bias=None, *, chunk_rows=None) -> mean loss
+                         bias=None, *, chunk_rows=None, logit_scale=1.0, softcap=None) -> mean loss
     vocab_parallel_linear_cross_entropy(x [..., hidden], local_weight [vocab/tp, hidden], labels,
                                         vocab_start, reductions=None, *, bias=None, group=None,
                                         ignore_index=-100, chunk_rows=None) -> the same loss, on every rank
@@ -13,6 +13,11 @@ the whole batch never exist. Whole vocabulary, or sharded over it (TP).
 What: exactly `F.cross_entropy(F.linear(x, weight, bias).view(-1, vocab), labels.view(-1),
 ignore_index=ignore_index)`, the mean over rows whose label is not `ignore_index`, in the dtype
 F.cross_entropy gives (the logits' dtype; fp32 under autocast); labels are global token ids.
+The logits may be scaled and soft-capped first, as models write them between the head and the
+loss: z * logit_scale (Cohere's logit_scale, Granite's 1 / logits_scaling), then with `softcap`
+c the Gemma-2 cap c * tanh(z / c); each chunk's logits are transformed in their own dtype (as
+the model's ops round them) before the loss, and the gradient through the cap, d_z = d_y *
+logit_scale * (1 - (y / c)^2), is taken from the capped logits y themselves.
 
 Why: unfused, a batch of 16384 tokens at a 128256-token vocabulary holds 4 GiB of bf16 logits
 from the forward to the backward, and the backward adds their 4 GiB gradient (CUDA's
@@ -157,9 +162,12 @@ _GRAD_BLOCKS = configs(
 @triton.autotune(configs=_GRAD_BLOCKS, key=["n_cols"], restore_value=["logits_ptr"])
 @triton.jit
 def _grad_in_place_kernel(logits_ptr, labels_ptr, lse_ptr, scale_ptr, n_cols, row_stride, vocab_start,
-                          ignore_index, BLOCK_V: tl.constexpr):
+                          ignore_index, logit_scale, softcap, BLOCK_V: tl.constexpr,
+                          TRANSFORMED: tl.constexpr = False, CAPPED: tl.constexpr = False):
     """One block of one row: logits <- (exp(logits - lse) - [col == label]) * scale, 0 on a row
-    whose label is ignore_index. Each element is read, then written, by the same program."""
+    whose label is ignore_index; `TRANSFORMED` logits y = cap(z * logit_scale) also times dy/dz,
+    logit_scale (1 - (y / softcap)^2) where `CAPPED`. Each element is read, then written, by the
+    same program."""
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(n_cols, BLOCK_V)
     row = pid // n_blocks
@@ -170,6 +178,12 @@ def _grad_in_place_kernel(logits_ptr, labels_ptr, lse_ptr, scale_ptr, n_cols, ro
     label = tl.load(labels_ptr + row)
     lse = tl.load(lse_ptr + row)
     grad = (tl.exp(x - lse) - tl.where(cols == label - vocab_start, 1.0, 0.0)) * tl.load(scale_ptr)
+    if TRANSFORMED:
+        if CAPPED:
+            t = x / softcap
+            grad = grad * (logit_scale * (1.0 - t * t))
+        else:
+            grad = grad * logit_scale
     tl.store(ptrs, tl.where(label != ignore_index, grad, 0.0).to(logits_ptr.dtype.element_ty), mask=in_cols)
 
 
@@ -240,6 +254,24 @@ def chunk_bytes(rows: int, vocab: int, itemsize: int, chunk_rows: int | None = N
     return chunk * (vocab * itemsize + stats_per_row + (itemsize if bias else 0))
 
 
+@dataclass(frozen=True, slots=True)
+class LogitTransform:
+    """What the model does to the logits between the head and the loss (module docstring, What):
+    y = softcap * tanh(z * logit_scale / softcap), or z * logit_scale without a cap."""
+
+    logit_scale: float = 1.0
+    softcap: float | None = None
+
+    def is_identity(self) -> bool:
+        return self.logit_scale == 1.0 and self.softcap is None
+
+    def apply_(self, logits: torch.Tensor) -> torch.Tensor:
+        """The transform over one chunk's logits, in place, in their dtype."""
+        if self.softcap is not None:
+            return logits.mul_(self.logit_scale / self.softcap).tanh_().mul_(self.softcap)
+        return logits if self.logit_scale == 1.0 else logits.mul_(self.logit_scale)
+
+
 def _fused_combine(logits: torch.Tensor, reductions: VocabReductions) -> bool:
     """Whether the chunk's loss is finished by cross_entropy_loss's combine kernel."""
     return use_triton(logits) and reductions.is_identity()
@@ -261,15 +293,18 @@ def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, ig
 
 
 def _logits_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
-                 vocab_start: int, ignore_index: int) -> torch.Tensor:
-    """(softmax - onehot(label)) * scale on counted rows, 0 on the others, in the logits' dtype:
-    written over the logits by the Triton kernel, a new tensor on the PyTorch path."""
+                 vocab_start: int, ignore_index: int, transform: LogitTransform) -> torch.Tensor:
+    """(softmax - onehot(label)) * scale on counted rows, 0 on the others, times the transform's
+    derivative (`logits` are its results), in the logits' dtype: written over the logits by the
+    Triton kernel, a new tensor on the PyTorch path."""
     n_rows, n_cols = logits.shape
     if use_triton(logits):
         def grid(meta: dict[str, Any]) -> tuple[int]:
             return (n_rows * triton.cdiv(n_cols, meta["BLOCK_V"]),)
 
-        _grad_in_place_kernel[grid](logits, labels, lse, scale, n_cols, logits.stride(0), vocab_start, ignore_index)
+        _grad_in_place_kernel[grid](logits, labels, lse, scale, n_cols, logits.stride(0), vocab_start, ignore_index,
+                                    float(transform.logit_scale), float(transform.softcap or 1.0),
+                                    TRANSFORMED=not transform.is_identity(), CAPPED=transform.softcap is not None)
         return logits
     local = labels - vocab_start
     counted = labels != ignore_index
@@ -277,19 +312,26 @@ def _logits_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, 
     probs = (logits.to(lse.dtype) - lse[:, None]).exp()
     probs[mine.nonzero()[:, 0], local[mine]] -= 1.0
     probs *= torch.where(counted, scale, 0.0)[:, None]
+    if transform.softcap is not None:
+        capped = logits.to(lse.dtype) / transform.softcap
+        probs *= transform.logit_scale * (1.0 - capped * capped)
+    elif transform.logit_scale != 1.0:
+        probs *= transform.logit_scale
     return probs.to(logits.dtype)
 
 
 def _fused_chunk(x_c: torch.Tensor, labels_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  vocab_start: int, ignore_index: int, reductions: VocabReductions, scale: torch.Tensor,
                  grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None,
-                 ones: torch.Tensor | None, upcast: bool, loss_out: torch.Tensor, first: bool) -> None:
+                 ones: torch.Tensor | None, upcast: bool, loss_out: torch.Tensor, first: bool,
+                 transform: LogitTransform = LogitTransform()) -> None:
     """One chunk: its summed loss, as partial sums into `loss_out`; with `grads` (d_x's rows of
     this chunk, d_W, d_b, each None where not wanted) also its gradients, written (the `first`
     chunk) or accumulated there (`ones`: a chunk of ones in the bias dtype, for d_b). The chunk's
     logits die on return, before the next chunk's exist. `upcast` with float64 logits: the loss of
     their fp32 copy, as `logits.float()` gives (16- and 32-bit logits are computed in fp32 anyway)."""
     logits = torch.mm(x_c, weight.t()) if bias is None else torch.addmm(bias, x_c, weight.t())
+    transform.apply_(logits)  # in the model's dtype, before any upcast, as the model's ops run
     if upcast and logits.dtype == torch.float64:
         logits = logits.float()
     # the row statistics borrow d_x's rows of this chunk, written only after they are read: at
@@ -299,7 +341,8 @@ def _fused_chunk(x_c: torch.Tensor, labels_c: torch.Tensor, weight: torch.Tensor
     if grads is None:
         return
     d_x_c, d_w, d_b = grads
-    d_logits = _logits_grad(logits, labels_c, lse, scale.to(lse.dtype), vocab_start, ignore_index).to(x_c.dtype)
+    d_logits = _logits_grad(logits, labels_c, lse, scale.to(lse.dtype), vocab_start, ignore_index,
+                            transform).to(x_c.dtype)
     del logits  # the PyTorch path's gradient is a new tensor: one chunk-sized buffer at a time
     if d_x_c is not None:
         torch.mm(d_logits, weight, out=d_x_c)
@@ -329,7 +372,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                 vocab_start: int, ignore_index: int, reductions: VocabReductions, chunk_rows: int,
-                loss_dtype: torch.dtype, wanted: tuple[bool, bool, bool], upcast: bool = False) -> torch.Tensor:
+                loss_dtype: torch.dtype, wanted: tuple[bool, bool, bool], upcast: bool = False,
+                transform: LogitTransform = LogitTransform()) -> torch.Tensor:
         n_rows = x.shape[0]
         acc = _accumulation_dtype(x)
         count = (labels != ignore_index).sum().to(acc)
@@ -345,7 +389,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             rows = slice(start, min(start + chunk_rows, n_rows))
             grads = (None if d_x is None else d_x[rows], d_w, d_b) if any(wanted) else None
             _fused_chunk(x[rows], labels[rows], weight, bias, vocab_start, ignore_index, reductions, scale, grads,
-                         ones, upcast, loss_parts[chunk], first=start == 0)
+                         ones, upcast, loss_parts[chunk], first=start == 0, transform=transform)
         loss_sum = loss_parts.sum()
         # Held on ctx, not saved: a saved tensor would go through activation checkpointing's hooks,
         # which would rerun this whole op in the backward under recomputation.
@@ -380,7 +424,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             grads = tuple(None if grad is None else grad * ratio for grad in grads)
         if not _graph_kept():  # the last run: a loss tensor the caller keeps must not keep d_x and d_W
             ctx.grads = (None, None, None)
-        return (*grads, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None, None)
 
 
 def _loss_probe(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
@@ -389,7 +433,8 @@ def _loss_probe(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> torch.
 
 
 def _apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, vocab_start: int,
-           ignore_index: int, reductions: VocabReductions, chunk_rows: int | None, upcast: bool) -> torch.Tensor:
+           ignore_index: int, reductions: VocabReductions, chunk_rows: int | None, upcast: bool,
+           transform: LogitTransform = LogitTransform()) -> torch.Tensor:
     gemm_dtype = autocast_result_dtype(CONSUMER_PROBES["linear"], x, (x.dtype,))
     no_autocast: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     loss_dtype = x.dtype
@@ -405,16 +450,19 @@ def _apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lab
     chunk = chunk_rows or default_chunk_rows(weight.shape[0], rows.element_size())
     with no_autocast:
         return LinearCrossEntropyFunction.apply(rows, weight, bias, labels.reshape(-1).contiguous(), vocab_start,
-                                                ignore_index, reductions, chunk, loss_dtype, wanted, upcast)
+                                                ignore_index, reductions, chunk, loss_dtype, wanted, upcast, transform)
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          ignore_index: int = IGNORE_INDEX, bias: torch.Tensor | None = None, *,
-                         chunk_rows: int | None = None, upcast: bool = False) -> torch.Tensor:
+                         chunk_rows: int | None = None, upcast: bool = False, logit_scale: float = 1.0,
+                         softcap: float | None = None) -> torch.Tensor:
     """Mean cross-entropy of `F.linear(x, weight, bias)` against `labels`, chunk by chunk of
     `chunk_rows` rows (None: `default_chunk_rows`); Triton kernels where `use_triton`. `upcast`:
-    of `F.linear(...).float()` (Hugging Face's loss upcasts the logits): an fp32 loss."""
-    return _apply(x, weight, bias, labels, 0, ignore_index, VocabReductions.identity(), chunk_rows, upcast)
+    of `F.linear(...).float()` (Hugging Face's loss upcasts the logits): an fp32 loss.
+    `logit_scale`, `softcap`: of the logits scaled, then soft-capped (module docstring, What)."""
+    return _apply(x, weight, bias, labels, 0, ignore_index, VocabReductions.identity(), chunk_rows, upcast,
+                  LogitTransform(logit_scale, softcap))
 
 
 def vocab_parallel_linear_cross_entropy(x: torch.Tensor, local_weight: torch.Tensor, labels: torch.Tensor,
@@ -435,8 +483,12 @@ def vocab_parallel_linear_cross_entropy(x: torch.Tensor, local_weight: torch.Ten
 
 def linear_cross_entropy_reference(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                    ignore_index: int = IGNORE_INDEX, bias: torch.Tensor | None = None,
-                                   upcast: bool = False) -> torch.Tensor:
-    """The unfused ops: the whole [rows, vocab] logits (`upcast`: then as fp32), then F.cross_entropy."""
+                                   upcast: bool = False, logit_scale: float = 1.0,
+                                   softcap: float | None = None) -> torch.Tensor:
+    """The unfused ops: the whole [rows, vocab] logits, scaled and soft-capped as asked (`upcast`:
+    then as fp32), then F.cross_entropy."""
     logits = F.linear(x, weight, bias)
+    logits = logits * logit_scale if logit_scale != 1.0 else logits
+    logits = torch.tanh(logits / softcap) * softcap if softcap is not None else logits
     logits = logits.float() if upcast else logits
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index)
