@@ -23,7 +23,7 @@ PRESETS = ["gpt3-175b", "llama3-405b", "mixtral-8x7b"]
 _CHILD = """
 import json, resource, sys, time
 t0 = time.perf_counter()
-from mplan.ir.summary import capture_spec
+from mplan.planner.planning import capture_spec
 t1 = time.perf_counter()
 g = capture_spec(sys.argv[1], shallow=sys.argv[2] == "shallow")
 t2 = time.perf_counter()

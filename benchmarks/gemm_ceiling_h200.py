@@ -13,7 +13,7 @@ system built on these kernels. Given an e2e_h200 result (--e2e), it reports per 
     budget_ms         eager / 1.15 - fixed_ms: what everything else may take for the issue's
                       1.15x target
     rest_floor_ms     the rest's fewest bytes at the copy bandwidth measured here (norms,
-                      activations, residual adds, cross-entropy, AdamW), from mplan.kernels.op_bytes
+                      activations, residual adds, cross-entropy, AdamW), from the fusion registry's traffic (mplan.fusion)
                       where it prices the op and counted in this docstring's terms otherwise
 
 Run on the GPU (from the repository root; about half a minute):

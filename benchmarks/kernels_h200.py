@@ -13,7 +13,7 @@ halves, bias+GELU, RoPE, cross-entropy):
      what the step pays) and CUDA events around the call (triton.testing.do_bench, medians, L2
      flushed; reported as event_*), which for a ~0.1 ms kernel mostly measure the host's
      autograd and launch overhead;
-  3. achieved TB/s counting the fewest bytes (mplan.kernels.fused_op_bytes: every input read
+  3. achieved TB/s counting the fewest bytes (mplan.fusion.fused_op_bytes: every input read
      once, every output written once) and its fraction of the device-to-device copy bandwidth
      measured in the same run (read + written bytes of a 1 GiB copy).
 Shapes are those of mplan/cost_models/reference/h200-kernels-2026-11-29.json: 16384 tokens x hidden 4096
@@ -49,13 +49,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report import triton_version, write_report  # noqa: E402
+from mplan.fusion import fused_op_bytes  # noqa: E402
 from mplan.kernels import (  # noqa: E402
     bias_gelu,
     bias_gelu_reference,
     cross_entropy,
     cross_entropy_loss,
     cross_entropy_reference,
-    fused_op_bytes,
     gelu,
     glu,
     layer_norm_residual,

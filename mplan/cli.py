@@ -57,7 +57,8 @@ def at_least_one(text: str) -> float:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from mplan.ir.summary import capture_spec, summarize
+    from mplan.planner.planning import capture_spec
+    from mplan.summary import summarize
 
     graph = capture_spec(args.model, batch=args.batch, seq_len=args.seq_len, shallow=args.shallow)
     doc = summarize(graph)

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from mplan.cli import main as cli_main
 from mplan.ir import CaptureError, capture
-from mplan.ir.summary import capture_spec, summarize
+from mplan.planner.planning import capture_spec
+from mplan.summary import summarize
 from mplan.models import GPTConfig, LlamaConfig, MoEConfig, build_model, example_inputs
 
 

@@ -12,9 +12,9 @@ import pytest
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.collective_cost import GroupShape, collective_time
 from mplan.cost_models.compute_cost import ComputeCostModel
-from mplan.kernels.op_bytes import fused_op_bytes
+from mplan.fusion import entry, fused_op_bytes
 from mplan.planner.evaluate import adamw_time, optimizer_time, zero1_copy_time
-from mplan.planner.fused_pricing import MEASURED_COPY_FRACTION, find_fp8_linears, find_fused_chains
+from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.parallel_config import ParallelConfig
 from mplan.planner.plan import Plan, PlanError
@@ -22,11 +22,12 @@ from mplan.planner.planning import capture_for_planning, plan
 from mplan.planner.search import Planner
 from mplan.planner.op_registry import replicated
 
-# what fuse_kernels fires on the same shallow (two-block) capture, GEMM groups and attention aside
-# (Llama's gate/up GEMM + packed SwiGLU is priced as the SwiGLU it contains: the same bytes)
+# what fuse_kernels fires on the same shallow (two-block) capture, the entries priced as their ATen
+# ops (GEMM groups, attention) aside: Llama's gate/up GEMM + packed SwiGLU is priced as its GEMM and
+# SwiGLU's bytes, the head + loss as its GEMM and cross-entropy's bytes
 FUSED = {
-    "tiny-gpt": {"layer_norm_residual": 4, "bias_gelu": 2, "cross_entropy": 1},
-    "tiny-llama": {"rms_norm": 1, "rms_norm_residual": 4, "rope": 4, "swiglu": 2, "cross_entropy": 1},
+    "tiny-gpt": {"layer_norm_residual": 4, "bias_gelu": 2, "linear_cross_entropy": 1},
+    "tiny-llama": {"rms_norm": 1, "rms_norm_residual": 4, "rope": 4, "linear_swiglu": 2, "linear_cross_entropy": 1},
 }
 
 
@@ -55,7 +56,7 @@ def test_an_anchor_pays_the_fused_kernel_and_the_rest_of_its_chain_nothing() -> 
     out = anchor.output
     rows, hidden = math.prod(out.shape[:-1]), out.shape[-1]
     forward = fused_op_bytes("rms_norm_residual", num_rows=rows, row_size=hidden, itemsize=2)
-    expected = fused.compute.memory_bound_time(forward / MEASURED_COPY_FRACTION["rms_norm_residual"][0])
+    expected = fused.compute.memory_bound_time(forward / entry("rms_norm_residual").pricing.copy_fraction[0])
     assert fused.op(anchor, replicate).forward_s == pytest.approx(expected)
     chain_nodes = [graph.node(name) for name, c in chains.items() if c.anchor == anchor.name]
     unfused = sum(plain.op(n, replicated(n)).forward_s for n in chain_nodes)

@@ -222,7 +222,8 @@ def test_inspect_shows_each_block_fully_fused_and_what_is_left_outside(tmp_path)
     own shape by transformers >= 5.24, transposed back and made contiguous, is the [b, s, h, d]
     memory the kernel wrote: no copy); what is left outside blocks (RoPE's tables) is listed with
     its bytes and why."""
-    from mplan.ir.summary import capture_spec, summarize
+    from mplan.planner.planning import capture_spec
+    from mplan.summary import summarize
 
     config_cls, _, _ = FAMILIES["llama"]
     config_cls(**SHAPE, dtype="bfloat16").save_pretrained(tmp_path)

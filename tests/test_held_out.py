@@ -27,7 +27,8 @@ from mplan.planner import evaluate
 from mplan.planner.evaluate import (GRAD_NORM_COPY_FRACTION, MPLAN_ADAMW_COPY_FRACTION, SPLIT_W_HOST_S,
                                     TORCH_ADAMW_COPY_FRACTION, adamw_time, fit_copy_fraction, fit_split_w_host_s,
                                     optimizer_time)
-from mplan.planner.fused_pricing import (FP8_CAST_COPY_FRACTION, MEASURED_COPY_FRACTION, fit_fp8_cast_fraction,
+from mplan.fusion import entry
+from mplan.planner.fused_pricing import (FP8_CAST_COPY_FRACTION, fit_fp8_cast_fraction,
                                          fit_kernel_copy_fraction)
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -192,7 +193,11 @@ def test_the_gemm_curve_refitted_on_16_gemms_predicts_the_17th(monkeypatch) -> N
 
 KERNELS = {"rms_norm_residual": "rmsnorm+residual", "layer_norm_residual": "layernorm+residual",
            "bias_gelu": "bias+gelu", "swiglu": "swiglu", "rope": "rope", "cross_entropy": "cross_entropy"}
-"""MEASURED_COPY_FRACTION's keys -> their kernels in benchmarks/kernels_h200.py's results."""
+"""Fusion entries measured -> their kernels in benchmarks/kernels_h200.py's results."""
+
+
+def _fraction(op: str) -> tuple[float, float]:
+    return entry(op).pricing.copy_fraction
 
 
 def _kernel_seconds(timing: dict) -> tuple[tuple[float, float], tuple[float, float]]:
@@ -205,12 +210,12 @@ def _kernel_seconds(timing: dict) -> tuple[tuple[float, float], tuple[float, flo
 
 def test_the_fused_kernels_fractions_are_their_rule_on_the_headline_shapes() -> None:
     """`fit_kernel_copy_fraction` on each kernel's headline shape (`timing`) of
-    kernels_h200-2026-11-29-session7.json gives MEASURED_COPY_FRACTION; RMSNorm alone takes RMSNorm
+    kernels_h200-2026-11-29-session7.json gives each entry's measured copy fraction; RMSNorm alone takes RMSNorm
     + residual's (the same kernel without the residual read)."""
     kernels = _load("kernels_h200-2026-11-29-session7.json")["kernels"]
     for op, name in KERNELS.items():
-        assert fit_kernel_copy_fraction(kernels[name]["timing"]) == MEASURED_COPY_FRACTION[op], op
-    assert MEASURED_COPY_FRACTION["rms_norm"] == MEASURED_COPY_FRACTION["rms_norm_residual"]
+        assert fit_kernel_copy_fraction(kernels[name]["timing"]) == _fraction(op), op
+    assert _fraction("rms_norm") == _fraction("rms_norm_residual")
 
 
 def test_the_fused_kernels_fractions_fitted_on_one_shape_price_the_others() -> None:
@@ -232,7 +237,7 @@ def test_the_fused_kernels_fractions_fitted_on_one_shape_price_the_others() -> N
     copy_Bps = run["copy_TBps"] * 1e12
     errors = []
     for op, name in KERNELS.items():
-        forward, backward = MEASURED_COPY_FRACTION[op]
+        forward, backward = _fraction(op)
         for timing in run["kernels"][name]["timing_more"]:
             for (nbytes, seconds), fraction in zip(_kernel_seconds(timing), (forward, backward)):
                 errors.append(nbytes / (copy_Bps * fraction) / seconds - 1)
@@ -256,7 +261,7 @@ def test_the_planners_price_of_memory_bound_kernels_runs_high_below_a_few_gigaby
     errors = []
     for op, name in KERNELS.items():
         for timing in [kernels[name]["timing"], *kernels[name]["timing_more"]]:
-            for (nbytes, seconds), fraction in zip(_kernel_seconds(timing), MEASURED_COPY_FRACTION[op]):
+            for (nbytes, seconds), fraction in zip(_kernel_seconds(timing), _fraction(op)):
                 errors.append(compute.memory_bound_time(nbytes / fraction) / seconds - 1)
     assert len(errors) == 30
     assert -0.005 < min(errors) and max(errors) < 0.26

@@ -26,12 +26,11 @@ import torch.nn.functional as F
 from distributed import rel_err, run_ranks
 from torch.nn.attention import SDPBackend
 
+from mplan.fusion import fused_op_bytes
 from mplan.kernels import (
-    FUSED_OP_TRAFFIC,
     VocabReductions,
     attention,
     cross_entropy,
-    fused_op_bytes,
     rms_norm_residual,
     rope,
     sdpa_autotune,
@@ -177,9 +176,10 @@ def test_fused_op_bytes_at_the_h200_reference_shapes() -> None:
         2 * 4 * 32 * 4096 * 128 * bf16 + 2 * 4096 * 128 * bf16)
     assert fused_op_bytes("cross_entropy", num_rows=4096, row_size=128256, itemsize=bf16) == (
         4096 * 128256 * bf16 + 5 * 4 * 4096)
-    assert set(FUSED_OP_TRAFFIC) >= {"rms_norm", "layer_norm_residual", "bias_gelu"}
-    with pytest.raises(KeyError, match="no traffic entry for fused op 'softmax'"):
+    with pytest.raises(KeyError, match="no fused kernel 'softmax'"):
         fused_op_bytes("softmax", num_rows=1, row_size=1, itemsize=2)
+    with pytest.raises(KeyError, match="priced as its ATen ops"):
+        fused_op_bytes("attention", num_rows=1, row_size=1, itemsize=2)
 
 
 def test_fp8_linear_refuses_the_cpu_naming_why() -> None:

@@ -28,20 +28,22 @@ ALLOWED: dict[str, set[str]] = {
     "data": {"json_fields", "progress"},  # text to token shards and packed batches: no layer imports it, it
     # imports none (the index is read field by field; `mplan data prepare` reports phases)
     "models": {"kernels", "json_fields"},  # the MoE family's experts are the `moe_experts` op; config.json
-    # `ir.summary` builds models from specs to capture them; capture turns experts modules into
-    # the `moe_experts` op of `mplan.kernels.moe`
-    "ir": {"models", "kernels"},
+    # capture turns experts modules into the `moe_experts` op of `mplan.kernels.moe`
+    "ir": {"kernels"},
+    # the fusion registry: each fused kernel's pattern (on the captured graph), what it keeps, its
+    # price and launches, and its emitter (which imports its kernel when it runs)
+    "fusion": {"ir", "kernels"},
     "collectives": {"ir"},
     "cost_models": {"ir", "json_fields"},
-    "planner": {"ir", "cost_models", "kernels", "json_fields", "progress", "models"},  # kernels: their byte counts
-    # price fused chains; models: what a model spec's config states refuses an impossible plan spec before capture
-    "passes": {"ir", "cost_models", "collectives", "kernels", "models"} | BRIDGE,
-    "runtime": {"ir", "cost_models", "collectives", "kernels", "models", "passes", "refusal", "json_fields",
+    "planner": {"ir", "fusion", "cost_models", "kernels", "json_fields", "progress", "models"},  # kernels: the
+    # head + loss's chunk sizes; models: capturing a model spec, and refusing an impossible plan spec before capture
+    "passes": {"ir", "fusion", "cost_models", "collectives", "kernels", "models"} | BRIDGE,
+    "runtime": {"ir", "fusion", "cost_models", "collectives", "kernels", "models", "passes", "refusal", "json_fields",
                 "progress"} | BRIDGE,
 }
-TOP_LEVEL = {"__init__", "__main__", "api", "cli", "bench", "measure", "verify", "train"}
-"""The application layer: the public API and the commands (`train`: the `mplan train` run), which
-may use every layer."""
+TOP_LEVEL = {"__init__", "__main__", "api", "cli", "bench", "measure", "verify", "train", "summary"}
+"""The application layer: the public API and the commands (`train`: the `mplan train` run;
+`summary`: the `mplan inspect` report), which may use every layer."""
 
 
 def _layer(module: str) -> str:

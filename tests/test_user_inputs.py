@@ -247,7 +247,7 @@ def test_a_config_captures_sdpa_whatever_transformers_defaults_to(tmp_path, monk
     must not change what mplan captures from a config."""
     from transformers import PreTrainedModel
 
-    from mplan.ir.summary import capture_spec
+    from mplan.planner.planning import capture_spec
 
     config = _hf_config(tmp_path / "qwen")
     chosen = PreTrainedModel.get_correct_attn_implementation

@@ -18,12 +18,12 @@ its `torch.autograd.Function`. Module names differ from the op names on purpose,
     fp8.py            fp8_linear through torch._scaled_mm (CUDA, capability >= 8.9 only)
     moe.py            moe_experts(x, index, gate, weights...): an MoE layer's routed experts as one op
     moe_grouped.py    moe_experts_grouped, grouped_expert_mlp: the same through torch._grouped_mm (GPU)
-    op_bytes.py       fused_op_bytes: the bytes each fused op moves, for the cost model
     dispatch.py       use_triton: Triton on CUDA (or CPU under TRITON_INTERPRET=1), else reference
     sigmoid.py        a shared device function (sigmoid and its complement, both accurate)
     partials.py       sum_partials: the fp32 gradient partials of the norm and bias+GELU backwards, summed
 
-The graph pass that swaps these into a captured model is mplan.passes.fuse_kernels.
+The graph pass that swaps these into a captured model is mplan.passes.fuse_kernels; each kernel's
+pattern, traffic, price and emitter are its entry in mplan.fusion.
 """
 from __future__ import annotations
 
@@ -53,20 +53,16 @@ from mplan.kernels.head_loss import (
     linear_cross_entropy_reference,
     vocab_parallel_linear_cross_entropy,
 )
-from mplan.kernels.op_bytes import FUSED_OP_TRAFFIC, FusedOpTraffic, fused_op_bytes
 from mplan.kernels.rmsnorm import rms_norm, rms_norm_reference, rms_norm_residual, rms_norm_residual_reference
 from mplan.kernels.rotary import rope, rope_qk, rope_qk_reference, rope_reference
 
 __all__ = [
-    "FUSED_OP_TRAFFIC",
-    "FusedOpTraffic",
     "VocabReductions",
     "attention",
     "bias_gelu",
     "bias_gelu_reference",
     "cross_entropy",
     "cross_entropy_reference",
-    "fused_op_bytes",
     "geglu",
     "geglu_packed",
     "geglu_packed_reference",

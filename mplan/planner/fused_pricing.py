@@ -4,8 +4,8 @@ Without kernels every memory-bound op is charged its own reads and writes (op_co
 them (`autoparallel(kernels=True)`, the default on CUDA) a whole chain (norm + residual add,
 bias + GELU, SwiGLU, RoPE, cross-entropy) runs as one kernel that moves `fused_op_bytes` at the
 fraction of copy bandwidth the H200 measured for it. `find_fused_chains` finds the chains with
-the patterns the pass fuses (mplan.ir.fusion_patterns, in the pass's order), matched on the
-captured program (nothing is rewritten); `OpCoster` then charges a chain's anchor the fused
+the fusion registry's entries (mplan.fusion, in the pass's order), matched on the captured
+program (nothing is rewritten); `OpCoster` then charges a chain's anchor the fused
 kernel and its other ops nothing. GEMMs and attention keep their prices (the grouped q/k/v
 GEMM is priced as its parts; bias+GELU's GEMM stays a GEMM), except under FP8
 (`find_fp8_linears`, `fp8_linear_time`): the block linears as FP8 GEMMs plus their casts.
@@ -22,13 +22,19 @@ a mask the pattern proved causal is priced causal. On the H200 (2026-12-02) HF L
 run predates `kernels.grouped_linear` (about 1.3 GiB less kept; not yet measured), so the memory
 comparison is to be redone.
 
-Measured: `MEASURED_COPY_FRACTION` is the share of the device-to-device copy bandwidth each
-kernel reached on the H200, forward and backward separately, by GPU kernel time at the kernel
-benchmark's main 16384-row training shapes (benchmarks/results/kernels_h200-2026-11-29-session7.json);
-above 1.0 (SwiGLU, the RoPE and cross-entropy forwards) is capped at 1.0. Elsewhere the same
+Measured: each memory-bound entry's `MeasuredPricing.copy_fraction` (mplan.fusion) is the share
+of the device-to-device copy bandwidth the kernel reached on the H200, forward and backward
+separately, by GPU kernel time at the kernel benchmark's main 16384-row training shapes
+(benchmarks/results/kernels_h200-2026-11-29-session7.json); above 1.0 (SwiGLU, the RoPE and
+cross-entropy forwards) is capped at 1.0 (`fit_kernel_copy_fraction`). Elsewhere the same
 fractions are assumed, which is a prediction (at hidden 2048 the norm backwards measured a little
 lower: 0.88 RMSNorm, 0.85 LayerNorm; bias+GELU's backward at 8192 features 0.91; RoPE's in
-Llama's transposed layout 0.93).
+Llama's transposed layout 0.93). Held out (tests/test_held_out.py): the same run's other training
+shapes (`timing_more`), at that run's copy rate within 7%. They are shares of the benchmark's copy
+rate (4.244 TB/s); the h200 profile's copy table they multiply runs slower below a few GB (4.0
+TB/s at 0.5 GB), so these kernels are priced up to 25% above their measured times (the same test
+file bounds it). Every entry says how it is priced; none is skipped: an entry priced as its ATen
+ops (`AtenPricing`: grouped GEMMs, attention) leaves its chain's ops their prices.
 """
 from __future__ import annotations
 
@@ -37,30 +43,12 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterator, Sequence
 
 from mplan.cost_models.compute_cost import ComputeCostModel
+from mplan.fusion.entry import INSIDE_A_KERNEL, MADE_IN_CHUNKS, FusedSave, MeasuredPricing
 from mplan.ir.graph import Graph, OpNode, dtype_bytes
 from mplan.ir.placement import Placement, local_shape
 
-MEASURED_COPY_FRACTION: dict[str, tuple[float, float]] = {
-    # fused op: (forward, backward) share of copy bandwidth, H200, 2026-11-29 (session 7's run)
-    "rms_norm_residual": (0.965, 0.943),
-    "rms_norm": (0.965, 0.943),  # the same kernel without the residual read
-    "layer_norm_residual": (0.971, 0.899),
-    "bias_gelu": (0.940, 0.944),
-    "swiglu": (1.0, 1.0),
-    "geglu": (1.0, 1.0),  # SwiGLU's kernels: 103% forward at 16384 x 14336 (H200, 2026-12-02, one ad hoc run)
-    "rope": (1.0, 0.987),
-    "cross_entropy": (1.0, 0.994),
-}
-"""Fitted by `fit_kernel_copy_fraction` on each kernel's headline shape in that file (RMSNorm's
-taken from RMSNorm + residual's; GeGLU's from an ad hoc run with no result file); held out
-(tests/test_held_out.py): the same run's other training shapes (`timing_more`), at that run's copy
-rate within 7%. They are shares of the benchmark's copy rate (4.244 TB/s); the h200 profile's copy
-table they multiply runs slower below a few GB (4.0 TB/s at 0.5 GB), so these kernels are priced
-up to 25% above their measured times (the same test file bounds it)."""
-
-
 def fit_kernel_copy_fraction(timing: dict[str, Any]) -> tuple[float, float]:
-    """The rule MEASURED_COPY_FRACTION was fitted by, on one kernel's timing of
+    """The rule the entries' measured copy fractions were fitted by, on one kernel's timing of
     benchmarks/kernels_h200.py (a `timing` or `timing_more` entry): the Triton kernel's forward and
     backward shares of copy bandwidth (fewest bytes over GPU kernel time at the run's copy rate),
     each capped at 1.0."""
@@ -71,137 +59,52 @@ def fit_kernel_copy_fraction(timing: dict[str, Any]) -> tuple[float, float]:
 @dataclass(frozen=True, slots=True)
 class FusedChain:
     op: str
-    """the fused op, a key of MEASURED_COPY_FRACTION and FUSED_OP_TRAFFIC"""
+    """the fused op (its entry's name)"""
     anchor: str
     """the node the kernel replaces last: it is charged the whole kernel"""
+    pricing: MeasuredPricing
+    """its entry's bytes and measured share of copy bandwidth"""
 
 
 def find_fused_chains(graph: Graph) -> dict[str, FusedChain]:
     """Node name -> the memory-bound fused chain it belongs to, for the IR nodes of `graph`
-    (needs the captured program; an empty map without one)."""
-    # imported here: the patterns need torch, which this module (and the IR graph) does not load
-    from mplan.ir.fusion_coverage import fused_chains
-    from mplan.ir.fusion_patterns import FUSION_PATTERNS
+    (needs the captured program; an empty map without one). Every entry's chain is found as the
+    pass finds it; those priced as their ATen ops (`AtenPricing`) keep their ops' prices, and a
+    chain's GEMMs keep theirs."""
+    # imported here: the patterns need torch.fx, which this module (and the IR graph) does not load
+    from mplan.fusion.coverage import fused_chains
+    from mplan.fusion.registry import entry
 
     if graph.program is None:
         return {}
     chains: dict[str, FusedChain] = {}
-    measured = [pattern for pattern in FUSION_PATTERNS if pattern.name in MEASURED_COPY_FRACTION]
-    for kernel, match in fused_chains(graph, measured):
-        chain = FusedChain(op=kernel, anchor=match.anchor.name)
+    for kernel, match in fused_chains(graph):
+        pricing = entry(kernel).pricing
+        if not isinstance(pricing, MeasuredPricing):
+            continue
+        chain = FusedChain(op=kernel, anchor=match.anchor.name, pricing=pricing)
         chains.update({n.name: chain for n in match.chain if n.name in graph and graph.node(n.name).kind != "matmul"})
     return chains
 
 
-@dataclass(frozen=True, slots=True)
-class FusedSave:
-    """What a fused kernel keeps for its backward, in place of what its chain's ATen ops keep."""
-
-    kept: tuple[str, ...] = ()
-    """IR values the kernel saves (activations; a parameter among them is no activation)"""
-    extra: tuple[tuple[str, str], ...] = ()
-    """its own side tensors, as (IR node, measure): "rows4" one fp32 per row of the node's
-    value (a norm's rstd, a loss's or attention's log-sum-exp), "rows8" two, "inputI" a tensor
-    the size and dtype of the node's I-th input (the fused head + loss's gradient buffers)"""
-    causal: bool = False
-    """attention that runs causally (`is_causal`, or a mask the pattern proved causal)"""
-    inside: bool = False
-    """a chain node other than its anchor: its value is never made (the kernel computes it in
-    registers or in chunks), and it keeps nothing"""
-    chunked: bool = False
-    """inside a kernel that makes this value one chunk of rows at a time (the fused head + loss's
-    logits): that chunk is the kernel's working memory (`HeadChunking`)"""
-    kernel: str = ""
-    """on a chain's anchor: the fused op it runs (a key of FUSED_LAUNCHES), for its host time"""
-
-
-NOTHING_KEPT = FusedSave()
-"""A fused op that keeps nothing (RoPE: its tables are buffers)."""
-INSIDE_A_KERNEL = FusedSave(inside=True)
-"""A chain node other than its anchor: the fused kernel took over its value and what it kept."""
-MADE_IN_CHUNKS = FusedSave(inside=True, chunked=True)
-"""The fused head + loss's logits: never whole, one chunk of rows at a time."""
-
-
-def _keeps(kernel: str, match: Any) -> FusedSave:
-    """What `mplan.kernels` keeps for each fused op (their autograd Functions' saved tensors)."""
-    p, name = match.params, (lambda node: node.name)
-    anchor = match.anchor.name
-    if kernel in ("rms_norm_residual", "layer_norm_residual"):  # the sum, rstd (LayerNorm: and mean)
-        return FusedSave((name(match.outputs[1]),), ((anchor, "rows4" if kernel == "rms_norm_residual" else "rows8"),))
-    if kernel == "rms_norm":
-        return FusedSave((name(p["x"]),), ((anchor, "rows4"),))
-    if kernel == "linear_group":  # the input; the weights are parameters, their concatenation not kept
-        return FusedSave((name(p["x"]),))
-    if kernel == "bias_gelu":  # the GEMM's input and its unbiased output
-        return FusedSave((name(p["x"]), name(p["linear"])))
-    if kernel in ("linear_swiglu", "linear_geglu"):  # the GEMM's input, the packed [gate | up] product
-        return FusedSave((name(p["x"]), name(p["gate"]), name(match.chain[1])))
-    if kernel in ("swiglu", "geglu"):
-        return FusedSave((name(p["gate"]), name(p["up"])))
-    if kernel == "cross_entropy":  # the logits in their own dtype (never an fp32 copy), lse
-        return FusedSave((name(p["logits"]),), ((name(p["logits"]), "rows4"),))
-    if kernel == "linear_cross_entropy":  # d_x, d_W (d_b): the head's inputs' sizes; no logits at all
-        head = name(match.chain[0])
-        return FusedSave((), tuple((head, f"input{i}") for i in range(3 if p["bias"] is not None else 2)))
-    if kernel == "attention":  # q, k, v (unrepeated under GQA), the output, lse
-        return FusedSave((*(name(n) for n in match.inputs), anchor), ((name(match.inputs[0]), "rows4"),),
-                         causal=bool(p["options"]["is_causal"]))
-    return NOTHING_KEPT  # rope: its tables are buffers
-
-
 def find_fused_saves(graph: Graph) -> dict[str, FusedSave]:
-    """Node name -> what the fused kernel its chain becomes keeps (on the anchor; INSIDE_A_KERNEL
-    on the chain's other nodes), for every chain `fuse_kernels` fuses (mplan.ir.fusion_coverage).
-    The memory model counts these instead of the ATen ops' saves: Hugging Face's fp32 copies
-    inside norms and loss, the causal mask, repeated keys and values, whole logits."""
-    from mplan.ir.fusion_coverage import fused_chains
+    """Node name -> what the fused kernel its chain becomes keeps (on the anchor, its entry's
+    `keeps`; INSIDE_A_KERNEL on the chain's other nodes, MADE_IN_CHUNKS on what the kernel makes
+    a chunk at a time), for every chain `fuse_kernels` fuses (mplan.fusion.coverage). The memory
+    model counts these instead of the ATen ops' saves: Hugging Face's fp32 copies inside norms
+    and loss, the causal mask, repeated keys and values, whole logits."""
+    from mplan.fusion.coverage import fused_chains
+    from mplan.fusion.registry import entry
 
     if graph.program is None:
         return {}
     saves: dict[str, FusedSave] = {}
     for kernel, match in fused_chains(graph):
         saves.update({node.name: INSIDE_A_KERNEL for node in match.chain if node.name in graph})
-        if kernel == "linear_cross_entropy" and match.chain[0].name in graph:  # the head GEMM's logits
-            saves[match.chain[0].name] = MADE_IN_CHUNKS
-        saves[match.anchor.name] = replace(_keeps(kernel, match), kernel=kernel)
+        kept = entry(kernel).keeps(match)
+        saves.update({name: MADE_IN_CHUNKS for name in kept.made_in_chunks if name in graph})
+        saves[match.anchor.name] = replace(kept, kernel=kernel)
     return saves
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Launches:
-    """Kernels one call of a fused op launches, by who launches them: Triton kernels from the
-    op's Python, ATen ops it calls (GEMMs, the sum of a norm's weight-gradient partials)."""
-
-    forward_triton: int
-    forward_aten: int
-    backward_triton: int
-    backward_aten: int
-
-
-FUSED_LAUNCHES: dict[str, Launches] = {
-    # counted in mplan/kernels (2026-12-05); allocations (torch.empty) and views launch nothing
-    "rms_norm_residual": Launches(forward_triton=1, forward_aten=0, backward_triton=1, backward_aten=1),  # + sum_partials
-    "rms_norm": Launches(forward_triton=1, forward_aten=0, backward_triton=1, backward_aten=1),
-    "layer_norm_residual": Launches(forward_triton=1, forward_aten=0, backward_triton=1, backward_aten=1),
-    "bias_gelu": Launches(forward_triton=1, forward_aten=0, backward_triton=1, backward_aten=1),  # + db's sum
-    "swiglu": Launches(forward_triton=1, forward_aten=0, backward_triton=1, backward_aten=0),
-    "geglu": Launches(forward_triton=1, forward_aten=0, backward_triton=1, backward_aten=0),
-    # the packed [gate | up] GEMM, then the packed kernel; backward: the packed kernel, dX and dW GEMMs
-    "linear_swiglu": Launches(forward_triton=1, forward_aten=1, backward_triton=1, backward_aten=2),
-    "linear_geglu": Launches(forward_triton=1, forward_aten=1, backward_triton=1, backward_aten=2),
-    "rope": Launches(forward_triton=1, forward_aten=0, backward_triton=1, backward_aten=0),
-    # block statistics, combine, mean; backward: the gradient kernel
-    "cross_entropy": Launches(forward_triton=3, forward_aten=0, backward_triton=1, backward_aten=0),
-    # PER CHUNK of rows (`HeadChunking`): statistics, combine, gradient in place; the logits, d_x and
-    # d_W GEMMs. Backward: d_x and d_W scaled by the loss's gradient
-    "linear_cross_entropy": Launches(forward_triton=3, forward_aten=3, backward_triton=2, backward_aten=0),
-    # the weights' concatenation and one GEMM; backward: dX and dW GEMMs
-    "linear_group": Launches(forward_triton=0, forward_aten=2, backward_triton=0, backward_aten=2),
-    "attention": Launches(forward_triton=0, forward_aten=1, backward_triton=0, backward_aten=1),  # SDPA
-}
-"""Kernels per call of each fused op (`fuse_kernels`' kernels), what `host_cost` charges a fused
-chain's anchor in host time; RoPE on q and k paired into one launch is counted as two."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,7 +184,7 @@ def find_fp8_linears(graph: Graph) -> frozenset[str]:
     """The linears `fuse_kernels(fp8=True)` runs in FP8: every `aten.linear` but the output head
     (whose value reaches the loss). Their GEMM dimensions are checked where they are priced, on
     local shapes (`fp8_linear_time`)."""
-    from mplan.ir.fusion_patterns import feeds_the_loss
+    from mplan.fusion.graph_match import feeds_the_loss
 
     if graph.program is None:
         return frozenset()
@@ -319,14 +222,9 @@ def fp8_linear_time(compute: ComputeCostModel, m: int, n: int, k: int) -> tuple[
 
 def fused_bytes(chain: FusedChain, anchor: OpNode, backward: bool) -> int:
     """Bytes the fused kernel moves, from the anchor's (full, unsharded) shapes."""
-    from mplan.kernels.op_bytes import fused_op_bytes
-
-    if chain.op == "cross_entropy":
-        logits = anchor.input_metas[0]
-        rows, row_size, itemsize = math.prod(logits.shape[:-1]), logits.shape[-1], dtype_bytes(logits.dtype)
-        return fused_op_bytes(chain.op, num_rows=rows, row_size=row_size, itemsize=itemsize, backward=backward)
-    out = anchor.output
-    rows, row_size = math.prod(out.shape[:-1]), out.shape[-1]
-    table_rows = out.shape[-2] if chain.op == "rope" else 1
-    return fused_op_bytes(chain.op, num_rows=rows, row_size=row_size, itemsize=dtype_bytes(out.dtype),
-                          backward=backward, table_rows=table_rows)
+    traffic = chain.pricing.traffic
+    value = anchor.input_metas[0] if traffic.rows_of == "input0" else anchor.output
+    rows, row_size = math.prod(value.shape[:-1]), value.shape[-1]
+    table_rows = value.shape[-2] if traffic.table_rows_of == "seq" else 1
+    return traffic.bytes(num_rows=rows, row_size=row_size, itemsize=dtype_bytes(value.dtype), backward=backward,
+                         table_rows=table_rows)

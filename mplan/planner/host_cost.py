@@ -14,7 +14,7 @@ Counting, not guessing: an op's host time is its kinds of launch times their cou
   dX, dW and db); a view's node launches nothing (``backward_node_s - launch_s``); an op no
   gradient flows through (masks, position ids, RoPE's tables) has no node.
 - A fused chain (``fuse_kernels``): nothing on its inner ops, and on its anchor the kernels
-  ``fused_pricing.FUSED_LAUNCHES`` counts: the autograd Function's bookkeeping (a view's host
+  ``FusionEntry.launches`` (mplan.fusion) counts: the autograd Function's bookkeeping (a view's host
   time forward, a kernel-less node backward) plus ``triton_launch_s`` per Triton kernel and
   ``aten_op_s`` per ATen op it calls; the fused head + loss's forward per chunk of rows.
 Left out: the host time of collectives (TP reshards, the vocabulary-parallel loss's), of the
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.profile import HostTiming, nominal_host
 from mplan.ir.graph import Graph, OpNode
-from mplan.planner.fused_pricing import FUSED_LAUNCHES, FusedSave
+from mplan.fusion.entry import FusedSave
+from mplan.fusion.registry import entry
 
 _FLOATING = frozenset({"float16", "bfloat16", "float32", "float64", "complex64", "complex128",
                        "float8_e4m3fn", "float8_e5m2"})
@@ -89,8 +90,8 @@ def op_host(node: OpNode, host: HostTiming, *, fused: FusedSave | None, needs_gr
     if fused is not None and fused.inside:
         return OpHost(forward_s=0.0, backward_s=0.0)  # the anchor launches the chain's kernels
     if fused is not None and fused.kernel:
-        n = FUSED_LAUNCHES[fused.kernel]
-        chunks = head_chunks if fused.kernel == "linear_cross_entropy" else 1
+        n = entry(fused.kernel).launches
+        chunks = head_chunks if n.forward_per_chunk else 1
         forward = host.view_op_s + chunks * (n.forward_triton * host.triton_launch_s + n.forward_aten * host.aten_op_s)
         backward = (max(0.0, host.backward_node_s - host.launch_s) + n.backward_triton * host.triton_launch_s
                     + n.backward_aten * host.aten_op_s)

@@ -28,13 +28,8 @@ from mplan.ir.op_table import op_packet
 from mplan.ir.placement import Partial, Placement, R, can_transition, local_shape, transition
 from mplan.ir.strategy import Strategy
 from mplan.planner.host_cost import host_timing
-from mplan.planner.fused_pricing import (
-    MEASURED_COPY_FRACTION,
-    FusedChain,
-    FusedSave,
-    fp8_linear_time,
-    fused_bytes,
-)
+from mplan.fusion.entry import FusedSave
+from mplan.planner.fused_pricing import FusedChain, fp8_linear_time, fused_bytes
 
 MEMORY_BOUND_BACKWARD_FACTOR = 2.0  # backward bytes / forward bytes of elementwise and norm ops
 IMPOSSIBLE_S = 1.0e3  # price of a transition no pass can emit; far above any real block time
@@ -135,7 +130,7 @@ class OpCoster:
         if chain is not None:
             if chain.anchor != node.name:
                 return 0.0, 0.0  # the anchor is charged the whole kernel
-            forward_share, backward_share = MEASURED_COPY_FRACTION[chain.op]
+            forward_share, backward_share = chain.pricing.copy_fraction
             return (self.compute.memory_bound_time(fused_bytes(chain, node, backward=False) / n / forward_share),
                     self.compute.memory_bound_time(fused_bytes(chain, node, backward=True) / n / backward_share))
         moved = (node.bytes_read + node.bytes_written) / n

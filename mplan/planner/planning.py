@@ -5,6 +5,8 @@ dtype) with a symbolic batch and two instances per repeated block (shallow): cos
 so the full depth is never traced. A user's `nn.Module` is captured as `autoparallel` captures it
 (`ir.trace.capture_for_training`: the module as built, its dtype, its tied weights, a symbolic
 batch), shallow too, so a Plan made here binds to the very graph `autoparallel` runs, op for op.
+`capture_spec` captures a model named by a spec string (preset, family with numbers, Hugging
+Face config.json, or package.module:factory) on the meta device (also what `mplan inspect` reads).
 """
 from __future__ import annotations
 
@@ -18,8 +20,7 @@ import torch.nn as nn
 
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.ir.graph import Graph
-from mplan.ir.summary import capture_spec
-from mplan.ir.trace import capture_for_training
+from mplan.ir.trace import capture, capture_for_training
 from mplan.planner.parallel_config import DEFAULT_RUNTIME, PlanSpec, parse_plan_spec
 from mplan.planner.plan import Plan, PlanError
 from mplan.planner.plan_builder import build_plan
@@ -27,6 +28,28 @@ from mplan.planner.search import Planner, SearchResult
 from mplan.planner.sharding_ilp import StrategyFilter
 from mplan.planner.spec_check import check_before_capture
 from mplan.progress import Progress
+
+
+def capture_spec(spec: str, *, batch: int = 1, seq_len: int | None = None, shallow: bool = False,
+                 dtype: torch.dtype | None = None, dynamic_batch: bool = False) -> Graph:
+    """Build the model named by `spec` on the meta device and capture forward + loss."""
+    from mplan.models import build_model, example_inputs, resolve_model
+
+    source = resolve_model(spec)
+    dtype = dtype or _config_dtype(source.config)  # read first: building sets the config's dtype
+    model = build_model(source, device="meta")
+    ids, labels = example_inputs(model, batch, seq_len or source.seq_len, device="meta")
+    return capture(model, (ids,), labels=labels, dtype=dtype, shallow=shallow,
+                   dynamic_batch=dynamic_batch, name=source.name)
+
+
+def _config_dtype(config: Any) -> torch.dtype | None:
+    """The dtype a Hugging Face config says its weights are in (`dtype`, formerly `torch_dtype`),
+    which decides the casts its norms and loss make; None for anything else."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def capture_for_planning(model: nn.Module | str, example_inputs: Sequence[Any] | None = None, *,
@@ -110,7 +133,7 @@ FUSED_PREFIX = "fused."
 def fused_kernel_counts(graph: Graph) -> dict[str, float]:
     """`fused.<kernel>` -> chains over the whole model: those of every captured node, and for the
     instances a shallow capture did not trace, those of the last instance traced of their block."""
-    from mplan.ir.fusion_coverage import fused_calls
+    from mplan.fusion.coverage import fused_calls
 
     per_instance: dict[str | None, Counter[str]] = {}
     for kernel, match in fused_calls(graph):

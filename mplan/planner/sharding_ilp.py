@@ -72,7 +72,8 @@ from mplan.ir.graph import BlockType, Graph, OpNode, TensorMeta
 from mplan.ir.op_table import persistent_inputs, rule_for
 from mplan.ir.placement import Placement, R, can_transition, grad_placement
 from mplan.ir.strategy import Strategy
-from mplan.planner.fused_pricing import FusedSave, extra_saved_bytes
+from mplan.fusion.entry import FusedSave
+from mplan.planner.fused_pricing import extra_saved_bytes
 from mplan.planner.ilp_followers import Follower, Layout, find_followers
 from mplan.planner.op_cost import OpCoster, partial_param_grad_bytes
 from mplan.planner.op_registry import shard_bytes, strategies_for

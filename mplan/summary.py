@@ -2,41 +2,17 @@
 
 `summarize(graph)` gives the JSON document of docs/contract.md (`num_parameters`, `num_layers`,
 `flops_per_token` {forward, training}, `block_types`, `capture_seconds`) plus the fusion
-coverage of each block type (`ir.fusion_coverage`) and a per-op table of one block instance; `capture_spec` captures a model named by a spec string (preset, family
-with numbers, Hugging Face config.json, or package.module:factory) on the meta device.
+coverage of each block type (`mplan.fusion.coverage`: what fused, which entries came close and
+why they missed, what memory-bound work is left) and a per-op table of one block instance. The
+graph comes from `mplan.planner.planning.capture_spec` (a model spec) or any capture.
 """
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from mplan.ir.fusion_coverage import fusion_coverage
+from mplan.fusion.coverage import fusion_coverage
 from mplan.ir.graph import Graph
 from mplan.ir.moe import moe_layers
-from mplan.ir.trace import capture
-
-
-def capture_spec(spec: str, *, batch: int = 1, seq_len: int | None = None, shallow: bool = False,
-                 dtype: torch.dtype | None = None, dynamic_batch: bool = False) -> Graph:
-    """Build the model named by `spec` on the meta device and capture forward + loss."""
-    from mplan.models import build_model, example_inputs, resolve_model
-
-    source = resolve_model(spec)
-    dtype = dtype or _config_dtype(source.config)  # read first: building sets the config's dtype
-    model = build_model(source, device="meta")
-    ids, labels = example_inputs(model, batch, seq_len or source.seq_len, device="meta")
-    return capture(model, (ids,), labels=labels, dtype=dtype, shallow=shallow,
-                   dynamic_batch=dynamic_batch, name=source.name)
-
-
-def _config_dtype(config: Any) -> torch.dtype | None:
-    """The dtype a Hugging Face config says its weights are in (`dtype`, formerly `torch_dtype`),
-    which decides the casts its norms and loss make; None for anything else."""
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def op_rows(graph: Graph, node_names: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -100,6 +76,7 @@ def summarize(graph: Graph, *, per_op: bool = True) -> dict[str, Any]:
     doc["fusion"] = [{
         "block_type": c.block_type, "instances": c.instances,
         "fused": [{"kernel": f.kernel, "count": f.count, "ops": list(f.ops)} for f in c.fused],
+        "skipped": [{"kernel": s.kernel, "count": s.count, "why": s.why} for s in c.skipped],
         "left": [{"op": op.op, "count": op.count, "bytes": op.bytes, "why": op.why} for op in c.left],
         "left_bytes": c.left_bytes,
     } for c in fusion_coverage(graph)]

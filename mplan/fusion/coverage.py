@@ -1,17 +1,19 @@
-"""Fusion coverage: which chains of a captured model become which fused kernel, and what
-memory-bound work is left, per block type (what `mplan inspect` shows).
+"""Fusion coverage: which chains of a captured model become which fused kernel, which patterns
+came close and why they missed, and what memory-bound work is left, per block type (what
+`mplan inspect` shows).
 
 Input: a captured `Graph` with its program. Output: one `Coverage` per block type (its first
 instance stands for every one) and one for the code outside blocks (embedding, final norm,
-head, loss): each fused kernel with how often it fires and the ATen ops it replaces, then each
-memory-bound op left (elementwise, norm, reduction, loss and data movement: an op that reads
-and writes memory with little arithmetic) with how often it occurs, the bytes it moves and why
-no rule took it.
+head, loss): each fused kernel with how often it fires and the ATen ops it replaces, each near
+miss (`Miss`) with its reason, then each memory-bound op left (elementwise, norm, reduction, loss
+and data movement: an op that reads and writes memory with little arithmetic) with how often it
+occurs, the bytes it moves and why no entry took it.
 
-The chains are the ones `fuse_kernels` fuses: `FUSION_PATTERNS` in the pass's order, then
-`ATTENTION_PATTERN`, each node claimed by the first chain that takes it, matched on the
-captured program without rewriting it. (The pass rewrites as it goes, so a chain that only
-exists after an earlier rewrite would be missed here; none of the rules depends on another.)
+The chains are the ones `fuse_kernels` fuses: the registry's entries in its order, each node
+claimed by the first chain that takes it, matched on the captured program without rewriting it.
+(The pass rewrites as it goes, so a chain that only exists after an earlier rewrite would be
+missed here; none of the entries depends on another.) A miss is reported where nothing took the
+anchor, or where the entry's `lesser` took it (the head + loss missed, the loss fused alone).
 """
 from __future__ import annotations
 
@@ -21,11 +23,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.fx import Node
 
-from mplan.ir.fusion_patterns import ATTENTION_PATTERN, FUSION_PATTERNS, FusionPattern, PatternMatch, is_call
+from mplan.fusion.entry import FusionEntry, Miss, PatternMatch
+from mplan.fusion.graph_match import is_call
+from mplan.fusion.registry import MATCHED, entry
+from mplan.fusion.rope import pair_rope_matches
 from mplan.ir.graph import Graph, OpNode
 
-__all__ = ["Coverage", "FusedKernel", "LeftOp", "OUTSIDE_BLOCKS", "fused_calls", "fused_chains", "fusion_coverage"]
+__all__ = ["Coverage", "FusedKernel", "LeftOp", "OUTSIDE_BLOCKS", "SkippedPattern", "fused_calls", "fused_chains",
+           "fusion_coverage", "missed_chains"]
 
 OUTSIDE_BLOCKS = "(outside blocks)"
 """The `Coverage.block_type` of the embedding, final norm, output head and loss."""
@@ -55,6 +62,15 @@ class FusedKernel:
 
 
 @dataclass(frozen=True, slots=True)
+class SkippedPattern:
+    kernel: str
+    """the entry that came close"""
+    count: int
+    """anchors in one instance where it missed"""
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
 class LeftOp:
     op: str
     """the ATen overload left as it is"""
@@ -70,8 +86,9 @@ class Coverage:
     """a BlockType's name, or OUTSIDE_BLOCKS"""
     instances: int
     fused: tuple[FusedKernel, ...]
+    skipped: tuple[SkippedPattern, ...]
     left: tuple[LeftOp, ...]
-    """memory-bound ops no rule takes, the most bytes first"""
+    """memory-bound ops no entry takes, the most bytes first"""
 
     @property
     def left_bytes(self) -> int:
@@ -82,58 +99,40 @@ def fusion_coverage(graph: Graph) -> list[Coverage]:
     """One Coverage per block type, then one for the code outside blocks; empty without a program."""
     if graph.program is None:
         return []
-    matches = fused_calls(graph)
+    with _training_outputs(graph):
+        found, misses = _chains(graph, MATCHED)
+        matches, paired_misses = pair_rope_matches(found)
+    misses = misses + [("rope_qk", node, miss) for node, miss in paired_misses]
     claimed = _erased_with(graph, {n.name for _, match in matches for n in match.chain},
                            {n.name for _, match in matches for n in match.inputs})
     coverages = []
     for block in graph.block_types:
         names = set(block.template)
-        coverages.append(_coverage(block.name, block.num_instances, graph, names, matches, claimed))
+        coverages.append(_coverage(block.name, block.num_instances, graph, names, matches, misses, claimed))
     outside = {node.name for node in graph.nodes if node.block is None}
-    coverages.append(_coverage(OUTSIDE_BLOCKS, 1, graph, outside, matches, claimed))
+    coverages.append(_coverage(OUTSIDE_BLOCKS, 1, graph, outside, matches, misses, claimed))
     return coverages
 
 
-def fused_chains(graph: Graph, patterns: Sequence[FusionPattern] | None = None) -> list[tuple[str, PatternMatch]]:
+def fused_chains(graph: Graph, entries: Sequence[FusionEntry] | None = None) -> list[tuple[str, PatternMatch]]:
     """(kernel, match) for every chain the pass would fuse in `graph`'s training program, first
-    pattern winning, no node in two chains (also what the planner prices: its memory model with
-    every pattern, its kernel times with those of measured kernels). `patterns`: the pass's own
-    (FUSION_PATTERNS, then ATTENTION_PATTERN) by default, in their order."""
+    entry winning, no node in two chains (also what the planner prices and its memory model
+    counts). `entries`: the registry's matched ones (MATCHED) by default, in their order."""
     with _training_outputs(graph):
-        return _chains(graph, (*FUSION_PATTERNS, ATTENTION_PATTERN) if patterns is None else tuple(patterns))
+        return _chains(graph, MATCHED if entries is None else tuple(entries))[0]
+
+
+def missed_chains(graph: Graph) -> list[tuple[str, Node, Miss]]:
+    """(kernel, anchor, miss) for every near miss the module docstring reports."""
+    with _training_outputs(graph):
+        found, misses = _chains(graph, MATCHED)
+        return misses + [("rope_qk", node, miss) for node, miss in pair_rope_matches(found)[1]]
 
 
 def fused_calls(graph: Graph) -> list[tuple[str, PatternMatch]]:
     """(kernel, match) for every fused call the pass leaves in `graph`'s training program: the
     chains of `fused_chains`, RoPE's on q and k paired into one `rope_qk`."""
-    return _paired_ropes(fused_chains(graph))
-
-
-def _paired_ropes(matches: list[tuple[str, PatternMatch]]) -> list[tuple[str, PatternMatch]]:
-    """The chains as the pass leaves them: two RoPE chains that feed one attention call as its q
-    and k, with the same tables, run as one `rope_qk` launch (`fuse_kernels._pair_ropes`)."""
-    ropes = {match.anchor.name: match for kernel, match in matches if kernel == "rope"}
-    paired: dict[str, PatternMatch] = {}
-    for kernel, match in matches:
-        if kernel != "attention":
-            continue
-        q, k = (ropes.get(getattr(x, "name", "")) for x in match.params["qkv"][:2])
-        if q is None or k is None or q is k or len(q.anchor.users) != 1 or len(k.anchor.users) != 1 or \
-                (q.params["cos"], q.params["sin"]) != (k.params["cos"], k.params["sin"]):
-            continue
-        both = PatternMatch(anchor=q.anchor, chain=(*q.chain, *k.chain), outputs=(q.anchor, k.anchor),
-                            inputs=(q.params["x"], k.params["x"], q.params["cos"], q.params["sin"]),
-                            params={"q": q.params["x"], "k": k.params["x"], "cos": q.params["cos"],
-                                    "sin": q.params["sin"]})
-        paired[q.anchor.name], paired[k.anchor.name] = both, both
-    out: list[tuple[str, PatternMatch]] = []
-    for kernel, match in matches:
-        pair = paired.get(match.anchor.name) if kernel == "rope" else None
-        if pair is None:
-            out.append((kernel, match))
-        elif pair.anchor is match.anchor:
-            out.append(("rope_qk", pair))
-    return out
+    return pair_rope_matches(fused_chains(graph))[0]
 
 
 @contextlib.contextmanager
@@ -153,22 +152,30 @@ def _training_outputs(graph: Graph) -> Iterator[None]:
         output.args = returned
 
 
-def _chains(graph: Graph, patterns: tuple[FusionPattern, ...]) -> list[tuple[str, PatternMatch]]:
+def _chains(graph: Graph, entries: tuple[FusionEntry, ...]) -> tuple[list[tuple[str, PatternMatch]],
+                                                                    list[tuple[str, Node, Miss]]]:
     taken: set[str] = set()
     found: list[tuple[str, PatternMatch]] = []
+    tried: list[tuple[str, Node, Miss]] = []
     for node in graph.program.graph.nodes:
         if node.op != "call_function" or node.name in taken:
             continue
-        for pattern in patterns:
-            if node.target not in pattern.anchors:
+        for candidate in entries:
+            if node.target not in candidate.pattern.anchors:
                 continue
-            match = pattern.match(node)
+            match = candidate.pattern.match(node)
+            if isinstance(match, Miss):
+                tried.append((candidate.name, node, match))
+                continue
             names = {n.name for n in match.chain} if match is not None else set()
             if names and not names & taken:
                 taken |= names
-                found.append((pattern.name, match))
+                found.append((candidate.name, match))
                 break
-    return found
+    by_anchor = {n.name: kernel for kernel, match in found for n in match.chain}
+    misses = [(kernel, node, miss) for kernel, node, miss in tried
+              if by_anchor.get(node.name) in (None, entry(kernel).lesser)]
+    return found, misses
 
 
 def _erased_with(graph: Graph, chains: set[str], read: set[str]) -> set[str]:
@@ -185,12 +192,15 @@ def _erased_with(graph: Graph, chains: set[str], read: set[str]) -> set[str]:
 
 
 def _coverage(block_type: str, instances: int, graph: Graph, names: set[str],
-              matches: list[tuple[str, PatternMatch]], claimed: set[str]) -> Coverage:
+              matches: list[tuple[str, PatternMatch]], misses: list[tuple[str, Node, Miss]],
+              claimed: set[str]) -> Coverage:
     kernels: Counter[tuple[str, tuple[str, ...]]] = Counter()
     for kernel, match in matches:
         if match.anchor.name in names:
             kernels[(kernel, tuple(_short(str(n.target)) for n in match.chain))] += 1
     fused = tuple(FusedKernel(kernel, count, ops) for (kernel, ops), count in kernels.items())
+    skipped_count = Counter((kernel, miss.why) for kernel, node, miss in misses if node.name in names)
+    skipped = tuple(SkippedPattern(kernel, count, why) for (kernel, why), count in skipped_count.items())
     left_count: Counter[str] = Counter()
     left_bytes: Counter[str] = Counter()
     for node in graph.nodes_of(sorted(names)):
@@ -200,7 +210,7 @@ def _coverage(block_type: str, instances: int, graph: Graph, names: set[str],
         left_bytes[node.op] += node.bytes_read + node.bytes_written
     left = tuple(sorted((LeftOp(op, left_count[op], left_bytes[op], _why(op)) for op in left_count),
                         key=lambda op: (-op.bytes, op.op)))
-    return Coverage(block_type=block_type, instances=instances, fused=fused, left=left)
+    return Coverage(block_type=block_type, instances=instances, fused=fused, skipped=skipped, left=left)
 
 
 def _memory_bound(node: OpNode) -> bool:
@@ -215,4 +225,4 @@ def _short(target: str) -> str:
 
 
 def _why(op: str) -> str:
-    return _WHY.get(_short(op), "no fusion rule matches it here")
+    return _WHY.get(_short(op), "no fusion entry matches it here")

@@ -1,0 +1,229 @@
+"""Fused rotary embeddings: RoPE on one tensor, and on q and k in one launch.
+
+Entries: ROPE (mplan.kernels.rope) matches x * cos + rotate_half(x) * sin; ROPE_QK
+(mplan.kernels.rope_qk) is two RoPE chains with the same tables that feed one attention call as
+its q and k, each used only there: the pass pairs them once every chain is fused
+(`pair_fused_ropes`), and the planner's and `mplan inspect`'s dry runs pair the matches alike
+(`pair_rope_matches`). Phi-3 writes RoPE on `x[..., :rotary_dim]` and concatenates the rest
+(`x[..., rotary_dim:]`) back; at a full rotary_dim that rest is empty, and the chain takes the
+slice, the empty rest and the concatenation too. A real rest (a partial rotary_dim: GPT-NeoX,
+Phi, StableLM) leaves the rotation of the slice fused alone, and the pair is reported as missed.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.fx import Graph, Node
+
+from mplan.fusion.entry import (FusedOpTraffic, FusedSave, FusionEntry, FusionPattern, Launches, MeasuredPricing,
+                                Miss, PairedPattern, PatternMatch, call)
+from mplan.fusion.graph_match import full_slice, is_call, is_last_dim, other, tensor_value, used_only_by
+
+__all__ = ["ROPE", "ROPE_QK", "pair_fused_ropes", "pair_rope_matches"]
+
+aten = torch.ops.aten
+
+
+def _match_rope(anchor: Node) -> PatternMatch | None:
+    """params: x, cos, sin."""
+    if len(anchor.args) != 2 or anchor.kwargs:
+        return None
+    for plain, rotated in (anchor.args, anchor.args[::-1]):
+        if not (is_call(plain, aten.mul.Tensor) and is_call(rotated, aten.mul.Tensor)):
+            continue
+        if not (used_only_by(plain, anchor) and used_only_by(rotated, anchor)):
+            continue
+        for cat, sin in (rotated.args, rotated.args[::-1]):
+            found = _rotate_half_input(cat, rotated)
+            if found is None:
+                continue
+            x, chain = found
+            if x not in plain.args or not isinstance(sin, Node):
+                continue
+            cos = other(plain.args, x)
+            if not isinstance(cos, Node) or x in (cos, sin):
+                continue
+            core = (*chain, rotated, plain, anchor)
+            whole = _with_empty_rest(x, anchor, core)
+            if whole is not None:
+                source, extra, output = whole
+                return PatternMatch(anchor=anchor, chain=(*extra[:1], *core, *extra[1:]), outputs=(output,),
+                                    inputs=(source, cos, sin), params={"x": source, "cos": cos, "sin": sin})
+            return PatternMatch(anchor=anchor, chain=core, outputs=(anchor,),
+                                inputs=(x, cos, sin), params={"x": x, "cos": cos, "sin": sin})
+    return None
+
+
+def _with_empty_rest(x: Node, anchor: Node, core: tuple[Node, ...]) -> tuple[Node, tuple[Node, ...], Node] | None:
+    """(source, [x, rest, cat], cat) when x is all of `source` (an alias or a full slice of it) and
+    the anchor's only use is cat([anchor, rest], -1) with rest an empty slice of `source` past
+    its end: Phi-3's RoPE at a full rotary_dim, which is RoPE on `source`."""
+    users = [u for u in anchor.users if not is_call(u, aten._assert_tensor_metadata.default)]
+    if len(users) != 1 or not is_call(users[0], aten.cat.default):
+        return None
+    cat = users[0]
+    parts, dim = cat.args[0], cat.args[1] if len(cat.args) > 1 else 0
+    if len(parts) != 2 or parts[0] is not anchor or not is_last_dim(dim, anchor):
+        return None
+    rest = parts[1]
+    if not (is_call(x, aten.alias.default) or is_call(x, aten.slice.Tensor) and full_slice(x)):
+        return None
+    source = x.args[0]
+    rv, sv = tensor_value(rest), tensor_value(source)
+    if not (is_call(rest, aten.slice.Tensor) and rest.args[0] is source and rv is not None and sv is not None
+            and rv.shape[-1] == 0 and is_last_dim(rest.args[1], source) and used_only_by(rest, cat)):
+        return None
+    if not used_only_by(x, *core):
+        return None
+    return source, (x, rest, cat), cat
+
+
+def _rotate_half_input(cat: Any, user: Node) -> tuple[Node, tuple[Node, ...]] | None:
+    """(x, chain) for cat([neg(x[..., d/2:]), x[..., :d/2]], -1) used only by `user`."""
+    if not (is_call(cat, aten.cat.default) and used_only_by(cat, user)) or len(cat.args[0]) != 2:
+        return None
+    neg, first = cat.args[0]
+    if not (is_call(neg, aten.neg.default) and used_only_by(neg, cat) and is_call(first, aten.slice.Tensor)):
+        return None
+    second = neg.args[0]
+    if not (is_call(second, aten.slice.Tensor) and used_only_by(second, neg) and used_only_by(first, cat)):
+        return None
+    x = first.args[0]
+    xv = tensor_value(x)
+    if second.args[0] is not x or xv is None or xv.shape[-1] % 2:
+        return None
+    half, dim = xv.shape[-1] // 2, (cat.args[1] if len(cat.args) > 1 else 0)
+    if not all(is_last_dim(d, x) for d in (dim, first.args[1], second.args[1])):
+        return None
+    first_bounds = tuple(first.args[2:]) + (None,) * (5 - len(first.args))  # start, end, step
+    second_bounds = tuple(second.args[2:]) + (None,) * (5 - len(second.args))
+    if first_bounds[0] not in (0, None) or first_bounds[1] != half or first_bounds[2] not in (1, None):
+        return None
+    if second_bounds[0] != half or (second_bounds[1] or 0) < xv.shape[-1] or second_bounds[2] not in (1, None):
+        return None
+    return x, (first, second, neg, cat)
+
+
+def _emit_rope(graph: Graph, match: PatternMatch) -> Node:
+    from mplan.kernels import rope
+
+    p = match.params
+    return call(graph, rope, (p["x"], p["cos"], p["sin"]), match.anchor)
+
+
+def _emit_rope_qk(graph: Graph, match: PatternMatch) -> Node:
+    from mplan.kernels import rope_qk
+
+    p = match.params
+    return call(graph, rope_qk, (p["q"], p["k"], p["cos"], p["sin"]), match.anchor, dict(p.get("kwargs", {})))
+
+
+def pair_rope_matches(matches: list[tuple[str, PatternMatch]]) -> tuple[list[tuple[str, PatternMatch]],
+                                                                        list[tuple[Node, Miss]]]:
+    """The chains as the pass leaves them: two ROPE chains that feed one attention call as its q
+    and k, with the same tables, become one ROPE_QK match; and (attention, Miss) where q and k
+    are RoPE's but cannot pair (a partial rotary_dim concatenates a rest between RoPE and attention)."""
+    ropes = {match.outputs[0].name: match for kernel, match in matches if kernel == ROPE.name}
+    paired: dict[str, PatternMatch] = {}
+    missed: list[tuple[Node, Miss]] = []
+    for kernel, match in matches:
+        if kernel != "attention":
+            continue
+        q, k = (ropes.get(getattr(x, "name", "")) for x in match.params["qkv"][:2])
+        if q is None or k is None:
+            if all(_rotated_then_concatenated(x, ropes) for x in match.params["qkv"][:2]):
+                missed.append((match.anchor, Miss("q and k are RoPE of a partial rotary_dim, concatenated with "
+                                                  "the unrotated rest before attention")))
+            continue
+        if q is k or len(q.outputs[0].users) != 1 or len(k.outputs[0].users) != 1 or \
+                (q.params["cos"], q.params["sin"]) != (k.params["cos"], k.params["sin"]):
+            missed.append((match.anchor, Miss("RoPE on q and k read different tables or are used elsewhere")))
+            continue
+        both = PatternMatch(anchor=q.anchor, chain=(*q.chain, *k.chain), outputs=(q.outputs[0], k.outputs[0]),
+                            inputs=(q.params["x"], k.params["x"], q.params["cos"], q.params["sin"]),
+                            params={"q": q.params["x"], "k": k.params["x"], "cos": q.params["cos"],
+                                    "sin": q.params["sin"]})
+        paired[q.anchor.name], paired[k.anchor.name] = both, both
+    out: list[tuple[str, PatternMatch]] = []
+    for kernel, match in matches:
+        pair = paired.get(match.anchor.name) if kernel == ROPE.name else None
+        if pair is None:
+            out.append((kernel, match))
+        elif pair.anchor is match.anchor:
+            out.append((ROPE_QK.name, pair))
+    return out, missed
+
+
+def _rotated_then_concatenated(value: Any, ropes: dict[str, PatternMatch]) -> bool:
+    """`value` is cat([a RoPE chain's result, rest], -1), looking through repeat_kv's views."""
+    while is_call(value, aten.reshape.default, aten.expand.default, aten.unsqueeze.default, aten.view.default):
+        value = value.args[0]
+    return is_call(value, aten.cat.default) and getattr(value.args[0][0], "name", None) in ropes
+
+
+def pair_fused_ropes(graph: Graph, attention_ops: tuple[Any, ...]) -> int:
+    """rope(q, cos, sin) and rope(k, cos, sin) that feed one call of `attention_ops` as its q and k,
+    each used only there -> rope_qk(q, k, cos, sin): one launch each way, cos and sin read once (and
+    Hugging Face's [batch, 1, seq, head_dim] tables taken as they are). Returns the pairs made."""
+    from mplan.kernels import rope
+
+    pairs = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in attention_ops:
+            continue
+        q, k = node.args[:2]
+        if not (is_call(q, rope) and is_call(k, rope) and q is not k and len(q.users) == len(k.users) == 1):
+            continue
+        if q.args[1:3] != k.args[1:3] or q.kwargs.get("consumer") != k.kwargs.get("consumer"):
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        later = k if order[k] > order[q] else q
+        match = PatternMatch(anchor=q, chain=(q, k), outputs=(q, k), inputs=(q.args[0], k.args[0], *q.args[1:3]),
+                             params={"q": q.args[0], "k": k.args[0], "cos": q.args[1], "sin": q.args[2],
+                                     "kwargs": dict(q.kwargs)})
+        with graph.inserting_after(later):
+            both = ROPE_QK.emit(graph, match)
+        both.meta["val"] = (q.meta.get("val"), k.meta.get("val"))
+        both.meta["fusion"], both.meta["fusion_marks"] = ROPE_QK.name, ROPE_QK.marks
+        for index, single in enumerate((q, k)):
+            with graph.inserting_after(both):
+                part = graph.call_function(operator.getitem, (both, index))
+            part.meta["val"] = single.meta.get("val")
+            single.replace_all_uses_with(part)
+            graph.erase_node(single)
+        pairs += 1
+    return pairs
+
+
+_ROPE_TRAFFIC = FusedOpTraffic(forward_row_tensors=2, backward_row_tensors=2, forward_vectors=2, backward_vectors=2,
+                               table_rows_of="seq", what="read x, cos, sin; write y; read dy, cos, sin; write dx")
+_ROPE_LAUNCHES = Launches(forward_triton=1, forward_aten=0, backward_triton=1, backward_aten=0)
+
+ROPE = FusionEntry(
+    name="rope",
+    # x * cos + cat([-x[..., d/2:], x[..., :d/2]], -1) * sin (apply_rope on q or k)
+    pattern=FusionPattern(anchors=(aten.add.Tensor,), match=_match_rope),
+    forms=("rotate-half RoPE, either operand order", "Phi-3's x[..., :rotary_dim] with an empty rest concatenated"),
+    keeps=lambda m: FusedSave(),  # its tables are buffers
+    pricing=MeasuredPricing(traffic=_ROPE_TRAFFIC, copy_fraction=(1.0, 0.987),
+                            source="benchmarks/results/kernels_h200-2026-11-29-session7.json"),
+    launches=_ROPE_LAUNCHES,
+    emit=_emit_rope,
+    marks=None,
+)
+
+ROPE_QK = FusionEntry(
+    name="rope_qk",
+    pattern=PairedPattern(of="rope", consumers="one attention call reading them as q and k, with the same tables"),
+    forms=("RoPE on q and on k feeding one attention call",),
+    keeps=lambda m: FusedSave(),
+    # two RoPEs' bytes in one launch: priced as its two rope chains (the planner prices before pairing)
+    pricing=MeasuredPricing(traffic=_ROPE_TRAFFIC, copy_fraction=(1.0, 0.987),
+                            source="rope's fraction: the one-launch kernel is not yet measured on the H200"),
+    # the host-time model counts the two rope chains it pairs (2 x rope's launches), as priced
+    launches=_ROPE_LAUNCHES,
+    emit=_emit_rope_qk,
+    marks="all",
+)
