@@ -8,6 +8,10 @@ the same loss on every rank (`pm.last_metrics`: that step's time, tokens/s, TFLO
 memory against the Plan's prediction, `metrics.py`); `pm(inputs)` runs inference and returns
 whole logits; `pm.full_state_dict()`, `pm.save(dir)`, `pm.load(dir)`. A learning-rate scheduler
 takes `pm.optimizer.optimizer`, the torch optimizer whose parameter groups every step reads.
+`pm.params` are this rank's local parameters; under zero=3 their storage is released between steps
+and they are `ReleasedParameter`s there: shape, dtype and gradient read as usual, anything that
+reads their values raises one line naming `pm.whole_parameter(name)` and `pm.full_state_dict()`
+(`released_parameters.py`).
 
 Building (`parallelize`), in this order:
 1. every rank all-gathers its plan hash over the world and fails, naming the ranks, unless all
@@ -89,6 +93,7 @@ from mplan.runtime.param_placement import ParamPlacement
 from mplan.runtime.pipeline_executor import PipelineExecutor, StageRunner
 from mplan.runtime.pipeline_stages import RankStages, pipeline_schedule, rank_stages
 from mplan.runtime.process_groups import ProcessGroups, group_size, init_process_groups
+from mplan.runtime.released_parameters import guard, unguarded
 from mplan.runtime.replicated_optimizer import OptimizerFactory
 from mplan.runtime.unit_gathers import insert_unit_gathers, unit_parameters
 from mplan.runtime.watchdog import Position, Watchdog, watch
@@ -295,6 +300,8 @@ class ParallelModule:
             keep_gathered=keep)
         for module in programs if units is not None else ():
             insert_unit_gathers(module, graph, params, self.optimizer, keep=keep)
+        if units is not None:  # between steps their storage is released: reading one raises, naming how to
+            guard(params)
         self._last_grad_norm: torch.Tensor | None = None
         # the step's micro-batches, filled in place for the stages' feeds (which hold this list, the
         # parameters and the buffers, never the module: deleting pm frees it without a collection)
@@ -379,7 +386,7 @@ class ParallelModule:
         first, self.progress = self.progress, None
         with first.phase("first step", "later steps: pm.last_metrics") if first else contextlib.nullcontext():
             self._meter.start()
-            with self.position.stepping(self.step):
+            with self.position.stepping(self.step), self._unguarded():
                 loss = self._step(inputs, labels, local=local)
             self._meter.stop(loss)
         self.step += 1
@@ -463,6 +470,11 @@ class ParallelModule:
     def _autocast(self) -> contextlib.AbstractContextManager[None]:
         return _autocast_context(self.device, self.autocast)
 
+    def _unguarded(self) -> contextlib.AbstractContextManager[None]:
+        """zero=3: the parameters plain inside a step or an inference call, whose ops then pay nothing
+        for the guard that refuses reads of them between steps (`released_parameters.py`)."""
+        return unguarded(self.params) if self.plan.zero == 3 else contextlib.nullcontext()
+
     def _feed(self, program: fx.GraphModule, user: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         specs: tuple[LocalInput, ...] = program.meta[INPUTS]
         wanted = sum(spec.kind == "USER_INPUT" for spec in specs)
@@ -484,7 +496,7 @@ class ParallelModule:
         if rows not in self._inference:
             self._inference[rows] = self._inference_program(rows)
         program = self._inference[rows]
-        with self._autocast():
+        with self._autocast(), self._unguarded():
             if isinstance(program, tuple):
                 with self.optimizer.parameters_whole():  # zero=3: the units of this rank's stages
                     return self._pipeline_forward(program, tensors)
