@@ -29,9 +29,12 @@ Model (each term from the cost models, nothing fitted here):
   every micro-batch, or, keeping them (`keep_weights`, and always under a pipeline in mplan's
   runtime), once a step at the unit's first forward, on the pipeline's way down (serial); no
   gather after the step. Overlap as the runtime achieves it (`ZERO_OVERLAP`): mplan's gathers are
-  synchronous, its reduce-scatters asynchronous (hidden under the backward after them, the last
-  one of the step exposed); nothing is assumed overlapped that the runtime does not overlap.
-  Memory counts the gathered units in flight (`ZERO3_UNITS_IN_FLIGHT`) and the gradients whole
+  prefetched one unit ahead (each under the compute of the unit before it in its pass, the first of
+  each pass exposed), its reduce-scatters asynchronous (hidden under the backward after them, the
+  last one of the step exposed); on CPU ranks neither (`ZERO_OVERLAP_CPU`: measured, the prefetch
+  shortens no gloo step); nothing is assumed overlapped that the runtime does not overlap.
+  Memory counts the gathered units in flight (`ZERO3_UNITS_IN_FLIGHT`, a tied embedding and head
+  beside them) and the gradients whole
   between backward and their reduce-scatter (`zero_grad_transient_bytes`; `cost_models.memory_model`);
 - the optimizer step is memory-bound over the rank's optimizer shard: clipping's gradient norm,
   then one multi-tensor AdamW, mplan's kernel or torch's fused one (`optimizer_time`), and under
@@ -111,26 +114,39 @@ held out (tests/test_held_out.py): one model's row predicts the other's, the two
 
 ZERO3_UNITS_IN_FLIGHT = 2
 """Units whose gathered weights a zero=3 rank holds at once: the one computing and the next one,
-prefetched (FSDP2's default: one unit's all-gather ahead in forward and in backward). Counted even
-while the runtime gathers synchronously (no prefetch; the time is priced so), so that memory never
-falls short once the prefetch lands. A window of this many consecutive units of the rank, the largest."""
+prefetched one unit ahead in forward and in backward, as mplan's runtime does (its
+`runtime/fully_sharded.UNITS_IN_FLIGHT`; FSDP2's default too). A window of this many consecutive
+units of the rank, the largest, and beside it the parameters two units far apart read (a tied
+embedding and head), which stay whole between their readers (`gathered_window`)."""
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ZeroOverlap:
     """Which of zero 2/3's collectives a runtime runs under compute."""
 
-    gathers: bool  # the all-gathers of a unit's weights run under the compute before them (prefetch)
+    # the all-gather of a unit's weights runs under the compute of the unit before it in its pass
+    # (prefetched one unit ahead; the first unit of each pass waits for its own)
+    gathers: bool
     reduce_scatters: bool  # a unit's reduce-scatter runs under the backward of the units after it
 
 
-ZERO_OVERLAP: dict[str, ZeroOverlap] = {"mplan": ZeroOverlap(gathers=False, reduce_scatters=True),
+ZERO_OVERLAP: dict[str, ZeroOverlap] = {"mplan": ZeroOverlap(gathers=True, reduce_scatters=True),
                                         "megatron": ZeroOverlap(gathers=False, reduce_scatters=False)}
-"""As each runtime runs zero 2/3. mplan (runtime/fully_sharded.py, "what is not overlapped yet"):
-gathers synchronous, no prefetch; reduce-scatters asynchronous, at most two outstanding
-(sharded_optimizer.py MAX_IN_FLIGHT): hidden under the backward that follows them, by
-construction (not yet measured on a GPU, where they also take SMs from it). Megatron-LM: neither,
-as Megatron-FSDP's overlap has not been measured here. Flip an entry when the runtime (and a
-measurement) says so: an overlapped collective costs a unit max(its compute, it), else their sum."""
+"""As each runtime runs zero 2/3 on GPUs (on CPU ranks: `ZERO_OVERLAP_CPU`). mplan
+(runtime/fully_sharded.py, "Prefetch"): each unit's all-gather issued asynchronously when the
+unit before it in the pass starts, waited for when its own starts; reduce-scatters asynchronous,
+at most two outstanding (sharded_optimizer.py MAX_IN_FLIGHT), hidden under the backward that
+follows them. Both as the runtime issues them, by construction: not yet measured on a GPU, where
+NCCL's kernels also take SMs from the compute they run under. Megatron-LM: neither, as
+Megatron-FSDP's overlap has not been measured here. An overlapped collective costs the unit it
+runs under max(its compute, it), else their sum."""
+
+ZERO_OVERLAP_CPU = ZeroOverlap(gathers=False, reduce_scatters=False)
+"""Any runtime on CPU ranks (gloo): a collective's copies run on the cores the compute runs on, so
+issuing it early shortens no step. Measured for mplan's prefetched gathers on 4 gloo ranks of a
+2-core machine (benchmarks/results/zero3_prefetch-cpu-2026-12-06.json: a float32 Llama of 21 M
+parameters at dp=4, its gathers 53% of a step before the prefetch): the prefetch cut the seconds
+ranks wait in gathers by a third (1.00 to 0.66 s a step) and the step stayed as long (1.90 s
+before, 1.96 s after; medians of 30 steps each, on a machine shared with other jobs)."""
 
 ZERO_REDUCTIONS_IN_FLIGHT = 3
 """Flat gradient copies (the master dtype) zero 2/3's reduce-scatters hold at once: mplan's
@@ -200,16 +216,26 @@ class ZeroCollectives:
     overlap: ZeroOverlap
 
     def unit_seconds(self, forward_s: Sequence[float], backward_s: Sequence[float]) -> tuple[list[float], list[float]]:
-        """Each unit's forward and backward seconds with its collectives: an overlapped one costs
-        it only what outlasts the compute, the others their whole time (`ZERO_OVERLAP`)."""
-        gather = self.gather_s if self.per_micro_batch else tuple(0.0 for _ in self.gather_s)
-
-        def with_comm(compute: float, gathered: float, scattered: float) -> float:
-            hidden = (gathered if self.overlap.gathers else 0.0) + (scattered if self.overlap.reduce_scatters else 0.0)
-            shown = (0.0 if self.overlap.gathers else gathered) + (0.0 if self.overlap.reduce_scatters else scattered)
-            return max(compute, hidden) + shown
-        return ([with_comm(f, g, 0.0) for f, g in zip(forward_s, gather)],
-                [with_comm(b, g, r) for b, g, r in zip(backward_s, gather, self.scatter_s)])
+        """Each unit's forward and backward seconds with the collectives that run beside it: an
+        overlapped one costs it only what outlasts its compute, the others their whole time
+        (`ZERO_OVERLAP`). Prefetched gathers run one unit ahead, so unit u's forward runs beside
+        u+1's gather and its backward beside u-1's; the first unit of each pass (the forward's
+        first, the backward's last) waits for its own gather. A reduce-scatter is charged to its
+        own unit's backward."""
+        n = len(forward_s)
+        gather = list(self.gather_s) if self.per_micro_batch else [0.0] * n
+        scatter_hidden = self.scatter_s if self.overlap.reduce_scatters else (0.0,) * n
+        scatter_shown = (0.0,) * n if self.overlap.reduce_scatters else self.scatter_s
+        if not self.overlap.gathers:
+            return ([f + g for f, g in zip(forward_s, gather)],
+                    [max(b, r) + g + s for b, g, r, s in zip(backward_s, gather, scatter_hidden, scatter_shown)])
+        ahead, behind = gather[1:] + [0.0], [0.0] + gather[:-1]
+        forward = [max(f, g) for f, g in zip(forward_s, ahead)]
+        backward = [max(b, g + r) + s for b, g, r, s in zip(backward_s, behind, scatter_hidden, scatter_shown)]
+        if n:
+            forward[0] += gather[0]
+            backward[-1] += gather[-1]
+        return forward, backward
 
 
 def zero_collectives(config: ParallelConfig, cluster: ClusterSpec, per: BytesPerParam,
@@ -252,11 +278,26 @@ def zero_grad_transient_bytes(config: ParallelConfig, per: BytesPerParam, units:
     return bucket * (per.grad + ZERO_REDUCTIONS_IN_FLIGHT * master)
 
 
-def gathered_window(sizes: Sequence[float], width: int = ZERO3_UNITS_IN_FLIGHT) -> float:
-    """The most elements `width` consecutive units of `sizes` hold (all of them when fewer)."""
+def gathered_window(sizes: Sequence[float], width: int = ZERO3_UNITS_IN_FLIGHT, *, spanning: float = 0.0) -> float:
+    """The most elements zero=3 holds gathered at once: `width` consecutive units of `sizes` (all
+    of them when fewer), plus `spanning`, the elements of parameters that units far apart read (a
+    tied embedding and head, whole from its first reader to its last), which `sizes` leave out."""
     if len(sizes) <= width:
-        return float(sum(sizes))
-    return float(max(sum(sizes[i:i + width]) for i in range(len(sizes) - width + 1)))
+        return float(sum(sizes)) + spanning
+    return float(max(sum(sizes[i:i + width]) for i in range(len(sizes) - width + 1))) + spanning
+
+
+def _shared_glue(figures: _UnitFigures, indices: Sequence[int]) -> dict[str, int]:
+    """Glue parameters (name -> local elements) that more than one of the units `indices` reads:
+    a tied embedding and head on a rank that runs both."""
+    seen: set[str] = set()
+    shared: dict[str, int] = {}
+    for u in indices:
+        for name, n in figures.glue_params[u]:
+            if name in seen:
+                shared[name] = n
+            seen.add(name)
+    return shared
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -335,9 +376,8 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
            for u, f, b in zip(units, moe.forward_s, moe.backward_s)]
     issue = host_timing(cluster)  # each op's host time queued against the device (unit_costs.chunk_*_s)
     # zero 2/3's collectives of each unit, after recomputation: a re-run forward reads the weights
-    # its backward gathered; on CPU ranks gloo's collectives take turns with the compute on the
-    # same cores, so nothing overlaps there
-    overlap = ZERO_OVERLAP[facts.runtime] if issue.overlaps else ZeroOverlap(gathers=False, reduce_scatters=False)
+    # its backward gathered; on CPU ranks gloo's collectives share the cores with the compute
+    overlap = ZERO_OVERLAP[facts.runtime] if issue.overlaps else ZERO_OVERLAP_CPU
     zc = zero_collectives(config, cluster, per, list(zip(moe.dense_params, moe.expert_params)), overlap)
     fwd, zero_added = moe.forward_s, [0.0] * len(units)
     if config.zero >= 2:
@@ -394,10 +434,16 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         workspace = max((max(2 * units[u].largest_op_bytes, units[u].working_bytes(head_rows)) for u in rank_units),
                         default=0.0)
         sizes = [moe.dense_params[u] + moe.expert_params[u] for u in rank_units] if config.zero >= 2 else []
+        gathered = 0.0
+        if config.zero == 3:
+            shared = _shared_glue(moe, rank_units)
+            apart = [size - sum(n for name, n in moe.glue_params[u] if name in shared)
+                     for u, size in zip(rank_units, sizes)]
+            gathered = gathered_window(apart, spanning=sum(shared.values()))
         return estimate_memory(
             num_params=dense, per_param=per, zero=config.zero, dp=config.dp, expert_params=expert_params,
             expert_dp=mesh.expert_dp, keep_weights=config.keep_weights,
-            gathered_params=gathered_window(sizes) if config.zero == 3 else 0.0,
+            gathered_params=gathered,
             grad_transient_bytes=zero_grad_transient_bytes(config, per, [units[u] for u in rank_units], sizes),
             recompute=config.recompute,
             activation_bytes=sum(moe.saved_bytes[u] for u in rank_units) / config.vpp,
