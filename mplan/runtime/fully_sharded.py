@@ -47,8 +47,10 @@ Exactness: the gathered values are the masters in the parameters' dtype, as zero
 writes them; the gradients are zero=2's. Float64 runs match one process to rounding.
 
 Overlap: an all-gather issued ahead is asynchronous (c10d's `async_op`: NCCL's own stream on a
-GPU, gloo's worker threads on CPU ranks, which share the cores with the compute); reduce-scatters
-are asynchronous too (at most `MAX_IN_FLIGHT`). Under autocast, torch's cast cache keeps a low-precision copy of each
+GPU, gloo's worker threads on CPU ranks). On 4 gloo ranks of 2 cores it cut the time waited in
+gathers by a third and left the step as long: gloo's copies take the cores the compute needs
+(benchmarks/results/zero3_prefetch-cpu-2026-12-06.json). Reduce-scatters are asynchronous too (at
+most `MAX_IN_FLIGHT`). Under autocast, torch's cast cache keeps a low-precision copy of each
 weight for the forward's duration.
 
 Invariants: storage is gathered only from the shards (never written back from it, except by
