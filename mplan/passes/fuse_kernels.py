@@ -187,7 +187,7 @@ def _fuse_vocab_parallel_losses(gm: GraphModule) -> Counter[str]:
         (x, weight, bias), chain, upcast = head
         gm.add_submodule(node.target, VocabParallelHeadLoss(axis=module.axis, ignore_index=module.ignore_index,
                                                             upcast=upcast, node=module.node,
-                                                            chunk_rows=gm.meta.get(_HEAD_CHUNK_ROWS)))
+                                                            chunk_rows=gm.meta.get(HEAD_CHUNK_ROWS_KEY)))
         node.args = (x, weight, node.args[1]) + (() if bias is None else (bias,))
         for value in reversed(chain):  # the cast, the view, the linear: each used only on this path
             for check in [u for u in value.users if is_call(u, aten._assert_tensor_metadata.default)]:
