@@ -263,6 +263,13 @@ class FullyShardedOptimizer(ShardedOptimizer):
         super().zero_grad()
         self._release_all()  # a step that failed midway may have left units whole
 
+    def step(self, *, max_grad_norm: float | None = None) -> torch.Tensor | None:
+        """zero=2's step, once no gather is in flight: one prefetched for a backward that never came
+        (outputs no loss reached) still reads the shards the update writes."""
+        for held in self._all():
+            self._settle(held)
+        return super().step(max_grad_norm=max_grad_norm)
+
     @torch.no_grad()
     def _masters_changed(self) -> None:
         """The masters changed (a step, a load): the compute shards follow; whole units are
