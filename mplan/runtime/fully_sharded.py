@@ -56,7 +56,7 @@ weight for the forward's duration.
 Invariants: storage is gathered only from the shards (never written back from it, except by
 `params_loaded` after a load into the whole parameters); gathers and releases run in program
 order, the same on every replica; a gather in flight is waited for before its storage is read,
-released or written (so a release never frees memory a collective still writes); at most
+released or written and before the step updates the shards it reads; at most
 `UNITS_IN_FLIGHT` runs' units are whole or in flight at once in a one-stage program, besides those
 a later run reads again; outside a step (and its `parameters_whole` contexts) no unit is gathered.
 So outside them `pm.params` hold tensors of the right shape over storage of 0 bytes: reading one
