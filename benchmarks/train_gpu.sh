@@ -10,11 +10,12 @@
 #   5. issue 33: `mplan bench --measure` of the same 1.3B Llama at dp=1 under zero=0, 1 and 3 (zero=3
 #      still gathers each unit and frees it, over one rank): step time and peak memory beside the
 #      predictions.
-#     bash benchmarks/train_gpu.sh [STEPS]
+#     bash benchmarks/train_gpu.sh [STEPS] [quick]     (quick: steps 1-3 only, for a short lease)
 # Results (JSON, the GPU's name and versions) go to $OUT; work files stay in /tmp/g.
 set -u
 cd "$(dirname "$0")/.."
 steps=${1:-120}
+quick=${2:-}
 out=${OUT:?the device tool sets OUT}
 python3 -m pip install -q --no-index --find-links .device_wheels pulp highspy 2>&1 | tail -2
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -41,6 +42,7 @@ cp /tmp/g/out/metrics-gpu.jsonl "$out/train_gpu_metrics.jsonl" 2>/dev/null
 cp /tmp/g/out/loss-gpu.png "$out/train_gpu_loss.png" 2>/dev/null
 ls /tmp/g/out/tb-gpu /tmp/g/out/hf-gpu /tmp/g/out/ckpt-gpu 2>&1 | head -20
 echo "train: $(( $(date +%s) - start )) s"
+[ "$quick" = quick ] && exit 0
 timeout 200 python3 benchmarks/checkpoint_time.py --plan dp=1 --other dp=1,recompute=full --dtype bfloat16 \
     --model "llama:layers=24,hidden=2048,heads=16,kv_heads=8,ffn=5632,seq=2048,vocab=32000" --batch 4 \
     --dir /tmp/g/ckpt-time -o "$out/checkpoint_time.json" 2>&1 | tail -30
