@@ -59,9 +59,10 @@ order, the same on every replica; a gather in flight is waited for before its st
 released or written and before the step updates the shards it reads; at most
 `UNITS_IN_FLIGHT` runs' units are whole or in flight at once in a one-stage program, besides those
 a later run reads again; outside a step (and its `parameters_whole` contexts) no unit is gathered.
-So outside them `pm.params` hold tensors of the right shape over storage of 0 bytes: reading one
-there reads freed memory (torch does not check; it may crash). Read them inside
-`pm.optimizer.parameters_whole()`, as `full_state_dict`, inference and the checkpoints do.
+So outside them `pm.params` hold tensors of the right shape over storage of 0 bytes, which
+`released_parameters.py` guards: reading their values raises one line naming the accessors. Read
+them inside `pm.optimizer.parameters_whole()`, as `full_state_dict`, inference and the
+checkpoints do.
 """
 from __future__ import annotations
 
