@@ -123,6 +123,8 @@ def _print_fusion(console: Any, coverage: list[dict[str, Any]]) -> None:
         left = f"{len(c['left'])} kinds of memory-bound op left, {c['left_bytes'] / 2**20:.1f} MiB" if c["left"] else \
             "no memory-bound op left"
         console.print(f"  {c['block_type']} x{c['instances']}: {fused}; {left}")
+        for miss in c.get("skipped", ()):
+            console.print(f"    {miss['kernel']} missed x{miss['count']}: {miss['why']}")
     rows = [(c["block_type"], op) for c in coverage for op in c["left"]]
     if rows:
         table = Table(title="memory-bound ops left unfused")

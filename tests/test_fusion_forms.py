@@ -151,7 +151,7 @@ def test_a_soft_cap_after_a_scaling_or_logits_used_elsewhere_are_reported_not_fu
         assert why in reason
 
 
-def test_inspect_reports_per_family_what_fused_and_what_missed_and_why(tmp_path) -> None:  # noqa: ANN001
+def test_inspect_reports_per_family_what_fused_and_what_missed_and_why(tmp_path, capsys) -> None:  # noqa: ANN001
     """`mplan inspect` on a config.json: Phi-3's decoder layer fuses whole, as Llama's; GPT-NeoX's
     rotates a quarter of each head (partial rotary_dim): RoPE fuses on that slice but cannot pair
     into rope_qk, and the document says so."""
@@ -171,6 +171,11 @@ def test_inspect_reports_per_family_what_fused_and_what_missed_and_why(tmp_path)
     assert "rope" in {f["kernel"] for f in block["fused"]}
     (skipped,) = [s for s in block["skipped"] if s["kernel"] == "rope_qk"]
     assert "partial rotary_dim" in skipped["why"]
+    from mplan.cli import main
+
+    assert main(["inspect", str(tmp_path / "neox"), "--batch", "2", "--seq-len", "12"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"rope_qk missed x{skipped['count']}: {' '.join(skipped['why'].split())}" in printed
 
 
 # -- under the Triton interpreter (tests/test_kernels.py::test_interpreter_suite) -----------------
