@@ -1,22 +1,76 @@
-"""ZeRO-3's parameters between steps (issue 33): released storage that refuses to be read.
+"""ZeRO's memory (issue 33): a rank's peak against the memory model, and zero=3's parameters
+between steps, released storage that refuses to be read.
 
+Peak (one gloo group of 4 ranks): benchmarks/zero_memory_cpu.py's `measure_level` on every rank,
+a 4-layer Llama in bf16 under dp=4 at zero 1, 2 and 3 built on the planner's plan for each spec:
+the CPU allocator's peak during a training step (profiled, added to what the module holds) beside
+the Plan's predicted peak without its fragmentation margin. Every rank within `TOLERANCE` (10%).
+
+Released parameters (one process: dp=1, zero=3 still shards and releases; tiny Llama, float64):
 zero=3 frees each unit's gathered weights by resizing their storage to 0 bytes, so between steps
 `pm.params` are tensors of the right shape over no memory; torch does not check, and reading one
 read freed memory (garbage, or a crash). Now reading one raises one line naming
 `pm.whole_parameter(name)` and `pm.full_state_dict()` (`runtime/released_parameters.py`), while
-its metadata, the whole-parameter accessors, inference and the next step work as before. One
-process (dp=1, zero=3 still shards and releases), tiny Llama in float64.
+its metadata, the whole-parameter accessors, inference and the next step work as before.
 """
 from __future__ import annotations
 
 import io
+import os
+import sys
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
+from distributed import run_checks
 from test_equivalence import batches, family
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import zero_memory_cpu  # noqa: E402
+
+LEVELS = (1, 2, 3)
+
+
+# -- the peak against the memory model (4 ranks) ---------------------------------------------------
+def zero1_peak() -> dict[str, Any]:
+    return zero_memory_cpu.measure_level(1)
+
+
+def zero2_peak() -> dict[str, Any]:
+    return zero_memory_cpu.measure_level(2)
+
+
+def zero3_peak() -> dict[str, Any]:
+    return zero_memory_cpu.measure_level(3)
+
+
+CHECKS = [zero1_peak, zero2_peak, zero3_peak]
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_checks(zero_memory_cpu.WORLD, CHECKS, timeout_s=300)
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+def test_the_predicted_peak_is_within_10_percent_of_the_measured_one(world4, check) -> None:
+    for rank, row in enumerate(world4.assert_passed(check)):
+        measured, predicted = row["peak_bytes"], row["predicted"]["total"]
+        assert abs(predicted / measured - 1) < zero_memory_cpu.TOLERANCE, (rank, row)
+        assert row["plan"].startswith("dp=4,") and f"zero={row['zero']}" in row["plan"], row
+
+
+def test_zero3_holds_less_than_zero1_measured_and_predicted(world4) -> None:
+    """zero=3 shards the parameters and its unit's gradients; zero=1 holds both whole, and at the
+    end of the backward a master-dtype copy of every gradient bucket for its reduce-scatter."""
+    for one, three in zip(world4.assert_passed(zero1_peak), world4.assert_passed(zero3_peak)):
+        assert three["peak_bytes"] < 0.7 * one["peak_bytes"], (one, three)
+        assert three["predicted"]["total"] < 0.7 * one["predicted"]["total"], (one, three)
+
+
+# -- released parameters (one process) -------------------------------------------------------------
 RELEASED = "embed.weight"
 
 
@@ -74,3 +128,42 @@ def test_steps_and_inference_run_on_after_a_refused_read(trained: tuple) -> None
     assert torch.equal(pm(data[1][0]), zero1(data[1][0]))
     assert type(pm.params[RELEASED]).__name__ == "ReleasedParameter"
     assert type(zero1.params[RELEASED]) is torch.nn.Parameter  # whole between steps: nothing to guard
+
+
+# -- the reductions' walk (no process group) -------------------------------------------------------
+def _walk(zero: int, buckets: list[float], left: list[float], **options: Any) -> Any:
+    from mplan.cost_models.memory_model import mplan_bytes_per_param, reduction_peak
+
+    return reduction_peak(buckets, left, zero=zero, per_param=mplan_bytes_per_param("bf16", zero=zero),
+                          copy_bytes=4, replicas=4, outstanding=2, **options)
+
+
+def test_zero1_on_gloo_holds_a_copy_of_every_bucket_until_the_step() -> None:
+    """Four buckets of 10 elements (40 bytes of fp32 copy each), complete with 30, 20, 10, then no
+    bytes of activations left: gloo keeps each copy with its work until the step waits (the last
+    launch adds our own copy beside gloo's); NCCL lets a finished one go, assumed within three at
+    once (two outstanding and the one launching)."""
+    gloo = _walk(1, [10, 10, 10, 10], [30, 20, 10, 0], backend_copies=True, activation_bytes=40)
+    assert (gloo.transient_bytes, gloo.activations_bytes) == (5 * 40, 0)
+    nccl = _walk(1, [10, 10, 10, 10], [30, 20, 10, 0], activation_bytes=40)
+    assert (nccl.transient_bytes, nccl.activations_bytes) == (3 * 40, 10)
+
+
+def test_zero2_walks_every_micro_batch_with_the_reductions_before_still_in_flight() -> None:
+    """One bucket of 100 elements, two micro-batches, gloo: the first's copy and result (a quarter
+    of the bucket) are still in flight when the second's gradients land, flattened and launched."""
+    peak = _walk(2, [100], [0], micro_batches=2, backend_copies=True, activation_bytes=50)
+    copy, result = 4 * 100, 4 * 100 / 4
+    assert (peak.transient_bytes, peak.activations_bytes) == (2 * (copy + result) + copy, 0)
+
+
+def test_the_peak_is_the_larger_of_the_activations_and_the_reductions_beside_what_is_left() -> None:
+    from mplan.cost_models.memory_model import estimate_memory, mplan_bytes_per_param
+
+    def total(transient: float, beside: float | None) -> float:
+        return estimate_memory(num_params=0, per_param=mplan_bytes_per_param("bf16", zero=1), zero=1, dp=4,
+                               activation_bytes=100.0, num_in_flight=1, fragmentation=0.0,
+                               grad_transient_bytes=transient, activations_beside_transient=beside).total_bytes
+    assert total(80.0, 0.0) == 100.0  # the activations' peak
+    assert total(80.0, 30.0) == 110.0  # the reductions' with 30 bytes of activations left
+    assert total(80.0, None) == 180.0  # beside every activation

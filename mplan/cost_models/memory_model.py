@@ -24,14 +24,22 @@ an fp32 copy of the gradient when gradients are kept in 16 bits. That reproduces
 ``mplan_bytes_per_param`` is mplan's own runtime instead, measured against on two H200s.
 ZeRO-2 and ZeRO-3 (FSDP-style; ``BytesPerParam.total``), per local parameter:
   zero=2: param + grad_shard/d + optimizer/d, plus the gradients that exist whole between
-          backward making them and their reduce-scatter into the shard (``grad_transient_bytes``,
-          the caller's count: a bucket's gradients and the flat copies its reduce-scatters hold);
+          backward making them and their reduce-scatter into the shard (``grad_transient_bytes``:
+          a bucket's gradients and the flat copies its reduce-scatters hold);
   zero=3: param_shard/d + grad_shard/d + optimizer/d, plus the gathered units in flight
           (``gathered_params``, the caller's count) in the gathered dtype, and the same gradient
           transient; with ``keep_weights`` the rank's whole gathered stage instead of the units in
           flight (held from the first forward to the last backward).
   bf16 under mplan's runtime: zero=2 2 + 16/d, zero=3 (2 + 16)/d; under Megatron's: 2 + 16/d and
   (2 + 4 + 12)/d.
+Gradient reductions (``reduction_peak``, mplan's runtime): zero=1 flattens every bucket's
+gradients into a master-dtype copy for its reduce-scatter too, beside the whole gradients. The
+copies a step's reductions hold rise as backward frees the activations, so the caller walks them
+(``reduction_peak``) and passes their worst moment: the bytes (``grad_transient_bytes``) and the
+activations still held then (``activations_beside_transient``); the peak holds the larger of all
+the activations and the two together. On 4 gloo CPU ranks (a 4-layer Llama in bf16, dp=4) the
+predicted peak came within 2% of the allocator's at zero 0-3 (zero=1 had been 38% low without
+its copies; benchmarks/zero_memory_cpu.py, results/zero_memory-cpu-2026-12-06.json).
 Activations: ``none`` keeps every in-flight microbatch's activations; ``selective`` keeps
 ``selective_activation_bytes`` per microbatch (Korthikanti et al. 2022: attention's softmax/dropout
 recomputed, 34sbh instead of 34sbh + 5as^2b per layer); ``full`` keeps only each layer's input
@@ -47,6 +55,7 @@ Invariants: every term >= 0; ``total == params + grads + optimizer + activations
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mplan.cost_models.dtypes import canonical_dtype, dtype_bytes
@@ -154,7 +163,9 @@ def mplan_bytes_per_param(param_dtype: object = "bf16", *, zero: int) -> BytesPe
     each bucket's gradients into a gradient shard in the master's dtype beside the master and its
     moments (bf16 2 + 16/d); zero=3 keeps the parameters' shard in their own dtype for the gathers to
     read, where that is narrower than the master (bf16 (2 + 16)/d; fp32 gathers the master itself,
-    16/d). Read off the runtime's layout; not yet held to a measured peak on a GPU."""
+    16/d). Read off the runtime's layout; held, with the reductions' copies (`reduction_peak`), to
+    the allocator's peak on 4 gloo CPU ranks at zero 0-3 (benchmarks/zero_memory_cpu.py), not yet
+    on a GPU."""
     check_zero(zero)
     param = dtype_bytes(param_dtype)
     if not zero:
@@ -188,6 +199,7 @@ def activation_bytes_kept(*, recompute: str, activation_bytes: float, num_in_fli
 def estimate_memory(*, num_params: float, per_param: BytesPerParam, zero: int = 0, dp: int = 1,
                     expert_params: float = 0.0, expert_dp: int = 1, keep_weights: bool = False,
                     gathered_params: float = 0.0, grad_transient_bytes: float = 0.0,
+                    activations_beside_transient: float | None = None,
                     activation_bytes: float, num_in_flight: int,
                     recompute: str = "none",
                     selective_activation_bytes: float | None = None, checkpoint_bytes: float | None = None,
@@ -205,8 +217,12 @@ def estimate_memory(*, num_params: float, per_param: BytesPerParam, zero: int = 
     its ``num_params``; ZeRO shards their optimizer state over the ``expert_dp`` ranks that hold the
     same experts (``ir/mesh.py``), not over all ``dp``; so do zero 2 and 3 their gradients and
     parameters. ``gathered_params`` (zero=3 without ``keep_weights``): elements of the units
-    gathered at once; ``grad_transient_bytes`` (zero >= 2): bytes of gradients whole at once before
-    their reduce-scatter (module docstring); both counted by the caller, who knows the units.
+    gathered at once; ``grad_transient_bytes`` (zero >= 1): what the gradient reductions hold at
+    their worst moment beyond the gradients held through the step (zero=1: the flat copies of every
+    bucket until the step; zero 2/3: a bucket's gradients whole and the copies in flight), and
+    ``activations_beside_transient`` the activations the backward still holds then (None: all of
+    them); the peak is the larger of the activations and the two together (``reduction_peak``
+    walks the reductions for both). Both counted by the caller, who knows the units.
     """
     check_zero(zero)
     if dp < 1 or num_params < 0 or activation_bytes < 0 or largest_workspace_bytes < 0 or not 0 <= fragmentation < 1:
@@ -214,10 +230,11 @@ def estimate_memory(*, num_params: float, per_param: BytesPerParam, zero: int = 
     if expert_dp < 1 or dp % expert_dp or expert_params < 0:
         raise ValueError(f"estimate_memory: expert_dp must divide dp (it is dp / ep) and expert_params be >= 0, got "
                          f"dp={dp}, expert_dp={expert_dp}, expert_params={expert_params}")
-    if gathered_params < 0 or grad_transient_bytes < 0 or (keep_weights and zero != 3):
-        raise ValueError(f"estimate_memory: gathered_params and grad_transient_bytes must be >= 0 and keep_weights "
-                         f"needs zero=3, got {gathered_params}, {grad_transient_bytes}, keep_weights={keep_weights} "
-                         f"at zero={zero}")
+    if gathered_params < 0 or grad_transient_bytes < 0 or (activations_beside_transient or 0) < 0 or \
+            (keep_weights and zero != 3):
+        raise ValueError(f"estimate_memory: gathered_params, grad_transient_bytes and activations_beside_transient "
+                         f"must be >= 0 and keep_weights needs zero=3, got {gathered_params}, {grad_transient_bytes}, "
+                         f"{activations_beside_transient}, keep_weights={keep_weights} at zero={zero}")
     held = num_params + expert_params
     param_shard, grad_shard = per_param.shard_bytes()
     if zero <= 2:
@@ -228,7 +245,7 @@ def estimate_memory(*, num_params: float, per_param: BytesPerParam, zero: int = 
     if zero <= 1:
         grads = held * per_param.grad
     else:
-        grads = (num_params / dp + expert_params / expert_dp) * grad_shard + grad_transient_bytes
+        grads = (num_params / dp + expert_params / expert_dp) * grad_shard
     opt = num_params * per_param.optimizer / (dp if zero else 1) + \
         expert_params * per_param.optimizer / (expert_dp if zero else 1)
     acts = activation_bytes_kept(recompute=recompute, activation_bytes=activation_bytes, num_in_flight=num_in_flight,
@@ -236,6 +253,75 @@ def estimate_memory(*, num_params: float, per_param: BytesPerParam, zero: int = 
                                  checkpoint_bytes=checkpoint_bytes, layer_activation_bytes=layer_activation_bytes)
     if grads_during_backward:
         acts = max(0.0, acts - grads)
+    beside = acts if activations_beside_transient is None else min(acts, activations_beside_transient)
+    if grad_transient_bytes and beside + grad_transient_bytes >= acts:  # the peak is the reductions'
+        grads, acts = grads + grad_transient_bytes, beside
     transient = largest_workspace_bytes + fragmentation * (params + grads + opt + acts + largest_workspace_bytes)
     return MemoryBreakdown(params_bytes=params, grads_bytes=grads, optimizer_bytes=opt, activations_bytes=acts,
                            transient_bytes=transient)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReductionPeak:
+    """The worst moment of a rank's gradient reductions in a step (`reduction_peak`), in bytes."""
+
+    transient_bytes: float  # what the reductions hold then, besides the gradients held through the step
+    activations_bytes: float | None  # the activations the backward still holds then (None: all of them)
+
+
+def reduction_peak(buckets: Sequence[float], activations_left: Sequence[float], *, zero: int,
+                   per_param: BytesPerParam, copy_bytes: float, replicas: int, outstanding: int,
+                   micro_batches: int = 1, activation_bytes: float = 0.0,
+                   backend_copies: bool = False) -> ReductionPeak:
+    """One step's gradient reductions walked as mplan's runtime issues them
+    (runtime/sharded_optimizer.py), and their worst moment: the most they hold together with the
+    activations still held then (at least: no reduction beside all the activations).
+
+    `buckets`: each bucket's local elements in the order backward completes them;
+    `activations_left[k]`: the activations backward still holds once bucket k's gradients are all
+    in; `activation_bytes`: one micro-batch's, all held when its backward starts.
+    zero=1: the last micro-batch's backward flattens each bucket's gradients into a copy in the
+    master dtype (`copy_bytes` an element) and reduce-scatters it into the master's gradient shard,
+    waiting for them all at the step (the gradients themselves are whole through the step, counted
+    apart). zero 2/3: every micro-batch's backward does so, the bucket's gradients
+    (`per_param.grad`) whole until flattened, then dropped; a reduction also holds its result
+    (1/`replicas` of the bucket in the master dtype), and the runtime keeps at most `outstanding`
+    (a new one launches, then the oldest is waited for), into the next micro-batch.
+    What a reduction in flight holds is the backend's: gloo (`backend_copies`, CPU ranks) reduces a
+    copy of its input made at launch (ours is freed once the launch returns) and keeps it until the
+    runtime drops the work, so zero=1's copies all stay until the step; NCCL reduces the copy
+    itself and lets it go once done (torch 2.13: at its next call after the watchdog sees the work
+    complete), assumed within `outstanding` at once for zero=1 too (not measured). One replica:
+    nothing stays in flight."""
+    check_zero(zero)
+    if len(buckets) != len(activations_left):
+        raise ValueError(f"reduction_peak: {len(buckets)} buckets and {len(activations_left)} activation figures")
+    peak = ReductionPeak(transient_bytes=0.0, activations_bytes=activation_bytes)
+    if zero == 0:
+        return peak
+    pending: list[float] = []  # what each reduction in flight holds, oldest first
+    in_flight = 0.0  # their sum
+    bounded = zero >= 2 or not backend_copies
+
+    def moment(left: float, held: float) -> None:
+        nonlocal peak
+        if left + held > peak.activations_bytes + peak.transient_bytes:
+            peak = ReductionPeak(transient_bytes=held, activations_bytes=left)
+
+    # a third micro-batch starts as the second did (the same reductions still in flight): two suffice
+    for micro_batch in range(min(micro_batches, 2) if zero >= 2 else 1):
+        if micro_batch:
+            moment(activation_bytes, in_flight)
+        for size, left in zip(buckets, activations_left):
+            copy = size * copy_bytes
+            if zero >= 2:  # the bucket's gradients beside their copy, until dropped
+                moment(left, in_flight + size * per_param.grad + copy)
+            if replicas == 1:
+                moment(left, in_flight + copy)
+                continue
+            pending.append(copy + (size / replicas * copy_bytes if zero >= 2 else 0.0))
+            in_flight += pending[-1]
+            moment(left, in_flight + (copy if backend_copies else 0.0))
+            if bounded and len(pending) > outstanding:
+                in_flight -= pending.pop(0)
+    return peak

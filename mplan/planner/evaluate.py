@@ -34,8 +34,9 @@ Model (each term from the cost models, nothing fitted here):
   last one of the step exposed); on CPU ranks neither (`ZERO_OVERLAP_CPU`: measured, the prefetch
   shortens no gloo step); nothing is assumed overlapped that the runtime does not overlap.
   Memory counts the gathered units in flight (`ZERO3_UNITS_IN_FLIGHT`, a tied embedding and head
-  beside them) and the gradients whole
-  between backward and their reduce-scatter (`zero_grad_transient_bytes`; `cost_models.memory_model`);
+  beside them) and the gradients whole between backward and their reduce-scatter, with the copies
+  the reductions hold, at their worst moment of the step (`gradient_reductions`,
+  `cost_models.memory_model.reduction_peak`);
 - the optimizer step is memory-bound over the rank's optimizer shard: clipping's gradient norm,
   then one multi-tensor AdamW, mplan's kernel or torch's fused one (`optimizer_time`), and under
   ZeRO-1 the copies between parameters, flat gradients and master shard (`zero1_copy_time`);
@@ -58,9 +59,9 @@ from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES, collective_time
 from mplan.ir.mesh import GroupShape
 from mplan.cost_models.compute_cost import ComputeCostModel
-from mplan.cost_models.memory_model import (FRAGMENTATION_FRACTION, BytesPerParam, MemoryBreakdown,
+from mplan.cost_models.memory_model import (FRAGMENTATION_FRACTION, BytesPerParam, MemoryBreakdown, ReductionPeak,
                                             activation_bytes_kept, bytes_per_param, estimate_memory,
-                                            mplan_bytes_per_param)
+                                            mplan_bytes_per_param, reduction_peak)
 from mplan.cost_models.moe_cost import all_to_all_time, experts_time, load_factor
 from mplan.cost_models.simulator import PipelineCosts, SimResult, simulate
 from mplan.ir.schedule import Schedule, build_schedule, check_schedule, max_in_flight_by_rank
@@ -261,21 +262,62 @@ def zero_collectives(config: ParallelConfig, cluster: ClusterSpec, per: BytesPer
                            per_micro_batch=not config.keep_weights, overlap=overlap)
 
 
-def zero_grad_transient_bytes(config: ParallelConfig, per: BytesPerParam, units: Sequence[UnitCost],
-                              sizes: Sequence[float]) -> float:
-    """Bytes of gradients a zero 2/3 rank holds whole at once (units `units`, of `sizes` local
-    elements each): one bucket's as backward makes them (`per.grad`) and the flat copies of the
-    reductions in flight in the master dtype (`ZERO_REDUCTIONS_IN_FLIGHT`). A bucket is zero=3's
-    unit, zero=2's `DEFAULT_BUCKET_BYTES` of parameters or the largest parameter where that is
-    larger (runtime/sharded_optimizer.py, data_parallel.split_into_buckets); never more than the rank holds."""
-    if config.zero < 2 or not sizes:
-        return 0.0
-    if config.zero == 3:
-        bucket = max(sizes)
+def gradient_reductions(config: ParallelConfig, per: BytesPerParam, units: Sequence[UnitCost],
+                        sizes: Sequence[float], kept: Sequence[float], *, runtime: str,
+                        copies_inputs: bool) -> ReductionPeak:
+    """The worst moment of a rank's gradient reductions (`memory_model.reduction_peak`), for its
+    units `units` of `sizes` local elements and `kept` bytes of one micro-batch's activations each.
+    mplan's runtime (runtime/sharded_optimizer.py): zero=3's buckets are its units, zero 1 and 2's
+    `DEFAULT_BUCKET_BYTES` of parameters (the largest parameter alone where it is larger) cut in the
+    units' order (data_parallel.split_into_buckets), each complete once backward has passed the
+    first unit it holds a parameter of; under a pipeline they are reduced at the step, the
+    activations gone; `copies_inputs`: the backend copies a reduce-scatter's input (gloo, on CPU
+    ranks). Megatron-LM's runtime: zero=1 reduces its gradient buffer in place; zero 2/3 a bucket's
+    gradients and `ZERO_REDUCTIONS_IN_FLIGHT` copies beside all the activations (not walked)."""
+    if config.zero == 0 or not sizes:
+        return ReductionPeak(transient_bytes=0.0, activations_bytes=None)
+    if runtime != "mplan":
+        if config.zero == 1:
+            return ReductionPeak(transient_bytes=0.0, activations_bytes=None)
+        largest = max(u.largest_param for u in units)
+        bucket = max(sizes) if config.zero == 3 else min(sum(sizes), max(DEFAULT_BUCKET_BYTES / per.param, largest))
+        return ReductionPeak(transient_bytes=bucket * (per.grad + ZERO_REDUCTIONS_IN_FLIGHT * max(per.param, 4)),
+                             activations_bytes=None)
+    one_stage = config.pp == 1
+    return _walked_reductions(config.zero, per, tuple(sizes), tuple(u.largest_param for u in units),
+                              tuple(kept) if one_stage else None, config.dp,
+                              min(config.num_micro_batches, 2) if one_stage else 1, copies_inputs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _walked_reductions(zero: int, per: BytesPerParam, sizes: tuple[float, ...], largest: tuple[int, ...],
+                       kept: tuple[float, ...] | None, dp: int, micro_batches: int,
+                       copies_inputs: bool) -> ReductionPeak:
+    """`gradient_reductions` for mplan's runtime, once per rank shape (`kept` None: reduced at the
+    step, the activations gone; two micro-batches walk as many as more)."""
+    if zero == 3:
+        buckets, first_unit = list(sizes), list(range(len(sizes)))
     else:
-        bucket = min(sum(sizes), max(DEFAULT_BUCKET_BYTES / per.param, max(u.largest_param for u in units)))
-    master = max(per.param, 4)
-    return bucket * (per.grad + ZERO_REDUCTIONS_IN_FLIGHT * master)
+        cap = DEFAULT_BUCKET_BYTES / per.param
+        buckets, first_unit, filled = [], [], cap
+        for u, (size, alone) in enumerate(zip(sizes, largest)):
+            if alone > cap:  # a parameter larger than a bucket has one of its own
+                buckets.append(float(alone))
+                first_unit.append(u)
+                size, filled = size - alone, cap
+            while size > 0:
+                if filled >= cap:
+                    buckets.append(0.0)
+                    first_unit.append(u)
+                    filled = 0.0
+                take = min(size, cap - filled)
+                buckets[-1] += take
+                filled += take
+                size -= take
+    before = list(itertools.accumulate(kept, initial=0.0)) if kept is not None else [0.0] * (len(sizes) + 1)
+    return reduction_peak(buckets[::-1], [before[u] for u in first_unit][::-1], zero=zero, per_param=per,
+                          copy_bytes=max(per.param, 4), replicas=dp, outstanding=ZERO_REDUCTIONS_IN_FLIGHT - 1,
+                          micro_batches=micro_batches, activation_bytes=before[-1], backend_copies=copies_inputs)
 
 
 def gathered_window(sizes: Sequence[float], width: int = ZERO3_UNITS_IN_FLIGHT, *, spanning: float = 0.0) -> float:
@@ -433,18 +475,22 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         # once, in its forward.
         workspace = max((max(2 * units[u].largest_op_bytes, units[u].working_bytes(head_rows)) for u in rank_units),
                         default=0.0)
-        sizes = [moe.dense_params[u] + moe.expert_params[u] for u in rank_units] if config.zero >= 2 else []
+        sizes = [moe.dense_params[u] + moe.expert_params[u] for u in rank_units] if config.zero >= 1 else []
         gathered = 0.0
         if config.zero == 3:
             shared = _shared_glue(moe, rank_units)
             apart = [size - sum(n for name, n in moe.glue_params[u] if name in shared)
                      for u, size in zip(rank_units, sizes)]
             gathered = gathered_window(apart, spanning=sum(shared.values()))
+        # gloo (CPU ranks) reduce-scatters a copy of its input
+        reductions = gradient_reductions(config, per, [units[u] for u in rank_units], sizes,
+                                         [kept[u] for u in rank_units], runtime=facts.runtime,
+                                         copies_inputs=not issue.overlaps)
         return estimate_memory(
             num_params=dense, per_param=per, zero=config.zero, dp=config.dp, expert_params=expert_params,
             expert_dp=mesh.expert_dp, keep_weights=config.keep_weights,
             gathered_params=gathered,
-            grad_transient_bytes=zero_grad_transient_bytes(config, per, [units[u] for u in rank_units], sizes),
+            grad_transient_bytes=reductions.transient_bytes, activations_beside_transient=reductions.activations_bytes,
             recompute=config.recompute,
             activation_bytes=sum(moe.saved_bytes[u] for u in rank_units) / config.vpp,
             selective_activation_bytes=sum(moe.selective_bytes[u] for u in rank_units) / config.vpp,
