@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 from distributed import rel_err
+from test_fusion_hf import _batch  # 2 x 12 ids and labels of vocabulary 64, three ignored
 from torch import nn
 
 from mplan.kernels.dispatch import INTERPRET
@@ -76,14 +77,6 @@ def _build(family: str, dtype: torch.dtype = torch.float64) -> nn.Module:
     config = config_cls(**{**SHAPE, **extra})
     config._attn_implementation = attention
     return _Loss(model_cls(config).to(dtype))
-
-
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (2, 12), generator=generator)
-    labels = torch.randint(0, 64, (2, 12), generator=generator)
-    labels[0, :3] = -100
-    return ids, labels
 
 
 def _programs(family: str, dtype: torch.dtype = torch.float64) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
