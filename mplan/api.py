@@ -41,7 +41,7 @@ from mplan.cost_models.cluster import ClusterSpec
 from mplan.ir.graph import Graph
 from mplan.ir.trace import capture_for_training
 from mplan.models.config import GPTConfig, LlamaConfig, MoEConfig
-from mplan.planner.parallel_config import PlanSpec
+from mplan.planner.parallel_config import PlanSpec, PlanSpecError, parse_plan_spec
 from mplan.planner.plan import Plan
 from mplan.planner.resolve import check_before_capture, resolve_plan
 from mplan.progress import Progress
@@ -102,8 +102,12 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     plan = check_before_capture(plan, world_size=world_size, global_batch=global_batch, model=model,
                                 micro_batch_size=micro_batch_size, tp_layout=tp_layout)
     progress = Progress.of(progress)
+    # context parallelism: each rank's program is the model at its slice of every sequence, S / cp
+    # tokens, so capture that (every view and per-token op then has the rank's shapes;
+    # `passes.split_context` makes positions, attention and the loss whole-sequence exact)
+    captured = _context_slice(inputs, _context_degree(plan))
     with progress.phase("capture", type(model).__name__):
-        graph = capture_for_training(model, inputs, loss_fn=loss_fn)
+        graph = capture_for_training(model, captured, loss_fn=loss_fn)
     with progress.phase("plan", "searching" if plan is None else "binding the plan given") as planned:
         resolved = resolve_plan(plan, graph, cluster=cluster, world_size=world_size, global_batch=global_batch,
                                 micro_batch_size=micro_batch_size, tp_layout=tp_layout, within=EXECUTABLE,
@@ -128,6 +132,27 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     del graph
     gc.collect()
     return pm
+
+
+def _context_degree(plan: Plan | str | None) -> int:
+    if isinstance(plan, Plan):
+        return plan.mesh.cp
+    if isinstance(plan, str):
+        return parse_plan_spec(plan).cp or 1
+    return 1
+
+
+def _context_slice(inputs: tuple[torch.Tensor, ...], cp: int) -> tuple[torch.Tensor, ...]:
+    """The example inputs at one cp rank's sequence length, S / cp; the sequence (dim 1) must
+    split into 2 * cp equal chunks (head-tail: rank r holds chunks r and 2cp - 1 - r)."""
+    if cp == 1:
+        return inputs
+    for x in inputs:
+        if x.dim() < 2 or x.shape[1] % (2 * cp):
+            raise PlanSpecError(f"cp={cp} splits each sequence into 2*cp = {2 * cp} chunks (head-tail, so every "
+                                f"rank has the same causal attention work), but an example input has shape "
+                                f"{list(x.shape)}: its sequence dim 1 must be a multiple of {2 * cp}")
+    return tuple(x[:, : x.shape[1] // cp] for x in inputs)
 
 
 class ArgumentError(ValueError):

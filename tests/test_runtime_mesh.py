@@ -7,7 +7,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distributed import run_checks
@@ -17,16 +17,19 @@ from mplan.ir.mesh import AXES, MeshShape, mesh_for_world
 from mplan.runtime.process_groups import init_process_groups
 
 meshes = st.builds(
-    lambda edp, tp, pp, ep: MeshShape(dp=edp * ep, tp=tp, pp=pp, ep=ep),
-    st.integers(1, 4), st.integers(1, 4), st.integers(1, 3), st.integers(1, 3),
+    lambda edp, tp, pp, ep, cp: MeshShape(dp=edp * ep, tp=tp, pp=pp, ep=ep if cp == 1 else 1, cp=cp),
+    st.integers(1, 4), st.integers(1, 4), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3),
 )
 
 
+@settings(deadline=None)  # a loaded 2-core machine took 450 ms over one example once
 @given(meshes)
 def test_coordinates_round_trip_and_groups_partition_the_world(mesh: MeshShape) -> None:
     for rank in range(mesh.size):
         coord = mesh.coord(rank)
-        assert mesh.rank(tp=coord.tp, dp=coord.dp, pp=coord.pp) == rank
+        assert mesh.rank(tp=coord.tp, dp=coord.dp, pp=coord.pp, cp=coord.cp) == rank
+        # the replica mesh (dp x cp) is the same layout: its dp coordinate is cp + cp * dp
+        assert mesh.replicas().coord(rank).dp == coord.cp + mesh.cp * coord.dp
         assert coord.dp == coord.ep + mesh.ep * coord.expert_dp
     for axis in AXES:
         groups = mesh.groups(axis)
@@ -49,6 +52,20 @@ def test_expert_parallel_ranks_are_adjacent_inside_data_parallel() -> None:
     mesh = MeshShape(dp=4, tp=2, ep=2)
     assert mesh.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert mesh.groups("expert_dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_context_parallel_ranks_sit_next_to_tp() -> None:
+    """cp groups are the next consecutive ranks after tp (inside a node while tp * cp fits);
+    gradients reduce over dp x cp, the replica mesh's dp groups."""
+    mesh = MeshShape(dp=2, tp=2, cp=2)
+    assert mesh.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert mesh.replicas().groups("dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert mesh.group_shape("cp", gpus_per_node=8).level == "intra_node"
+    with pytest.raises(ValueError, match=r"dp\*tp\*pp\*cp = 2\*2\*1\*2 = 8 but the world size is 4"):
+        mesh.check_world_size(4)
+    with pytest.raises(ValueError, match="expert and context parallelism"):
+        MeshShape(dp=2, ep=2, cp=2)
 
 
 def test_bad_meshes_show_the_arithmetic() -> None:

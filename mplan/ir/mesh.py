@@ -1,17 +1,22 @@
 """The device mesh: how a world of ranks is laid out over the parallel axes, the one home of
 rank-layout arithmetic.
 
-Input: the degrees `dp`, `tp`, `pp` and `ep` of a plan. Output: rank <-> coordinate maps, the
+Input: the degrees `dp`, `tp`, `pp`, `ep` and `cp` of a plan. Output: rank <-> coordinate maps, the
 rank lists of every group along every axis (the runtime's process groups), and each axis's
 `GroupShape` on a cluster (how many of a group's ranks share a node: what the cost model prices).
 Pure arithmetic, no torch.distributed: the planner and `explain` use it without a process group.
 
 Axis order (fastest-varying first), as Megatron-LM's default `tp-cp-ep-dp-pp`:
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank),   dp_rank = ep_rank + ep * expert_dp_rank
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)),   dp_rank = ep_rank + ep * expert_dp_rank
 
 - `tp` innermost: tensor parallelism all-reduces inside every layer on the critical path,
   so a TP group must be consecutive ranks, i.e. on one node's NVLink domain.
+- `cp` next to it: context parallelism exchanges keys and values (or heads) in every
+  attention layer, forward and backward, also on the critical path, so its groups are the
+  next consecutive ranks, inside a node as long as tp * cp fits one. Putting it just inside
+  `dp` also makes `replicas()` (dp * cp ranks holding the same parameters) a plain mesh: the
+  runtime reduces gradients and shards optimizer state over dp x cp as over data parallelism.
 - `ep` inside `dp`: expert parallelism borrows data-parallel ranks (each EP rank still
   reads its own micro-batch); its all-to-all runs in every MoE layer, so it sits next to TP.
   The remaining data-parallel factor, `expert_dp = dp / ep`, replicates each expert.
@@ -19,7 +24,8 @@ Axis order (fastest-varying first), as Megatron-LM's default `tp-cp-ep-dp-pp`:
 - `pp` outermost: pipeline stages exchange only activations point-to-point, the least
   traffic, so they are the axis that crosses nodes first.
 
-Invariants: every degree is positive, `dp * tp * pp == world_size`, `ep` divides `dp`.
+Invariants: every degree is positive, `dp * tp * pp * cp == world_size`, `ep` divides `dp`;
+`ep > 1` with `cp > 1` is refused (not yet run together).
 Ranks fill nodes in order (rank r on node r // gpus_per_node).
 Every rank appears in exactly one group per axis; groups along an axis are listed in
 increasing order of their smallest rank, and ranks inside a group in increasing order
@@ -33,8 +39,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
-Axis = Literal["tp", "dp", "pp", "ep", "expert_dp"]
-AXES: tuple[Axis, ...] = ("tp", "dp", "pp", "ep", "expert_dp")
+Axis = Literal["tp", "dp", "pp", "ep", "expert_dp", "cp"]
+AXES: tuple[Axis, ...] = ("tp", "dp", "pp", "ep", "expert_dp", "cp")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,6 +52,8 @@ class MeshCoord:
     pp: int
     ep: int
     expert_dp: int
+    cp: int = 0
+    """position on the context-parallel axis: which slice of each sequence the rank holds"""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,9 +64,11 @@ class MeshShape:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
+    """context-parallel degree: each rank of a cp group holds 1/cp of every sequence"""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "ep"):
+        for name in ("dp", "tp", "pp", "ep", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"mesh degree {name} must be a positive int, got {value!r}")
@@ -67,11 +77,21 @@ class MeshShape:
                 f"ep must divide dp (experts are sharded over data-parallel ranks): "
                 f"dp % ep = {self.dp} % {self.ep} = {self.dp % self.ep}"
             )
+        if self.ep > 1 and self.cp > 1:
+            raise ValueError(f"ep={self.ep} with cp={self.cp}: expert and context parallelism do not run "
+                             f"together yet")
 
     @property
     def size(self) -> int:
         """Number of ranks the mesh spans."""
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
+
+    def replicas(self) -> MeshShape:
+        """The same ranks seen as data parallelism over dp * cp: the ranks that hold the same
+        parameters and sum (a cp rank's gradients are partial: its tokens' share) or average
+        their gradients. The layout is identical (cp sits just inside dp), so the replica
+        coordinate is cp_rank + cp * dp_rank."""
+        return MeshShape(dp=self.dp * self.cp, tp=self.tp, pp=self.pp, ep=self.ep)
 
     @property
     def expert_dp(self) -> int:
@@ -81,10 +101,9 @@ class MeshShape:
     def check_world_size(self, world_size: int) -> None:
         """Raise, showing the arithmetic, unless the mesh spans exactly `world_size` ranks."""
         if self.size != world_size:
-            raise ValueError(
-                f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.size} "
-                f"but the world size is {world_size}"
-            )
+            names, values = ("dp*tp*pp*cp", f"{self.dp}*{self.tp}*{self.pp}*{self.cp}") if self.cp > 1 else \
+                ("dp*tp*pp", f"{self.dp}*{self.tp}*{self.pp}")
+            raise ValueError(f"{names} = {values} = {self.size} but the world size is {world_size}")
 
     def degree(self, axis: Axis) -> int:
         return self.expert_dp if axis == "expert_dp" else getattr(self, axis)
@@ -94,18 +113,20 @@ class MeshShape:
         if not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} is outside a mesh of {self.size} ranks")
         tp_rank, rest = rank % self.tp, rank // self.tp
+        cp_rank, rest = rest % self.cp, rest // self.cp
         dp_rank, pp_rank = rest % self.dp, rest // self.dp
         return MeshCoord(
             tp=tp_rank, dp=dp_rank, pp=pp_rank,
-            ep=dp_rank % self.ep, expert_dp=dp_rank // self.ep,
+            ep=dp_rank % self.ep, expert_dp=dp_rank // self.ep, cp=cp_rank,
         )
 
-    def rank(self, *, tp: int = 0, dp: int = 0, pp: int = 0) -> int:
+    def rank(self, *, tp: int = 0, dp: int = 0, pp: int = 0, cp: int = 0) -> int:
         """Inverse of `coord` (the dp coordinate already encodes ep and expert_dp)."""
-        for name, value, degree in (("tp", tp, self.tp), ("dp", dp, self.dp), ("pp", pp, self.pp)):
+        for name, value, degree in (("tp", tp, self.tp), ("dp", dp, self.dp), ("pp", pp, self.pp),
+                                    ("cp", cp, self.cp)):
             if not 0 <= value < degree:
                 raise ValueError(f"{name} coordinate {value} is outside 0..{degree - 1}")
-        return tp + self.tp * (dp + self.dp * pp)
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
     def groups(self, axis: Axis) -> list[list[int]]:
         """All groups along `axis`: each the ranks that differ only in that coordinate."""
@@ -115,13 +136,13 @@ class MeshShape:
         return sorted(by_key.values())
 
     def __str__(self) -> str:
-        return f"dp={self.dp},tp={self.tp},pp={self.pp},ep={self.ep}"
-
+        return f"dp={self.dp},tp={self.tp},pp={self.pp},ep={self.ep}" + (f",cp={self.cp}" if self.cp > 1 else "")
 
     def stride(self, axis: Axis) -> int:
         """Rank distance between consecutive members of a group along `axis`."""
-        return {"tp": 1, "ep": self.tp, "dp": self.tp, "expert_dp": self.tp * self.ep,
-                "pp": self.tp * self.dp}[axis]
+        inner = self.tp * self.cp
+        return {"tp": 1, "cp": self.tp, "ep": inner, "dp": inner, "expert_dp": inner * self.ep,
+                "pp": inner * self.dp}[axis]
 
     def group_shape(self, axis: Axis, gpus_per_node: int) -> GroupShape:
         """How a group along `axis` sits on nodes of `gpus_per_node` (see `GroupShape.from_mesh_axis`)."""
@@ -205,14 +226,16 @@ def _p2p_shape(stride: int, pp: int, gpus_per_node: int) -> GroupShape:
 def _fixed_coords(coord: MeshCoord, axis: Axis) -> tuple[int, ...]:
     """The coordinates held fixed inside a group along `axis` (its identity)."""
     if axis == "tp":
-        return (coord.dp, coord.pp)
+        return (coord.dp, coord.pp, coord.cp)
+    if axis == "cp":
+        return (coord.tp, coord.dp, coord.pp)
     if axis == "dp":
-        return (coord.tp, coord.pp)
+        return (coord.tp, coord.pp, coord.cp)
     if axis == "pp":
-        return (coord.tp, coord.dp)
+        return (coord.tp, coord.dp, coord.cp)
     if axis == "ep":
-        return (coord.tp, coord.pp, coord.expert_dp)
-    return (coord.tp, coord.pp, coord.ep)
+        return (coord.tp, coord.pp, coord.cp, coord.expert_dp)
+    return (coord.tp, coord.pp, coord.cp, coord.ep)
 
 
 def mesh_for_world(world_size: int, *, tp: int = 1, pp: int = 1, ep: int = 1) -> MeshShape:

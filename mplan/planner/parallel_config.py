@@ -39,7 +39,7 @@ ZERO3_KEEPS_UNDER_PIPELINES: dict[str, bool] = {"mplan": True, "megatron": False
 plan says. mplan's does (`runtime/parallel_module.py`: `keep_gathered` under a pipeline), so its
 zero=3 pipeline plans are priced and recorded with keep_weights; Megatron-FSDP's is not known
 here, so both are priced for it."""
-_INT_KEYS = ("dp", "tp", "pp", "vpp", "ep", "mbs", "sp", "zero", "keep_weights")
+_INT_KEYS = ("dp", "tp", "pp", "vpp", "ep", "cp", "mbs", "sp", "zero", "keep_weights")
 _FLAG_KEYS = ("sp", "keep_weights")
 _KEYS = _INT_KEYS + ("recompute", "schedule", "capacity")
 
@@ -55,6 +55,9 @@ class ParallelConfig:
     pp: int  # pipeline stages (ranks)
     vpp: int = 1  # virtual stages per pipeline rank (interleaved schedule)
     ep: int = 1  # expert-parallel degree, dividing dp
+    # context-parallel degree: each rank holds 1/cp of every sequence (head-tail chunks); searched
+    # only where a spec names it (stage 1 of issue 34: the search does not price it yet)
+    cp: int = 1
     mbs: int = 1  # micro-batch size (sequences)
     num_micro_batches: int = 1  # per DP replica per step
     sp: bool = False  # sequence parallelism on the TP axis
@@ -68,16 +71,17 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def mesh(self) -> MeshShape:
-        return MeshShape(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep)
+        return MeshShape(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp)
 
     def spec(self) -> str:
         """The manual spec string that reproduces this config."""
         return (f"dp={self.dp},tp={self.tp},pp={self.pp},vpp={self.vpp},ep={self.ep},mbs={self.mbs},"
                 f"sp={int(self.sp)},zero={self.zero},recompute={self.recompute},schedule={self.schedule}"
+                + (f",cp={self.cp}" if self.cp > 1 else "")
                 + (",keep_weights=1" if self.keep_weights else "")
                 + (f",capacity={self.capacity_factor:g}" if self.capacity_factor is not None else ""))
 
@@ -87,6 +91,8 @@ class ParallelConfig:
             parts.append(f"vpp{self.vpp}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
         parts.append(f"mbs{self.mbs}")
         if self.sp:
             parts.append("sp")
@@ -108,6 +114,7 @@ class PlanSpec:
     pp: int | None = None
     vpp: int | None = None
     ep: int | None = None
+    cp: int | None = None  # None: 1 (context parallelism is not searched yet)
     mbs: int | None = None
     sp: int | None = None
     zero: int | None = None
@@ -134,6 +141,8 @@ class PlanSpec:
                 continue
             want = getattr(self, key)
             have = getattr(config, key)
+            if key == "cp" and want is None:
+                want = 1
             if want is not None and (int(have) if key in _FLAG_KEYS else have) != want:
                 return False
         return True
@@ -212,8 +221,13 @@ def enumerate_configs(*, world_size: int, gpus_per_node: int, global_batch: int,
                       spec: PlanSpec, allow_cross_node_tp: bool = False,
                       max_mbs: int = 8, zero_levels: tuple[int, ...] = ZERO_LEVELS,
                       runtime: str = DEFAULT_RUNTIME) -> Iterator[ParallelConfig]:
-    """Every config the spec admits: dp*tp*pp == world, tp | heads, pp <= layers, mbs | batch share,
-    zero among `zero_levels` as `runtime` runs them (`zero_variants`)."""
+    """Every config the spec admits: dp*tp*pp*cp == world, tp | heads, pp <= layers, mbs | batch share,
+    zero among `zero_levels` as `runtime` runs them (`zero_variants`). cp is the spec's (1 unless it
+    names one): the search does not price context parallelism's traffic yet, so it never picks it."""
+    cp = spec.cp or 1
+    if world_size % cp:
+        return
+    world_size //= cp  # the ranks left for dp * tp * pp
     for tp in divisors(world_size):
         if not allow_cross_node_tp and (tp > gpus_per_node or gpus_per_node % tp):
             continue  # a TP group must sit inside one node (and not straddle two)
@@ -234,7 +248,8 @@ def enumerate_configs(*, world_size: int, gpus_per_node: int, global_batch: int,
                     if mbs > max_mbs:
                         continue
                     m = global_batch // (dp * mbs)
-                    yield from _variants(ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, mbs=mbs, num_micro_batches=m),
+                    yield from _variants(ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, mbs=mbs,
+                                                        num_micro_batches=m),
                                          limits, spec, zero_levels, runtime)
 
 

@@ -122,6 +122,8 @@ class Mesh:
     pp: int
     ep: int
     vpp: int
+    # context parallelism: each rank holds 1/cp of every sequence; optional in the file (absent: 1)
+    cp: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -224,13 +226,14 @@ class Plan:
         return (f"dp={m.dp},tp={m.tp},pp={m.pp},vpp={m.vpp},ep={m.ep},mbs={self.micro_batch_size},"
                 f"sp={int(self.sequence_parallel)},zero={self.zero},recompute={self.recompute},"
                 f"schedule={self.schedule}"
+                + (f",cp={m.cp}" if m.cp > 1 else "")
                 + (",keep_weights=1" if self.zero3_keep_weights else "")
                 + (f",capacity={self.capacity_factor:g}" if self.capacity_factor is not None else ""))
 
     def mesh_shape(self) -> MeshShape:
         """The rank layout of this plan's mesh (ep and vpp do not add ranks)."""
         m = self.mesh
-        return MeshShape(dp=m.dp, tp=m.tp, pp=m.pp, ep=m.ep)
+        return MeshShape(dp=m.dp, tp=m.tp, pp=m.pp, ep=m.ep, cp=m.cp)
 
     def describe(self) -> str:
         """The layout in one line, for messages: the spec and the micro-batching."""
@@ -314,7 +317,7 @@ class Plan:
         """Refuse a plan made for another world size or another model, before any collective."""
         if self.cluster.world_size != world_size:
             raise PlanError(f"plan was made for {self.cluster.world_size} ranks "
-                            f"(dp*tp*pp = {self.mesh.dp}*{self.mesh.tp}*{self.mesh.pp}) but this job has "
+                            f"(dp*tp*pp*cp = {self.mesh.dp}*{self.mesh.tp}*{self.mesh.pp}*{self.mesh.cp}) but this job has "
                             f"{world_size}; re-plan with `mplan plan` for this cluster")
         if graph_hash is not None and graph_hash != self.model.graph_hash:
             raise PlanError(f"plan was made for another model ({self.model.name}, graph hash "
@@ -374,7 +377,8 @@ def _cluster(r: FieldReader) -> ClusterInfo:
 
 
 def _mesh(r: FieldReader) -> Mesh:
-    mesh = Mesh(dp=r.integer("dp"), tp=r.integer("tp"), pp=r.integer("pp"), ep=r.integer("ep"), vpp=r.integer("vpp"))
+    mesh = Mesh(dp=r.integer("dp"), tp=r.integer("tp"), pp=r.integer("pp"), ep=r.integer("ep"), vpp=r.integer("vpp"),
+                cp=r.integer("cp") if r.has("cp") else 1)
     r.finish()
     return mesh
 
@@ -491,9 +495,12 @@ def _numbers(r: FieldReader, key: str) -> dict[str, float]:
 
 def _check_consistent(plan: Plan, file: str) -> None:
     m = plan.mesh
-    if m.dp * m.tp * m.pp != plan.cluster.world_size:
-        raise PlanError(f"{file}: mesh dp*tp*pp = {m.dp}*{m.tp}*{m.pp} = {m.dp * m.tp * m.pp} does not equal "
-                        f"cluster.world_size {plan.cluster.world_size}")
+    if m.dp * m.tp * m.pp * m.cp != plan.cluster.world_size:
+        raise PlanError(f"{file}: mesh dp*tp*pp*cp = {m.dp}*{m.tp}*{m.pp}*{m.cp} = {m.dp * m.tp * m.pp * m.cp} does "
+                        f"not equal cluster.world_size {plan.cluster.world_size}")
+    if m.cp > 1 and (m.ep > 1 or plan.model.seq_len % (2 * m.cp)):
+        raise PlanError(f"{file}: mesh.cp={m.cp} needs ep=1 and model.seq_len divisible by 2*cp (head-tail "
+                        f"chunks), got ep={m.ep}, seq_len={plan.model.seq_len}")
     if plan.global_batch != m.dp * plan.micro_batch_size * plan.num_micro_batches:
         raise PlanError(f"{file}: global_batch {plan.global_batch} != dp*micro_batch_size*num_micro_batches = "
                         f"{m.dp}*{plan.micro_batch_size}*{plan.num_micro_batches}")

@@ -158,10 +158,11 @@ def build_plan(result: SearchResult, graph: Graph, cluster: ClusterSpec, global_
                          for e in [*_diverse(result.ranked, best), *result.rejected[:2]])
     return Plan(
         model=ModelInfo(name=graph.model_name, num_parameters=graph.num_parameters, num_layers=graph.num_layers,
-                        seq_len=graph.seq_len or 1, graph_hash=graph_hash(graph)),
+                        # under cp the graph is one rank's slice of each sequence (`api`), S / cp tokens
+                        seq_len=(graph.seq_len or 1) * config.cp, graph_hash=graph_hash(graph)),
         cluster=ClusterInfo(name=cluster.name, nodes=cluster.num_nodes, gpus_per_node=cluster.gpus_per_node,
                             world_size=cluster.world_size, device=cluster.device.name, figures=cluster.figures),
-        mesh=Mesh(dp=config.dp, tp=config.tp, pp=config.pp, ep=config.ep, vpp=config.vpp),
+        mesh=Mesh(dp=config.dp, tp=config.tp, pp=config.pp, ep=config.ep, vpp=config.vpp, cp=config.cp),
         sequence_parallel=config.sp, zero=config.zero, micro_batch_size=config.mbs,
         num_micro_batches=config.num_micro_batches, global_batch=global_batch, schedule=config.schedule,
         recompute=config.recompute, stages=stages, sharding=_param_placements(graph, model, best, units), ops=ops,

@@ -63,10 +63,10 @@ def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec,
     plan = check_before_capture(plan, world_size=world_size, global_batch=global_batch,
                                 micro_batch_size=micro_batch_size, tp_layout=tp_layout)
 
-    def planner(layout: str) -> Planner:
+    def planner(layout: str, context_slice: int = 1) -> Planner:
         # FP8 GEMMs priced where the cluster has them; elsewhere the runtime refuses fp8, naming why
         return Planner(graph, cluster, kernels=kernels, fp8=fp8 and bool(cluster.device.peak_fp8), runtime="mplan",
-                       tp_layout=layout, progress=progress)
+                       tp_layout=layout, progress=progress, context_slice=context_slice)
 
     if plan is None or (isinstance(plan, str) and plan.strip() in ("", "auto")):
         result = planner("ilp").search(global_batch, within, zero_levels=EXECUTABLE_ZERO["mplan"])
@@ -75,7 +75,8 @@ def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec,
         made = _bind(plan, graph, world_size, global_batch)
     elif isinstance(plan, str):
         config = _config_of(plan, world_size, global_batch, micro_batch_size, graph)
-        search = planner(tp_layout)
+        # with cp, `graph` is one rank's slice of each sequence (`api.autoparallel` captures it so)
+        search = planner(tp_layout, config.cp)
         _check_heads(plan, config.tp, search.limits.num_heads, graph)
         estimate = search.evaluate(config)
         result = SearchResult(best=estimate, ranked=[estimate], rejected=[], sharded=search._sharded,
@@ -154,13 +155,22 @@ def _degrees_of(text: str, world_size: int, global_batch: int,
     """The spec, dp and micro-batch size a spec string asks for on this world and batch, with
     every refusal showing its arithmetic: all `_config_of` checks that need no graph."""
     spec = parse_plan_spec(text)
-    tp, pp = spec.tp or 1, spec.pp or 1
-    if spec.dp is None and world_size % (tp * pp):
-        raise PlanSpecError(f"plan {text!r}: tp*pp = {tp}*{pp} = {tp * pp} does not divide the world size {world_size}")
-    dp = spec.dp or world_size // (tp * pp)
-    if dp * tp * pp != world_size:
-        raise PlanSpecError(f"plan {text!r}: dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} ranks but the world has "
-                         f"{world_size}")
+    tp, pp, cp = spec.tp or 1, spec.pp or 1, spec.cp or 1
+    # cp shown in the arithmetic only where the spec has it
+    names, values = ("*cp", f"*{cp}") if cp > 1 else ("", "")
+    if spec.dp is None and world_size % (tp * pp * cp):
+        raise PlanSpecError(f"plan {text!r}: tp*pp{names} = {tp}*{pp}{values} = {tp * pp * cp} does not divide the "
+                            f"world size {world_size}")
+    dp = spec.dp or world_size // (tp * pp * cp)
+    if dp * tp * pp * cp != world_size:
+        raise PlanSpecError(f"plan {text!r}: dp*tp*pp{names} = {dp}*{tp}*{pp}{values} = {dp * tp * pp * cp} ranks "
+                            f"but the world has {world_size}")
+    if cp > 1 and (spec.ep or 1) > 1:
+        raise PlanSpecError(f"plan {text!r}: cp={cp} with ep={spec.ep}: expert and context parallelism do not run "
+                            f"together yet")
+    if cp > 1 and pp > 1:
+        raise PlanSpecError(f"plan {text!r}: cp={cp} with pp={pp}: context parallelism does not run under a "
+                            f"pipeline yet")
     if spec.ep is not None and dp % spec.ep:
         raise PlanSpecError(f"plan {text!r}: ep={spec.ep} does not divide the dp={dp} data-parallel ranks it is "
                             f"carved from ({dp} % {spec.ep} = {dp % spec.ep})")
@@ -197,7 +207,7 @@ def _config_of(text: str, world_size: int, global_batch: int, micro_batch_size: 
         raise PlanError(f"plan {text!r}: {graph.model_name} could only be captured at a fixed batch of "
                         f"{graph.batch_size} (it specializes on the batch size), so micro-batches of {mbs} cannot "
                         f"run it; use mbs={graph.batch_size}")
-    return ParallelConfig(dp=dp, tp=tp, pp=pp, vpp=spec.vpp or 1, ep=spec.ep or 1, mbs=mbs,
+    return ParallelConfig(dp=dp, tp=tp, pp=pp, vpp=spec.vpp or 1, ep=spec.ep or 1, cp=spec.cp or 1, mbs=mbs,
                           num_micro_batches=replica // mbs, sp=bool(spec.sp), zero=spec.zero or 0,
                           keep_weights=bool(spec.keep_weights) or (spec.zero == 3 and pp > 1 and
                                                                    ZERO3_KEEPS_UNDER_PIPELINES["mplan"]),

@@ -30,6 +30,7 @@ from mplan.ir.graph import Graph, OpNode
 from mplan.ir.mesh import GroupShape
 from mplan.ir.moe import num_experts
 from mplan.ir.rebatch import rebatch
+from mplan.planner.context_pricing import kv_exchange_s, replica_config, with_context_parallel
 from mplan.ir.strategy import Strategy
 from mplan.planner.evaluate import NO_CUT_IN_MEMORY, Estimate, ModelFacts, device_word, evaluate, gib_versus
 from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains, find_fused_saves
@@ -107,10 +108,15 @@ class Planner:
     def __init__(self, graph: Graph, cluster: ClusterSpec, *, allow: StrategyFilter | None = None,
                  grad_dtype: str = "fp32", fp32_grad_copy: bool = True, kernels: bool = False,
                  fp8: bool = False, runtime: str = DEFAULT_RUNTIME, tp_layout: str = "ilp", moe_imbalance: float = 1.0,
-                 progress: Callable[[str], None] | None = None, host_factor: float | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, host_factor: float | None = None,
+                 context_slice: int = 1) -> None:
         """`moe_imbalance`: for MoE models, the token copies the busiest expert-parallel rank takes
         over the mean (1.0: uniform routing; `ModelFacts.moe_imbalance`). `host_factor`: host
-        seconds per op over the bare ops' (None: the runtime's own, `host_cost.runtime_host`)."""
+        seconds per op over the bare ops' (None: the runtime's own, `host_cost.runtime_host`).
+        `context_slice`: the cp degree whose one rank's slice of each sequence `graph` is (1: whole
+        sequences); configs of another cp are refused, since the slice is what a cp plan is priced on
+        (`context_pricing.py`)."""
+        self.context_slice = context_slice
         if runtime not in RUNTIMES:
             raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
         if tp_layout not in TP_LAYOUTS:
@@ -185,6 +191,17 @@ class Planner:
         return solve_tp_layout(graph, coster, sp=sp, layout=self.tp_layout, allow=allow)
 
     def evaluate(self, config: ParallelConfig, *, fast: bool = False, **options: float) -> Estimate:
+        if config.cp != self.context_slice:
+            raise PlanningError(f"cp={config.cp} is priced on a capture of one rank's slice of each sequence "
+                                f"(S / cp tokens, as autoparallel captures it); this graph is "
+                                f"{'whole sequences' if self.context_slice == 1 else f'a cp={self.context_slice} slice'}")
+        if config.cp > 1:  # the graph is one cp rank's slice: priced as dp * cp replicas, plus the K/V exchange
+            units = self.units(config.tp, config.sp, config.mbs)
+            experts = self.sharded(config.tp, config.sp).experts[config.mbs]
+            replica = evaluate(replica_config(config), units, self.cluster, self.facts, experts=experts, fast=fast,
+                               **options)
+            graph = self._at_batch[config.mbs] if config.mbs in self._at_batch else rebatch(self.captured, config.mbs)
+            return with_context_parallel(config, replica, kv_exchange_s(config, graph, self.cluster))
         units = self.units(config.tp, config.sp, config.mbs)
         experts = self.sharded(config.tp, config.sp).experts[config.mbs]
         return evaluate(config, units, self.cluster, self.facts, experts=experts, fast=fast, **options)

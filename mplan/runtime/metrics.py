@@ -120,9 +120,13 @@ class StepMeter:
         # a Plan for the `cpu` cluster is priced with nominal placeholder figures: no forecast to show
         predicted = None if plan.cluster.device == "cpu" else plan.predicted
         mesh = plan.mesh
-        tokens = plan.global_batch * (self.graph.seq_len or 1)
-        flops = self.flops_per_sequence() * plan.global_batch
-        tflops = flops / seconds / (mesh.dp * mesh.tp * mesh.pp) / 1e12 if flops > 0 and seconds > 0 else None
+        # under cp the graph is one rank's slice of each sequence (S / cp tokens): every token is
+        # counted once, on the rank that holds it; its FLOPs times cp count the attention of a
+        # slice's queries against its own keys only (S^2 / cp of S^2 per sequence: a low MFU figure)
+        tokens = plan.global_batch * (self.graph.seq_len or 1) * mesh.cp
+        flops = self.flops_per_sequence() * plan.global_batch * mesh.cp
+        ranks = mesh.dp * mesh.tp * mesh.pp * mesh.cp
+        tflops = flops / seconds / ranks / 1e12 if flops > 0 and seconds > 0 else None
         peak = _peak_flops(plan, self.device)
         mfu = tflops * 1e12 / peak if tflops is not None and peak is not None else None
         memory = (torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None)

@@ -71,6 +71,7 @@ from torch import nn
 
 from mplan.collectives.flat import broadcast_tensor
 from mplan.collectives.redistribute import AxisGroup, apply_transition
+from mplan.ir.context_layout import head_tail
 from mplan.ir.graph import Graph
 from mplan.ir.placement import R, Shard
 from mplan.ir.rebatch import rebatch
@@ -80,6 +81,7 @@ from mplan.passes.expert_parallel import NO_EXPERT_PARALLELISM, ExpertsLowering
 from mplan.passes.insert_collectives import INPUTS, LocalInput, insert_collectives
 from mplan.passes.recompute import checkpoint_units
 from mplan.passes.shard_parameters import ParameterSource, materialize_buffers, shard_parameters
+from mplan.passes.split_context import ContextLowering, split_context
 from mplan.passes.split_stages import StageProgram, split_stages
 from mplan.planner.plan import Plan, PlanError
 from mplan.progress import Progress
@@ -110,8 +112,12 @@ class PlanMismatch(RuntimeError):
 
 def check_executable(plan: Plan) -> None:
     """Refuse a pipeline plan whose schedule this runtime cannot run (an unknown name, a shape the
-    micro-batches do not fit), raised alike on every rank, before any collective."""
+    micro-batches do not fit), or context parallelism under a pipeline (not lowered yet), raised
+    alike on every rank, before any collective."""
     m = plan.mesh
+    if m.cp > 1 and m.pp > 1:
+        raise PlanError(f"plan {plan.spec()}: cp={m.cp} with pp={m.pp}: context parallelism does not run under a "
+                        f"pipeline yet")
     if m.pp > 1 or len(plan.stages) > 1:
         pipeline_schedule(plan)  # an unknown schedule or a shape it cannot run: ScheduleError, here
 
@@ -178,7 +184,7 @@ def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.
     experts = experts_lowering(plan, groups)
     program = local_program(program_graph, choice, axis, device=device, kernels=kernels, fp8=fp8, experts=experts,
                             split_backward=len(plan.stages) > 1 and plan.schedule == "zb-h1",
-                            head_chunk_rows=plan.head_loss_chunk_rows)
+                            head_chunk_rows=plan.head_loss_chunk_rows, context=context_lowering(plan, groups))
     pipeline = rank_stages(program, program_graph, plan, groups) if len(plan.stages) > 1 else None
     inputs = pipeline.inputs if pipeline is not None else program.meta[INPUTS]
     shards = shard_parameters(graph, choice, axis.rank, axis.size, source, seed=seed, device=device, dtype=dtype,
@@ -205,6 +211,15 @@ def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.
                           layouts=parameter_layouts(graph, choice), optimizer=optimizer, device=device,
                           max_grad_norm=max_grad_norm, autocast=autocast, kernels=kernels, fp8=fp8,
                           inference=inference, pipeline=pipeline, experts=experts)
+
+
+def context_lowering(plan: Plan, groups: ProcessGroups) -> ContextLowering | None:
+    """The plan's context parallelism as the passes take it: head-tail chunks of the plan's
+    sequence (each rank the same causal attention work), all-gathered keys and values; None at cp=1."""
+    if plan.mesh.cp == 1:
+        return None
+    return ContextLowering(layout=head_tail(plan.model.seq_len, plan.mesh.cp), axis=groups.axis("cp"),
+                           method="all_gather")
 
 
 def experts_lowering(plan: Plan, groups: ProcessGroups) -> ExpertsLowering:
@@ -235,7 +250,7 @@ class _ProgramGraph:
 def local_program(graph: Graph, choice: Mapping[str, Strategy], axis: AxisGroup, *,
                   device: torch.device, kernels: bool, fp8: bool = False, output: int = 0,
                   experts: ExpertsLowering = NO_EXPERT_PARALLELISM, split_backward: bool = False,
-                  head_chunk_rows: int | None = None) -> fx.GraphModule:
+                  head_chunk_rows: int | None = None, context: ContextLowering | None = None) -> fx.GraphModule:
     """`insert_collectives`, then (`kernels`) `fuse_kernels` on the local program, and (`fp8`)
     its FP8 linears (which raise `Fp8Unavailable` naming why where FP8 GEMMs cannot run).
 
@@ -248,6 +263,10 @@ def local_program(graph: Graph, choice: Mapping[str, Strategy], axis: AxisGroup,
     dX and dW the split runs apart. `head_chunk_rows`: the fused head + loss's rows per chunk
     (the plan's; None: the op's default). `program.meta["fuse_kernels"]` reports what fired."""
     program = insert_collectives(graph, choice, axis, device=device, output=output, experts=experts)
+    if context is not None:  # before fusion: attention becomes context attention, the loss the cp share
+        labels = next((spec.placeholder for spec in program.meta[INPUTS]
+                       if spec.kind == "USER_INPUT" and spec.name == "labels"), None)
+        split_context(program, context, labels=labels, device=device)
     if kernels or fp8:
         # imported here: it loads the Triton kernels, which `import mplan` should not pay for
         from mplan.passes.fuse_kernels import fuse_kernels
@@ -366,8 +385,8 @@ class ParallelModule:
     def dp_rank(self) -> int:
         """This rank's data-parallel replica, 0 .. dp_size - 1: a sampler's `rank`
         (`DistributedSampler(data, num_replicas=pm.dp_size, rank=pm.dp_rank)`). Ranks that differ
-        only in TP, PP or EP share it: they must read the same rows."""
-        return self.groups.dp_rank
+        only in TP, PP, EP or CP share it: they must read the same rows."""
+        return self.groups.data_rank
 
     @property
     def dp_size(self) -> int:
@@ -402,8 +421,15 @@ class ParallelModule:
                 raise ValueError(f"train_step got {t.shape[0]} rows; {where} is {rows} "
                                  f"(plan {self.plan.describe()}, global batch {self.plan.global_batch})")
         if not local:
-            start = self.groups.dp_rank * replica
+            start = self.groups.data_rank * replica
             tensors = tuple(t[start:start + replica] for t in tensors)
+        if self.plan.mesh.cp > 1:  # this rank's tokens of every sequence (`context_lowering`'s layout)
+            layout = head_tail(self.plan.model.seq_len, self.plan.mesh.cp)
+            for t in tensors:
+                if t.dim() < 2 or t.shape[1] != layout.seq_len:
+                    raise ValueError(f"train_step under cp={layout.cp} takes [rows, {layout.seq_len}, ...] "
+                                     f"tensors (the plan's sequence length), got {list(t.shape)}")
+            tensors = tuple(layout.split(t, 1, self.groups.cp_rank) for t in tensors)
         tensors = tuple(t.to(self.device) for t in tensors)
         mbs, count = self.plan.micro_batch_size, self.plan.num_micro_batches
         if self.executor is not None:
@@ -425,7 +451,8 @@ class ParallelModule:
             # Gradients live from the first backward to the update, as in an eager loop that
             # zeroes after stepping: none are held between steps, nor after a failed one.
             self.optimizer.zero_grad()
-        total /= count * self.plan.mesh.dp
+        # over dp x cp ranks under context parallelism (each cp rank's loss is its share, scaled by cp)
+        total /= count * self.groups.mesh.dp
         if group_size(self.groups.dp) > 1:
             self.position.collective("loss all-reduce", "dp")
             dist.all_reduce(total, group=self.groups.dp)
@@ -491,6 +518,9 @@ class ParallelModule:
     def __call__(self, inputs: Batch) -> torch.Tensor:
         """Forward only, on every rank alike; logits whole (gathered when vocabulary-sharded, sent
         from the last pipeline stage to every rank under a pipeline plan)."""
+        if self.plan.mesh.cp > 1:
+            raise NotImplementedError(f"forward-only calls under cp={self.plan.mesh.cp} are not lowered yet "
+                                      f"(train_step is); run inference under a plan without cp")
         tensors = tuple(t.to(self.device) for t in _as_tuple(inputs))
         rows = tensors[0].shape[0]
         if rows not in self._inference:

@@ -10,6 +10,12 @@ globally: code that communicates receives a `ProcessGroups` (or one of its group
 so two meshes can coexist in one process (tests do this) and no function can reach for the
 wrong grid.
 
+Context parallelism (cp > 1): the groups are those of `mesh.replicas()`, whose "dp" axis is
+dp x cp (the ranks holding the same parameters: gradients reduce and optimizer state shards over
+them, as Megatron's distributed optimizer does over its dp-cp group), plus `cp`, this rank's
+context-parallel group (attention's exchanges), and `data_rank`, the true data-parallel
+coordinate that picks the batch rows.
+
 Invariants:
 - The DeviceMesh's rank grid is `MeshShape`'s layout (tp fastest, then dp = ep + ep * expert_dp,
   then pp), so each axis group holds exactly the ranks `MeshShape.groups(axis)` lists.
@@ -20,6 +26,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -60,6 +67,16 @@ class ProcessGroups:
     ep: ProcessGroup | None
     expert_dp: ProcessGroup | None
     """Replicas of this rank's experts: the dp group divided by ep."""
+    cp: ProcessGroup | None = None
+    """This rank's context-parallel group (None: cp == 1)."""
+    cp_size: int = 1
+    cp_rank: int = 0
+
+    @property
+    def data_rank(self) -> int:
+        """The data-parallel coordinate that picks this rank's batch rows (the dp coordinate
+        counts dp x cp under context parallelism: cp ranks of one replica share rows)."""
+        return self.coord.dp // self.cp_size
 
     @property
     def tp_rank(self) -> int:
@@ -90,11 +107,29 @@ class ProcessGroups:
 
     def axis(self, axis: Axis) -> AxisGroup:
         """This rank's view of one axis (group, size, index), as the collectives take it."""
+        if axis == "cp":
+            return AxisGroup(group=self.cp, size=self.cp_size, rank=self.cp_rank)
         return AxisGroup(group=self.group(axis), size=self.mesh.degree(axis), rank=getattr(self.coord, axis))
 
 
 def init_process_groups(mesh: MeshShape) -> ProcessGroups:
     """Create the groups of `mesh` on every rank (collective: call it on all ranks alike)."""
+    if mesh.cp == 1:
+        return _init_groups(mesh)
+    made = _init_groups(mesh.replicas())
+    if not dist.is_initialized():
+        raise ValueError(f"cp={mesh.cp} needs {mesh.size} ranks; there is no process group")
+    mine = None
+    for ranks in mesh.groups("cp"):  # every rank creates every group, in the same order
+        group = dist.new_group(ranks)
+        if made.rank in ranks:
+            mine = group
+    coord = mesh.coord(made.rank)
+    assert made.coord.dp == coord.cp + mesh.cp * coord.dp, "cp must sit just inside dp (ir/mesh.py)"
+    return dataclasses.replace(made, cp=mine, cp_size=mesh.cp, cp_rank=coord.cp)
+
+
+def _init_groups(mesh: MeshShape) -> ProcessGroups:
     if not dist.is_initialized():
         mesh.check_world_size(1)
         return ProcessGroups(mesh=mesh, rank=0, coord=mesh.coord(0), device_mesh=None, expert_mesh=None,
