@@ -37,6 +37,14 @@ def cp2_llama() -> dict[str, Any]:
     return _compare(family(LLAMA), "cp=2", 2, ignored=5)
 
 
+def cp2_llama_ring() -> dict[str, Any]:
+    return _compare(family(LLAMA), "cp=2,cp_method=ring", 2, ignored=5)
+
+
+def cp2_llama_all_to_all() -> dict[str, Any]:
+    return _compare(family(LLAMA), "cp=2,cp_method=all_to_all", 2, ignored=5)
+
+
 def cp4_llama() -> dict[str, Any]:
     return _compare(family(LLAMA), "cp=4", 2)
 
@@ -80,11 +88,13 @@ def _check(values: list[dict[str, Any]], cp: int) -> None:
 
 @pytest.fixture(scope="module")
 def world2() -> Any:
-    return run_checks(2, [cp2_llama, refuses_uneven_sequence, refuses_hf_mask_tensor], timeout_s=300)
+    return run_checks(2, [cp2_llama, cp2_llama_ring, cp2_llama_all_to_all, refuses_uneven_sequence,
+                          refuses_hf_mask_tensor], timeout_s=300)
 
 
-def test_cp2_llama(world2: Any) -> None:
-    _check(world2.assert_passed(cp2_llama), 2)
+@pytest.mark.parametrize("check", [cp2_llama, cp2_llama_ring, cp2_llama_all_to_all])
+def test_cp2_llama(world2: Any, check: Any) -> None:
+    _check(world2.assert_passed(check), 2)
 
 
 def test_sequence_must_split_into_2cp_chunks(world2: Any) -> None:
@@ -145,6 +155,7 @@ def test_plan_records_cp_and_round_trips() -> None:
 def test_cp_is_priced_as_replicas_plus_the_kv_exchange() -> None:
     """The step of a cp plan: its dp * cp replica config on the rank's slice plus the K/V
     all-gather and reduce-scatter of both attention layers, from collective_time."""
+    import dataclasses
     import io
 
     from rich.console import Console
@@ -177,13 +188,23 @@ def test_cp_is_priced_as_replicas_plus_the_kv_exchange() -> None:
     assert plan.predicted.step_time_s == pytest.approx(replica.step_time_s + exchange)
     out = io.StringIO()
     render(plan, Console(file=out, width=200))
-    assert "cp=2" in out.getvalue() and "K/V all-gather" in out.getvalue()
+    assert "cp=2 (head-tail chunks, keys and values all-gathered)" in out.getvalue()
+    # a ring of two ranks: one hop of K, V forward; one of K, V and two of dK, dV backward, per layer
+    ring = dataclasses.replace(config, cp_method="ring")
+    hop = collective_time(cluster, "send_recv", kv_bytes // 2, config.mesh.group_shape("cp", 2))
+    assert kv_exchange_s(ring, planner._at_batch[config.mbs], cluster) == pytest.approx(2 * 4 * hop)
 
 
 def test_spec_grammar_and_search_keep_cp_one_unless_named() -> None:
     from mplan.planner.parallel_config import ModelLimits, PlanSpec, enumerate_configs, parse_plan_spec
 
+    from mplan.collectives.context_attention import METHODS
+    from mplan.planner.parallel_config import CP_METHODS, PlanSpecError
+
     assert parse_plan_spec("cp=2,tp=2").cp == 2
+    assert CP_METHODS == METHODS and parse_plan_spec("cp=2,cp_method=ring").cp_method == "ring"
+    with pytest.raises(PlanSpecError, match="cp_method must be one of all_gather, ring, all_to_all"):
+        parse_plan_spec("cp=2,cp_method=ulysses")
     limits = ModelLimits(num_layers=2, num_heads=4, num_kv_heads=2, num_experts=0, seq_len=16)
     searched = list(enumerate_configs(world_size=4, gpus_per_node=4, global_batch=4, limits=limits, spec=PlanSpec()))
     assert searched and {c.cp for c in searched} == {1}

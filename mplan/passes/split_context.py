@@ -171,6 +171,11 @@ def _attention(node: fx.Node, lowering: ContextLowering) -> ContextAttention:
     if call.get("dropout_p", 0.0):
         raise UnexecutableStrategy(f"node {node.name} (scaled_dot_product_attention): attention dropout "
                                    f"p={call['dropout_p']} under cp={lowering.layout.cp} is not lowered")
+    heads = node.args[0].meta["val"].shape[1] if "val" in node.args[0].meta else None
+    if lowering.method == "all_to_all" and heads is not None and heads % lowering.layout.cp:
+        raise UnexecutableStrategy(f"node {node.name} (scaled_dot_product_attention): cp_method=all_to_all splits "
+                                   f"this rank's {heads} query heads over cp={lowering.layout.cp}, which does not "
+                                   f"divide them; use cp_method=all_gather or ring")
     mask = CAUSAL if call.get("is_causal") else AttentionMask(causal=False)
     return ContextAttention(lowering=lowering, mask=mask, scale=call.get("scale"), node=node.name)
 

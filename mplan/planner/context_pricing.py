@@ -8,19 +8,22 @@ dp * cp data-parallel ranks on the S / cp graph, the same rank layout, so gradie
 ZeRO sharding are priced over dp x cp, as the runtime runs them). Output: that Estimate plus the
 attention's key/value exchange, with the config put back.
 
-    t_cp = passes * m * sum over attention ops of
-           [ all_gather(K_local + V_local bytes * cp) + reduce_scatter(dK + dV, the same bytes) ]
-    passes: forward once, backward once (the reduce-scatter is backward's, the gather recomputed
-    only under full recomputation: counted then), over the cp group's `GroupShape`;
-    m micro-batches; every term from `collective_time` on the cluster's link profile.
+    t_cp = m * sum over attention ops of the method's exchanges, kv = K_local + V_local bytes:
+      all_gather  forward all_gather(kv * cp), backward reduce_scatter(kv * cp) of dK, dV
+      ring        forward (cp - 1) send_recv(kv), backward (cp - 1) send_recv(kv) + cp send_recv(kv)
+                  of the travelling dK, dV accumulators
+      all_to_all  forward all_to_all of q, k, v and out, backward the four inverse ones
+    a forward's exchanges twice under full recomputation; m micro-batches; over the cp group's
+    `GroupShape`; every term from `collective_time` on the cluster's link profile.
 
-What is priced: each rank's ops at its local shapes (the graph), the all-gather of K and V in
-forward and the reduce-scatter of their gradients in backward (exposed: the all_gather method does
-not overlap them), gradient reduction and optimizer sharding over dp x cp.
+What is priced: each rank's ops at its local shapes (the graph), the method's exchanges,
+exposed (no overlap with the attention's math: the runtime's ring does post each hop before its
+block's math, but how much that hides is not measured yet), gradient reduction and optimizer
+sharding over dp x cp.
 What is not priced yet (stage 2): the attention FLOPs of a slice's queries against the other
 ranks' keys (the graph's attention sees S / cp keys: the cp share of attention is under-counted
-by a factor cp), the gathered K and V in memory, the ring method's overlap and Ulysses' all-to-all.
-`explain` says so beside the figures.
+by a factor cp), the exchanged blocks in memory, the ring's overlap. `explain` says so beside
+the figures.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import dataclasses
 
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.collective_cost import collective_time
-from mplan.ir.graph import Graph
+from mplan.ir.graph import Graph, TensorMeta
 from mplan.planner.evaluate import Estimate
 from mplan.planner.parallel_config import ParallelConfig
 
@@ -42,19 +45,34 @@ def replica_config(config: ParallelConfig) -> ParallelConfig:
 
 
 def kv_exchange_s(config: ParallelConfig, graph: Graph, cluster: ClusterSpec) -> float:
-    """Seconds a step spends gathering keys and values and reducing their gradients over the cp
-    group (module docstring), `graph` at the config's micro-batch."""
+    """Seconds a step spends in the cp method's exchanges (module docstring), `graph` at the
+    config's micro-batch."""
     group = config.mesh.group_shape("cp", cluster.gpus_per_node)
-    passes = 3 if config.recompute == "full" else 2  # a fully recomputed forward gathers again
+    forwards = 2 if config.recompute == "full" else 1  # a fully recomputed forward exchanges again
+    cp = config.cp
+
+    def local(meta: TensorMeta) -> float:
+        # heads split over tp where they divide (Megatron's layout); else every tp rank holds them all
+        return meta.nbytes / (config.tp if meta.shape[1] % config.tp == 0 else 1)
+
+    def time(kind: str, nbytes: float) -> float:
+        return collective_time(cluster, kind, nbytes, group)
+
     seconds = 0.0
     for node in graph.nodes:
         if node.op not in ATTENTION_OPS:
             continue
-        k, v = node.input_metas[1], node.input_metas[2]
-        # heads split over tp where they divide (Megatron's layout); else every tp rank holds them all
-        local = sum(m.nbytes / (config.tp if m.shape[1] % config.tp == 0 else 1) for m in (k, v))
-        kinds = ("all_gather", "reduce_scatter", "all_gather")[:passes]
-        seconds += sum(collective_time(cluster, kind, local * config.cp, group) for kind in kinds)
+        q, k, v, out = node.input_metas[0], node.input_metas[1], node.input_metas[2], node.outputs[0]
+        kv = local(k) + local(v)
+        if config.cp_method == "all_gather":
+            forward, backward = time("all_gather", kv * cp), time("reduce_scatter", kv * cp)
+        elif config.cp_method == "ring":
+            forward = (cp - 1) * time("send_recv", kv)
+            backward = (2 * cp - 1) * time("send_recv", kv)
+        else:
+            forward = sum(time("all_to_all", local(m)) for m in (q, k, v, out))
+            backward = forward
+        seconds += forwards * forward + backward
     return seconds * config.num_micro_batches
 
 

@@ -177,9 +177,14 @@ def _rank_times(sim: SimResult) -> list[dict[str, Any]]:
     return out
 
 
+_CP_WORDS = {"all_gather": "keys and values all-gathered", "ring": "keys and values passed around a ring",
+             "all_to_all": "heads all-to-all (Ulysses)"}
+
+
 def config_of(plan: Plan) -> ParallelConfig:
     m = plan.mesh
-    return ParallelConfig(dp=m.dp, tp=m.tp, pp=m.pp, vpp=m.vpp, ep=m.ep, cp=m.cp, mbs=plan.micro_batch_size,
+    return ParallelConfig(dp=m.dp, tp=m.tp, pp=m.pp, vpp=m.vpp, ep=m.ep, cp=m.cp, cp_method=m.cp_method,
+                          mbs=plan.micro_batch_size,
                           num_micro_batches=plan.num_micro_batches, sp=plan.sequence_parallel, zero=plan.zero,
                           keep_weights=plan.zero3_keep_weights, recompute=plan.recompute, schedule=plan.schedule)
 
@@ -247,7 +252,7 @@ def explain_data(plan: Plan) -> dict[str, Any]:
             "fused_kernels": {key.removeprefix("fused."): int(count) for key, count in plan.planner.items()
                               if key.startswith("fused.")},
             "mesh": {"dp": plan.mesh.dp, "tp": plan.mesh.tp, "pp": plan.mesh.pp, "ep": plan.mesh.ep,
-                     "vpp": plan.mesh.vpp, "cp": plan.mesh.cp},
+                     "vpp": plan.mesh.vpp, "cp": plan.mesh.cp, "cp_method": plan.mesh.cp_method},
             "predicted": {"step_time_ms": best * 1e3, "tflops_per_gpu": plan.predicted.tflops_per_gpu,
                           "mfu": plan.predicted.mfu, "tokens_per_s": plan.predicted.tokens_per_s,
                           "bubble_fraction": plan.predicted.bubble_fraction, "memory_gib": plan.predicted.memory_gib,
@@ -375,14 +380,14 @@ def render(plan: Plan, console: Any) -> None:
     console.print(f"[bold]{d['model']}[/] at sequence length {d['seq_len']:,} ({_seq_len_words(d['seq_len_source'])}) "
                   f"on {d['cluster']} ({d['world_size']} {device}s): "
                   f"dp={m['dp']} tp={m['tp']} pp={m['pp']} vpp={m['vpp']} ep={m['ep']}"
-                  + (f" cp={m['cp']} (head-tail chunks, keys and values all-gathered)" if m["cp"] > 1 else "") + ", "
+                  + (f" cp={m['cp']} (head-tail chunks, {_CP_WORDS[m['cp_method']]})" if m["cp"] > 1 else "") + ", "
                   f"{plan.schedule}, micro-batch {plan.micro_batch_size} x {plan.num_micro_batches}, "
                   f"SP {'on' if plan.sequence_parallel else 'off'}, zero={plan.zero}, recompute={plan.recompute}")
     if m["cp"] > 1:
-        console.print(f"context parallelism: cp={m['cp']}, each rank {d['seq_len'] // m['cp']:,} tokens of every "
-                      f"sequence; priced: each rank's ops at its slice, gradients over dp x cp, the K/V all-gather "
-                      f"and its gradients' reduce-scatter (planner/context_pricing.py); not yet: attention against "
-                      f"the other ranks' keys, the gathered K/V's memory")
+        console.print(f"context parallelism: cp={m['cp']} ({m['cp_method']}), each rank {d['seq_len'] // m['cp']:,} "
+                      f"tokens of every sequence; priced: each rank's ops at its slice, gradients over dp x cp, the "
+                      f"method's exchanges, exposed (planner/context_pricing.py); not yet: attention against the "
+                      f"other ranks' keys, the exchanged blocks' memory, the ring's overlap")
     fused = ", ".join(f"{kernel} x{count}" for kernel, count in d["fused_kernels"].items())
     kernels = (f"fused kernels priced ({fused}; per block: mplan inspect)" if fused else "fused kernels priced") \
         if plan.planner.get("fused_kernels_priced") else "ops priced one by one"

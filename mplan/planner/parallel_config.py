@@ -41,7 +41,10 @@ zero=3 pipeline plans are priced and recorded with keep_weights; Megatron-FSDP's
 here, so both are priced for it."""
 _INT_KEYS = ("dp", "tp", "pp", "vpp", "ep", "cp", "mbs", "sp", "zero", "keep_weights")
 _FLAG_KEYS = ("sp", "keep_weights")
-_KEYS = _INT_KEYS + ("recompute", "schedule", "capacity")
+_KEYS = _INT_KEYS + ("recompute", "schedule", "capacity", "cp_method")
+CP_METHODS = ("all_gather", "ring", "all_to_all")
+"""How attention exchanges the sequence over cp (`collectives.context_attention.METHODS`): keys and
+values all-gathered, passed around a ring, or heads redistributed all-to-all (Ulysses)."""
 
 
 class PlanSpecError(ValueError):
@@ -58,6 +61,7 @@ class ParallelConfig:
     # context-parallel degree: each rank holds 1/cp of every sequence (head-tail chunks); searched
     # only where a spec names it (stage 1 of issue 34: the search does not price it yet)
     cp: int = 1
+    cp_method: str = "all_gather"  # CP_METHODS; read only when cp > 1
     mbs: int = 1  # micro-batch size (sequences)
     num_micro_batches: int = 1  # per DP replica per step
     sp: bool = False  # sequence parallelism on the TP axis
@@ -82,6 +86,7 @@ class ParallelConfig:
         return (f"dp={self.dp},tp={self.tp},pp={self.pp},vpp={self.vpp},ep={self.ep},mbs={self.mbs},"
                 f"sp={int(self.sp)},zero={self.zero},recompute={self.recompute},schedule={self.schedule}"
                 + (f",cp={self.cp}" if self.cp > 1 else "")
+                + (f",cp_method={self.cp_method}" if self.cp > 1 and self.cp_method != "all_gather" else "")
                 + (",keep_weights=1" if self.keep_weights else "")
                 + (f",capacity={self.capacity_factor:g}" if self.capacity_factor is not None else ""))
 
@@ -115,6 +120,7 @@ class PlanSpec:
     vpp: int | None = None
     ep: int | None = None
     cp: int | None = None  # None: 1 (context parallelism is not searched yet)
+    cp_method: str | None = None  # None: all_gather
     mbs: int | None = None
     sp: int | None = None
     zero: int | None = None
@@ -143,6 +149,8 @@ class PlanSpec:
             have = getattr(config, key)
             if key == "cp" and want is None:
                 want = 1
+            if key == "cp_method" and want is None:
+                want = "all_gather"
             if want is not None and (int(have) if key in _FLAG_KEYS else have) != want:
                 return False
         return True
@@ -181,7 +189,7 @@ def parse_plan_spec(text: str) -> PlanSpec:
                 raise PlanSpecError(f"plan spec {text!r}: {key} must be a positive integer, got {raw!r}")
             values[key] = int(raw)
         else:
-            choices = RECOMPUTE_MODES if key == "recompute" else SCHEDULES
+            choices = {"recompute": RECOMPUTE_MODES, "cp_method": CP_METHODS}.get(key, SCHEDULES)
             if raw not in choices:
                 raise PlanSpecError(f"plan spec {text!r}: {key} must be one of {', '.join(choices)}, got {raw!r}")
             values[key] = raw

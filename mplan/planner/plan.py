@@ -34,7 +34,7 @@ from mplan.ir.graph import Graph
 from mplan.ir.mesh import MeshShape
 from mplan.ir.schedule import SCHEDULES
 from mplan.ir.strategy import Strategy, StrategyParseError, parse_strategy
-from mplan.planner.parallel_config import DEFAULT_RUNTIME, RUNTIMES
+from mplan.planner.parallel_config import CP_METHODS, DEFAULT_RUNTIME, RUNTIMES
 
 LEGACY_RUNTIME = "megatron"
 """A Plan file without a `runtime` field was written before plans recorded it, when `mplan plan`
@@ -124,6 +124,8 @@ class Mesh:
     vpp: int
     # context parallelism: each rank holds 1/cp of every sequence; optional in the file (absent: 1)
     cp: int = 1
+    # how attention exchanges the sequence over cp (parallel_config.CP_METHODS); optional (absent: all_gather)
+    cp_method: str = "all_gather"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -227,6 +229,7 @@ class Plan:
                 f"sp={int(self.sequence_parallel)},zero={self.zero},recompute={self.recompute},"
                 f"schedule={self.schedule}"
                 + (f",cp={m.cp}" if m.cp > 1 else "")
+                + (f",cp_method={m.cp_method}" if m.cp > 1 and m.cp_method != "all_gather" else "")
                 + (",keep_weights=1" if self.zero3_keep_weights else "")
                 + (f",capacity={self.capacity_factor:g}" if self.capacity_factor is not None else ""))
 
@@ -378,7 +381,8 @@ def _cluster(r: FieldReader) -> ClusterInfo:
 
 def _mesh(r: FieldReader) -> Mesh:
     mesh = Mesh(dp=r.integer("dp"), tp=r.integer("tp"), pp=r.integer("pp"), ep=r.integer("ep"), vpp=r.integer("vpp"),
-                cp=r.integer("cp") if r.has("cp") else 1)
+                cp=r.integer("cp") if r.has("cp") else 1,
+                cp_method=r.string("cp_method", choices=CP_METHODS) if r.has("cp_method") else "all_gather")
     r.finish()
     return mesh
 

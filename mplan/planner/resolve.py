@@ -207,7 +207,11 @@ def _config_of(text: str, world_size: int, global_batch: int, micro_batch_size: 
         raise PlanError(f"plan {text!r}: {graph.model_name} could only be captured at a fixed batch of "
                         f"{graph.batch_size} (it specializes on the batch size), so micro-batches of {mbs} cannot "
                         f"run it; use mbs={graph.batch_size}")
-    return ParallelConfig(dp=dp, tp=tp, pp=pp, vpp=spec.vpp or 1, ep=spec.ep or 1, cp=spec.cp or 1, mbs=mbs,
+    if spec.cp_method is not None and (spec.cp or 1) == 1:
+        raise PlanSpecError(f"plan {text!r}: cp_method={spec.cp_method} without cp > 1 (it says how attention "
+                            f"exchanges the sequence over the cp ranks)")
+    return ParallelConfig(dp=dp, tp=tp, pp=pp, vpp=spec.vpp or 1, ep=spec.ep or 1, cp=spec.cp or 1,
+                          cp_method=spec.cp_method or "all_gather", mbs=mbs,
                           num_micro_batches=replica // mbs, sp=bool(spec.sp), zero=spec.zero or 0,
                           keep_weights=bool(spec.keep_weights) or (spec.zero == 3 and pp > 1 and
                                                                    ZERO3_KEEPS_UNDER_PIPELINES["mplan"]),

@@ -215,11 +215,11 @@ def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.
 
 def context_lowering(plan: Plan, groups: ProcessGroups) -> ContextLowering | None:
     """The plan's context parallelism as the passes take it: head-tail chunks of the plan's
-    sequence (each rank the same causal attention work), all-gathered keys and values; None at cp=1."""
+    sequence (each rank the same causal attention work) and the plan's method; None at cp=1."""
     if plan.mesh.cp == 1:
         return None
     return ContextLowering(layout=head_tail(plan.model.seq_len, plan.mesh.cp), axis=groups.axis("cp"),
-                           method="all_gather")
+                           method=plan.mesh.cp_method)
 
 
 def experts_lowering(plan: Plan, groups: ProcessGroups) -> ExpertsLowering:
