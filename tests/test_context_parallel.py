@@ -18,6 +18,7 @@ from test_equivalence import TOL, batches, errors, family, hf_llama, single_devi
 
 STEPS = 3
 LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,vocab=64,seq=16"
+GPT = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16"
 
 
 def _compare(make: Any, plan: str, global_batch: int, *, ignored: int = 0, **options: Any) -> dict[str, Any]:
@@ -43,6 +44,15 @@ def cp2_llama_ring() -> dict[str, Any]:
 
 def cp2_llama_all_to_all() -> dict[str, Any]:
     return _compare(family(LLAMA), "cp=2,cp_method=all_to_all", 2, ignored=5)
+
+
+def cp2_gpt() -> dict[str, Any]:
+    """Learned position embeddings: the embedding of arange(S) reads the rank's positions."""
+    return _compare(family(GPT), "cp=2", 2, ignored=5)
+
+
+def cp2_pp2_llama() -> dict[str, Any]:
+    return _compare(family(LLAMA), "cp=2,pp=2", 4)
 
 
 def cp4_llama() -> dict[str, Any]:
@@ -76,11 +86,11 @@ def refuses_hf_mask_tensor() -> str:
     return _refusal(hf_llama(faithful=True), "cp=2", 16)  # transformers passes SDPA a mask it built
 
 
-def _check(values: list[dict[str, Any]], cp: int) -> None:
+def _check(values: list[dict[str, Any]], cp: int, *, positions: int = 2) -> None:
     assert values, "no per-rank results"
     for rank, result in enumerate(values):
-        # two attention layers; RoPE's cos and sin tables read at the rank's positions
-        assert result["cp"] == cp and result["attention"] == 2 and result["positions"] == 2, result
+        # two attention layers; RoPE's cos and sin tables (GPT: its position ids) read at the rank's positions
+        assert result["cp"] == cp and result["attention"] == 2 and result["positions"] == positions, result
         assert result["loss"] < TOL and result["param"] < TOL, f"rank {rank}: {result}"
         assert result["clipped"], f"rank {rank}: clipping never engaged: {result}"
     assert all(v["loss"] == values[0]["loss"] for v in values), "ranks report different losses"
@@ -88,13 +98,14 @@ def _check(values: list[dict[str, Any]], cp: int) -> None:
 
 @pytest.fixture(scope="module")
 def world2() -> Any:
-    return run_checks(2, [cp2_llama, cp2_llama_ring, cp2_llama_all_to_all, refuses_uneven_sequence,
+    return run_checks(2, [cp2_llama, cp2_llama_ring, cp2_llama_all_to_all, cp2_gpt, refuses_uneven_sequence,
                           refuses_hf_mask_tensor], timeout_s=300)
 
 
-@pytest.mark.parametrize("check", [cp2_llama, cp2_llama_ring, cp2_llama_all_to_all])
-def test_cp2_llama(world2: Any, check: Any) -> None:
-    _check(world2.assert_passed(check), 2)
+@pytest.mark.parametrize("check,positions", [(cp2_llama, 2), (cp2_llama_ring, 2), (cp2_llama_all_to_all, 2),
+                                             (cp2_gpt, 1)])
+def test_cp2(world2: Any, check: Any, positions: int) -> None:
+    _check(world2.assert_passed(check), 2, positions=positions)
 
 
 def test_sequence_must_split_into_2cp_chunks(world2: Any) -> None:
@@ -110,14 +121,15 @@ def test_attention_with_a_mask_tensor_is_refused(world2: Any) -> None:
         assert "\n" not in message, message
 
 
-@pytest.mark.parametrize("check,cp", [(cp4_llama, 4), (cp2_tp2_sp_llama, 2), (cp2_dp2_zero1_llama, 2)])
+@pytest.mark.parametrize("check,cp", [(cp4_llama, 4), (cp2_tp2_sp_llama, 2), (cp2_dp2_zero1_llama, 2),
+                                      (cp2_pp2_llama, 2)])
 def test_world4(world4: Any, check: Any, cp: int) -> None:
     _check(world4.assert_passed(check), cp)
 
 
 @pytest.fixture(scope="module")
 def world4() -> Any:
-    return run_checks(4, [cp4_llama, cp2_tp2_sp_llama, cp2_dp2_zero1_llama], timeout_s=300)
+    return run_checks(4, [cp4_llama, cp2_tp2_sp_llama, cp2_dp2_zero1_llama, cp2_pp2_llama], timeout_s=400)
 
 
 # -- the plan: grammar, JSON, explain (one process) --------------------------------------------------

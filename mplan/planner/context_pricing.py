@@ -31,7 +31,7 @@ import dataclasses
 
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.collective_cost import collective_time
-from mplan.ir.graph import Graph, TensorMeta
+from mplan.ir.graph import Graph, OpNode, TensorMeta
 from mplan.planner.evaluate import Estimate
 from mplan.planner.parallel_config import ParallelConfig
 
@@ -44,9 +44,24 @@ def replica_config(config: ParallelConfig) -> ParallelConfig:
     return dataclasses.replace(config, dp=config.dp * config.cp, cp=1)
 
 
-def kv_exchange_s(config: ParallelConfig, graph: Graph, cluster: ClusterSpec) -> float:
-    """Seconds a step spends in the cp method's exchanges (module docstring), `graph` at the
-    config's micro-batch."""
+def kv_exchange_s(config: ParallelConfig, graph: Graph, cluster: ClusterSpec,
+                  stage_bounds: tuple[tuple[int, int], ...] | None = None) -> float:
+    """Seconds a step spends in the cp method's exchanges (module docstring) on the busiest
+    pipeline rank, `graph` at the config's micro-batch; `stage_bounds` (the Estimate's unit
+    ranges per chunk, units in `graph.segments` order) say which attention layers each pipeline
+    rank holds (None: all of them, one stage)."""
+    per_segment: dict[str, float] = {}
+    for segment in graph.segments:
+        per_segment[segment.name] = _exchange_s(config, [graph.node(n) for n in segment.nodes], cluster)
+    names = [segment.name for segment in graph.segments]
+    if stage_bounds is None or config.pp == 1:
+        return sum(per_segment.values())
+    k = len(stage_bounds)
+    return max(sum(per_segment[names[u]] for c in range(rank, k, config.pp) for u in range(*stage_bounds[c]))
+               for rank in range(config.pp))
+
+
+def _exchange_s(config: ParallelConfig, nodes: list[OpNode], cluster: ClusterSpec) -> float:
     group = config.mesh.group_shape("cp", cluster.gpus_per_node)
     forwards = 2 if config.recompute == "full" else 1  # a fully recomputed forward exchanges again
     cp = config.cp
@@ -59,7 +74,7 @@ def kv_exchange_s(config: ParallelConfig, graph: Graph, cluster: ClusterSpec) ->
         return collective_time(cluster, kind, nbytes, group)
 
     seconds = 0.0
-    for node in graph.nodes:
+    for node in nodes:
         if node.op not in ATTENTION_OPS:
             continue
         q, k, v, out = node.input_metas[0], node.input_metas[1], node.input_metas[2], node.outputs[0]

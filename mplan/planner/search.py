@@ -201,7 +201,8 @@ class Planner:
             replica = evaluate(replica_config(config), units, self.cluster, self.facts, experts=experts, fast=fast,
                                **options)
             graph = self._at_batch[config.mbs] if config.mbs in self._at_batch else rebatch(self.captured, config.mbs)
-            return with_context_parallel(config, replica, kv_exchange_s(config, graph, self.cluster))
+            return with_context_parallel(config, replica, kv_exchange_s(config, graph, self.cluster,
+                                                                        replica.stage_bounds))
         units = self.units(config.tp, config.sp, config.mbs)
         experts = self.sharded(config.tp, config.sp).experts[config.mbs]
         return evaluate(config, units, self.cluster, self.facts, experts=experts, fast=fast, **options)

@@ -112,12 +112,8 @@ class PlanMismatch(RuntimeError):
 
 def check_executable(plan: Plan) -> None:
     """Refuse a pipeline plan whose schedule this runtime cannot run (an unknown name, a shape the
-    micro-batches do not fit), or context parallelism under a pipeline (not lowered yet), raised
-    alike on every rank, before any collective."""
+    micro-batches do not fit), raised alike on every rank, before any collective."""
     m = plan.mesh
-    if m.cp > 1 and m.pp > 1:
-        raise PlanError(f"plan {plan.spec()}: cp={m.cp} with pp={m.pp}: context parallelism does not run under a "
-                        f"pipeline yet")
     if m.pp > 1 or len(plan.stages) > 1:
         pipeline_schedule(plan)  # an unknown schedule or a shape it cannot run: ScheduleError, here
 
@@ -475,7 +471,7 @@ class ParallelModule:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for loss in losses:
             total += loss.to(torch.float64)
-        total /= len(micro) * self.plan.mesh.dp
+        total /= len(micro) * self.groups.mesh.dp  # dp x cp ranks under context parallelism (see `_step`)
         # the last stage's sum, then over replicas
         for axis, group in (("pp", self.groups.pp), ("dp", self.groups.dp)):
             if group_size(group) > 1:
