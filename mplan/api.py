@@ -124,6 +124,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
                          max_grad_norm=max_grad_norm, autocast=_autocast_dtype(autocast), kernels=use_kernels,
                          fp8=resolved.fp8, inference=inference)
     pm.progress = progress
+    _say_untrained(progress, model, pm.params)
     pm.hf_config = _hf_config(model)
     pm.watch_for_hangs(hang_timeout_s)
     # torch.export leaves reference cycles that reach the model (the trace's frames and
@@ -132,6 +133,19 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     del graph
     gc.collect()
     return pm
+
+
+def _say_untrained(progress: Progress, model: nn.Module, params: dict[str, torch.Tensor]) -> None:
+    """Say when parameters of the model passed in are not the tensors that train (TP shards,
+    zero=3's flat shards, a copy on another device or in another dtype): the model keeps their
+    initial values, and reading it after training would give them without a word."""
+    own = dict(model.named_parameters())
+    apart = [name for name, p in params.items() if name in own and not own[name].is_meta
+             and own[name].untyped_storage().data_ptr() != p.untyped_storage().data_ptr()]
+    if apart:
+        progress.say(f"{len(apart)} of {len(params)} parameters of the model passed in are not the tensors that "
+                     f"train (e.g. {apart[0]}: TP or zero=3 shards, or another device or dtype), so it keeps their "
+                     f"initial values: read trained weights with pm.whole_parameter(name) or pm.full_state_dict()")
 
 
 def _context_degree(plan: Plan | str | None) -> int:

@@ -334,3 +334,24 @@ def test_a_meta_device_capture_runs_the_bodies_of_its_no_grad_regions_on_the_rea
     reference.load_state_dict(state)
     expected = ((reference(x) - target) ** 2).mean()
     assert torch.allclose(torch.as_tensor(pm.train_step(x, target), dtype=torch.float64), expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("zero, says", [(0, False), (3, True)])
+def test_it_says_when_the_model_passed_in_will_not_train(capsys, zero: int, says: bool) -> None:
+    """At dp=1 zero=0 the model's own parameters train (updated in place, nothing said); under
+    zero=3 they are shards of a flat buffer, so the model keeps its initial values: autoparallel
+    says so and names the accessors, and that is true (the model's weights do not move)."""
+    import mplan
+
+    data = batches(4)
+    with _default_dtype(torch.float64):
+        model = family("tiny-gpt")()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        pm = mplan.autoparallel(model, example_inputs=(data[0][0],), optimizer=OPTIMIZER, global_batch=4,
+                                plan=f"dp=1,zero={zero}", progress="lines")
+        pm.train_step(*data[0])
+    said = [line for line in capsys.readouterr().err.splitlines() if "parameters of the model passed in" in line]
+    moved = any(not torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
+    assert bool(said) == says and moved != says
+    if says:
+        assert f"{len(before)} of {len(before)} parameters" in said[0] and "pm.full_state_dict()" in said[0]
