@@ -4,9 +4,6 @@ tests/test_kernels_interpret.py."""
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -159,17 +156,6 @@ def test_rules_are_documented_data() -> None:
     assert names.index("rms_norm_residual") < names.index("rms_norm")  # the longer chain first
     # the planner prices the chains the entries find in this order: the pass tries them so
     assert list(MATCHED) == [e for e in FUSIONS if e.name != "rope_qk"]
-
-
-def test_the_patterns_import_without_the_kernels_or_the_passes() -> None:
-    """The planner matches the patterns for every plan: they must not load Triton or the pass."""
-    script = ("import sys, mplan.fusion.coverage\n"
-              "print(sorted(m for m in sys.modules\n"
-              "             if m == 'triton' or m.startswith(('mplan.kernels', 'mplan.passes'))))")
-    run = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.strip() == "[]"
 
 
 class _NormWithLeakedStatistic(nn.Module):

@@ -82,6 +82,8 @@ def test_one_entry_per_kernel_tried_longer_chains_first() -> None:
 
 
 def test_the_registry_loads_neither_triton_nor_the_kernels_nor_the_passes() -> None:
+    """The planner matches the patterns and prices their chains for every plan: neither may load
+    Triton, the kernels, the passes or the models."""
     import subprocess
     import sys
     from pathlib import Path

@@ -71,7 +71,7 @@ from torch import nn
 
 from mplan.collectives.flat import broadcast_tensor
 from mplan.collectives.redistribute import AxisGroup, apply_transition
-from mplan.ir.context_layout import head_tail
+from mplan.ir.context_layout import ContextLayout, head_tail
 from mplan.ir.graph import Graph
 from mplan.ir.placement import R, Shard
 from mplan.ir.rebatch import rebatch
@@ -209,13 +209,19 @@ def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.
                           inference=inference, pipeline=pipeline, experts=experts)
 
 
+def context_layout(plan: Plan) -> ContextLayout:
+    """How the plan's sequence is split over its cp ranks: head-tail chunks (each rank the same
+    causal attention work). The one choice both the lowering's positions and `train_step`'s split
+    of the batch read, so they cannot disagree."""
+    return head_tail(plan.model.seq_len, plan.mesh.cp)
+
+
 def context_lowering(plan: Plan, groups: ProcessGroups) -> ContextLowering | None:
-    """The plan's context parallelism as the passes take it: head-tail chunks of the plan's
-    sequence (each rank the same causal attention work) and the plan's method; None at cp=1."""
+    """The plan's context parallelism as the passes take it: `context_layout` and the plan's
+    method; None at cp=1."""
     if plan.mesh.cp == 1:
         return None
-    return ContextLowering(layout=head_tail(plan.model.seq_len, plan.mesh.cp), axis=groups.axis("cp"),
-                           method=plan.mesh.cp_method)
+    return ContextLowering(layout=context_layout(plan), axis=groups.axis("cp"), method=plan.mesh.cp_method)
 
 
 def experts_lowering(plan: Plan, groups: ProcessGroups) -> ExpertsLowering:
@@ -419,8 +425,8 @@ class ParallelModule:
         if not local:
             start = self.groups.data_rank * replica
             tensors = tuple(t[start:start + replica] for t in tensors)
-        if self.plan.mesh.cp > 1:  # this rank's tokens of every sequence (`context_lowering`'s layout)
-            layout = head_tail(self.plan.model.seq_len, self.plan.mesh.cp)
+        if self.plan.mesh.cp > 1:  # this rank's tokens of every sequence
+            layout = context_layout(self.plan)
             for t in tensors:
                 if t.dim() < 2 or t.shape[1] != layout.seq_len:
                     raise ValueError(f"train_step under cp={layout.cp} takes [rows, {layout.seq_len}, ...] "
