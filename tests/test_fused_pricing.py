@@ -13,7 +13,8 @@ from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.collective_cost import GroupShape, collective_time
 from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.fusion import entry, fused_op_bytes
-from mplan.planner.evaluate import adamw_time, optimizer_time, zero1_copy_time
+from mplan.planner.evaluate import adamw_time, optimizer_time
+from mplan.planner.zero_pricing import zero1_copy_time
 from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.parallel_config import ParallelConfig

@@ -19,8 +19,8 @@ import pytest
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES, collective_time
 from mplan.cost_models.memory_model import bytes_per_param, estimate_memory, mplan_bytes_per_param
-from mplan.planner.evaluate import (ZERO3_UNITS_IN_FLIGHT, ZERO_OVERLAP, ZERO_REDUCTIONS_IN_FLIGHT, ZeroOverlap,
-                                    gathered_window)
+from mplan.planner.zero_pricing import (ZERO3_UNITS_IN_FLIGHT, ZERO_OVERLAP, ZERO_REDUCTIONS_IN_FLIGHT, ZeroOverlap,
+                                        gathered_window)
 from mplan.planner.explain import explain_data, render
 from mplan.planner.parallel_config import (EXECUTABLE_ZERO, ParallelConfig, PlanSpec, PlanSpecError,
                                            enumerate_configs, parse_plan_spec)

@@ -24,7 +24,8 @@ from typing import Any
 from mplan.cost_models.rates import flops_rate
 from mplan.cost_models.simulator import PipelineCosts, SimResult, simulate
 from mplan.ir.strategy import StrategyParseError, parse_strategy
-from mplan.planner.evaluate import ZERO_OVERLAP, ZeroOverlap, device_word, schedule_of
+from mplan.planner.evaluate import device_word, schedule_of
+from mplan.planner.zero_pricing import ZERO_OVERLAP, ZeroOverlap
 from mplan.planner.parallel_config import EXECUTABLE_ZERO, ParallelConfig
 from mplan.planner.plan import Plan, ZeroLevel
 
@@ -291,7 +292,7 @@ def _zero(plan: Plan) -> dict[str, Any]:
 
 
 def _zero_overlap(plan: Plan) -> ZeroOverlap:
-    """What of zero 2/3's collectives the plan was priced as overlapping (`evaluate.ZERO_OVERLAP`;
+    """What of zero 2/3's collectives the plan was priced as overlapping (`zero_pricing.ZERO_OVERLAP`;
     nothing on CPU ranks, whose gloo collectives take turns with the compute)."""
     return ZeroOverlap(gathers=False, reduce_scatters=False) if plan.cluster.device == "cpu" else \
         ZERO_OVERLAP[plan.runtime]

@@ -87,7 +87,7 @@ UNITS_IN_FLIGHT = 2
 and the next `UNITS_IN_FLIGHT - 1` that read parameters (prefetched), in forward order in the
 forward and in reverse in the backward. Besides them, a unit that a later run reads again stays
 whole between its readers (a tied embedding and head, from the prologue to the epilogue). The
-planner's memory counts the same window (`planner.evaluate.ZERO3_UNITS_IN_FLIGHT`)."""
+planner's memory counts the same window (`planner.zero_pricing.ZERO3_UNITS_IN_FLIGHT`)."""
 
 
 @dataclass(slots=True, eq=False)
