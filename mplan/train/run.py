@@ -122,7 +122,9 @@ def build_model(config: TrainConfig, *, vocab: int) -> torch.nn.Module:
         raise ConfigError(f"model.spec: {exc}") from None
     dtype = DTYPES[config.model.dtype]
     if source.family in ("gpt", "llama", "moe"):
-        return build(dataclasses.replace(source.config, vocab=vocab, seq_len=config.train.seq_len), device="cpu",
+        # on the meta device: autoparallel draws each rank's shards from the seed exactly as
+        # `init_weights` would, so no rank builds (or holds a second copy of) the whole model
+        return build(dataclasses.replace(source.config, vocab=vocab, seq_len=config.train.seq_len), device="meta",
                      dtype=dtype, seed=config.train.seed)
     if source.vocab is not None and source.vocab < vocab:
         raise ConfigError(f"model.spec: {source.name} reads {source.vocab} token ids, the data {config.data.path} "
