@@ -19,6 +19,12 @@ parameter order (the order backward produces gradients) and start strictly in th
 every replica issues the same collectives in the same sequence; a bucket whose gradients did
 not all arrive (an unused parameter) waits for `sync_gradients()`, and so do the ones after it.
 
+Across sites (`groups.sites > 1`): a dense bucket is reduced in three phases instead of one
+all-reduce (reduce-scatter inside the site, all-reduce of the shard over sites, all-gather
+inside the site: `hierarchical_reduce.py`), its buffer padded to a multiple of the site's
+replicas; the first phase starts where the flat all-reduce would, the last at the sync.
+Expert buckets keep their flat all-reduce over expert_dp.
+
 Parameters whose gradient needs no collective and no scaling (dp=1, unless it is a TP partial
 sum over tp > 1: every parameter of a one-rank or pure-TP run) get no bucket: autograd makes
 their `.grad` and `zero_grad()` sets it to None, as eager PyTorch does. A bucket would hold
@@ -46,8 +52,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mplan.collectives.flat import all_gather_flat, reduce_scatter_flat
 from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES
-from mplan.runtime.param_placement import ParamPlacement, Placements, placement_of, replica_group
+from mplan.runtime.hierarchical_reduce import CrossSiteLink, SiteReductions
+from mplan.runtime.param_placement import ParamPlacement, Placements, placement_of, replica_group, shard_group
 from mplan.runtime.process_groups import ProcessGroup, ProcessGroups, group_size
 
 
@@ -183,13 +191,19 @@ class _Bucket:
     placement: ParamPlacement
     group: ProcessGroup | None
     """Replicas whose gradients are summed (dp, or expert_dp for experts)."""
+    site_group: ProcessGroup | None = None
+    """Across sites: the replicas inside this rank's site (phases 1 and 3); None: one all-reduce."""
 
     @staticmethod
-    def of(params: list[torch.Tensor], placement: ParamPlacement, group: ProcessGroup | None) -> _Bucket:
-        buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    def of(params: list[torch.Tensor], placement: ParamPlacement, groups: ProcessGroups) -> _Bucket:
+        site_group = shard_group(placement, groups) if groups.sites > 1 and not placement.expert else None
+        numel = sum(p.numel() for p in params)
+        padded = -(-numel // group_size(site_group)) * group_size(site_group)  # reduce-scattered evenly
+        buffer = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
         offsets = itertools.accumulate((p.numel() for p in params), initial=0)
         grads = tuple(buffer[start:start + p.numel()].view_as(p) for p, start in zip(params, offsets))
-        return _Bucket(params=tuple(params), buffer=buffer, grads=grads, placement=placement, group=group)
+        return _Bucket(params=tuple(params), buffer=buffer, grads=grads, placement=placement,
+                       group=replica_group(placement, groups), site_group=site_group)
 
     def views(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return zip(self.params, self.grads)
@@ -214,7 +228,7 @@ class GradientSync:
             reduced = needs_reduction(placement_of(param, placements), groups)
             (bucketed if reduced else self._unbucketed).append(param)
         self._buckets = [
-            _Bucket.of(bucket, placement, replica_group(placement, groups))
+            _Bucket.of(bucket, placement, groups)
             for (placement, _, _), members in group_by_reduction(bucketed, placements).items()
             for bucket in split_into_buckets(members, bucket_bytes)
         ]
@@ -223,8 +237,9 @@ class GradientSync:
                 if param.grad is not None:
                     view.copy_(param.grad)
                 param.grad = view
+        self._sites = SiteReductions(CrossSiteLink(groups.cross_site_dp)) if groups.sites > 1 else None
         self._starts = ReductionStarts([bucket.params for bucket in self._buckets],
-                                       functools.partial(_start_all_reduce, groups, self._buckets))
+                                       functools.partial(_start_all_reduce, groups, self._buckets, self._sites))
 
     @property
     def num_buckets(self) -> int:
@@ -243,6 +258,8 @@ class GradientSync:
     def zero_grad(self) -> None:
         """Zero every bucketed gradient, keeping them as views into the buckets; drop the others."""
         self._starts.wait()  # a step that failed after arming may have reductions in flight
+        if self._sites is not None:
+            self._sites.abandon()
         for bucket in self._buckets:
             bucket.buffer.zero_()
             for param, view in bucket.views():
@@ -257,12 +274,15 @@ class GradientSync:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
         self._starts.start_rest_and_wait()
+        if self._sites is not None:
+            self._sites.finish()
 
 
 @torch.no_grad()
-def _start_all_reduce(groups: ProcessGroups, buckets: list[_Bucket], index: int) -> dist.Work | None:
+def _start_all_reduce(groups: ProcessGroups, buckets: list[_Bucket], sites: SiteReductions | None,
+                      index: int) -> dist.Work | None:
     """Bucket `index`: TP sum (if partial), the division by dp, then the asynchronous
-    data-parallel sum."""
+    data-parallel sum (across sites: its first phase, handed to `sites`)."""
     bucket = buckets[index]
     _adopt_foreign_grads(bucket)
     if bucket.placement.tp_reduce and group_size(groups.tp) > 1:
@@ -271,9 +291,25 @@ def _start_all_reduce(groups: ProcessGroups, buckets: list[_Bucket], index: int)
     # over many replicas can overflow where their mean would not.
     if groups.mesh.dp > 1:
         bucket.buffer.div_(groups.mesh.dp)
+    if sites is not None and bucket.site_group is not None:
+        _start_across_sites(bucket, sites)
+        return None
     if group_size(bucket.group) > 1:
         return dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
     return None
+
+
+def _start_across_sites(bucket: _Bucket, sites: SiteReductions) -> None:
+    """The bucket's reduce-scatter inside the site; `sites` carries its shard over the sites and
+    all-gathers it back into the bucket."""
+    n = group_size(bucket.site_group)
+    if n == 1:  # one replica per site: the whole bucket crosses
+        sites.add(None, bucket.buffer)
+        return
+    shard = torch.empty(bucket.buffer.numel() // n, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
+    local = reduce_scatter_flat(shard, bucket.buffer, group=bucket.site_group, async_op=True)
+    sites.add(local, shard, functools.partial(all_gather_flat, bucket.buffer, shard, group=bucket.site_group,
+                                              async_op=True))
 
 
 def _adopt_foreign_grads(bucket: _Bucket) -> None:

@@ -63,13 +63,26 @@ def replica_group(placement: ParamPlacement, groups: ProcessGroups) -> ProcessGr
     return groups.expert_dp if placement.expert else groups.dp
 
 
+def shard_group(placement: ParamPlacement, groups: ProcessGroups) -> ProcessGroup | None:
+    """The replicas a ZeRO optimizer shards this parameter's state over: its replica group,
+    cut to this rank's site when the replicas span sites (dense parameters; the shards are
+    then replicated across sites and their gradients summed over them, hierarchical_reduce.py).
+    Experts keep their flat expert_dp group."""
+    if groups.sites > 1 and not placement.expert:
+        return groups.site_dp
+    return replica_group(placement, groups)
+
+
 def counts_in_norm(placement: ParamPlacement, groups: ProcessGroups, *, dp_sharded: bool) -> bool:
     """Whether this rank's gradient elements count in the global norm, so that summing over
     all ranks counts every element of the single-device gradient exactly once.
 
-    `dp_sharded`: the gradient here is this rank's ZeRO partition (distinct on every replica)
-    rather than a full copy (identical on every replica after the all-reduce).
+    `dp_sharded`: the gradient here is this rank's ZeRO partition (distinct on every replica of
+    its `shard_group`, so counted on the first site only where that group is a site's) rather
+    than a full copy (identical on every replica after the all-reduce).
     """
     tp_owner = placement.tp_sharded or groups.tp_rank == 0
     replica_rank = groups.expert_dp_rank if placement.expert else groups.dp_rank
-    return not placement.pp_copy and tp_owner and (dp_sharded or replica_rank == 0)
+    if dp_sharded:
+        replica_rank = groups.site_rank if groups.sites > 1 and not placement.expert else 0
+    return not placement.pp_copy and tp_owner and replica_rank == 0

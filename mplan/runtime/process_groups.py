@@ -16,9 +16,17 @@ them, as Megatron's distributed optimizer does over its dp-cp group), plus `cp`,
 context-parallel group (attention's exchanges), and `data_rank`, the true data-parallel
 coordinate that picks the batch rows.
 
+Sites (`sites > 1`, hierarchical data parallelism, `hierarchical_reduce.py`): the site is the
+outermost factor of dp, and the mesh (`MeshShape.site_dp_groups`, `cross_site_dp_groups`) lays
+whole pipelines inside one site. Besides the flat dp group, a rank then holds `site_dp`, its
+replicas inside its site (where ZeRO shards and gradients are reduce-scattered), and
+`cross_site_dp`, the ranks of the other sites at its site-local position (the shards' sums over
+the slow link). With one site `site_dp` is the dp group and `cross_site_dp` None.
+
 Invariants:
-- The DeviceMesh's rank grid is `MeshShape`'s layout (tp fastest, then dp = ep + ep * expert_dp,
-  then pp), so each axis group holds exactly the ranks `MeshShape.groups(axis)` lists.
+- The DeviceMesh's rank grid is `MeshShape`'s layout (`MeshShape.rank`: tp fastest, then
+  dp = ep + ep * expert_dp, then pp; with sites, the site outermost), so each axis group holds
+  exactly the ranks `MeshShape.groups(axis)` lists.
 - Creating a DeviceMesh is collective over the whole world: every rank calls
   `init_process_groups` with the same mesh, in the same order.
 - With no default process group the world is one rank: all groups are `None`, which in mplan
@@ -29,8 +37,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from mplan.collectives.redistribute import AxisGroup
 from mplan.ir.mesh import Axis, MeshCoord, MeshShape
@@ -71,6 +80,17 @@ class ProcessGroups:
     """This rank's context-parallel group (None: cp == 1)."""
     cp_size: int = 1
     cp_rank: int = 0
+    sites: int = 1
+    """Sites the data-parallel replicas span (the outermost factor of dp)."""
+    site_dp: ProcessGroup | None = None
+    """This rank's replicas inside its site (sites > 1; the dp group otherwise)."""
+    cross_site_dp: ProcessGroup | None = None
+    """The ranks at this rank's site-local position in every site (None: one site)."""
+
+    @property
+    def site_rank(self) -> int:
+        """Which site this rank is in (the outermost factor of its dp coordinate)."""
+        return self.coord.dp // (self.mesh.dp // self.sites)
 
     @property
     def data_rank(self) -> int:
@@ -115,8 +135,11 @@ class ProcessGroups:
 def init_process_groups(mesh: MeshShape) -> ProcessGroups:
     """Create the groups of `mesh` on every rank (collective: call it on all ranks alike)."""
     if mesh.cp == 1:
-        return _init_groups(mesh)
-    made = _init_groups(mesh.replicas())
+        return _with_sites(_init_groups(mesh), mesh)
+    replicas = mesh.replicas()
+    if _sites(mesh) != _sites(replicas):
+        raise ValueError(f"sites={_sites(mesh)} with cp={mesh.cp}: the mesh's replicas() lost its sites")
+    made = _with_sites(_init_groups(replicas), replicas)
     if not dist.is_initialized():
         raise ValueError(f"cp={mesh.cp} needs {mesh.size} ranks; there is no process group")
     mine = None
@@ -129,6 +152,29 @@ def init_process_groups(mesh: MeshShape) -> ProcessGroups:
     return dataclasses.replace(made, cp=mine, cp_size=mesh.cp, cp_rank=coord.cp)
 
 
+def _sites(mesh: MeshShape) -> int:
+    return getattr(mesh, "sites", 1)
+
+
+def _with_sites(made: ProcessGroups, mesh: MeshShape) -> ProcessGroups:
+    """`made` with its site-local and cross-site data-parallel groups (the mesh's rank lists)."""
+    sites = _sites(mesh)
+    if sites == 1:
+        return dataclasses.replace(made, site_dp=made.dp)
+    if made.world is None:
+        raise ValueError(f"sites={sites} needs {mesh.size} ranks; there is no process group")
+    found = {}
+    for name in ("site_dp", "cross_site_dp"):
+        for ranks in getattr(mesh, f"{name}_groups")():  # every rank creates every group, in order
+            group = dist.new_group(list(ranks))
+            if made.rank in ranks:
+                found[name] = (group, tuple(ranks))
+    site_ranks, cross_ranks = found["site_dp"][1], found["cross_site_dp"][1]
+    assert len(site_ranks) * len(cross_ranks) == mesh.dp and set(site_ranks) | set(cross_ranks) <= set(made.ranks("dp")), \
+        f"site groups {site_ranks} x {cross_ranks} do not split the dp group {made.ranks('dp')}"
+    return dataclasses.replace(made, sites=sites, site_dp=found["site_dp"][0], cross_site_dp=found["cross_site_dp"][0])
+
+
 def _init_groups(mesh: MeshShape) -> ProcessGroups:
     if not dist.is_initialized():
         mesh.check_world_size(1)
@@ -137,12 +183,15 @@ def _init_groups(mesh: MeshShape) -> ProcessGroups:
     rank = dist.get_rank()
     mesh.check_world_size(dist.get_world_size())
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    main = init_device_mesh(device, (mesh.pp, mesh.dp, mesh.tp), mesh_dim_names=("pp", "dp", "tp"))
+    # the rank grid as `mesh.rank` lays it out (not assumed to be arange: sites reorder it)
+    grid = torch.tensor([[[mesh.rank(tp=t, dp=d, pp=p) for t in range(mesh.tp)] for d in range(mesh.dp)]
+                         for p in range(mesh.pp)])
+    main = DeviceMesh(device, grid, mesh_dim_names=("pp", "dp", "tp"))
     groups = {axis: main.get_group(axis) for axis in ("pp", "dp", "tp")}
     expert = None
     if mesh.ep > 1:
-        expert = init_device_mesh(device, (mesh.pp, mesh.expert_dp, mesh.ep, mesh.tp),
-                                  mesh_dim_names=("pp", "expert_dp", "ep", "tp"))
+        expert = DeviceMesh(device, grid.view(mesh.pp, mesh.expert_dp, mesh.ep, mesh.tp),
+                            mesh_dim_names=("pp", "expert_dp", "ep", "tp"))
         groups.update(ep=expert.get_group("ep"), expert_dp=expert.get_group("expert_dp"))
     else:  # every rank holds all its experts; their replicas are the data-parallel ones
         groups.update(ep=None, expert_dp=groups["dp"])

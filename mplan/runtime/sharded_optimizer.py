@@ -50,6 +50,16 @@ element-wise and must not be sharded this way (use zero=0). zero=2 sums over rep
 micro-batch and then over micro-batches (zero=1: the other way round): equal up to the order
 of float additions.
 
+Across sites (`groups.sites > 1`, hierarchical_reduce.py): dense partitions shard over the
+replicas inside this rank's site (`param_placement.shard_group`) and are replicated across
+sites, as Megatron Core's partial distributed optimizer does. The bucket's reduce-scatter
+inside the site is then followed by an all-reduce of its shard over the sites: zero=1 posts it
+one bucket after the reduce-scatter (under the rest of the last backward), zero>=2 once per
+step at `step()`, one per bucket, after the micro-batches' reduce-scatters have summed each
+site's gradients into the shard (so the slow link carries each shard once a step). The
+all-gather of the updated parameters stays inside the site. Expert partitions keep their flat
+expert_dp group.
+
 Invariants:
 - Replicas hold the same parameters in the same order, so layouts (and collectives) match.
 - Padding elements have zero gradient and zero master weight and are never gathered.
@@ -78,6 +88,7 @@ from mplan.runtime.data_parallel import (
     unique_trainable,
 )
 from mplan.runtime.grad_clip import global_grad_norm, step_clipped, step_unclipped
+from mplan.runtime.hierarchical_reduce import CrossSiteLink, SiteReductions
 from mplan.runtime.optimizer_state import (
     ParamsArg,
     StateRange,
@@ -85,7 +96,7 @@ from mplan.runtime.optimizer_state import (
     flatten_optimizer_state,
     unflatten_optimizer_state,
 )
-from mplan.runtime.param_placement import ParamPlacement, Placements, counts_in_norm, replica_group
+from mplan.runtime.param_placement import ParamPlacement, Placements, counts_in_norm, shard_group
 from mplan.runtime.process_groups import ProcessGroup, ProcessGroups, group_rank, group_size
 from mplan.runtime.replicated_optimizer import OptimizerFactory
 
@@ -121,6 +132,8 @@ class _Partition:
     summed_first: bool = False
     """zero>=2: its gradients are summed with other pipeline ranks' copies before reduction, so
     they stay whole in `.grad` until `step()`."""
+    across_sites: bool = False
+    """`group` is this rank's site: each shard's gradient is then summed over the sites."""
 
     @property
     def num_replicas(self) -> int:
@@ -130,7 +143,7 @@ class _Partition:
 def _make_partition(params: list[torch.Tensor], placement: ParamPlacement, groups: ProcessGroups,
                     cut: Sequence[Sequence[torch.Tensor]], unit_of: Mapping[int, int],
                     summed_first: bool) -> _Partition:
-    group = replica_group(placement, groups)
+    group = shard_group(placement, groups)
     n, rank = group_size(group), group_rank(group)
     buckets, offset = [], 0
     for members in cut:
@@ -147,7 +160,7 @@ def _make_partition(params: list[torch.Tensor], placement: ParamPlacement, group
     shard = torch.nn.Parameter(master)
     shard.grad = torch.zeros_like(master)
     return _Partition(placement=placement, group=group, buckets=tuple(buckets), master=shard,
-                      summed_first=summed_first)
+                      summed_first=summed_first, across_sites=groups.sites > 1 and not placement.expert)
 
 
 def _cut(params: list[torch.Tensor], bucket_bytes: int, unit_of: Mapping[int, int] | None) -> list[list[torch.Tensor]]:
@@ -174,9 +187,10 @@ def _flatten_padded(tensors: list[torch.Tensor], size: int, dtype: torch.dtype) 
 
 @torch.no_grad()
 def _start_reduce_scatter(groups: ProcessGroups, slots: list[tuple[_Partition, _Bucket]],
-                          index: int) -> dist.Work | None:
+                          sites: SiteReductions | None, index: int) -> dist.Work | None:
     """Slot `index`: TP sum of partial gradients (if any), then the bucket's reduce-scatter into
-    its slice of the master gradient (asynchronous over more than one replica)."""
+    its slice of the master gradient (asynchronous over more than one replica); across sites,
+    handed to `sites` to be summed over them."""
     part, bucket = slots[index]
     grads = [p.grad for p in bucket.params]
     if part.placement.tp_reduce:
@@ -186,10 +200,15 @@ def _start_reduce_scatter(groups: ProcessGroups, slots: list[tuple[_Partition, _
     if groups.mesh.dp > 1:
         flat.div_(groups.mesh.dp)  # before the sum, as data_parallel.py explains
     shard_grad = part.master.grad[bucket.in_shard]
+    work = None
     if n > 1:  # the work keeps `flat` alive until it completes (c10d holds its tensors)
-        return reduce_scatter_flat(shard_grad, flat, group=part.group, async_op=True)
-    shard_grad.copy_(flat)
-    return None
+        work = reduce_scatter_flat(shard_grad, flat, group=part.group, async_op=True)
+    else:
+        shard_grad.copy_(flat)
+    if sites is not None and part.across_sites:
+        sites.add(work, shard_grad)
+        return None
+    return work
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +271,7 @@ class ShardedOptimizer:
         self.params = [p for part in self._partitions for b in part.buckets for p in b.params]
         self.optimizer = optimizer(inner_groups)
         """The torch optimizer over the shards; attach learning-rate schedulers to it."""
+        self._sites = SiteReductions(CrossSiteLink(groups.cross_site_dp)) if groups.sites > 1 else None
         # (partition, bucket) slots in the order backward completes them: the reverse of the layout
         # (zero=3: units complete in reverse forward order; a sort is stable)
         self._slots = [(part, bucket) for part in reversed(self._partitions) for bucket in reversed(part.buckets)]
@@ -259,7 +279,8 @@ class ShardedOptimizer:
             self._slots.sort(key=lambda slot: -slot[1].unit if slot[1].unit >= 0 else 1)
         if not self.shard_gradients:
             self._starts = ReductionStarts([bucket.params for _, bucket in self._slots],
-                                           functools.partial(_start_reduce_scatter, groups, self._slots))
+                                           functools.partial(_start_reduce_scatter, groups, self._slots,
+                                                             self._sites))
             return
         self._slot_of = {id(p): k for k, (_, bucket) in enumerate(self._slots) for p in bucket.params}
         # started from backward's hooks: all but the summed-first and (zero=3) the never-read ones
@@ -330,12 +351,18 @@ class ShardedOptimizer:
             self._pending.pop(0).wait()
 
     def _reduce_rest(self) -> None:
-        """At the step: every slot still holding a gradient, in slot order; then wait for all."""
+        """At the step: every slot still holding a gradient, in slot order; then wait for all;
+        across sites, then each bucket's shard summed over the sites."""
         for index, (_, bucket) in enumerate(self._slots):
             if any(p.grad is not None for p in bucket.params):
                 self._reduce(index)
         self._wait()
         self._last_reduced_in_backward, self._reduced_in_backward = self._reduced_in_backward, 0
+        if self._sites is not None:
+            for part, bucket in self._slots:
+                if part.across_sites:
+                    self._sites.add(None, part.master.grad[bucket.in_shard])
+            self._sites.finish()
 
     def _wait(self) -> None:
         for pending in self._pending:
@@ -345,6 +372,8 @@ class ShardedOptimizer:
     # -- the step ------------------------------------------------------------------------------
     @torch.no_grad()
     def zero_grad(self) -> None:
+        if self._sites is not None:
+            self._sites.abandon()  # what a step that failed midway left in flight
         if not self.shard_gradients:
             self._starts.wait()  # a step that failed after arming may have reduce-scatters in flight
         else:
@@ -369,6 +398,8 @@ class ShardedOptimizer:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
             self._starts.start_rest_and_wait()
+            if self._sites is not None:
+                self._sites.finish()
         norm = None
         if max_grad_norm is None:
             step_unclipped(self.optimizer)

@@ -1,0 +1,241 @@
+"""Hierarchical data parallelism across sites (issue 36) equals flat data parallelism and one process.
+
+Across sites, gradients are reduce-scattered inside each site, their shards all-reduced over the
+sites and all-gathered inside each site again (`mplan/runtime/hierarchical_reduce.py`); ZeRO
+shards over the replicas of a site and replicates the shards across sites. These checks run
+it on gloo ranks in float64 with 2 sites:
+
+- the optimizers themselves (zero 0, 1, 2) on a small MLP, 5 AdamW steps with gradient
+  accumulation, clipping and two parameter groups: against one process (< 1e-9) and against the
+  same world without sites (< 1e-12: the same sums in another order of additions);
+- the groups: the site is the outermost factor of dp and whole pipelines sit in one site;
+- the slow link carries one message per bucket, and `MPLAN_INTER_SITE_DELAY_MS` delays it.
+
+All checks of a world size share one gloo group.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distributed import rel_err, run_checks
+from mplan.ir.mesh import MeshCoord, MeshShape
+from mplan.runtime.hierarchical_reduce import INTER_SITE_DELAY_ENV
+from mplan.runtime.optimizer import build_optimizer
+from mplan.runtime.process_groups import ProcessGroups, init_process_groups
+
+STEPS, MICRO_BATCHES, GLOBAL_BATCH, MAX_NORM = 5, 2, 16, 0.5
+SMALL_BUCKET_BYTES = 100
+ADAMW = functools.partial(torch.optim.AdamW, lr=0.02, weight_decay=0.1)
+TO_REFERENCE, TO_FLAT = 1e-9, 1e-12
+
+
+# -- the mesh with sites ---------------------------------------------------------------------------
+def sited(sites: int, **degrees: int) -> MeshShape:
+    """The mesh of `degrees` whose dp spans `sites` sites (site outermost: whole pipelines in one
+    site). Built here until `MeshShape` carries sites itself (issue 36, the mesh's owner)."""
+    return _SitedMesh(sites=sites, **degrees)
+
+
+class _SitedMesh(MeshShape):
+    """rank = tp + tp*(cp + cp*(dp_local + dp_local_size*(pp + pp*site))), dp = dp_local + L*site."""
+
+    __slots__ = ("sites",)
+
+    def __init__(self, *, sites: int, **degrees: int) -> None:
+        MeshShape.__init__(self, **degrees)
+        object.__setattr__(self, "sites", sites)
+        assert self.dp % sites == 0
+
+    def coord(self, rank: int) -> MeshCoord:
+        local = self.dp // self.sites
+        tp_rank, rest = rank % self.tp, rank // self.tp
+        cp_rank, rest = rest % self.cp, rest // self.cp
+        dp_local, rest = rest % local, rest // local
+        pp_rank, site = rest % self.pp, rest // self.pp
+        dp_rank = dp_local + local * site
+        return MeshCoord(tp=tp_rank, dp=dp_rank, pp=pp_rank, ep=dp_rank % self.ep,
+                         expert_dp=dp_rank // self.ep, cp=cp_rank)
+
+    def rank(self, *, tp: int = 0, dp: int = 0, pp: int = 0, cp: int = 0) -> int:
+        local = self.dp // self.sites
+        return tp + self.tp * (cp + self.cp * (dp % local + local * (pp + self.pp * (dp // local))))
+
+    def _split(self, same_site: bool) -> list[list[int]]:
+        local = self.dp // self.sites
+        by_key: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.size):
+            c = self.coord(rank)
+            key = (c.tp, c.cp, c.pp, c.dp // local if same_site else c.dp % local)
+            by_key.setdefault(key, []).append(rank)
+        return sorted(by_key.values())
+
+    def site_dp_groups(self) -> list[list[int]]:
+        return self._split(same_site=True)
+
+    def cross_site_dp_groups(self) -> list[list[int]]:
+        return self._split(same_site=False)
+
+
+# -- the MLP, its reference and training ------------------------------------------------------------
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def _param_groups(model: nn.Module) -> list[dict]:
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    return [{"params": weights}, {"params": biases, "weight_decay": 0.0}]
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(GLOBAL_BATCH, 5, generator=gen), torch.randn(GLOBAL_BATCH, 3, generator=gen)
+
+
+@functools.cache
+def _reference() -> tuple[list[float], nn.Module]:
+    model = _model()
+    optimizer = ADAMW(_param_groups(model))
+    losses = []
+    for step in range(STEPS):
+        inputs, targets = _batch(step)
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM) > MAX_NORM or step, "clipping must engage"
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model
+
+
+@functools.cache
+def _groups(sites: int) -> ProcessGroups:
+    return init_process_groups(sited(sites, dp=dist.get_world_size()))
+
+
+def _train(zero: int, sites: int, bucket_bytes: int = SMALL_BUCKET_BYTES) -> tuple[list[float], nn.Module, object]:
+    """5 steps on this rank's rows in two micro-batches; the global losses, the model, the optimizer."""
+    groups = _groups(sites)
+    model = _model()
+    optimizer = build_optimizer(_param_groups(model), ADAMW, groups, zero=zero, bucket_bytes=bucket_bytes)
+    dp, rank = groups.mesh.dp, groups.dp_rank
+    local = GLOBAL_BATCH // dp
+    losses = []
+    for step in range(STEPS):
+        inputs, targets = (t[rank * local:(rank + 1) * local] for t in _batch(step))
+        optimizer.zero_grad()
+        total = torch.zeros(())
+        for i, (x, y) in enumerate(zip(inputs.chunk(MICRO_BATCHES), targets.chunk(MICRO_BATCHES))):
+            loss = nn.functional.mse_loss(model(x), y) / MICRO_BATCHES
+            if i == MICRO_BATCHES - 1:
+                optimizer.before_last_backward()
+            loss.backward()
+            total += loss.detach()
+        optimizer.step(max_grad_norm=MAX_NORM)
+        dist.all_reduce(total)
+        losses.append(total.item() / dp)
+    return losses, model, optimizer
+
+
+def _errors(losses: list[float], model: nn.Module, ref_losses: list[float], ref_model: nn.Module) -> float:
+    errors = [rel_err(torch.tensor(losses), torch.tensor(ref_losses))]
+    errors += [rel_err(p.detach(), q.detach()) for p, q in zip(model.parameters(), ref_model.parameters())]
+    return max(errors)
+
+
+def _check_zero(zero: int) -> dict[str, float]:
+    ref_losses, ref_model = _reference()
+    losses, model, _ = _train(zero, sites=2)
+    flat_losses, flat_model, _ = _train(zero, sites=1)
+    result = {"to_one_process": _errors(losses, model, ref_losses, ref_model),
+              "to_flat": _errors(losses, model, flat_losses, flat_model)}
+    assert result["to_one_process"] < TO_REFERENCE and result["to_flat"] < TO_FLAT, result
+    return result
+
+
+def check_zero0_two_sites() -> dict[str, float]:
+    return _check_zero(0)
+
+
+def check_zero1_two_sites() -> dict[str, float]:
+    return _check_zero(1)
+
+
+def check_zero2_two_sites() -> dict[str, float]:
+    return _check_zero(2)
+
+
+def check_groups_split_dp_into_sites() -> dict[str, object]:
+    """The site-local group holds dp / sites replicas of this rank's site, the cross-site group
+    one rank per site at this rank's site-local position."""
+    groups = _groups(2)
+    world = dist.get_world_size()
+    site_ranks = [dist.get_global_rank(groups.site_dp, i) for i in range(groups.site_dp.size())]
+    cross_ranks = [dist.get_global_rank(groups.cross_site_dp, i) for i in range(groups.cross_site_dp.size())]
+    half = world // 2
+    assert groups.site_rank == groups.rank // half
+    assert site_ranks == list(range(groups.site_rank * half, (groups.site_rank + 1) * half))
+    assert cross_ranks == [groups.rank % half, groups.rank % half + half]
+    return {"site": site_ranks, "cross": cross_ranks}
+
+
+def check_one_cross_site_message_per_bucket() -> dict[str, int]:
+    """zero=0 and zero=1: each bucket's shard crosses once a step, started from backward's hooks
+    as the flat all-reduce is; zero=2: once a step per bucket, at the step."""
+    counts = {}
+    for zero in (0, 1, 2):
+        _, _, optimizer = _train(zero, sites=2)
+        sites = optimizer.grad_sync._sites if zero == 0 else optimizer._sites
+        buckets = optimizer.grad_sync.num_buckets if zero == 0 else len(optimizer._slots)
+        assert sites.link.num_posted == STEPS * buckets, (zero, sites.link.num_posted, buckets)
+        counts[f"zero{zero}"] = buckets
+    return counts
+
+
+def check_injected_delay_holds_back_the_cross_site_sums() -> dict[str, float]:
+    """With MPLAN_INTER_SITE_DELAY_MS, a step waits for its cross-site sums at least that long,
+    and the result is unchanged."""
+    os.environ[INTER_SITE_DELAY_ENV] = "30"
+    try:
+        start = time.perf_counter()
+        losses, model, optimizer = _train(0, sites=2)
+        elapsed = time.perf_counter() - start
+    finally:
+        del os.environ[INTER_SITE_DELAY_ENV]
+    assert optimizer.grad_sync._sites.link.delay_s == 0.03
+    assert elapsed >= STEPS * 0.03, elapsed
+    ref_losses, ref_model = _reference()
+    assert _errors(losses, model, ref_losses, ref_model) < TO_REFERENCE
+    return {"seconds": elapsed}
+
+
+CHECKS = [check_groups_split_dp_into_sites, check_zero0_two_sites, check_zero1_two_sites, check_zero2_two_sites,
+          check_one_cross_site_message_per_bucket, check_injected_delay_holds_back_the_cross_site_sums]
+
+
+@pytest.fixture(scope="module", params=[4, 8], ids=lambda n: f"world{n}")
+def outcomes(request: pytest.FixtureRequest):
+    return run_checks(request.param, CHECKS, timeout_s=300)
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+def test_distributed(outcomes, check) -> None:
+    outcomes.assert_passed(check)
+
+
+def test_a_bad_delay_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mplan.runtime.hierarchical_reduce import injected_delay_s
+
+    monkeypatch.setenv(INTER_SITE_DELAY_ENV, "ten")
+    with pytest.raises(ValueError, match="MPLAN_INTER_SITE_DELAY_MS='ten' is not a number"):
+        injected_delay_s()
+    monkeypatch.setenv(INTER_SITE_DELAY_ENV, "2.5")
+    assert injected_delay_s() == 0.0025
