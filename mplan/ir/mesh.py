@@ -1,7 +1,8 @@
 """The device mesh: how a world of ranks is laid out over the parallel axes, the one home of
 rank-layout arithmetic.
 
-Input: the degrees `dp`, `tp`, `pp`, `ep` and `cp` of a plan. Output: rank <-> coordinate maps, the
+Input: the degrees `dp`, `tp`, `pp`, `ep` and `cp` of a plan, and `sites`, the data centers data
+parallelism spans hierarchically. Output: rank <-> coordinate maps, the
 rank lists of every group along every axis (the runtime's process groups), and each axis's
 `GroupShape` on a cluster (how many of a group's ranks share a node: what the cost model prices).
 Pure arithmetic, no torch.distributed: the planner and `explain` use it without a process group.
@@ -24,7 +25,27 @@ Axis order (fastest-varying first), as Megatron-LM's default `tp-cp-ep-dp-pp`:
 - `pp` outermost: pipeline stages exchange only activations point-to-point, the least
   traffic, so they are the axis that crosses nodes first.
 
-Invariants: every degree is positive, `dp * tp * pp * cp == world_size`, `ep` divides `dp`;
+Sites (`sites = S > 1`, data centers joined by a long-haul link; hierarchical data parallelism).
+The site is the outermost factor of dp: `dp = S * dp_local`, and
+
+    rank = tp_rank + tp * (cp_rank + cp * (dp_local + dp_local_size * (pp_rank + pp * site))),
+    dp_rank = dp_local + dp_local_size * site,   site = rank // (world / S)
+
+so whole pipelines (tp x cp x dp_local x pp ranks) live inside one site, as the cluster places
+ranks (`ClusterSpec`: rank r on site r // (world / sites)): TP, CP, EP (a factor of dp_local) and
+PP groups never cross sites, by construction; only data parallelism does, hierarchically. Its
+groups: `site_dp_groups()` (the dp_local ranks of one site holding the same tp, cp and pp
+coordinates: gradients are reduce-scattered and gathered there, and ZeRO shards over them) and
+`cross_site_dp_groups()` (one rank a site, the same dp_local coordinate in each: the shards'
+all-reduce over the long-haul link). `groups("dp")` is still the whole data-parallel group, all
+sites. With `sites == 1` the formula is the one above: nothing changes.
+PP crossing sites (one activation transfer per micro-batch over the long haul) has no key yet: its
+price depends on how the schedule hides a 10 ms hop per micro-batch, which the simulator does not
+model per link; a plan with `sites=1` whose pipelines would cross the sites of its cluster is
+refused (`check_sites`).
+
+Invariants: every degree is positive, `dp * tp * pp * cp == world_size`, `ep` divides `dp`,
+`sites` divides `dp` and `ep` divides `dp / sites`;
 `ep > 1` with `cp > 1` is refused (not yet run together).
 Ranks fill nodes in order (rank r on node r // gpus_per_node).
 Every rank appears in exactly one group per axis; groups along an axis are listed in
@@ -37,7 +58,7 @@ import functools
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 Axis = Literal["tp", "dp", "pp", "ep", "expert_dp", "cp"]
 AXES: tuple[Axis, ...] = ("tp", "dp", "pp", "ep", "expert_dp", "cp")
@@ -54,6 +75,8 @@ class MeshCoord:
     expert_dp: int
     cp: int = 0
     """position on the context-parallel axis: which slice of each sequence the rank holds"""
+    site: int = 0
+    """the site (data center) the rank is in: the outermost factor of `dp`"""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,9 +89,11 @@ class MeshShape:
     ep: int = 1
     cp: int = 1
     """context-parallel degree: each rank of a cp group holds 1/cp of every sequence"""
+    sites: int = 1
+    """sites data parallelism spans hierarchically (the outermost factor of dp, module docstring)"""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "ep", "cp"):
+        for name in ("dp", "tp", "pp", "ep", "cp", "sites"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"mesh degree {name} must be a positive int, got {value!r}")
@@ -77,6 +102,12 @@ class MeshShape:
                 f"ep must divide dp (experts are sharded over data-parallel ranks): "
                 f"dp % ep = {self.dp} % {self.ep} = {self.dp % self.ep}"
             )
+        if self.dp % self.sites:
+            raise ValueError(f"sites must divide dp (data parallelism is what spans sites): "
+                             f"dp % sites = {self.dp} % {self.sites} = {self.dp % self.sites}")
+        if self.dp_local % self.ep:
+            raise ValueError(f"ep must divide dp / sites (expert groups stay inside a site): "
+                             f"{self.dp} / {self.sites} = {self.dp_local}, not a multiple of ep={self.ep}")
         if self.ep > 1 and self.cp > 1:
             raise ValueError(f"ep={self.ep} with cp={self.cp}: expert and context parallelism do not run "
                              f"together yet")
@@ -91,12 +122,22 @@ class MeshShape:
         parameters and sum (a cp rank's gradients are partial: its tokens' share) or average
         their gradients. The layout is identical (cp sits just inside dp), so the replica
         coordinate is cp_rank + cp * dp_rank."""
-        return MeshShape(dp=self.dp * self.cp, tp=self.tp, pp=self.pp, ep=self.ep)
+        return MeshShape(dp=self.dp * self.cp, tp=self.tp, pp=self.pp, ep=self.ep, sites=self.sites)
 
     @property
     def expert_dp(self) -> int:
         """Replicas of each expert: the data-parallel factor left after expert parallelism."""
         return self.dp // self.ep
+
+    @property
+    def dp_local(self) -> int:
+        """Data-parallel ranks inside one site: the group ZeRO shards over (all of dp at one site)."""
+        return self.dp // self.sites
+
+    @property
+    def expert_dp_local(self) -> int:
+        """Replicas of each expert inside one site."""
+        return self.dp_local // self.ep
 
     def check_world_size(self, world_size: int) -> None:
         """Raise, showing the arithmetic, unless the mesh spans exactly `world_size` ranks."""
@@ -114,10 +155,12 @@ class MeshShape:
             raise ValueError(f"rank {rank} is outside a mesh of {self.size} ranks")
         tp_rank, rest = rank % self.tp, rank // self.tp
         cp_rank, rest = rest % self.cp, rest // self.cp
-        dp_rank, pp_rank = rest % self.dp, rest // self.dp
+        dp_local, rest = rest % self.dp_local, rest // self.dp_local
+        pp_rank, site = rest % self.pp, rest // self.pp
+        dp_rank = dp_local + self.dp_local * site
         return MeshCoord(
             tp=tp_rank, dp=dp_rank, pp=pp_rank,
-            ep=dp_rank % self.ep, expert_dp=dp_rank // self.ep, cp=cp_rank,
+            ep=dp_rank % self.ep, expert_dp=dp_rank // self.ep, cp=cp_rank, site=site,
         )
 
     def rank(self, *, tp: int = 0, dp: int = 0, pp: int = 0, cp: int = 0) -> int:
@@ -126,7 +169,8 @@ class MeshShape:
                                     ("cp", cp, self.cp)):
             if not 0 <= value < degree:
                 raise ValueError(f"{name} coordinate {value} is outside 0..{degree - 1}")
-        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+        site, dp_local = divmod(dp, self.dp_local)
+        return tp + self.tp * (cp + self.cp * (dp_local + self.dp_local * (pp + self.pp * site)))
 
     def groups(self, axis: Axis) -> list[list[int]]:
         """All groups along `axis`: each the ranks that differ only in that coordinate."""
@@ -135,18 +179,80 @@ class MeshShape:
             by_key.setdefault(_fixed_coords(self.coord(rank), axis), []).append(rank)
         return sorted(by_key.values())
 
+    def site_dp_groups(self) -> list[list[int]]:
+        """The data-parallel groups inside each site: ranks of one site that differ only in their
+        dp_local coordinate (all of `groups("dp")` at one site). Hierarchical DP reduce-scatters
+        and all-gathers over them; ZeRO shards over them."""
+        return self._groups_by(lambda c: (c.tp, c.pp, c.cp, c.site))
+
+    def cross_site_dp_groups(self) -> list[list[int]]:
+        """One rank a site, the same tp, cp, pp and dp_local coordinates in each: the groups that
+        all-reduce the site-local shards over the long-haul link (one group of one rank per rank
+        at one site)."""
+        return self._groups_by(lambda c: (c.tp, c.pp, c.cp, c.dp % self.dp_local))
+
+    def _groups_by(self, identity: Callable[[MeshCoord], tuple[int, ...]]) -> list[list[int]]:
+        by_key: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.size):
+            by_key.setdefault(identity(self.coord(rank)), []).append(rank)
+        return sorted(by_key.values())
+
     def __str__(self) -> str:
-        return f"dp={self.dp},tp={self.tp},pp={self.pp},ep={self.ep}" + (f",cp={self.cp}" if self.cp > 1 else "")
+        return (f"dp={self.dp},tp={self.tp},pp={self.pp},ep={self.ep}" + (f",cp={self.cp}" if self.cp > 1 else "")
+                + (f",sites={self.sites}" if self.sites > 1 else ""))
 
     def stride(self, axis: Axis) -> int:
-        """Rank distance between consecutive members of a group along `axis`."""
+        """Rank distance between consecutive members of a group along `axis` inside one site (dp and
+        expert_dp groups also jump from site to site, `size // sites` ranks apart)."""
         inner = self.tp * self.cp
         return {"tp": 1, "cp": self.tp, "ep": inner, "dp": inner, "expert_dp": inner * self.ep,
-                "pp": inner * self.dp}[axis]
+                "pp": inner * self.dp_local}[axis]
 
-    def group_shape(self, axis: Axis, gpus_per_node: int) -> GroupShape:
-        """How a group along `axis` sits on nodes of `gpus_per_node` (see `GroupShape.from_mesh_axis`)."""
-        return GroupShape.from_mesh_axis(size=self.degree(axis), stride=self.stride(axis), gpus_per_node=gpus_per_node)
+    def group_shape(self, axis: Axis, gpus_per_node: int, cluster_sites: int = 1) -> GroupShape:
+        """How a group along `axis` sits on nodes of `gpus_per_node` (see `GroupShape.from_mesh_axis`)
+        and on the `cluster_sites` sites of the cluster (rank r on site r // (size / cluster_sites)):
+        with `sites > 1` dp and expert_dp groups span every site, the others none by construction;
+        with `sites == 1` on a cluster of several sites, an axis spans the sites its ranks fall on
+        (a flat data-parallel ring crosses the long haul: it is priced there)."""
+        if self.sites > 1 and axis in ("dp", "expert_dp"):
+            local = self.site_group_shape(axis, gpus_per_node)
+            return GroupShape(size=local.size * self.sites, ranks_per_node=local.ranks_per_node, num_sites=self.sites)
+        shape = GroupShape.from_mesh_axis(size=self.degree(axis), stride=self.stride(axis), gpus_per_node=gpus_per_node)
+        if self.sites > 1 or cluster_sites == 1:
+            return shape
+        if self.size % cluster_sites:
+            raise ValueError(f"{cluster_sites} sites do not divide the mesh's {self.size} ranks")
+        num_sites = _site_span(shape.size, self.stride(axis), self.size // cluster_sites)
+        return GroupShape(size=shape.size, ranks_per_node=shape.ranks_per_node, num_sites=num_sites)
+
+    def site_group_shape(self, axis: Axis, gpus_per_node: int) -> GroupShape:
+        """The part of a dp or expert_dp group inside one site (`site_dp_groups`), on nodes."""
+        if axis not in ("dp", "expert_dp"):
+            raise ValueError(f"only dp and expert_dp groups span sites, not {axis}")
+        return GroupShape.from_mesh_axis(size=self.degree(axis) // self.sites, stride=self.stride(axis),
+                                         gpus_per_node=gpus_per_node)
+
+    def cross_site_group_shape(self) -> GroupShape:
+        """A group of `cross_site_dp_groups`: one rank a site, on as many nodes."""
+        return GroupShape(size=self.sites, ranks_per_node=1, num_sites=self.sites)
+
+    def check_sites(self, cluster_sites: int) -> None:
+        """Raise one line unless this mesh keeps TP, CP, EP and PP inside the sites of a cluster of
+        `cluster_sites` sites: a mesh with `sites > 1` must have the cluster's count; one with
+        `sites == 1` (flat data parallelism) must not put any of those groups across two sites."""
+        if self.sites > 1 and self.sites != cluster_sites:
+            raise ValueError(f"sites={self.sites} but the cluster has {cluster_sites} site(s): a plan's sites "
+                             f"must be 1 (flat) or the cluster's")
+        if self.sites > 1 or cluster_sites == 1:
+            return
+        if self.size % cluster_sites:
+            raise ValueError(f"{cluster_sites} sites do not divide the mesh's {self.size} ranks")
+        for axis in ("tp", "cp", "ep", "pp"):
+            if self.degree(axis) > 1 and _site_span(self.degree(axis), self.stride(axis),
+                                                    self.size // cluster_sites) > 1:
+                raise ValueError(f"{axis}={self.degree(axis)} groups would cross the cluster's {cluster_sites} sites "
+                                 f"under sites=1 (TP, CP and EP stay inside a site; PP across sites is not "
+                                 f"planned yet): use sites={cluster_sites} (hierarchical data parallelism)")
 
     def p2p_shape(self, gpus_per_node: int) -> GroupShape:
         """Two neighbouring pipeline stages (a send/recv pair): across two nodes if any such pair of
@@ -162,11 +268,26 @@ class GroupShape:
 
     size: int
     ranks_per_node: int
+    num_sites: int = 1
+    """sites the group spans (> 1: it crosses the long-haul link); a mesh spreads a group's ranks
+    evenly over them wherever the cluster's sites divide it (`MeshShape.check_sites`)"""
 
     def __post_init__(self) -> None:
         if self.size < 1 or self.ranks_per_node < 1 or self.size % self.ranks_per_node:
             raise ValueError(f"GroupShape needs size >= 1 and ranks_per_node dividing it, "
                              f"got size={self.size}, ranks_per_node={self.ranks_per_node}")
+        if not 1 <= self.num_sites <= self.size:
+            raise ValueError(f"GroupShape needs 1 <= num_sites <= size, got num_sites={self.num_sites}, "
+                             f"size={self.size}")
+
+    @property
+    def crosses_sites(self) -> bool:
+        return self.num_sites > 1
+
+    @property
+    def ranks_per_site(self) -> int:
+        """The group's ranks on one site (the fewest, where they fall unevenly)."""
+        return self.size // self.num_sites
 
     @property
     def num_nodes(self) -> int:
@@ -221,6 +342,15 @@ def _p2p_shape(stride: int, pp: int, gpus_per_node: int) -> GroupShape:
     crosses = any(base // gpus_per_node != (base + stride) // gpus_per_node
                   for base in range(period) if (base // stride) % pp < pp - 1)
     return GroupShape(size=2, ranks_per_node=1 if crosses else 2)
+
+
+@functools.lru_cache(maxsize=4096)
+def _site_span(size: int, stride: int, ranks_per_site: int) -> int:
+    # Sites a group of `size` ranks `stride` apart touches, the same for every group of the axis
+    # (else the most, which is what the long haul carries): periodic as nodes are.
+    period = math.lcm(size * stride, ranks_per_site)
+    return max(len({(base + i * stride) // ranks_per_site for i in range(size)})
+               for base in range(period) if (base // stride) % size == 0)
 
 
 def _fixed_coords(coord: MeshCoord, axis: Axis) -> tuple[int, ...]:
