@@ -1,0 +1,549 @@
+"""Two sites on one machine: gloo ranks in two network namespaces joined by a rate-limited veth
+pair, to measure data parallelism across a slow link (issue 36, item 4).
+
+    sudo .venv/bin/python benchmarks/two_sites.py -o benchmarks/results/two_sites-cpu-2026-12-06.json
+    sudo .venv/bin/python benchmarks/two_sites.py --settings 100:5 --steps 3 --probe-only   # the link alone
+
+What is built (root only; everything named `mplan2s-<pid>-<tag>-*`, so concurrent runs never
+collide, and removed in a `finally` on success, failure, Ctrl-C, SIGTERM or `--timeout`):
+
+    namespace site0                          namespace site1
+    lo (up)                                  lo (up)
+    veth m2<tag>a 10.213.0.1/24 <----------> veth m2<tag>b 10.213.0.2/24
+         tbf rate R on egress                     tbf rate R on egress
+
+The veth is created directly inside the namespaces (`ip link add ... netns`), so nothing ever
+appears in the host's namespace, and the two namespaces have no other interface and no route
+out: the ranks' traffic stays between them. Deleting the namespaces deletes the pair and its
+qdiscs. A run killed with SIGKILL cannot clean up; the next run deletes namespaces whose creating
+process is gone (`_remove_stale`).
+
+Ranks: world 4, ranks 0-1 in site0 and 2-3 in site1, each started as `ip netns exec SITE python
+this-file --worker ...` with MASTER_ADDR the site0 veth address (rank 0's TCP store listens
+there) and GLOO_SOCKET_IFNAME the namespace's veth. Every rank of a namespace binds that one
+address, so two ranks of one site talk to their own namespace's address: the kernel delivers
+that through the namespace's loopback, never out of the veth (local routes win), and the tbf
+on the veth does not touch it. The probe shows it: the veth's byte counters during an
+intra-site transfer, and that transfer's bandwidth against the rate limit.
+
+Which part of the link is real and which injected:
+- real (the kernel's path): the bandwidth. Cross-site bytes leave through the veth, are queued
+  and paced by `tbf` (token bucket, rate R, on both ends' egress), and carry TCP's behaviour
+  (segmentation, acks, windows) as gloo's sockets see it. The probe measures the rate reached.
+- injected: the latency. The kernel here has no `netem`, so a one-way delay L cannot be put on
+  the wire; the worker sleeps where traffic is posted instead (`_inject_delays`): before each
+  collective whose group spans both sites, `hops * L`, hops being the collective's sequential
+  message steps across the ring (all-reduce 2(g-1), reduce-scatter and all-gather g-1,
+  send/recv/broadcast 1, over a group of g ranks). That is the latency term an alpha-beta cost
+  model charges, as a blocking delay on the posting rank: unlike a delay on the wire it does not
+  overlap the rank's compute, and it is paid once per collective, not interleaved with the
+  transfer. The veth's own latency (tens of microseconds) stays, real, beneath it.
+
+The probe (`--probe-only`, and first in every run) measures per setting: intra-site and
+cross-site point-to-point bandwidth (set against tbf's rate), the cross-site one-way latency
+without and with the injected delay (set against L), and a cross-site all-reduce against its
+alpha-beta time. The training runs (flat DP, `dp=4`: one ring over four ranks, crossing the link
+twice) time `--steps` steps after `--warmup`, between barriers on every rank, and report the
+median of rank 0's clock.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import json
+import os
+import platform
+import re
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+PREFIX = "mplan2s"
+"""Namespace names are `mplan2s-<creator pid>-<random tag>-site<i>`."""
+ADDRESSES = ("10.213.0.1", "10.213.0.2")
+"""Each site's veth address (the namespaces are private, so every run may use the same ones)."""
+RANKS_PER_SITE = 2
+DEFAULT_MODEL = "llama:layers=2,hidden=128,heads=4,kv_heads=2,ffn=384,seq=64,vocab=2048"
+DEFAULT_SETTINGS = ("100:5", "1000:20")
+"""`rate_mbit:delay_ms` pairs: 100 Mbit/s with 5 ms, 1 Gbit/s with 20 ms (one way)."""
+MASTER_PORT = 29513
+PAYLOAD_FRACTION = 1448 / 1514
+"""TCP payload per full Ethernet frame on a 1500-byte MTU with timestamps (tbf counts the frame)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkSetting:
+    """The emulated inter-site link: `rate_mbit` real (tbf), `delay_ms` injected (one way)."""
+
+    rate_mbit: float | None  # Mbit/s, tbf on both ends' egress; None: the veth unshaped
+    delay_ms: float  # milliseconds, one way, slept before each cross-site message step
+
+    @classmethod
+    def parse(cls, text: str) -> LinkSetting:
+        rate, _, delay = text.partition(":")
+        try:
+            return cls(rate_mbit=None if rate in ("", "none") else float(rate), delay_ms=float(delay or 0))
+        except ValueError:
+            raise SystemExit(f"--settings: {text!r} is not RATE_MBIT:DELAY_MS (e.g. 100:5, none:0)") from None
+
+    @property
+    def label(self) -> str:
+        return f"{'unshaped' if self.rate_mbit is None else f'{self.rate_mbit:g}mbit'}+{self.delay_ms:g}ms"
+
+
+# -- the namespaces ------------------------------------------------------------------------------
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+def netns_unavailable() -> str | None:
+    """Why this machine cannot build the two sites (None when it can): not root, no `ip` or `tc`,
+    or a kernel that refuses network namespaces or veth pairs."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "tc"):
+        if subprocess.run(["which", tool], capture_output=True).returncode:
+            return f"no `{tool}` command (iproute2)"
+    try:
+        with TwoSites(rate_mbit=1.0):
+            pass
+    except (subprocess.CalledProcessError, OSError) as exc:
+        detail = exc.stderr.strip() if isinstance(exc, subprocess.CalledProcessError) else str(exc)
+        return f"cannot build namespaces with a veth pair and tbf here: {detail}"
+    return None
+
+
+def namespaces_of(pid: int) -> list[str]:
+    """The namespaces a harness process `pid` created that still exist."""
+    return [name for name in _namespaces() if name.startswith(f"{PREFIX}-{pid}-")]
+
+
+def _namespaces() -> list[str]:
+    return [line.split()[0] for line in _ip("netns", "list").stdout.splitlines() if line.strip()]
+
+
+def _remove_stale() -> list[str]:
+    """Delete namespaces left by a harness that died without its `finally` (SIGKILL)."""
+    removed = []
+    for name in _namespaces():
+        match = re.fullmatch(rf"{PREFIX}-(\d+)-[0-9a-f]+-site\d", name)
+        if match and not Path(f"/proc/{match.group(1)}").exists():
+            _ip("netns", "del", name, check=False)
+            removed.append(name)
+    return removed
+
+
+class TwoSites:
+    """Two namespaces joined by a veth pair (optionally tbf-limited); a context manager that
+    removes both, and with them the pair and its qdiscs, on exit."""
+
+    def __init__(self, *, rate_mbit: float | None) -> None:
+        tag = secrets.token_hex(3)
+        self.rate_mbit = rate_mbit
+        self.namespaces = tuple(f"{PREFIX}-{os.getpid()}-{tag}-site{i}" for i in range(2))
+        self.interfaces = (f"m2{tag}a", f"m2{tag}b")  # under the kernel's 15 characters
+
+    def __enter__(self) -> TwoSites:
+        try:
+            for name in self.namespaces:
+                _ip("netns", "add", name)
+            (ns0, ns1), (if0, if1) = self.namespaces, self.interfaces
+            _ip("link", "add", if0, "netns", ns0, "type", "veth", "peer", "name", if1, "netns", ns1)
+            for ns, interface, address in zip(self.namespaces, self.interfaces, ADDRESSES):
+                _ip("-n", ns, "addr", "add", f"{address}/24", "dev", interface)
+                _ip("-n", ns, "link", "set", interface, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+                if self.rate_mbit is not None:
+                    subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", interface, "root", "tbf",
+                                    *self.tbf_arguments()], capture_output=True, text=True, check=True, timeout=30)
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def tbf_arguments(self) -> list[str]:
+        """Rate R; a bucket of 1 ms at R (at least 64 KiB, one GSO segment, so tbf need not split
+        veth's large segments); a queue of up to 200 ms at R before drops (TCP backs off first)."""
+        assert self.rate_mbit is not None
+        rate_Bps = self.rate_mbit * 1e6 / 8
+        burst = max(64 * 1024, int(rate_Bps * 1e-3))
+        return ["rate", f"{self.rate_mbit:g}mbit", "burst", str(burst), "latency", "200ms"]
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        for name in self.namespaces:
+            _ip("netns", "del", name, check=False)
+
+    def qdiscs(self) -> list[str]:
+        """`tc qdisc show` of each veth, as the kernel reports it (recorded in the results)."""
+        return [subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", interface], capture_output=True,
+                               text=True, timeout=30).stdout.strip()
+                for ns, interface in zip(self.namespaces, self.interfaces)]
+
+
+# -- the ranks -----------------------------------------------------------------------------------
+
+def site_of(rank: int) -> int:
+    return rank // RANKS_PER_SITE
+
+
+class RanksFailed(RuntimeError):
+    """A rank exited non-zero or the job ran past its time; the message carries its log's tail."""
+
+
+def run_ranks(sites: TwoSites, worker_args: Sequence[str], *, timeout_s: float, logs: Path,
+              tree: Path) -> dict[str, Any]:
+    """Start 2 x RANKS_PER_SITE ranks of `--worker worker_args` in their sites' namespaces, with
+    `tree`'s `mplan` first on the path, wait for all (killing every one of them on failure or
+    timeout), and return rank 0's JSON line."""
+    world = 2 * RANKS_PER_SITE
+    procs: list[subprocess.Popen] = []
+    try:
+        for rank in range(world):
+            site = site_of(rank)
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % RANKS_PER_SITE),
+                   "MASTER_ADDR": ADDRESSES[0], "MASTER_PORT": str(MASTER_PORT),
+                   "GLOO_SOCKET_IFNAME": sites.interfaces[site], "OMP_NUM_THREADS": "1",
+                   "MPLAN_TWO_SITES_IFNAME": sites.interfaces[site],
+                   "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
+            with open(logs / f"rank{rank}.out", "w") as out, open(logs / f"rank{rank}.err", "w") as err:
+                procs.append(subprocess.Popen(["ip", "netns", "exec", sites.namespaces[site], sys.executable,
+                                               __file__, "--worker", *worker_args],
+                                              env=env, stdout=out, stderr=err, cwd=REPO, start_new_session=True))
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in procs):
+            failed = [rank for rank, p in enumerate(procs) if p.returncode not in (None, 0)]
+            if failed:
+                raise RanksFailed(f"rank {failed[0]} exited with {procs[failed[0]].returncode}:\n"
+                                  + (logs / f"rank{failed[0]}.err").read_text()[-3000:])
+            if time.monotonic() > deadline:
+                raise RanksFailed(f"ranks still running after {timeout_s:.0f} s:\n"
+                                  + (logs / "rank0.err").read_text()[-3000:])
+            time.sleep(0.05)
+        failed = [rank for rank, p in enumerate(procs) if p.returncode]
+        if failed:
+            raise RanksFailed(f"rank {failed[0]} exited with {procs[failed[0]].returncode}:\n"
+                              + (logs / f"rank{failed[0]}.err").read_text()[-3000:])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()  # the rank itself: `ip netns exec` execs into python, so this is its pid
+        for p in procs:
+            p.wait()
+    lines = [line for line in (logs / "rank0.out").read_text().splitlines() if line.startswith("{")]
+    if not lines:
+        raise RanksFailed("rank 0 printed no result:\n" + (logs / "rank0.err").read_text()[-3000:])
+    result = json.loads(lines[-1])
+    if not Path(result.pop("mplan")).resolve().is_relative_to(tree.resolve()):
+        raise RanksFailed(f"the ranks imported mplan from outside {tree}")
+    return result
+
+
+# -- inside a rank -------------------------------------------------------------------------------
+
+HOPS: dict[str, Callable[[int], int]] = {
+    "all_reduce": lambda g: 2 * (g - 1),
+    "reduce_scatter": lambda g: g - 1, "reduce_scatter_tensor": lambda g: g - 1,
+    "all_gather": lambda g: g - 1, "all_gather_into_tensor": lambda g: g - 1,
+    "broadcast": lambda g: 1, "send": lambda g: 1, "isend": lambda g: 1,
+}
+"""Sequential message steps of each collective over a group of g ranks (ring algorithms; a
+point-to-point message is one), each paying the link's one-way latency once."""
+
+
+def _inject_delays(delay_s: float, world_size: int) -> list[float]:
+    """Make every collective (and send) over a group spanning both sites sleep `hops * delay_s`
+    before it is posted (the module docstring says why there). Returns a list whose first item
+    accumulates the seconds slept, so a timed region can report its injected share."""
+    import torch.distributed as dist
+
+    slept = [0.0]
+    spans: dict[int, bool] = {}
+
+    def crosses(group: Any, dst: int | None) -> bool:
+        if dst is not None:
+            return site_of(dist.get_rank()) != site_of(dst)
+        key = id(group)
+        if key not in spans:
+            ranks = range(world_size) if group is None else dist.get_process_group_ranks(group)
+            spans[key] = len({site_of(rank) for rank in ranks}) > 1
+        return spans[key]
+
+    def delayed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            size = world_size if group is None else dist.get_world_size(group)
+            dst = kwargs.get("dst", args[1] if name in ("send", "isend") and len(args) > 1 else None)
+            if delay_s > 0 and crosses(group, dst):
+                pause = HOPS[name](size) * delay_s
+                time.sleep(pause)
+                slept[0] += pause
+            return original(*args, **kwargs)
+        return call
+
+    for name in HOPS:
+        setattr(dist, name, delayed(name, getattr(dist, name)))
+    return slept
+
+
+def _veth_bytes() -> int:
+    """Bytes sent plus received on this namespace's veth (its sysfs counters)."""
+    base = Path("/sys/class/net") / os.environ["MPLAN_TWO_SITES_IFNAME"] / "statistics"
+    return int((base / "tx_bytes").read_text()) + int((base / "rx_bytes").read_text())
+
+
+def _probe(args: argparse.Namespace) -> dict[str, Any]:
+    """The link alone: bandwidths, latencies and one all-reduce, measured against what was set."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    barrier = dist.barrier
+    delay_s = args.delay_ms / 1e3
+    out: dict[str, Any] = {}
+
+    def transfer(peer_of: dict[int, int], nbytes: int, repeats: int) -> list[float]:
+        """Senders push `nbytes` to their peer, which answers one byte; seconds until the answer."""
+        data = torch.empty(nbytes, dtype=torch.uint8)
+        ack = torch.zeros(1, dtype=torch.uint8)
+        times = []
+        for _ in range(repeats):
+            barrier()
+            start = time.perf_counter()
+            if rank in peer_of and peer_of[rank] > rank:
+                dist.send(data, peer_of[rank])
+                dist.recv(ack, peer_of[rank])
+            elif rank in peer_of:
+                dist.recv(data, peer_of[rank])
+                dist.send(ack, peer_of[rank])
+            times.append(time.perf_counter() - start)
+        return times
+
+    # 1. intra-site: 0 -> 1 in site0 and 2 -> 3 in site1 at once; the veth must carry none of it
+    intra_bytes = args.intra_mb * 2**20
+    before = _veth_bytes()
+    intra = transfer({0: 1, 1: 0, 2: 3, 3: 2}, intra_bytes, 3)
+    veth_during_intra = _veth_bytes() - before
+    # 2. cross-site one-way latency, real (no injection): 1-byte ping-pong 0 <-> 2
+    pingpong = transfer({0: 2, 2: 0}, 1, 20)
+    real_one_way = statistics.median(pingpong) / 2
+    # 3. cross-site bandwidth: 0 -> 2, sized for about half a second at the set rate
+    rate_Bps = None if args.rate_mbit is None else args.rate_mbit * 1e6 / 8
+    cross_bytes = int(min(64 * 2**20, max(2**20, 0.5 * rate_Bps))) if rate_Bps else 64 * 2**20
+    cross = transfer({0: 2, 2: 0}, cross_bytes, 3)
+    # 4. with the injected delay: one-way latency, and an all-reduce over the pair {0, 2}
+    slept = _inject_delays(delay_s, world)
+    injected = transfer({0: 2, 2: 0}, 1, 10)
+    pair = dist.new_group([0, 2])
+    reduce_bytes = args.allreduce_mb * 2**20
+    tensor = torch.ones(reduce_bytes // 4, dtype=torch.float32)
+    reduces = []
+    for _ in range(3):
+        barrier()
+        start = time.perf_counter()
+        if rank in (0, 2):
+            dist.all_reduce(tensor, group=pair)
+        reduces.append(time.perf_counter() - start)
+    if rank == 0:
+        out = {
+            "intra_site": {"bytes": intra_bytes, "seconds_median": statistics.median(intra),
+                           "MBps": intra_bytes / statistics.median(intra) / 1e6,
+                           "veth_bytes_during": veth_during_intra,
+                           "note": "0 -> 1 and 2 -> 3 at once; veth_bytes_during: site0's veth tx+rx meanwhile "
+                                   "(the barriers' few hundred bytes), so intra-site traffic did not cross"},
+            "cross_site_bandwidth": {"bytes": cross_bytes, "seconds_median": statistics.median(cross),
+                                     "MBps_measured": cross_bytes / (statistics.median(cross) - real_one_way * 2) / 1e6,
+                                     "MBps_set": None if rate_Bps is None else rate_Bps / 1e6,
+                                     "MBps_set_payload": None if rate_Bps is None else rate_Bps * PAYLOAD_FRACTION / 1e6},
+            "cross_site_latency": {"one_way_s_real": real_one_way,
+                                   "one_way_s_with_injection": statistics.median(injected) / 2,
+                                   "one_way_s_set": delay_s},
+            "cross_site_allreduce": {"bytes": reduce_bytes, "ranks": [0, 2],
+                                     "seconds_median": statistics.median(reduces),
+                                     "seconds_alpha_beta": 2 * delay_s + (reduce_bytes / (rate_Bps * PAYLOAD_FRACTION)
+                                                                          if rate_Bps else 0.0),
+                                     "note": "2 ranks, one per site: 2 hops of the injected delay, and each rank "
+                                             "sends its half twice (N bytes each way) through tbf"},
+            "injected_s_total": slept[0],
+        }
+    return out
+
+
+def _train(args: argparse.Namespace) -> dict[str, Any]:
+    """`--steps` timed training steps of `args.model` under `args.plan` (after `--warmup`)."""
+    import torch
+    import torch.distributed as dist
+
+    import mplan
+    from mplan.models import build_model
+
+    barrier = dist.barrier  # the timing's own barriers are not delayed
+    slept = _inject_delays(args.delay_ms / 1e3, dist.get_world_size())
+    model = build_model(args.model, device="cpu", dtype=torch.float32, seed=0)
+    ids = torch.randint(0, model.config.vocab, (args.batch, model.config.seq_len),
+                        generator=torch.Generator().manual_seed(0))
+    pm = mplan.autoparallel(model, example_inputs=(ids,), optimizer=functools.partial(torch.optim.AdamW, lr=1e-4),
+                            global_batch=args.batch, micro_batch_size=args.mbs, plan=args.plan, progress="quiet")
+    steps, injected = [], []
+    for step in range(args.warmup + args.steps):
+        barrier()
+        slept[0] = 0.0
+        start = time.perf_counter()
+        pm.train_step(ids, ids)
+        barrier()
+        if step >= args.warmup:
+            steps.append(time.perf_counter() - start)
+            injected.append(slept[0])
+    return {"plan": pm.plan.spec(), "step_s": steps, "injected_s": injected,
+            "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://")
+    result = _probe(args) if args.mode == "probe" else _train(args)
+    if dist.get_rank() == 0:
+        import mplan
+
+        print(json.dumps({**result, "mplan": mplan.__file__}), flush=True)
+    dist.destroy_process_group()
+
+
+# -- the driver ----------------------------------------------------------------------------------
+
+def _extract(commit: str, into: Path) -> None:
+    """`commit`'s `mplan` package under `into` (readable from inside the namespaces: same filesystem)."""
+    into.mkdir()
+    archive = subprocess.run(["git", "archive", commit, "mplan"], cwd=REPO, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+
+
+class Interrupted(BaseException):
+    """SIGTERM, SIGHUP or the overall `--timeout`: unwinds to the `finally` that removes the sites."""
+
+
+@contextlib.contextmanager
+def _bounded(timeout_s: float) -> Iterator[None]:
+    """Raise `Interrupted` in the main thread on SIGTERM/SIGHUP or after `timeout_s` seconds."""
+    def stop(signum: int, _frame: object) -> None:
+        raise Interrupted("timed out" if signum == signal.SIGALRM else signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGALRM)}
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _measure_setting(setting: LinkSetting, args: argparse.Namespace, logs: Path, tree: Path) -> dict[str, Any]:
+    common = ["--delay-ms", str(setting.delay_ms), "--rate-mbit", str(setting.rate_mbit or "none")]
+    with TwoSites(rate_mbit=setting.rate_mbit) as sites:
+        row: dict[str, Any] = {"setting": asdict(setting), "qdiscs": sites.qdiscs()}
+        if not args.no_probe:
+            row["probe"] = run_ranks(sites, ["--mode", "probe", *common, "--intra-mb", str(args.intra_mb),
+                                             "--allreduce-mb", str(args.allreduce_mb)],
+                                     timeout_s=args.rank_timeout, logs=logs, tree=tree)
+            print(f"{setting.label}: probe {json.dumps(row['probe'])}", file=sys.stderr)
+        if not args.probe_only:
+            row["layouts"] = {}
+            for layout, plan in (("flat", "dp=4"),):
+                result = run_ranks(sites, ["--mode", "train", *common, "--model", args.model, "--plan", plan,
+                                           "--batch", str(args.batch), "--mbs", str(args.mbs),
+                                           "--warmup", str(args.warmup), "--steps", str(args.steps)],
+                                   timeout_s=args.rank_timeout, logs=logs, tree=tree)
+                result["step_s_median"] = statistics.median(result["step_s"])
+                result["injected_s_median"] = statistics.median(result["injected_s"])
+                row["layouts"][layout] = result
+                print(f"{setting.label}: {layout} {result['step_s_median']:.4f} s a step "
+                      f"({result['injected_s_median']:.4f} s injected)", file=sys.stderr)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS),
+                        help="RATE_MBIT:DELAY_MS per setting (RATE 'none': the veth unshaped)")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    parser.add_argument("--mbs", type=int, default=2, help="micro-batch size")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6, help="steps timed per layout and setting")
+    parser.add_argument("--intra-mb", type=int, default=16, help="MiB of the intra-site probe transfer")
+    parser.add_argument("--allreduce-mb", type=int, default=2, help="MiB of the cross-site all-reduce probe")
+    parser.add_argument("--probe-only", action="store_true", help="measure the link, train nothing")
+    parser.add_argument("--no-probe", action="store_true", help="train only, without measuring the link first")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds for the whole run")
+    parser.add_argument("--rank-timeout", type=float, default=300, help="seconds for one job of ranks")
+    parser.add_argument("--commit", default="HEAD",
+                        help="the commit whose mplan package the ranks import (extracted, so that edits to "
+                             "the working tree meanwhile change nothing)")
+    parser.add_argument("-o", "--output", default=None)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=("probe", "train"), help=argparse.SUPPRESS)
+    parser.add_argument("--plan", help=argparse.SUPPRESS)
+    parser.add_argument("--delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--rate-mbit", type=lambda s: None if s == "none" else float(s), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args)
+        return
+    if os.geteuid() != 0:
+        raise SystemExit("two_sites: network namespaces need root")
+    stale = _remove_stale()
+    if stale:
+        print(f"removed namespaces left by dead runs: {', '.join(stale)}", file=sys.stderr)
+    settings = [LinkSetting.parse(text) for text in args.settings]
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", args.commit], cwd=REPO, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    rows = []
+    try:
+        with _bounded(args.timeout), tempfile.TemporaryDirectory(prefix="mplan_two_sites_") as scratch:
+            tree = Path(scratch) / "tree"
+            _extract(commit, tree)
+            for setting in settings:
+                rows.append(_measure_setting(setting, args, Path(scratch), tree))
+    except (Interrupted, KeyboardInterrupt) as exc:
+        raise SystemExit(f"two_sites: stopped ({exc or 'interrupted'}); its namespaces are removed") from None
+    except RanksFailed as exc:
+        raise SystemExit(f"two_sites: {exc}") from None
+    doc = {"date": datetime.date.today().isoformat(),
+           "machine": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+           "kernel": platform.release(), "torch": torch.__version__, "python": platform.python_version(),
+           "iproute2": _ip("-V").stdout.strip(), "mplan_commit": commit, "backend": "gloo", "ranks": 2 * RANKS_PER_SITE,
+           "ranks_per_site": RANKS_PER_SITE, "threads_per_rank": 1, "dtype": "float32", "model": args.model,
+           "global_batch": args.batch, "mbs": args.mbs, "warmup": args.warmup, "steps": args.steps,
+           "link": "real: veth pair between two network namespaces, tbf rate limit on both ends' egress; "
+                   "injected: the one-way delay, slept before each cross-site collective, hops x delay "
+                   "(all-reduce 2(g-1), reduce-scatter/all-gather g-1, send 1)",
+           "settings": rows}
+    text = json.dumps(doc, indent=1)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""benchmarks/two_sites.py builds two network namespaces joined by a rate-limited veth pair, runs
+gloo ranks in them, and leaves nothing behind: not after a run, not after its ranks fail, not
+after Ctrl-C. Needs root and a kernel with network namespaces (skipped with the reason otherwise)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import two_sites  # noqa: E402  (a benchmark script, not a package)
+
+UNAVAILABLE = two_sites.netns_unavailable()
+pytestmark = [pytest.mark.script_smoke, pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))]
+
+TINY = "llama:layers=1,hidden=64,heads=2,kv_heads=1,ffn=128,seq=16,vocab=256"
+
+
+def _start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "two_sites.py"), *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_a_run_measures_the_set_link_and_removes_its_namespaces() -> None:
+    run = _start("--settings", "100:5", "--model", TINY, "--warmup", "1", "--steps", "1", "--intra-mb", "4",
+                 "--timeout", "60")
+    out, err = run.communicate(timeout=90)
+    assert run.returncode == 0, err[-3000:]
+    assert two_sites.namespaces_of(run.pid) == []
+    (row,) = json.loads(out)["settings"]
+    probe = row["probe"]
+    assert all("tbf" in line and "100Mbit" in line for line in row["qdiscs"]), row["qdiscs"]
+    # the rate is the kernel's (tbf): within 10% of the payload rate it allows
+    assert probe["cross_site_bandwidth"]["MBps_measured"] == pytest.approx(
+        probe["cross_site_bandwidth"]["MBps_set_payload"], rel=0.1)
+    # the latency is injected: the one-way time is the set 5 ms plus the veth's own, well under 1 ms more
+    assert 0.005 <= probe["cross_site_latency"]["one_way_s_with_injection"] < 0.006
+    # ranks of one site talk over their namespace's loopback: the veth carries almost nothing meanwhile
+    assert probe["intra_site"]["veth_bytes_during"] < 0.01 * probe["intra_site"]["bytes"]
+    assert probe["intra_site"]["MBps"] > 3 * probe["cross_site_bandwidth"]["MBps_set"]
+    flat = row["layouts"]["flat"]
+    assert flat["plan"].startswith("dp=4") and len(flat["step_s"]) == 1
+    assert all(step > injected > 0 for step, injected in zip(flat["step_s"], flat["injected_s"]))
+
+
+def test_failing_ranks_leave_no_namespaces() -> None:
+    run = _start("--settings", "10:0", "--model", "nosuchfamily:layers=1", "--no-probe", "--timeout", "60")
+    _, err = run.communicate(timeout=90)
+    assert run.returncode != 0 and "two_sites: rank" in err, err[-3000:]
+    assert two_sites.namespaces_of(run.pid) == []
+
+
+def test_ctrl_c_leaves_no_namespaces() -> None:
+    run = _start("--settings", "10:0", "--model", TINY, "--timeout", "60")
+    deadline = time.monotonic() + 20
+    while not two_sites.namespaces_of(run.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert two_sites.namespaces_of(run.pid), "the run never built its namespaces"
+    time.sleep(1.0)  # its ranks are starting inside them
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=30)
+    assert run.returncode != 0 and "namespaces are removed" in err, err[-3000:]
+    assert two_sites.namespaces_of(run.pid) == []
