@@ -142,8 +142,12 @@ def _cluster(args: argparse.Namespace):  # noqa: ANN202 - ClusterSpec
     if args.cluster.endswith(".json"):
         cluster = ClusterSpec.from_json(args.cluster)
         _say_completion(cluster, args.cluster)
-        return cluster
-    return ClusterSpec.preset(args.cluster, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+    else:
+        cluster = ClusterSpec.preset(args.cluster, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+    if args.sites is None:
+        return cluster  # a file's own sites, or a preset's one
+    return cluster.with_sites(args.sites, inter_site_gbps=args.inter_site_gbps,
+                              inter_site_latency_ms=args.inter_site_latency_ms)
 
 
 def _progress(args: argparse.Namespace) -> Progress:
@@ -491,6 +495,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="preset (dgx-a100, dgx-h100, dgx-h200, h200, cpu) or a cluster JSON file")
         q.add_argument("--nodes", type=positive_int, default=1, help="nodes of the preset")
         q.add_argument("--gpus-per-node", type=positive_int, default=None, help="override the preset's GPUs per node")
+        q.add_argument("--sites", type=positive_int, default=None,
+                       help="data centers the --nodes are split among (default: the file's, or one); TP, EP and CP "
+                            "stay inside a site, DP may run hierarchically across")
+        q.add_argument("--inter-site-gbps", type=float, default=0.0,
+                       help="the long-haul link between sites, Gb/s per direction, a site's whole share")
+        q.add_argument("--inter-site-latency-ms", type=float, default=0.0, help="its one-way latency, ms")
         q.add_argument("--global-batch", type=positive_int, required=True, help="sequences per optimizer step")
         q.add_argument("--seq-len", type=positive_int, default=None,
                        help="sequence length (default: the model's; the plan says which it used)")

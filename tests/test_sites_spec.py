@@ -106,3 +106,50 @@ def test_check_sites_against_the_cluster():
         MeshShape(dp=4, pp=2).check_sites(2)  # flat layout: pp outermost would cross
     with pytest.raises(ValueError, match="tp=4 groups would cross"):
         MeshShape(dp=1, tp=4).check_sites(2)
+
+
+# -- the cluster -----------------------------------------------------------------------------------
+from mplan.cost_models.cluster import ClusterSpec, ClusterSpecError  # noqa: E402
+
+
+def two_sites() -> ClusterSpec:
+    return ClusterSpec.preset("dgx-h100", nodes=128, sites=2, inter_site_gbps=100, inter_site_latency_ms=10)
+
+
+def test_a_preset_with_sites_places_ranks_in_order():
+    cluster = two_sites()
+    assert (cluster.num_sites, cluster.ranks_per_site) == (2, 512)
+    assert [cluster.site_of(r) for r in (0, 511, 512, 1023)] == [0, 0, 1, 1]
+    assert cluster.sites.bandwidth_Bps == 12.5e9 and cluster.sites.latency_s == pytest.approx(0.010)
+    assert ClusterSpec.preset("dgx-h100", nodes=4).num_sites == 1  # one site unless said
+
+
+def test_cluster_file_round_trips_sites_and_old_files_have_one():
+    cluster = two_sites()
+    assert ClusterSpec.from_dict(cluster.to_dict()) == cluster
+    plain = ClusterSpec.preset("dgx-h100", nodes=4).to_dict()
+    assert "sites" not in plain and ClusterSpec.from_dict(plain).num_sites == 1
+
+
+@pytest.mark.parametrize("sites, field", [
+    ({"count": 3, "inter_site_gbps": 100, "inter_site_latency_ms": 10}, "sites.count must divide num_nodes"),
+    ({"count": 0, "inter_site_gbps": 100, "inter_site_latency_ms": 10}, "sites.count must be an integer"),
+    ({"count": 2, "inter_site_gbps": "fast", "inter_site_latency_ms": 10}, "sites.inter_site_gbps must be"),
+    ({"count": 2, "inter_site_gbps": 0, "inter_site_latency_ms": 10}, "sites.inter_site_gbps must be"),
+    ({"count": 2, "inter_site_gbps": 100, "inter_site_latency_ms": -1}, "sites.inter_site_latency_ms must be"),
+    ({"count": 2, "inter_site_gbps": 100}, "sites.inter_site_latency_ms is missing"),
+    ({"count": 2, "inter_site_gbps": 100, "inter_site_latency_ms": 10, "gbps": 1}, "sites.gbps is not a known"),
+])
+def test_a_wrong_sites_field_is_one_error_naming_it(sites, field):
+    doc = two_sites().to_dict()
+    doc["sites"] = sites
+    with pytest.raises(ClusterSpecError, match=field) as caught:
+        ClusterSpec.from_dict(doc, file="two.json")
+    assert str(caught.value).startswith("two.json: ") and "\n" not in str(caught.value)
+
+
+def test_presets_refuse_sites_that_do_not_split_the_nodes():
+    with pytest.raises(ClusterSpecError, match="must divide the 3 nodes"):
+        ClusterSpec.preset("dgx-h100", nodes=3, sites=2, inter_site_gbps=100)
+    with pytest.raises(ClusterSpecError, match="inter_site_gbps must be a positive number with 2 sites"):
+        ClusterSpec.preset("dgx-h100", nodes=4, sites=2)

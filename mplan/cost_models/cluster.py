@@ -17,7 +17,15 @@ File format (``"format": "mplan.cluster"``, ``"version": 1``)::
                 "memory_bytes", "memory_bandwidth_Bps", "gemm_efficiency", "memory_efficiency", "source"},
      "links": {"intra_node": {"kind", "bandwidth_Bps", "latency_s", "efficiency", "source"},
                "inter_node": {...}},
-     "profile": null | {a profile object, see profile.py} | "path/to/profile.json"}
+     "profile": null | {a profile object, see profile.py} | "path/to/profile.json",
+     "sites": {"count", "inter_site_gbps", "inter_site_latency_ms", "source"}   (optional: one site)}
+
+Sites (``Sites``): ``count`` data centers, the nodes split evenly among them in order (rank r on site
+r // (world_size / count)), joined by a long-haul link: ``inter_site_gbps`` Gb/s per direction, the
+whole of what one site sends to the others (not per GPU: every rank of a site shares it), as a
+transfer reaches it (give a measured figure: it is priced as given, no efficiency applied), and
+``inter_site_latency_ms``, one way. Units as the CLI's ``--inter-site-gbps`` and
+``--inter-site-latency-ms``.
 
 Decision on profiles: ``mplan profile`` writes a *cluster* file whose ``profile`` key holds the
 measurements inline, so one file describes a measured cluster. A bare profile file (such as the
@@ -26,7 +34,7 @@ accepted by ``ClusterSpec.from_json``; reference it from a cluster file by path 
 cluster file) or attach it with ``spec.with_profile(ClusterProfile.from_json(path))``.
 Invariants: all bandwidths are per GPU, per direction, in bytes/s; latencies in seconds; a wrong
 file raises one ``ClusterSpecError`` naming the file and the field; ``inter_node.kind == "none"``
-only on one node.
+only on one node; the sites divide the nodes.
 """
 from __future__ import annotations
 
@@ -124,6 +132,35 @@ class LinkHierarchy:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Sites:
+    """The data centers a cluster spans and the long-haul link between them (module docstring)."""
+
+    count: int = 1
+    inter_site_gbps: float = 0.0  # Gb/s per direction, a site's whole share of the link (not per GPU)
+    inter_site_latency_ms: float = 0.0  # milliseconds, one way
+    source: str = ""  # where the link figures come from (measured, or given by the user)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.count, int) or isinstance(self.count, bool) or self.count < 1:
+            raise ClusterSpecError(f"sites.count must be an integer >= 1, got {self.count!r}")
+        if self.count > 1 and not self.inter_site_gbps > 0:
+            raise ClusterSpecError(f"sites.inter_site_gbps must be a positive number with {self.count} sites, "
+                                   f"got {self.inter_site_gbps!r}")
+        if not self.inter_site_latency_ms >= 0:
+            raise ClusterSpecError(f"sites.inter_site_latency_ms must be a non-negative number, "
+                                   f"got {self.inter_site_latency_ms!r}")
+
+    @property
+    def bandwidth_Bps(self) -> float:
+        """The inter-site link, bytes/s per direction (Gb/s are 1e9 bits)."""
+        return self.inter_site_gbps * 1e9 / 8
+
+    @property
+    def latency_s(self) -> float:
+        return self.inter_site_latency_ms * 1e-3
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ClusterSpec:
     """``num_nodes`` x ``gpus_per_node`` identical devices and the links between them."""
 
@@ -134,6 +171,7 @@ class ClusterSpec:
     links: LinkHierarchy
     source: str = ""  # where the cluster figures come from (presets name their sources)
     profile: ClusterProfile | None = None  # measured kernels and links; overrides analytic figures
+    sites: Sites = Sites()  # the data centers the nodes are split among (one unless said)
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.gpus_per_node < 1:
@@ -142,10 +180,31 @@ class ClusterSpec:
         if self.num_nodes > 1 and self.links.inter_node.kind == "none":
             raise ClusterSpecError(f"cluster {self.name}: {self.num_nodes} nodes need an inter_node link, "
                                    f"got kind 'none'")
+        if self.num_nodes % self.sites.count:
+            raise ClusterSpecError(f"cluster {self.name}: sites.count = {self.sites.count} must divide the "
+                                   f"{self.num_nodes} nodes (each site holds as many)")
 
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.gpus_per_node
+
+    @property
+    def num_sites(self) -> int:
+        return self.sites.count
+
+    @property
+    def ranks_per_site(self) -> int:
+        return self.world_size // self.sites.count
+
+    def site_of(self, rank: int) -> int:
+        """The site rank `rank` runs on: ranks fill sites in order, as they fill nodes."""
+        return rank // self.ranks_per_site
+
+    def with_sites(self, count: int, *, inter_site_gbps: float = 0.0, inter_site_latency_ms: float = 0.0,
+                   source: str = "given") -> ClusterSpec:
+        """This cluster's nodes split evenly among `count` sites joined by the given link."""
+        return dataclasses.replace(self, sites=Sites(count=count, inter_site_gbps=inter_site_gbps,
+                                                     inter_site_latency_ms=inter_site_latency_ms, source=source))
 
     @property
     def figures(self) -> str:
@@ -176,11 +235,16 @@ class ClusterSpec:
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str, nodes: int = 1, gpus_per_node: int | None = None, *,
-               measured: bool = True) -> ClusterSpec:
-        """A named cluster (``presets.PRESETS``); ``measured`` attaches a packaged device profile if any."""
+               measured: bool = True, sites: int = 1, inter_site_gbps: float = 0.0,
+               inter_site_latency_ms: float = 0.0) -> ClusterSpec:
+        """A named cluster (``presets.PRESETS``); ``measured`` attaches a packaged device profile if any;
+        ``sites`` > 1 splits its ``nodes`` (all of them, every site's) among that many sites."""
         from mplan.cost_models.presets import make_preset
 
-        return make_preset(name, nodes=nodes, gpus_per_node=gpus_per_node, measured=measured)
+        cluster = make_preset(name, nodes=nodes, gpus_per_node=gpus_per_node, measured=measured)
+        if sites == 1 and not inter_site_gbps and not inter_site_latency_ms:
+            return cluster
+        return cluster.with_sites(sites, inter_site_gbps=inter_site_gbps, inter_site_latency_ms=inter_site_latency_ms)
 
     @classmethod
     def local(cls) -> ClusterSpec:
@@ -205,6 +269,9 @@ class ClusterSpec:
                       for level, link in (("intra_node", self.links.intra_node),
                                           ("inter_node", self.links.inter_node))},
             "profile": None if self.profile is None else self.profile.to_dict(),
+            **({"sites": {"count": self.sites.count, "inter_site_gbps": self.sites.inter_site_gbps,
+                          "inter_site_latency_ms": self.sites.inter_site_latency_ms, "source": self.sites.source}}
+               if self.sites.count > 1 else {}),
         }
 
     def to_json(self, path: str) -> None:
@@ -276,6 +343,20 @@ def _read_cluster(r: FieldReader, file: str, base_dir: str) -> ClusterSpec:
     spec = ClusterSpec(name=r.string("name"), num_nodes=num_nodes, gpus_per_node=r.integer("gpus_per_node"),
                        device=_read_device(r.obj("device")), links=LinkHierarchy(intra_node=intra, inter_node=inter),
                        source=r.string("source") if r.has("source") else "",
-                       profile=_read_profile(r, file, base_dir))
+                       profile=_read_profile(r, file, base_dir), sites=_read_sites(r, num_nodes))
     r.finish()
+    return spec
+
+
+def _read_sites(r: FieldReader, num_nodes: int) -> Sites:
+    if not r.has("sites"):
+        return Sites()
+    sites = r.obj("sites")
+    count = sites.integer("count")
+    if num_nodes % count:
+        raise sites.error("count", f"must divide num_nodes = {num_nodes} (each site holds as many nodes)")
+    spec = Sites(count=count, inter_site_gbps=sites.number("inter_site_gbps", allow_equal=count == 1),
+                 inter_site_latency_ms=sites.number("inter_site_latency_ms", allow_equal=True),
+                 source=sites.string("source") if sites.has("source") else "")
+    sites.finish()
     return spec

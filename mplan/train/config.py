@@ -39,7 +39,13 @@ class ClusterSection:
     name: str = "local"
     """`local` (torchrun's ranks as they are), a preset name, or a cluster.json path."""
     nodes: int = 1
-    """Nodes of a preset cluster (a cluster.json says its own)."""
+    """Nodes of a preset cluster (a cluster.json says its own), all sites' together."""
+    sites: int = 1
+    """Data centers the preset's nodes are split among (a cluster.json says its own)."""
+    inter_site_gbps: float = 0.0
+    """The long-haul link between sites, Gb/s per direction (a site's whole share)."""
+    inter_site_latency_ms: float = 0.0
+    """Its one-way latency, milliseconds."""
 
 
 @dataclass(frozen=True)
@@ -237,6 +243,11 @@ def _check(config: TrainConfig, file: str) -> None:
     need(config.model.dtype in ("float32", "float64", "bfloat16"), "model.dtype", "must be float32, float64 or bfloat16",
          config.model.dtype)
     need(config.cluster.nodes >= 1, "cluster.nodes", "must be at least 1", config.cluster.nodes)
+    need(config.cluster.sites >= 1, "cluster.sites", "must be at least 1", config.cluster.sites)
+    need(config.cluster.sites == 1 or config.cluster.inter_site_gbps > 0, "cluster.inter_site_gbps",
+         "must be positive with several sites", config.cluster.inter_site_gbps)
+    need(config.cluster.inter_site_latency_ms >= 0, "cluster.inter_site_latency_ms", "must be >= 0",
+         config.cluster.inter_site_latency_ms)
     need(config.plan.hang_timeout_s >= 0, "plan.hang_timeout_s", "must be >= 0", config.plan.hang_timeout_s)
     need(o.name in ("adamw", "sgd"), "optimizer.name", "must be adamw or sgd", o.name)
     need(o.lr > 0, "optimizer.lr", "must be positive", o.lr)

@@ -140,7 +140,9 @@ def _cluster(config: TrainConfig) -> Any:
         return None  # autoparallel's: the job's own ranks
     if os.path.exists(name):
         return mplan.ClusterSpec.from_json(name)
-    return mplan.ClusterSpec.preset(name, nodes=config.cluster.nodes)
+    c = config.cluster
+    return mplan.ClusterSpec.preset(name, nodes=c.nodes, sites=c.sites, inter_site_gbps=c.inter_site_gbps,
+                                    inter_site_latency_ms=c.inter_site_latency_ms)
 
 
 def _optimizer(config: TrainConfig) -> Any:
