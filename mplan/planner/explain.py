@@ -182,6 +182,25 @@ _CP_WORDS = {"all_gather": "keys and values all-gathered", "ring": "keys and val
              "all_to_all": "heads all-to-all (Ulysses)"}
 
 
+def _context(plan: Plan) -> dict[str, dict[str, Any]]:
+    """A cp plan's exchange under each method the planner weighed (`plan_builder.context_figures`),
+    the plan's own first: exposed and link ms a step on the busiest rank, the exposed share of the
+    step, GiB held for backward, and the plan's step and peak under that method."""
+    prefix = "context."
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in plan.planner.items():
+        if key.startswith(prefix):
+            method, figure = key.removeprefix(prefix).rsplit(".", 1)
+            out.setdefault(method, {})[figure] = value
+    step = plan.predicted.step_time_s
+    order = sorted(out, key=lambda m: m != plan.mesh.cp_method)
+    return {m: {"exposed_ms": out[m]["exposed_s"] * 1e3, "link_ms": out[m]["link_s"] * 1e3,
+                "share_of_step": out[m]["exposed_s"] / out[m]["step_time_s"] if out[m]["step_time_s"] > 0 else 0.0,
+                "held_gib": out[m]["held_gib"], "step_ms": out[m]["step_time_s"] * 1e3,
+                "memory_gib": out[m]["memory_gib"], "fits": bool(out[m]["fits"]), "chosen": m == plan.mesh.cp_method}
+            for m in order} if step > 0 else {}
+
+
 def config_of(plan: Plan) -> ParallelConfig:
     m = plan.mesh
     return ParallelConfig(dp=m.dp, tp=m.tp, pp=m.pp, vpp=m.vpp, ep=m.ep, cp=m.cp, cp_method=m.cp_method,
@@ -254,6 +273,7 @@ def explain_data(plan: Plan) -> dict[str, Any]:
                               if key.startswith("fused.")},
             "mesh": {"dp": plan.mesh.dp, "tp": plan.mesh.tp, "pp": plan.mesh.pp, "ep": plan.mesh.ep,
                      "vpp": plan.mesh.vpp, "cp": plan.mesh.cp, "cp_method": plan.mesh.cp_method},
+            "context": _context(plan),
             "predicted": {"step_time_ms": best * 1e3, "tflops_per_gpu": plan.predicted.tflops_per_gpu,
                           "mfu": plan.predicted.mfu, "tokens_per_s": plan.predicted.tokens_per_s,
                           "bubble_fraction": plan.predicted.bubble_fraction, "memory_gib": plan.predicted.memory_gib,
@@ -386,9 +406,13 @@ def render(plan: Plan, console: Any) -> None:
                   f"SP {'on' if plan.sequence_parallel else 'off'}, zero={plan.zero}, recompute={plan.recompute}")
     if m["cp"] > 1:
         console.print(f"context parallelism: cp={m['cp']} ({m['cp_method']}), each rank {d['seq_len'] // m['cp']:,} "
-                      f"tokens of every sequence; priced: each rank's ops at its slice, gradients over dp x cp, the "
-                      f"method's exchanges, exposed (planner/context_pricing.py); not yet: attention against the "
-                      f"other ranks' keys, the exchanged blocks' memory, the ring's overlap")
+                      f"tokens of every sequence (head-tail: attention total / cp a rank), gradients over dp x cp; "
+                      f"the exchange priced per method with the overlap the runtime achieves (planner/context_pricing.py)")
+        for method, c in d["context"].items():
+            console.print(f"  {method}{' (chosen)' if c['chosen'] else ''}: exchange {c['exposed_ms']:.0f} ms of the "
+                          f"step exposed ({c['share_of_step']:.1%} of {c['step_ms']:.0f} ms), link busy "
+                          f"{c['link_ms']:.0f} ms, {c['held_gib']:.2f} GiB held for backward per micro-batch; peak "
+                          f"{c['memory_gib']:.1f} GiB{'' if c['fits'] else ', does not fit'}")
     fused = ", ".join(f"{kernel} x{count}" for kernel, count in d["fused_kernels"].items())
     kernels = (f"fused kernels priced ({fused}; per block: mplan inspect)" if fused else "fused kernels priced") \
         if plan.planner.get("fused_kernels_priced") else "ops priced one by one"

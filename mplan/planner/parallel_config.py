@@ -11,6 +11,9 @@ backward). `keep_weights=1` (zero=3 only) keeps each unit's gathered weights fro
 to its last backward of the step instead: one gather per step, the stage's weights whole meanwhile
 (torchtitan keeps them so when pp > 1; mplan's runtime always does under a pipeline,
 `ZERO3_KEEPS_UNDER_PIPELINES`). `zero_variants` says which (zero, keep_weights) pairs a config tries.
+`sites=S` (a cluster of S sites): data parallelism hierarchical over the sites, the site dp's
+outermost factor (`ir/mesh.py`); 1, the default, is flat. On a cluster of several sites the search
+tries both where the mesh allows (`site_options`).
 `enumerate_configs` lists every config a cluster and model admit, with the reason each excluded
 degree fails kept for error messages.
 """
@@ -39,7 +42,7 @@ ZERO3_KEEPS_UNDER_PIPELINES: dict[str, bool] = {"mplan": True, "megatron": False
 plan says. mplan's does (`runtime/parallel_module.py`: `keep_gathered` under a pipeline), so its
 zero=3 pipeline plans are priced and recorded with keep_weights; Megatron-FSDP's is not known
 here, so both are priced for it."""
-_INT_KEYS = ("dp", "tp", "pp", "vpp", "ep", "cp", "mbs", "sp", "zero", "keep_weights")
+_INT_KEYS = ("dp", "tp", "pp", "vpp", "ep", "cp", "mbs", "sp", "zero", "keep_weights", "sites")
 _FLAG_KEYS = ("sp", "keep_weights")
 _KEYS = _INT_KEYS + ("recompute", "schedule", "capacity", "cp_method")
 CP_METHODS = ("all_gather", "ring", "all_to_all")
@@ -58,8 +61,8 @@ class ParallelConfig:
     pp: int  # pipeline stages (ranks)
     vpp: int = 1  # virtual stages per pipeline rank (interleaved schedule)
     ep: int = 1  # expert-parallel degree, dividing dp
-    # context-parallel degree: each rank holds 1/cp of every sequence (head-tail chunks); searched
-    # only where a spec names it (stage 1 of issue 34: the search does not price it yet)
+    # context-parallel degree: each rank holds 1/cp of every sequence (head-tail chunks);
+    # priced by `context_pricing`, searched over `context_degrees`
     cp: int = 1
     cp_method: str = "all_gather"  # CP_METHODS; read only when cp > 1
     mbs: int = 1  # micro-batch size (sequences)
@@ -72,6 +75,7 @@ class ParallelConfig:
     recompute: str = "none"
     schedule: str = "1f1b"
     capacity_factor: float | None = None  # experts' capacity factor; None: dropless (not searched)
+    sites: int = 1  # sites dp spans hierarchically (the mesh's outermost factor of dp); 1: flat
 
     @property
     def world_size(self) -> int:
@@ -79,7 +83,7 @@ class ParallelConfig:
 
     @property
     def mesh(self) -> MeshShape:
-        return MeshShape(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp)
+        return MeshShape(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp, sites=self.sites)
 
     def spec(self) -> str:
         """The manual spec string that reproduces this config."""
@@ -88,6 +92,7 @@ class ParallelConfig:
                 + (f",cp={self.cp}" if self.cp > 1 else "")
                 + (f",cp_method={self.cp_method}" if self.cp > 1 and self.cp_method != "all_gather" else "")
                 + (",keep_weights=1" if self.keep_weights else "")
+                + (f",sites={self.sites}" if self.sites > 1 else "")
                 + (f",capacity={self.capacity_factor:g}" if self.capacity_factor is not None else ""))
 
     def short(self) -> str:
@@ -107,6 +112,8 @@ class ParallelConfig:
             parts.append(f"rc-{self.recompute}")
         if self.capacity_factor is not None:
             parts.append(f"cf{self.capacity_factor:g}")
+        if self.sites > 1:
+            parts.append(f"sites{self.sites}")
         return "-".join(parts)
 
 
@@ -119,8 +126,8 @@ class PlanSpec:
     pp: int | None = None
     vpp: int | None = None
     ep: int | None = None
-    cp: int | None = None  # None: 1 (context parallelism is not searched yet)
-    cp_method: str | None = None  # None: all_gather
+    cp: int | None = None  # None: searched (`context_degrees`)
+    cp_method: str | None = None  # None: searched where cp > 1 (`context_methods`)
     mbs: int | None = None
     sp: int | None = None
     zero: int | None = None
@@ -128,6 +135,7 @@ class PlanSpec:
     recompute: str | None = None
     schedule: str | None = None
     capacity: float | None = None  # experts' capacity factor (None: dropless); passed through, not searched
+    sites: int | None = None  # None: searched where the cluster has several sites (`site_options`)
 
     @property
     def is_auto(self) -> bool:
@@ -147,10 +155,8 @@ class PlanSpec:
                 continue
             want = getattr(self, key)
             have = getattr(config, key)
-            if key == "cp" and want is None:
-                want = 1
-            if key == "cp_method" and want is None:
-                want = "all_gather"
+            if key == "cp_method" and config.cp == 1:
+                continue  # read only where cp > 1
             if want is not None and (int(have) if key in _FLAG_KEYS else have) != want:
                 return False
         return True
@@ -230,12 +236,48 @@ def enumerate_configs(*, world_size: int, gpus_per_node: int, global_batch: int,
                       max_mbs: int = 8, zero_levels: tuple[int, ...] = ZERO_LEVELS,
                       runtime: str = DEFAULT_RUNTIME) -> Iterator[ParallelConfig]:
     """Every config the spec admits: dp*tp*pp*cp == world, tp | heads, pp <= layers, mbs | batch share,
-    zero among `zero_levels` as `runtime` runs them (`zero_variants`). cp is the spec's (1 unless it
-    names one): the search does not price context parallelism's traffic yet, so it never picks it."""
-    cp = spec.cp or 1
-    if world_size % cp:
-        return
-    world_size //= cp  # the ranks left for dp * tp * pp
+    zero among `zero_levels` as `runtime` runs them (`zero_variants`), cp among `context_degrees`
+    with every method `context_methods` allows."""
+    for cp in context_degrees(world_size, limits, spec):
+        yield from _meshes(world_size // cp, cp, gpus_per_node, global_batch, limits, spec, allow_cross_node_tp,
+                           max_mbs, zero_levels, runtime)
+
+
+MIN_CONTEXT_SLICE = 8192
+"""The fewest tokens of each sequence a rank holds under a searched cp degree. Below it the search
+tries no cp: Llama 3 405B's long-context stage, the largest published, ran 131072 tokens over cp=16,
+8192 a rank ("The Llama 3 Herd of Models", 2024, section 3.3.2); a spec's cp is taken as given."""
+
+
+def context_degrees(world_size: int, limits: ModelLimits, spec: PlanSpec) -> list[int]:
+    """The cp degrees a search tries: the spec's, else 1 and every power of two that divides the
+    world, splits each sequence into 2 cp head-tail chunks and leaves a rank `MIN_CONTEXT_SLICE`
+    tokens or more. None above 1 for models with experts (expert and context parallelism do not
+    run together, and the experts' pricing is per whole sequence)."""
+    if spec.cp is not None:
+        return [spec.cp] if world_size % spec.cp == 0 else []
+    degrees, cp = [1], 2
+    while not limits.num_experts and world_size % cp == 0 and limits.seq_len % (2 * cp) == 0 \
+            and limits.seq_len // cp >= MIN_CONTEXT_SLICE:
+        degrees.append(cp)
+        cp *= 2
+    return degrees
+
+
+def context_methods(tp: int, cp: int, limits: ModelLimits, spec: PlanSpec) -> tuple[str, ...]:
+    """How attention may exchange the sequence at this tp and cp: the spec's method, else every one
+    the runtime runs here (all_to_all splits each tp rank's query heads over cp)."""
+    if cp == 1:
+        return ("all_gather",)
+    local_heads = limits.num_heads // tp
+    return tuple(m for m in ((spec.cp_method,) if spec.cp_method else CP_METHODS)
+                 if m != "all_to_all" or local_heads % cp == 0)
+
+
+def _meshes(world_size: int, cp: int, gpus_per_node: int, global_batch: int, limits: ModelLimits, spec: PlanSpec,
+            allow_cross_node_tp: bool, max_mbs: int, zero_levels: tuple[int, ...],
+            runtime: str) -> Iterator[ParallelConfig]:
+    """`enumerate_configs` at one cp degree; `world_size`: the ranks left for dp * tp * pp."""
     for tp in divisors(world_size):
         if not allow_cross_node_tp and (tp > gpus_per_node or gpus_per_node % tp):
             continue  # a TP group must sit inside one node (and not straddle two)
@@ -256,9 +298,10 @@ def enumerate_configs(*, world_size: int, gpus_per_node: int, global_batch: int,
                     if mbs > max_mbs:
                         continue
                     m = global_batch // (dp * mbs)
-                    yield from _variants(ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, mbs=mbs,
-                                                        num_micro_batches=m),
-                                         limits, spec, zero_levels, runtime)
+                    for method in context_methods(tp, cp, limits, spec):
+                        yield from _variants(ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, cp_method=method,
+                                                            mbs=mbs, num_micro_batches=m),
+                                             limits, spec, zero_levels, runtime)
 
 
 def zero_variants(base: ParallelConfig, levels: tuple[int, ...], runtime: str = DEFAULT_RUNTIME, *,

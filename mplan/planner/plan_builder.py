@@ -18,6 +18,7 @@ from mplan.ir.graph import Graph
 from mplan.ir.graph_hash import graph_hash
 from mplan.ir.moe import expert_parameters
 from mplan.ir.strategy import Strategy
+from mplan.planner.context_pricing import ContextEstimate
 from mplan.planner.evaluate import Estimate
 from mplan.planner.parallel_config import DEFAULT_RUNTIME
 from mplan.planner.plan import (Alternative, ClusterInfo, Mesh, ModelInfo, OpCost, Plan, Predicted, Stage,
@@ -94,10 +95,15 @@ def _why_lost(best: Estimate, other: Estimate) -> str:
 
 
 def _diverse(ranked: list[Estimate], best: Estimate, meshes: int = 4) -> list[Estimate]:
-    """The best candidate of each other mesh shape, then the best variant of the winning mesh."""
+    """The best candidate of each other mesh shape, then the best variant of the winning mesh; where
+    the winner has cp > 1, the best plan without context parallelism among the meshes too."""
     def mesh(e: Estimate) -> tuple[int, ...]:
-        return (e.config.dp, e.config.tp, e.config.pp, e.config.vpp)
+        return (e.config.dp, e.config.tp, e.config.pp, e.config.vpp, e.config.cp)
     seen, picked = {mesh(best)}, []
+    without_cp = next((e for e in ranked if e.config.cp == 1), None) if best.config.cp > 1 else None
+    if without_cp is not None:
+        seen.add(mesh(without_cp))
+        picked.append(without_cp)
     for e in ranked:
         if mesh(e) not in seen and len(picked) < meshes:
             seen.add(mesh(e))
@@ -158,8 +164,8 @@ def build_plan(result: SearchResult, graph: Graph, cluster: ClusterSpec, global_
                          for e in [*_diverse(result.ranked, best), *result.rejected[:2]])
     return Plan(
         model=ModelInfo(name=graph.model_name, num_parameters=graph.num_parameters, num_layers=graph.num_layers,
-                        # under cp the graph is one rank's slice of each sequence (`api`), S / cp tokens
-                        seq_len=(graph.seq_len or 1) * config.cp, graph_hash=graph_hash(graph)),
+                        # a slice graph (`api` under cp) holds S / cp tokens of each sequence
+                        seq_len=(graph.seq_len or 1) * result.context_slice, graph_hash=graph_hash(graph)),
         cluster=ClusterInfo(name=cluster.name, nodes=cluster.num_nodes, gpus_per_node=cluster.gpus_per_node,
                             world_size=cluster.world_size, device=cluster.device.name, figures=cluster.figures),
         mesh=Mesh(dp=config.dp, tp=config.tp, pp=config.pp, ep=config.ep, vpp=config.vpp, cp=config.cp,
@@ -171,4 +177,23 @@ def build_plan(result: SearchResult, graph: Graph, cluster: ClusterSpec, global_
         capacity_factor=config.capacity_factor, head_loss_chunk_rows=best.head_chunk_rows, op_costs=op_costs,
         zero3_keep_weights=config.keep_weights, zero_levels=zero_levels_of(result) if best is result.best else (),
         planner={"search_seconds": round(result.seconds, 3), "candidates": result.num_candidates,
-                 "capture_seconds": round(graph.capture_seconds, 3)})
+                 "capture_seconds": round(graph.capture_seconds, 3), **context_figures(best)})
+
+
+CONTEXT_PREFIX = "context."
+"""Plan.planner keys `context.<method>.<figure>`: a cp plan's exchange under each method weighed
+(`context_pricing.MethodPrice`; `explain` shows them): exposed_s, link_s, held_gib, step_time_s,
+memory_gib, fits (1 or 0)."""
+
+
+def context_figures(estimate: Estimate) -> dict[str, float]:
+    """`Plan.planner`'s `context.*` figures of a cp plan (`CONTEXT_PREFIX`); none for another."""
+    if not isinstance(estimate, ContextEstimate):
+        return {}
+    out = {}
+    for price in (estimate.context, *estimate.others):
+        key = f"{CONTEXT_PREFIX}{price.method}."
+        out.update({key + "exposed_s": price.exposed_s, key + "link_s": price.link_s,
+                    key + "held_gib": price.held_bytes / GiB, key + "step_time_s": price.step_time_s,
+                    key + "memory_gib": price.peak_bytes / GiB, key + "fits": float(price.fits)})
+    return out

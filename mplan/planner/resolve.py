@@ -69,6 +69,8 @@ def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec,
                        tp_layout=layout, progress=progress, context_slice=context_slice)
 
     if plan is None or (isinstance(plan, str) and plan.strip() in ("", "auto")):
+        # cp=1: `graph` holds whole sequences (`api` captures a cp rank's slice only for a cp it is given)
+        within = within if within.cp is not None else dataclasses.replace(within, cp=1)
         result = planner("ilp").search(global_batch, within, zero_levels=EXECUTABLE_ZERO["mplan"])
         made = build_plan(result, graph, cluster, global_batch, tp_layout="ilp", runtime="mplan")
     elif isinstance(plan, Plan):
@@ -80,7 +82,7 @@ def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec,
         _check_heads(plan, config.tp, search.limits.num_heads, graph)
         estimate = search.evaluate(config)
         result = SearchResult(best=estimate, ranked=[estimate], rejected=[], sharded=search._sharded,
-                              facts=search.facts, num_candidates=1, seconds=0.0)
+                              facts=search.facts, num_candidates=1, seconds=0.0, context_slice=config.cp)
         made = build_plan(result, graph, cluster, global_batch, tp_layout=tp_layout, runtime="mplan")
     else:
         raise TypeError(f"plan must be None, a Plan, a plan.json path or a spec string, not {type(plan).__name__}")

@@ -9,10 +9,13 @@ Steps:
    (`sharding_ilp.solve_graph_sharding`) and price the units (`unit_costs`, and their MoE layers:
    `unit_experts`, which `evaluate` prices per expert-parallel degree) at every micro-batch size;
    cached, and done on a thread of its own ahead of step 2 (`_PricedAhead`);
-2. enumerate configs (`parallel_config.enumerate_configs`), evaluate each with the closed-form
-   schedule model (cuts by `stage_partition` under memory), drop those that do not fit; zero 0 and
-   1 first, then zero 2 and 3 only where they can still win (`_AboveOne`);
-3. re-evaluate the best few with the event simulator and rank by simulated step time;
+2. enumerate configs (`parallel_config.enumerate_configs`, context parallelism's degrees and
+   methods among them), evaluate each with the closed-form schedule model (cuts by
+   `stage_partition` under memory; a cp config as one cp rank's units, `context_pricing`), drop
+   those that do not fit; zero 0 and 1 first, then zero 2 and 3 only where they can still win
+   (`_AboveOne`); a cp method another exchanges faster with less memory is skipped (`_dominated`);
+3. re-evaluate the best few with the event simulator and rank by simulated step time; a cp
+   winner is priced under its other methods too, for `explain`;
 4. for `explain`, the best plan's layout at every other ZeRO level (`zero_levels`), and whether any
    plan of the search fits below the chosen level.
 """
@@ -30,14 +33,15 @@ from mplan.ir.graph import Graph, OpNode
 from mplan.ir.mesh import GroupShape
 from mplan.ir.moe import num_experts
 from mplan.ir.rebatch import rebatch
-from mplan.planner.context_pricing import kv_exchange_s, replica_config, with_context_parallel
+from mplan.planner.context_pricing import (AttentionOp, ContextEstimate, Exchange, attention_ops, method_price,
+                                           rank_units, replica_config, replica_facts, with_context)
 from mplan.ir.strategy import Strategy
 from mplan.planner.evaluate import NO_CUT_IN_MEMORY, Estimate, ModelFacts, device_word, evaluate, gib_versus
 from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains, find_fused_saves
 from mplan.planner.host_cost import runtime_host
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.parallel_config import (DEFAULT_RUNTIME, RUNTIMES, ZERO_LEVELS, ModelLimits, ParallelConfig,
-                                           PlanSpec, PlanSpecError, enumerate_configs, zero_variants)
+                                           PlanSpec, PlanSpecError, context_methods, enumerate_configs, zero_variants)
 from mplan.planner.plan import TP_LAYOUTS
 from mplan.planner.spec_check import spec_refusal
 from mplan.planner.sharding_ilp import (GraphSharding, ShardingInfeasible, StrategyFilter, reprice_graph,
@@ -100,6 +104,8 @@ class SearchResult:
     # the ZeRO levels beside the best plan (`ZeroLevelResult`), by (zero, keep_weights); empty where
     # the best plan has dp = 1 or the search was held to one level
     zero_levels: dict[tuple[int, bool], ZeroLevelResult] = field(default_factory=dict)
+    # the cp degree whose one rank's slice of each sequence the graph is (1: whole sequences)
+    context_slice: int = 1
 
 
 class Planner:
@@ -141,6 +147,8 @@ class Planner:
         self.fp8_linears = find_fp8_linears(graph) if fp8 else frozenset()
         self.progress = progress or (lambda _: None)
         self._sharded: dict[tuple[int, bool], ShardedModel] = {}
+        self._context: dict[tuple[int, bool, int, int, str], tuple[list[UnitCost], list[tuple[Exchange, ...]]]] = {}
+        self._attention_ops: dict[tuple[int, bool, int], list[tuple[AttentionOp, ...]]] = {}
         self.facts = replace(_facts(self.graph), grad_dtype=grad_dtype, fp32_grad_copy=fp32_grad_copy,
                              mplan_adamw=kernels, runtime=runtime, moe_imbalance=moe_imbalance)
         self.limits = _limits(self.graph)
@@ -191,21 +199,68 @@ class Planner:
         return solve_tp_layout(graph, coster, sp=sp, layout=self.tp_layout, allow=allow)
 
     def evaluate(self, config: ParallelConfig, *, fast: bool = False, **options: float) -> Estimate:
-        if config.cp != self.context_slice:
-            raise PlanningError(f"cp={config.cp} is priced on a capture of one rank's slice of each sequence "
-                                f"(S / cp tokens, as autoparallel captures it); this graph is "
-                                f"{'whole sequences' if self.context_slice == 1 else f'a cp={self.context_slice} slice'}")
-        if config.cp > 1:  # the graph is one cp rank's slice: priced as dp * cp replicas, plus the K/V exchange
-            units = self.units(config.tp, config.sp, config.mbs)
-            experts = self.sharded(config.tp, config.sp).experts[config.mbs]
-            replica = evaluate(replica_config(config), units, self.cluster, self.facts, experts=experts, fast=fast,
-                               **options)
-            graph = self._at_batch[config.mbs] if config.mbs in self._at_batch else rebatch(self.captured, config.mbs)
-            return with_context_parallel(config, replica, kv_exchange_s(config, graph, self.cluster,
-                                                                        replica.stage_bounds))
+        if self.context_slice > 1 and config.cp != self.context_slice:
+            raise PlanningError(f"this graph is one rank's slice of each sequence under cp={self.context_slice} "
+                                f"(as autoparallel captures it): it prices cp={self.context_slice} only, not "
+                                f"cp={config.cp}")
         units = self.units(config.tp, config.sp, config.mbs)
         experts = self.sharded(config.tp, config.sp).experts[config.mbs]
-        return evaluate(config, units, self.cluster, self.facts, experts=experts, fast=fast, **options)
+        if config.cp == 1:
+            return evaluate(config, units, self.cluster, self.facts, experts=experts, fast=fast, **options)
+        # one cp rank, priced as dp * cp replicas of its units (`context_pricing`)
+        whole = self.context_slice == 1
+        if whole and any(experts):
+            raise PlanningError(f"cp={config.cp}: MoE layers are priced per whole sequence; context parallelism "
+                                f"is priced for dense models (expert and context parallelism do not run together)")
+        ranked, exchanges = self.context_units(config)
+        facts = replica_facts(self.facts, config.cp) if whole else self.facts
+        replica = evaluate(replica_config(config), ranked, self.cluster, facts, experts=experts, fast=fast, **options)
+        return with_context(replica, config, method_price(config, exchanges, replica.stage_bounds))
+
+    def context_units(self, config: ParallelConfig) -> tuple[list[UnitCost], list[tuple[Exchange, ...]]]:
+        """One cp rank's units under `config` and each unit's exchanges (`context_pricing.rank_units`),
+        cached by (tp, sp, mbs, cp, method)."""
+        key = (config.tp, config.sp, config.mbs, config.cp, config.cp_method)
+        if key not in self._context:
+            units = self.units(config.tp, config.sp, config.mbs)
+            self._context[key] = rank_units(config, units, self._attention(config.tp, config.sp, config.mbs),
+                                            self.cluster, whole=self.context_slice == 1)
+        return self._context[key]
+
+    def _attention(self, tp: int, sp: bool, mbs: int) -> list[tuple[AttentionOp, ...]]:
+        """Each unit's attention ops on one tp rank at micro-batch `mbs` (a block instance a shallow
+        capture did not trace: its block type's)."""
+        key = (tp, sp, mbs)
+        if key not in self._attention_ops:
+            model = self.sharded(tp, sp)
+            graph = self._at_batch[mbs] if mbs in self._at_batch else self.graph
+            choice = model.shardings[mbs].choice
+            by_segment = {}
+            for segment in graph.segments:
+                names = segment.nodes or (graph.block_type(segment.block_type).template if segment.block_type else ())
+                by_segment[segment.name] = attention_ops(graph.nodes_of(names), choice, model.coster)
+            self._attention_ops[key] = [by_segment.get(u.name, ()) for u in model.units[mbs]]
+        return self._attention_ops[key]
+
+    def _dominated(self, config: ParallelConfig, spec: PlanSpec) -> bool:
+        """Whether another cp method at `config`'s tp, sp, micro-batch and cp exchanges no slower per
+        micro-batch and holds no more, one of them strictly (it then prices no worse at any
+        schedule and recomputation: the search skips this one); never where `spec` fixes the method."""
+        if config.cp == 1 or spec.cp_method is not None:
+            return False
+
+        def figures(method: str) -> tuple[float, float, float, float]:
+            _, exchanges = self.context_units(replace(config, cp_method=method))
+            flat = [e for ex in exchanges for e in ex]
+            return (sum(e.forward_s for e in flat), sum(e.backward_s for e in flat),
+                    sum(e.saved_bytes for e in flat), max((e.transient_bytes for e in flat), default=0.0))
+        mine = figures(config.cp_method)
+        for method in context_methods(config.tp, config.cp, self.limits, PlanSpec()):
+            if method != config.cp_method:
+                other = figures(method)
+                if all(o <= a for o, a in zip(other, mine)) and other != mine:
+                    return True
+        return False
 
     def search(self, global_batch: int, spec: PlanSpec | None = None, *,
                allow_cross_node_tp: bool = False, zero_levels: tuple[int, ...] = ZERO_LEVELS) -> SearchResult:
@@ -219,6 +274,8 @@ class Planner:
                                          allow_cross_node_tp=allow_cross_node_tp,
                                          max_mbs=8 if self.dynamic else 1, zero_levels=zero_levels,
                                          runtime=self.facts.runtime))
+        if self.context_slice > 1:  # a slice graph prices its own cp only
+            configs = [c for c in configs if c.cp == self.context_slice]
         if not configs:
             raise PlanningError(_no_config_reason(world, self.cluster.gpus_per_node, global_batch, self.limits,
                                                   spec, _ranks(self.cluster), model=self.graph.model_name,
@@ -232,6 +289,8 @@ class Planner:
                 if not above_one.worth(config, fastest):
                     continue
                 priced.wait(config.tp, config.sp, config.mbs)
+                if self._dominated(config, spec):
+                    continue
                 estimates.append(self.evaluate(config, fast=True))
                 above_one.record(estimates[-1])
                 if estimates[-1].fits:
@@ -243,9 +302,20 @@ class Planner:
         finalists = [self.evaluate(e.config, fast=False) for e in feasible[:SIMULATED_FINALISTS]]
         finalists.sort(key=lambda e: e.step_time_s)
         ranked = finalists + feasible[SIMULATED_FINALISTS:]
+        ranked[0] = self._beside_other_methods(ranked[0])
         return SearchResult(best=ranked[0], ranked=ranked, rejected=infeasible[:5], sharded=self._sharded,
                             facts=self.facts, num_candidates=len(configs), seconds=time.perf_counter() - start,
-                            zero_levels=self._zero_levels(ranked[0], ranked, spec, zero_levels))
+                            zero_levels=self._zero_levels(ranked[0], ranked, spec, zero_levels),
+                            context_slice=self.context_slice)
+
+    def _beside_other_methods(self, best: Estimate) -> Estimate:
+        """A cp plan with the other methods' figures at its config (simulated), for `explain`."""
+        if not isinstance(best, ContextEstimate):
+            return best
+        others = tuple(self.evaluate(replace(best.config, cp_method=m)).context  # type: ignore[attr-defined]
+                       for m in context_methods(best.config.tp, best.config.cp, self.limits, PlanSpec())
+                       if m != best.config.cp_method)
+        return replace(best, others=others)
 
     def _zero_levels(self, best: Estimate, ranked: Sequence[Estimate], spec: PlanSpec,
                      levels: tuple[int, ...]) -> dict[tuple[int, bool], ZeroLevelResult]:
