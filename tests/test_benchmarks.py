@@ -234,3 +234,39 @@ def test_hf_measure_benchmark_measures_every_row_of_every_config(tmp_path: Path)
     report = json.loads(out.read_text())
     assert set(report["models"]) == {"qwen3", "smollm2", "gemma"}
     assert report["summary"]["rows"] == report["summary"]["measured"] == 6, report["summary"]
+
+
+@pytest.mark.script_smoke
+def test_peers_benchmark_races_every_system_on_tiny_families(tmp_path: Path) -> None:
+    """The soft-capped, packed-projection and MoE families and one Liger does not patch: mplan's
+    losses agree with eager's, its fusion report says what fused, the liger slot's child protocol
+    (run by the plain HF model on a CPU) reproduces eager's losses bit for bit, and the card and
+    versions are in the JSON."""
+    out = tmp_path / "peers.json"
+    _run("peers.py", "--device", "cpu", "--small", "--smoke-child", "--families", "gemma2,phi3,qwen3_moe,stablelm",
+         "--out", str(out), timeout=600)
+    report = json.loads(out.read_text())
+    assert report["gpu"] == "cpu (smoke test)" and {"torch", "triton", "transformers", "liger-kernel"} <= set(
+        report["versions"])
+    for name, entry in report["families"].items():
+        systems = entry["systems"]
+        assert len(systems["mplan"]["step_s_all"]) == len(systems["eager"]["step_s_all"]) == 2, name
+        assert systems["mplan"]["step_cv"] >= 0 and len(systems["mplan"]["round_s"]) == 2, name
+        assert entry["loss_agreement"]["mplan_vs_eager"]["passed"], (name, entry["loss_agreement"])
+        assert len(entry["mplan_vs_eager_per_round"]) == 2 and entry["mplan_vs_best_peer"] > 0, name
+        assert "linear_cross_entropy" in systems["mplan"]["fusion"]["fused"], name
+    fused = {name: entry["systems"]["mplan"]["fusion"]["fused"] for name, entry in report["families"].items()}
+    assert {"linear_group", "rope_qk", "linear_swiglu"} <= set(fused["phi3"])
+    assert "linear_geglu" in fused["gemma2"]
+    stand_in = report["families"]["phi3"]["systems"]["liger"]
+    assert "stand_in" in stand_in and stand_in["losses"] == report["families"]["phi3"]["systems"]["eager"]["losses"]
+    assert "not supported" in report["families"]["stablelm"]["systems"]["liger"]["skipped"]
+
+
+def test_peers_benchmark_records_a_family_that_fails_and_runs_the_next(tmp_path: Path) -> None:
+    out = tmp_path / "peers.json"
+    _run("peers.py", "--device", "cpu", "--small", "--families", "phi3,llama", "--family-timeout-s", "0.01",
+         "--out", str(out))
+    families = json.loads(out.read_text())["families"]
+    assert list(families) == ["phi3", "llama"]
+    assert all("ran past --family-timeout-s" in entry["error"] for entry in families.values())

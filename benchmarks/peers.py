@@ -1,0 +1,545 @@
+"""Whole Hugging Face models against their peers on one GPU: HF eager, torch.compile, HF + Liger
+Kernel (where Liger patches the family) and mplan, all in one run, family by family (issue 35's
+"must show"; the question "is mplan's training step the fastest on the models users bring?").
+
+The families (benchmarks/peer_families.py says which and why) are built from their configs (no
+download), bf16 parameters, use_cache=False. Every system trains the same seed-0 weights on the
+same FRESH batches (step k of every system trains on batch k; Zipf-like tokens, as in
+benchmarks/hf_models_h200.py) with fused AdamW (lr 1e-4 after --lr-warmup steps of linear warm-up),
+global-norm clipping at 1.0, the loss read back every step:
+    eager    the HF model, its loss from labels=
+    compile  torch.compile(HF model) (default mode; its warm-up includes the compile)
+    mplan    mplan.autoparallel(model, plan="dp=1,tp=1,pp=1", kernels=True) then pm.train_step(ids, labels)
+    liger    the HF model patched by liger_kernel.transformers.apply_liger_kernel_to_<family>(model=...)
+             with the patch's own defaults; recorded as not supported where Liger has no patch
+
+Isolation. Each family runs in its own process (this script with --family NAME), so one family's
+failure (an exception, an out-of-memory, a hang past --family-timeout-s) is recorded and the next
+family still runs; the JSON is rewritten after every family. Liger patches transformers' modules
+globally, so within a family the liger system runs in a child process of its own (this script with
+--system liger), driven over a pipe; all four systems stay resident and take turns in --rounds
+interleaved rounds whose order rotates, each process emptying its CUDA cache before the other's turn
+(benchmarks/hf_models_h200.py's method, whose child protocol and loss checks this script shares).
+
+Reported per family and system: median step time, the coefficient of variation of the timed steps
+(standard deviation / mean), peak memory above what was allocated before its build, first-step and
+set-up times, every loss and gradient norm. Per family: mplan_vs_<peer> and mplan_vs_best_peer, each
+the MEDIAN OF PER-ROUND RATIOS (the peer's time in round r / mplan's time in round r; the best peer
+is the one with the lowest median step), so a slow round of one system does not decide the figure;
+mplan's peak memory over the lowest peer's; mplan's, compile's and liger's losses against eager's
+(hf_models_h200.loss_agreement); mplan's fusion report (which kernels fired, which entries missed
+and why). The card, torch, triton, transformers and liger-kernel versions are in the JSON.
+Targets (issue 35): mplan_vs_best_peer >= 1.0, mplan's peak <= 1.10 x the lowest peer's, losses agree.
+
+Run on the GPU (from the repository root, Liger from the carried wheels; a device call has 600 s,
+about 1.5-2 minutes a family with its cold torch.compile, so a few families a call):
+    pip install --no-index --find-links .device_wheels --no-deps liger-kernel pulp highspy
+    PYTHONPATH=. python3 benchmarks/peers.py --families gemma2,phi3,qwen3 --out $OUT/peers_a.json
+Smoke test of the same code paths on a CPU (tiny configs; compile only if named in --systems; liger
+skipped, or with --smoke-child its slot run by the plain HF model in the child process):
+    PYTHONPATH=. python3 benchmarks/peers.py --device cpu --small --out /tmp/peers.json
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import mplan  # noqa: E402
+from benchmarks.e2e_h200 import (  # noqa: E402
+    MAX_GRAD_NORM,
+    SYSTEMS,
+    Running,
+    Setting,
+    Step,
+    _plain_step,
+    timed_rounds,
+    warm_up,
+)
+from benchmarks.hf_models_h200 import (  # noqa: E402
+    BATCH_SEED,
+    LOSS_MEAN_RTOL,
+    LOSS_STEP_RTOL,
+    ZIPF_OFFSET,
+    Feed,
+    fingerprint,
+    loss_agreement,
+    profile_steps,
+    token_batches,
+)
+from benchmarks.peer_families import Family, families, family  # noqa: E402
+from benchmarks.report import Clock, run_header, write_report  # noqa: E402
+
+MODEL_SEED = 0
+PEERS = ("eager", "compile", "liger")
+TARGET_VS_BEST_PEER = 1.0
+TARGET_PEAK_VS_LOWEST_PEER = 1.10
+PROFILE_STEPS = 2
+CHILD_TIMEOUT_S = {"warmup": 400.0, "run": 180.0, "profile": 180.0, "quit": 60.0}
+STDERR_TAIL_LINES = 40
+"""lines of a failed family process's stderr kept in its entry"""
+PACKAGES = ("torch", "triton", "transformers", "liger-kernel")
+
+
+# ---- model and systems -------------------------------------------------------------------------
+
+@functools.cache
+def initial_model(fam: Family) -> nn.Module:
+    """The seed-0 model on the CPU in bf16, built once per process and copied to the device for
+    each system; the liger child builds the same (fingerprints compared)."""
+    transformers = importlib.import_module("transformers")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(MODEL_SEED)
+        module = getattr(transformers, fam.model_class)(fam.config())
+    return module.to(torch.bfloat16).train()
+
+
+def _on_device(fam: Family, setting: Setting) -> nn.Module:
+    return copy.deepcopy(initial_model(fam)).to(setting.device)
+
+
+def _hf_step(module: nn.Module, forward: Callable[..., Any], batches: list[torch.Tensor], setting: Setting) -> Step:
+    feed = Feed(batches)
+
+    def loss() -> torch.Tensor:
+        ids = feed.next()
+        return forward(input_ids=ids, labels=ids).loss
+
+    return _plain_step(loss, list(module.parameters()), setting)
+
+
+def build_eager(fam: Family, setting: Setting, batches: list[torch.Tensor]) -> tuple[Step, dict[str, Any]]:
+    module = _on_device(fam, setting)
+    return _hf_step(module, module, batches, setting), {"pipeline": f"{fam.model_class}, loss from labels="}
+
+
+def build_compile(fam: Family, setting: Setting, batches: list[torch.Tensor]) -> tuple[Step, dict[str, Any]]:
+    module = _on_device(fam, setting)
+    return _hf_step(module, torch.compile(module), batches, setting), {"pipeline": "torch.compile(model)"}
+
+
+def build_liger(fam: Family, setting: Setting, batches: list[torch.Tensor]) -> tuple[Step, dict[str, Any]]:
+    """Only in the liger child process: the patch reaches every model of transformers' classes."""
+    assert fam.liger_patch is not None
+    module = _on_device(fam, setting)
+    patch = getattr(importlib.import_module("liger_kernel.transformers"), fam.liger_patch)
+    patch(model=module)
+    defaults = {k: p.default for k, p in inspect.signature(patch).parameters.items() if k != "model"}
+    return _hf_step(module, module, batches, setting), {
+        "pipeline": f"liger_kernel.transformers.{fam.liger_patch}(model=instance)", "liger_options": defaults}
+
+
+def build_mplan(fam: Family, setting: Setting, batches: list[torch.Tensor]) -> tuple[Step, dict[str, Any]]:
+    module = _on_device(fam, setting)
+    pm = mplan.autoparallel(module, example_inputs=(batches[0],), global_batch=fam.batch, plan="dp=1,tp=1,pp=1",
+                            kernels=True, optimizer=setting.optimizer(), max_grad_norm=MAX_GRAD_NORM,
+                            dtype=torch.bfloat16, device=setting.device)
+    del module  # pm trains the model's own tensors
+    report = pm.program.meta["fuse_kernels"]
+    schedule = setting.lr_schedule(pm.optimizer.optimizer)  # mplan's AdamW kernel reads group["lr"] every step
+    feed = Feed(batches)
+
+    def step() -> tuple[float, float]:
+        schedule()
+        ids = feed.next()
+        return pm.train_step(ids, ids), pm.last_grad_norm
+
+    return step, {"pipeline": 'mplan.autoparallel(plan="dp=1,tp=1,pp=1", kernels=True)',
+                  "fusion": {"fused": report.counts, "missed": report.missed, "summary": str(report)}}
+
+
+BUILDERS = {"eager": build_eager, "compile": build_compile, "mplan": build_mplan, "liger": build_liger}
+
+
+def start_system(name: str, fam: Family, setting: Setting, batches: list[torch.Tensor],
+                 warmup: int) -> Running | dict[str, Any]:
+    """e2e_h200.warm_up (build, first step, warm-up steps, peak memory) on this script's builder."""
+    with mock.patch.dict(SYSTEMS, {name: functools.partial(BUILDERS[name], batches=batches)}):
+        return warm_up(name, fam, setting, warmup)  # type: ignore[arg-type]
+
+
+def steps_per_round(args: argparse.Namespace) -> int:
+    return max(1, -(-args.steps // args.rounds))
+
+
+def batch_count(args: argparse.Namespace) -> int:
+    return args.warmup + args.rounds * steps_per_round(args) + (PROFILE_STEPS if args.profile else 0)
+
+
+def release_cache(setting: Setting) -> None:
+    if setting.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- the liger child ---------------------------------------------------------------------------
+
+class Child:
+    """The liger system in its own process (the module docstring says why), driven over a pipe:
+    one command a line in (`warmup`, `run K`, `profile K`, `quit`), one JSON line out."""
+
+    def __init__(self, fam: Family, args: argparse.Namespace, system: str) -> None:
+        command = [sys.executable, os.path.abspath(__file__), "--system", system, "--family", fam.name,
+                   "--device", args.device, "--warmup", str(args.warmup), "--steps", str(args.steps),
+                   "--rounds", str(args.rounds), "--lr-warmup", str(args.lr_warmup)]
+        command += (["--small"] if args.small else []) + (["--profile"] if args.profile else [])
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.error: str | None = None
+
+    def ask(self, command: str) -> dict[str, Any]:
+        """Sends `command`; its answer, or {"error": ...} when the child fails, dies or times out."""
+        import select
+
+        if self.error is not None:
+            return {"error": self.error}
+        timeout = CHILD_TIMEOUT_S[command.split()[0]]
+        try:
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+            ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+            line = self.proc.stdout.readline() if ready else ""
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            self.proc.kill()
+            self.error = (f"liger child: no answer to {command!r} within {timeout:.0f} s" if self.proc.poll() is None
+                          else f"liger child exited with code {self.proc.wait()} (its traceback is in the log)")
+            self.proc.wait()
+            return {"error": self.error}
+        answer = json.loads(line)
+        if "error" in answer:
+            self.error = answer["error"]
+        return answer
+
+    def close(self) -> None:
+        if self.proc.poll() is None and self.error is None:
+            self.ask("quit")
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def serve_child(args: argparse.Namespace) -> None:
+    """The child's loop: commands on stdin, JSON lines on the process's original stdout (anything
+    libraries print goes to stderr)."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    setting = Setting(device=torch.device(args.device), precision="bf16", lr_warmup=args.lr_warmup)
+    fam = family(args.family, args.small)
+    running: Running | None = None
+    initial_model(fam)  # the CPU build, while the parent builds its own systems
+    while line := sys.stdin.readline():
+        command, *rest = line.split()
+        try:
+            if command == "warmup":
+                batches = token_batches(fam, batch_count(args), setting.device)  # type: ignore[arg-type]
+                result = start_system(args.system, fam, setting, batches, args.warmup)
+                if isinstance(result, Running):
+                    running = result
+                    result.row["weights_fingerprint"] = fingerprint(initial_model(fam))
+                answer = result.row if isinstance(result, Running) else result
+            elif command == "run":
+                assert running is not None, "run before a successful warmup"
+                timed_rounds({args.system: running}, setting, 1, int(rest[0]))
+                answer = running.row
+            elif command == "profile":
+                assert running is not None, "profile before a successful warmup"
+                answer = profile_steps(running.step, int(rest[0]), setting.device)
+            else:
+                answer = {}
+        except Exception:  # noqa: BLE001 - the parent records it as the system's error
+            answer = {"error": traceback.format_exc()}
+        release_cache(setting)  # the parent's systems take the next turn
+        answers.write(json.dumps(answer) + "\n")
+        if command == "quit":
+            break
+
+
+# ---- one family --------------------------------------------------------------------------------
+
+def liger_unavailable(fam: Family, device: torch.device) -> str | None:
+    """Why the liger system cannot run this family here, or None."""
+    if fam.liger_patch is None:
+        return f"not supported: liger_kernel.transformers has no patch for {fam.model_class}"
+    if device.type != "cuda":
+        return "skipped: Liger's kernels are Triton GPU kernels"
+    if importlib.util.find_spec("liger_kernel") is None:
+        return ("skipped: liger-kernel is not installed (pip install --no-index --find-links .device_wheels "
+                "--no-deps liger-kernel)")
+    return None
+
+
+def contest(fam: Family, names: list[str], child: Child | None, setting: Setting, batches: list[torch.Tensor],
+            args: argparse.Namespace, clock: Clock) -> tuple[dict[str, dict[str, Any]], dict[str, Running]]:
+    """Warms up each system in turn, then times them all in rotating interleaved rounds, the
+    liger child taking its turn like the rest."""
+    rows: dict[str, dict[str, Any]] = {}
+    running: dict[str, Running] = {}
+    for name in names:
+        if name == "liger":
+            if child is None:
+                continue
+            release_cache(setting)
+            answer = child.ask("warmup")
+            rows[name] = answer if "error" in answer else {**answer, "process": "child"}
+        else:
+            result = start_system(name, fam, setting, batches, args.warmup)
+            if isinstance(result, Running):
+                running[name] = result
+            rows[name] = result.row if isinstance(result, Running) else result
+        clock.log(f"{fam.name} {name}: " + ("ERROR " + rows[name]["error"].strip().splitlines()[-1]
+                                            if "error" in rows[name] else
+                                            f"warmed up, first step {rows[name]['first_step_s']} s"))
+    turns = list(running) + (["liger"] if child is not None and "error" not in rows.get("liger", {"error": ""}) else [])
+    for r in range(args.rounds if turns else 0):
+        for name in turns[r % len(turns):] + turns[:r % len(turns)]:
+            if name == "liger":
+                release_cache(setting)
+                answer = child.ask(f"run {steps_per_round(args)}")  # type: ignore[union-attr]
+                rows["liger"] = answer if "error" in answer else {**answer, "process": "child"}
+            else:
+                timed_rounds({name: running[name]}, setting, 1, steps_per_round(args))
+    return rows, running
+
+
+def summarize(row: dict[str, Any], per_round: int) -> None:
+    """Adds the median step, the steps' coefficient of variation and the per-round times to `row`."""
+    steps = row.get("step_s_all") or []
+    if not steps:
+        return
+    row["step_s"] = statistics.median(steps)
+    row["step_cv"] = statistics.pstdev(steps) / statistics.fmean(steps)
+    row["round_s"] = [sum(steps[i:i + per_round]) for i in range(0, len(steps) - per_round + 1, per_round)]
+
+
+def compare(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per-round ratios to each peer and to the best, peak against the lowest peer, losses, targets."""
+    ok = {name: row for name, row in rows.items() if "step_s" in row}
+    peers = [name for name in PEERS if name in ok]
+    out: dict[str, Any] = {"peers_timed": peers, "loss_agreement": {}}
+    if "mplan" in ok and peers:
+        mine = ok["mplan"]["round_s"]
+        for peer in peers:
+            ratios = [theirs / my for theirs, my in zip(ok[peer]["round_s"], mine)]
+            out[f"mplan_vs_{peer}"] = statistics.median(ratios)
+            out[f"mplan_vs_{peer}_per_round"] = ratios
+        best = min(peers, key=lambda name: ok[name]["step_s"])
+        out["best_peer"], out["mplan_vs_best_peer"] = best, out[f"mplan_vs_{best}"]
+        peaks = {name: ok[name]["peak_gib"] for name in peers if ok[name].get("peak_gib")}
+        if peaks and ok["mplan"].get("peak_gib"):
+            lowest = min(peaks, key=peaks.__getitem__)
+            out["lowest_peak_peer"], out["mplan_peak_vs_lowest_peer"] = lowest, ok["mplan"]["peak_gib"] / peaks[lowest]
+    if "eager" in ok:
+        for name in ("mplan", "compile", "liger"):
+            if name in ok:
+                out["loss_agreement"][f"{name}_vs_eager"] = loss_agreement(ok[name], ok["eager"])
+    out["targets"] = {
+        f"mplan_vs_best_peer>={TARGET_VS_BEST_PEER}": out.get("mplan_vs_best_peer", 0.0) >= TARGET_VS_BEST_PEER,
+        f"peak<={TARGET_PEAK_VS_LOWEST_PEER}x_lowest_peer": (None if "mplan_peak_vs_lowest_peer" not in out
+                                                             else out["mplan_peak_vs_lowest_peer"]
+                                                             <= TARGET_PEAK_VS_LOWEST_PEER),
+        "losses_agree_with_eager": out["loss_agreement"].get("mplan_vs_eager", {}).get("passed", False),
+    }
+    return out
+
+
+def run_family(fam: Family, names: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """One family's contest, in this process (and the liger child's)."""
+    clock = Clock()
+    setting = Setting(device=torch.device(args.device), precision="bf16", lr_warmup=args.lr_warmup)
+    reason = liger_unavailable(fam, setting.device) if "liger" in names else None
+    stand_in = (reason is not None and fam.liger_patch is not None and args.smoke_child
+                and setting.device.type == "cpu")
+    child = (Child(fam, args, "eager" if stand_in else "liger")
+             if "liger" in names and (reason is None or stand_in) else None)
+    probe = initial_model(fam)
+    entry: dict[str, Any] = {
+        **run_header(setting.device), "class": fam.model_class, "config": dict(fam.sizes),
+        "attn_implementation": fam.attention, "batch": fam.batch, "seq_len": fam.seq,
+        "num_parameters": sum(p.numel() for p in probe.parameters()), "weights_fingerprint": fingerprint(probe),
+    }
+    batches = token_batches(fam, batch_count(args), setting.device)  # type: ignore[arg-type]
+    try:
+        rows, running = contest(fam, names, child, setting, batches, args, clock)
+        if args.profile:
+            entry["profile"] = {name: profile_steps(system.step, PROFILE_STEPS, setting.device)
+                                for name, system in running.items()}
+            if child is not None and "error" not in rows.get("liger", {"error": ""}):
+                release_cache(setting)
+                entry["profile"]["liger"] = child.ask(f"profile {PROFILE_STEPS}")
+    finally:
+        if child is not None:
+            child.close()
+    if "liger" in names and child is None:
+        rows["liger"] = {"skipped": reason}
+    if stand_in and "liger" in rows:
+        rows["liger"]["stand_in"] = f"the plain HF model in the child process ({reason}): the child protocol's test"
+    if "weights_fingerprint" in rows.get("liger", {}):
+        entry["liger_weights_match"] = rows["liger"]["weights_fingerprint"] == entry["weights_fingerprint"]
+    for row in rows.values():
+        summarize(row, steps_per_round(args))
+    entry["systems"] = rows
+    entry.update(compare(rows))
+    clock.log(f"{fam.name}: " + ", ".join(f"{k} {v:.3f}" for k, v in entry.items()
+                                         if k.startswith("mplan_") and isinstance(v, float))
+              + f"; targets {entry['targets']}")
+    return entry
+
+
+# ---- the run: one process per family ------------------------------------------------------------
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for package in PACKAGES:
+        try:
+            out[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            out[package] = None
+    return out
+
+
+def _forward_stderr(stream: Any, tail: collections.deque[str]) -> None:
+    for line in stream:
+        sys.stderr.write(line)
+        tail.append(line)
+
+
+def run_family_process(name: str, args: argparse.Namespace, part: str) -> dict[str, Any]:
+    """Runs `name` in a process of its own (a new session: on a timeout it and its liger child are
+    killed together); its entry, or what is known of its failure."""
+    command = [sys.executable, os.path.abspath(__file__), "--family", name, "--part", part,
+               "--device", args.device, "--systems", args.systems, "--warmup", str(args.warmup),
+               "--steps", str(args.steps), "--rounds", str(args.rounds), "--lr-warmup", str(args.lr_warmup)]
+    command += [flag for flag, on in (("--small", args.small), ("--profile", args.profile),
+                                      ("--smoke-child", args.smoke_child)) if on]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+    reader = threading.Thread(target=_forward_stderr, args=(proc.stderr, tail), daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=args.family_timeout_s)
+        failure = f"the family's process exited with code {code}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        failure = f"the family's process ran past --family-timeout-s {args.family_timeout_s:.0f} s and was killed"
+    reader.join(timeout=5)
+    if os.path.exists(part):
+        with open(part, encoding="utf-8") as handle:
+            return json.load(handle)
+    return {"error": failure, "stderr_tail": "".join(tail)}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", help="where to write the JSON results (rewritten after every family)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the smoke test")
+    parser.add_argument("--small", action="store_true", help="tiny configs (with --device cpu: the smoke test)")
+    parser.add_argument("--families", default=",".join(f.name for f in families(small=True)),
+                        help="comma-separated families (default: all; benchmarks/peer_families.py lists them)")
+    parser.add_argument("--systems", default=None,
+                        help="comma-separated, of eager,compile,mplan,liger (default: all four on CUDA; "
+                             "eager,mplan,liger on a CPU, where torch.compile is slow)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="steps before timing (their losses are checked; default 3, --small 2)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per system (the median is reported; default 12, --small 2)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="interleaved rounds the timed steps are spread over (default 4, --small 2)")
+    parser.add_argument("--lr-warmup", type=int, default=10, help="steps of linear learning-rate warm-up")
+    parser.add_argument("--family-timeout-s", type=float, default=300.0,
+                        help="kill a family's process (and its liger child) after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no family after this many seconds (default 480 on CUDA, a device call having "
+                             "600 s; none on a CPU)")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"after timing, profile {PROFILE_STEPS} steps of each system by kernel category")
+    parser.add_argument("--smoke-child", action="store_true",
+                        help="CPU smoke test: run the liger slot's child process with the plain HF model "
+                             "(tests the child protocol; its row says stand_in)")
+    parser.add_argument("--family", help=argparse.SUPPRESS)  # one family's process, or the child's family
+    parser.add_argument("--part", help=argparse.SUPPRESS)  # where a family's process writes its entry
+    parser.add_argument("--system", choices=["liger", "eager"], help=argparse.SUPPRESS)  # the child process
+    args = parser.parse_args()
+    if args.system is None and args.family is None and args.out is None:
+        parser.error("--out is required")
+    if args.systems is None:
+        args.systems = "eager,compile,mplan,liger" if args.device == "cuda" else "eager,mplan,liger"
+    for name, full, small in (("warmup", 3, 2), ("steps", 12, 2), ("rounds", 4, 2)):
+        if getattr(args, name) is None:
+            setattr(args, name, small if args.small else full)
+    if args.budget_s is None:
+        args.budget_s = 480.0 if args.device == "cuda" else float("inf")
+    for name in args.families.split(","):
+        family(name, small=True)  # an unknown name fails here, naming the known ones
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.system is not None:
+        serve_child(args)
+        return
+    if args.family is not None:
+        fam = family(args.family, args.small)
+        try:
+            entry = run_family(fam, [name for name in args.systems.split(",") if name], args)
+        except Exception:  # noqa: BLE001 - recorded as the family's error; the run goes on
+            entry = {"error": traceback.format_exc()}
+        write_report(args.part, entry)
+        return
+    clock = Clock()
+    per_round = steps_per_round(args)
+    report: dict[str, Any] = {
+        "versions": versions(), "cuda": torch.version.cuda, "gpu": None,
+        "precision": "bf16 parameters and activations",
+        "training": f"fused AdamW lr 1e-4 after {args.lr_warmup} steps of linear warm-up, global-norm clipping "
+                    f"{MAX_GRAD_NORM}, loss read back every step",
+        "batches": f"fresh every step: batch k from a generator seeded {BATCH_SEED} + 1 + k, Zipf-like tokens "
+                   f"(offset {ZIPF_OFFSET}) over a fixed permutation of the vocabulary, labels = ids",
+        "method": f"{args.warmup} warm-up steps per system, then {args.rounds} interleaved rounds of {per_round} "
+                  "timed steps per system (rotating order), all systems of a family resident; median step; "
+                  "mplan_vs_<peer>: median over rounds of the peer's round time / mplan's",
+        "isolation": "one process per family; liger in a child process of its own (Liger patches transformers' "
+                     "modules globally), taking its turn in the same rounds",
+        "targets": {"mplan_vs_best_peer": TARGET_VS_BEST_PEER, "peak_vs_lowest_peer": TARGET_PEAK_VS_LOWEST_PEER,
+                    "loss_step_rtol": LOSS_STEP_RTOL, "loss_mean_rtol": LOSS_MEAN_RTOL},
+        "families": {},
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in args.families.split(","):
+            if clock.elapsed() > args.budget_s:
+                report["families"][name] = {"error": f"skipped: past the {args.budget_s:.0f} s budget"}
+            else:
+                clock.log(f"{name}: starting")
+                report["families"][name] = run_family_process(name, args, os.path.join(scratch, f"{name}.json"))
+                report["gpu"] = report["gpu"] or report["families"][name].get("gpu")
+            report["wall_s"] = round(clock.elapsed(), 1)
+            write_report(args.out, report)  # after every family: a later one's failure loses nothing
+    clock.log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
