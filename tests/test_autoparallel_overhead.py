@@ -5,7 +5,8 @@ On the H200, `autoparallel(plan="dp=1,tp=1")` once ran 7% slower than an eager l
 pinned here: a second copy of every parameter (plus the user's model kept alive by the
 exported program and the inference closure), gradient buckets holding a model's gradients
 through the forward, backward adding into them, per-parameter clipping kernels, and reference
-cycles left by torch.export. The GPU figures are benchmarks/autoparallel_h200.py's.
+cycles left by torch.export. The GPU figures are in benchmarks/results/autoparallel_h200-*.json
+(their script retired in issue 35's fold: benchmarks/peers.py races mplan against eager now).
 
 Also here: `kernels=True` (fuse_kernels on the local program) trains exactly like
 `kernels=False` on the reference dispatch, in float64.
