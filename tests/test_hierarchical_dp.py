@@ -9,15 +9,21 @@ it on gloo ranks in float64 with 2 sites:
   accumulation, clipping and two parameter groups: against one process (< 1e-9) and against the
   same world without sites (< 1e-12: the same sums in another order of additions);
 - the groups: the site is the outermost factor of dp and whole pipelines sit in one site;
-- the slow link carries one message per bucket, and `MPLAN_INTER_SITE_DELAY_MS` delays it.
+- the slow link carries one message per bucket, and `MPLAN_INTER_SITE_DELAY_MS` delays it;
+- whole models through `mplan.autoparallel` (test_equivalence.py's comparison: 5 AdamW steps with
+  active clipping, < 1e-9 on every loss and parameter against one process, and against the same
+  plan without sites): zero 0, 1 and 3, TP inside sites, PP inside sites, at 4 and 8 ranks.
 
 All checks of a world size share one gloo group.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -25,7 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed import rel_err, run_checks
-from mplan.ir.mesh import MeshCoord, MeshShape
+from test_equivalence import TOL, batches, errors, family, single_device, trained
+from mplan.ir.mesh import MeshShape
 from mplan.runtime.hierarchical_reduce import INTER_SITE_DELAY_ENV
 from mplan.runtime.optimizer import build_optimizer
 from mplan.runtime.process_groups import ProcessGroups, init_process_groups
@@ -34,53 +41,6 @@ STEPS, MICRO_BATCHES, GLOBAL_BATCH, MAX_NORM = 5, 2, 16, 0.5
 SMALL_BUCKET_BYTES = 100
 ADAMW = functools.partial(torch.optim.AdamW, lr=0.02, weight_decay=0.1)
 TO_REFERENCE, TO_FLAT = 1e-9, 1e-12
-
-
-# -- the mesh with sites ---------------------------------------------------------------------------
-def sited(sites: int, **degrees: int) -> MeshShape:
-    """The mesh of `degrees` whose dp spans `sites` sites (site outermost: whole pipelines in one
-    site). Built here until `MeshShape` carries sites itself (issue 36, the mesh's owner)."""
-    return _SitedMesh(sites=sites, **degrees)
-
-
-class _SitedMesh(MeshShape):
-    """rank = tp + tp*(cp + cp*(dp_local + dp_local_size*(pp + pp*site))), dp = dp_local + L*site."""
-
-    __slots__ = ("sites",)
-
-    def __init__(self, *, sites: int, **degrees: int) -> None:
-        MeshShape.__init__(self, **degrees)
-        object.__setattr__(self, "sites", sites)
-        assert self.dp % sites == 0
-
-    def coord(self, rank: int) -> MeshCoord:
-        local = self.dp // self.sites
-        tp_rank, rest = rank % self.tp, rank // self.tp
-        cp_rank, rest = rest % self.cp, rest // self.cp
-        dp_local, rest = rest % local, rest // local
-        pp_rank, site = rest % self.pp, rest // self.pp
-        dp_rank = dp_local + local * site
-        return MeshCoord(tp=tp_rank, dp=dp_rank, pp=pp_rank, ep=dp_rank % self.ep,
-                         expert_dp=dp_rank // self.ep, cp=cp_rank)
-
-    def rank(self, *, tp: int = 0, dp: int = 0, pp: int = 0, cp: int = 0) -> int:
-        local = self.dp // self.sites
-        return tp + self.tp * (cp + self.cp * (dp % local + local * (pp + self.pp * (dp // local))))
-
-    def _split(self, same_site: bool) -> list[list[int]]:
-        local = self.dp // self.sites
-        by_key: dict[tuple[int, ...], list[int]] = {}
-        for rank in range(self.size):
-            c = self.coord(rank)
-            key = (c.tp, c.cp, c.pp, c.dp // local if same_site else c.dp % local)
-            by_key.setdefault(key, []).append(rank)
-        return sorted(by_key.values())
-
-    def site_dp_groups(self) -> list[list[int]]:
-        return self._split(same_site=True)
-
-    def cross_site_dp_groups(self) -> list[list[int]]:
-        return self._split(same_site=False)
 
 
 # -- the MLP, its reference and training ------------------------------------------------------------
@@ -118,7 +78,7 @@ def _reference() -> tuple[list[float], nn.Module]:
 
 @functools.cache
 def _groups(sites: int) -> ProcessGroups:
-    return init_process_groups(sited(sites, dp=dist.get_world_size()))
+    return init_process_groups(MeshShape(dp=dist.get_world_size(), sites=sites))
 
 
 def _train(zero: int, sites: int, bucket_bytes: int = SMALL_BUCKET_BYTES) -> tuple[list[float], nn.Module, object]:
@@ -217,13 +177,81 @@ def check_injected_delay_holds_back_the_cross_site_sums() -> dict[str, float]:
     return {"seconds": elapsed}
 
 
+# -- whole models through autoparallel ----------------------------------------------------------------
+@contextlib.contextmanager
+def sites_in_plans(sites: int) -> Iterator[None]:
+    """Plans run with their dp spread over `sites` (until the plan grammar's `sites=` lands)."""
+    from mplan.planner.plan import Plan
+
+    original = Plan.mesh_shape
+
+    def mesh_shape(plan: Plan) -> MeshShape:
+        m = original(plan)
+        return MeshShape(dp=m.dp, tp=m.tp, pp=m.pp, ep=m.ep, cp=m.cp, sites=sites)
+
+    Plan.mesh_shape = mesh_shape
+    try:
+        yield
+    finally:
+        Plan.mesh_shape = original
+
+
+def _against_flat_and_one_process(make: Callable[[], nn.Module], plan: str, global_batch: int,
+                                  **options: Any) -> dict[str, Any]:
+    """`plan` over 2 sites, against one process and against the same plan on one site."""
+    data = batches(global_batch)
+    with sites_in_plans(2):
+        pm, losses, norms = trained(make, plan, data, progress="quiet", **options)
+    assert pm.groups.sites == 2 and pm.groups.cross_site_dp is not None
+    result = errors(pm, losses, norms, single_device(make, data))
+    flat_pm, flat_losses, _ = trained(make, plan, data, progress="quiet", **options)
+    assert flat_pm.groups.sites == 1
+    result["to_flat"] = errors(pm, losses, norms, (flat_losses, flat_pm.full_state_dict()))["param"]
+    result["to_flat_loss"] = max(abs(a - b) / abs(b) for a, b in zip(losses, flat_losses))
+    result["site_group"] = pm.groups.site_dp.size()
+    assert result["loss"] < TOL and result["param"] < TOL and result["clipped"], result
+    assert result["to_flat"] < TOL and result["to_flat_loss"] < TOL, result
+    return result
+
+
+def dp_zero0_gpt() -> dict[str, Any]:
+    return _against_flat_and_one_process(family("tiny-gpt"), f"dp={dist.get_world_size()}", 8)
+
+
+def dp_zero1_llama() -> dict[str, Any]:
+    return _against_flat_and_one_process(family("tiny-llama"), f"dp={dist.get_world_size()},zero=1", 8,
+                                         micro_batch_size=1)
+
+
+def dp_zero3_llama() -> dict[str, Any]:
+    return _against_flat_and_one_process(family("tiny-llama"), f"dp={dist.get_world_size()},zero=3", 8,
+                                         micro_batch_size=1)
+
+
+def tp2_sp_zero1_llama_in_sites() -> dict[str, Any]:
+    return _against_flat_and_one_process(family("tiny-llama"), f"tp=2,dp={dist.get_world_size() // 2},sp=1,zero=1", 8,
+                                         micro_batch_size=1)
+
+
+def pp2_zero1_gpt_in_sites() -> dict[str, Any]:
+    return _against_flat_and_one_process(family("tiny-gpt"), f"pp=2,dp={dist.get_world_size() // 2},zero=1", 8,
+                                         micro_batch_size=1)
+
+
+def pp2_zero0_gpt_in_sites() -> dict[str, Any]:
+    return _against_flat_and_one_process(family("tiny-gpt"), f"pp=2,dp={dist.get_world_size() // 2}", 8,
+                                         micro_batch_size=1)
+
+
 CHECKS = [check_groups_split_dp_into_sites, check_zero0_two_sites, check_zero1_two_sites, check_zero2_two_sites,
-          check_one_cross_site_message_per_bucket, check_injected_delay_holds_back_the_cross_site_sums]
+          check_one_cross_site_message_per_bucket, check_injected_delay_holds_back_the_cross_site_sums,
+          dp_zero0_gpt, dp_zero1_llama, dp_zero3_llama, tp2_sp_zero1_llama_in_sites, pp2_zero1_gpt_in_sites,
+          pp2_zero0_gpt_in_sites]
 
 
 @pytest.fixture(scope="module", params=[4, 8], ids=lambda n: f"world{n}")
 def outcomes(request: pytest.FixtureRequest):
-    return run_checks(request.param, CHECKS, timeout_s=300)
+    return run_checks(request.param, CHECKS, timeout_s=600)
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)

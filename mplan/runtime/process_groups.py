@@ -80,17 +80,20 @@ class ProcessGroups:
     """This rank's context-parallel group (None: cp == 1)."""
     cp_size: int = 1
     cp_rank: int = 0
-    sites: int = 1
-    """Sites the data-parallel replicas span (the outermost factor of dp)."""
     site_dp: ProcessGroup | None = None
     """This rank's replicas inside its site (sites > 1; the dp group otherwise)."""
     cross_site_dp: ProcessGroup | None = None
     """The ranks at this rank's site-local position in every site (None: one site)."""
 
     @property
+    def sites(self) -> int:
+        """Sites the data-parallel replicas span (the outermost factor of dp)."""
+        return self.mesh.sites
+
+    @property
     def site_rank(self) -> int:
         """Which site this rank is in (the outermost factor of its dp coordinate)."""
-        return self.coord.dp // (self.mesh.dp // self.sites)
+        return self.coord.site
 
     @property
     def data_rank(self) -> int:
@@ -136,9 +139,7 @@ def init_process_groups(mesh: MeshShape) -> ProcessGroups:
     """Create the groups of `mesh` on every rank (collective: call it on all ranks alike)."""
     if mesh.cp == 1:
         return _with_sites(_init_groups(mesh), mesh)
-    replicas = mesh.replicas()
-    if _sites(mesh) != _sites(replicas):
-        raise ValueError(f"sites={_sites(mesh)} with cp={mesh.cp}: the mesh's replicas() lost its sites")
+    replicas = mesh.replicas()  # dp x cp, with the same sites: cp stays inside a site
     made = _with_sites(_init_groups(replicas), replicas)
     if not dist.is_initialized():
         raise ValueError(f"cp={mesh.cp} needs {mesh.size} ranks; there is no process group")
@@ -152,27 +153,20 @@ def init_process_groups(mesh: MeshShape) -> ProcessGroups:
     return dataclasses.replace(made, cp=mine, cp_size=mesh.cp, cp_rank=coord.cp)
 
 
-def _sites(mesh: MeshShape) -> int:
-    return getattr(mesh, "sites", 1)
-
-
 def _with_sites(made: ProcessGroups, mesh: MeshShape) -> ProcessGroups:
     """`made` with its site-local and cross-site data-parallel groups (the mesh's rank lists)."""
-    sites = _sites(mesh)
-    if sites == 1:
+    if mesh.sites == 1:
         return dataclasses.replace(made, site_dp=made.dp)
-    if made.world is None:
-        raise ValueError(f"sites={sites} needs {mesh.size} ranks; there is no process group")
     found = {}
-    for name in ("site_dp", "cross_site_dp"):
-        for ranks in getattr(mesh, f"{name}_groups")():  # every rank creates every group, in order
+    for name, lists in (("site_dp", mesh.site_dp_groups()), ("cross_site_dp", mesh.cross_site_dp_groups())):
+        for ranks in lists:  # every rank creates every group, in the same order
             group = dist.new_group(list(ranks))
             if made.rank in ranks:
                 found[name] = (group, tuple(ranks))
     site_ranks, cross_ranks = found["site_dp"][1], found["cross_site_dp"][1]
     assert len(site_ranks) * len(cross_ranks) == mesh.dp and set(site_ranks) | set(cross_ranks) <= set(made.ranks("dp")), \
         f"site groups {site_ranks} x {cross_ranks} do not split the dp group {made.ranks('dp')}"
-    return dataclasses.replace(made, sites=sites, site_dp=found["site_dp"][0], cross_site_dp=found["cross_site_dp"][0])
+    return dataclasses.replace(made, site_dp=found["site_dp"][0], cross_site_dp=found["cross_site_dp"][0])
 
 
 def _init_groups(mesh: MeshShape) -> ProcessGroups:
