@@ -242,7 +242,7 @@ def _print_bench(rows: list[dict[str, Any]], figures: str) -> None:
 
     table = Table(title="plans side by side, priced for mplan's runtime (predicted unless marked measured): "
                         + escape(PREDICTION_BASIS.get(figures, PREDICTION_BASIS["unrecorded"])))
-    for col in ("plan", "mesh dp/tp/pp/vpp/ep", "fits", "step ms", "FLOP/s per device", "MFU", "memory GiB",
+    for col in ("plan", "mesh dp/tp/pp/vpp/ep/cp", "fits", "step ms", "FLOP/s per device", "MFU", "memory GiB",
                 "all-to-all", "measured ms", "note"):
         table.add_column(col)
     for r in rows:
@@ -258,7 +258,7 @@ def _bench_cells(row: dict[str, Any]) -> list[str]:
     """Mesh, fits and predicted figures of a bench row (or of its `without_ep` entry)."""
     p, mesh = row["predicted"] or {}, row["mesh"] or {}
     a2a = f"{p['a2a_s'] * 1e3:.0f} ms ({p['a2a_s'] / p['step_time_s']:.1%})" if p.get("a2a_s") else "-"
-    return ["/".join(str(mesh.get(k, "-")) for k in ("dp", "tp", "pp", "vpp", "ep")), "yes" if row["fits"] else "no",
+    return ["/".join(str(mesh.get(k, "-")) for k in ("dp", "tp", "pp", "vpp", "ep", "cp")), "yes" if row["fits"] else "no",
             f"{p['step_time_s'] * 1e3:.1f}" if p else "-", flops_rate(p["tflops_per_gpu"] * 1e12) if p else "-",
             percent(p["mfu"]) if p else "-", f"{p['memory_gib']:.1f}" if p else "-", a2a]
 

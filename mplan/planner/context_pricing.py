@@ -92,7 +92,8 @@ class Exchange:
 
     forward_s: float  # exposed: on the critical path
     backward_s: float
-    link_s: float  # the link's busy seconds, forward + backward, before any overlap
+    link_forward_s: float  # the link's busy seconds before any overlap
+    link_backward_s: float
     saved_bytes: float  # held for backward beyond the rank's own tensors
     transient_bytes: float  # held while the op runs
 
@@ -161,7 +162,7 @@ def exchange(method: str, cp: int, op: AttentionOp, cluster: ClusterSpec, group:
     kv = op.kv_bytes
     if method == "all_gather":
         forward, backward = t("all_gather", kv * cp), t("reduce_scatter", kv * cp)
-        return Exchange(forward_s=forward, backward_s=backward, link_s=forward + backward,
+        return Exchange(forward_s=forward, backward_s=backward, link_forward_s=forward, link_backward_s=backward,
                         saved_bytes=kv * (cp - 1), transient_bytes=kv * cp)
     if method == "ring":
         hop = t("send_recv", kv)
@@ -169,11 +170,12 @@ def exchange(method: str, cp: int, op: AttentionOp, cluster: ClusterSpec, group:
         forward = (cp - 1) * max(0.0, hop - block_f)
         carried = [t("send_recv", kv * ((s < cp - 1) + (s > 0))) for s in range(cp)]
         backward = sum(max(0.0, c - block_b) for c in carried) + hop
-        return Exchange(forward_s=forward, backward_s=backward, link_s=(cp - 1) * hop + sum(carried) + hop,
-                        saved_bytes=0.0, transient_bytes=4 * kv)
+        return Exchange(forward_s=forward, backward_s=backward, link_forward_s=(cp - 1) * hop,
+                        link_backward_s=sum(carried) + hop, saved_bytes=0.0, transient_bytes=4 * kv)
     copies = cp // math.gcd(op.num_kv_heads, cp)
     moved = t("all_to_all", op.q_bytes) + t("all_to_all", op.out_bytes) + 2 * t("all_to_all", kv * copies / 2)
-    return Exchange(forward_s=moved, backward_s=moved, link_s=2 * moved, saved_bytes=kv * (copies - 1),
+    return Exchange(forward_s=moved, backward_s=moved, link_forward_s=moved, link_backward_s=moved,
+                    saved_bytes=kv * (copies - 1),
                     transient_bytes=op.q_bytes + kv * copies + op.out_bytes)
 
 
@@ -215,15 +217,18 @@ def rank_units(config: ParallelConfig, units: Sequence[UnitCost], attention: Seq
 def method_price(config: ParallelConfig, exchanges: Sequence[tuple[Exchange, ...]],
                  stage_bounds: tuple[tuple[int, int], ...]) -> MethodPrice:
     """`config`'s method over one step on the busiest pipeline rank: every micro-batch's exchanges of
-    the units it holds (`stage_bounds`: unit ranges per chunk), a fully recomputed forward's twice."""
-    forwards = 2 if config.recompute == "full" else 1
+    the units it holds (`stage_bounds`: unit ranges per chunk), a fully recomputed forward's twice
+    (and nothing held for backward: full recomputation keeps the units' inputs only)."""
+    full = config.recompute == "full"
+    forwards = 2 if full else 1
     busiest: tuple[float, float, float] = (0.0, 0.0, 0.0)
     for rank in range(config.pp):
         held = [e for c in range(rank, len(stage_bounds), config.pp) for u in range(*stage_bounds[c])
                 for e in exchanges[u]]
         exposed = sum(forwards * e.forward_s + e.backward_s for e in held)
         if exposed >= busiest[0]:
-            busiest = (exposed, sum(e.link_s for e in held), sum(e.saved_bytes for e in held))
+            busiest = (exposed, sum(forwards * e.link_forward_s + e.link_backward_s for e in held),
+                       0.0 if full else sum(e.saved_bytes for e in held))
     m = config.num_micro_batches
     return MethodPrice(method=config.cp_method, exposed_s=busiest[0] * m, link_s=busiest[1] * m, held_bytes=busiest[2])
 
