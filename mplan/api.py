@@ -106,6 +106,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     # tokens, so capture that (every view and per-token op then has the rank's shapes;
     # `passes.split_context` makes positions, attention and the loss whole-sequence exact)
     captured = _context_slice(inputs, _context_degree(plan))
+    _check_declared_window(model, inputs, captured)
     with progress.phase("capture", type(model).__name__):
         graph = capture_for_training(model, captured, loss_fn=loss_fn)
     with progress.phase("plan", "searching" if plan is None else "binding the plan given") as planned:
@@ -167,6 +168,25 @@ def _context_slice(inputs: tuple[torch.Tensor, ...], cp: int) -> tuple[torch.Ten
                                 f"rank has the same causal attention work), but an example input has shape "
                                 f"{list(x.shape)}: its sequence dim 1 must be a multiple of {2 * cp}")
     return tuple(x[:, : x.shape[1] // cp] for x in inputs)
+
+
+def _check_declared_window(model: nn.Module, inputs: tuple[torch.Tensor, ...],
+                           captured: tuple[torch.Tensor, ...]) -> None:
+    """Refuse a sliding window that the model's config declares and a rank's slice cannot show:
+    the lowering reads masks off the captured slice of L tokens (`passes.attention_forms`), where
+    a window of L <= W < S looks causal, and dropping it would be silently wrong."""
+    config = getattr(model, "config", None)
+    if not inputs or captured is inputs or config is None:
+        return
+    types = getattr(config, "layer_types", None) or ()
+    local, whole = captured[0].shape[1], inputs[0].shape[1]
+    for field, kind in (("sliding_window", "sliding_attention"), ("attention_chunk_size", "chunked_attention")):
+        span = getattr(config, field, None)
+        used = kind in types if types else getattr(config, "use_sliding_window", True) is not False
+        if isinstance(span, int) and not isinstance(span, bool) and used and local <= span < whole:
+            raise PlanSpecError(f"{type(model).__name__}: config.{field}={span} under cp={whole // local}: a rank's "
+                                f"slice of {local} tokens cannot show a span of {span} (the mask is read off the "
+                                f"slice); use a cp with S / cp > {span}, or none")
 
 
 class ArgumentError(ValueError):

@@ -9,12 +9,16 @@ that computes this rank's share of the single-device loss exactly.
 
 What changes, and why it is exact (rules; anything else runs unchanged, per token):
 
-    sdpa(q, k, v, attn_mask=None, dropout_p=0, is_causal=c, scale=s)
-        -> context_attention(q, k, v, layout, cp group, mask=causal if c else bidirectional, scale=s):
+    attention (`attention_forms`: SDPA, or an eager chain matmul -> scale -> soft-cap -> mask
+    -> softmax -> matmul as nanoGPT and Hugging Face's eager attention write it)
+        -> context_attention(q, k, v, layout, cp group, mask=rule, scale=s, softcap=c):
            this rank's query rows against every key, masked by global position; GQA as SDPA's
-           enable_gqa. An attn_mask tensor (its values are of local positions, and nothing says
-           what rule built them), dropout, or attention under a strategy other than heads- or
+           enable_gqa. The rule is is_causal's, or the one `attention_forms.read_mask` reads off
+           the mask tensor's own subgraph (causal, sliding window); its subgraph is then removed.
+           A mask no such rule gives, dropout, or attention under a strategy other than heads- or
            batch-split (`KVReplicatedAttention`) is refused, naming the node: never guessed.
+           A softmax over the slice's L tokens left after this (attention in a form not found)
+           is refused too: run locally it would see only the rank's own keys.
     slice(table, d, 0, S/cp) of a buffer or constant with at least S rows along d (RoPE's
         `cos[:seq_len]`) -> index_select(table, d, positions): the rows of this rank's tokens
     arange(0, S/cp) (Hugging Face's cache_position / position ids) -> the positions themselves
@@ -24,6 +28,10 @@ What changes, and why it is exact (rules; anything else runs unchanged, per toke
            losses and gradients over dp x cp ranks with a 1/(dp*cp) factor (`mesh.replicas()`),
            so each replica contributes its exact mean. L_r * n_r is sum_r up to one rounding.
            A loss that is not such a cross-entropy, or no `labels` input, is refused.
+    pad(labels, (0, 1), value=i)[..., 1:] (Hugging Face's shift inside the loss: position p's
+        target is the label at p + 1, on whichever rank holds it)
+        -> the labels all-gathered over the cp group (integers, no gradient), padded with i and
+           read at positions + 1. Any other move of the labels along the sequence is refused.
 
 Positions are those of `layout.positions(rank)` (head-tail chunks for causal models, so each rank
 has the same attention work). The runtime feeds inputs and labels split by the same layout.
@@ -31,23 +39,24 @@ has the same attention work). The runtime feeds inputs and labels split by the s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
 from mplan.collectives.context_attention import METHODS, context_attention
 from mplan.collectives.redistribute import AxisGroup, all_reduce_no_grad
-from mplan.ir.attention_mask import CAUSAL, AttentionMask
+from mplan.ir.attention_mask import AttentionMask
 from mplan.ir.context_layout import ContextLayout
 from mplan.ir.sharding import UnexecutableStrategy
+from mplan.passes.attention_forms import AttentionForm, find_attention, is_position_arange, is_table_slice, read_mask
 from mplan.passes.local_ops import (BatchShardedCrossEntropy, KVReplicatedAttention, VocabParallelCrossEntropy,
                                     VocabParallelHeadLoss, normalized_kwargs)
 
 aten = torch.ops.aten
-_SDPA = aten.scaled_dot_product_attention.default
-_ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
 _CASTS = (aten._to_copy.default, aten.to.dtype, aten.clone.default)
 
 
@@ -63,18 +72,20 @@ class ContextLowering:
 class ContextAttention(nn.Module):
     """SDPA over the whole sequence for this rank's queries (`context_attention`)."""
 
-    def __init__(self, *, lowering: ContextLowering, mask: AttentionMask, scale: float | None, node: str) -> None:
+    def __init__(self, *, lowering: ContextLowering, mask: AttentionMask, scale: float | None,
+                 softcap: float | None = None, node: str) -> None:
         super().__init__()
-        self.lowering, self.mask, self.scale, self.node = lowering, mask, scale, node
+        self.lowering, self.mask, self.scale, self.softcap, self.node = lowering, mask, scale, softcap, node
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         c = self.lowering
         return context_attention(q, k, v, layout=c.layout, group=c.axis.group, method=c.method,  # type: ignore[arg-type]
-                                 mask=self.mask, scale=self.scale)
+                                 mask=self.mask, scale=self.scale, softcap=self.softcap)
 
     def extra_repr(self) -> str:
         c = self.lowering
-        return f"node={self.node}, {self.mask}, {c.method}, cp={c.axis.size}"
+        capped = f", softcap {self.softcap}" if self.softcap is not None else ""
+        return f"node={self.node}, {self.mask}{capped}, {c.method}, cp={c.axis.size}"
 
 
 class ContextPositions(nn.Module):
@@ -112,10 +123,32 @@ class ContextLoss(nn.Module):
         return f"node={self.node}, ignore_index={self.ignore_index}, cp={self.axis.size}"
 
 
+class ContextShiftedLabels(nn.Module):
+    """The label at position p + 1 for each of this rank's positions p (Hugging Face's shift
+    inside the loss), `fill` past the sequence's end (module docstring)."""
+
+    def __init__(self, *, lowering: ContextLowering, fill: int, node: str) -> None:
+        super().__init__()
+        self.lowering, self.fill, self.node = lowering, fill, node
+
+    def forward(self, labels: torch.Tensor) -> torch.Tensor:
+        c = self.lowering
+        pieces = [torch.empty_like(labels) for _ in range(c.axis.size)]
+        dist.all_gather(pieces, labels.contiguous(), group=c.axis.group)
+        whole = c.layout.unsplit(pieces, 1)
+        padded = torch.nn.functional.pad(whole, (0, 1), value=self.fill)
+        return padded.index_select(1, c.layout.positions(c.axis.rank, labels.device) + 1)
+
+    def extra_repr(self) -> str:
+        return f"node={self.node}, fill={self.fill}, cp={self.lowering.axis.size}"
+
+
 def split_context(program: fx.GraphModule, lowering: ContextLowering, *, labels: str | None,
-                  device: torch.device | None = None) -> fx.GraphModule:
+                  device: torch.device | None = None,
+                  tables: Mapping[str, torch.Tensor] | None = None) -> fx.GraphModule:
     """Edit `program` in place (module docstring); `labels` is the placeholder that feeds the
-    labels (None: the program has none, and a training program is refused)."""
+    labels (None: the program has none, and a training program is refused); `tables`: the values
+    of the program's buffers and constants by placeholder (a mask may be built from them)."""
     layout = lowering.layout
     local, whole = layout.local_len, layout.seq_len
     positions = layout.positions(lowering.axis.rank, device)
@@ -132,52 +165,104 @@ def split_context(program: fx.GraphModule, lowering: ContextLowering, *, labels:
         new.meta.update(like.meta)
         return new
 
-    for node in list(graph.nodes):
+    def rows_of(node: fx.Node, dim: int) -> int | None:
+        return _table_rows(program, node, dim) if _is_table(program, node) else None
+
+    for node in graph.nodes:
         if node.op == "call_module" and isinstance(program.get_submodule(node.target), KVReplicatedAttention):
             raise UnexecutableStrategy(f"node {program.get_submodule(node.target).node}: attention with key/value "
                                        f"heads replicated over tp (kv_heads < tp) under cp={layout.cp} is not lowered "
                                        f"yet; use tp <= kv_heads")
-        if node.op != "call_function":
+    for form in find_attention(program):
+        mask = read_mask(program, form, local_len=local, seq_len=whole, tables=tables or {}, rows_of=rows_of)
+        form.output.replace_all_uses_with(add(_attention(form, mask, lowering), (form.q, form.k, form.v), form.output))
+        _erase_unused([*reversed(form.chain), *([form.mask] if form.mask is not None else [])])
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not node.users:
             continue
-        if node.target is _SDPA:
-            node.replace_all_uses_with(add(_attention(node, lowering), tuple(node.args[:3]), node))
+        if is_position_arange(node, local):
+            dtype = node.kwargs.get("dtype") or (node.meta["val"].dtype if "val" in node.meta else torch.int64)
+            node.replace_all_uses_with(add(ContextPositions(positions, dtype=dtype), (), node))
             graph.erase_node(node)
-        elif node.target in _ARANGES:
-            call = normalized_kwargs(node.target, node.args, node.kwargs)
-            start, end, step = call.get("start", 0), call.get("end"), call.get("step", 1)
-            if (start, end, step) == (0, local, 1):
-                dtype = call.get("dtype") or (node.meta["val"].dtype if "val" in node.meta else torch.int64)
-                node.replace_all_uses_with(add(ContextPositions(positions, dtype=dtype), (), node))
-                graph.erase_node(node)
         elif node.target is aten.slice.Tensor and _is_table(program, node.args[0]):
-            call = normalized_kwargs(node.target, node.args, node.kwargs)
-            dim, start, end, step = call["dim"], call["start"], call["end"], call["step"]
-            rows = _table_rows(program, node.args[0], dim)
-            if start in (0, None) and end == local and step == 1 and rows is not None and rows >= whole:
+            dim = is_table_slice(node, rows_of, local, whole)
+            if dim is not None:
                 node.replace_all_uses_with(add(ContextPositions(positions, dim=dim), (node.args[0],), node))
                 graph.erase_node(node)
-    _split_loss(program, lowering, labels)
+    _refuse_sequence_softmax(program, local, layout.cp)
+    shifted = _shift_labels(program, lowering, labels, add)
+    _split_loss(program, lowering, labels, counted=shifted)
     graph.lint()
     program.recompile()
     return program
 
 
-def _attention(node: fx.Node, lowering: ContextLowering) -> ContextAttention:
-    call = normalized_kwargs(node.target, node.args, node.kwargs)
-    if call.get("attn_mask") is not None:
-        raise UnexecutableStrategy(f"node {node.name} (scaled_dot_product_attention): an attn_mask tensor under "
-                                   f"cp={lowering.layout.cp}: its values are of local positions and no rule says "
-                                   f"what built them; context parallelism runs is_causal or unmasked attention only")
-    if call.get("dropout_p", 0.0):
-        raise UnexecutableStrategy(f"node {node.name} (scaled_dot_product_attention): attention dropout "
-                                   f"p={call['dropout_p']} under cp={lowering.layout.cp} is not lowered")
-    heads = node.args[0].meta["val"].shape[1] if "val" in node.args[0].meta else None
+def _attention(form: AttentionForm, mask: AttentionMask, lowering: ContextLowering) -> ContextAttention:
+    heads = form.q.meta["val"].shape[1] if "val" in form.q.meta else None
     if lowering.method == "all_to_all" and heads is not None and heads % lowering.layout.cp:
-        raise UnexecutableStrategy(f"node {node.name} (scaled_dot_product_attention): cp_method=all_to_all splits "
+        raise UnexecutableStrategy(f"node {form.output.name} (attention): cp_method=all_to_all splits "
                                    f"this rank's {heads} query heads over cp={lowering.layout.cp}, which does not "
                                    f"divide them; use cp_method=all_gather or ring")
-    mask = CAUSAL if call.get("is_causal") else AttentionMask(causal=False)
-    return ContextAttention(lowering=lowering, mask=mask, scale=call.get("scale"), node=node.name)
+    return ContextAttention(lowering=lowering, mask=mask, scale=form.scale, softcap=form.softcap,
+                            node=form.output.name)
+
+
+def _erase_unused(roots: list[fx.Node]) -> None:
+    """Erase `roots` and what only they read (a replaced attention's chain, its mask's subgraph),
+    with the dtype assertions export adds beside them; placeholders stay."""
+    todo = list(roots)
+    while todo:
+        node = todo.pop()
+        if node.op != "call_function" or node.graph is None or node not in node.graph.nodes:
+            continue
+        if any(user.target is not aten._assert_tensor_metadata.default for user in node.users):
+            continue
+        for user in list(node.users):
+            node.graph.erase_node(user)
+        inputs = list(node.all_input_nodes)
+        node.graph.erase_node(node)
+        todo += inputs
+
+
+_SOFTMAX = (aten.softmax.int, aten._softmax.default, aten._safe_softmax.default, aten._log_softmax.default)
+
+
+def _refuse_sequence_softmax(program: fx.GraphModule, local: int, cp: int) -> None:
+    """A softmax over L tokens left after lowering is attention in a form not found: run on the
+    rank's slice it would attend to the rank's own keys only."""
+    for node in program.graph.nodes:
+        if node.op == "call_function" and node.target in _SOFTMAX and "val" in node.meta:
+            shape = node.meta["val"].shape
+            if len(shape) >= 3 and shape[int(node.args[1]) % len(shape)] == local:
+                raise UnexecutableStrategy(f"node {node.name} ({node.target}): a softmax over the {local} tokens "
+                                           f"of a rank's slice under cp={cp} is attention in a form mplan does not "
+                                           f"lower (SDPA, or matmul -> softmax -> matmul); run it without cp")
+
+
+def _shift_labels(program: fx.GraphModule, lowering: ContextLowering, labels: str | None,
+                  add: Any) -> fx.Node | None:
+    """pad(labels, (0, 1), value=i)[..., 1:] -> `ContextShiftedLabels` (module docstring); the
+    shifted labels' node, None when the model does not shift."""
+    label_node = next((n for n in program.graph.nodes if n.op == "placeholder" and n.name == labels), None)
+    if label_node is None:
+        return None
+    for pad in list(label_node.users):
+        if pad.target not in (aten.pad.default, aten.constant_pad_nd.default) or len(pad.users) != 1:
+            continue
+        call = normalized_kwargs(pad.target, pad.args, pad.kwargs)
+        cut = next(iter(pad.users))
+        if list(call["pad"]) != [0, 1] or call.get("mode", "constant") != "constant" or cut.target is not aten.slice.Tensor:
+            continue
+        cut_call = normalized_kwargs(cut.target, cut.args, cut.kwargs)
+        if cut_call["dim"] not in (1, -1) or (cut_call["start"], cut_call["step"]) != (1, 1):
+            continue
+        module = ContextShiftedLabels(lowering=lowering, fill=int(call.get("value") or 0), node=cut.name)
+        shifted = add(module, (label_node,), cut)
+        cut.replace_all_uses_with(shifted)
+        program.graph.erase_node(cut)
+        program.graph.erase_node(pad)
+        return shifted
+    return None
 
 
 def _is_table(program: fx.GraphModule, node: Any) -> bool:
@@ -201,7 +286,10 @@ def _table_rows(program: fx.GraphModule, node: fx.Node, dim: int) -> int | None:
     return None if val is None else int(val.shape[dim])
 
 
-def _split_loss(program: fx.GraphModule, lowering: ContextLowering, labels: str | None) -> None:
+def _split_loss(program: fx.GraphModule, lowering: ContextLowering, labels: str | None, *,
+                counted: fx.Node | None = None) -> None:
+    """`ContextLoss` on the loss, counting the tokens of `counted` (the labels the loss reads
+    after a shift; None: the labels input)."""
     graph = program.graph
     output = next(n for n in graph.nodes if n.op == "output")
     result = output.args[0]
@@ -222,7 +310,7 @@ def _split_loss(program: fx.GraphModule, lowering: ContextLowering, labels: str 
     module = ContextLoss(axis=lowering.axis, ignore_index=ignore_index, node=source.name)
     program.add_submodule("context_loss", module)
     with graph.inserting_before(output):
-        scaled = graph.call_module("context_loss", (value, label_node))
+        scaled = graph.call_module("context_loss", (value, label_node if counted is None else counted))
     scaled.meta.update(value.meta)
     output.args = ((scaled, *result[1:]),) if isinstance(result, (tuple, list)) else (scaled,)
 
@@ -267,4 +355,5 @@ def _mean_cross_entropy(program: fx.GraphModule, node: Any) -> int | None:
     return None
 
 
-__all__ = ["METHODS", "ContextAttention", "ContextLoss", "ContextLowering", "ContextPositions", "split_context"]
+__all__ = ["METHODS", "ContextAttention", "ContextLoss", "ContextLowering", "ContextPositions", "ContextShiftedLabels",
+           "split_context"]

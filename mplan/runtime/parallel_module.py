@@ -268,7 +268,7 @@ def local_program(graph: Graph, choice: Mapping[str, Strategy], axis: AxisGroup,
     if context is not None:  # before fusion: attention becomes context attention, the loss the cp share
         labels = next((spec.placeholder for spec in program.meta[INPUTS]
                        if spec.kind == "USER_INPUT" and spec.name == "labels"), None)
-        split_context(program, context, labels=labels, device=device)
+        split_context(program, context, labels=labels, device=device, tables=_tables(graph, program.meta[INPUTS]))
     if kernels or fp8:
         # imported here: it loads the Triton kernels, which `import mplan` should not pay for
         from mplan.passes.fuse_kernels import fuse_kernels
@@ -277,6 +277,19 @@ def local_program(graph: Graph, choice: Mapping[str, Strategy], axis: AxisGroup,
         fuse_kernels(program, None if kernels else (), device=device, fp8=fp8, split_backward=split_backward,
                      head_chunk_rows=head_chunk_rows)
     return program
+
+
+def _tables(graph: Graph, inputs: Sequence[LocalInput]) -> dict[str, torch.Tensor]:
+    """The captured values of the program's buffers and constants by placeholder (a mask built
+    from a buffer is read off them); those of a model on meta are left out."""
+    program = graph.program
+    found = {}
+    for spec in inputs:
+        if spec.kind in ("BUFFER", "CONSTANT_TENSOR"):
+            value = getattr(program, "state_dict", {}).get(spec.target, program.constants.get(spec.target))
+            if isinstance(value, torch.Tensor) and not value.is_meta:
+                found[spec.placeholder] = value.detach().cpu()
+    return found
 
 
 class ParallelModule:
