@@ -28,7 +28,8 @@ the MEDIAN OF PER-ROUND RATIOS (the peer's time in round r / mplan's time in rou
 is the one with the lowest median step), so a slow round of one system does not decide the figure;
 mplan's peak memory over the lowest peer's; mplan's, compile's and liger's losses against eager's
 (hf_models_h200.loss_agreement); mplan's fusion report (which kernels fired, which entries missed
-and why). The card, torch, triton, transformers and liger-kernel versions are in the JSON.
+and why, and per block type the memory-bound ops left: `mplan inspect`'s coverage). The card,
+torch, triton, transformers and liger-kernel versions are in the JSON.
 Targets (issue 35): mplan_vs_best_peer >= 1.0, mplan's peak <= 1.10 x the lowest peer's, losses agree.
 
 Run on the GPU (from the repository root, Liger from the carried wheels; a device call has 600 s,
@@ -91,6 +92,7 @@ from benchmarks.hf_models_h200 import (  # noqa: E402
 )
 from benchmarks.peer_families import Family, families, family  # noqa: E402
 from benchmarks.report import Clock, run_header, write_report  # noqa: E402
+from mplan.fusion.coverage import fusion_coverage  # noqa: E402
 
 MODEL_SEED = 0
 PEERS = ("eager", "compile", "liger")
@@ -167,7 +169,22 @@ def build_mplan(fam: Family, setting: Setting, batches: list[torch.Tensor]) -> t
         return pm.train_step(ids, ids), pm.last_grad_norm
 
     return step, {"pipeline": 'mplan.autoparallel(plan="dp=1,tp=1,pp=1", kernels=True)',
-                  "fusion": {"fused": report.counts, "missed": report.missed, "summary": str(report)}}
+                  "fusion": {"fused": report.counts, "missed": report.missed, "summary": str(report),
+                             "coverage": coverage(pm.graph)}}
+
+
+def coverage(graph: Any) -> list[dict[str, Any]] | str:
+    """`mplan inspect`'s fusion coverage of the captured graph, per block type: which kernels
+    fused, which entries came close and why they missed, and the memory-bound ops left (with
+    their bytes); the error's last line instead if it cannot be computed (the timing goes on)."""
+    try:
+        return [{"block_type": c.block_type, "instances": c.instances,
+                 "fused": {f.kernel: f.count for f in c.fused},
+                 "skipped": [{"kernel": m.kernel, "count": m.count, "why": m.why} for m in c.skipped],
+                 "left": [{"op": op.op, "count": op.count, "bytes": op.bytes, "why": op.why} for op in c.left],
+                 "left_bytes": c.left_bytes} for c in fusion_coverage(graph)]
+    except Exception:  # noqa: BLE001 - a report, not the measurement
+        return "coverage failed: " + traceback.format_exc().strip().splitlines()[-1]
 
 
 BUILDERS = {"eager": build_eager, "compile": build_compile, "mplan": build_mplan, "liger": build_liger}

@@ -261,6 +261,8 @@ def test_peers_benchmark_races_every_system_on_tiny_families(tmp_path: Path) -> 
     stand_in = report["families"]["phi3"]["systems"]["liger"]
     assert "stand_in" in stand_in and stand_in["losses"] == report["families"]["phi3"]["systems"]["eager"]["losses"]
     assert "not supported" in report["families"]["stablelm"]["systems"]["liger"]["skipped"]
+    block = report["families"]["stablelm"]["systems"]["mplan"]["fusion"]["coverage"][0]
+    assert any(miss["kernel"] == "rope_qk" and "partial rotary_dim" in miss["why"] for miss in block["skipped"])
 
 
 def test_peers_benchmark_records_a_family_that_fails_and_runs_the_next(tmp_path: Path) -> None:
