@@ -31,27 +31,41 @@ Which part of the link is real and which injected:
   and paced by `tbf` (token bucket, rate R, on both ends' egress), and carry TCP's behaviour
   (segmentation, acks, windows) as gloo's sockets see it. The probe measures the rate reached.
 - injected: the latency. The kernel here has no `netem`, so a one-way delay L cannot be put on
-  the wire; the worker sleeps where traffic is posted instead (`_inject_delays`): before each
-  collective whose group spans both sites, `hops * L`, hops being the collective's sequential
-  message steps across the ring (all-reduce 2(g-1), reduce-scatter and all-gather g-1,
-  send/recv/broadcast 1, over a group of g ranks). That is the latency term an alpha-beta cost
-  model charges, as a blocking delay on the posting rank: unlike a delay on the wire it does not
-  overlap the rank's compute, and it is paid once per collective, not interleaved with the
-  transfer. The veth's own latency (tens of microseconds) stays, real, beneath it.
+  the wire; it is added where traffic is posted instead (`DelayedLink`): each collective (or
+  send) whose group spans both sites is posted `hops * L` after the rank asked for it, hops
+  being its sequential message steps around gloo's ring (all-reduce 2(g-1), reduce-scatter and
+  all-gather g-1, send and broadcast 1, over g ranks), by one thread per rank in the order asked.
+  The rank computes on meanwhile and waits only where it reads the result, as it would while a
+  message crossed a slow link. That is the latency term of an alpha-beta model, hops * L +
+  bytes / rate: unlike a delay on the wire it is paid once before the transfer instead of
+  between its steps (the same total where the steps do not overlap each other). The veth's own
+  latency (about 0.1 ms here, mostly the ranks' scheduling on a busy machine) stays beneath it.
 
-The probe (`--probe-only`, and first in every run) measures per setting: intra-site and
-cross-site point-to-point bandwidth (set against tbf's rate), the cross-site one-way latency
-without and with the injected delay (set against L), and a cross-site all-reduce against its
-alpha-beta time. The training runs (flat DP, `dp=4`: one ring over four ranks, crossing the link
-twice) time `--steps` steps after `--warmup`, between barriers on every rank, and report the
-median of rank 0's clock.
+The probe (`--probe-only`, and first in every run unless `--no-probe`) measures per setting:
+intra-site and cross-site point-to-point bandwidth (set against tbf's rate), the cross-site
+one-way latency without and with the injected delay (set against L), and a cross-site
+all-reduce against its alpha-beta time.
+
+The training runs time `--steps` steps after `--warmup` (between barriers on every rank; the
+median of rank 0's clock) of each layout (`LAYOUTS`, float32, AdamW):
+    flat           dp=4: one ring over the four ranks, crossing the link twice per step of it
+    hierarchical   dp=4,sites=2: reduce-scatter inside each site, the shards all-reduced across
+                   the sites, all-gather inside each site (mplan/runtime/hierarchical_reduce.py)
+    chosen         the planner's own plan, when it is neither of those
+Beside them, the planner's predictions for the same cluster (`two_site_cluster`: this machine's
+measured 4-rank CPU profile for the ranks inside a site, the emulated link between the sites),
+which layout it chose, and whether that one measured fastest. The runtime's own latency switch
+(MPLAN_INTER_SITE_DELAY_MS, one delay per cross-site all-reduce, hierarchical layout only) stays
+off: one injection rule, `DelayedLink`'s, serves every layout alike.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import functools
+import inspect
 import json
 import os
 import platform
@@ -64,6 +78,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +90,13 @@ ADDRESSES = ("10.213.0.1", "10.213.0.2")
 """Each site's veth address (the namespaces are private, so every run may use the same ones)."""
 RANKS_PER_SITE = 2
 DEFAULT_MODEL = "llama:layers=2,hidden=128,heads=4,kv_heads=2,ffn=384,seq=64,vocab=2048"
+PROFILE = REPO / "benchmarks" / "results" / "profile_cpu4-2026-12-02.json"
+"""`mplan profile` of 4 gloo CPU ranks on this machine: the planner's kernel and loopback-link figures."""
+LAYOUTS = {"flat": "dp=4,mbs={mbs},zero=0", "hierarchical": "dp=4,mbs={mbs},zero=0,sites=2"}
+"""Flat: one ring over the four ranks, crossing the link twice. Hierarchical: reduce-scatter in
+each site, the shards all-reduced across, all-gather in each site (mplan/runtime/hierarchical_reduce.py)."""
+UNSHAPED_MBIT = 10_000.0
+"""What the planner is told of an unshaped veth (`none:` settings), Mbit/s: a placeholder, not measured."""
 DEFAULT_SETTINGS = ("100:5", "1000:20")
 """`rate_mbit:delay_ms` pairs: 100 Mbit/s with 5 ms, 1 Gbit/s with 20 ms (one way)."""
 MASTER_PORT = 29513
@@ -87,7 +109,7 @@ class LinkSetting:
     """The emulated inter-site link: `rate_mbit` real (tbf), `delay_ms` injected (one way)."""
 
     rate_mbit: float | None  # Mbit/s, tbf on both ends' egress; None: the veth unshaped
-    delay_ms: float  # milliseconds, one way, slept before each cross-site message step
+    delay_ms: float  # milliseconds, one way, injected per cross-site message step (DelayedLink)
 
     @classmethod
     def parse(cls, text: str) -> LinkSetting:
@@ -260,45 +282,83 @@ HOPS: dict[str, Callable[[int], int]] = {
     "reduce_scatter": lambda g: g - 1, "reduce_scatter_tensor": lambda g: g - 1,
     "all_gather": lambda g: g - 1, "all_gather_into_tensor": lambda g: g - 1,
     "broadcast": lambda g: 1, "send": lambda g: 1, "isend": lambda g: 1,
+    "barrier": lambda g: 0,
 }
-"""Sequential message steps of each collective over a group of g ranks (ring algorithms; a
-point-to-point message is one), each paying the link's one-way latency once."""
+"""Sequential message steps of each collective over a group of g ranks (ring algorithms, as
+gloo's; a point-to-point message is one), each paying the link's one-way latency once. A
+barrier pays none (the timing's own barriers): it goes through the queue only to keep its place
+in each group's order."""
+ASYNC = {"send": "isend"}
+"""Posted from the delaying thread in their asynchronous form; the caller waits if it asked to."""
 
 
-def _inject_delays(delay_s: float, world_size: int) -> list[float]:
-    """Make every collective (and send) over a group spanning both sites sleep `hops * delay_s`
-    before it is posted (the module docstring says why there). Returns a list whose first item
-    accumulates the seconds slept, so a timed region can report its injected share."""
-    import torch.distributed as dist
+class _Deferred:
+    """A collective the delaying thread will post: `wait()` waits for the posting, then the work."""
 
-    slept = [0.0]
-    spans: dict[int, bool] = {}
+    def __init__(self, posted: Future) -> None:
+        self._posted = posted
 
-    def crosses(group: Any, dst: int | None) -> bool:
-        if dst is not None:
-            return site_of(dist.get_rank()) != site_of(dst)
-        key = id(group)
-        if key not in spans:
-            ranks = range(world_size) if group is None else dist.get_process_group_ranks(group)
-            spans[key] = len({site_of(rank) for rank in ranks}) > 1
-        return spans[key]
+    def wait(self, timeout: Any = None) -> bool:
+        work = self._posted.result()
+        return True if work is None else work.wait()
 
-    def delayed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+
+class DelayedLink:
+    """Injects the inter-site latency (module docstring): every collective and send over a group
+    spanning both sites is posted `HOPS[name](group size) * delay_s` after the rank asked for it,
+    by one thread, in the order asked (so every group sees the same order on every rank); the
+    rank's own thread goes on meanwhile, as it would while a message crossed a slow link, and waits
+    only where it reads the result (a blocking call, or `wait()` on an asynchronous one's work).
+    `injected_s` adds up the latency given to the messages posted."""
+
+    def __init__(self, delay_s: float, world_size: int) -> None:
+        import torch.distributed as dist
+
+        self.delay_s, self.world_size, self.injected_s = delay_s, world_size, 0.0
+        self._dist = dist
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="two-sites-link")
+        self._spans: dict[int, bool] = {}
+        for name in HOPS:
+            setattr(dist, name, self._wrap(name, getattr(dist, name)))
+
+    def _crosses(self, group: Any, peer: int | None) -> bool:
+        dist = self._dist
+        if peer is not None:
+            return site_of(dist.get_rank()) != site_of(peer)
+        if id(group) not in self._spans:
+            ranks = range(self.world_size) if group is None else dist.get_process_group_ranks(group)
+            self._spans[id(group)] = len({site_of(rank) for rank in ranks}) > 1
+        return self._spans[id(group)]
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        dist = self._dist
+        posting = getattr(dist, ASYNC.get(name, name))
+        point_to_point = name in ("send", "isend")
+        signature = inspect.signature(original)
+
         @functools.wraps(original)
         def call(*args: Any, **kwargs: Any) -> Any:
-            group = kwargs.get("group")
-            size = world_size if group is None else dist.get_world_size(group)
-            dst = kwargs.get("dst", args[1] if name in ("send", "isend") and len(args) > 1 else None)
-            if delay_s > 0 and crosses(group, dst):
-                pause = HOPS[name](size) * delay_s
-                time.sleep(pause)
-                slept[0] += pause
-            return original(*args, **kwargs)
+            named = signature.bind_partial(*args, **kwargs).arguments
+            group = named.get("group")
+            peer = named.get("dst") if point_to_point else None
+            if not self._crosses(group, peer):
+                return original(*args, **kwargs)
+            delay = HOPS[name](self.world_size if group is None else dist.get_world_size(group)) * self.delay_s
+            self.injected_s += delay
+            wanted_async = name == "isend" or named.get("async_op", False)
+            if not point_to_point:
+                kwargs = {**kwargs, "async_op": True}
+            deferred = _Deferred(self._thread.submit(_post_at, time.monotonic() + delay, posting, args, kwargs))
+            if wanted_async:
+                return deferred
+            deferred.wait()
+            return None
         return call
 
-    for name in HOPS:
-        setattr(dist, name, delayed(name, getattr(dist, name)))
-    return slept
+
+def _post_at(due: float, post: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    time.sleep(max(0.0, due - time.monotonic()))  # the injected one-way latency
+    return post(*args, **kwargs)
 
 
 def _veth_bytes() -> int:
@@ -313,7 +373,6 @@ def _probe(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    barrier = dist.barrier
     delay_s = args.delay_ms / 1e3
     out: dict[str, Any] = {}
 
@@ -323,7 +382,7 @@ def _probe(args: argparse.Namespace) -> dict[str, Any]:
         ack = torch.zeros(1, dtype=torch.uint8)
         times = []
         for _ in range(repeats):
-            barrier()
+            dist.barrier()
             start = time.perf_counter()
             if rank in peer_of and peer_of[rank] > rank:
                 dist.send(data, peer_of[rank])
@@ -347,14 +406,14 @@ def _probe(args: argparse.Namespace) -> dict[str, Any]:
     cross_bytes = int(min(64 * 2**20, max(2**20, 0.5 * rate_Bps))) if rate_Bps else 64 * 2**20
     cross = transfer({0: 2, 2: 0}, cross_bytes, 3)
     # 4. with the injected delay: one-way latency, and an all-reduce over the pair {0, 2}
-    slept = _inject_delays(delay_s, world)
+    link = DelayedLink(delay_s, world)
     injected = transfer({0: 2, 2: 0}, 1, 10)
     pair = dist.new_group([0, 2])
     reduce_bytes = args.allreduce_mb * 2**20
     tensor = torch.ones(reduce_bytes // 4, dtype=torch.float32)
     reduces = []
     for _ in range(3):
-        barrier()
+        dist.barrier()
         start = time.perf_counter()
         if rank in (0, 2):
             dist.all_reduce(tensor, group=pair)
@@ -379,7 +438,7 @@ def _probe(args: argparse.Namespace) -> dict[str, Any]:
                                                                           if rate_Bps else 0.0),
                                      "note": "2 ranks, one per site: 2 hops of the injected delay, and each rank "
                                              "sends its half twice (N bytes each way) through tbf"},
-            "injected_s_total": slept[0],
+            "injected_s_total": link.injected_s,
         }
     return out
 
@@ -390,25 +449,26 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     import mplan
+    from mplan.cost_models.cluster import ClusterSpec
     from mplan.models import build_model
 
-    barrier = dist.barrier  # the timing's own barriers are not delayed
-    slept = _inject_delays(args.delay_ms / 1e3, dist.get_world_size())
+    link = DelayedLink(args.delay_ms / 1e3, dist.get_world_size())
     model = build_model(args.model, device="cpu", dtype=torch.float32, seed=0)
     ids = torch.randint(0, model.config.vocab, (args.batch, model.config.seq_len),
                         generator=torch.Generator().manual_seed(0))
     pm = mplan.autoparallel(model, example_inputs=(ids,), optimizer=functools.partial(torch.optim.AdamW, lr=1e-4),
-                            global_batch=args.batch, micro_batch_size=args.mbs, plan=args.plan, progress="quiet")
+                            global_batch=args.batch, plan=args.plan, progress="quiet",
+                            cluster=ClusterSpec.from_json(args.cluster))
     steps, injected = [], []
     for step in range(args.warmup + args.steps):
-        barrier()
-        slept[0] = 0.0
+        dist.barrier()
+        link.injected_s = 0.0
         start = time.perf_counter()
         pm.train_step(ids, ids)
-        barrier()
+        dist.barrier()
         if step >= args.warmup:
             steps.append(time.perf_counter() - start)
-            injected.append(slept[0])
+            injected.append(link.injected_s)
     return {"plan": pm.plan.spec(), "step_s": steps, "injected_s": injected,
             "parameters": sum(p.numel() for p in model.parameters())}
 
@@ -456,28 +516,98 @@ def _bounded(timeout_s: float) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _measure_setting(setting: LinkSetting, args: argparse.Namespace, logs: Path, tree: Path) -> dict[str, Any]:
+def two_site_cluster(setting: LinkSetting) -> Any:
+    """The cluster the planner prices for `setting`: the measured 4-rank CPU profile of this
+    machine (`PROFILE`: its kernels, and its gloo-over-loopback link fits for the ranks inside a
+    site), as 2 sites of one node of `RANKS_PER_SITE` ranks, joined by the emulated link: the rate
+    a TCP transfer reaches through tbf (the set rate x `PAYLOAD_FRACTION`, which the probe
+    measures) and the injected one-way delay."""
+    from mplan.cost_models.cluster import ClusterSpec, LinkHierarchy
+
+    base = ClusterSpec.from_json(str(PROFILE))
+    intra = base.links.intra_node
+    # each site is one node, so nothing is priced on an inter-node link inside a site
+    unused = dataclasses.replace(intra, kind="roce", source="unused: each site is one node of ranks")
+    rate_gbps = (setting.rate_mbit if setting.rate_mbit is not None else UNSHAPED_MBIT) * PAYLOAD_FRACTION / 1e3
+    cluster = dataclasses.replace(base, name="two-sites-cpu", num_nodes=2, gpus_per_node=RANKS_PER_SITE,
+                                  links=LinkHierarchy(intra_node=intra, inter_node=unused),
+                                  source=f"{base.source}; as 2 sites of {RANKS_PER_SITE} ranks (benchmarks/two_sites.py)")
+    return cluster.with_sites(2, inter_site_gbps=rate_gbps, inter_site_latency_ms=setting.delay_ms,
+                              source=f"emulated: tbf {setting.rate_mbit or 'unshaped'} Mbit/s x {PAYLOAD_FRACTION:.3f} "
+                                     f"(TCP payload), {setting.delay_ms:g} ms injected one way")
+
+
+def _predict(cluster: Any, args: argparse.Namespace, specs: dict[str, str]) -> dict[str, Any]:
+    """The planner's prices for each layout's spec, and its own choice, on `cluster` (predictions);
+    what the planner refuses is recorded as `error` (the measurements still run)."""
+    import mplan
+    from mplan.bench import bench_plans
+
+    try:
+        rows = bench_plans(args.model, cluster, args.batch, list(specs.values()))
+        chosen = mplan.plan(args.model, cluster=cluster, global_batch=args.batch, progress="quiet")
+    except Exception as exc:  # noqa: BLE001  (a refusal or a bug alike: say which, measure anyway)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    out: dict[str, Any] = {name: {key: row.get(key) for key in ("spec", "resolved_spec", "predicted", "error")}
+                           for name, row in zip(specs, rows)}
+    out["chosen"] = {"spec": chosen.spec(), "predicted": dataclasses.asdict(chosen.predicted)}
+    return out
+
+
+def _measure_setting(setting: LinkSetting, args: argparse.Namespace, scratch: Path, tree: Path) -> dict[str, Any]:
     common = ["--delay-ms", str(setting.delay_ms), "--rate-mbit", str(setting.rate_mbit or "none")]
+    cluster = two_site_cluster(setting)
+    cluster_file = scratch / "cluster.json"
+    cluster.to_json(str(cluster_file))
+    specs = {layout: LAYOUTS[layout].format(mbs=args.mbs) for layout in args.layouts if layout in LAYOUTS}
+    row: dict[str, Any] = {"setting": asdict(setting),
+                           "cluster": {"sites": dataclasses.asdict(cluster.sites), "intra_site": cluster.links.intra_node.source,
+                                       "profile": PROFILE.name, "figures": cluster.figures}}
+    if not args.probe_only:
+        row["predicted"] = _predict(cluster, args, specs)
+        chosen = row["predicted"].get("chosen", {}).get("spec")
+        if "chosen" in args.layouts and chosen and all(row["predicted"][layout]["resolved_spec"] != chosen
+                                                       for layout in specs):
+            specs["chosen"] = chosen  # the planner's choice is none of the layouts: measure it as well
     with TwoSites(rate_mbit=setting.rate_mbit) as sites:
-        row: dict[str, Any] = {"setting": asdict(setting), "qdiscs": sites.qdiscs()}
+        row["qdiscs"] = sites.qdiscs()
         if not args.no_probe:
             row["probe"] = run_ranks(sites, ["--mode", "probe", *common, "--intra-mb", str(args.intra_mb),
                                              "--allreduce-mb", str(args.allreduce_mb)],
-                                     timeout_s=args.rank_timeout, logs=logs, tree=tree)
+                                     timeout_s=args.rank_timeout, logs=scratch, tree=tree)
             print(f"{setting.label}: probe {json.dumps(row['probe'])}", file=sys.stderr)
         if not args.probe_only:
-            row["layouts"] = {}
-            for layout, plan in (("flat", "dp=4"),):
-                result = run_ranks(sites, ["--mode", "train", *common, "--model", args.model, "--plan", plan,
-                                           "--batch", str(args.batch), "--mbs", str(args.mbs),
-                                           "--warmup", str(args.warmup), "--steps", str(args.steps)],
-                                   timeout_s=args.rank_timeout, logs=logs, tree=tree)
+            row["measured"] = {}
+            for layout, spec in specs.items():
+                result = run_ranks(sites, ["--mode", "train", *common, "--model", args.model, "--plan", spec,
+                                           "--cluster", str(cluster_file), "--batch", str(args.batch),
+                                           "--mbs", str(args.mbs), "--warmup", str(args.warmup),
+                                           "--steps", str(args.steps)],
+                                   timeout_s=args.rank_timeout, logs=scratch, tree=tree)
                 result["step_s_median"] = statistics.median(result["step_s"])
                 result["injected_s_median"] = statistics.median(result["injected_s"])
-                row["layouts"][layout] = result
+                row["measured"][layout] = result
                 print(f"{setting.label}: {layout} {result['step_s_median']:.4f} s a step "
-                      f"({result['injected_s_median']:.4f} s injected)", file=sys.stderr)
+                      f"({result['injected_s_median']:.4f} s of latency injected)", file=sys.stderr)
+    if "measured" in row and "error" not in row["predicted"]:
+        row["comparison"] = _compare(row)
     return row
+
+
+def _compare(row: dict[str, Any]) -> dict[str, Any]:
+    """Measured against predicted per layout, and whether the planner's choice measured fastest."""
+    measured, predicted = row["measured"], row["predicted"]
+    by_layout = {}
+    for layout, result in measured.items():
+        price = (predicted[layout]["predicted"] or {}) if layout != "chosen" else predicted["chosen"]["predicted"]
+        step = price.get("step_time_s")
+        by_layout[layout] = {"plan": result["plan"], "measured_step_s": result["step_s_median"],
+                             "predicted_step_s": step,
+                             "predicted_over_measured": None if step is None else step / result["step_s_median"]}
+    fastest = min(measured, key=lambda layout: measured[layout]["step_s_median"])
+    chosen = predicted["chosen"]["spec"]
+    return {"layouts": by_layout, "measured_fastest": fastest, "planner_chose": chosen,
+            "planner_choice_measured_fastest": measured[fastest]["plan"] == chosen}
 
 
 def main() -> None:
@@ -491,6 +621,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="steps timed per layout and setting")
     parser.add_argument("--intra-mb", type=int, default=16, help="MiB of the intra-site probe transfer")
     parser.add_argument("--allreduce-mb", type=int, default=2, help="MiB of the cross-site all-reduce probe")
+    parser.add_argument("--layouts", nargs="+", choices=(*LAYOUTS, "chosen"), default=[*LAYOUTS, "chosen"],
+                        help="what to measure ('chosen': the planner's plan, where it is none of the others)")
     parser.add_argument("--probe-only", action="store_true", help="measure the link, train nothing")
     parser.add_argument("--no-probe", action="store_true", help="train only, without measuring the link first")
     parser.add_argument("--timeout", type=float, default=900, help="seconds for the whole run")
@@ -502,6 +634,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=("probe", "train"), help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
+    parser.add_argument("--cluster", help=argparse.SUPPRESS)
     parser.add_argument("--delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--rate-mbit", type=lambda s: None if s == "none" else float(s), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -523,6 +656,7 @@ def main() -> None:
         with _bounded(args.timeout), tempfile.TemporaryDirectory(prefix="mplan_two_sites_") as scratch:
             tree = Path(scratch) / "tree"
             _extract(commit, tree)
+            sys.path.insert(0, str(tree))  # the planner's predictions come from the same commit as the ranks
             for setting in settings:
                 rows.append(_measure_setting(setting, args, Path(scratch), tree))
     except (Interrupted, KeyboardInterrupt) as exc:
@@ -536,8 +670,8 @@ def main() -> None:
            "ranks_per_site": RANKS_PER_SITE, "threads_per_rank": 1, "dtype": "float32", "model": args.model,
            "global_batch": args.batch, "mbs": args.mbs, "warmup": args.warmup, "steps": args.steps,
            "link": "real: veth pair between two network namespaces, tbf rate limit on both ends' egress; "
-                   "injected: the one-way delay, slept before each cross-site collective, hops x delay "
-                   "(all-reduce 2(g-1), reduce-scatter/all-gather g-1, send 1)",
+                   "injected: the one-way delay, each cross-site collective posted hops x delay after it was "
+                   "asked for (all-reduce 2(g-1), reduce-scatter/all-gather g-1, send 1), the rank computing on",
            "settings": rows}
     text = json.dumps(doc, indent=1)
     print(text)

@@ -31,8 +31,8 @@ def _start(*args: str) -> subprocess.Popen:
 
 def test_a_run_measures_the_set_link_and_removes_its_namespaces() -> None:
     run = _start("--settings", "100:5", "--model", TINY, "--warmup", "1", "--steps", "1", "--intra-mb", "4",
-                 "--timeout", "60")
-    out, err = run.communicate(timeout=90)
+                 "--layouts", "flat", "--timeout", "90")
+    out, err = run.communicate(timeout=120)
     assert run.returncode == 0, err[-3000:]
     assert two_sites.namespaces_of(run.pid) == []
     (row,) = json.loads(out)["settings"]
@@ -41,12 +41,13 @@ def test_a_run_measures_the_set_link_and_removes_its_namespaces() -> None:
     # the rate is the kernel's (tbf): within 10% of the payload rate it allows
     assert probe["cross_site_bandwidth"]["MBps_measured"] == pytest.approx(
         probe["cross_site_bandwidth"]["MBps_set_payload"], rel=0.1)
-    # the latency is injected: the one-way time is the set 5 ms plus the veth's own, well under 1 ms more
-    assert 0.005 <= probe["cross_site_latency"]["one_way_s_with_injection"] < 0.006
+    # the latency is injected: the one-way time is the set 5 ms plus the veth's own and the waking of the
+    # thread that posts (a few ms more only on a machine loaded many times over its cores)
+    assert 0.005 <= probe["cross_site_latency"]["one_way_s_with_injection"] < 0.010
     # ranks of one site talk over their namespace's loopback: the veth carries almost nothing meanwhile
     assert probe["intra_site"]["veth_bytes_during"] < 0.01 * probe["intra_site"]["bytes"]
     assert probe["intra_site"]["MBps"] > 3 * probe["cross_site_bandwidth"]["MBps_set"]
-    flat = row["layouts"]["flat"]
+    flat = row["measured"]["flat"]
     assert flat["plan"].startswith("dp=4") and len(flat["step_s"]) == 1
     assert all(step > injected > 0 for step, injected in zip(flat["step_s"], flat["injected_s"]))
 
