@@ -13,7 +13,9 @@ Steps:
    methods among them), evaluate each with the closed-form schedule model (cuts by
    `stage_partition` under memory; a cp config as one cp rank's units, `context_pricing`), drop
    those that do not fit; zero 0 and 1 first, then zero 2 and 3 only where they can still win
-   (`_AboveOne`); a cp method another exchanges faster with less memory is skipped (`_dominated`);
+   (`_AboveOne`); cp > 1 after cp = 1, in the order of a lower bound on their step, skipped once
+   a plan that fits beats the bound (`_context_bound`), and a cp method another exchanges faster
+   with less memory skipped (`_dominated`);
 3. re-evaluate the best few with the event simulator and rank by simulated step time; a cp
    winner is priced under its other methods too, for `explain`;
 4. for `explain`, the best plan's layout at every other ZeRO level (`zero_levels`), and whether any
@@ -41,7 +43,8 @@ from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains, fin
 from mplan.planner.host_cost import runtime_host
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.parallel_config import (DEFAULT_RUNTIME, RUNTIMES, ZERO_LEVELS, ModelLimits, ParallelConfig,
-                                           PlanSpec, PlanSpecError, context_methods, enumerate_configs, zero_variants)
+                                           PlanSpec, PlanSpecError, context_methods, enumerate_configs, site_variants,
+                                           zero_variants)
 from mplan.planner.plan import TP_LAYOUTS
 from mplan.planner.spec_check import spec_refusal
 from mplan.planner.sharding_ilp import (GraphSharding, ShardingInfeasible, StrategyFilter, reprice_graph,
@@ -149,6 +152,8 @@ class Planner:
         self._sharded: dict[tuple[int, bool], ShardedModel] = {}
         self._context: dict[tuple[int, bool, int, int, str], tuple[list[UnitCost], list[tuple[Exchange, ...]]]] = {}
         self._attention_ops: dict[tuple[int, bool, int], list[tuple[AttentionOp, ...]]] = {}
+        self._dominated_methods: dict[tuple[int, bool, int, int, str], bool] = {}
+        self._context_sums: dict[tuple[int, bool, int, int, str], tuple[float, float, float]] = {}
         self.facts = replace(_facts(self.graph), grad_dtype=grad_dtype, fp32_grad_copy=fp32_grad_copy,
                              mplan_adamw=kernels, runtime=runtime, moe_imbalance=moe_imbalance)
         self.limits = _limits(self.graph)
@@ -242,25 +247,39 @@ class Planner:
             self._attention_ops[key] = [by_segment.get(u.name, ()) for u in model.units[mbs]]
         return self._attention_ops[key]
 
+    def _context_bound(self, config: ParallelConfig) -> float:
+        """A lower bound on the step of a cp config: its rank's compute over one step, every pipeline
+        rank as busy as the mean, no bubble, no gradient sync (`evaluate` adds those to the same
+        units' seconds). The sums are cached by (tp, sp, mbs, cp, method)."""
+        key = (config.tp, config.sp, config.mbs, config.cp, config.cp_method)
+        if key not in self._context_sums:
+            units, _ = self.context_units(config)
+            self._context_sums[key] = (sum(u.forward_s for u in units), sum(u.backward_s for u in units),
+                                       sum(u.selective_extra_s for u in units))
+        forward, backward, selective = self._context_sums[key]
+        rerun = {"none": 0.0, "selective": selective, "full": forward}[config.recompute]
+        return config.num_micro_batches * (forward + backward + rerun) / config.pp
+
     def _dominated(self, config: ParallelConfig, spec: PlanSpec) -> bool:
         """Whether another cp method at `config`'s tp, sp, micro-batch and cp exchanges no slower per
         micro-batch and holds no more, one of them strictly (it then prices no worse at any
-        schedule and recomputation: the search skips this one); never where `spec` fixes the method."""
+        schedule and recomputation: the search skips this one); never where `spec` fixes the method.
+        Cached by (tp, sp, mbs, cp, method)."""
         if config.cp == 1 or spec.cp_method is not None:
             return False
-
-        def figures(method: str) -> tuple[float, float, float, float]:
-            _, exchanges = self.context_units(replace(config, cp_method=method))
-            flat = [e for ex in exchanges for e in ex]
-            return (sum(e.forward_s for e in flat), sum(e.backward_s for e in flat),
-                    sum(e.saved_bytes for e in flat), max((e.transient_bytes for e in flat), default=0.0))
-        mine = figures(config.cp_method)
-        for method in context_methods(config.tp, config.cp, self.limits, PlanSpec()):
-            if method != config.cp_method:
-                other = figures(method)
-                if all(o <= a for o, a in zip(other, mine)) and other != mine:
-                    return True
-        return False
+        key = (config.tp, config.sp, config.mbs, config.cp, config.cp_method)
+        if key not in self._dominated_methods:
+            def figures(method: str) -> tuple[float, float, float, float]:
+                _, exchanges = self.context_units(replace(config, cp_method=method))
+                flat = [e for ex in exchanges for e in ex]
+                return (sum(e.forward_s for e in flat), sum(e.backward_s for e in flat),
+                        sum(e.saved_bytes for e in flat), max((e.transient_bytes for e in flat), default=0.0))
+            mine = figures(config.cp_method)
+            others = [figures(m) for m in context_methods(config.tp, config.cp, self.limits, PlanSpec())
+                      if m != config.cp_method]
+            self._dominated_methods[key] = any(all(o <= a for o, a in zip(other, mine)) and other != mine
+                                               for other in others)
+        return self._dominated_methods[key]
 
     def search(self, global_batch: int, spec: PlanSpec | None = None, *,
                allow_cross_node_tp: bool = False, zero_levels: tuple[int, ...] = ZERO_LEVELS) -> SearchResult:
@@ -276,17 +295,26 @@ class Planner:
                                          runtime=self.facts.runtime))
         if self.context_slice > 1:  # a slice graph prices its own cp only
             configs = [c for c in configs if c.cp == self.context_slice]
+        # flat and hierarchical data parallelism where the cluster has sites
+        configs = [v for c in configs for v in site_variants(c, self.cluster.num_sites, spec)]
         if not configs:
             raise PlanningError(_no_config_reason(world, self.cluster.gpus_per_node, global_batch, self.limits,
                                                   spec, _ranks(self.cluster), model=self.graph.model_name,
-                                                  allow_cross_node_tp=allow_cross_node_tp, zero_levels=zero_levels))
+                                                  allow_cross_node_tp=allow_cross_node_tp, zero_levels=zero_levels,
+                                                  num_sites=self.cluster.num_sites))
         estimates = []
         above_one = _AboveOne()
         fastest = math.inf  # of the configs evaluated so far that fit
         with _PricedAhead(self.units, [(c.tp, c.sp, c.mbs) for c in configs]) as priced:
-            # zero 0 and 1 first, then zero 2 and 3 where they can still win (`_AboveOne`)
-            for config in [c for c in configs if c.zero <= 1] + [c for c in configs if c.zero > 1]:
-                if not above_one.worth(config, fastest):
+            # zero 0 and 1 first, then zero 2 and 3 where they can still win (`_AboveOne`); cp > 1
+            # after cp = 1, fastest lower bound first, none whose bound a fitting plan beats (`_context_bound`)
+            for c in configs:
+                if c.cp > 1:
+                    priced.wait(c.tp, c.sp, c.mbs)
+            context = sorted((c for c in configs if c.zero <= 1 and c.cp > 1), key=self._context_bound)
+            for config in ([c for c in configs if c.zero <= 1 and c.cp == 1] + context
+                           + [c for c in configs if c.zero > 1]):
+                if not above_one.worth(config, fastest) or (config.cp > 1 and self._context_bound(config) >= fastest):
                     continue
                 priced.wait(config.tp, config.sp, config.mbs)
                 if self._dominated(config, spec):
@@ -504,14 +532,15 @@ def _what_would_fit(estimate: Estimate, cluster: ClusterSpec) -> str:
 
 def _no_config_reason(world: int, gpus_per_node: int, global_batch: int, limits: ModelLimits,
                       spec: PlanSpec, ranks: str = "GPUs", *, model: str = "the model",
-                      allow_cross_node_tp: bool = False, zero_levels: tuple[int, ...] = ZERO_LEVELS) -> str:
+                      allow_cross_node_tp: bool = False, zero_levels: tuple[int, ...] = ZERO_LEVELS,
+                      num_sites: int = 1) -> str:
     """Why a spec admits no config, quoting the spec as written (`tp=8,pp=4`) and the arithmetic
     that fails (`tp x pp = 8 x 4 = 32 > 8 GPUs`): `spec_check`'s reason on the graph's figures, the
     same sentence a check before the capture gives; `ranks` names the cluster's devices."""
     reason = spec_refusal(spec, world_size=world, gpus_per_node=gpus_per_node, global_batch=global_batch,
                           model=model, num_layers=limits.num_layers, num_heads=limits.num_heads,
                           num_experts=limits.num_experts, allow_cross_node_tp=allow_cross_node_tp, ranks=ranks,
-                          zero_levels=zero_levels)
+                          zero_levels=zero_levels, num_sites=num_sites)
     return reason or (f"no split of {world} {ranks} fits plan spec {str(spec)!r} (global batch {global_batch}, "
                       f"{limits.num_heads} heads, {limits.num_layers} layers)")
 
