@@ -51,6 +51,19 @@ A group of ``n`` ranks with ``g`` per node on ``k = n / g`` nodes:
     S(n-g)/n over the NICs, posted at once (the slower level paces, each with one hop).
   * send_recv: one message between neighbouring ranks; across nodes when the group spans nodes
     (the slowest hop, which paces a pipeline).
+  * a ring across sites (``group.num_sites = s > 1``, a flat data-parallel ring on a cluster of
+    several sites): the flat ring again, its hops now of three kinds, added (``per_hop (s-1)``
+    long-haul hops, ``per_hop (k-s)`` between nodes of a site, the rest inside nodes; ``per_hop``
+    2 for all-reduce, 1 for the others), and a third transfer beside NVLink's and the NICs': the
+    ring enters and leaves each site once, so a site's link carries ``bus`` for every group of
+    the axis with ranks in it, all at once (``cluster.ranks_per_site / group.ranks_per_site`` of
+    them), over the whole site's ``inter_site_gbps``::
+
+        t_site = ... + per_hop (s-1) site_latency
+                 + max(bus / nvlink_bandwidth, bus / (g * nic_bandwidth), groups_per_site * bus / site_bandwidth)
+
+    The long-haul figures are the cluster's as given (no efficiency applied, no measured fit).
+    Only rings cross sites (data parallelism): any other collective across sites is refused.
 A measured ``AlphaBetaFit`` for (kind, level) stands in for that level's analytic line: its alpha
 for the level's hops, its beta for the level's bandwidth (a network fit is measured one rank per
 node, so it prices the ``bus / g`` bytes each NIC carries).
@@ -80,10 +93,10 @@ def check_group_fits(cluster: ClusterSpec, group: GroupShape) -> None:
     node and whether it crosses nodes at all are checked against the cluster, not its node count."""
     crosses_nodes = group.num_nodes > 1
     if (group.ranks_per_node > cluster.gpus_per_node or group.size > cluster.world_size
-            or (crosses_nodes and cluster.num_nodes == 1)):
-        raise ValueError(f"group of {group.size} ranks ({group.ranks_per_node} per node on {group.num_nodes} nodes) "
-                         f"does not fit cluster {cluster.name}: {cluster.num_nodes} nodes x "
-                         f"{cluster.gpus_per_node} GPUs")
+            or (crosses_nodes and cluster.num_nodes == 1) or group.num_sites > cluster.num_sites):
+        raise ValueError(f"group of {group.size} ranks ({group.ranks_per_node} per node on {group.num_nodes} nodes, "
+                         f"{group.num_sites} site(s)) does not fit cluster {cluster.name}: {cluster.num_nodes} nodes "
+                         f"x {cluster.gpus_per_node} GPUs on {cluster.num_sites} site(s)")
 
 
 class _Phases:
@@ -127,6 +140,8 @@ def collective_time(cluster: ClusterSpec, kind: str, nbytes: float, group: Group
     if n == 1 or nbytes == 0:
         return 0.0
     phases = _Phases(cluster, kind)
+    if group.crosses_sites:
+        return phases.total(_site_ring(phases, kind, group, nbytes))
     if kind == "send_recv":
         return phases.total(phases.time("intra_node" if k == 1 else "inter_node", kind, 2, nbytes))
     if k == 1 or g == 1:
@@ -153,6 +168,23 @@ def _flat_ring(phases: _Phases, kind: str, n: int, g: int, k: int, nbytes: float
     intra_latency, intra = phases.split("intra_node", kind, bus, ring_steps(kind, n) - inter_steps)
     inter_latency, inter = phases.split("inter_node", kind, bus / g, inter_steps)
     return intra_latency + inter_latency + max(intra, inter)
+
+
+def _site_ring(phases: _Phases, kind: str, group: GroupShape, nbytes: float) -> float:
+    """One ring through all ranks of a group that spans sites (module docstring)."""
+    if kind not in ("all_reduce", "reduce_scatter", "all_gather"):
+        raise ValueError(f"{kind} across sites is not priced: only data parallelism's rings cross sites")
+    cluster, n, g, k, s = phases.cluster, group.size, group.ranks_per_node, group.num_nodes, group.num_sites
+    bus = bus_factor(kind, n) * nbytes
+    per_hop = 2 if kind == "all_reduce" else 1
+    site_steps, node_steps = per_hop * (s - 1), per_hop * (k - s)
+    intra_latency, intra = phases.split("intra_node", kind, bus, ring_steps(kind, n) - site_steps - node_steps) \
+        if g > 1 else (0.0, 0.0)
+    inter_latency, inter = phases.split("inter_node", kind, bus / g, node_steps)
+    phases.analytic = True
+    groups_per_site = cluster.ranks_per_site // group.ranks_per_site
+    site = groups_per_site * bus / cluster.sites.bandwidth_Bps
+    return intra_latency + inter_latency + site_steps * cluster.sites.latency_s + max(intra, inter, site)
 
 
 def _two_node_tree(phases: _Phases, g: int, nbytes: float) -> float:

@@ -19,6 +19,8 @@ Model (each term from the cost models, nothing fitted here):
 - DP gradient sync per rank: all-reduce of fp32 gradients (zero=0) or reduce-scatter of gradients
   plus all-gather of updated bf16 parameters (zero=1), started after the rank's last backward, so
   only its tail past the pipeline's end is exposed; TP all-reduce of partial parameter gradients;
+  each DP collective priced on the links it uses (`dp_sync`: flat, flat across sites on the
+  long haul, or hierarchical over sites, ZeRO sharding over a site's replicas);
   under mplan's runtime the buckets' reduction starts during the last backward (`overlapped_sync`)
   of a one-stage plan, and under a pipeline it runs at the step, after every rank's last action
   (the pipeline executor reduces gradients once the schedule is done: nothing overlaps);
@@ -69,9 +71,10 @@ from mplan.planner.parallel_config import DEFAULT_RUNTIME, ParallelConfig
 from mplan.planner.stage_partition import Partition, partition
 from mplan.planner.host_cost import host_timing
 from mplan.planner.unit_costs import UnitCost, chunk_backward_s, chunk_forward_s, param_tensors
+from mplan.planner.dp_sync import NOTHING, LinkUse, cross_site_all_reduce, dp_collective
 from mplan.planner.unit_experts import UnitExperts
 from mplan.planner.zero_pricing import (ZERO_OVERLAP, ZERO_OVERLAP_CPU, gathered_window, gradient_reductions, shared_glue,
-                                        zero1_copy_time, zero_collectives)
+                                        zero1_copy_time, zero_collectives, zero_links)
 
 ADAMW_STREAMS = 8
 """Elements an AdamW step with a grad_scale (the clip coefficient folded in, as the runtime clips)
@@ -205,6 +208,9 @@ class Estimate:
     # pipeline rank's forward and backward (what the runtime does not overlap, ZERO_OVERLAP), and
     # zero=3's gathers once a step where it keeps its weights
     zero_comm_s: float = 0.0
+    # the DP gradient sync's traffic and transfer seconds per link, one step of the pipeline rank
+    # whose sync is longest (`dp_sync.LinkUse`: what crosses the long haul, with sites)
+    dp_links: LinkUse = LinkUse()
     experts_per_rank: int = 0  # experts of each MoE layer a rank holds (0: no MoE layers)
     moe_imbalance: float = 0.0  # the busiest EP rank's load over the mean priced (`ModelFacts`; 0.0: no MoE layers)
     reason: str = ""  # why it does not fit, if it does not
@@ -246,8 +252,9 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     wgt = moe.weight_s
     k = config.pp * config.vpp
     mesh = config.mesh
-    param_state = per.total(zero=config.zero, dp=config.dp, keep_weights=config.keep_weights)
-    expert_state = per.total(zero=config.zero, dp=mesh.expert_dp, keep_weights=config.keep_weights)
+    # ZeRO shards over one site's replicas (all of dp without sites, `ir/mesh.py`)
+    param_state = per.total(zero=config.zero, dp=mesh.dp_local, keep_weights=config.keep_weights)
+    expert_state = per.total(zero=config.zero, dp=mesh.expert_dp_local, keep_weights=config.keep_weights)
     in_flight = in_flight_of(config)
     # what a unit keeps of one micro-batch under the plan's recomputation, for the stage cut's memory
     kept = [activation_bytes_kept(recompute=config.recompute, activation_bytes=saved, num_in_flight=1,
@@ -303,8 +310,8 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
                                          [kept[u] for u in rank_units], runtime=facts.runtime,
                                          copies_inputs=not issue.overlaps)
         return estimate_memory(
-            num_params=dense, per_param=per, zero=config.zero, dp=config.dp, expert_params=expert_params,
-            expert_dp=mesh.expert_dp, keep_weights=config.keep_weights,
+            num_params=dense, per_param=per, zero=config.zero, dp=mesh.dp_local, expert_params=expert_params,
+            expert_dp=mesh.expert_dp_local, keep_weights=config.keep_weights,
             gathered_params=gathered,
             grad_transient_bytes=reductions.transient_bytes, activations_beside_transient=reductions.activations_bytes,
             recompute=config.recompute,
@@ -322,7 +329,8 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     memory, syncs, opt = [], [], 0.0
     holdings: list[tuple[list[int], int, int]] = []  # per pipeline rank: its units, dense and expert parameters
     # ranks holding as many parameters (the middle ranks of a deep pipeline) sync and step alike
-    by_params: dict[tuple[int, int, int, float | None, float], tuple[float, float]] = {}
+    by_params: dict[tuple[int, int, int, float | None, float], tuple[float, float, LinkUse]] = {}
+    links = LinkUse()  # the traffic of the rank that sends most over the long haul (else between nodes)
     # a CPU rank's gloo reductions run on the cores its backward runs on: they take turns, nothing overlaps
     overlapped = facts.runtime == "mplan" and config.dp > 1 and config.pp == 1 and issue.overlaps
     for rank in range(config.pp):
@@ -338,7 +346,11 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
             by_params[key] = _sync_and_step(config, cluster, compute, facts, dense=dense, experts=expert_params,
                                             tp_sync_bytes=tp_sync, last_backward_s=last_backward,
                                             last_scatter_s=last_scatter)
-        sync, step = by_params[key]
+        sync, step, rank_links = by_params[key]
+        rank_links = rank_links + zero_links(config, cluster, per, [(moe.dense_params[u], moe.expert_params[u])
+                                                                   for u in rank_units])
+        if (rank_links.inter_site_bytes, rank_links.inter_node_bytes) > (links.inter_site_bytes, links.inter_node_bytes):
+            links = rank_links
         syncs.append(sync)
         opt = max(opt, step)
         holdings.append((rank_units, dense, expert_params))
@@ -388,7 +400,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
                     compute_s=busy, comm_s=tp_comm + a2a + zero_comm + 2 * (config.pp - 1) * p2p + exposed,
                     memory=tuple(memory), stage_bounds=cut.bounds, chunk_forward_s=chunk_f, chunk_backward_s=chunk_b,
                     chunk_weight_s=chunk_w, p2p_s=p2p, grad_sync_s=tuple(syncs), optimizer_s=opt, a2a_s=a2a,
-                    zero_comm_s=zero_comm,
+                    zero_comm_s=zero_comm, dp_links=links,
                     experts_per_rank=moe.experts_per_rank,
                     moe_imbalance=facts.moe_imbalance if moe.experts_per_rank else 0.0, reason=reason,
                     short_of_memory=short_of_memory, head_chunk_rows=head_rows, simulation=sim)
@@ -430,40 +442,51 @@ def _bytes_per_param(config: ParallelConfig, facts: ModelFacts) -> BytesPerParam
 
 def _sync_and_step(config: ParallelConfig, cluster: ClusterSpec, compute: ComputeCostModel, facts: ModelFacts, *,
                    dense: int, experts: int, tp_sync_bytes: int, last_backward_s: float | None,
-                   last_scatter_s: float = 0.0) -> tuple[float, float]:
-    """Seconds of one pipeline rank's gradient sync and optimizer step, for its `dense` parameters
-    (synced and, under ZeRO, sharded over dp) and its `experts` (the same over expert_dp, the
-    ranks holding the same experts); `last_backward_s`: the backward a sync overlaps, if any.
+                   last_scatter_s: float = 0.0) -> tuple[float, float, LinkUse]:
+    """Seconds of one pipeline rank's gradient sync and optimizer step, and the sync's traffic on
+    each link (`dp_sync`), for its `dense` parameters (synced and, under ZeRO, sharded over dp, a
+    site's dp with sites) and its `experts` (the same over expert_dp, the ranks holding the same
+    experts); `last_backward_s`: the backward a sync overlaps, if any.
     zero 2 and 3 reduce-scatter their gradients in every micro-batch's backward (`zero_collectives`),
     not here: the step waits only for the last of them still in flight (`last_scatter_s`); zero 1
     and 2 gather the updated parameters after the step, zero=3 never does (it gathers per unit,
     `evaluate`)."""
     per = _bytes_per_param(config, facts)
     mesh, gpn = config.mesh, cluster.gpus_per_node
-    dp_group, expert_dp_group = mesh.group_shape("dp", gpn), mesh.group_shape("expert_dp", gpn)
+    dp_group = mesh.group_shape("dp", gpn, cluster.num_sites)
     reduction = "reduce_scatter" if config.zero else "all_reduce"
-    sync = 0.0
-    if config.zero <= 1:
-        sync += collective_time(cluster, reduction, dense * per.grad, dp_group)
-        sync += collective_time(cluster, reduction, experts * per.grad, expert_dp_group)
+    grads = [dp_collective(cluster, reduction, dense * per.grad, mesh, "dp"),
+             dp_collective(cluster, reduction, experts * per.grad, mesh, "expert_dp")] if config.zero <= 1 else []
+    sync = sum(g.seconds for g in grads)
     sync += collective_time(cluster, "all_reduce", tp_sync_bytes * per.grad / max(1, per.param),
                             mesh.group_shape("tp", gpn))
     if last_backward_s is not None and config.zero <= 1:
-        sync = overlapped_sync(cluster, reduction, sync, last_backward_s, (dense + experts) * per.grad, dp_group)
+        if mesh.sites == 1 and not dp_group.crosses_sites:
+            sync = overlapped_sync(cluster, reduction, sync, last_backward_s, (dense + experts) * per.grad, dp_group)
+        else:  # what outlasts the last backward, at least what follows the last bucket (`dp_sync`)
+            sync = max(sync - last_backward_s, max(g.last_bucket_s for g in grads))
     sync += last_scatter_s
-    if config.zero in (1, 2):  # never overlapped
-        sync += collective_time(cluster, "all_gather", dense * per.param, dp_group)
-        sync += collective_time(cluster, "all_gather", experts * per.param, expert_dp_group)
+    # zero 2/3 across sites: each unit's gradients reduce-scattered inside the site (`zero_collectives`),
+    # the shards' all-reduce between sites once a step
+    shards = cross_site_all_reduce(cluster, (dense / mesh.dp_local + experts / mesh.expert_dp_local) * per.grad,
+                                   mesh) if config.zero >= 2 else NOTHING
+    sync += shards.seconds
+    gathers = [dp_collective(cluster, "all_gather", dense * per.param, mesh, "dp"),
+               dp_collective(cluster, "all_gather", experts * per.param, mesh, "expert_dp")] \
+        if config.zero in (1, 2) else []  # never overlapped
+    sync += sum(g.seconds for g in gathers)
+    links = sum((p.links for p in (*grads, shards, *gathers)), LinkUse())
     # the dtype AdamW steps: the parameters', or ZeRO's master shard (at least fp32, sharded_optimizer.py);
-    # zero 2 and 3's copies around the collectives priced as zero=1's until the runtime's own are counted
+    # zero 2 and 3's copies around the collectives priced as zero=1's until the runtime's own are counted;
+    # ZeRO shards over a site's replicas (`ir/mesh.py`: dp_local, all of dp without sites)
     step_bytes = max(per.param, 4) if config.zero else per.param
-    shard = dense / config.dp + experts / mesh.expert_dp if config.zero else dense + experts
+    shard = dense / mesh.dp_local + experts / mesh.expert_dp_local if config.zero else dense + experts
     step = optimizer_time(compute, shard, step_bytes, mplan_adamw=facts.mplan_adamw)
     if config.zero:
-        step += zero1_copy_time(compute, dense, config.dp, per.param)
+        step += zero1_copy_time(compute, dense, mesh.dp_local, per.param)
         if experts:
-            step += zero1_copy_time(compute, experts, mesh.expert_dp, per.param)
-    return sync, step
+            step += zero1_copy_time(compute, experts, mesh.expert_dp_local, per.param)
+    return sync, step, links
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

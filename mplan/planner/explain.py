@@ -206,7 +206,8 @@ def config_of(plan: Plan) -> ParallelConfig:
     return ParallelConfig(dp=m.dp, tp=m.tp, pp=m.pp, vpp=m.vpp, ep=m.ep, cp=m.cp, cp_method=m.cp_method,
                           mbs=plan.micro_batch_size,
                           num_micro_batches=plan.num_micro_batches, sp=plan.sequence_parallel, zero=plan.zero,
-                          keep_weights=plan.zero3_keep_weights, recompute=plan.recompute, schedule=plan.schedule)
+                          keep_weights=plan.zero3_keep_weights, recompute=plan.recompute, schedule=plan.schedule,
+                          sites=m.sites)
 
 
 def simulate_plan(plan: Plan) -> SimResult:
@@ -272,7 +273,9 @@ def explain_data(plan: Plan) -> dict[str, Any]:
             "fused_kernels": {key.removeprefix("fused."): int(count) for key, count in plan.planner.items()
                               if key.startswith("fused.")},
             "mesh": {"dp": plan.mesh.dp, "tp": plan.mesh.tp, "pp": plan.mesh.pp, "ep": plan.mesh.ep,
-                     "vpp": plan.mesh.vpp, "cp": plan.mesh.cp, "cp_method": plan.mesh.cp_method},
+                     "vpp": plan.mesh.vpp, "cp": plan.mesh.cp, "cp_method": plan.mesh.cp_method,
+                     "sites": plan.mesh.sites},
+            "links": _links(plan),
             "context": _context(plan),
             "predicted": {"step_time_ms": best * 1e3, "tflops_per_gpu": plan.predicted.tflops_per_gpu,
                           "mfu": plan.predicted.mfu, "tokens_per_s": plan.predicted.tokens_per_s,
@@ -390,6 +393,25 @@ def _seq_len_words(source: str | None) -> str:
     return {"--seq-len": "given by --seq-len / seq_len="}.get(source, f"from the {source}")
 
 
+def _links(plan: Plan) -> dict[str, Any] | None:
+    """The DP collectives' traffic per link over one step (`Predicted.dp_links`), and with sites,
+    what crosses the long haul: None where the plan records none."""
+    traffic, c = plan.predicted.dp_links, plan.cluster
+    if traffic is None:
+        return None
+    levels = {level: {"gb": getattr(traffic, f"{level}_gb"), "s": getattr(traffic, f"{level}_s")}
+              for level in ("intra_node", "inter_node", "inter_site")}
+    if c.sites == 1:
+        crossing = None
+    elif plan.mesh.sites > 1:
+        crossing = (f"hierarchical: each site reduce-scatters gradients over its {plan.mesh.dp // plan.mesh.sites} "
+                    f"replicas, only the 1/{plan.mesh.dp // plan.mesh.sites} shards cross, all-reduced between sites")
+    else:
+        crossing = f"flat: the data-parallel ring of {plan.mesh.dp} ranks crosses between sites, whole gradients"
+    return {"levels": levels, "sites": c.sites, "inter_site_gbps": c.inter_site_gbps,
+            "inter_site_latency_ms": c.inter_site_latency_ms, "crossing": crossing}
+
+
 def render(plan: Plan, console: Any) -> None:
     """Print the explanation as rich tables."""
     from rich.table import Table
@@ -401,6 +423,7 @@ def render(plan: Plan, console: Any) -> None:
     console.print(f"[bold]{d['model']}[/] at sequence length {d['seq_len']:,} ({_seq_len_words(d['seq_len_source'])}) "
                   f"on {d['cluster']} ({d['world_size']} {device}s): "
                   f"dp={m['dp']} tp={m['tp']} pp={m['pp']} vpp={m['vpp']} ep={m['ep']}"
+                  + (f" sites={m['sites']} (hierarchical DP)" if m["sites"] > 1 else "")
                   + (f" cp={m['cp']} (head-tail chunks, {_CP_WORDS[m['cp_method']]})" if m["cp"] > 1 else "") + ", "
                   f"{plan.schedule}, micro-batch {plan.micro_batch_size} x {plan.num_micro_batches}, "
                   f"SP {'on' if plan.sequence_parallel else 'off'}, zero={plan.zero}, recompute={plan.recompute}")
@@ -429,6 +452,17 @@ def render(plan: Plan, console: Any) -> None:
         console.print(f"fused head + loss: {d['head_loss_chunk_rows']} rows a chunk, below the op's default: "
                       f"the default chunk of logits would not fit in the last stage's memory")
     console.print(f"ZeRO: {d['zero']['summary']}", highlight=False)
+    links = d["links"]
+    if links is not None:
+        words = {"intra_node": "intra-node (NVLink, a rank)", "inter_node": "inter-node (NIC, a rank)",
+                 "inter_site": "inter-site (long haul, a site each way)"}
+        shown = [f"{words[level]} {v['gb']:.1f} GB, {v['s'] * 1e3:.0f} ms" for level, v in links["levels"].items()
+                 if v["gb"] or level != "inter_site"]
+        console.print("DP traffic per step: " + "; ".join(shown), highlight=False)
+        if links["crossing"] is not None:
+            console.print(f"long haul ({links['sites']} sites, {links['inter_site_gbps']:g} Gb/s, "
+                          f"{links['inter_site_latency_ms']:g} ms): {links['crossing']}; TP, CP, EP and PP stay "
+                          f"inside sites", highlight=False)
     e = d["experts"]
     if e is not None and e["ep"] == 1:
         console.print(f"experts: ep=1, all {e['num_experts']} experts of a layer on every rank, no all-to-all")

@@ -157,6 +157,8 @@ class PlanSpec:
             have = getattr(config, key)
             if key == "cp_method" and config.cp == 1:
                 continue  # read only where cp > 1
+            if key == "sites":
+                continue  # chosen after the mesh, against the cluster (`site_variants`)
             if want is not None and (int(have) if key in _FLAG_KEYS else have) != want:
                 return False
         return True
@@ -347,3 +349,22 @@ def _variants(base: ParallelConfig, limits: ModelLimits, spec: PlanSpec,
                                      recompute=recompute, capacity_factor=spec.capacity)
                     if spec.admits(config):
                         yield config
+
+
+def site_variants(config: ParallelConfig, cluster_sites: int, spec: PlanSpec) -> list[ParallelConfig]:
+    """`config` at each site layout a cluster of `cluster_sites` sites admits and `spec` allows:
+    hierarchical (`sites = cluster_sites`, where they divide dp and leave ep inside a site) and flat
+    (`sites = 1`, where no TP, CP, EP or PP group would cross a site, `MeshShape.check_sites`).
+    One site: `config` alone."""
+    if cluster_sites == 1:
+        return [config] if spec.sites in (None, 1) else []
+    wanted = (cluster_sites, 1) if spec.sites is None else (spec.sites,)
+    variants = []
+    for sites in wanted:
+        try:
+            variant = replace(config, sites=sites)
+            variant.mesh.check_sites(cluster_sites)
+        except ValueError:
+            continue
+        variants.append(variant)
+    return variants

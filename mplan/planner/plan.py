@@ -90,6 +90,22 @@ class Predicted:
     # zero 2/3 (optional, 0.0): seconds per step their per-unit all-gathers and reduce-scatters add
     # to the busiest pipeline rank's forward and backward (not overlapped with compute)
     zero_comm_s: float = 0.0
+    # the DP gradient sync's traffic per link over one step (optional; None: not recorded)
+    dp_links: LinkTraffic | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkTraffic:
+    """What one step's data-parallel collectives move over each link (`planner.dp_sync.LinkUse`):
+    GB (1e9 bytes) one rank pushes over NVLink and through its NIC, GB one site sends over the
+    long-haul link in each direction (all its ranks), and each level's transfer seconds."""
+
+    intra_node_gb: float
+    inter_node_gb: float
+    inter_site_gb: float
+    intra_node_s: float
+    inter_node_s: float
+    inter_site_s: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,6 +129,10 @@ class ClusterInfo:
     # where the prices came from (`ClusterSpec.figures`): "measured", "datasheet" or "nominal"
     # (placeholders: every prediction shown from them says so); "unrecorded" in plans made before
     figures: str = "unrecorded"
+    # data centers the nodes are split among and their long-haul link (optional: one site)
+    sites: int = 1
+    inter_site_gbps: float = 0.0  # Gb/s per direction, a site's whole share
+    inter_site_latency_ms: float = 0.0  # one way
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,6 +146,8 @@ class Mesh:
     cp: int = 1
     # how attention exchanges the sequence over cp (parallel_config.CP_METHODS); optional (absent: all_gather)
     cp_method: str = "all_gather"
+    # sites data parallelism spans hierarchically, dp's outermost factor (`ir/mesh.py`); optional (absent: 1, flat)
+    sites: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -231,12 +253,13 @@ class Plan:
                 + (f",cp={m.cp}" if m.cp > 1 else "")
                 + (f",cp_method={m.cp_method}" if m.cp > 1 and m.cp_method != "all_gather" else "")
                 + (",keep_weights=1" if self.zero3_keep_weights else "")
-                + (f",capacity={self.capacity_factor:g}" if self.capacity_factor is not None else ""))
+                + (f",capacity={self.capacity_factor:g}" if self.capacity_factor is not None else "")
+                + (f",sites={m.sites}" if m.sites > 1 else ""))
 
     def mesh_shape(self) -> MeshShape:
         """The rank layout of this plan's mesh (ep and vpp do not add ranks)."""
         m = self.mesh
-        return MeshShape(dp=m.dp, tp=m.tp, pp=m.pp, ep=m.ep, cp=m.cp)
+        return MeshShape(dp=m.dp, tp=m.tp, pp=m.pp, ep=m.ep, cp=m.cp, sites=m.sites)
 
     def describe(self) -> str:
         """The layout in one line, for messages: the spec and the micro-batching."""
@@ -374,7 +397,13 @@ def _seq_len_source(r: FieldReader) -> str | None:
 def _cluster(r: FieldReader) -> ClusterInfo:
     info = ClusterInfo(name=r.string("name"), nodes=r.integer("nodes"), gpus_per_node=r.integer("gpus_per_node"),
                        world_size=r.integer("world_size"), device=r.string("device"),
-                       figures=r.string("figures") if r.has("figures") else "unrecorded")
+                       figures=r.string("figures") if r.has("figures") else "unrecorded",
+                       sites=r.integer("sites") if r.has("sites") else 1,
+                       inter_site_gbps=r.number("inter_site_gbps", allow_equal=True) if r.has("inter_site_gbps") else 0.0,
+                       inter_site_latency_ms=r.number("inter_site_latency_ms", allow_equal=True)
+                       if r.has("inter_site_latency_ms") else 0.0)
+    if info.nodes % info.sites:
+        raise r.error("sites", f"must divide nodes = {info.nodes} (each site holds as many)")
     r.finish()
     return info
 
@@ -382,7 +411,10 @@ def _cluster(r: FieldReader) -> ClusterInfo:
 def _mesh(r: FieldReader) -> Mesh:
     mesh = Mesh(dp=r.integer("dp"), tp=r.integer("tp"), pp=r.integer("pp"), ep=r.integer("ep"), vpp=r.integer("vpp"),
                 cp=r.integer("cp") if r.has("cp") else 1,
-                cp_method=r.string("cp_method", choices=CP_METHODS) if r.has("cp_method") else "all_gather")
+                cp_method=r.string("cp_method", choices=CP_METHODS) if r.has("cp_method") else "all_gather",
+                sites=r.integer("sites") if r.has("sites") else 1)
+    if mesh.dp % mesh.sites:
+        raise r.error("sites", f"must divide dp = {mesh.dp} (data parallelism is what spans sites)")
     r.finish()
     return mesh
 
@@ -417,9 +449,17 @@ def _predicted(r: FieldReader) -> Predicted:
     values.update({k: r.number(k, allow_equal=True) for k in ("a2a_s", "moe_imbalance", "zero_comm_s") if r.has(k)})
     experts = r.integer("experts_per_rank", minimum=0) if r.has("experts_per_rank") else 0
     predicted = Predicted(memory_by_stage=tuple(_stage_memory(s) for s in r.objects("memory_by_stage")),
-                          experts_per_rank=experts, **values)
+                          experts_per_rank=experts, dp_links=_link_traffic(r.obj("dp_links")) if r.has("dp_links")
+                          else None, **values)
     r.finish()
     return predicted
+
+
+def _link_traffic(r: FieldReader) -> LinkTraffic:
+    traffic = LinkTraffic(**{f"{level}_{unit}": r.number(f"{level}_{unit}", allow_equal=True)
+                             for level in ("intra_node", "inter_node", "inter_site") for unit in ("gb", "s")})
+    r.finish()
+    return traffic
 
 
 def _zero_level(r: FieldReader) -> ZeroLevel:
@@ -512,6 +552,9 @@ def _check_consistent(plan: Plan, file: str) -> None:
         raise PlanError(f"{file}: stages has {len(plan.stages)} entries but pp*vpp = {m.pp * m.vpp}")
     if m.ep > 1 and m.dp % m.ep:
         raise PlanError(f"{file}: mesh.ep={m.ep} must divide mesh.dp={m.dp}")
+    if m.sites > 1 and m.sites != plan.cluster.sites:
+        raise PlanError(f"{file}: mesh.sites={m.sites} but cluster.sites={plan.cluster.sites}: a plan's sites are 1 "
+                        f"(flat) or its cluster's")
     if plan.zero3_keep_weights and plan.zero != 3:
         raise PlanError(f"{file}: zero3_keep_weights is true at zero={plan.zero}: only zero=3 gathers weights to keep")
     if m.ep > 1 and not any(placements.get("ep") == "S(0)" for placements in plan.sharding.values()):

@@ -21,7 +21,8 @@ from mplan.ir.strategy import Strategy
 from mplan.planner.context_pricing import ContextEstimate
 from mplan.planner.evaluate import Estimate
 from mplan.planner.parallel_config import DEFAULT_RUNTIME
-from mplan.planner.plan import (Alternative, ClusterInfo, Mesh, ModelInfo, OpCost, Plan, Predicted, Stage,
+from mplan.planner.dp_sync import LinkUse
+from mplan.planner.plan import (Alternative, ClusterInfo, LinkTraffic, Mesh, ModelInfo, OpCost, Plan, Predicted, Stage,
                                 StageMemory, ZeroLevel)
 from mplan.planner.search import SearchResult, ShardedModel
 from mplan.planner.sharding_ilp import GraphSharding, SegmentSharding
@@ -65,7 +66,16 @@ def predicted_of(estimate: Estimate) -> Predicted:
                      compute_s=estimate.compute_s, comm_s=estimate.comm_s, p2p_s=estimate.p2p_s,
                      optimizer_s=estimate.optimizer_s, a2a_s=estimate.a2a_s,
                      experts_per_rank=estimate.experts_per_rank, moe_imbalance=estimate.moe_imbalance,
-                     zero_comm_s=estimate.zero_comm_s)
+                     zero_comm_s=estimate.zero_comm_s, dp_links=_link_traffic(estimate.dp_links))
+
+
+def _link_traffic(links: LinkUse) -> LinkTraffic | None:
+    """`Predicted.dp_links` (GB and seconds); None where the plan moves nothing between ranks."""
+    if not (links.intra_node_bytes or links.inter_node_bytes or links.inter_site_bytes):
+        return None
+    return LinkTraffic(intra_node_gb=links.intra_node_bytes / 1e9, inter_node_gb=links.inter_node_bytes / 1e9,
+                       inter_site_gb=links.inter_site_bytes / 1e9, intra_node_s=links.intra_node_s,
+                       inter_node_s=links.inter_node_s, inter_site_s=links.inter_site_s)
 
 
 def zero_levels_of(result: SearchResult) -> tuple[ZeroLevel, ...]:
@@ -91,19 +101,26 @@ def _why_lost(best: Estimate, other: Estimate) -> str:
         parts.append(f"comm {other.comm_s * 1e3:.0f} vs {best.comm_s * 1e3:.0f} ms")
     if other.compute_s > best.compute_s * 1.02:
         parts.append(f"compute {other.compute_s * 1e3:.0f} vs {best.compute_s * 1e3:.0f} ms")
+    haul, best_haul = other.dp_links.inter_site_bytes, best.dp_links.inter_site_bytes
+    if haul > best_haul * 1.05:
+        parts.append(f"{haul / 1e9:.0f} GB a site over the long haul per step vs {best_haul / 1e9:.0f} GB "
+                     f"({other.dp_links.inter_site_s:.1f} vs {best.dp_links.inter_site_s:.1f} s on the link)")
     return "; ".join(parts)
 
 
 def _diverse(ranked: list[Estimate], best: Estimate, meshes: int = 4) -> list[Estimate]:
     """The best candidate of each other mesh shape, then the best variant of the winning mesh; where
-    the winner has cp > 1, the best plan without context parallelism among the meshes too."""
+    the winner has cp > 1, the best plan without context parallelism among the meshes too, and
+    where it runs DP hierarchically over sites, the best flat plan (sites=1)."""
     def mesh(e: Estimate) -> tuple[int, ...]:
-        return (e.config.dp, e.config.tp, e.config.pp, e.config.vpp, e.config.cp)
+        return (e.config.dp, e.config.tp, e.config.pp, e.config.vpp, e.config.cp, e.config.sites)
     seen, picked = {mesh(best)}, []
     without_cp = next((e for e in ranked if e.config.cp == 1), None) if best.config.cp > 1 else None
-    if without_cp is not None:
-        seen.add(mesh(without_cp))
-        picked.append(without_cp)
+    flat = next((e for e in ranked if e.config.sites == 1), None) if best.config.sites > 1 else None
+    for kept in (without_cp, flat):
+        if kept is not None and mesh(kept) not in seen:
+            seen.add(mesh(kept))
+            picked.append(kept)
     for e in ranked:
         if mesh(e) not in seen and len(picked) < meshes:
             seen.add(mesh(e))
@@ -167,9 +184,11 @@ def build_plan(result: SearchResult, graph: Graph, cluster: ClusterSpec, global_
                         # a slice graph (`api` under cp) holds S / cp tokens of each sequence
                         seq_len=(graph.seq_len or 1) * result.context_slice, graph_hash=graph_hash(graph)),
         cluster=ClusterInfo(name=cluster.name, nodes=cluster.num_nodes, gpus_per_node=cluster.gpus_per_node,
-                            world_size=cluster.world_size, device=cluster.device.name, figures=cluster.figures),
+                            world_size=cluster.world_size, device=cluster.device.name, figures=cluster.figures,
+                            sites=cluster.num_sites, inter_site_gbps=cluster.sites.inter_site_gbps,
+                            inter_site_latency_ms=cluster.sites.inter_site_latency_ms),
         mesh=Mesh(dp=config.dp, tp=config.tp, pp=config.pp, ep=config.ep, vpp=config.vpp, cp=config.cp,
-                  cp_method=config.cp_method),
+                  cp_method=config.cp_method, sites=config.sites),
         sequence_parallel=config.sp, zero=config.zero, micro_batch_size=config.mbs,
         num_micro_batches=config.num_micro_batches, global_batch=global_batch, schedule=config.schedule,
         recompute=config.recompute, stages=stages, sharding=_param_placements(graph, model, best, units), ops=ops,

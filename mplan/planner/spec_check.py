@@ -17,7 +17,8 @@ Invariant: it refuses only what `parallel_config.enumerate_configs` would admit 
 the heads and stays in a node (unless allowed), pp at most the layers, dp divides the global
 batch, ep needs experts and divides them and dp, mbs divides each replica's share, zero among the
 levels searched (at dp=1 only when the spec names it: the search itself tries zero > 0 only
-where dp > 1).
+where dp > 1), sites 1 or the cluster's and dividing dp, and a flat plan (sites=1) on a cluster of
+several sites without pipeline stages (its pipelines would cross sites, `MeshShape.check_sites`).
 """
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ from mplan.planner.parallel_config import ZERO_LEVELS, PlanSpec, PlanSpecError, 
 def spec_refusal(spec: PlanSpec, *, world_size: int, gpus_per_node: int, global_batch: int,
                  model: str = "the model", num_layers: int | None = None, num_heads: int | None = None,
                  num_experts: int | None = None, allow_cross_node_tp: bool = False,
-                 ranks: str = "GPUs", zero_levels: tuple[int, ...] = ZERO_LEVELS) -> str | None:
+                 ranks: str = "GPUs", zero_levels: tuple[int, ...] = ZERO_LEVELS, num_sites: int = 1) -> str | None:
     """Why `spec` admits no config (see the module docstring), or None; `ranks` names the devices,
-    `zero_levels` the ZeRO levels searched."""
+    `zero_levels` the ZeRO levels searched, `num_sites` the cluster's sites."""
     asked = f"plan spec {str(spec)!r}"
     if spec.zero is not None and spec.zero not in zero_levels:
         return (f"{asked}: zero={spec.zero} is not among the ZeRO levels searched here "
@@ -68,6 +69,9 @@ def spec_refusal(spec: PlanSpec, *, world_size: int, gpus_per_node: int, global_
                                               if spec.tp is not None and spec.pp is not None else None)
     if dp is not None and global_batch % dp:
         return f"{asked}: global batch {global_batch} is not divisible by dp={dp}"
+    sites = sites_refusal(spec, asked, dp, num_sites)
+    if sites:
+        return sites
     if dp is not None and spec.ep is not None and dp % spec.ep:
         return (f"{asked}: ep={spec.ep} does not divide the dp={dp} data-parallel ranks it is carved from "
                 f"({dp} % {spec.ep} = {dp % spec.ep})")
@@ -75,6 +79,21 @@ def spec_refusal(spec: PlanSpec, *, world_size: int, gpus_per_node: int, global_
         replica = global_batch // dp
         return (f"{asked}: each of dp={dp} replicas gets {replica} sequences, not a multiple of mbs={spec.mbs} "
                 f"({replica} % {spec.mbs} = {replica % spec.mbs})")
+    return None
+
+
+def sites_refusal(spec: PlanSpec, asked: str, dp: int | None, num_sites: int) -> str | None:
+    """A plan's sites are 1 (flat) or the cluster's, divide dp, and a flat plan on several sites
+    runs no pipeline (its stages, outermost, would cross sites)."""
+    if spec.sites is not None and spec.sites > 1 and spec.sites != num_sites:
+        return (f"{asked}: sites={spec.sites} but the cluster has {num_sites} site(s); a plan's sites must be 1 "
+                f"(flat) or the cluster's (--sites)")
+    if spec.sites is not None and dp is not None and dp % spec.sites:
+        return (f"{asked}: sites={spec.sites} does not divide dp={dp} (data parallelism is what spans sites; "
+                f"{dp} % {spec.sites} = {dp % spec.sites})")
+    if spec.sites == 1 and num_sites > 1 and spec.pp is not None and spec.pp > 1:
+        return (f"{asked}: pp={spec.pp} with sites=1 on a cluster of {num_sites} sites would run pipelines across "
+                f"sites (not planned yet): use sites={num_sites}")
     return None
 
 
@@ -132,10 +151,11 @@ def check_before_capture(spec: PlanSpec | str, *, cluster: ClusterSpec, global_b
     reason = spec_refusal(parsed, world_size=cluster.world_size, gpus_per_node=cluster.gpus_per_node,
                           global_batch=global_batch, model=shape.name, num_layers=shape.num_layers,
                           num_heads=shape.num_heads, num_experts=shape.num_experts,
-                          allow_cross_node_tp=allow_cross_node_tp, ranks=device_word(cluster.device.name) + "s")
+                          allow_cross_node_tp=allow_cross_node_tp, ranks=device_word(cluster.device.name) + "s",
+                          num_sites=cluster.num_sites)
     if reason:
         raise PlanSpecError(reason)
     return Checked(spec=parsed, seq_len_source=seq_len_source)
 
 
-__all__ = ["Checked", "check_before_capture", "experts_refusal", "heads_refusal", "spec_refusal"]
+__all__ = ["Checked", "check_before_capture", "experts_refusal", "heads_refusal", "sites_refusal", "spec_refusal"]

@@ -4,7 +4,7 @@ Role: the ZeRO half of `evaluate.py`'s model. Input: a `ParallelConfig` (its `ze
 `keep_weights`), the cluster, the bytes a parameter takes (`BytesPerParam`) and the units a rank runs.
 Output: zero 2/3's per-unit collectives (`zero_collectives`, `ZeroCollectives.unit_seconds`: what
 they add to each unit's forward and backward under the overlap a runtime achieves, `ZERO_OVERLAP`),
-zero 1's copies around its collectives (`zero1_copy_time`), the worst moment of the gradient
+zero 1's copies around its collectives (`zero1_copy_time`), their traffic per link (`zero_links`), the worst moment of the gradient
 reductions (`gradient_reductions`) and the weights zero=3 holds gathered at once (`gathered_window`).
 
 As mplan's runtime runs them (runtime/sharded_optimizer.py, fully_sharded.py): zero=1 reduce-scatters
@@ -26,6 +26,8 @@ from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES, collective_time
 from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.cost_models.memory_model import BytesPerParam, ReductionPeak, reduction_peak
+from mplan.ir.mesh import GroupShape
+from mplan.planner.dp_sync import LinkUse, link_use
 from mplan.planner.parallel_config import ParallelConfig
 from mplan.planner.unit_costs import UnitCost
 
@@ -126,7 +128,7 @@ def zero_collectives(config: ParallelConfig, cluster: ClusterSpec, per: BytesPer
     if config.zero < 2:
         return ZeroCollectives(gather_s=zeros, scatter_s=zeros, per_micro_batch=False, overlap=overlap)
     mesh, gpn = config.mesh, cluster.gpus_per_node
-    groups = (mesh.group_shape("dp", gpn), mesh.group_shape("expert_dp", gpn))
+    groups = _zero_groups(config, cluster)
     priced: dict[tuple[int, int], tuple[float, float]] = {}  # identical blocks priced once
     for held in params:
         if held not in priced:
@@ -135,6 +137,33 @@ def zero_collectives(config: ParallelConfig, cluster: ClusterSpec, per: BytesPer
             priced[held] = (gather if config.zero == 3 else 0.0, scatter)
     return ZeroCollectives(gather_s=tuple(priced[h][0] for h in params), scatter_s=tuple(priced[h][1] for h in params),
                            per_micro_batch=not config.keep_weights, overlap=overlap)
+
+
+def _zero_groups(config: ParallelConfig, cluster: ClusterSpec) -> tuple[GroupShape, GroupShape]:
+    """The dp and expert_dp groups zero 2/3's unit collectives run over: with sites, inside the site
+    (the shards cross once a step, `dp_sync.cross_site_all_reduce`); a flat plan's groups across
+    sites priced there."""
+    mesh, gpn = config.mesh, cluster.gpus_per_node
+    return tuple(mesh.site_group_shape(axis, gpn) if mesh.sites > 1 else mesh.group_shape(axis, gpn, cluster.num_sites)
+                 for axis in ("dp", "expert_dp"))  # type: ignore[return-value]
+
+
+def zero_links(config: ParallelConfig, cluster: ClusterSpec, per: BytesPerParam,
+               params: Sequence[tuple[int, int]]) -> LinkUse:
+    """The traffic of one step of zero 2/3's unit collectives on a rank holding units of `params`
+    (dense and expert elements): a reduce-scatter per unit and micro-batch, zero=3's gathers before
+    each forward and backward (once a step, keeping its weights)."""
+    if config.zero < 2:
+        return LinkUse()
+    groups, m = _zero_groups(config, cluster), config.num_micro_batches
+    gathers = 0 if config.zero == 2 else (1 if config.keep_weights else 2 * m)
+    total = LinkUse()
+    for held in params:
+        for n, group in zip(held, groups):
+            total = total + link_use(cluster, "reduce_scatter", n * per.grad, group).times(m)
+            if gathers:
+                total = total + link_use(cluster, "all_gather", n * per.param, group).times(gathers)
+    return total
 
 
 def gradient_reductions(config: ParallelConfig, per: BytesPerParam, units: Sequence[UnitCost],
@@ -160,7 +189,7 @@ def gradient_reductions(config: ParallelConfig, per: BytesPerParam, units: Seque
                              activations_bytes=None)
     one_stage = config.pp == 1
     return _walked_reductions(config.zero, per, tuple(sizes), tuple(u.largest_param for u in units),
-                              tuple(kept) if one_stage else None, config.dp,
+                              tuple(kept) if one_stage else None, config.mesh.dp_local,
                               min(config.num_micro_batches, 2) if one_stage else 1, copies_inputs)
 
 
