@@ -67,7 +67,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
                  device: torch.device | str | None = None, tp_layout: str = "megatron",
                  kernels: bool | None = None, fp8: bool = False,
                  progress: Progress | Callable[[str], None] | str | None = None,
-                 hang_timeout_s: float | None = None) -> ParallelModule:
+                 hang_timeout_s: float | None = None, document_mask: bool = False) -> ParallelModule:
     """Parallelize `model` under `plan` on this job's ranks (see the module docstring).
 
     `max_grad_norm` clips the global gradient norm (over every shard) before each step, as
@@ -87,8 +87,11 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     the MPLAN_PROGRESS variable sets it for a whole job). `hang_timeout_s` starts the hang
     watchdog (`runtime.watchdog`, `pm.watch_for_hangs`): a rank with no progress inside a step for
     that many seconds makes every rank report where it is and the job stop with `HangError`
-    naming the stuck ranks; None reads MPLAN_HANG_TIMEOUT_S (unset: off). Collective: every rank
-    of the job calls it with the same arguments.
+    naming the stuck ranks; None reads MPLAN_HANG_TIMEOUT_S (unset: off). `document_mask` lets
+    `pm.train_step(..., doc_ids=)` tell attention where packed documents start, so no token attends
+    across documents (`passes.split_context`; without pipeline stages; under cp > 1 attention
+    takes documents whether or not it is set). Collective: every
+    rank of the job calls it with the same arguments.
     """
     _check_numbers(global_batch=global_batch, micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm)
     hang_timeout(hang_timeout_s)  # a bad timeout (or MPLAN_HANG_TIMEOUT_S) refused before the capture
@@ -123,7 +126,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
         pm = parallelize(graph=graph, plan=resolved, source=state_dict if state_dict is not None else model,
                          model=model, optimizer=optimizer, device=run_on, dtype=dtype, seed=seed,
                          max_grad_norm=max_grad_norm, autocast=_autocast_dtype(autocast), kernels=use_kernels,
-                         fp8=resolved.fp8, inference=inference)
+                         fp8=resolved.fp8, inference=inference, documents=document_mask)
     pm.progress = progress
     _say_untrained(progress, model, pm.params)
     pm.hf_config = _hf_config(model)

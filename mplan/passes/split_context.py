@@ -35,11 +35,17 @@ What changes, and why it is exact (rules; anything else runs unchanged, per toke
 
 Positions are those of `layout.positions(rank)` (head-tail chunks for causal models, so each rank
 has the same attention work). The runtime feeds inputs and labels split by the same layout.
+
+Packed documents (`ContextBatch`): with document ids for a micro-batch, every attention also
+hides keys of other documents (`ir.attention_mask`'s document rule), and the micro-batch runs
+under a layout balanced for its documents' quadratic work (`context_layout.balance_attention`),
+which positions, attention and the label shift all read at run time. The same lowering runs at
+cp=1 when documents are asked for (one rank holds the whole sequence; no collective is issued).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,13 +66,33 @@ aten = torch.ops.aten
 _CASTS = (aten._to_copy.default, aten.to.dtype, aten.clone.default)
 
 
+@dataclass(kw_only=True, slots=True)
+class ContextBatch:
+    """What changes per micro-batch: its packed documents and the layout balanced for them. The
+    runtime sets it before each micro-batch (`ParallelModule.train_step(..., doc_ids=)`) and
+    clears it after the step; the program's context modules read it. Both None: the plan's layout,
+    one document per row."""
+
+    layout: ContextLayout | None = None
+    doc_ids: torch.Tensor | None = None  # [rows, S] of the whole sequence, never decreasing along a row
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ContextLowering:
     """The plan's context parallelism as the pass takes it."""
 
-    layout: ContextLayout
+    layout: ContextLayout  # the plan's (head-tail); a micro-batch's `batch.layout` replaces it
     axis: AxisGroup  # this rank's cp axis
     method: str = "all_gather"  # `context_attention.METHODS`
+    batch: ContextBatch = field(default_factory=ContextBatch, compare=False)
+
+    def current(self) -> ContextLayout:
+        """The layout of the micro-batch running now."""
+        return self.batch.layout or self.layout
+
+    def positions(self, device: torch.device | None = None) -> torch.Tensor:
+        """This rank's global positions in the micro-batch running now."""
+        return self.current().positions(self.axis.rank, device)
 
 
 class ContextAttention(nn.Module):
@@ -79,8 +105,9 @@ class ContextAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         c = self.lowering
-        return context_attention(q, k, v, layout=c.layout, group=c.axis.group, method=c.method,  # type: ignore[arg-type]
-                                 mask=self.mask, scale=self.scale, softcap=self.softcap)
+        return context_attention(q, k, v, layout=c.current(), group=c.axis.group if c.axis.size > 1 else None,
+                                 method=c.method, mask=self.mask, doc_ids=c.batch.doc_ids,  # type: ignore[arg-type]
+                                 scale=self.scale, softcap=self.softcap)
 
     def extra_repr(self) -> str:
         c = self.lowering
@@ -89,18 +116,18 @@ class ContextAttention(nn.Module):
 
 
 class ContextPositions(nn.Module):
-    """This rank's global token positions (`layout.positions(rank)`), as a dtype the graph wants,
-    or the rows of a table at them."""
+    """This rank's global token positions in the micro-batch running now (`lowering.positions`),
+    as a dtype the graph wants, or the rows of a table at them."""
 
-    def __init__(self, positions: torch.Tensor, *, dim: int | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, lowering: ContextLowering, *, device: torch.device | None = None, dim: int | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.register_buffer("positions", positions, persistent=False)
-        self.dim, self.dtype = dim, dtype
+        self.lowering, self.device, self.dim, self.dtype = lowering, device, dim, dtype
 
     def forward(self, table: torch.Tensor | None = None) -> torch.Tensor:
         if table is None:
-            return self.positions.to(self.dtype)
-        return table.index_select(self.dim, self.positions.to(table.device))
+            return self.lowering.positions(self.device).to(self.dtype)
+        return table.index_select(self.dim, self.lowering.positions(table.device))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}" if self.dim is not None else f"dtype={self.dtype}"
@@ -133,11 +160,13 @@ class ContextShiftedLabels(nn.Module):
 
     def forward(self, labels: torch.Tensor) -> torch.Tensor:
         c = self.lowering
-        pieces = [torch.empty_like(labels) for _ in range(c.axis.size)]
-        dist.all_gather(pieces, labels.contiguous(), group=c.axis.group)
-        whole = c.layout.unsplit(pieces, 1)
+        pieces = [labels]
+        if c.axis.size > 1:
+            pieces = [torch.empty_like(labels) for _ in range(c.axis.size)]
+            dist.all_gather(pieces, labels.contiguous(), group=c.axis.group)
+        whole = c.current().unsplit(pieces, 1)
         padded = torch.nn.functional.pad(whole, (0, 1), value=self.fill)
-        return padded.index_select(1, c.layout.positions(c.axis.rank, labels.device) + 1)
+        return padded.index_select(1, c.positions(labels.device) + 1)
 
     def extra_repr(self) -> str:
         return f"node={self.node}, fill={self.fill}, cp={self.lowering.axis.size}"
@@ -151,7 +180,6 @@ def split_context(program: fx.GraphModule, lowering: ContextLowering, *, labels:
     of the program's buffers and constants by placeholder (a mask may be built from them)."""
     layout = lowering.layout
     local, whole = layout.local_len, layout.seq_len
-    positions = layout.positions(lowering.axis.rank, device)
     graph = program.graph
     count = 0
 
@@ -182,12 +210,12 @@ def split_context(program: fx.GraphModule, lowering: ContextLowering, *, labels:
             continue
         if is_position_arange(node, local):
             dtype = node.kwargs.get("dtype") or (node.meta["val"].dtype if "val" in node.meta else torch.int64)
-            node.replace_all_uses_with(add(ContextPositions(positions, dtype=dtype), (), node))
+            node.replace_all_uses_with(add(ContextPositions(lowering, device=device, dtype=dtype), (), node))
             graph.erase_node(node)
         elif node.target is aten.slice.Tensor and _is_table(program, node.args[0]):
             dim = is_table_slice(node, rows_of, local, whole)
             if dim is not None:
-                node.replace_all_uses_with(add(ContextPositions(positions, dim=dim), (node.args[0],), node))
+                node.replace_all_uses_with(add(ContextPositions(lowering, dim=dim), (node.args[0],), node))
                 graph.erase_node(node)
     _refuse_sequence_softmax(program, local, layout.cp)
     shifted = _shift_labels(program, lowering, labels, add)
@@ -355,5 +383,5 @@ def _mean_cross_entropy(program: fx.GraphModule, node: Any) -> int | None:
     return None
 
 
-__all__ = ["METHODS", "ContextAttention", "ContextLoss", "ContextLowering", "ContextPositions", "ContextShiftedLabels",
+__all__ = ["METHODS", "ContextAttention", "ContextBatch", "ContextLoss", "ContextLowering", "ContextPositions", "ContextShiftedLabels",
            "split_context"]

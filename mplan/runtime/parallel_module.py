@@ -71,7 +71,8 @@ from torch import nn
 
 from mplan.collectives.flat import broadcast_tensor
 from mplan.collectives.redistribute import AxisGroup, apply_transition
-from mplan.ir.context_layout import ContextLayout, head_tail
+from mplan.ir.attention_mask import document_ids
+from mplan.ir.context_layout import ContextLayout, balance_attention, head_tail
 from mplan.ir.graph import Graph
 from mplan.ir.placement import R, Shard
 from mplan.ir.rebatch import rebatch
@@ -156,8 +157,9 @@ def at_batch(graph: Graph, rows: int) -> Graph:
 def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.Module, optimizer: OptimizerFactory,
                 device: torch.device, dtype: torch.dtype | None = None, seed: int = 0,
                 max_grad_norm: float | None = None, autocast: torch.dtype | None = None, kernels: bool = False,
-                fp8: bool = False, inference: Inference | None = None) -> ParallelModule:
-    """Build this rank's `ParallelModule` (collective: every rank of the job calls it)."""
+                fp8: bool = False, inference: Inference | None = None, documents: bool = False) -> ParallelModule:
+    """Build this rank's `ParallelModule` (collective: every rank of the job calls it).
+    `documents`: attention can be told packed documents' boundaries (`train_step(..., doc_ids=)`)."""
     check_executable(plan)
     if fp8 and plan.recompute != "none":
         # raised alike on every rank, before the first collective
@@ -178,9 +180,10 @@ def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.
     groups = init_process_groups(plan.mesh_shape())
     axis = groups.axis("tp")
     experts = experts_lowering(plan, groups)
+    context = context_lowering(plan, groups, documents=documents)
     program = local_program(program_graph, choice, axis, device=device, kernels=kernels, fp8=fp8, experts=experts,
                             split_backward=len(plan.stages) > 1 and plan.schedule == "zb-h1",
-                            head_chunk_rows=plan.head_loss_chunk_rows, context=context_lowering(plan, groups))
+                            head_chunk_rows=plan.head_loss_chunk_rows, context=context)
     pipeline = rank_stages(program, program_graph, plan, groups) if len(plan.stages) > 1 else None
     inputs = pipeline.inputs if pipeline is not None else program.meta[INPUTS]
     shards = shard_parameters(graph, choice, axis.rank, axis.size, source, seed=seed, device=device, dtype=dtype,
@@ -206,7 +209,7 @@ def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.
                           params={k: nn.Parameter(v) for k, v in shards.items()}, statics=statics,
                           layouts=parameter_layouts(graph, choice), optimizer=optimizer, device=device,
                           max_grad_norm=max_grad_norm, autocast=autocast, kernels=kernels, fp8=fp8,
-                          inference=inference, pipeline=pipeline, experts=experts)
+                          inference=inference, pipeline=pipeline, experts=experts, context=context)
 
 
 def context_layout(plan: Plan) -> ContextLayout:
@@ -216,10 +219,19 @@ def context_layout(plan: Plan) -> ContextLayout:
     return head_tail(plan.model.seq_len, plan.mesh.cp)
 
 
-def context_lowering(plan: Plan, groups: ProcessGroups) -> ContextLowering | None:
-    """The plan's context parallelism as the passes take it: `context_layout` and the plan's
-    method; None at cp=1."""
+def document_layout(plan: Plan, doc_ids: torch.Tensor) -> ContextLayout:
+    """The layout of a micro-batch of packed documents (`doc_ids` [rows, S]): chunks dealt so
+    every cp rank has near-equal causal attention work within documents (quadratic in each
+    document's length), equal token counts (`context_layout.balance_attention`)."""
     if plan.mesh.cp == 1:
+        return context_layout(plan)
+    return balance_attention(plan.model.seq_len, plan.mesh.cp, doc_ids=doc_ids)
+
+
+def context_lowering(plan: Plan, groups: ProcessGroups, *, documents: bool = False) -> ContextLowering | None:
+    """The plan's context parallelism as the passes take it: `context_layout` and the plan's
+    method; None at cp=1 unless attention must be told `documents`."""
+    if plan.mesh.cp == 1 and not documents:
         return None
     return ContextLowering(layout=context_layout(plan), axis=groups.axis("cp"), method=plan.mesh.cp_method)
 
@@ -301,12 +313,13 @@ class ParallelModule:
                  optimizer: OptimizerFactory, device: torch.device, max_grad_norm: float | None,
                  autocast: torch.dtype | None, kernels: bool, inference: Inference | None,
                  fp8: bool = False, pipeline: RankStages | None = None,
-                 experts: ExpertsLowering = NO_EXPERT_PARALLELISM) -> None:
+                 experts: ExpertsLowering = NO_EXPERT_PARALLELISM, context: ContextLowering | None = None) -> None:
         self.graph, self.plan, self.digest, self.groups, self.axis = graph, plan, digest, groups, axis
         self.choice = choice  # the TP strategy of every node of the training graph
         self.program, self.params, self.statics, self.layouts = program, params, statics, layouts
         self.device, self.max_grad_norm, self.autocast, self.kernels = device, max_grad_norm, autocast, kernels
         self.fp8, self.experts = fp8, experts
+        self.context = context  # its `batch` is set per micro-batch of packed documents
         self.pipeline = pipeline  # None: one stage, the flat program runs each micro-batch
         self._forward = inference
         # by rows: the local program, or under a pipeline plan the stages of it
@@ -414,19 +427,24 @@ class ParallelModule:
         return self.plan.global_batch // self.plan.mesh.dp
 
     # -- training -----------------------------------------------------------------------------
-    def train_step(self, inputs: Batch, labels: torch.Tensor, *, local: bool = False) -> float:
+    def train_step(self, inputs: Batch, labels: torch.Tensor, *, local: bool = False,
+                   doc_ids: torch.Tensor | None = None) -> float:
         """One optimizer step over the global batch; the loss, equal on every rank. Timed for
-        `last_metrics` (the loss's read-back already waits for the device)."""
+        `last_metrics` (the loss's read-back already waits for the device). `doc_ids` [rows, S]
+        (the rows `inputs` has): packed documents, numbered in order along each row; no token
+        attends to another document's (a module built with `documents=True`)."""
         first, self.progress = self.progress, None
         with first.phase("first step", "later steps: pm.last_metrics") if first else contextlib.nullcontext():
             self._meter.start()
             with self.position.stepping(self.step), self._unguarded():
-                loss = self._step(inputs, labels, local=local)
+                loss = self._step(inputs, labels, local=local, doc_ids=doc_ids)
             self._meter.stop(loss)
         self.step += 1
         return loss
 
-    def _step(self, inputs: Batch, labels: torch.Tensor, *, local: bool) -> float:
+    def _step(self, inputs: Batch, labels: torch.Tensor, *, local: bool, doc_ids: torch.Tensor | None = None) -> float:
+        if doc_ids is not None:
+            return self._document_step(inputs, labels, local=local, doc_ids=doc_ids)
         tensors = (*_as_tuple(inputs), labels)
         replica = self.plan.global_batch // self.plan.mesh.dp
         rows = replica if local else self.plan.global_batch
@@ -447,15 +465,54 @@ class ParallelModule:
             tensors = tuple(layout.split(t, 1, self.groups.cp_rank) for t in tensors)
         tensors = tuple(t.to(self.device) for t in tensors)
         mbs, count = self.plan.micro_batch_size, self.plan.num_micro_batches
+        micro = [tuple(t[i * mbs:(i + 1) * mbs] for t in tensors) for i in range(count)]
         if self.executor is not None:
-            return self._pipeline_step([tuple(t[i * mbs:(i + 1) * mbs] for t in tensors) for i in range(count)])
+            return self._pipeline_step(micro)
+        return self._flat_step(micro)
+
+    def _document_step(self, inputs: Batch, labels: torch.Tensor, *, local: bool, doc_ids: torch.Tensor) -> float:
+        """`_step` for packed documents: each micro-batch runs under its own layout, balanced for
+        its documents, with its document ids set on the program's context modules."""
+        if self.context is None or self.executor is not None:
+            raise ValueError("train_step(doc_ids=...) needs a module whose attention takes documents "
+                             "(autoparallel(..., document_mask=True), or any cp > 1) and no pipeline stages")
+        tensors = (*_as_tuple(inputs), labels, doc_ids)
+        replica = self.plan.global_batch // self.plan.mesh.dp
+        rows, seq_len = (replica if local else self.plan.global_batch), self.plan.model.seq_len
+        for t in tensors:
+            if t.dim() < 2 or tuple(t.shape[:2]) != (rows, seq_len):
+                raise ValueError(f"train_step takes [{rows}, {seq_len}, ...] tensors with doc_ids (the "
+                                 f"{'replica' if local else 'global'} batch at the plan's sequence length), got "
+                                 f"{list(t.shape)}")
+        document_ids(doc_ids, seq_len)  # integers, numbered in order: one line if not
+        if not local:
+            start = self.groups.data_rank * replica
+            tensors = tuple(t[start:start + replica] for t in tensors)
+        mbs, count = self.plan.micro_batch_size, self.plan.num_micro_batches
+        micro, batches = [], []
+        for i in range(count):
+            *own, docs = (t[i * mbs:(i + 1) * mbs] for t in tensors)
+            layout = document_layout(self.plan, docs)
+            micro.append(tuple(layout.split(t, 1, self.groups.cp_rank).to(self.device) for t in own))
+            batches.append((layout, docs.to(self.device)))
+        try:
+            return self._flat_step(micro, batches)
+        finally:
+            self.context.batch.layout = self.context.batch.doc_ids = None
+
+    def _flat_step(self, micro: list[tuple[torch.Tensor, ...]],
+                   batches: list[tuple[ContextLayout, torch.Tensor]] | None = None) -> float:
+        """The step of a plan without pipeline stages over its micro-batches (`batches`: each
+        one's layout and documents)."""
+        count = len(micro)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         try:
-            for i in range(count):
+            for i, one in enumerate(micro):
                 self.position.micro_batch(i)
-                micro = tuple(t[i * mbs:(i + 1) * mbs] for t in tensors)
+                if batches is not None and self.context is not None:
+                    self.context.batch.layout, self.context.batch.doc_ids = batches[i]
                 with self._autocast():
-                    loss = self.program(*self._feed(self.program, micro))
+                    loss = self.program(*self._feed(self.program, one))
                 if i == count - 1:
                     self.optimizer.before_last_backward()
                 (loss if count == 1 else loss / count).backward()
