@@ -469,7 +469,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         if step >= args.warmup:
             steps.append(time.perf_counter() - start)
             injected.append(link.injected_s)
-    return {"plan": pm.plan.spec(), "step_s": steps, "injected_s": injected,
+    return {"plan": pm.plan.spec(), "sites": pm.groups.sites, "step_s": steps, "injected_s": injected,
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
@@ -540,17 +540,15 @@ def two_site_cluster(setting: LinkSetting) -> Any:
 def _predict(cluster: Any, args: argparse.Namespace, specs: dict[str, str]) -> dict[str, Any]:
     """The planner's prices for each layout's spec, and its own choice, on `cluster` (predictions);
     what the planner refuses is recorded as `error` (the measurements still run)."""
-    import mplan
     from mplan.bench import bench_plans
 
-    try:
-        rows = bench_plans(args.model, cluster, args.batch, list(specs.values()))
-        chosen = mplan.plan(args.model, cluster=cluster, global_batch=args.batch, progress="quiet")
+    try:  # one capture prices every layout and searches ("auto": the planner's choice)
+        rows = bench_plans(args.model, cluster, args.batch, [*specs.values(), "auto"])
     except Exception as exc:  # noqa: BLE001  (a refusal or a bug alike: say which, measure anyway)
         return {"error": f"{type(exc).__name__}: {exc}"}
-    out: dict[str, Any] = {name: {key: row.get(key) for key in ("spec", "resolved_spec", "predicted", "error")}
-                           for name, row in zip(specs, rows)}
-    out["chosen"] = {"spec": chosen.spec(), "predicted": dataclasses.asdict(chosen.predicted)}
+    out = {name: {key: row.get(key) for key in ("spec", "resolved_spec", "predicted", "error")}
+           for name, row in zip([*specs, "chosen"], rows)}
+    out["chosen"]["spec"] = out["chosen"].pop("resolved_spec")
     return out
 
 
@@ -584,6 +582,10 @@ def _measure_setting(setting: LinkSetting, args: argparse.Namespace, scratch: Pa
                                            "--mbs", str(args.mbs), "--warmup", str(args.warmup),
                                            "--steps", str(args.steps)],
                                    timeout_s=args.rank_timeout, logs=scratch, tree=tree)
+                wanted = {"flat": 1, "hierarchical": 2}.get(layout, result["sites"])
+                if result["sites"] != wanted:
+                    raise RanksFailed(f"{layout} ({spec}) ran over {result['sites']} site(s), not {wanted}: "
+                                      f"this commit's runtime does not take the plan's sites")
                 result["step_s_median"] = statistics.median(result["step_s"])
                 result["injected_s_median"] = statistics.median(result["injected_s"])
                 row["measured"][layout] = result
@@ -599,7 +601,7 @@ def _compare(row: dict[str, Any]) -> dict[str, Any]:
     measured, predicted = row["measured"], row["predicted"]
     by_layout = {}
     for layout, result in measured.items():
-        price = (predicted[layout]["predicted"] or {}) if layout != "chosen" else predicted["chosen"]["predicted"]
+        price = predicted[layout]["predicted"] or {}
         step = price.get("step_time_s")
         by_layout[layout] = {"plan": result["plan"], "measured_step_s": result["step_s_median"],
                              "predicted_step_s": step,
