@@ -17,6 +17,12 @@ since other processes on a shared machine stretch wall time.
     python benchmarks/planning_time.py -o benchmarks/results/planning_time-cpu-2026-12-05-after.json
     python benchmarks/planning_time.py --only qwen3-8b --repeats 1     # one config, both lengths
     python benchmarks/planning_time.py --only qwen3-8b --seq-lens 131072 --nodes 32   # the longest the issue asks
+
+With --capture, the capture alone instead: time and peak memory of capturing the largest presets
+on the meta device, each in a fresh process (so peak RSS is that capture's own), full depth and
+shallow (what the README's capture row quotes):
+
+    python benchmarks/planning_time.py --capture -o benchmarks/results/capture-cpu-2026-11-29.json
 """
 from __future__ import annotations
 
@@ -54,6 +60,40 @@ def family_twin(config: dict, seq_len: int) -> str:
               "seq": seq_len, "vocab": config["vocab_size"],
               "tie": int(bool(config.get("tie_word_embeddings", False)))}
     return "llama:" + ",".join(f"{k}={v}" for k, v in fields.items())
+
+
+CAPTURE_PRESETS = ["gpt3-175b", "llama3-405b", "mixtral-8x7b"]
+
+_CAPTURE_CHILD = """
+import json, resource, sys, time
+t0 = time.perf_counter()
+from mplan.planner.planning import capture_spec
+t1 = time.perf_counter()
+g = capture_spec(sys.argv[1], shallow=sys.argv[2] == "shallow")
+t2 = time.perf_counter()
+print(json.dumps({"import_s": t1 - t0, "capture_call_s": t2 - t1, "export_s": g.capture_seconds,
+                  "num_parameters": g.num_parameters, "num_layers": g.num_layers,
+                  "num_ops": len(g.nodes), "training_flops_per_token": g.training_flops / g.tokens(),
+                  "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+"""
+
+
+def measure_capture(preset: str, mode: str) -> dict:
+    """One capture of `preset` (mode "full" or "shallow") in a fresh process: its figures."""
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", _CAPTURE_CHILD, preset, mode], check=True,
+                         capture_output=True, text=True).stdout
+    row = json.loads(out.strip().splitlines()[-1])
+    row["process_wall_s"] = time.perf_counter() - start
+    return {"preset": preset, "mode": mode, **{k: round(v, 3) if isinstance(v, float) else v
+                                               for k, v in row.items()}}
+
+
+def capture_doc() -> dict:
+    rows = [measure_capture(p, m) for p in CAPTURE_PRESETS for m in ("full", "shallow")]
+    return {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.processor() or platform.machine()}, "
+            f"{os.cpu_count()} cores", "torch": torch.__version__, "python": platform.python_version(),
+            "note": "meta device; peak_rss_gib is the capturing process's max RSS (ru_maxrss)", "rows": rows}
 
 
 def jobs(only: list[str] | None, seq_lens: tuple[int, ...] = SEQ_LENS, nodes: int = 8) -> dict[str, dict]:
@@ -100,7 +140,16 @@ def main() -> None:
                         help="the configs' sequence lengths (the issue asks up to 131072)")
     parser.add_argument("--nodes", type=int, default=8,
                         help="DGX H100 nodes of the config jobs (131072 tokens of the Qwen3-8B config need 32)")
+    parser.add_argument("--capture", action="store_true",
+                        help="time the capture of the largest presets alone (full depth and shallow)")
     args = parser.parse_args()
+    if args.capture:
+        text = json.dumps(capture_doc(), indent=1)
+        print(text)
+        if args.output:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+        return
     doc = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
            "torch": torch.__version__, "python": platform.python_version(),
            "load_average_before": os.getloadavg(), "jobs": {}}
