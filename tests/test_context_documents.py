@@ -109,7 +109,61 @@ def refuses_doc_ids_without_document_mask() -> str:
     return "not refused"
 
 
-CHECKS = [documents_cp1, documents_cp2, documents_cp2_ring, refuses_doc_ids_without_document_mask]
+def _short_documents(directory: str) -> str:
+    """Token shards of 60 short text documents (8-60 words), so windows of 32 tokens hold several."""
+    import os
+    import random
+
+    from mplan.data.shards import prepare
+
+    words = "the of and to in is was for on that with as by at from his her an be are this had not".split()
+    chooser = random.Random(0)
+    os.makedirs(os.path.join(directory, "text"), exist_ok=True)
+    for i in range(60):
+        with open(os.path.join(directory, "text", f"doc{i:02d}.txt"), "w", encoding="utf-8") as handle:
+            handle.write(" ".join(chooser.choice(words) for _ in range(chooser.randint(8, 60))))
+    out = os.path.join(directory, "tokens")
+    prepare(os.path.join(directory, "text", "*.txt"), out, vocab_size=300)
+    return out
+
+
+def train_with_documents() -> dict[str, Any]:
+    """`mplan train` with data.document_mask: cp=2 against dp=2 (both masked: the same losses) and
+    dp=2 unmasked (other losses: the windows do hold several documents)."""
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    from mplan.data import TokenShards
+    from mplan.data.loader import PackedLoader, packed_document_ids
+    from test_train import _config, run
+
+    directory = os.path.join(tempfile.gettempdir(), f"mplan-cp-documents-{os.getppid()}")  # the ranks' parent
+    if dist.get_rank() == 0:
+        tokens = _short_documents(directory)
+    dist.barrier()
+    tokens = os.path.join(directory, "tokens")
+    common = ["train.seq_len=32", "train.steps=3", "schedule.warmup_steps=0", "checkpoint.dir="]
+    losses = {}
+    for name, overrides in (("cp2", ["plan.spec=cp=2", "data.document_mask=true"]),
+                            ("dp2", ["plan.spec=dp=2", "data.document_mask=true"]),
+                            ("unmasked", ["plan.spec=dp=2"])):
+        run(_config(directory, tokens, name), common + overrides)
+        with open(os.path.join(directory, f"{name}.jsonl"), encoding="utf-8") as handle:
+            losses[name] = [row["loss"] for row in map(json.loads, handle) if "loss" in row]
+    loader = PackedLoader(TokenShards.open(tokens), seq_len=32, global_batch=4, seed=3)
+    docs = packed_document_ids(loader.global_batch(0)[0], TokenShards.open(tokens).eos_id)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory)
+    return {**losses, "documents_per_row": [int(d[-1]) + 1 for d in docs]}
+
+
+CHECKS = [documents_cp1, documents_cp2, documents_cp2_ring, refuses_doc_ids_without_document_mask,
+          train_with_documents]
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +176,15 @@ def test_packed_documents_train_as_separate_documents(world2: Any, check: Any, c
     for rank, result in enumerate(world2.assert_passed(check)):
         assert result["cp"] == cp and result["loss"] < TOL and result["param"] < TOL, f"rank {rank}: {result}"
         assert result["clipped"], result
+
+
+def test_mplan_train_masks_documents_under_cp2(world2: Any) -> None:
+    result = world2.assert_passed(train_with_documents)[0]
+    assert max(result["documents_per_row"]) >= 2, result
+    assert len(result["cp2"]) == 3 and len(result["dp2"]) == 3, result
+    for cp2, dp2, unmasked in zip(result["cp2"], result["dp2"], result["unmasked"]):
+        assert abs(cp2 - dp2) <= TOL * abs(dp2), result
+    assert max(abs(a - b) for a, b in zip(result["dp2"], result["unmasked"])) > 1e-6, result
 
 
 def test_doc_ids_need_a_document_module(world2: Any) -> None:

@@ -151,6 +151,14 @@ class PackedLoader:
         self.consumed_samples = consumed
 
 
+def packed_document_ids(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Int64 [rows, S]: each token's document within its window, numbered from 0 along the row.
+    The stream joins documents by their EOS (`mplan.data.shards`), so a document ends at its EOS
+    and the next starts after it: a token's id is the number of EOS tokens before it in the row."""
+    ends = (inputs == eos_id).to(torch.int64)
+    return ends.cumsum(dim=1) - ends
+
+
 def _whole(value: Any, name: str, minimum: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise DataError(f"{name} must be an integer >= {minimum}, got {value!r}")

@@ -106,6 +106,8 @@ class TrainSection:
 class DataSection:
     path: str = ""
     """Token shards written by `mplan data prepare` (required)."""
+    document_mask: bool = False
+    """No token attends across packed documents (each ends at its EOS); under cp each micro-batch is split so ranks get equal attention work."""
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ def train(config: TrainConfig, *, progress: Any = None) -> RunSummary:
     """Run `config` (collective: every rank calls it alike)."""
     import mplan
     from mplan.data import PackedLoader, TokenShards
+    from mplan.data.loader import packed_document_ids
     from mplan.runtime.checkpoint import committed_steps
     from mplan.runtime.launch import init_distributed_from_env
 
@@ -72,7 +73,8 @@ def train(config: TrainConfig, *, progress: Any = None) -> RunSummary:
     pm = mplan.autoparallel(model, cluster=_cluster(config), example_inputs=(ids,), optimizer=_optimizer(config),
                             global_batch=t.global_batch, plan=None if config.plan.spec == "auto" else config.plan.spec,
                             max_grad_norm=config.optimizer.max_grad_norm or None, seed=t.seed, progress=progress,
-                            hang_timeout_s=config.plan.hang_timeout_s or None)
+                            hang_timeout_s=config.plan.hang_timeout_s or None,
+                            document_mask=config.data.document_mask)
     del model
     s = config.schedule
     schedule = make_schedule(pm.optimizer.optimizer, warmup=s.warmup_steps, total=t.steps, decay=s.decay,
@@ -89,8 +91,9 @@ def train(config: TrainConfig, *, progress: Any = None) -> RunSummary:
     loss = None
     for _ in range(first, last):
         ids, labels = loader.next_batch(pm.dp_rank, pm.dp_size)
+        doc_ids = packed_document_ids(ids, shards.eos_id) if config.data.document_mask else None
         with observer.step(pm.step):
-            loss = pm.train_step(ids, labels, local=True)
+            loss = pm.train_step(ids, labels, local=True, doc_ids=doc_ids)
         lr = schedule.get_last_lr()[0]
         schedule.step()
         observer.record(pm, loss, lr)
