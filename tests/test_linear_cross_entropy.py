@@ -29,7 +29,7 @@ from mplan.kernels import (
     vocab_parallel_linear_cross_entropy,
 )
 from mplan.kernels.dispatch import INTERPRET
-from mplan.kernels.head_loss import LinearCrossEntropyBytes, default_chunk_rows
+from mplan.kernels.head_loss import LinearCrossEntropyBytes, _logits_buffer, default_chunk_rows, logits_row_bytes
 
 needs_reference_dispatch = pytest.mark.skipif(INTERPRET, reason="this process runs Triton's interpreter")
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 from process start; run by "
@@ -72,6 +72,23 @@ def test_float64_loss_and_gradients_equal_the_unfused_ops(with_bias: bool) -> No
     got = _loss_and_grads(linear_cross_entropy, x, weight, bias, labels, chunk_rows=4)
     want = _loss_and_grads(linear_cross_entropy_reference, x, weight, bias, labels)
     assert got[0].dtype == torch.float64 and got[1].shape == x.shape
+    for name, g, w in zip(["loss", "d_x", "d_W", "d_b"], got, want):
+        assert rel_err(g, w) < 1e-12, name
+
+
+@needs_reference_dispatch
+def test_an_odd_vocabulary_computes_on_row_aligned_logits_and_equals_the_unfused_ops() -> None:
+    """A 51-token vocabulary (408 bytes a float64 row, Granite's 49155 tokens are the real case):
+    each chunk's logits are a view whose rows start every 128 bytes, so cuBLAS can align its GEMMs,
+    and the loss and every gradient are still F.linear + F.cross_entropy's to 1e-12; an aligned
+    vocabulary gets a plain contiguous buffer."""
+    odd = _logits_buffer(4, 51, torch.empty(0, dtype=torch.float64))
+    assert odd.shape == (4, 51) and odd.stride() == (64, 1) and logits_row_bytes(51, 8) == 512
+    assert _logits_buffer(4, 50, torch.empty(0, dtype=torch.float64)).is_contiguous()
+    assert logits_row_bytes(49155, 2) == 98432 and logits_row_bytes(32000, 2) == 64000
+    x, weight, bias, labels = _leaves(*_problem((3, 7), 16, 51, torch.float64))
+    got = _loss_and_grads(linear_cross_entropy, x, weight, bias, labels, chunk_rows=4)
+    want = _loss_and_grads(linear_cross_entropy_reference, x, weight, bias, labels)
     for name, g, w in zip(["loss", "d_x", "d_W", "d_b"], got, want):
         assert rel_err(g, w) < 1e-12, name
 
@@ -244,11 +261,12 @@ def test_default_chunks_and_the_memory_formula_at_llama_shapes() -> None:
     got = linear_cross_entropy_bytes(tokens, hidden, vocab, bf16)
     assert got.saved == saved
     assert 2048 * vocab * bf16 < got.peak - saved < 1.01 * 2048 * vocab * bf16
-    # the block-stats partials (8 bytes a row at this vocabulary) fit in the chunk's rows of d_x
+    # the block-stats partials (8 bytes a row at this vocabulary) fit in the chunk's rows of d_x;
+    # a 200-byte row of logits (not a multiple of 16) takes 256, aligned for cuBLAS
     assert linear_cross_entropy_bytes(100, 8, 50, 4, chunk_rows=16, bias=True) == LinearCrossEntropyBytes(
-        saved=(100 * 8 + 50 * 8 + 50) * 4, peak=(100 * 8 + 50 * 8 + 50) * 4 + 16 * (50 * 4 + 64 + 4))
-    # one byte wide rows of d_x hold none of them: they take memory of their own
-    assert linear_cross_entropy_bytes(100, 1, 50, 1, chunk_rows=16).peak == (100 + 50) + 16 * (50 + 8 + 64)
+        saved=(100 * 8 + 50 * 8 + 50) * 4, peak=(100 * 8 + 50 * 8 + 50) * 4 + 16 * (256 + 64 + 4))
+    # one byte wide rows of d_x hold none of them: they take memory of their own (50-byte rows take 128)
+    assert linear_cross_entropy_bytes(100, 1, 50, 1, chunk_rows=16).peak == (100 + 50) + 16 * (128 + 8 + 64)
 
 
 # -- vocabulary-parallel on two gloo ranks (float64) ------------------------------------------------

@@ -110,6 +110,15 @@ partial gradient (`op_registry._linear`'s column split, input_grads P), and
 the all-reduce (Megatron's copy_to_tensor_model_parallel_region). The loss is the same on
 every rank.
 
+Alignment: a vocabulary whose row of logits is not a multiple of 16 bytes (Granite's 49155
+tokens, any odd size) gives every GEMM touching the logits a misaligned leading dimension, and
+cuBLAS falls back to its slowest kernels (cutlass sm75 "align1" tiles: the three head GEMMs of a
+12-layer Granite took 86 ms of a 218 ms step on the H200, benchmarks/results/peers_profile-2026-12-06.json).
+Each chunk's logits are therefore a view of a buffer whose rows are padded to ROW_ALIGN_BYTES;
+the padding is never read (every kernel here takes the row stride), and it costs at most 127
+bytes a row of the chunk. Megatron pads the vocabulary itself (make_vocab_size_divisible_by),
+which changes the model; this keeps the model's vocabulary and only aligns the scratch.
+
 Invariants: x, weight (and bias) share a dtype outside autocast (as F.linear demands); x may
 have any leading dims (they are flattened to rows; a non-contiguous x is copied once);
 `reductions` must return group-wide max/sum of a per-rank tensor; every rank of a sharded
@@ -251,7 +260,7 @@ def chunk_bytes(rows: int, vocab: int, itemsize: int, chunk_rows: int | None = N
     chunk = min(rows, chunk_rows or default_chunk_rows(vocab, itemsize))
     partials = 8 * -(-vocab // _MIN_PART_V)
     stats_per_row = 64 + (0 if hidden is not None and partials <= hidden * itemsize else partials)
-    return chunk * (vocab * itemsize + stats_per_row + (itemsize if bias else 0))
+    return chunk * (logits_row_bytes(vocab, itemsize) + stats_per_row + (itemsize if bias else 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,6 +329,25 @@ def _logits_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, 
     return probs.to(logits.dtype)
 
 
+ROW_ALIGN_BYTES = 128
+"""Row stride of a chunk's logits, in bytes: a multiple of this (module docstring, Alignment)."""
+
+
+def logits_row_bytes(vocab: int, itemsize: int) -> int:
+    """Bytes a row of a chunk's logits takes: vocab * itemsize, rounded up to ROW_ALIGN_BYTES
+    where that is not a multiple of 16 (the leading dimension cuBLAS aligns its kernels on)."""
+    row = vocab * itemsize
+    return row if row % 16 == 0 else -(-row // ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES
+
+
+def _logits_buffer(rows: int, vocab: int, like: torch.Tensor) -> torch.Tensor:
+    """Uninitialized [rows, vocab] logits (the GEMM then writes every element) on rows of
+    `logits_row_bytes`: the view's row stride is the leading dimension of the logits GEMM and of
+    both backward GEMMs, which read d_logits written over the logits."""
+    stride = logits_row_bytes(vocab, like.element_size()) // like.element_size()
+    return torch.empty(rows, stride, dtype=like.dtype, device=like.device)[:, :vocab]
+
+
 def _fused_chunk(x_c: torch.Tensor, labels_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  vocab_start: int, ignore_index: int, reductions: VocabReductions, scale: torch.Tensor,
                  grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None,
@@ -330,7 +358,11 @@ def _fused_chunk(x_c: torch.Tensor, labels_c: torch.Tensor, weight: torch.Tensor
     chunk) or accumulated there (`ones`: a chunk of ones in the bias dtype, for d_b). The chunk's
     logits die on return, before the next chunk's exist. `upcast` with float64 logits: the loss of
     their fp32 copy, as `logits.float()` gives (16- and 32-bit logits are computed in fp32 anyway)."""
-    logits = torch.mm(x_c, weight.t()) if bias is None else torch.addmm(bias, x_c, weight.t())
+    logits = _logits_buffer(x_c.shape[0], weight.shape[0], x_c)
+    if bias is None:
+        torch.mm(x_c, weight.t(), out=logits)
+    else:
+        torch.addmm(bias, x_c, weight.t(), out=logits)
     transform.apply_(logits)  # in the model's dtype, before any upcast, as the model's ops run
     if upcast and logits.dtype == torch.float64:
         logits = logits.float()
