@@ -119,10 +119,13 @@ class SiteReductions:
 
     def add(self, local: dist.Work | None, shard: torch.Tensor,
             then: Callable[[], dist.Work | None] | None = None) -> None:
-        """A reduction whose phase 1 (`local`, writing `shard`) was just issued; `then`, its phase 3.
-        The earlier reductions' cross-site sums are posted now."""
+        """A reduction whose phase 1 (`local`, writing `shard`) was just issued (None: `shard` is
+        ready); `then`, its phase 3. The earlier reductions' cross-site sums are posted now, and
+        this one's too when it has no phase 1 to wait for."""
         self._post_cross()
         self._queue.append(_Reduction(local=local, shard=shard, then=then))
+        if local is None:  # nothing to wait for: it crosses at once
+            self._post_cross()
 
     def _post_cross(self) -> None:
         for reduction in self._queue:

@@ -53,10 +53,12 @@ of float additions.
 Across sites (`groups.sites > 1`, hierarchical_reduce.py): dense partitions shard over the
 replicas inside this rank's site (`param_placement.shard_group`) and are replicated across
 sites, as Megatron Core's partial distributed optimizer does. The bucket's reduce-scatter
-inside the site is then followed by an all-reduce of its shard over the sites: zero=1 posts it
-one bucket after the reduce-scatter (under the rest of the last backward), zero>=2 once per
-step at `step()`, one per bucket, after the micro-batches' reduce-scatters have summed each
-site's gradients into the shard (so the slow link carries each shard once a step). The
+inside the site is then followed by an all-reduce of its shard over the sites, once a step:
+zero=1 posts it one bucket after the reduce-scatter (under the rest of the last backward);
+zero>=2 once the micro-batches' reduce-scatters have summed the site's gradients into the
+shard, i.e. when a reduce-scatter of the last backward (`before_last_backward()`) that read
+every one of the bucket's gradients of that backward has been added in (the oldest in flight
+is, when a third starts), else at `step()`, in slot order, after the others. The
 all-gather of the updated parameters stays inside the site. Expert partitions keep their flat
 expert_dp group.
 
@@ -218,10 +220,14 @@ class _Accumulation:
     work: dist.Work
     result: torch.Tensor
     into: torch.Tensor
+    then: Callable[[], None] | None = None
+    """Run once `into` holds the sum (across sites: its all-reduce over them posted)."""
 
     def wait(self) -> None:
         self.work.wait()
         self.into.add_(self.result)
+        if self.then is not None:
+            self.then()
 
 
 def _gradient_landed(owner: weakref.ref[ShardedOptimizer], param: torch.Tensor) -> None:
@@ -291,6 +297,12 @@ class ShardedOptimizer:
         self._pending: list[_Accumulation] = []
         self._reduced_in_backward = 0
         self._last_reduced_in_backward = 0
+        # across sites, during the last backward: each slot's gradients landed in it so far, and
+        # the slots whose cross-site sum is posted (complete: no gradient of theirs comes later)
+        self._landed_last: list[int] | None = None
+        self._crossed: set[int] = set()
+        self.crossed_in_backward = 0
+        """zero>=2 across sites: buckets of the last step whose cross-site sum the backward posted."""
         hook = functools.partial(_gradient_landed, weakref.ref(self))
         for param in self.params:
             param.register_post_accumulate_grad_hook(hook)
@@ -306,11 +318,15 @@ class ShardedOptimizer:
         complete (zero>=2's do so in every backward)."""
         if not self.shard_gradients:
             self._starts.arm()
+        elif self._sites is not None:
+            self._landed_last = [0] * len(self._slots)
 
     # -- zero>=2: a reduce-scatter per bucket and backward -----------------------------------------
     def _gradient_landed(self, param: torch.Tensor) -> None:
         index = self._slot_of[id(param)]
         self._arrived[index] += 1
+        if self._landed_last is not None:
+            self._landed_last[index] += 1
         self._bucket_landed(index)
         eager = self._eager
         while eager:
@@ -341,28 +357,36 @@ class ShardedOptimizer:
         if self.groups.mesh.dp > 1:
             flat.div_(self.groups.mesh.dp)  # before the sum, as data_parallel.py explains
         into = part.master.grad[bucket.in_shard]
+        cross = None
+        if part.across_sites and self._landed_last is not None and self._landed_last[index] == len(bucket.params):
+            self._crossed.add(index)
+            cross = functools.partial(self._sites.add, None, into)
         if n == 1:
             into.add_(flat)
+            if cross is not None:
+                cross()
             return
         result = torch.empty_like(into)
         work = reduce_scatter_flat(result, flat, group=part.group, async_op=True)
-        self._pending.append(_Accumulation(work, result, into))
+        self._pending.append(_Accumulation(work, result, into, cross))
         while len(self._pending) > MAX_IN_FLIGHT:
             self._pending.pop(0).wait()
 
     def _reduce_rest(self) -> None:
         """At the step: every slot still holding a gradient, in slot order; then wait for all;
         across sites, then each bucket's shard summed over the sites."""
+        self.crossed_in_backward = len(self._crossed)
         for index, (_, bucket) in enumerate(self._slots):
             if any(p.grad is not None for p in bucket.params):
                 self._reduce(index)
         self._wait()
         self._last_reduced_in_backward, self._reduced_in_backward = self._reduced_in_backward, 0
         if self._sites is not None:
-            for part, bucket in self._slots:
-                if part.across_sites:
+            for index, (part, bucket) in enumerate(self._slots):
+                if part.across_sites and index not in self._crossed:
                     self._sites.add(None, part.master.grad[bucket.in_shard])
             self._sites.finish()
+            self._landed_last, self._crossed = None, set()
 
     def _wait(self) -> None:
         for pending in self._pending:
@@ -374,6 +398,7 @@ class ShardedOptimizer:
     def zero_grad(self) -> None:
         if self._sites is not None:
             self._sites.abandon()  # what a step that failed midway left in flight
+            self._landed_last, self._crossed = None, set()
         if not self.shard_gradients:
             self._starts.wait()  # a step that failed after arming may have reduce-scatters in flight
         else:
