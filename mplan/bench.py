@@ -147,7 +147,7 @@ def _plan_row(planner: Planner | None, row: Row, text: str, early: str | None, g
         return None
     c = best.config
     row.update(spec=text, resolved_spec=c.spec(), fits=best.fits,
-               mesh={"dp": c.dp, "tp": c.tp, "pp": c.pp, "ep": c.ep, "vpp": c.vpp, "cp": c.cp},
+               mesh={"dp": c.dp, "tp": c.tp, "pp": c.pp, "ep": c.ep, "vpp": c.vpp, "cp": c.cp, "sites": c.sites},
                predicted=_predicted_dict(best))
     if c.ep > 1:
         progress(f"planning {text} without expert parallelism")
@@ -301,7 +301,8 @@ def _without_ep(planner: Planner, global_batch: int, spec: PlanSpec, chosen: Est
         return {"resolved_spec": None, "mesh": None, "fits": False, "predicted": None, "error": str(exc),
                 "slower": None}
     c = best.config
-    return {"resolved_spec": c.spec(), "mesh": {"dp": c.dp, "tp": c.tp, "pp": c.pp, "ep": c.ep, "vpp": c.vpp, "cp": c.cp},
+    return {"resolved_spec": c.spec(), "mesh": {"dp": c.dp, "tp": c.tp, "pp": c.pp, "ep": c.ep, "vpp": c.vpp, "cp": c.cp,
+                                                 "sites": c.sites},
             "fits": best.fits, "predicted": _predicted_dict(best), "error": None,
             "slower": best.step_time_s / chosen.step_time_s - 1}
 

@@ -258,7 +258,9 @@ def _bench_cells(row: dict[str, Any]) -> list[str]:
     """Mesh, fits and predicted figures of a bench row (or of its `without_ep` entry)."""
     p, mesh = row["predicted"] or {}, row["mesh"] or {}
     a2a = f"{p['a2a_s'] * 1e3:.0f} ms ({p['a2a_s'] / p['step_time_s']:.1%})" if p.get("a2a_s") else "-"
-    return ["/".join(str(mesh.get(k, "-")) for k in ("dp", "tp", "pp", "vpp", "ep", "cp")), "yes" if row["fits"] else "no",
+    sites = f" sites={mesh['sites']}" if mesh.get("sites", 1) > 1 else ""
+    return ["/".join(str(mesh.get(k, "-")) for k in ("dp", "tp", "pp", "vpp", "ep", "cp")) + sites,
+            "yes" if row["fits"] else "no",
             f"{p['step_time_s'] * 1e3:.1f}" if p else "-", flops_rate(p["tflops_per_gpu"] * 1e12) if p else "-",
             percent(p["mfu"]) if p else "-", f"{p['memory_gib']:.1f}" if p else "-", a2a]
 

@@ -148,3 +148,39 @@ def test_the_plan_json_records_sites_and_old_files_load(llama70b):
     del doc["mesh"]["sites"]
     doc["predicted"].pop("dp_links")
     assert Plan.from_dict(doc).mesh.sites == 1  # a plan written before sites: flat
+
+
+# -- autoparallel's bridge: a spec or a plan with sites, against the job's cluster ---------------
+def _tiny_graph():
+    from mplan.ir.trace import capture_for_training
+    from test_equivalence import batches, family
+
+    return capture_for_training(family("tiny-gpt")(), (batches(4, steps=1)[0][0],))
+
+
+def _local_sites(world: int, sites: int) -> ClusterSpec:
+    """`world` CPU ranks as `sites` nodes, one a site (as tests/test_hierarchical_dp.py runs them)."""
+    import dataclasses
+
+    from mplan.cost_models.presets import local_cluster
+
+    base = local_cluster({"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)})
+    inter = dataclasses.replace(base.links.intra_node, kind="roce")
+    cluster = dataclasses.replace(base, num_nodes=sites, gpus_per_node=world // sites,
+                                  links=dataclasses.replace(base.links, inter_node=inter))
+    return cluster if sites == 1 else cluster.with_sites(sites, inter_site_gbps=1.0, inter_site_latency_ms=10.0)
+
+
+def test_resolve_carries_a_specs_sites_and_refuses_what_the_cluster_cannot_hold():
+    from mplan.planner.parallel_config import PlanSpecError
+    from mplan.planner.resolve import resolve_plan
+
+    graph = _tiny_graph()
+    made = resolve_plan("dp=4,sites=2,zero=1", graph, cluster=_local_sites(4, 2), world_size=4, global_batch=4)
+    assert made.mesh.sites == 2 and made.cluster.sites == 2 and made.predicted.dp_links.inter_site_gb > 0
+    with pytest.raises(PlanSpecError, match="sites=2 but the cluster has 1 site"):
+        resolve_plan("dp=4,sites=2", graph, cluster=_local_sites(4, 1), world_size=4, global_batch=4)
+    with pytest.raises(PlanSpecError, match="sites=2 must divide dp=1"):
+        resolve_plan("tp=2,pp=2,sites=2", graph, cluster=_local_sites(4, 2), world_size=4, global_batch=4)
+    with pytest.raises(PlanSpecError, match="pp=2 groups would cross"):
+        resolve_plan("dp=2,pp=2", graph, cluster=_local_sites(4, 2), world_size=4, global_batch=4)

@@ -77,6 +77,10 @@ def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec,
         made = _bind(plan, graph, world_size, global_batch)
     elif isinstance(plan, str):
         config = _config_of(plan, world_size, global_batch, micro_batch_size, graph)
+        try:  # before pricing: groups across sites the cluster does not have cannot be priced
+            config.mesh.check_sites(cluster.num_sites)
+        except ValueError as exc:
+            raise PlanSpecError(f"plan {plan!r} on cluster {cluster.name}: {exc}") from None
         # with cp, `graph` is one rank's slice of each sequence (`api.autoparallel` captures it so)
         search = planner(tp_layout, config.cp)
         _check_heads(plan, config.tp, search.limits.num_heads, graph)
@@ -89,6 +93,7 @@ def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec,
     if not isinstance(plan, Plan):  # planned here, at the sequence length of the example inputs captured
         made = dataclasses.replace(made, model=dataclasses.replace(made.model, seq_len_source="example inputs"))
     made = dataclasses.replace(made, fp8=made.fp8 or fp8)
+    _check_sites(made, cluster)
     _check(made, graph)
     return made
 
@@ -173,6 +178,9 @@ def _degrees_of(text: str, world_size: int, global_batch: int,
     if spec.ep is not None and dp % spec.ep:
         raise PlanSpecError(f"plan {text!r}: ep={spec.ep} does not divide the dp={dp} data-parallel ranks it is "
                             f"carved from ({dp} % {spec.ep} = {dp % spec.ep})")
+    if spec.sites is not None and (dp % spec.sites or (dp // spec.sites) % (spec.ep or 1)):
+        raise PlanSpecError(f"plan {text!r}: sites={spec.sites} must divide dp={dp} and leave ep={spec.ep or 1} "
+                            f"inside a site (data parallelism is what spans sites)")
     if spec.zero == 3 and pp > 1 and spec.keep_weights == 0 and ZERO3_KEEPS_UNDER_PIPELINES["mplan"]:
         raise PlanSpecError(f"plan {text!r}: mplan's runtime keeps zero=3's gathered weights through the step "
                             f"under a pipeline (pp={pp}): keep_weights=0 cannot run there; leave it out")
@@ -216,7 +224,16 @@ def _config_of(text: str, world_size: int, global_batch: int, micro_batch_size: 
                                                                    ZERO3_KEEPS_UNDER_PIPELINES["mplan"]),
                           recompute=spec.recompute or "none",
                           schedule=spec.schedule or ("interleaved" if (spec.vpp or 1) > 1 else "1f1b"),
-                          capacity_factor=spec.capacity)
+                          capacity_factor=spec.capacity, sites=spec.sites or 1)
+
+
+def _check_sites(plan: Plan, cluster: ClusterSpec) -> None:
+    """The plan's sites against the cluster's (`MeshShape.check_sites`): a plan's sites are 1 or the
+    cluster's, and no TP, CP, EP or PP group crosses a site."""
+    try:
+        plan.mesh_shape().check_sites(cluster.num_sites)
+    except ValueError as exc:
+        raise PlanSpecError(f"plan {plan.spec()!r} on cluster {cluster.name}: {exc}") from None
 
 
 def _bind(plan: Plan, graph: Graph, world_size: int, global_batch: int) -> Plan:
