@@ -21,7 +21,6 @@ form mplan does not find (einsum scores), a mask that is no position rule (ALiBi
 """
 from __future__ import annotations
 
-import math
 import types
 from typing import Any
 
