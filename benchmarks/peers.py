@@ -58,6 +58,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -447,8 +448,9 @@ def run_family_process(name: str, args: argparse.Namespace, part: str) -> dict[s
     """Runs `name` in a process of its own (a new session: on a timeout it and its liger child are
     killed together); its entry, or what is known of its failure."""
     command = [sys.executable, os.path.abspath(__file__), "--family", name, "--part", part,
-               "--device", args.device, "--systems", args.systems, "--warmup", str(args.warmup),
-               "--steps", str(args.steps), "--rounds", str(args.rounds), "--lr-warmup", str(args.lr_warmup)]
+               "--parent", str(os.getpid()), "--device", args.device, "--systems", args.systems,
+               "--warmup", str(args.warmup), "--steps", str(args.steps), "--rounds", str(args.rounds),
+               "--lr-warmup", str(args.lr_warmup)]
     command += [flag for flag, on in (("--small", args.small), ("--profile", args.profile),
                                       ("--smoke-child", args.smoke_child)) if on]
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -467,6 +469,20 @@ def run_family_process(name: str, args: argparse.Namespace, part: str) -> dict[s
         with open(part, encoding="utf-8") as handle:
             return json.load(handle)
     return {"error": failure, "stderr_tail": "".join(tail)}
+
+
+def exit_with_parent(parent: int) -> None:
+    """A family's process runs in a session of its own (so a timeout kills it and its liger child
+    together), which a kill of the run's process group does not reach: it exits once its parent
+    (pid `parent`, also when gone before this is called) is gone, and the liger child then reads
+    end-of-file and exits too, so no orphan keeps the GPU."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def parse_args() -> argparse.Namespace:
@@ -498,6 +514,7 @@ def parse_args() -> argparse.Namespace:
                              "(tests the child protocol; its row says stand_in)")
     parser.add_argument("--family", help=argparse.SUPPRESS)  # one family's process, or the child's family
     parser.add_argument("--part", help=argparse.SUPPRESS)  # where a family's process writes its entry
+    parser.add_argument("--parent", type=int, help=argparse.SUPPRESS)  # the pid a family's process exits without
     parser.add_argument("--system", choices=["liger", "eager"], help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
     if args.system is None and args.family is None and args.out is None:
@@ -520,6 +537,8 @@ def main() -> None:
         serve_child(args)
         return
     if args.family is not None:
+        if args.parent is not None:
+            exit_with_parent(args.parent)
         fam = family(args.family, args.small)
         try:
             entry = run_family(fam, [name for name in args.systems.split(",") if name], args)
