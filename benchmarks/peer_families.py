@@ -18,7 +18,9 @@ tiny config; tests/test_fusion_hf.py and tests/test_fusion_forms.py test the for
     stablelm   LayerNorm with a bias, RoPE on a quarter of each head (no Liger patch)
     llama      TinyLlama-1.1B's shape: benchmarked before (benchmarks/hf_models_h200.py), the anchor
 Only llama was benchmarked before. Batches: 2 x 2048 tokens where the vocabulary is 256k (the
-eager peers materialize [tokens, vocab] logits in fp32), 4 x 2048 above 100k, 8 x 2048 below.
+eager peers materialize [tokens, vocab] logits in fp32), 4 x 2048 above 100k, 8 x 2048 below, but
+4 x 2048 for llama's 22 layers: four systems stay resident on one 80 GB card (about 8 bytes a
+parameter each: bf16 weights, gradients and AdamW's two moments) beside one system's activations.
 """
 from __future__ import annotations
 
@@ -63,11 +65,13 @@ TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "nu
 
 
 def _family(name: str, config_class: str, model_class: str, liger: bool, *, attention: str = "sdpa",
-            small: bool, **sizes: Any) -> Family:
+            small: bool, batch: int | None = None, **sizes: Any) -> Family:
     if small:
         sizes = {k: TINY.get(k, v) for k, v in sizes.items()}
     vocab = sizes["vocab_size"]
-    batch = SMALL_BATCH if small else 2 if vocab >= 256000 else 4 if vocab > 100000 else 8
+    if batch is None:
+        batch = 2 if vocab >= 256000 else 4 if vocab > 100000 else 8
+    batch = SMALL_BATCH if small else batch
     return Family(name=name, config_class=config_class, model_class=model_class,
                   liger_patch=f"apply_liger_kernel_to_{'gemma3_text' if name == 'gemma3' else name}" if liger else None,
                   sizes=tuple(sizes.items()), batch=batch, seq=SMALL_SEQ if small else SEQ, attention=attention)
@@ -111,7 +115,7 @@ def families(small: bool) -> tuple[Family, ...]:
                 num_hidden_layers=12, hidden_size=2048, num_attention_heads=32, num_key_value_heads=32,
                 intermediate_size=5632, vocab_size=100352, partial_rotary_factor=0.25, tie_word_embeddings=False,
                 max_position_embeddings=4096),
-        _family("llama", "LlamaConfig", "LlamaForCausalLM", True, small=small,
+        _family("llama", "LlamaConfig", "LlamaForCausalLM", True, small=small, batch=4,
                 num_hidden_layers=22, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
                 intermediate_size=5632, vocab_size=32000, tie_word_embeddings=False, rms_norm_eps=1e-5,
                 max_position_embeddings=2048),
