@@ -32,14 +32,16 @@ Which part of the link is real and which injected:
   (segmentation, acks, windows) as gloo's sockets see it. The probe measures the rate reached.
 - injected: the latency. The kernel here has no `netem`, so a one-way delay L cannot be put on
   the wire; it is added where traffic is posted instead (`DelayedLink`): each collective (or
-  send) whose group spans both sites is posted `hops * L` after the rank asked for it, hops
-  being its sequential message steps around gloo's ring (all-reduce 2(g-1), reduce-scatter and
-  all-gather g-1, send and broadcast 1, over g ranks), by one thread per rank in the order asked.
-  The rank computes on meanwhile and waits only where it reads the result, as it would while a
-  message crossed a slow link. That is the latency term of an alpha-beta model, hops * L +
-  bytes / rate: unlike a delay on the wire it is paid once before the transfer instead of
-  between its steps (the same total where the steps do not overlap each other). The veth's own
-  latency (about 0.1 ms here, mostly the ranks' scheduling on a busy machine) stays beneath it.
+  send) whose group spans both sites is posted `crossings * L` after the rank asked for it, by
+  one thread per rank in the order asked; the rank computes on meanwhile and waits only where it
+  reads the result, as it would while a message crossed a slow link. `crossings` is the number
+  of long-haul hops on the collective's chain of dependent messages around gloo's ring
+  (`ring_crossings`): 3 for an all-reduce over the four ranks (its chunks go 6 hops around a
+  ring that crosses every other hop), 2 for the two-rank all-reduce between sites, 1 for a send.
+  That is the latency a wire delay would add to a ring whose steps wait on each other; paid once
+  before the transfer instead of between its steps, it is the same total where the steps do not
+  overlap each other. The veth's own latency (about 0.1 ms here, mostly the ranks' scheduling on
+  a busy machine) stays beneath it.
 
 The probe (`--probe-only`, and first in every run unless `--no-probe`) measures per setting:
 intra-site and cross-site point-to-point bandwidth (set against tbf's rate), the cross-site
@@ -47,7 +49,9 @@ one-way latency without and with the injected delay (set against L), and a cross
 all-reduce against its alpha-beta time.
 
 The training runs time `--steps` steps after `--warmup` (between barriers on every rank; the
-median of rank 0's clock) of each layout (`LAYOUTS`, float32, AdamW):
+median of rank 0's clock) of each layout (`LAYOUTS`, AdamW, bfloat16 by default: the dtype the
+planner prices gradients in, so the bytes it expects on the link are the bytes sent), and the
+bytes site0's veth sent meanwhile (whole frames):
     flat           dp=4: one ring over the four ranks, crossing the link twice per step of it
     hierarchical   dp=4,sites=2: reduce-scatter inside each site, the shards all-reduced across
                    the sites, all-gather inside each site (mplan/runtime/hierarchical_reduce.py)
@@ -92,7 +96,7 @@ RANKS_PER_SITE = 2
 DEFAULT_MODEL = "llama:layers=2,hidden=128,heads=4,kv_heads=2,ffn=384,seq=64,vocab=2048"
 PROFILE = REPO / "benchmarks" / "results" / "profile_cpu4-2026-12-02.json"
 """`mplan profile` of 4 gloo CPU ranks on this machine: the planner's kernel and loopback-link figures."""
-LAYOUTS = {"flat": "dp=4,mbs={mbs},zero=0", "hierarchical": "dp=4,mbs={mbs},zero=0,sites=2"}
+LAYOUTS = {"flat": "dp=4,mbs={mbs},zero=0,sites=1", "hierarchical": "dp=4,mbs={mbs},zero=0,sites=2"}
 """Flat: one ring over the four ranks, crossing the link twice. Hierarchical: reduce-scatter in
 each site, the shards all-reduced across, all-gather in each site (mplan/runtime/hierarchical_reduce.py)."""
 UNSHAPED_MBIT = 10_000.0
@@ -277,17 +281,31 @@ def run_ranks(sites: TwoSites, worker_args: Sequence[str], *, timeout_s: float, 
 
 # -- inside a rank -------------------------------------------------------------------------------
 
-HOPS: dict[str, Callable[[int], int]] = {
+RING_STEPS: dict[str, Callable[[int], int]] = {
     "all_reduce": lambda g: 2 * (g - 1),
     "reduce_scatter": lambda g: g - 1, "reduce_scatter_tensor": lambda g: g - 1,
     "all_gather": lambda g: g - 1, "all_gather_into_tensor": lambda g: g - 1,
     "broadcast": lambda g: 1, "send": lambda g: 1, "isend": lambda g: 1,
     "barrier": lambda g: 0,
 }
-"""Sequential message steps of each collective over a group of g ranks (ring algorithms, as
-gloo's; a point-to-point message is one), each paying the link's one-way latency once. A
-barrier pays none (the timing's own barriers): it goes through the queue only to keep its place
-in each group's order."""
+"""How many hops along gloo's ring (rank i sends to i + 1 in the group's order) each piece of a
+collective over g ranks travels, one after the other: a ring all-reduce's chunk goes g - 1 hops
+reducing and g - 1 gathering. A point-to-point message or a broadcast from the root is one hop.
+A barrier is given none (the timing's own barriers): it goes through the queue only to keep its
+place in each group's order."""
+
+
+def ring_crossings(sites: Sequence[int], steps: int) -> int:
+    """The most long-haul hops among `steps` consecutive hops of the ring through ranks on `sites`
+    (in ring order): the latency a ring collective pays is that many one-way delays, since each
+    rank's next step waits for the previous step's message and the chain of waits runs back
+    around the ring (4 ranks on 2 sites, 0 1 | 2 3: an all-reduce's 6 hops cross 3 times; 2
+    ranks, one a site: 2 hops, both across)."""
+    g = len(sites)
+    across = [sites[i] != sites[(i + 1) % g] for i in range(g)]
+    return max(sum(across[(start + hop) % g] for hop in range(steps)) for start in range(g))
+
+
 ASYNC = {"send": "isend"}
 """Posted from the delaying thread in their asynchronous form; the caller waits if it asked to."""
 
@@ -305,7 +323,7 @@ class _Deferred:
 
 class DelayedLink:
     """Injects the inter-site latency (module docstring): every collective and send over a group
-    spanning both sites is posted `HOPS[name](group size) * delay_s` after the rank asked for it,
+    spanning both sites is posted `ring_crossings(...) * delay_s` after the rank asked for it,
     by one thread, in the order asked (so every group sees the same order on every rank); the
     rank's own thread goes on meanwhile, as it would while a message crossed a slow link, and waits
     only where it reads the result (a blocking call, or `wait()` on an asynchronous one's work).
@@ -317,18 +335,22 @@ class DelayedLink:
         self.delay_s, self.world_size, self.injected_s = delay_s, world_size, 0.0
         self._dist = dist
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="two-sites-link")
-        self._spans: dict[int, bool] = {}
-        for name in HOPS:
+        self._crossings: dict[tuple[str, int], int | None] = {}
+        for name in RING_STEPS:
             setattr(dist, name, self._wrap(name, getattr(dist, name)))
 
-    def _crosses(self, group: Any, peer: int | None) -> bool:
+    def _across(self, name: str, group: Any, peer: int | None) -> int | None:
+        """The long-haul hops of `name` over `group` (or to `peer`); None where it stays in a site."""
         dist = self._dist
         if peer is not None:
-            return site_of(dist.get_rank()) != site_of(peer)
-        if id(group) not in self._spans:
-            ranks = range(self.world_size) if group is None else dist.get_process_group_ranks(group)
-            self._spans[id(group)] = len({site_of(rank) for rank in ranks}) > 1
-        return self._spans[id(group)]
+            return 1 if site_of(dist.get_rank()) != site_of(peer) else None
+        key = (name, id(group))
+        if key not in self._crossings:
+            ranks = list(range(self.world_size)) if group is None else dist.get_process_group_ranks(group)
+            sites = [site_of(rank) for rank in ranks]
+            self._crossings[key] = (ring_crossings(sites, RING_STEPS[name](len(ranks)))
+                                    if len(set(sites)) > 1 else None)
+        return self._crossings[key]
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         dist = self._dist
@@ -341,9 +363,10 @@ class DelayedLink:
             named = signature.bind_partial(*args, **kwargs).arguments
             group = named.get("group")
             peer = named.get("dst") if point_to_point else None
-            if not self._crosses(group, peer):
+            across = self._across(name, group, peer)
+            if across is None:
                 return original(*args, **kwargs)
-            delay = HOPS[name](self.world_size if group is None else dist.get_world_size(group)) * self.delay_s
+            delay = across * self.delay_s
             self.injected_s += delay
             wanted_async = name == "isend" or named.get("async_op", False)
             if not point_to_point:
@@ -361,10 +384,10 @@ def _post_at(due: float, post: Callable[..., Any], args: tuple, kwargs: dict) ->
     return post(*args, **kwargs)
 
 
-def _veth_bytes() -> int:
-    """Bytes sent plus received on this namespace's veth (its sysfs counters)."""
+def _veth_bytes(directions: tuple[str, ...] = ("tx", "rx")) -> int:
+    """Bytes (whole frames) this namespace's veth sent and/or received (its sysfs counters)."""
     base = Path("/sys/class/net") / os.environ["MPLAN_TWO_SITES_IFNAME"] / "statistics"
-    return int((base / "tx_bytes").read_text()) + int((base / "rx_bytes").read_text())
+    return sum(int((base / f"{direction}_bytes").read_text()) for direction in directions)
 
 
 def _probe(args: argparse.Namespace) -> dict[str, Any]:
@@ -436,7 +459,7 @@ def _probe(args: argparse.Namespace) -> dict[str, Any]:
                                      "seconds_median": statistics.median(reduces),
                                      "seconds_alpha_beta": 2 * delay_s + (reduce_bytes / (rate_Bps * PAYLOAD_FRACTION)
                                                                           if rate_Bps else 0.0),
-                                     "note": "2 ranks, one per site: 2 hops of the injected delay, and each rank "
+                                     "note": "2 ranks, one per site: 2 crossings of the injected delay, and each rank "
                                              "sends its half twice (N bytes each way) through tbf"},
             "injected_s_total": link.injected_s,
         }
@@ -453,23 +476,32 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     from mplan.models import build_model
 
     link = DelayedLink(args.delay_ms / 1e3, dist.get_world_size())
-    model = build_model(args.model, device="cpu", dtype=torch.float32, seed=0)
+    model = build_model(args.model, device="cpu", dtype=getattr(torch, args.dtype), seed=0)
     ids = torch.randint(0, model.config.vocab, (args.batch, model.config.seq_len),
                         generator=torch.Generator().manual_seed(0))
+    cluster = ClusterSpec.from_json(args.cluster)
+    # planned first, then run: the Plan the planner prices is the one measured (autoparallel's own
+    # binding of a spec string leaves its sites out at this commit)
+    plan = mplan.plan(model, (ids,), cluster=cluster, global_batch=args.batch, spec=args.plan, progress="quiet")
     pm = mplan.autoparallel(model, example_inputs=(ids,), optimizer=functools.partial(torch.optim.AdamW, lr=1e-4),
-                            global_batch=args.batch, plan=args.plan, progress="quiet",
-                            cluster=ClusterSpec.from_json(args.cluster))
-    steps, injected = [], []
+                            global_batch=args.batch, plan=plan, progress="quiet", cluster=cluster)
+    steps, injected, crossed = [], [], []
     for step in range(args.warmup + args.steps):
         dist.barrier()
         link.injected_s = 0.0
+        sent = _veth_bytes(("tx",))
         start = time.perf_counter()
         pm.train_step(ids, ids)
         dist.barrier()
         if step >= args.warmup:
             steps.append(time.perf_counter() - start)
             injected.append(link.injected_s)
+            crossed.append(_veth_bytes(("tx",)) - sent)
+    # rank 0's figure: what its site sent to the other over a step (frames, with the barrier's)
     return {"plan": pm.plan.spec(), "sites": pm.groups.sites, "step_s": steps, "injected_s": injected,
+            "site_sent_bytes": crossed, "load": os.getloadavg()[0],
+            "dp_links_predicted": None if pm.plan.predicted.dp_links is None
+            else dataclasses.asdict(pm.plan.predicted.dp_links),
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
@@ -575,25 +607,43 @@ def _measure_setting(setting: LinkSetting, args: argparse.Namespace, scratch: Pa
                                      timeout_s=args.rank_timeout, logs=scratch, tree=tree)
             print(f"{setting.label}: probe {json.dumps(row['probe'])}", file=sys.stderr)
         if not args.probe_only:
-            row["measured"] = {}
-            for layout, spec in specs.items():
-                result = run_ranks(sites, ["--mode", "train", *common, "--model", args.model, "--plan", spec,
-                                           "--cluster", str(cluster_file), "--batch", str(args.batch),
-                                           "--mbs", str(args.mbs), "--warmup", str(args.warmup),
-                                           "--steps", str(args.steps)],
-                                   timeout_s=args.rank_timeout, logs=scratch, tree=tree)
-                wanted = {"flat": 1, "hierarchical": 2}.get(layout, result["sites"])
-                if result["sites"] != wanted:
-                    raise RanksFailed(f"{layout} ({spec}) ran over {result['sites']} site(s), not {wanted}: "
-                                      f"this commit's runtime does not take the plan's sites")
-                result["step_s_median"] = statistics.median(result["step_s"])
-                result["injected_s_median"] = statistics.median(result["injected_s"])
-                row["measured"][layout] = result
-                print(f"{setting.label}: {layout} {result['step_s_median']:.4f} s a step "
-                      f"({result['injected_s_median']:.4f} s of latency injected)", file=sys.stderr)
+            runs: dict[str, list[dict[str, Any]]] = {layout: [] for layout in specs}
+            for round_ in range(args.rounds):  # the layouts take turns: a busy machine's drift falls on all
+                for layout, spec in specs.items():
+                    runs[layout].append(_train_job(sites, layout, spec, common, cluster_file, args, scratch, tree))
+                    print(f"{setting.label} round {round_ + 1}/{args.rounds}: {layout} "
+                          f"{statistics.median(runs[layout][-1]['step_s']):.4f} s a step "
+                          f"({statistics.median(runs[layout][-1]['injected_s']):.4f} s of latency injected)",
+                          file=sys.stderr)
+            row["measured"] = {layout: _pooled(jobs) for layout, jobs in runs.items()}
     if "measured" in row and "error" not in row["predicted"]:
         row["comparison"] = _compare(row)
     return row
+
+
+def _train_job(sites: TwoSites, layout: str, spec: str, common: list[str], cluster_file: Path,
+               args: argparse.Namespace, scratch: Path, tree: Path) -> dict[str, Any]:
+    """One job of ranks training `spec`; refused where the runtime ran other sites than `layout` names."""
+    result = run_ranks(sites, ["--mode", "train", *common, "--model", args.model, "--plan", spec,
+                               "--cluster", str(cluster_file), "--batch", str(args.batch), "--dtype", args.dtype,
+                               "--mbs", str(args.mbs), "--warmup", str(args.warmup), "--steps", str(args.steps)],
+                       timeout_s=args.rank_timeout, logs=scratch, tree=tree)
+    wanted = {"flat": 1, "hierarchical": 2}.get(layout, result["sites"])
+    if result["sites"] != wanted:
+        raise RanksFailed(f"{layout} ({spec}) ran over {result['sites']} site(s), not {wanted}: "
+                          f"this commit's runtime does not take the plan's sites")
+    return result
+
+
+def _pooled(jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A layout's jobs as one record: every timed step, their medians, and each job's median."""
+    pooled = {**{k: v for k, v in jobs[0].items() if k != "load"}, **{key: [x for job in jobs for x in job[key]]
+                             for key in ("step_s", "injected_s", "site_sent_bytes")}}
+    return {**pooled, "step_s_median": statistics.median(pooled["step_s"]),
+            "step_s_median_by_round": [statistics.median(job["step_s"]) for job in jobs],
+            "load_by_round": [job["load"] for job in jobs],
+            "injected_s_median": statistics.median(pooled["injected_s"]),
+            "site_sent_bytes_median": statistics.median(pooled["site_sent_bytes"])}
 
 
 def _compare(row: dict[str, Any]) -> dict[str, Any]:
@@ -603,9 +653,13 @@ def _compare(row: dict[str, Any]) -> dict[str, Any]:
     for layout, result in measured.items():
         price = predicted[layout]["predicted"] or {}
         step = price.get("step_time_s")
+        crossing = (result["dp_links_predicted"] or {}).get("inter_site_gb")  # the run Plan's own
         by_layout[layout] = {"plan": result["plan"], "measured_step_s": result["step_s_median"],
                              "predicted_step_s": step,
-                             "predicted_over_measured": None if step is None else step / result["step_s_median"]}
+                             "predicted_over_measured": None if step is None else step / result["step_s_median"],
+                             "site_sent_bytes_measured": result["site_sent_bytes_median"],
+                             "site_sent_payload_bytes_measured": result["site_sent_bytes_median"] * PAYLOAD_FRACTION,
+                             "inter_site_bytes_predicted": None if crossing is None else crossing * 1e9}
     fastest = min(measured, key=lambda layout: measured[layout]["step_s_median"])
     chosen = predicted["chosen"]["spec"]
     return {"layouts": by_layout, "measured_fastest": fastest, "planner_chose": chosen,
@@ -617,10 +671,13 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS),
                         help="RATE_MBIT:DELAY_MS per setting (RATE 'none': the veth unshaped)")
     parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float64"),
+                        help="parameters' and gradients' dtype (bfloat16: the one the planner prices)")
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     parser.add_argument("--mbs", type=int, default=2, help="micro-batch size")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6, help="steps timed per layout and setting")
+    parser.add_argument("--steps", type=int, default=6, help="steps timed per job")
+    parser.add_argument("--rounds", type=int, default=2, help="jobs per layout and setting, the layouts taking turns")
     parser.add_argument("--intra-mb", type=int, default=16, help="MiB of the intra-site probe transfer")
     parser.add_argument("--allreduce-mb", type=int, default=2, help="MiB of the cross-site all-reduce probe")
     parser.add_argument("--layouts", nargs="+", choices=(*LAYOUTS, "chosen"), default=[*LAYOUTS, "chosen"],
@@ -669,11 +726,13 @@ def main() -> None:
            "machine": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
            "kernel": platform.release(), "torch": torch.__version__, "python": platform.python_version(),
            "iproute2": _ip("-V").stdout.strip(), "mplan_commit": commit, "backend": "gloo", "ranks": 2 * RANKS_PER_SITE,
-           "ranks_per_site": RANKS_PER_SITE, "threads_per_rank": 1, "dtype": "float32", "model": args.model,
+           "ranks_per_site": RANKS_PER_SITE, "threads_per_rank": 1, "dtype": args.dtype, "model": args.model,
            "global_batch": args.batch, "mbs": args.mbs, "warmup": args.warmup, "steps": args.steps,
+           "rounds": args.rounds,
            "link": "real: veth pair between two network namespaces, tbf rate limit on both ends' egress; "
-                   "injected: the one-way delay, each cross-site collective posted hops x delay after it was "
-                   "asked for (all-reduce 2(g-1), reduce-scatter/all-gather g-1, send 1), the rank computing on",
+                   "injected: the one-way delay, each cross-site collective posted crossings x delay after it "
+                   "was asked for (the long-haul hops on its ring's chain of dependent messages: 3 for the "
+                   "4-rank all-reduce, 2 for the 2-rank one between sites, 1 for a send), the rank computing on",
            "settings": rows}
     text = json.dumps(doc, indent=1)
     print(text)

@@ -1,6 +1,7 @@
 """benchmarks/two_sites.py builds two network namespaces joined by a rate-limited veth pair, runs
-gloo ranks in them, and leaves nothing behind: not after a run, not after its ranks fail, not
-after Ctrl-C. Needs root and a kernel with network namespaces (skipped with the reason otherwise)."""
+gloo ranks in them (the link measured against what was set, flat and hierarchical DP trained on a
+tiny Llama), and leaves nothing behind: not after a run, not after its ranks fail, not after
+Ctrl-C. Needs root and a kernel with network namespaces (skipped with the reason otherwise)."""
 from __future__ import annotations
 
 import json
@@ -30,8 +31,8 @@ def _start(*args: str) -> subprocess.Popen:
 
 
 def test_a_run_measures_the_set_link_and_removes_its_namespaces() -> None:
-    run = _start("--settings", "100:5", "--model", TINY, "--warmup", "1", "--steps", "1", "--intra-mb", "4",
-                 "--layouts", "flat", "--timeout", "90")
+    run = _start("--settings", "100:5", "--model", TINY, "--warmup", "1", "--steps", "1", "--rounds", "1",
+                 "--intra-mb", "4", "--layouts", "flat", "hierarchical", "--timeout", "100")
     out, err = run.communicate(timeout=120)
     assert run.returncode == 0, err[-3000:]
     assert two_sites.namespaces_of(run.pid) == []
@@ -47,9 +48,16 @@ def test_a_run_measures_the_set_link_and_removes_its_namespaces() -> None:
     # ranks of one site talk over their namespace's loopback: the veth carries almost nothing meanwhile
     assert probe["intra_site"]["veth_bytes_during"] < 0.01 * probe["intra_site"]["bytes"]
     assert probe["intra_site"]["MBps"] > 3 * probe["cross_site_bandwidth"]["MBps_set"]
-    flat = row["measured"]["flat"]
-    assert flat["plan"].startswith("dp=4") and len(flat["step_s"]) == 1
-    assert all(step > injected > 0 for step, injected in zip(flat["step_s"], flat["injected_s"]))
+    measured, compared = row["measured"], row["comparison"]["layouts"]
+    assert measured["flat"]["sites"] == 1 and measured["hierarchical"]["sites"] == 2
+    for layout in ("flat", "hierarchical"):
+        assert len(measured[layout]["step_s"]) == 1
+        assert all(step > injected > 0 for step, injected in zip(measured[layout]["step_s"], measured[layout]["injected_s"]))
+        # the bytes a site sent over the veth are the bytes the planner prices on the long haul
+        assert compared[layout]["site_sent_payload_bytes_measured"] == pytest.approx(
+            compared[layout]["inter_site_bytes_predicted"], rel=0.15), (layout, compared[layout])
+    # hierarchical DP sends the shards' sums across, N bytes a direction; the flat ring 1.5 N
+    assert measured["hierarchical"]["site_sent_bytes_median"] < 0.8 * measured["flat"]["site_sent_bytes_median"]
 
 
 def test_failing_ranks_leave_no_namespaces() -> None:
