@@ -12,7 +12,9 @@ it on gloo ranks in float64 with 2 sites:
 - the slow link carries one message per bucket, and `MPLAN_INTER_SITE_DELAY_MS` delays it;
 - whole models through `mplan.autoparallel` (test_equivalence.py's comparison: 5 AdamW steps with
   active clipping, < 1e-9 on every loss and parameter against one process, and against the same
-  plan without sites): zero 0, 1 and 3, TP inside sites, PP inside sites, at 4 and 8 ranks.
+  plan without sites): zero 0, 1 and 3, TP inside sites, PP inside sites, CP inside sites, at
+  4 and 8 ranks;
+- a zero=1 checkpoint moves between 2 sites and one site exactly.
 
 All checks of a world size share one gloo group.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -242,10 +245,59 @@ def pp2_zero0_gpt_in_sites() -> dict[str, Any]:
                                          micro_batch_size=1)
 
 
+def cp2_zero1_llama_in_sites() -> dict[str, Any]:
+    return _against_flat_and_one_process(family("tiny-llama"), f"cp=2,dp={dist.get_world_size() // 2},zero=1", 8,
+                                         micro_batch_size=1)
+
+
+def _built(make: Callable[[], nn.Module], spec: str, data: list, **options: Any) -> Any:
+    import mplan
+    from capture_cache import reused_captures
+    from test_equivalence import MAX_NORM, OPTIMIZER
+
+    with reused_captures(make.capture_key):
+        return mplan.autoparallel(make(), example_inputs=(data[0][0],), optimizer=OPTIMIZER, progress="quiet",
+                                  global_batch=data[0][0].shape[0], plan=spec, max_grad_norm=MAX_NORM, **options)
+
+
+def _shared_dir() -> str:
+    where = [tempfile.mkdtemp(prefix="mplan_sites_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where)
+    return where[0]
+
+
+def checkpoint_between_sites_and_one_site() -> dict[str, Any]:
+    """zero=1 over 2 sites (each site's ranks hold the same shards): saved after 2 steps, loaded
+    into the same plan on one site and back into 2 sites; parameters and optimizer state come
+    back bit for bit, and the 3 steps after it match training on without a stop."""
+    make, data, n = family("tiny-llama"), batches(8), dist.get_world_size()
+    spec, cluster = f"dp={n},zero=1", two_site_cluster(n)
+    first = _built(make, f"{spec},sites=2", data, cluster=cluster)
+    for ids, labels in data[:2]:
+        first.train_step(ids, labels)
+    saved = first.full_state_dict()
+    flat = _built(make, spec, data)
+    flat.load(first.save(_shared_dir()))
+    again = _built(make, f"{spec},sites=2", data, cluster=cluster)
+    again.load(flat.save(_shared_dir()))
+    state = {k: v for k, v in first.optimizer.state_dict().items() if not k.startswith("layout.")}
+    back = again.optimizer.state_dict()
+    out = {"one_site_params_exact": all(torch.equal(v, saved[k]) for k, v in flat.full_state_dict().items()),
+           "two_sites_params_exact": all(torch.equal(v, saved[k]) for k, v in again.full_state_dict().items()),
+           "two_sites_state_exact": all(torch.equal(v, back[k]) for k, v in state.items())}
+    tails = [[pm.train_step(ids, labels) for ids, labels in data[2:]] for pm in (first, again, flat)]
+    a, b, c = (pm.full_state_dict() for pm in (first, again, flat))
+    out["resumed_identical"] = tails[0] == tails[1] and all(torch.equal(a[k], b[k]) for k in a)
+    out["one_site_resumed"] = max([abs(x - y) / abs(x) for x, y in zip(tails[0], tails[2])]
+                                  + [rel_err(c[k], a[k]) for k in a])
+    assert all(v for k, v in out.items() if k != "one_site_resumed") and out["one_site_resumed"] < TOL, out
+    return out
+
+
 CHECKS = [check_groups_split_dp_into_sites, check_zero0_two_sites, check_zero1_two_sites, check_zero2_two_sites,
           check_one_cross_site_message_per_bucket, check_injected_delay_holds_back_the_cross_site_sums,
           dp_zero0_gpt, dp_zero1_llama, dp_zero3_llama, tp2_sp_zero1_llama_in_sites, pp2_zero1_gpt_in_sites,
-          pp2_zero0_gpt_in_sites]
+          pp2_zero0_gpt_in_sites, cp2_zero1_llama_in_sites, checkpoint_between_sites_and_one_site]
 
 
 @pytest.fixture(scope="module", params=[4, 8], ids=lambda n: f"world{n}")
