@@ -10,6 +10,8 @@ here is global state, and nothing here plans: the runtime reads the Plan.
     param_placement.py        per-parameter facts: TP-sharded, TP partial grads, expert (reduced
                               over expert_dp), pipeline copy
     data_parallel.py          bucketed gradient sync over DP (zero=0)
+    hierarchical_reduce.py    DP across sites: reduce-scatter in the site, shards summed over the
+                              sites, all-gather in the site; MPLAN_INTER_SITE_DELAY_MS (emulation)
     sharded_optimizer.py      ZeRO-1: reduce-scatter, sharded fp32 masters, all-gather; ZeRO-2:
                               a reduce-scatter per bucket in every micro-batch's backward
     fully_sharded.py          ZeRO-3: parameters as flat shards, gathered per unit, released after
