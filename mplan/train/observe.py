@@ -24,7 +24,9 @@ import contextlib
 import json
 import math
 import os
+import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -78,6 +80,8 @@ class Observer:
         self.jsonl = m.jsonl if rank == 0 and m.jsonl else None
         self.started = time.perf_counter()
         self.warned: set[str] = set()
+        self.step_times: list[float] = []
+        """this job's measured step times, the first (capture, compilation) included"""
         self.writer = None
         if m.tensorboard and rank == 0:
             from torch.utils.tensorboard import SummaryWriter  # `preflight` checked it is there
@@ -133,8 +137,13 @@ class Observer:
             eta = elapsed / done * (self.stop - pm.step) if done else 0.0  # this job's end
             figures = m.line().split(" | ", 1)[1]  # the meter counts this job's steps; the run's are pm.step
             print(f"step {pm.step}/{self.total} | {figures} | ETA {_duration(eta)}", file=sys.stderr, flush=True)
-        if done > 2:
-            self._check_prediction("step time", m.step_time_s, m.predicted_step_time_s)
+        if m.step_time_s is not None:
+            self.step_times.append(m.step_time_s)
+        if done > 2 and len(self.step_times) > 1:
+            # the median of the steps so far: one slow step (a background checkpoint's stall,
+            # a compaction of the allocator) is not the cluster's figures being wrong
+            self._check_prediction("step time (the median of this job's steps)",
+                                   statistics.median(self.step_times[1:]), m.predicted_step_time_s)
             self._check_prediction("memory", m.peak_memory_gib, m.predicted_memory_gib)
 
     def _check_prediction(self, what: str, measured: float | None, predicted: float | None) -> None:
@@ -164,7 +173,9 @@ class Observer:
         axis.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2)
         axis.set_xlabel("step")
         axis.set_ylabel("training loss")
-        axis.set_title(f"{os.path.basename(self.config.model.spec)[:60]}")
+        # a model spec is one long line of key=value pairs: wrapped, not cut off at the figure's edge
+        title = os.path.basename(self.config.model.spec).replace(",", ", ")
+        axis.set_title(textwrap.fill(title, 90, break_on_hyphens=False), fontsize=9)
         axis.grid(alpha=0.3)
         figure.tight_layout()
         figure.savefig(plot, dpi=120)
