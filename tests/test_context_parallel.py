@@ -22,7 +22,7 @@ LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,vocab=64,seq=16"
 GPT = "gpt:layers=2,hidden=32,heads=4,vocab=64,seq=16"
 
 
-def _compare(make: Any, plan: str, global_batch: int, *, ignored: int = 0, **options: Any) -> dict[str, Any]:
+def _compare(make: Any, plan: Any, global_batch: int, *, ignored: int = 0, **options: Any) -> dict[str, Any]:
     """`ignored`: the first tokens of every sequence have label -100, so the cp ranks count
     different numbers of tokens (head-tail: rank 0 holds the first chunk) and the loss's mean is
     only exact if the counts are summed over the group."""
@@ -45,6 +45,17 @@ def cp2_llama_ring() -> dict[str, Any]:
 
 def cp2_llama_all_to_all() -> dict[str, Any]:
     return _compare(family(LLAMA), "cp=2,cp_method=all_to_all", 2, ignored=5)
+
+
+def cp2_llama_planned() -> dict[str, Any]:
+    """A cp plan `mplan plan` makes (on a shallow capture of whole sequences, its method chosen by
+    price) binds to autoparallel's capture of the rank's slice and trains exactly."""
+    import mplan
+    from mplan.cost_models.presets import local_cluster
+
+    plan = mplan.plan(LLAMA, cluster=local_cluster({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}), global_batch=2,
+                      spec="cp=2", runtime="mplan", progress="quiet")
+    return _compare(family(LLAMA), plan, 2, ignored=5)
 
 
 def cp2_gpt() -> dict[str, Any]:
@@ -95,12 +106,12 @@ def _check(values: list[dict[str, Any]], cp: int, *, positions: int = 2) -> None
 
 @pytest.fixture(scope="module")
 def world2() -> Any:
-    return run_checks(2, [cp2_llama, cp2_llama_ring, cp2_llama_all_to_all, cp2_gpt, refuses_uneven_sequence],
-                    timeout_s=300)
+    return run_checks(2, [cp2_llama, cp2_llama_ring, cp2_llama_all_to_all, cp2_llama_planned, cp2_gpt,
+                          refuses_uneven_sequence], timeout_s=300)
 
 
 @pytest.mark.parametrize("check,positions", [(cp2_llama, 2), (cp2_llama_ring, 2), (cp2_llama_all_to_all, 2),
-                                             (cp2_gpt, 1)])
+                                             (cp2_llama_planned, 2), (cp2_gpt, 1)])
 def test_cp2(world2: Any, check: Any, positions: int) -> None:
     _check(world2.assert_passed(check), 2, positions=positions)
 
@@ -200,7 +211,7 @@ def test_cp_is_priced_as_replicas_plus_the_kv_exchange() -> None:
     assert exchange_s("ring") == pytest.approx(2 * 4 * hop)
 
 
-def test_spec_grammar_and_search_keep_cp_one_unless_named() -> None:
+def test_spec_grammar_and_search_keep_cp_one_at_short_sequences_unless_named() -> None:
     from mplan.planner.parallel_config import ModelLimits, PlanSpec, enumerate_configs, parse_plan_spec
 
     from mplan.collectives.context_attention import METHODS
