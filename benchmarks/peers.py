@@ -32,10 +32,16 @@ and why, and per block type the memory-bound ops left: `mplan inspect`'s coverag
 torch, triton, transformers and liger-kernel versions are in the JSON.
 Targets (issue 35): mplan_vs_best_peer >= 1.0, mplan's peak <= 1.10 x the lowest peer's, losses agree.
 
+--own gpt,llama adds mplan's own GPT-1.3B and Llama-1.1B (benchmarks/e2e_h200.py's workloads on its
+memorized batch, eager/compile/mplan, through hf_models_h200.run_family) after the families, under
+"own", with the targets issue 35 keeps (GPT >= 1.05x eager, Llama >= 1.3x eager, both >= compile)
+and this script's per-round ratios and step spread beside them ("per_round").
+
 Run on the GPU (from the repository root, Liger from the carried wheels; a device call has 600 s,
 about 1.5-2 minutes a family with its cold torch.compile, so a few families a call):
     pip install --no-index --find-links .device_wheels --no-deps liger-kernel pulp highspy
     PYTHONPATH=. python3 benchmarks/peers.py --families gemma2,phi3,qwen3 --out $OUT/peers_a.json
+    PYTHONPATH=. python3 benchmarks/peers.py --families "" --own gpt,llama --out $OUT/peers_own.json
 Smoke test of the same code paths on a CPU (tiny configs; compile only if named in --systems; liger
 skipped, or with --smoke-child its slot run by the plain HF model in the child process):
     PYTHONPATH=. python3 benchmarks/peers.py --device cpu --small --out /tmp/peers.json
@@ -104,6 +110,9 @@ CHILD_TIMEOUT_S = {"warmup": 400.0, "run": 180.0, "profile": 180.0, "quit": 60.0
 STDERR_TAIL_LINES = 40
 """lines of a failed family process's stderr kept in its entry"""
 PACKAGES = ("torch", "triton", "transformers", "liger-kernel")
+OWN = "own:"
+"""prefix of the family-process name of one of mplan's own models (--own)"""
+OWN_KINDS = ("gpt", "llama")
 
 
 # ---- model and systems -------------------------------------------------------------------------
@@ -426,6 +435,23 @@ def run_family(fam: Family, names: list[str], args: argparse.Namespace) -> dict[
     return entry
 
 
+def run_own(kind: str, names: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """One of mplan's own models (e2e_h200's GPT-1.3B or Llama-1.1B, on its memorized batch)
+    through hf_models_h200.run_family, with issue 19's targets (which issue 35 keeps), plus this
+    script's per-round ratios and step spread."""
+    from benchmarks.e2e_h200 import FULL, SMALL
+    from benchmarks.hf_models_h200 import run_family as run_own_family
+
+    setting = Setting(device=torch.device(args.device), precision="bf16", lr_warmup=args.lr_warmup)
+    (workload,) = [w for w in (SMALL if args.small else FULL) if w.name.split("-")[0] == kind]
+    entry = run_own_family(workload, [name for name in names if name in ("eager", "compile", "mplan")], args,
+                           setting, Clock())
+    for row in entry["systems"].values():
+        summarize(row, steps_per_round(args))
+    return {**run_header(setting.device), "workload": workload.name, **entry,
+            "per_round": compare(entry["systems"])}
+
+
 # ---- the run: one process per family ------------------------------------------------------------
 
 def versions() -> dict[str, str | None]:
@@ -492,6 +518,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--small", action="store_true", help="tiny configs (with --device cpu: the smoke test)")
     parser.add_argument("--families", default=",".join(f.name for f in families(small=True)),
                         help="comma-separated families (default: all; benchmarks/peer_families.py lists them)")
+    parser.add_argument("--own", default="",
+                        help="also mplan's own models, of gpt,llama (e2e_h200's GPT-1.3B and Llama-1.1B on its "
+                             "memorized batch; eager, compile and mplan), after the families")
     parser.add_argument("--systems", default=None,
                         help="comma-separated, of eager,compile,mplan,liger (default: all four on CUDA; "
                              "eager,mplan,liger on a CPU, where torch.compile is slow)")
@@ -526,8 +555,11 @@ def parse_args() -> argparse.Namespace:
             setattr(args, name, small if args.small else full)
     if args.budget_s is None:
         args.budget_s = 480.0 if args.device == "cuda" else float("inf")
-    for name in args.families.split(","):
+    for name in (n for n in args.families.split(",") if n):
         family(name, small=True)  # an unknown name fails here, naming the known ones
+    unknown = set(args.own.split(",")) - set(OWN_KINDS) - {""}
+    if unknown:
+        parser.error(f"--own: unknown {', '.join(sorted(unknown))}; known: {', '.join(OWN_KINDS)}")
     return args
 
 
@@ -539,9 +571,10 @@ def main() -> None:
     if args.family is not None:
         if args.parent is not None:
             exit_with_parent(args.parent)
-        fam = family(args.family, args.small)
+        names = [name for name in args.systems.split(",") if name]
         try:
-            entry = run_family(fam, [name for name in args.systems.split(",") if name], args)
+            entry = (run_own(args.family.removeprefix(OWN), names, args) if args.family.startswith(OWN)
+                     else run_family(family(args.family, args.small), names, args))
         except Exception:  # noqa: BLE001 - recorded as the family's error; the run goes on
             entry = {"error": traceback.format_exc()}
         write_report(args.part, entry)
@@ -562,16 +595,17 @@ def main() -> None:
                      "modules globally), taking its turn in the same rounds",
         "targets": {"mplan_vs_best_peer": TARGET_VS_BEST_PEER, "peak_vs_lowest_peer": TARGET_PEAK_VS_LOWEST_PEER,
                     "loss_step_rtol": LOSS_STEP_RTOL, "loss_mean_rtol": LOSS_MEAN_RTOL},
-        "families": {},
+        "families": {}, "own": {},
     }
     with tempfile.TemporaryDirectory() as scratch:
-        for name in args.families.split(","):
+        for name in [n for n in args.families.split(",") if n] + [OWN + kind for kind in args.own.split(",") if kind]:
+            table, key = (report["own"], name.removeprefix(OWN)) if name.startswith(OWN) else (report["families"], name)
             if clock.elapsed() > args.budget_s:
-                report["families"][name] = {"error": f"skipped: past the {args.budget_s:.0f} s budget"}
+                table[key] = {"error": f"skipped: past the {args.budget_s:.0f} s budget"}
             else:
                 clock.log(f"{name}: starting")
-                report["families"][name] = run_family_process(name, args, os.path.join(scratch, f"{name}.json"))
-                report["gpu"] = report["gpu"] or report["families"][name].get("gpu")
+                table[key] = run_family_process(name, args, os.path.join(scratch, f"{name.replace(':', '_')}.json"))
+                report["gpu"] = report["gpu"] or table[key].get("gpu")
             report["wall_s"] = round(clock.elapsed(), 1)
             write_report(args.out, report)  # after every family: a later one's failure loses nothing
     clock.log(f"wrote {args.out}")
