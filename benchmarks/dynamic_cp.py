@@ -1,6 +1,9 @@
 """Dynamic context parallelism (issue 34, item 4), predicted: what a CP size chosen per unit of
 work from its documents' lengths would save over one fixed CP size, on stated length mixes.
-Nothing here is built into the runtime or measured; every figure is a prediction.
+Every figure is a prediction, nothing is measured. The runtime builds the two-size case
+(`runtime.parallel_module.document_layout`: a micro-batch whose documents deal whole onto the cp
+ranks with equal work runs each at cp=1, with no exchange; else over the whole group, exact
+either way: tests/test_context_documents.py); this prices every power-of-two size.
 
     python benchmarks/dynamic_cp.py [--seq-len 131072] [--cp 8] [--sequences 64]
 

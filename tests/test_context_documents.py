@@ -1,6 +1,8 @@
-"""Packed documents (issue 34, item 3): with document ids, no token attends across documents, at
-cp=1 and cp=2, and training is the same as running each document on its own; under cp each
-micro-batch is split so the ranks' attention work (quadratic in each document's length) is equal.
+"""Packed documents (issue 34, items 3 and 4): with document ids, no token attends across
+documents, at cp=1 and cp=2, and training is the same as running each document on its own; under
+cp each micro-batch is split so the ranks' attention work (quadratic in each document's length) is
+equal, or, where its documents deal whole onto the ranks with equal work, runs each document at
+cp=1 with no exchange (dynamic CP between 1 and the plan's cp, chosen per micro-batch).
 
 Equivalence: `autoparallel(..., document_mask=True)` and `train_step(ids, labels, doc_ids=)`,
 3 AdamW steps with active clipping in float64 on 2 gloo ranks, against one process that runs
@@ -29,19 +31,22 @@ from test_equivalence import MAX_NORM, OPTIMIZER, TOL, errors, family
 LLAMA = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,vocab=64,seq=16"
 SEQ, VOCAB, STEPS = 16, 64, 3
 LENGTHS = [[5, 8, 3], [10, 6], [16], [2, 2, 12]]  # documents of each packed row
+# dynamic CP: the first micro-batch's documents deal whole onto the two ranks (each at cp=1, no
+# exchange), the second's cannot (a document of 10 tokens is longer than a rank's 8): cp=2
+DYNAMIC = [[4, 4, 4, 4], [4, 4, 4, 4], [10, 6], [10, 6]]
 
 
-def _data() -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+def _data(lengths: list[list[int]] = LENGTHS) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     from mplan.ir.attention_mask import doc_ids_from_lengths
 
     generator = torch.Generator().manual_seed(0)
     data = []
     for _ in range(STEPS):
-        ids = torch.randint(0, VOCAB, (len(LENGTHS), SEQ), generator=generator)
-        labels = torch.randint(0, VOCAB, (len(LENGTHS), SEQ), generator=generator)
+        ids = torch.randint(0, VOCAB, (len(lengths), SEQ), generator=generator)
+        labels = torch.randint(0, VOCAB, (len(lengths), SEQ), generator=generator)
         labels[0, 4] = labels[3, 0] = -100  # the ranks count different tokens
         data.append((ids, labels))
-    return data, doc_ids_from_lengths(LENGTHS)
+    return data, doc_ids_from_lengths(lengths)
 
 
 def _separately(make: Any, data: list, lengths: list[list[int]]) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -69,19 +74,20 @@ def _separately(make: Any, data: list, lengths: list[list[int]]) -> tuple[list[f
     return losses, {name: p.detach() for name, p in model.named_parameters()}
 
 
-def _packed(plan: str, *, micro_batch_size: int | None = None) -> dict[str, Any]:
+def _packed(plan: str, *, micro_batch_size: int | None = None, lengths: list[list[int]] = LENGTHS) -> dict[str, Any]:
     import mplan
 
     make = family(LLAMA)
-    data, doc_ids = _data()
-    pm = mplan.autoparallel(make(), example_inputs=(data[0][0],), optimizer=OPTIMIZER, global_batch=len(LENGTHS),
+    data, doc_ids = _data(lengths)
+    pm = mplan.autoparallel(make(), example_inputs=(data[0][0],), optimizer=OPTIMIZER, global_batch=len(lengths),
                             plan=plan, max_grad_norm=MAX_NORM, document_mask=True,
                             micro_batch_size=micro_batch_size)
     losses, norms = [], []
     for ids, labels in data:
         losses.append(pm.train_step(ids, labels, doc_ids=doc_ids))
         norms.append(pm.last_grad_norm)
-    return {**errors(pm, losses, norms, _separately(make, data, LENGTHS)), "cp": pm.plan.mesh.cp}
+    return {**errors(pm, losses, norms, _separately(make, data, lengths)), "cp": pm.plan.mesh.cp,
+            "sizes": pm.last_context_sizes}
 
 
 def documents_cp1() -> dict[str, Any]:
@@ -94,6 +100,10 @@ def documents_cp2() -> dict[str, Any]:
 
 def documents_cp2_ring() -> dict[str, Any]:
     return _packed("cp=2,cp_method=ring")
+
+
+def documents_dynamic_cp() -> dict[str, Any]:
+    return _packed("cp=2,cp_method=ring", micro_batch_size=2, lengths=DYNAMIC)
 
 
 def refuses_doc_ids_without_document_mask() -> str:
@@ -162,8 +172,8 @@ def train_with_documents() -> dict[str, Any]:
     return {**losses, "documents_per_row": [int(d[-1]) + 1 for d in docs]}
 
 
-CHECKS = [documents_cp1, documents_cp2, documents_cp2_ring, refuses_doc_ids_without_document_mask,
-          train_with_documents]
+CHECKS = [documents_cp1, documents_cp2, documents_cp2_ring, documents_dynamic_cp,
+          refuses_doc_ids_without_document_mask, train_with_documents]
 
 
 @pytest.fixture(scope="module")
@@ -171,11 +181,14 @@ def world2() -> Any:
     return run_checks(2, CHECKS, timeout_s=600)
 
 
-@pytest.mark.parametrize("check,cp", [(documents_cp1, 1), (documents_cp2, 2), (documents_cp2_ring, 2)])
-def test_packed_documents_train_as_separate_documents(world2: Any, check: Any, cp: int) -> None:
+@pytest.mark.parametrize("check,cp,sizes", [(documents_cp1, 1, [1]), (documents_cp2, 2, [2, 2]),
+                                            (documents_cp2_ring, 2, [2]), (documents_dynamic_cp, 2, [1, 2])])
+def test_packed_documents_train_as_separate_documents(world2: Any, check: Any, cp: int, sizes: list[int]) -> None:
+    """`sizes`: the cp each micro-batch ran at; dynamic CP's step runs one micro-batch with every
+    document on one rank (no exchange) and one over both ranks, and is exact all the same."""
     for rank, result in enumerate(world2.assert_passed(check)):
         assert result["cp"] == cp and result["loss"] < TOL and result["param"] < TOL, f"rank {rank}: {result}"
-        assert result["clipped"], result
+        assert result["clipped"] and result["sizes"] == sizes, result
 
 
 def test_mplan_train_masks_documents_under_cp2(world2: Any) -> None:
@@ -216,7 +229,8 @@ def test_document_split_balances_attention_work(seq_len: int, cp: int) -> None:
         doc_ids = doc_ids_from_lengths(packed_mix(seq_len, seed))
         worst_head_tail = max(worst_head_tail, imbalance(num_visible_pairs(head_tail(seq_len, cp), doc_ids=doc_ids)))
         plan = _plan_stub(seq_len, cp)
-        chosen = document_layout(plan, doc_ids.unsqueeze(0))
+        chosen, local = document_layout(plan, doc_ids.unsqueeze(0))
+        assert not local  # documents up to the whole sequence: no deal of whole documents is balanced
         worst_chosen = max(worst_chosen, imbalance(num_visible_pairs(chosen, doc_ids=doc_ids)))
     assert worst_head_tail > 0.4, worst_head_tail
     assert worst_chosen <= 0.05, worst_chosen

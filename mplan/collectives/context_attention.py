@@ -68,7 +68,7 @@ from mplan.collectives.redistribute import all_to_all, gather_sequence
 from mplan.ir.attention_mask import CAUSAL, AttentionMask, document_ids, visible
 from mplan.ir.context_layout import ContextLayout
 
-__all__ = ["METHODS", "context_attention"]
+__all__ = ["METHODS", "context_attention", "local_attention"]
 
 ProcessGroup = dist.ProcessGroup
 Method = Literal["all_gather", "ring", "all_to_all"]
@@ -319,3 +319,14 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layo
     if method == "ring":
         return _RingAttention.apply(q, k, v, _Ring(group=group, rank=rank, size=size), layout, scores)
     return _ulysses(q, k, v, group, layout, scores)
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, positions: torch.Tensor,
+                    mask: AttentionMask = CAUSAL, doc_ids: torch.Tensor | None = None, scale: float | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """Attention of this rank's tokens (at global `positions`) against its own keys only: no
+    collective. Exact where no visible key of these queries is on another rank, as under
+    `context_layout.whole_documents` (every document on one rank)."""
+    docs = None if doc_ids is None else document_ids(doc_ids, doc_ids.shape[-1]).to(q.device)
+    scores = _Scores(mask=mask, scale=q.shape[-1] ** -0.5 if scale is None else scale, softcap=softcap, doc_ids=docs)
+    return _attend(q, k, v, scores.visible(positions, positions), scores)

@@ -11,6 +11,8 @@ the attention work of that split is. Pure data and arithmetic: no process group.
     head_tail(seq_len, cp)              2cp chunks; rank r holds chunk r and chunk 2cp-1-r
     balance_attention(seq_len, cp, mask=, doc_ids=)   chunks dealt so each rank's attention
                                         work is equal (packed documents, sliding windows)
+    whole_documents(seq_len, cp, doc_ids)   each rank whole documents only, balanced, or None:
+                                        no key any rank needs is elsewhere (dynamic CP's cp=1)
     num_visible_pairs(layout, mask, doc_ids)  per rank: unmasked (query, key) pairs of its queries
     imbalance(work)                     max / mean - 1
 
@@ -53,7 +55,8 @@ import torch
 
 from mplan.ir.attention_mask import CAUSAL, AttentionMask, keys_per_query
 
-__all__ = ["ContextLayout", "balance_attention", "contiguous", "head_tail", "imbalance", "num_visible_pairs"]
+__all__ = ["ContextLayout", "balance_attention", "contiguous", "head_tail", "imbalance", "num_visible_pairs",
+           "whole_documents"]
 
 Span = tuple[int, int]
 
@@ -213,3 +216,39 @@ def balance_attention(seq_len: int, cp: int, *, mask: AttentionMask = CAUSAL, do
         raise ValueError(f"balance_attention: {seq_len} tokens do not split into {cp} equal pieces "
                          f"({seq_len} % {cp} = {seq_len % cp})")
     return best[1]
+
+
+def whole_documents(seq_len: int, cp: int, doc_ids: torch.Tensor, *, tolerance: float = 0.05) -> ContextLayout | None:
+    """A layout giving every rank whole documents only, S / cp tokens each, with causal attention
+    work within `tolerance` of equal; None when no such deal is found. Under it no query has a
+    visible key on another rank, so attention runs on each rank alone: each document at cp=1, the
+    cp ranks acting as data parallelism over documents (dynamic CP's smallest size). Documents
+    are dealt largest first to the least-loaded rank with room (`doc_ids` [S], or [rows, S] with
+    the same documents in every row: one layout serves the rows)."""
+    rows = doc_ids.reshape(1, -1) if doc_ids.dim() == 1 else doc_ids
+    if rows.shape[1] != seq_len or seq_len % cp or not bool((rows == rows[:1]).all()):
+        return None
+    starts = [0] + [int(i) + 1 for i in (rows[0, 1:] != rows[0, :-1]).nonzero().flatten()]
+    spans = [(a, b) for a, b in zip(starts, starts[1:] + [seq_len])]
+    room, load = [seq_len // cp] * cp, [0] * cp
+    owned: list[list[Span]] = [[] for _ in range(cp)]
+    for a, b in sorted(spans, key=lambda span: (span[0] - span[1], span[0])):
+        fits = [r for r in range(cp) if room[r] >= b - a]
+        if not fits:
+            return None
+        r = min(fits, key=lambda r: (load[r], r))
+        owned[r].append((a, b))
+        room[r] -= b - a
+        load[r] += (b - a) * (b - a + 1) // 2
+    if imbalance(load) > tolerance:
+        return None
+    merged = []
+    for own in owned:
+        runs: list[list[int]] = []
+        for a, b in sorted(own):
+            if runs and runs[-1][1] == a:
+                runs[-1][1] = b
+            else:
+                runs.append([a, b])
+        merged.append(tuple((a, b) for a, b in runs))
+    return ContextLayout(seq_len=seq_len, spans=tuple(merged))

@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from mplan.collectives.context_attention import METHODS, context_attention
+from mplan.collectives.context_attention import METHODS, context_attention, local_attention
 from mplan.collectives.redistribute import AxisGroup, all_reduce_no_grad
 from mplan.ir.attention_mask import AttentionMask
 from mplan.ir.context_layout import ContextLayout
@@ -75,6 +75,7 @@ class ContextBatch:
 
     layout: ContextLayout | None = None
     doc_ids: torch.Tensor | None = None  # [rows, S] of the whole sequence, never decreasing along a row
+    local: bool = False  # every document on one rank (`context_layout.whole_documents`): no exchange
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -105,6 +106,9 @@ class ContextAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         c = self.lowering
+        if c.batch.local:
+            return local_attention(q, k, v, positions=c.positions(q.device), mask=self.mask, doc_ids=c.batch.doc_ids,
+                                   scale=self.scale, softcap=self.softcap)
         return context_attention(q, k, v, layout=c.current(), group=c.axis.group if c.axis.size > 1 else None,
                                  method=c.method, mask=self.mask, doc_ids=c.batch.doc_ids,  # type: ignore[arg-type]
                                  scale=self.scale, softcap=self.softcap)

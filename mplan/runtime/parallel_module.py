@@ -72,7 +72,7 @@ from torch import nn
 from mplan.collectives.flat import broadcast_tensor
 from mplan.collectives.redistribute import AxisGroup, apply_transition
 from mplan.ir.attention_mask import document_ids
-from mplan.ir.context_layout import ContextLayout, balance_attention, head_tail
+from mplan.ir.context_layout import ContextLayout, balance_attention, head_tail, whole_documents
 from mplan.ir.graph import Graph
 from mplan.ir.placement import R, Shard
 from mplan.ir.rebatch import rebatch
@@ -219,13 +219,19 @@ def context_layout(plan: Plan) -> ContextLayout:
     return head_tail(plan.model.seq_len, plan.mesh.cp)
 
 
-def document_layout(plan: Plan, doc_ids: torch.Tensor) -> ContextLayout:
-    """The layout of a micro-batch of packed documents (`doc_ids` [rows, S]): chunks dealt so
-    every cp rank has near-equal causal attention work within documents (quadratic in each
-    document's length), equal token counts (`context_layout.balance_attention`)."""
+def document_layout(plan: Plan, doc_ids: torch.Tensor) -> tuple[ContextLayout, bool]:
+    """The layout of a micro-batch of packed documents (`doc_ids` [rows, S]) and whether its
+    documents each run on one rank. Dynamic CP between two sizes: where whole documents deal onto
+    the cp ranks with balanced work (`context_layout.whole_documents`), each document runs at
+    cp=1 and no keys or values move (True); else chunks dealt so every cp rank has near-equal
+    causal attention work within documents, quadratic in each document's length
+    (`context_layout.balance_attention`), over the whole cp group (False)."""
     if plan.mesh.cp == 1:
-        return context_layout(plan)
-    return balance_attention(plan.model.seq_len, plan.mesh.cp, doc_ids=doc_ids)
+        return context_layout(plan), True
+    whole = whole_documents(plan.model.seq_len, plan.mesh.cp, doc_ids)
+    if whole is not None:
+        return whole, True
+    return balance_attention(plan.model.seq_len, plan.mesh.cp, doc_ids=doc_ids), False
 
 
 def context_lowering(plan: Plan, groups: ProcessGroups, *, documents: bool = False) -> ContextLowering | None:
@@ -320,6 +326,7 @@ class ParallelModule:
         self.device, self.max_grad_norm, self.autocast, self.kernels = device, max_grad_norm, autocast, kernels
         self.fp8, self.experts = fp8, experts
         self.context = context  # its `batch` is set per micro-batch of packed documents
+        self.last_context_sizes: list[int] = []  # the cp size each micro-batch of the last document step ran at
         self.pipeline = pipeline  # None: one stage, the flat program runs each micro-batch
         self._forward = inference
         # by rows: the local program, or under a pipeline plan the stages of it
@@ -472,7 +479,8 @@ class ParallelModule:
 
     def _document_step(self, inputs: Batch, labels: torch.Tensor, *, local: bool, doc_ids: torch.Tensor) -> float:
         """`_step` for packed documents: each micro-batch runs under its own layout, balanced for
-        its documents, with its document ids set on the program's context modules."""
+        its documents, with its document ids set on the program's context modules, and at the cp
+        size `document_layout` chooses for it (`last_context_sizes`)."""
         if self.context is None or self.executor is not None:
             raise ValueError("train_step(doc_ids=...) needs a module whose attention takes documents "
                              "(autoparallel(..., document_mask=True), or any cp > 1) and no pipeline stages")
@@ -492,16 +500,18 @@ class ParallelModule:
         micro, batches = [], []
         for i in range(count):
             *own, docs = (t[i * mbs:(i + 1) * mbs] for t in tensors)
-            layout = document_layout(self.plan, docs)
+            layout, local = document_layout(self.plan, docs)
             micro.append(tuple(layout.split(t, 1, self.groups.cp_rank).to(self.device) for t in own))
-            batches.append((layout, docs.to(self.device)))
+            batches.append((layout, docs.to(self.device), local))
+        self.last_context_sizes = [1 if local else self.plan.mesh.cp for _, _, local in batches]
         try:
             return self._flat_step(micro, batches)
         finally:
             self.context.batch.layout = self.context.batch.doc_ids = None
+            self.context.batch.local = False
 
     def _flat_step(self, micro: list[tuple[torch.Tensor, ...]],
-                   batches: list[tuple[ContextLayout, torch.Tensor]] | None = None) -> float:
+                   batches: list[tuple[ContextLayout, torch.Tensor, bool]] | None = None) -> float:
         """The step of a plan without pipeline stages over its micro-batches (`batches`: each
         one's layout and documents)."""
         count = len(micro)
@@ -510,7 +520,7 @@ class ParallelModule:
             for i, one in enumerate(micro):
                 self.position.micro_batch(i)
                 if batches is not None and self.context is not None:
-                    self.context.batch.layout, self.context.batch.doc_ids = batches[i]
+                    self.context.batch.layout, self.context.batch.doc_ids, self.context.batch.local = batches[i]
                 with self._autocast():
                     loss = self.program(*self._feed(self.program, one))
                 if i == count - 1:
