@@ -144,6 +144,18 @@ def _mixtral_skewed(data: dict) -> tuple[str, ...]:
     return _mesh(auto), fixed(auto["predicted"]["step_time_s"], 2), fixed(forced["predicted"]["step_time_s"], 2)
 
 
+def _context_plans(data: dict) -> tuple[str, ...]:
+    """The 8B and 405B-class plans at 131072 tokens, each beside its best plan without cp."""
+    small, large = data["jobs"]["llama3-8b-shape"], data["jobs"]["llama3-405b-shape"]
+    chosen, without = small["chosen"], small["best_without_cp"]
+    big, big_without = large["chosen"], large["best_without_cp"]
+    return (str(chosen["mesh"]["cp"]), fixed(chosen["step_time_s"]), fixed(chosen["memory_gib"]), percent(chosen["mfu"]),
+            fixed(without["step_time_s"]), percent(without["step_time_s"] / chosen["step_time_s"] - 1, 0, sign=True),
+            str(big["mesh"]["cp"]), str(big["mesh"]["tp"]), str(big["mesh"]["pp"]), fixed(big["step_time_s"]),
+            fixed(big["memory_gib"]), percent(big["mfu"]), fixed(big_without["step_time_s"]),
+            fixed(large["cp_speedup"]), percent(big_without["bubble_fraction"], 0))
+
+
 def _megatron(data: dict) -> tuple[str, ...]:
     rows, spread = _rows(data), data["candidate_spread"]
     return (percent(data["max_abs_error"]), percent(data["mean_abs_error"]),
@@ -439,6 +451,10 @@ CLAIMS: tuple[Claim, ...] = (
     Claim(doc="README.md", source="bench_mixtral-8x7b_dgx-h100x8-imbalance1.3-2026-12-05.json",
           figures=lambda data: (fixed(_plan(data, "tp=1,ep=8")["predicted"]["step_time_s"], 2),),
           pattern=r"at 1\.3 ep=8 would take (\S+) s:"),
+    Claim(doc="README.md", source="context_plans-predicted-2026-12-06.json", figures=_context_plans,
+          pattern=r"8B: cp=(\d+) over a ring, .*?: (\S+) s a step, (\S+) GiB and MFU (\S+) per GPU; .*? Without cp the best "
+                  r"is .*?, (\S+) s \((\S+):.*? 405B: cp=(\d+) \(ring\) x tp=(\d+) x pp=(\d+), .*?: (\S+) s, (\S+) GiB, "
+                  r"MFU (\S+) \(.*?: (\S+) s \((\S+)x, bubble (\S+)\)"),
     Claim(doc="README.md", source="megatron-calibration-2026-12-05-dp-pricing.json", figures=_megatron,
           pattern=r"predicted within (\S+) on every row, (\S+) on average \(low on (\d+) of (\d+)\), .* spanning up to "
                   r"(\d+) candidates\. The fastest candidate is within (\S+) / (\S+) on average, the slowest (\S+) / (\S+)\."),
