@@ -136,6 +136,31 @@ def check_zero2_two_sites() -> dict[str, float]:
     return _check_zero(2)
 
 
+def check_an_unused_parameter_across_sites() -> dict[str, float]:
+    """A layer no loss reads: its bucket never completes in backward, so (zero=2) it and the
+    buckets after it wait for the step, their cross-site sums too; sites equal one site."""
+    out = {}
+    for zero in (0, 1, 2):
+        runs = []
+        for sites in (2, 1):
+            groups = _groups(sites)
+            model = _model()
+            unused = nn.Linear(5, 2)  # never called: stepped with a zero gradient, as on one site
+            params = [*_param_groups(model), {"params": list(unused.parameters())}]
+            optimizer = build_optimizer(params, ADAMW, groups, zero=zero, bucket_bytes=SMALL_BUCKET_BYTES)
+            local = GLOBAL_BATCH // groups.mesh.dp
+            for step in range(STEPS):
+                x, y = (t[groups.dp_rank * local:(groups.dp_rank + 1) * local] for t in _batch(step))
+                optimizer.zero_grad()
+                optimizer.before_last_backward()
+                nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step(max_grad_norm=MAX_NORM)
+            runs.append([p.detach().clone() for p in [*model.parameters(), *unused.parameters()]])
+        out[f"zero{zero}"] = max(rel_err(a, b) for a, b in zip(*runs))
+        assert out[f"zero{zero}"] < TO_FLAT, out
+    return out
+
+
 def check_groups_split_dp_into_sites() -> dict[str, object]:
     """The site-local group holds dp / sites replicas of this rank's site, the cross-site group
     one rank per site at this rank's site-local position."""
@@ -160,6 +185,9 @@ def check_one_cross_site_message_per_bucket() -> dict[str, int]:
         sites = optimizer.grad_sync._sites if zero == 0 else optimizer._sites
         buckets = optimizer.grad_sync.num_buckets if zero == 0 else len(optimizer._slots)
         assert sites.link.num_posted == STEPS * buckets, (zero, sites.link.num_posted, buckets)
+        # what crosses is a shard: the padded buckets over the site's replicas, 66 elements in all
+        local = optimizer.groups.site_dp.size()
+        assert sites.link.num_bytes <= STEPS * 8 * (66 // local + buckets), (zero, sites.link.num_bytes)
         in_backward = {0: lambda: optimizer.grad_sync.started_in_backward, 1: lambda: optimizer.started_in_backward,
                        2: lambda: optimizer.crossed_in_backward}[zero]()
         assert in_backward == buckets, (zero, in_backward, buckets)
@@ -295,7 +323,7 @@ def checkpoint_between_sites_and_one_site() -> dict[str, Any]:
 
 
 CHECKS = [check_groups_split_dp_into_sites, check_zero0_two_sites, check_zero1_two_sites, check_zero2_two_sites,
-          check_one_cross_site_message_per_bucket, check_injected_delay_holds_back_the_cross_site_sums,
+          check_an_unused_parameter_across_sites, check_one_cross_site_message_per_bucket, check_injected_delay_holds_back_the_cross_site_sums,
           dp_zero0_gpt, dp_zero1_llama, dp_zero3_llama, tp2_sp_zero1_llama_in_sites, pp2_zero1_gpt_in_sites,
           pp2_zero0_gpt_in_sites, cp2_zero1_llama_in_sites, checkpoint_between_sites_and_one_site]
 

@@ -82,10 +82,13 @@ class CrossSiteLink:
             if self.delay_s > 0 else None
         self.num_posted = 0
         """Cross-site collectives posted so far (messages over the slow link)."""
+        self.num_bytes = 0
+        """Bytes this rank's cross-site all-reduces summed so far (each tensor's size, once)."""
 
     def all_reduce(self, tensor: torch.Tensor) -> _Posted:
         """Sum `tensor` in place over the sites (asynchronous)."""
         self.num_posted += 1
+        self.num_bytes += tensor.numel() * tensor.element_size()
         if self.group is None or self.group.size() == 1:
             return _Posted(None)
         if self._worker is None:
