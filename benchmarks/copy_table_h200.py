@@ -18,7 +18,7 @@ note (the kernel tables stay).
 The packaged h200 profile keeps its one-copy table. Applied to a copy of it (2026-12-03), the
 batched table of benchmarks/results/copy_table_h200-2026-12-02-session6.json brings the fused
 kernels' prices (tests/test_held_out.py, 30 timings) from +0..+25% (RMS 9.4%) to -2.7..+10.6% (RMS
-3.8%), but the unfused eager steps of benchmarks/results/h200_step-2026-11-29.json (h200_calibration.py)
+3.8%), but the unfused eager steps of benchmarks/results/h200_step-2026-11-29.json (step_calibration.py check)
 from -2.5..-7.4% to -3.4..-10.3%: an eager step's hundreds of small ATen ops pay a launch each,
 which the one-copy timings happen to include. Switching needs a per-launch cost in the compute
 model first, so that neither regime is priced by the other's error.

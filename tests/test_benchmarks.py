@@ -135,7 +135,7 @@ def test_single_h200_steps_are_predicted_within_ten_percent(tmp_path: Path) -> N
     """Issue 3's bar on the measured H200 steps (bf16, ZeRO-1 fp32 masters, four 1-3B models):
     step time within 10% and peak memory within 5%, today's cost model against that run."""
     out = tmp_path / "calibration.json"
-    _run("h200_calibration.py", str(RESULTS / "h200_step-2026-11-29.json"), "-o", str(out))
+    _run("step_calibration.py", "check", str(RESULTS / "h200_step-2026-11-29.json"), "-o", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 4
     for row in rows:
