@@ -101,8 +101,9 @@ LAYOUTS = {"flat": "dp=4,mbs={mbs},zero=0,sites=1", "hierarchical": "dp=4,mbs={m
 each site, the shards all-reduced across, all-gather in each site (mplan/runtime/hierarchical_reduce.py)."""
 UNSHAPED_MBIT = 10_000.0
 """What the planner is told of an unshaped veth (`none:` settings), Mbit/s: a placeholder, not measured."""
-DEFAULT_SETTINGS = ("100:5", "1000:20")
-"""`rate_mbit:delay_ms` pairs: 100 Mbit/s with 5 ms, 1 Gbit/s with 20 ms (one way)."""
+DEFAULT_SETTINGS = ("100:5", "1000:20", "1000:50")
+"""`rate_mbit:delay_ms` pairs (one-way delay): bandwidth-bound (100 Mbit/s, 5 ms), where the
+planner's flat and hierarchical prices tie (1 Gbit/s, 20 ms), and latency-bound (1 Gbit/s, 50 ms)."""
 MASTER_PORT = 29513
 PAYLOAD_FRACTION = 1448 / 1514
 """TCP payload per full Ethernet frame on a 1500-byte MTU with timestamps (tbf counts the frame)."""
