@@ -56,6 +56,13 @@ bytes site0's veth sent meanwhile (whole frames):
     hierarchical   dp=4,sites=2: reduce-scatter inside each site, the shards all-reduced across
                    the sites, all-gather inside each site (mplan/runtime/hierarchical_reduce.py)
     chosen         the planner's own plan, when it is neither of those
+`site_sent_bytes` is what site0's veth counted as sent over a step: frames, headers included
+(once per segment of up to 64 KB where the kernel hands the veth large segments, so the payload
+is between the figure x `PAYLOAD_FRACTION`, which `site_sent_payload_bytes_measured` takes, and
+the figure itself). `injected_s` adds the latency given to a step's cross-site messages: the
+gradients' (flat: the 4-rank ring, 3 crossings a bucket; hierarchical: the 2-rank all-reduce of
+the shards, 2) and the loss's average over dp, a 4-rank all-reduce across the sites in both
+layouts (3), which the planner does not price.
 Beside them, the planner's predictions for the same cluster (`two_site_cluster`: this machine's
 measured 4-rank CPU profile for the ranks inside a site, the emulated link between the sites),
 which layout it chose, and whether that one measured fastest. The runtime's own latency switch
