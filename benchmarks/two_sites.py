@@ -15,8 +15,8 @@ collide, and removed in a `finally` on success, failure, Ctrl-C, SIGTERM or `--t
 The veth is created directly inside the namespaces (`ip link add ... netns`), so nothing ever
 appears in the host's namespace, and the two namespaces have no other interface and no route
 out: the ranks' traffic stays between them. Deleting the namespaces deletes the pair and its
-qdiscs. A run killed with SIGKILL cannot clean up; the next run deletes namespaces whose creating
-process is gone (`_remove_stale`).
+qdiscs. A run killed with SIGKILL cannot clean up: its ranks die with it (`_die_with_parent`), and
+the next run deletes namespaces whose creating process is gone (`_remove_stale`).
 
 Ranks: world 4, ranks 0-1 in site0 and 2-3 in site1, each started as `ip netns exec SITE python
 this-file --worker ...` with MASTER_ADDR the site0 veth address (rank 0's TCP store listens
@@ -169,14 +169,26 @@ def _namespaces() -> list[str]:
 
 
 def _remove_stale() -> list[str]:
-    """Delete namespaces left by a harness that died without its `finally` (SIGKILL)."""
+    """Delete namespaces left by a harness that died without its `finally` (SIGKILL), and stop
+    what still runs in them (its ranks die with it, `_die_with_parent`, unless that failed)."""
     removed = []
     for name in _namespaces():
         match = re.fullmatch(rf"{PREFIX}-(\d+)-[0-9a-f]+-site\d", name)
         if match and not Path(f"/proc/{match.group(1)}").exists():
+            for pid in _ip("netns", "pids", name, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
             _ip("netns", "del", name, check=False)
             removed.append(name)
     return removed
+
+
+def _die_with_parent() -> None:
+    """In a rank, before exec: the kernel kills it when the harness dies, even by SIGKILL
+    (PR_SET_PDEATHSIG survives `ip netns exec`'s exec of python)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 class TwoSites:
@@ -257,7 +269,8 @@ def run_ranks(sites: TwoSites, worker_args: Sequence[str], *, timeout_s: float, 
             with open(logs / f"rank{rank}.out", "w") as out, open(logs / f"rank{rank}.err", "w") as err:
                 procs.append(subprocess.Popen(["ip", "netns", "exec", sites.namespaces[site], sys.executable,
                                                __file__, "--worker", *worker_args],
-                                              env=env, stdout=out, stderr=err, cwd=REPO, start_new_session=True))
+                                              env=env, stdout=out, stderr=err, cwd=REPO, start_new_session=True,
+                                              preexec_fn=_die_with_parent))
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs):
             failed = [rank for rank, p in enumerate(procs) if p.returncode not in (None, 0)]

@@ -1,7 +1,8 @@
 """benchmarks/two_sites.py builds two network namespaces joined by a rate-limited veth pair, runs
 gloo ranks in them (the link measured against what was set, flat and hierarchical DP trained on a
 tiny Llama), and leaves nothing behind: not after a run, not after its ranks fail, not after
-Ctrl-C. Needs root and a kernel with network namespaces (skipped with the reason otherwise)."""
+Ctrl-C; killed outright, it leaves no rank running and the next run removes its namespaces.
+Needs root and a kernel with network namespaces (skipped with the reason otherwise)."""
 from __future__ import annotations
 
 import json
@@ -77,4 +78,22 @@ def test_ctrl_c_leaves_no_namespaces() -> None:
     run.send_signal(signal.SIGINT)
     _, err = run.communicate(timeout=30)
     assert run.returncode != 0 and "namespaces are removed" in err, err[-3000:]
+    assert two_sites.namespaces_of(run.pid) == []
+
+
+def test_a_run_killed_outright_takes_its_ranks_along_and_the_next_run_removes_its_namespaces() -> None:
+    run = _start("--settings", "10:0", "--probe-only", "--timeout", "60")
+    deadline = time.monotonic() + 20
+    while not two_sites.namespaces_of(run.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = two_sites.namespaces_of(run.pid)
+    assert left, "the run never built its namespaces"
+    time.sleep(1.0)
+    run.kill()  # SIGKILL: no finally runs
+    run.communicate(timeout=30)
+    time.sleep(0.5)
+    assert two_sites.namespaces_of(run.pid) == left  # left behind, as nothing could remove them
+    for name in left:  # but nothing runs in them: the ranks died with the harness
+        assert subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split() == []
+    assert set(left) <= set(two_sites._remove_stale())  # what every run does first
     assert two_sites.namespaces_of(run.pid) == []
