@@ -7,9 +7,9 @@ tiny config; tests/test_fusion_hf.py and tests/test_fusion_forms.py test the for
     gemma2     soft-capped logits (final_logit_softcapping 30) into the head + loss, GeGLU,
                sandwich norms; eager attention (transformers has no SDPA path for Gemma-2)
     phi3       packed qkv_proj and gate_up_proj weights
-    qwen3      q/k RMSNorm per head (Qwen3-0.6B's real shape)
-    gemma3     q/k norms, GeGLU, 262k vocabulary (Gemma-3-1B's shape; sliding_window 4096 >= the
-               sequence, so every layer attends causally in full)
+    qwen3      q/k RMSNorm per head (Qwen3-1.7B's widths, 12 layers)
+    gemma3     q/k norms, GeGLU, 262k vocabulary (Gemma-3-1B's widths, 12 layers; sliding_window
+               4096 >= the sequence, so every layer attends causally in full)
     granite    embedding, residual, attention and logits multipliers (logits_scaling 8)
     olmo2      norms after the sublayers, q/k RMSNorm over all heads
     qwen3_moe  mixture of experts (64 experts, top 8) with a sparse block on every layer
@@ -21,6 +21,9 @@ Only llama was benchmarked before. Batches: 2 x 2048 tokens where the vocabulary
 eager peers materialize [tokens, vocab] logits in fp32), 4 x 2048 above 100k, 8 x 2048 below, but
 4 x 2048 for llama's 22 layers: four systems stay resident on one 80 GB card (about 8 bytes a
 parameter each: bf16 weights, gradients and AdamW's two moments) beside one system's activations.
+Depth is 8-12 layers but for llama: torch.compile's cold warm-up grows with the layers (87 s for a
+26-layer Gemma-3 on the H200, benchmarks/results/peers-2026-12-06.json, where qwen3 at 28 layers and
+gemma3 ran past a 130 s family timeout), and each family should fit about a minute and a half.
 """
 from __future__ import annotations
 
@@ -89,10 +92,10 @@ def families(small: bool) -> tuple[Family, ...]:
                 intermediate_size=5632, vocab_size=32064, pad_token_id=0, tie_word_embeddings=False,
                 max_position_embeddings=4096),
         _family("qwen3", "Qwen3Config", "Qwen3ForCausalLM", True, small=small,
-                num_hidden_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960),
+                num_hidden_layers=12, hidden_size=2048, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960),
         _family("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", True, small=small,
-                num_hidden_layers=26, hidden_size=1152, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                num_hidden_layers=12, hidden_size=1152, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
                 intermediate_size=6912, vocab_size=262144, sliding_window=4096, tie_word_embeddings=True,
                 max_position_embeddings=32768),
         _family("granite", "GraniteConfig", "GraniteForCausalLM", True, small=small,
