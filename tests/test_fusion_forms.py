@@ -146,8 +146,9 @@ def test_a_soft_cap_after_a_scaling_or_logits_used_elsewhere_are_reported_not_fu
 
 def test_inspect_reports_per_family_what_fused_and_what_missed_and_why(tmp_path, capsys) -> None:  # noqa: ANN001
     """`mplan inspect` on a config.json: Phi-3's decoder layer fuses whole, as Llama's; GPT-NeoX's
-    rotates a quarter of each head (partial rotary_dim): RoPE fuses on that slice but cannot pair
-    into rope_qk, and the document says so."""
+    rotates a quarter of each head (partial rotary_dim): RoPE on q and k still pairs into rope_qk
+    (rotated part in the kernel, the rest passed through), and no miss is reported for it, nor
+    for StableLM's; a near miss (Mistral's sliding window) is printed with its reason."""
     from mplan.planner.planning import capture_spec
     from mplan.summary import summarize
 
@@ -161,14 +162,24 @@ def test_inspect_reports_per_family_what_fused_and_what_missed_and_why(tmp_path,
     transformers.GPTNeoXConfig(**neox).save_pretrained(tmp_path / "neox")
     doc = summarize(capture_spec(str(tmp_path / "neox"), batch=2, seq_len=12), per_op=False)
     block = doc["fusion"][0]
-    assert "rope" in {f["kernel"] for f in block["fused"]}
-    (skipped,) = [s for s in block["skipped"] if s["kernel"] == "rope_qk"]
-    assert "partial rotary_dim" in skipped["why"]
+    kernels = {f["kernel"] for f in block["fused"]}
+    assert "rope_qk" in kernels and "rope" not in kernels
+    assert not [s for s in block["skipped"] if s["kernel"] in ("rope", "rope_qk")]
     from mplan.cli import main
 
-    assert main(["inspect", str(tmp_path / "neox"), "--batch", "2", "--seq-len", "12"]) == 0
+    # StableLM (a quarter rotated) prints rope_qk fused and no miss; a sliding window's attention
+    # is a near miss, printed with its reason
+    transformers.StableLmConfig(**SHAPE, partial_rotary_factor=0.25).save_pretrained(tmp_path / "stablelm")
+    assert main(["inspect", str(tmp_path / "stablelm"), "--batch", "2", "--seq-len", "12"]) == 0
     printed = " ".join(capsys.readouterr().out.split())
-    assert f"rope_qk missed x{skipped['count']}: {' '.join(skipped['why'].split())}" in printed
+    assert "rope_qk x1" in printed and "missed" not in printed
+    transformers.MistralConfig(**SHAPE, sliding_window=4).save_pretrained(tmp_path / "mistral")
+    doc = summarize(capture_spec(str(tmp_path / "mistral"), batch=2, seq_len=12), per_op=False)
+    (skipped,) = doc["fusion"][0]["skipped"]
+    assert skipped["kernel"] == "attention" and "sliding window" in skipped["why"]
+    assert main(["inspect", str(tmp_path / "mistral"), "--batch", "2", "--seq-len", "12"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"attention missed x{skipped['count']}: {' '.join(skipped['why'].split())}" in printed
 
 
 # -- under the Triton interpreter (tests/test_kernels.py::test_interpreter_suite) -----------------

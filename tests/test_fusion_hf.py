@@ -30,6 +30,10 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, {"head_dim": 8}),
+    # partial rotary: RoPE on the first rot_dim of each head vector, the rest concatenated back
+    "stablelm": (transformers.StableLmConfig, transformers.StableLmForCausalLM, {"partial_rotary_factor": 0.25}),
+    "phi": (transformers.PhiConfig, transformers.PhiForCausalLM, {"partial_rotary_factor": 0.5}),
+    "gpt_neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM, {"rotary_pct": 0.25}),
 }
 
 COVERAGE = {
@@ -46,7 +50,17 @@ COVERAGE = {
     # Gemma: (1 + weight) norms with type_as; its GELU-tanh gated MLP
     "gemma": {"rms_norm": 1, "rms_norm_residual": 4, "linear_group": 2, "rope_qk": 2, "attention": 2,
               "linear_geglu": 2, "linear_cross_entropy": 1},
+    # partial rotary (a quarter, a half, a quarter of each head): the slice, the rotation and the
+    # concatenation of q and of k in one rope_qk (rot_dim 2, 4, 2 of head_dim 8); LayerNorms
+    # with their residual adds; Phi and GPT-NeoX run attention and MLP in parallel off one norm
+    "stablelm": {"layer_norm_residual": 4, "linear_group": 2, "rope_qk": 2, "attention": 2, "linear_swiglu": 2,
+                 "linear_cross_entropy": 1},
+    "phi": {"layer_norm_residual": 2, "rope_qk": 2, "attention": 2, "linear_cross_entropy": 1},
+    "gpt_neox": {"layer_norm_residual": 2, "rope_qk": 2, "attention": 2, "linear_cross_entropy": 1},
 }
+
+ROT_DIMS = {"stablelm": 2, "phi": 4, "gpt_neox": 2}
+"""rot_dim of the partial-rotary families at SHAPE's head_dim 8."""
 
 
 class _Loss(nn.Module):
@@ -101,6 +115,19 @@ def test_each_family_fuses_as_expected_and_trains_exactly_like_its_unfused_progr
     assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=0)
     for name, grad in ref_grads.items():
         assert (grads[name] - grad).norm() <= 1e-6 * grad.norm() + 1e-12, name
+
+
+@pytest.mark.parametrize("family", list(ROT_DIMS))
+def test_partial_rotary_pairs_into_one_rope_qk_with_its_rot_dim(family: str) -> None:
+    """q and k each sliced at rot_dim, rotated and concatenated with their rest: one rope_qk call
+    per layer takes the whole q and k with the rot_dim-wide tables; no slice or cat of them is left."""
+    ids, labels = _batch()
+    fused = fuse_kernels(_export(_build(family), ids, labels))
+    calls = [node for node in fused.graph.nodes if node.target is rope_qk]
+    assert [node.kwargs["rot_dim"] for node in calls] == [ROT_DIMS[family]] * SHAPE["num_hidden_layers"]
+    for node in calls:
+        assert node.args[0].meta["val"].shape[-1] == 8 and node.args[2].meta["val"].shape[-1] == ROT_DIMS[family]
+    assert not any(node.target is aten.cat.default and node.meta["val"].dim() == 4 for node in fused.graph.nodes)
 
 
 def test_the_fused_head_and_loss_runs_in_the_chunks_the_plan_names() -> None:

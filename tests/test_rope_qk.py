@@ -240,3 +240,71 @@ def test_interpreted_tables_that_require_grad_take_the_reference_as_rope_does() 
     got = torch.autograd.grad((q_out.sum(), k_out.sum()), (cos, sin))
     want = torch.autograd.grad([o.sum() for o in rope_qk_reference(q, k, cos, sin)], (cos, sin))
     assert all(torch.allclose(g, w) for g, w in zip(got, want))
+
+
+# --- partial rotary: RoPE on the first rot_dim of each head vector, the rest passed through ----
+
+PARTIAL_HEAD_DIM, ROT_DIM = 12, 4  # a third of each head rotated (StableLM rotates a quarter)
+
+
+def _partial(rot_dim: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    return lambda q, k, cos, sin: rope_qk(q, k, cos, sin, rot_dim=rot_dim)
+
+
+def _partial_reference(rot_dim: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """Hugging Face's partial rotary as StableLM writes it: slice, rotate, concatenate."""
+    def hf(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q_rot, k_rot = rotary.rope_reference(q[..., :rot_dim], cos, sin), rotary.rope_reference(k[..., :rot_dim], cos, sin)
+        return torch.cat((q_rot, q[..., rot_dim:]), dim=-1), torch.cat((k_rot, k[..., rot_dim:]), dim=-1)
+    return hf
+
+
+@pytest.mark.parametrize("table_shape", TABLE_SHAPES)
+def test_partial_rotary_is_huggingfaces_slice_rotate_concatenate_in_float64(table_shape: str) -> None:
+    """rot_dim 4 of head_dim 12, tables 4 wide, GQA, transposed views: outputs and gradients
+    equal the slice/rotate/cat chain's; the unrotated columns come through unchanged."""
+    torch.manual_seed(0)
+    batch, seq = 2, 5
+    cos, sin = _tables(table_shape, batch, seq, ROT_DIM, torch.float64)
+    q_proj, k_proj = _projections(batch, seq, 4, 2, PARTIAL_HEAD_DIM, torch.float64)
+    upstream = [torch.randn(batch, h, seq, PARTIAL_HEAD_DIM, dtype=torch.float64) for h in (4, 2)]
+    got, got_grads = _forward_backward(_partial(ROT_DIM), q_proj, k_proj, cos, sin, upstream, PARTIAL_HEAD_DIM)
+    want, want_grads = _forward_backward(_partial_reference(ROT_DIM), q_proj, k_proj, cos, sin, upstream,
+                                         PARTIAL_HEAD_DIM)
+    for g, w in zip(got + got_grads, want + want_grads):
+        assert g.dtype == torch.float64 and g.shape == w.shape
+        assert torch.allclose(g, w, rtol=1e-12, atol=1e-12)
+    assert torch.equal(got[0][..., ROT_DIM:], _heads(q_proj, PARTIAL_HEAD_DIM)[..., ROT_DIM:])
+    assert all(torch.equal(g, w) for g, w in zip(rotary.rope_qk_reference(*(t.detach() for t in got), cos, sin,
+                                                                           ROT_DIM),
+                                                 _partial_reference(ROT_DIM)(*(t.detach() for t in got), cos, sin)))
+
+
+@interpreted
+@pytest.mark.parametrize("table_shape", TABLE_SHAPES)
+@pytest.mark.parametrize("rot_dim", [4, 6], ids=lambda r: f"rot{r}")
+def test_interpreted_partial_rotary_runs_one_launch_each_way_and_matches_the_reference(
+        rot_dim: int, table_shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32, 6 q heads and 3 kv heads of head_dim 12 as transposed views, rot_dim 4 (half 2, a
+    full block) and 6 (half 3, masked): one `rope_qk` launch each way on the rotated columns,
+    `rope`'s kernel not at all; outputs and both gradients within 1e-6 of the fp32 chain, in q's
+    and k's layout (gradients w.r.t. the projections contiguous)."""
+    torch.manual_seed(0)
+    batch, seq = 2, 5
+    cos, sin = _tables(table_shape, batch, seq, rot_dim, torch.float32)
+    q_proj, k_proj = _projections(batch, seq, 6, 3, PARTIAL_HEAD_DIM, torch.float32)
+    launches = []
+    qk_run, rope_run = rotary._rope_qk_kernel.run, rotary._rope_kernel.run
+    monkeypatch.setattr(rotary._rope_qk_kernel, "run", lambda *a, **kw: launches.append("qk") or qk_run(*a, **kw))
+    monkeypatch.setattr(rotary._rope_kernel, "run", lambda *a, **kw: launches.append("rope") or rope_run(*a, **kw))
+    upstream = [torch.randn(batch, h, seq, PARTIAL_HEAD_DIM) for h in (6, 3)]
+    outputs, grads = _forward_backward(_partial(rot_dim), q_proj, k_proj, cos, sin, upstream, PARTIAL_HEAD_DIM)
+    assert launches == ["qk", "qk"] and all("RopeQKFunction" in o.grad_fn.name() for o in outputs)
+    q = _heads(q_proj, PARTIAL_HEAD_DIM)
+    assert outputs[0].stride() == q.stride() and all(g.is_contiguous() for g in grads)
+    ref_leaves = [t.detach().requires_grad_() for t in (q_proj, k_proj)]
+    want, want_grads = _forward_backward(_partial_reference(rot_dim), *ref_leaves, cos, sin, upstream,
+                                         PARTIAL_HEAD_DIM)
+    for name, got, expected in zip(["q", "k", "dq", "dk"], outputs + grads, want + want_grads):
+        assert got.dtype == torch.float32 and got.shape == expected.shape, name
+        assert rel_err(got, expected) < FP32_TOL, f"{name}: {rel_err(got, expected):.3g}"

@@ -5,9 +5,11 @@ Entries: ROPE (mplan.kernels.rope) matches x * cos + rotate_half(x) * sin; ROPE_
 its q and k, each used only there: the pass pairs them once every chain is fused
 (`pair_fused_ropes`), and the planner's and `mplan inspect`'s dry runs pair the matches alike
 (`pair_rope_matches`). Phi-3 writes RoPE on `x[..., :rotary_dim]` and concatenates the rest
-(`x[..., rotary_dim:]`) back; at a full rotary_dim that rest is empty, and the chain takes the
-slice, the empty rest and the concatenation too. A real rest (a partial rotary_dim: GPT-NeoX,
-Phi, StableLM) leaves the rotation of the slice fused alone, and the pair is reported as missed.
+(`x[..., rotary_dim:]`) back; the chain takes the slice, the rest and the concatenation too. At a
+full rotary_dim that rest is empty and the chain is RoPE on x; at a partial one (GPT-NeoX, Phi,
+StableLM's `partial_rotary_factor`) the match carries `rot_dim` and the kernels rotate the first
+rot_dim of each head vector and copy the rest through (`mplan.kernels.rotary.rope_qk`), so the
+pair still runs in one launch. A rotation concatenated some other way is reported as missed.
 """
 from __future__ import annotations
 
@@ -46,20 +48,26 @@ def _match_rope(anchor: Node) -> PatternMatch | None:
             if not isinstance(cos, Node) or x in (cos, sin):
                 continue
             core = (*chain, rotated, plain, anchor)
-            whole = _with_empty_rest(x, anchor, core)
+            whole = _with_rest(x, anchor, core)
             if whole is not None:
-                source, extra, output = whole
+                source, extra, output, rot_dim = whole
+                params = {"x": source, "cos": cos, "sin": sin}
+                if rot_dim is not None:
+                    params["rot_dim"] = rot_dim
                 return PatternMatch(anchor=anchor, chain=(*extra[:1], *core, *extra[1:]), outputs=(output,),
-                                    inputs=(source, cos, sin), params={"x": source, "cos": cos, "sin": sin})
+                                    inputs=(source, cos, sin), params=params)
             return PatternMatch(anchor=anchor, chain=core, outputs=(anchor,),
                                 inputs=(x, cos, sin), params={"x": x, "cos": cos, "sin": sin})
     return None
 
 
-def _with_empty_rest(x: Node, anchor: Node, core: tuple[Node, ...]) -> tuple[Node, tuple[Node, ...], Node] | None:
-    """(source, [x, rest, cat], cat) when x is all of `source` (an alias or a full slice of it) and
-    the anchor's only use is cat([anchor, rest], -1) with rest an empty slice of `source` past
-    its end: Phi-3's RoPE at a full rotary_dim, which is RoPE on `source`."""
+def _with_rest(x: Node, anchor: Node, core: tuple[Node, ...],
+               ) -> tuple[Node, tuple[Node, ...], Node, int | None] | None:
+    """(source, [x, rest, cat], cat, rot_dim) when x = source[..., :rot_dim], rest =
+    source[..., rot_dim:] and the anchor's only use is cat([anchor, rest], -1): RoPE on the first
+    rot_dim of each head vector, the rest passed through (GPT-NeoX, Phi, StableLM's partial
+    rotary). rot_dim is None where x is all of `source` (an alias or a full slice; the rest is
+    empty): Phi-3's RoPE at a full rotary_dim, which is RoPE on `source`."""
     users = [u for u in anchor.users if not is_call(u, aten._assert_tensor_metadata.default)]
     if len(users) != 1 or not is_call(users[0], aten.cat.default):
         return None
@@ -68,16 +76,28 @@ def _with_empty_rest(x: Node, anchor: Node, core: tuple[Node, ...]) -> tuple[Nod
     if len(parts) != 2 or parts[0] is not anchor or not is_last_dim(dim, anchor):
         return None
     rest = parts[1]
-    if not (is_call(x, aten.alias.default) or is_call(x, aten.slice.Tensor) and full_slice(x)):
+    if not (is_call(x, aten.alias.default) or is_call(x, aten.slice.Tensor)):
         return None
     source = x.args[0]
-    rv, sv = tensor_value(rest), tensor_value(source)
-    if not (is_call(rest, aten.slice.Tensor) and rest.args[0] is source and rv is not None and sv is not None
-            and rv.shape[-1] == 0 and is_last_dim(rest.args[1], source) and used_only_by(rest, cat)):
+    xv, rv, sv = tensor_value(x), tensor_value(rest), tensor_value(source)
+    if xv is None or rv is None or sv is None or xv.dim() != sv.dim():
         return None
-    if not used_only_by(x, *core):
+    if not (is_call(rest, aten.slice.Tensor) and rest.args[0] is source and is_last_dim(rest.args[1], source)
+            and used_only_by(rest, cat) and used_only_by(x, *core)):
         return None
-    return source, (x, rest, cat), cat
+    if is_call(x, aten.alias.default) or full_slice(x):
+        return (source, (x, rest, cat), cat, None) if rv.shape[-1] == 0 else None
+    rot_dim = xv.shape[-1]
+    if not (is_last_dim(x.args[1], source) and _bounds(x) == (0, rot_dim) and _bounds(rest)[0] == rot_dim
+            and rot_dim + rv.shape[-1] == sv.shape[-1] and xv.shape[:-1] == sv.shape[:-1]):
+        return None
+    return source, (x, rest, cat), cat, rot_dim
+
+
+def _bounds(node: Node) -> tuple[Any, Any]:
+    """(start, end) of a step-1 slice (start None read as 0), or (None, None) for another step."""
+    start, end, step = (tuple(node.args[2:]) + (None,) * (5 - len(node.args)))[:3]
+    return ((start or 0), end) if step in (1, None) else (None, None)
 
 
 def _rotate_half_input(cat: Any, user: Node) -> tuple[Node, tuple[Node, ...]] | None:
@@ -110,7 +130,8 @@ def _emit_rope(graph: Graph, match: PatternMatch) -> Node:
     from mplan.kernels import rope
 
     p = match.params
-    return call(graph, rope, (p["x"], p["cos"], p["sin"]), match.anchor)
+    kwargs = {"rot_dim": p["rot_dim"]} if "rot_dim" in p else None
+    return call(graph, rope, (p["x"], p["cos"], p["sin"]), match.anchor, kwargs)
 
 
 def _emit_rope_qk(graph: Graph, match: PatternMatch) -> Node:
@@ -141,10 +162,14 @@ def pair_rope_matches(matches: list[tuple[str, PatternMatch]]) -> tuple[list[tup
                 (q.params["cos"], q.params["sin"]) != (k.params["cos"], k.params["sin"]):
             missed.append((match.anchor, Miss("RoPE on q and k read different tables or are used elsewhere")))
             continue
+        if q.params.get("rot_dim") != k.params.get("rot_dim"):
+            missed.append((match.anchor, Miss("RoPE on q and k rotate different numbers of dims")))
+            continue
+        kwargs = {"rot_dim": q.params["rot_dim"]} if "rot_dim" in q.params else {}
         both = PatternMatch(anchor=q.anchor, chain=(*q.chain, *k.chain), outputs=(q.outputs[0], k.outputs[0]),
                             inputs=(q.params["x"], k.params["x"], q.params["cos"], q.params["sin"]),
                             params={"q": q.params["x"], "k": k.params["x"], "cos": q.params["cos"],
-                                    "sin": q.params["sin"]})
+                                    "sin": q.params["sin"], "kwargs": kwargs})
         paired[q.anchor.name], paired[k.anchor.name] = both, both
     out: list[tuple[str, PatternMatch]] = []
     for kernel, match in matches:
@@ -176,7 +201,7 @@ def pair_fused_ropes(graph: Graph, attention_ops: tuple[Any, ...]) -> int:
         q, k = node.args[:2]
         if not (is_call(q, rope) and is_call(k, rope) and q is not k and len(q.users) == len(k.users) == 1):
             continue
-        if q.args[1:3] != k.args[1:3] or q.kwargs.get("consumer") != k.kwargs.get("consumer"):
+        if q.args[1:3] != k.args[1:3] or q.kwargs != k.kwargs:  # consumer, rot_dim
             continue
         order = {n: i for i, n in enumerate(graph.nodes)}
         later = k if order[k] > order[q] else q
@@ -197,6 +222,9 @@ def pair_fused_ropes(graph: Graph, attention_ops: tuple[Any, ...]) -> int:
     return pairs
 
 
+# partial rotary moves the same row tensors (the rest is read and written once, by a copy); its
+# tables are rot_dim wide, counted here at head_dim (an over-count of seq * (head_dim - rot_dim)
+# elements each, against rows * head_dim for x)
 _ROPE_TRAFFIC = FusedOpTraffic(forward_row_tensors=2, backward_row_tensors=2, forward_vectors=2, backward_vectors=2,
                                table_rows_of="seq", what="read x, cos, sin; write y; read dy, cos, sin; write dx")
 _ROPE_LAUNCHES = Launches(forward_triton=1, forward_aten=0, backward_triton=1, backward_aten=0)
@@ -205,7 +233,8 @@ ROPE = FusionEntry(
     name="rope",
     # x * cos + cat([-x[..., d/2:], x[..., :d/2]], -1) * sin (apply_rope on q or k)
     pattern=FusionPattern(anchors=(aten.add.Tensor,), match=_match_rope),
-    forms=("rotate-half RoPE, either operand order", "Phi-3's x[..., :rotary_dim] with an empty rest concatenated"),
+    forms=("rotate-half RoPE, either operand order", "Phi-3's x[..., :rotary_dim] with an empty rest concatenated",
+           "partial rotary: RoPE on x[..., :rot_dim], cat with x[..., rot_dim:] (GPT-NeoX, Phi, StableLM)"),
     keeps=lambda m: FusedSave(),  # its tables are buffers
     pricing=MeasuredPricing(traffic=_ROPE_TRAFFIC, copy_fraction=(1.0, 0.987),
                             source="benchmarks/results/kernels_h200-2026-11-29-session7.json"),
@@ -217,7 +246,8 @@ ROPE = FusionEntry(
 ROPE_QK = FusionEntry(
     name="rope_qk",
     pattern=PairedPattern(of="rope", consumers="one attention call reading them as q and k, with the same tables"),
-    forms=("RoPE on q and on k feeding one attention call",),
+    forms=("RoPE on q and on k feeding one attention call",
+           "partial rotary on both (one rot_dim): the rotated part in one launch, the rest copied through"),
     keeps=lambda m: FusedSave(),
     # two RoPEs' bytes in one launch: priced as its two rope chains (the planner prices before pairing)
     pricing=MeasuredPricing(traffic=_ROPE_TRAFFIC, copy_fraction=(1.0, 0.987),
@@ -226,4 +256,7 @@ ROPE_QK = FusionEntry(
     launches=_ROPE_LAUNCHES,
     emit=_emit_rope_qk,
     marks="all",
+    notes={"partial rotary": "rot_dim < head_dim adds one ATen copy of the unrotated rest per tensor each way "
+                             "(2 forward, 2 backward) to `launches`, which counts the full form; "
+                             "not yet measured on a GPU"},
 )

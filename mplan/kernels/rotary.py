@@ -61,6 +61,11 @@ its own path) for other table shapes, tables that require grad (their gradient t
 the reference ops, as with `rope`), float64, mismatched devices, or heads too wide for one
 program's registers (`MAX_QK_TILE`). EVEN (positions a multiple of BLOCK_T, head counts and
 head_dim / 2 powers of two) drops the masks; INDEX_64 as in `rope`.
+Partial rotary (`rot_dim` < head_dim: GPT-NeoX, Phi, StableLM; tables rot_dim wide): the same
+launch on q[..., :rot_dim] and k[..., :rot_dim], writing the outputs' leading columns in place,
+and one ATen copy per tensor of the rest (each way), as Hugging Face's slice/rotate/cat computes
+it but without the concatenation's second pass over the rotated part. `rope(..., rot_dim=)` (the
+unpaired form) is `rope` on the slice and a concatenation.
 Timing: not yet measured on the H200 by a benchmark (no entry in benchmarks/, no results file).
 One unrecorded check (2026-12-02, bf16 q/k as transposed views): outputs and gradients within
 1.7e-3 of float64 (bf16 rounding) for the three table shapes, bf16 and fp32 tables; torch.profiler
@@ -228,6 +233,11 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
+def partial_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:
+    """RoPE on x[..., :rot_dim], the rest concatenated back (Hugging Face's partial rotary, op for op)."""
+    return torch.cat([rope_reference(x[..., :rot_dim], cos, sin), x[..., rot_dim:]], dim=-1)
+
+
 def _fusable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     return (use_triton(x) and x.dim() == 4 and x.shape[-1] % 2 == 0 and x.stride(-1) == 1
             and cos.dim() == 2 and cos.shape == sin.shape and cos.shape[-1] == x.shape[-1]
@@ -235,11 +245,16 @@ def _fusable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
             and not (cos.requires_grad or sin.requires_grad))
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, consumer: str | None = None) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, consumer: str | None = None,
+         rot_dim: int | None = None) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin; Triton where `use_triton` (and the layout fits), else the reference.
     `consumer`: what every use of the result is ("attention"), so that under autocast it comes out
     in the dtype autocast would cast it to there (`consumer_cast_dtype`; with fp32 tables the
-    product is fp32 otherwise)."""
+    product is fp32 otherwise). `rot_dim`: rotate only x[..., :rot_dim] (tables that wide) and
+    pass the rest through, `partial_rope_reference`."""
+    if rot_dim is not None and rot_dim < x.shape[-1]:
+        rotated = rope(x[..., :rot_dim], cos, sin, consumer)
+        return torch.cat([rotated, x[..., rot_dim:].to(rotated.dtype)], dim=-1)
     cast_to = consumer_cast_dtype(consumer, x)
     if _fusable(x, cos, sin):
         return RopeFunction.apply(x, cos, sin, cast_to or torch.promote_types(x.dtype, cos.dtype))
@@ -334,17 +349,30 @@ def _launch_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
                           BLOCK_HALF=next_power_of_2(half))
 
 
+def _rotate_and_pass(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor,
+                     k_out: torch.Tensor, rot_dim: int, backward: bool) -> None:
+    """The one launch on the first rot_dim of each head vector, written in place into the
+    outputs' leading columns (the kernel takes any output strides); the rest, where there is
+    one (partial rotary), copied through: one ATen copy per tensor, nothing concatenated."""
+    if rot_dim == q.shape[-1]:
+        _launch_qk(q, k, cos, sin, q_out, k_out, backward)
+        return
+    _launch_qk(q[..., :rot_dim], k[..., :rot_dim], cos, sin, q_out[..., :rot_dim], k_out[..., :rot_dim], backward)
+    q_out[..., rot_dim:].copy_(q[..., rot_dim:])
+    k_out[..., rot_dim:].copy_(k[..., rot_dim:])
+
+
 class RopeQKFunction(torch.autograd.Function):
     """Triton forward/backward of `rope_qk`, one launch each; no gradient for the tables."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                q_dtype: torch.dtype, k_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                q_dtype: torch.dtype, k_dtype: torch.dtype, rot_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         q_order, k_order = _order(q), _order(k)
         q_out, k_out = _dense_like(q, q_dtype, q_order), _dense_like(k, k_dtype, k_order)
-        _launch_qk(q, k, cos, sin, q_out, k_out, backward=False)
+        _rotate_and_pass(q, k, cos, sin, q_out, k_out, rot_dim, backward=False)
         ctx.save_for_backward(cos, sin)
-        ctx.dtypes, ctx.orders = (q.dtype, k.dtype), (q_order, k_order)
+        ctx.dtypes, ctx.orders, ctx.rot_dim = (q.dtype, k.dtype), (q_order, k_order), rot_dim
         return q_out, k_out
 
     @staticmethod
@@ -354,14 +382,17 @@ class RopeQKFunction(torch.autograd.Function):
         dk_out = dk_out if dk_out.stride(-1) == 1 else dk_out.contiguous()
         dq = _dense_like(dq_out, ctx.dtypes[0], ctx.orders[0])
         dk = _dense_like(dk_out, ctx.dtypes[1], ctx.orders[1])
-        _launch_qk(dq_out, dk_out, cos, sin, dq, dk, backward=True)
+        _rotate_and_pass(dq_out, dk_out, cos, sin, dq, dk, ctx.rot_dim, backward=True)
         return (dq if ctx.needs_input_grad[0] else None, dk if ctx.needs_input_grad[1] else None,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def rope_qk_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rope_reference` on q and on k (Hugging Face's `apply_rotary_pos_emb`, op for op)."""
+                      rot_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_reference` on q and on k (Hugging Face's `apply_rotary_pos_emb`, op for op); with
+    `rot_dim`, `partial_rope_reference` on each."""
+    if rot_dim is not None and rot_dim < q.shape[-1]:
+        return partial_rope_reference(q, cos, sin, rot_dim), partial_rope_reference(k, cos, sin, rot_dim)
     return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
 
 
@@ -387,15 +418,18 @@ def _qk_tables(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, consumer: str | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            rot_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rope(q, cos, sin), rope(k, cos, sin)) in one Triton launch per direction where the inputs
     fit (`_qk_tables`), else those two `rope` calls. q: [batch, q_heads, seq, head_dim], k:
     [batch, kv_heads, seq, head_dim]; cos/sin: [seq, head_dim], [1, 1, seq, head_dim] or
     [batch, 1, seq, head_dim]. Each output has the reference's dtype (its input's, cos's and sin's
-    promoted), or under autocast the dtype `consumer` ("attention") would cast it to."""
-    tables = _qk_tables(q, k, cos, sin)
+    promoted), or under autocast the dtype `consumer` ("attention") would cast it to. `rot_dim`
+    (partial rotary: tables rot_dim wide): only q[..., :rot_dim] and k[..., :rot_dim] rotate, in
+    the same launch; the rest is copied through (`rope_qk_reference`'s partial form)."""
+    rot_dim = q.shape[-1] if rot_dim is None else rot_dim
+    tables = _qk_tables(q[..., :rot_dim], k[..., :rot_dim], cos, sin) if k.shape[-1] == q.shape[-1] else None
     if tables is None:
-        return rope(q, cos, sin, consumer), rope(k, cos, sin, consumer)
+        return rope(q, cos, sin, consumer, rot_dim), rope(k, cos, sin, consumer, rot_dim)
     table_dtype = torch.promote_types(cos.dtype, sin.dtype)
     q_dtype, k_dtype = (consumer_cast_dtype(consumer, x) or torch.promote_types(x.dtype, table_dtype) for x in (q, k))
-    return RopeQKFunction.apply(q, k, *tables, q_dtype, k_dtype)
+    return RopeQKFunction.apply(q, k, *tables, q_dtype, k_dtype, rot_dim)
