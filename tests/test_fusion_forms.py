@@ -7,13 +7,16 @@
   `gate_up_proj` chunked in halves; its RoPE slices x[..., :rotary_dim] and concatenates the
   (empty) rest back: q/k/v as one grouped GEMM split, RoPE on q and k in one launch, SwiGLU fused
   with its GEMM, as the separate forms get.
+- StableLM (as GPT-NeoX and Phi) rotates only the first rot_dim of each head (partial rotary),
+  slicing, rotating and concatenating the rest back: RoPE on q and k in one launch on the rotated
+  columns, the rest copied through.
 
 Each family is built from a tiny config, exported as `autoparallel` exports it, fused and held to
 its unfused program (loss and every gradient; float64 but for the loss transformers computes in
 fp32). `mplan inspect`'s document says per family what fused, and what came close and why not
-(GPT-NeoX's partial rotary_dim). Under TRITON_INTERPRET=1 (tests/test_kernels.py's interpreter
-suite) the soft-capped, scaled head + loss's kernels and the fused Phi-3 and Gemma-2 programs
-run Triton in fp32 against the unfused ops.
+(Mistral's sliding window). Under TRITON_INTERPRET=1 (tests/test_kernels.py's interpreter
+suite) the soft-capped, scaled head + loss's kernels and the fused Phi-3, Gemma-2 and StableLM
+programs run Triton in fp32 against the unfused ops.
 """
 from __future__ import annotations
 
@@ -42,6 +45,8 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any], str]] = {
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"pad_token_id": 0}, "sdpa"),
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM, {"logits_scaling": 4.0}, "sdpa"),
     "cohere": (transformers.CohereConfig, transformers.CohereForCausalLM, {"logit_scale": 0.25}, "sdpa"),
+    "stablelm": (transformers.StableLmConfig, transformers.StableLmForCausalLM, {"partial_rotary_factor": 0.25},
+                 "sdpa"),
 }
 
 COVERAGE = {
@@ -59,6 +64,10 @@ COVERAGE = {
     # logits times logit_scale into the head + loss (Cohere's LayerNorm without a bias, its
     # interleaved RoPE and its parallel block are not fused forms: see the inspect test)
     "cohere": {"linear_cross_entropy": 1, "linear_swiglu": 2, "attention": 2},
+    # partial rotary (a quarter of each head): q and k sliced, rotated and concatenated with
+    # their rest, both in one rope_qk (rot_dim 2 of head_dim 8); LayerNorms with their residual adds
+    "stablelm": {"layer_norm_residual": 4, "linear_group": 2, "rope_qk": 2, "attention": 2, "linear_swiglu": 2,
+                 "linear_cross_entropy": 1},
 }
 
 
@@ -211,7 +220,7 @@ def test_interpreted_head_loss_applies_the_transform_per_chunk(transform: dict[s
 
 
 @needs_interpreter
-@pytest.mark.parametrize("family", ["phi3", "gemma2"])
+@pytest.mark.parametrize("family", ["phi3", "gemma2", "stablelm"])
 def test_interpreted_fused_program_matches_the_unfused_one(family: str) -> None:
     """fp32, the fused kernels in Triton under the interpreter: loss and gradients of the fused
     program within 1e-5 of the unfused one's."""

@@ -31,7 +31,6 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, {"head_dim": 8}),
     # partial rotary: RoPE on the first rot_dim of each head vector, the rest concatenated back
-    "stablelm": (transformers.StableLmConfig, transformers.StableLmForCausalLM, {"partial_rotary_factor": 0.25}),
     "phi": (transformers.PhiConfig, transformers.PhiForCausalLM, {"partial_rotary_factor": 0.5}),
     "gpt_neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM, {"rotary_pct": 0.25}),
 }
@@ -50,16 +49,14 @@ COVERAGE = {
     # Gemma: (1 + weight) norms with type_as; its GELU-tanh gated MLP
     "gemma": {"rms_norm": 1, "rms_norm_residual": 4, "linear_group": 2, "rope_qk": 2, "attention": 2,
               "linear_geglu": 2, "linear_cross_entropy": 1},
-    # partial rotary (a quarter, a half, a quarter of each head): the slice, the rotation and the
-    # concatenation of q and of k in one rope_qk (rot_dim 2, 4, 2 of head_dim 8); LayerNorms
-    # with their residual adds; Phi and GPT-NeoX run attention and MLP in parallel off one norm
-    "stablelm": {"layer_norm_residual": 4, "linear_group": 2, "rope_qk": 2, "attention": 2, "linear_swiglu": 2,
-                 "linear_cross_entropy": 1},
+    # partial rotary (half and a quarter of each head; StableLM's in test_fusion_forms.py): the
+    # slice, the rotation and the concatenation of q and of k in one rope_qk (rot_dim 4 and 2 of
+    # head_dim 8); attention and MLP in parallel off one LayerNorm, fused with its residual add
     "phi": {"layer_norm_residual": 2, "rope_qk": 2, "attention": 2, "linear_cross_entropy": 1},
     "gpt_neox": {"layer_norm_residual": 2, "rope_qk": 2, "attention": 2, "linear_cross_entropy": 1},
 }
 
-ROT_DIMS = {"stablelm": 2, "phi": 4, "gpt_neox": 2}
+ROT_DIMS = {"phi": 4, "gpt_neox": 2}
 """rot_dim of the partial-rotary families at SHAPE's head_dim 8."""
 
 

@@ -241,6 +241,8 @@ ROPE = FusionEntry(
     launches=_ROPE_LAUNCHES,
     emit=_emit_rope,
     marks=None,
+    notes={"partial rotary": "unpaired (q or k alone), rot_dim < head_dim runs `rope` on the slice and an ATen "
+                             "concatenation, launches `launches` leaves out; paired, rope_qk runs it in place"},
 )
 
 ROPE_QK = FusionEntry(
@@ -256,7 +258,7 @@ ROPE_QK = FusionEntry(
     launches=_ROPE_LAUNCHES,
     emit=_emit_rope_qk,
     marks="all",
-    notes={"partial rotary": "rot_dim < head_dim adds one ATen copy of the unrotated rest per tensor each way "
-                             "(2 forward, 2 backward) to `launches`, which counts the full form; "
+    notes={"partial rotary": "rot_dim < head_dim: each of the two paired chains adds one ATen copy of its "
+                             "unrotated rest each way, which `launches` (the full form's) leaves out; "
                              "not yet measured on a GPU"},
 )
