@@ -75,6 +75,42 @@ def _host_factor(data: dict) -> tuple[str, ...]:
             percent(rows[("qwen3", 8)]["error_fitted"], sign=True), percent(rows[("smollm2", 8)]["error_fitted"], sign=True))
 
 
+def _train_gpu(data: dict) -> tuple[str, ...]:
+    """train_gpu (issue 32): the run's median step, its prediction and error, MFU, peak and their
+    predictions, the spread, the slow step, the first and last losses."""
+    (slow,) = data["slow_steps (over 1.15x the median)"]
+    return (fixed(data["step_time_median_s"] * 1e3, 0), fixed(data["predicted_step_time_s"] * 1e3, 0),
+            percent(data["step_time_prediction_error"], sign=True), percent(data["mfu_median"]),
+            percent(data["predicted_mfu"]), fixed(data["peak_memory_gib"]), fixed(data["predicted_memory_gib"]),
+            percent(data["memory_prediction_error"], sign=True), percent(data["step_time_cv_without_slow_steps"]),
+            fixed(slow[1], 2), fixed(data["loss_first"], 2), fixed(data["loss_mean_last_10"], 2))
+
+
+def _train_gpu_checkpoint(data: dict) -> tuple[str, ...]:
+    row = data["checkpoint_time (issue 31, benchmarks/checkpoint_time.py)"]["rows"][0]
+    return (fixed(row["checkpoint_bytes"] / 1e9), fixed(row["save_blocking_s"]), fixed(row["save_gb_per_s"], 2),
+            fixed(row["background_stall_s"]), fixed(row["step_during_background_save_s"] * 1e3, 0),
+            fixed(row["step_s"] * 1e3, 0), fixed(row["load_same_plan_s"]), fixed(row["load_other_plan_s"]))
+
+
+def _train_gpu_zero(data: dict) -> tuple[str, ...]:
+    plans = next(v for k, v in data.items() if k.startswith("zero_bench"))["plans"]
+    measured = [p["measured"] for p in plans]
+    return (" / ".join(fixed(m["peak_memory_gib"]) for m in measured),
+            " / ".join(percent(-m["prediction_error"]["step_time"], 0) for m in measured),
+            " / ".join(fixed(m["step_time_s"] * 1e3, 0) for m in measured))
+
+
+def _peers(data: dict) -> tuple[str, ...]:
+    out = []
+    for name in ("gemma2", "phi3", "granite"):
+        f = data["families"][name]
+        out += [fixed(f["mplan_vs_best_peer"], 3), fixed(f["systems"]["mplan"]["step_s"] * 1e3),
+                fixed(f["systems"][f["best_peer"]]["step_s"] * 1e3)]
+    cv = lambda system: [f["systems"][system]["step_cv"] for f in data["families"].values() if "systems" in f]  # noqa: E731
+    return (*out, span(cv("mplan"), lambda v: fixed(v * 100)), span(cv("compile"), lambda v: fixed(v * 100)))
+
+
 # -- the registry ----------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Claim:
@@ -589,6 +625,21 @@ CLAIMS: tuple[Claim, ...] = (
     Claim(doc="README.md", source="checkpoint_time-cpu-2026-12-05.json", figures=_checkpoint_time,
           pattern=r"blocking save (\S+) s \((\S+) GB/s\); a background save stalls (\S+) s, and the step beside it "
                   r"takes (\S+) s against (\S+) s .*; load (\S+) s under the same plan, (\S+) s resharded"),
+    Claim(doc="README.md", source="train_gpu-2026-12-06.json", figures=_train_gpu,
+          pattern=r"\| (\S+) ms a step \(median\), predicted (\S+) ms \((\S+)\); MFU (\S+), predicted (\S+); peak (\S+) GiB, "
+                  r"predicted (\S+) GiB \((\S+)\); steps vary by (\S+) \(coefficient of variation\), one step of (\S+) s "
+                  r"after the background checkpoint; loss (\S+) at the first step, (\S+) over the last 10"),
+    Claim(doc="README.md", source="train_gpu-2026-12-06.json", figures=_train_gpu_checkpoint,
+          pattern=r"a 1.26B Llama in bf16 \((\S+) GB with its AdamW state\), same call \| blocking save (\S+) s \((\S+) GB/s "
+                  r"to the machine's disk\); a background save stalls the job (\S+) s and the step beside it takes (\S+) ms "
+                  r"against (\S+) ms; load (\S+) s under the same plan, (\S+) s under another"),
+    Claim(doc="README.md", source="train_gpu-2026-12-06.json", figures=_train_gpu_zero,
+          pattern=r"within 1% of `max_memory_allocated` \((\S+ / \S+ / \S+) GiB measured\); step time predicted "
+                  r"(\S+ / \S+ / \S+) low \((\S+ / \S+ / \S+) ms measured\)"),
+    Claim(doc="README.md", source="peers-2026-12-06.json", figures=_peers,
+          pattern=r"Gemma-2 \(soft-capped logits\) (\S+)x compile \((\S+) against (\S+) ms\), Phi-3 \(packed q/k/v and "
+                  r"gate/up\) (\S+)x Liger \((\S+) against (\S+) ms\), Granite (\S+)x compile \((\S+) against (\S+) ms\).*"
+                  r"mplan's steps vary by (\S+)%, compile's by (\S+)%"),
     Claim(doc="docs/claims.md", source="capture-cpu-2026-11-29.json", figures=_capture,
           pattern=r"capture of gpt3-175b / llama3-405b: (\S+) s, (\S+) GiB / (\S+) s, (\S+) GiB"),
 )
@@ -660,7 +711,7 @@ def _literal(node: ast.AST | None) -> bool:
     return True
 
 
-CITED = re.compile(r"[A-Za-z][\w.-]*\d{4}-\d{2}-\d{2}[\w.-]*\.(?:json|csv|log)")
+CITED = re.compile(r"[A-Za-z][\w.-]*\d{4}-\d{2}-\d{2}[\w.-]*\.(?:jsonl|json|csv|log)(?!\w)")
 """A dated results file name, as the docs cite them (suffix forms like `-run2` are not checked)."""
 NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:[.,]\d+)*(?:e-?\d+)?%?")
 DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
