@@ -7,6 +7,10 @@
   `gate_up_proj` chunked in halves; its RoPE slices x[..., :rotary_dim] and concatenates the
   (empty) rest back: q/k/v as one grouped GEMM split, RoPE on q and k in one launch, SwiGLU fused
   with its GEMM, as the separate forms get.
+- Gemma-2's attention is transformers' eager one (matmul, scale, mask add, softmax in fp32,
+  matmul): with its attention logits not soft-capped and a causal mask it is SDPA, and runs as
+  one fused attention call; soft-capped (tanh) or under a window shorter than the sequence it
+  stays ATen ops, reported with why.
 - StableLM (as GPT-NeoX and Phi) rotates only the first rot_dim of each head (partial rotary),
   slicing, rotating and concatenating the rest back: RoPE on q and k in one launch on the rotated
   columns, the rest copied through.
@@ -52,9 +56,10 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any], str]] = {
 COVERAGE = {
     # soft-capped logits into the head + loss; GeGLU with its GEMM; the norms after attention and
     # the MLP alone (Gemma-2 norms a sublayer's output before the residual add); eager attention
-    # (no SDPA here): RoPE on q and k stays two launches, having no attention call to pair on
-    "gemma2": {"rms_norm": 5, "rms_norm_residual": 4, "linear_group": 2, "rope": 4, "linear_geglu": 2,
-               "linear_cross_entropy": 1},
+    # (matmul, scale, causal mask, fp32 softmax, matmul) as one causal SDPA call, so RoPE on q
+    # and k, now feeding one attention call, pairs into rope_qk
+    "gemma2": {"rms_norm": 5, "rms_norm_residual": 4, "linear_group": 2, "rope_qk": 2, "attention": 2,
+               "linear_geglu": 2, "linear_cross_entropy": 1},
     # the packed projections: q/k/v split from one GEMM, gate/up its halves, RoPE paired
     "phi3": {"rms_norm": 1, "rms_norm_residual": 4, "linear_group": 2, "rope_qk": 2, "attention": 2,
              "linear_swiglu": 2, "linear_cross_entropy": 1},
@@ -80,17 +85,18 @@ class _Loss(nn.Module):
         return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
 
 
-def _build(family: str, dtype: torch.dtype = torch.float64) -> nn.Module:
+def _build(family: str, dtype: torch.dtype = torch.float64, **overrides: Any) -> nn.Module:
     config_cls, model_cls, extra, attention = FAMILIES[family]
     torch.manual_seed(0)
-    config = config_cls(**{**SHAPE, **extra})
+    config = config_cls(**{**SHAPE, **extra, **overrides})
     config._attn_implementation = attention
     return _Loss(model_cls(config).to(dtype))
 
 
-def _programs(family: str, dtype: torch.dtype = torch.float64) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+def _programs(family: str, dtype: torch.dtype = torch.float64,
+              **overrides: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     ids, labels = _batch()
-    unfused = torch.export.export(_build(family, dtype), (ids, labels), strict=False).module()
+    unfused = torch.export.export(_build(family, dtype, **overrides), (ids, labels), strict=False).module()
     return unfused, fuse_kernels(copy.deepcopy(unfused))
 
 
@@ -119,6 +125,35 @@ def test_the_head_and_loss_is_told_the_cap_and_the_scale() -> None:
         (node,) = [n for n in fused.graph.nodes if n.target is linear_cross_entropy]
         calls[family] = {k: v for k, v in node.kwargs.items() if k in ("softcap", "logit_scale")}
     assert calls == {"gemma2": {"softcap": 30.0}, "granite": {"logit_scale": 0.25}, "cohere": {"logit_scale": 0.25}}
+
+
+def test_gemma2s_eager_attention_runs_as_one_causal_sdpa_call() -> None:
+    """Causal (transformers' masks proven so: the sliding layer's window of 4096 is longer than the
+    sequence), reading the 2 kv heads with enable_gqa, at Gemma-2's scale query_pre_attn_scalar ** -0.5
+    = 1/16 (not head_dim ** -0.5): no softmax or [batch, heads, seq, seq] GEMM is left."""
+    _, fused = _programs("gemma2")
+    calls = [n for n in fused.graph.nodes if n.op == "call_function" and n.target.__name__ == "attention"]
+    assert [(n.kwargs["is_causal"], n.kwargs["scale"], n.kwargs["enable_gqa"]) for n in calls] == [(True, 1 / 16, True)] * 2
+    assert [tuple(n.args[1].meta["val"].shape) for n in calls] == [(2, 2, 12, 8)] * 2
+    aten = torch.ops.aten
+    assert not [n for n in fused.graph.nodes if n.target in (aten.softmax.int, aten.matmul.default, aten.tanh.default)]
+
+
+@pytest.mark.parametrize(("overrides", "missed"), [
+    ({"attn_logit_softcapping": 50.0}, {"attention logits soft-capped with tanh (no SDPA backend computes it)": 2}),
+    # a window of 4 keys, shorter than the 12 positions: the sliding layer's mask is not causal
+    ({"sliding_window": 4}, {"a mask that depends on the input or is not causal (padding, sliding window, documents)": 1}),
+], ids=["attn_softcap", "short_window"])
+def test_gemma2s_eager_attention_sdpa_cannot_run_stays_ops_and_says_why(overrides: dict[str, Any],
+                                                                        missed: dict[str, int]) -> None:
+    unfused, fused = _programs("gemma2", **overrides)
+    report = fused.meta["fuse_kernels"]
+    assert report.missed["attention"] == missed
+    assert report.counts.get("attention", 0) == 2 - sum(missed.values())
+    (loss, grads), (ref_loss, ref_grads) = _loss_and_grads(fused), _loss_and_grads(unfused)
+    assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=0)
+    for name, grad in ref_grads.items():
+        assert (grads[name] - grad).norm() <= 1e-6 * grad.norm() + 1e-12, name
 
 
 def test_phi3s_packed_projections_become_one_split_gemm_and_the_packed_swiglu() -> None:

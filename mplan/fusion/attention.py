@@ -7,6 +7,15 @@ program's shapes becomes `is_causal=True` (torch.export cannot take transformers
 to is_causal, so the trace builds and passes the mask: a fused backend then reads a [batch, 1,
 seq, seq] mask and skips no block); and keys and values repeated over the query heads
 (`repeat_kv`) are read unrepeated with `enable_gqa=True`.
+
+Attention written out as ATen ops (transformers' `eager_attention_forward`, the only path Gemma-2
+has) is the same SDPA: matmul(q, k^T), times a constant scale (or divided by one), plus a mask
+proven causal (or none), softmax over the keys (in fp32 or the scores' dtype), cast back, dropout
+with p = 0, matmul with v. It becomes one call, so the [batch, heads, seq, seq] scores are never
+made (nor kept, in fp32, for the backward). The fused kernel computes the softmax in fp32 from
+unrounded scores, so in bf16 it differs from the chain by the chain's own roundings of the
+scores. Attention logits soft-capped with tanh (Gemma-2's `attn_logit_softcapping`) stay
+unfused: no SDPA backend computes tanh on the scores.
 """
 from __future__ import annotations
 
@@ -16,7 +25,8 @@ import torch
 from torch.fx import Graph, Node
 
 from mplan.fusion.entry import AtenPricing, FusedSave, FusionEntry, FusionPattern, Launches, Miss, PatternMatch, call
-from mplan.fusion.graph_match import VIEW_OPS, full_slice, is_call, tensor_value, used_only_by
+from mplan.fusion.graph_match import (VIEW_OPS, cast, full_slice, is_call, is_last_dim, number, tensor_value,
+                                      used_only_by)
 from mplan.ir.causal_mask import is_causal_mask
 
 __all__ = ["ATTENTION"]
@@ -42,19 +52,92 @@ def _match_attention(anchor: Node) -> PatternMatch | Miss | None:
             return Miss("a mask that depends on the input or is not causal (padding, sliding window, documents)")
         is_causal = True
     chain: tuple[Node, ...] = (anchor,)
-    if not extra.get("enable_gqa") and (repeated := _repeated_kv(k, v, anchor)) is not None:
+    if not extra.get("enable_gqa") and (repeated := _repeated_kv(k, v, anchor, anchor)) is not None:
         (k, v), repeats = repeated
         chain, extra = (*repeats, anchor), {**extra, "enable_gqa": True}
     return PatternMatch(anchor=anchor, chain=chain, outputs=(anchor,), inputs=(q, k, v),
                         params={"qkv": (q, k, v), "options": {"is_causal": is_causal, **extra}})
 
 
-def _repeated_kv(k: Any, v: Any, anchor: Node) -> tuple[tuple[Node, Node], tuple[Node, ...]] | None:
-    """((k0, v0), chain) when k and v are k0 and v0 repeated alike over the heads, each used only
-    by `anchor`: reshape(expand(unsqueeze(x, 2), [b, kv_heads, n_rep, s, d]), [b, kv_heads *
+def _match_eager_attention(anchor: Node) -> PatternMatch | Miss | None:
+    """`anchor` is matmul(probs, v): walk back through dropout(p=0), the cast and the softmax to
+    the mask add, the scale and matmul(q, k^T); params as `_match_attention`'s (the scale always
+    given). None where `anchor` is any other matmul."""
+    probs, v = anchor.args
+    chain: list[Node] = [anchor]
+    if is_call(probs, aten.dropout.default) and used_only_by(probs, anchor):
+        if probs.args[1] != 0.0 and (len(probs.args) < 3 or probs.args[2]):
+            return Miss("eager attention with dropout")
+        chain.append(probs)
+        probs = probs.args[0]
+    if (casted := cast(probs)) is not None and used_only_by(probs, chain[-1]):
+        chain.append(probs)
+        probs = casted[0]
+    softmax = probs
+    if not (is_call(softmax, aten.softmax.int, aten._softmax.default) and used_only_by(softmax, chain[-1])):
+        return None
+    if not is_last_dim(softmax.args[1], softmax) or (is_call(softmax, aten._softmax.default) and softmax.args[2]):
+        return None
+    chain.append(softmax)
+    scores, mask = softmax.args[0], None
+    if is_call(scores, aten.add.Tensor) and used_only_by(scores, softmax) and len(scores.args) == 2:
+        chain.append(scores)
+        scores, mask = scores.args
+        if is_call(mask, aten.matmul.default, aten.mul.Tensor, aten.div.Tensor):  # mask + scores
+            scores, mask = mask, scores
+    scale = 1.0
+    if is_call(scores, aten.tanh.default) or (is_call(scores, aten.mul.Tensor, aten.div.Tensor)
+                                              and any(is_call(a, aten.tanh.default) for a in scores.args)):
+        return Miss("attention logits soft-capped with tanh (no SDPA backend computes it)")
+    if is_call(scores, aten.mul.Tensor, aten.div.Tensor) and used_only_by(scores, chain[-1]):
+        factor = number(scores.args[1])
+        if factor is None or factor == 0.0:
+            return None
+        chain.append(scores)
+        scale = factor if is_call(scores, aten.mul.Tensor) else 1.0 / factor
+        scores = scores.args[0]
+    if not (is_call(scores, aten.matmul.default) and used_only_by(scores, chain[-1])):
+        return None
+    q, k_t = scores.args
+    chain.append(scores)
+    if not (is_call(k_t, aten.transpose.int) and sorted(d % 4 for d in k_t.args[1:]) == [2, 3]
+            and used_only_by(k_t, scores)):
+        return None
+    chain.append(k_t)
+    k = k_t.args[0]
+    values = [tensor_value(t) for t in (q, k, v, anchor)]
+    if any(t is None or t.dim() != 4 for t in values):
+        return None
+    (b, heads, seq, _), (kb, k_heads, k_seq, _) = values[0].shape, values[1].shape
+    if (kb, k_heads) != (b, heads) or values[2].shape[:3] != (b, heads, k_seq) or values[3].shape[:3] != (b, heads, seq):
+        return None
+    if values[0].dtype != values[3].dtype or len({t.dtype for t in values}) != 1:
+        return Miss("eager attention whose q, k, v and output dtypes differ")
+    is_causal = False
+    if mask is not None:
+        if not isinstance(mask, Node) or not is_causal_mask(mask, q, k):
+            return Miss("a mask that depends on the input or is not causal (padding, sliding window, documents)")
+        is_causal = True
+    options: dict[str, Any] = {"is_causal": is_causal, "scale": scale}
+    if (repeated := _repeated_kv(k, v, k_t, anchor)) is not None:
+        (k, v), repeats = repeated
+        chain, options = [*repeats, *chain], {**options, "enable_gqa": True}
+    return PatternMatch(anchor=anchor, chain=tuple(chain), outputs=(anchor,), inputs=(q, k, v),
+                        params={"qkv": (q, k, v), "options": options})
+
+
+def _match(anchor: Node) -> PatternMatch | Miss | None:
+    if is_call(anchor, aten.matmul.default):
+        return _match_eager_attention(anchor)
+    return _match_attention(anchor)
+
+
+def _repeated_kv(k: Any, v: Any, k_user: Node, v_user: Node) -> tuple[tuple[Node, Node], tuple[Node, ...]] | None:
+    """((k0, v0), chain) when k and v are k0 and v0 repeated alike over the heads, used only by
+    `k_user` and `v_user`: reshape(expand(unsqueeze(x, 2), [b, kv_heads, n_rep, s, d]), [b, kv_heads *
     n_rep, s, d]) (transformers' repeat_kv; a full slice of x first counts as x). Query head h
     then reads kv head h // n_rep, as SDPA's enable_gqa does."""
-    found = [_repeat_kv_source(t, anchor) for t in (k, v)]
+    found = [_repeat_kv_source(k, k_user), _repeat_kv_source(v, v_user)]
     if any(f is None for f in found):
         return None
     (k0, k_rep, k_chain), (v0, v_rep, v_chain) = found
@@ -100,11 +183,17 @@ def _keeps_attention(m: PatternMatch) -> FusedSave:
 ATTENTION = FusionEntry(
     name="attention",
     # aten.scaled_dot_product_attention without dropout, and without a mask or with one proven
-    # causal (any fused SDPA backend can run it); repeated keys and values read once with enable_gqa
-    pattern=FusionPattern(anchors=(aten.scaled_dot_product_attention.default,), match=_match_attention),
-    forms=("SDPA without a mask or with transformers' causal mask", "keys and values repeated by repeat_kv"),
+    # causal (any fused SDPA backend can run it); the same written out as matmul, scale, mask add,
+    # softmax, matmul (transformers' eager attention); repeated keys and values read once with enable_gqa
+    pattern=FusionPattern(anchors=(aten.scaled_dot_product_attention.default, aten.matmul.default), match=_match),
+    forms=("SDPA without a mask or with transformers' causal mask", "keys and values repeated by repeat_kv",
+           "eager attention: matmul(q, k^T) * scale (+ causal mask), softmax (fp32), cast, dropout(p=0), "
+           "matmul(., v); not with tanh soft-capped logits"),
     keeps=_keeps_attention,
-    pricing=AtenPricing(why="the same SDPA, priced by the compute model's attention time (causal where proven)"),
+    pricing=AtenPricing(why="the same SDPA, priced by the compute model's attention time (causal where proven); "
+                            "the eager form keeps its ops' prices: its two GEMMs are SDPA's FLOPs, and its "
+                            "elementwise ops on the scores (scale, mask add, softmax, cast) an over-estimate "
+                            "of what the fused kernel spends"),
     launches=Launches(forward_triton=0, forward_aten=1, backward_triton=0, backward_aten=1),
     emit=_emit_attention,
 )
