@@ -10,6 +10,9 @@ Attention: every rank builds the full q, k, v from one seed and runs one-process
 a mask written here as a loop over pairs (not `attention_mask.visible`), then runs its slice
 through `context_attention`; outputs and the gradients of q, k, v, gathered from all ranks and
 put back in sequence order, must match the reference within 1e-12 relative, for every method.
+In bfloat16 with upcast=float32 (what the lowering passes for Hugging Face's eager attention,
+which takes its softmax in float32), every method is within bf16 rounding of float64 attention and
+no further from it than the model's own bf16 eager chain.
 """
 from __future__ import annotations
 
@@ -275,8 +278,61 @@ def check_ring_skips_masked_blocks() -> list[int]:
     return entries
 
 
+def _eager_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """Hugging Face's eager attention in bf16: scores in bf16, softmax in float32, cast back."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed[:, None], -math.inf)
+    return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def check_bf16_upcast() -> dict[str, dict[str, float]]:
+    """bf16 inputs, upcast=float32: out, dq, dk, dv of every method against float64 attention of
+    the same (bf16) values,
+    beside the model's bf16 eager chain's and the un-upcast (all-bf16) lowering's errors."""
+    cp, rank = _world(), dist.get_rank()
+    seq_len, scale = 64 * cp, 16 ** -0.5
+    lengths = [[seq_len // 3, seq_len - seq_len // 3]]
+    layout = balance_attention(seq_len, cp, doc_ids=doc_ids_from_lengths(lengths))
+    doc_ids = doc_ids_from_lengths(lengths)
+    allowed = _allowed(seq_len, doc_rows=doc_ids.view(1, -1).tolist())
+    gen = torch.Generator().manual_seed(7)
+    # bf16 values held in float64: the reference attends to exactly the inputs the bf16 runs get
+    q, k, v = (torch.randn(2, h, seq_len, 16, generator=gen).mul(2).bfloat16().double() for h in (8, 2, 2))
+    probe = torch.randn(2, 8, seq_len, 16, generator=gen, dtype=torch.float64)
+
+    def run(attend) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+        inputs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        out = attend(*inputs)
+        (out * probe.to(out.dtype)).sum().backward()
+        return {"out": out.detach().double(), **{f"d{n}": x.grad.double() for n, x in zip("qkv", inputs)}}
+
+    truth = run(lambda *x: _reference(*x, allowed, scale, None))
+    eager = run(lambda *x: _eager_bf16(*(t.bfloat16() for t in x), allowed, scale))
+
+    def lowered(method: str, upcast: torch.dtype | None) -> dict[str, torch.Tensor]:
+        local = [layout.split(x.bfloat16(), 2, rank).requires_grad_(True) for x in (q, k, v)]
+        out = context_attention(*local, layout=layout, group=dist.group.WORLD, method=method, doc_ids=doc_ids,
+                                scale=scale, upcast=upcast)
+        assert out.dtype == torch.bfloat16
+        (out * layout.split(probe, 2, rank).bfloat16()).sum().backward()
+        got = {"out": out.detach(), **{f"d{n}": x.grad for n, x in zip("qkv", local)}}
+        return {name: _gathered(value.double(), layout) for name, value in got.items()}
+
+    def error(got: dict[str, torch.Tensor]) -> float:
+        return max(rel_err(got[name], truth[name]) for name in truth)
+
+    errors = {"eager_bf16": error(eager)}
+    for method in METHODS:
+        errors[method] = error(lowered(method, torch.float32))
+        errors[f"{method}_no_upcast"] = error(lowered(method, None))
+        assert errors[method] < 2 ** -8, f"{method}: {errors[method]:.2e} is past bf16 rounding"
+        assert errors[method] <= errors["eager_bf16"], f"{method} less precise than the model's eager chain: {errors}"
+    return errors
+
+
 CHECKS = [check_ring_skips_masked_blocks, check_causal, check_causal_gqa, check_documents, check_sliding_window,
-          check_softcap, check_bidirectional_documents_and_window_contiguous]
+          check_softcap, check_bidirectional_documents_and_window_contiguous, check_bf16_upcast]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")

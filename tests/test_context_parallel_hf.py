@@ -263,3 +263,35 @@ def test_refusals(world4: Any, check: Any, words: tuple[str, ...]) -> None:
     """What cannot be lowered exactly is refused in one line on every rank, never run wrong."""
     for message in world4.assert_passed(check):
         assert all(word in message for word in words) and "\n" not in message, message
+
+
+def test_the_lowering_computes_in_the_dtype_the_model_softmax_asks() -> None:
+    """Hugging Face's eager attention in a bf16 Llama takes its softmax in float32: the form
+    carries float32 and the lowered attention computes in it (tests/test_context_attention.py's
+    check_bf16_upcast measures the precision); SDPA's kernels accumulate in float32 too; a bf16
+    eager chain without the upcast (nanoGPT's) stays in bf16."""
+    import transformers
+
+    from mplan.passes.attention_forms import find_attention
+
+    def forms(model: nn.Module) -> list[Any]:
+        ids = torch.randint(0, VOCAB, (2, SEQ))
+        return find_attention(torch.export.export(model, (ids,), strict=False).module())
+
+    upcasts = {}
+    for implementation in ("eager", "sdpa"):
+        config = transformers.LlamaConfig(**{**SMALL, "num_hidden_layers": 1}, attn_implementation=implementation)
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        upcasts[implementation] = [form.upcast for form in forms(model)]
+
+    class _Bf16Eager(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, 16)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.embed(ids).unsqueeze(1)
+            return ((x @ x.transpose(-2, -1)) * 0.25).softmax(-1) @ x
+
+    upcasts["bf16 eager"] = [form.upcast for form in forms(_Bf16Eager().to(torch.bfloat16))]
+    assert upcasts == {"eager": [torch.float32], "sdpa": [torch.float32], "bf16 eager": [torch.bfloat16]}, upcasts

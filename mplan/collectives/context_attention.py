@@ -3,7 +3,7 @@
 own query rows, forward and backward.
 
     context_attention(q, k, v, layout=, group=, method="ring", mask=CAUSAL, doc_ids=None,
-                      scale=None, softcap=None) -> out [B, Hq, local_seq, Dv]
+                      scale=None, softcap=None, upcast=None) -> out [B, Hq, local_seq, Dv]
         q [B, Hq, local_seq, D], k [B, Hkv, local_seq, D], v [B, Hkv, local_seq, Dv]: this
         rank's tokens, at layout.positions(rank); GQA when Hkv < Hq (q head h reads kv head
         h // (Hq / Hkv), as Hugging Face's repeat_kv); doc_ids [S] or [B, S] for the whole
@@ -44,7 +44,14 @@ How:
   and every rank's q heads find their kv head among its own), and autograd sums the copies'
   gradients. Each rank computes all queries of its heads, so it is balanced whatever the layout.
 
-Precision: plain torch matmul and softmax in the inputs' dtype, no flash kernel: in float64
+Precision: plain torch matmul and softmax, no flash kernel, in the inputs' dtype or `upcast`
+where wider: Hugging Face's eager attention takes its softmax in float32 in a bfloat16 model
+(`softmax(..., dtype=torch.float32)`) and SDPA's kernels accumulate in float32, so the lowering
+passes upcast=float32 and the scores, softmax, log-sum-exp merge and accumulators (the ring's
+out, lse, dq and the dk, dv that travel back: twice the gradient hops' bytes in bf16) are
+float32; K and V travel forward in the inputs' dtype and the output is cast back to it. A cp run
+is then no less precise than the model it replaces (in bf16 it rounds once, at the output, where
+the model's eager chain rounds scores and weights too). In float64
 each method matches one-process attention to ~1e-15 (the tests ask 1e-12). The ring's merge is
 exact arithmetic reordered; every query sees at least itself, so no row's log-sum-exp is -inf
 at the end (rows masked within one block are handled: their weight is 0).
@@ -83,6 +90,10 @@ class _Scores:
     scale: float
     softcap: float | None
     doc_ids: torch.Tensor | None  # [B | 1, S], on the inputs' device
+    compute: torch.dtype  # scores, softmax and accumulators (`upcast`); the output is cast back
+
+    def up(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.compute)
 
     def logits(self, q5: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Scores [B, Hkv, g, Sq, Sk] of grouped queries q5 [B, Hkv, g, Sq, D] against k
@@ -103,10 +114,11 @@ def _grouped(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor, scores: _Scores) -> torch.Tensor:
-    """Softmax attention of q against k, v where `seen` [B | 1, Sq, Sk] allows; autograd's."""
-    s, _ = scores.logits(_grouped(q, k.shape[1]), k)
+    """Softmax attention of q against k, v where `seen` [B | 1, Sq, Sk] allows, in the compute
+    dtype, the result in q's; autograd's."""
+    s, _ = scores.logits(_grouped(scores.up(q), k.shape[1]), scores.up(k))
     weights = torch.softmax(s.masked_fill(~seen[:, None, None], -math.inf), dim=-1)
-    return (weights @ v.unsqueeze(2)).flatten(1, 2)
+    return (weights @ scores.up(v).unsqueeze(2)).flatten(1, 2).to(q.dtype)
 
 
 # -- the ring --------------------------------------------------------------------------------------
@@ -168,11 +180,13 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 
 def _forward_block(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor, scores: _Scores,
                    out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Merge this block's attention into `out` [B, Hkv, g, Sq, Dv] and `lse` [B, Hkv, g, Sq]."""
+    """Merge this block's attention into `out` [B, Hkv, g, Sq, Dv] and `lse` [B, Hkv, g, Sq] (q5,
+    out and lse in the compute dtype; the block k, v as it travels, in the inputs')."""
     live = _live(seen)
     if live is None:
         return
     rows, cols = live
+    k, v = scores.up(k), scores.up(v)
     seen = _take(_take(seen, 1, rows), 2, cols)[:, None, None]
     s, _ = scores.logits(_take(q5, 3, rows), _take(k, 2, cols))
     s = s.masked_fill(~seen, -math.inf)
@@ -193,7 +207,9 @@ def _forward_block(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: tor
 def _backward_block(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor, scores: _Scores,
                     grad5: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
                     grad_q5: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Add this block's part of dq to `grad_q5`; return its parts of dk and dv (whole block)."""
+    """Add this block's part of dq to `grad_q5`; return its parts of dk and dv (whole block), in
+    the compute dtype (q5, grad5, lse and delta are in it; the block k, v in the inputs')."""
+    k, v = scores.up(k), scores.up(v)
     grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
     live = _live(seen)
     if live is None:
@@ -224,7 +240,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring, layout: ContextLayout,
                 scores: _Scores) -> torch.Tensor:
-        q5 = _grouped(q, k.shape[1])
+        q5 = _grouped(scores.up(q), k.shape[1])
         out = q5.new_zeros((*q5.shape[:-1], v.shape[-1]))
         lse = q5.new_full(q5.shape[:-1], -math.inf)
         mine = layout.positions(ring.rank, q.device)
@@ -238,14 +254,14 @@ class _RingAttention(torch.autograd.Function):
         out = out.flatten(1, 2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.layout, ctx.scores = ring, layout, scores
-        return out
+        return out.to(q.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         ring, layout, scores = ctx.ring, ctx.layout, ctx.scores
-        q5, grad5 = _grouped(q, k.shape[1]), _grouped(grad, k.shape[1])
+        q5, grad5 = _grouped(scores.up(q), k.shape[1]), _grouped(scores.up(grad), k.shape[1])
         delta = (grad5 * _grouped(out, k.shape[1])).sum(dim=-1)
         grad_q5 = torch.zeros_like(q5)
         mine = layout.positions(ring.rank, q.device)
@@ -267,10 +283,17 @@ class _RingAttention(torch.autograd.Function):
                 block = travelling.wait()
         assert accumulating is not None
         grad_k, grad_v = accumulating.wait()
-        return grad_q5.flatten(1, 2), grad_k, grad_v, None, None, None
+        return grad_q5.flatten(1, 2).to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None
 
 
 # -- the entry point -------------------------------------------------------------------------------
+def _compute_dtype(inputs: torch.dtype, upcast: torch.dtype | None) -> torch.dtype:
+    """The wider of the inputs' dtype and `upcast` (module docstring, Precision)."""
+    if upcast is None or not (inputs.is_floating_point and upcast.is_floating_point):
+        return inputs
+    return torch.promote_types(inputs, upcast)
+
+
 def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup, layout: ContextLayout,
              scores: _Scores) -> torch.Tensor:
     cp, num_heads, num_kv_heads = layout.cp, q.shape[1], k.shape[1]
@@ -289,8 +312,9 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGr
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: ContextLayout,
                       group: ProcessGroup | None, method: Method = "ring", mask: AttentionMask = CAUSAL,
                       doc_ids: torch.Tensor | None = None, scale: float | None = None,
-                      softcap: float | None = None) -> torch.Tensor:
-    """Attention over the whole sequence for this rank's queries (module docstring)."""
+                      softcap: float | None = None, upcast: torch.dtype | None = None) -> torch.Tensor:
+    """Attention over the whole sequence for this rank's queries (module docstring); scores,
+    softmax and accumulation in `upcast` where it is wider than the inputs' dtype."""
     if method not in METHODS:
         raise ValueError(f"context attention method {method!r}: one of {', '.join(METHODS)}")
     size = 1 if group is None else group.size()
@@ -307,7 +331,8 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layo
     docs = None if doc_ids is None else document_ids(doc_ids, layout.seq_len).to(q.device)
     if docs is not None and docs.shape[0] not in (1, batch):
         raise ValueError(f"document ids for {docs.shape[0]} rows and a batch of {batch}")
-    scores = _Scores(mask=mask, scale=head_dim ** -0.5 if scale is None else scale, softcap=softcap, doc_ids=docs)
+    scores = _Scores(mask=mask, scale=head_dim ** -0.5 if scale is None else scale, softcap=softcap, doc_ids=docs,
+                     compute=_compute_dtype(q.dtype, upcast))
     if group is None or size == 1:
         everything = layout.order(q.device)
         return _attend(q, k, v, scores.visible(everything, everything), scores)
@@ -323,10 +348,11 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layo
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, positions: torch.Tensor,
                     mask: AttentionMask = CAUSAL, doc_ids: torch.Tensor | None = None, scale: float | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, upcast: torch.dtype | None = None) -> torch.Tensor:
     """Attention of this rank's tokens (at global `positions`) against its own keys only: no
     collective. Exact where no visible key of these queries is on another rank, as under
     `context_layout.whole_documents` (every document on one rank)."""
     docs = None if doc_ids is None else document_ids(doc_ids, doc_ids.shape[-1]).to(q.device)
-    scores = _Scores(mask=mask, scale=q.shape[-1] ** -0.5 if scale is None else scale, softcap=softcap, doc_ids=docs)
+    scores = _Scores(mask=mask, scale=q.shape[-1] ** -0.5 if scale is None else scale, softcap=softcap, doc_ids=docs,
+                     compute=_compute_dtype(q.dtype, upcast))
     return _attend(q, k, v, scores.visible(positions, positions), scores)

@@ -9,9 +9,14 @@ Two forms (anything else that mixes tokens is refused by `split_context`, never 
 
     sdpa       aten.scaled_dot_product_attention(q, k, v, attn_mask=m?, is_causal=c, scale=s)
     eager      matmul(q, transpose(k, -2, -1)) [* s | / s] [/ c, tanh, * c] [+ m | masked_fill(m, -inf)]
-               -> softmax(-1) [-> cast] [-> dropout(p=0)] -> matmul(., v)
+               [-> cast] -> softmax(-1) [-> cast] [-> dropout(p=0)] -> matmul(., v)
                (nanoGPT's manual attention; Hugging Face's eager_attention_forward, Gemma 2's logit
                soft-capping c * tanh(x / c) included)
+
+Each form carries the dtype its softmax runs in (`upcast`): the eager softmax's own output dtype
+(float32 where Hugging Face writes softmax(..., dtype=torch.float32) in a bfloat16 model), and
+float32 for SDPA, whose kernels accumulate in float32 whatever the inputs; the lowered attention
+computes in the wider of it and the inputs' dtype, never less precisely than the model.
 
 Why read masks by evaluation: a model builds its mask from its positions (Hugging Face's
 masking_utils: causal by position ids, a sliding window, packed-sequence detection from position
@@ -73,6 +78,7 @@ class AttentionForm:
     mask: fx.Node | None
     mask_kind: str  # "visible" (bool, True = attend), "additive" (float, 0 = attend), "hidden" (bool, True = masked)
     chain: tuple[fx.Node, ...]  # the nodes the form replaces, output last
+    upcast: torch.dtype | None  # the softmax's dtype (module docstring); None: not known
 
 
 def find_attention(program: fx.GraphModule) -> list[AttentionForm]:
@@ -98,7 +104,8 @@ def _sdpa(node: fx.Node) -> AttentionForm:
     mask = call.get("attn_mask")
     kind = "visible" if mask is None or _dtype(mask) == torch.bool else "additive"
     return AttentionForm(q=node.args[0], k=node.args[1], v=node.args[2], output=node, scale=call.get("scale"),
-                         softcap=None, causal=bool(call.get("is_causal")), mask=mask, mask_kind=kind, chain=(node,))
+                         softcap=None, causal=bool(call.get("is_causal")), mask=mask, mask_kind=kind, chain=(node,),
+                         upcast=torch.float32)
 
 
 def _dtype(node: Any) -> torch.dtype | None:
@@ -106,8 +113,15 @@ def _dtype(node: Any) -> torch.dtype | None:
     return getattr(val, "dtype", None)
 
 
+def _users(node: fx.Node) -> list[fx.Node]:
+    """Who reads `node`, less the dtype assertions export adds beside a cast (`.to(q.dtype)`
+    after Hugging Face's float32 softmax has one on the softmax)."""
+    return [user for user in node.users if user.target is not aten._assert_tensor_metadata.default]
+
+
 def _only_user(node: fx.Node) -> fx.Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
+    users = _users(node)
+    return users[0] if len(users) == 1 else None
 
 
 def _scalar(value: Any) -> float | None:
@@ -131,8 +145,11 @@ def _eager(softmax: fx.Node) -> AttentionForm | None:
     if after is None or after.target is not aten.matmul.default or after.args[0] is not chain[-1]:
         return None
     v = after.args[1]
-    # backward: the mask, the soft-cap, the scale, the scores' matmul
+    # backward: a cast, the mask, the soft-cap, the scale, the scores' matmul
     x = softmax.args[0]
+    while x.op == "call_function" and x.target in _CASTS:
+        chain.append(x)
+        x = x.args[0]
     mask, kind = None, "visible"
     if x.target is aten.add.Tensor and all(isinstance(a, fx.Node) for a in x.args):
         chain.append(x)
@@ -158,12 +175,13 @@ def _eager(softmax: fx.Node) -> AttentionForm | None:
     if transposed.target is not aten.transpose.int or {d % 4 for d in transposed.args[1:]} != {2, 3}:
         return None
     chain += [x, transposed]
-    if any(len(n.users) != 1 for n in chain if n is not softmax) or len(softmax.users) != 1:
+    if any(len(_users(n)) != 1 for n in chain):
         raise UnexecutableStrategy(f"node {softmax.name}: the attention weights are read outside attention "
                                    f"(output_attentions?) under context parallelism; a rank holds only its rows")
     chain.reverse()
     return AttentionForm(q=x.args[0], k=transposed.args[0], v=v, output=after, scale=scale, softcap=softcap,
-                         causal=False, mask=mask, mask_kind=kind, chain=(*chain, after))
+                         causal=False, mask=mask, mask_kind=kind, chain=(*chain, after),
+                         upcast=_dtype(softmax))
 
 
 def _leads_to_scores(node: fx.Node) -> bool:

@@ -100,18 +100,19 @@ class ContextAttention(nn.Module):
     """SDPA over the whole sequence for this rank's queries (`context_attention`)."""
 
     def __init__(self, *, lowering: ContextLowering, mask: AttentionMask, scale: float | None,
-                 softcap: float | None = None, node: str) -> None:
+                 softcap: float | None = None, upcast: torch.dtype | None = None, node: str) -> None:
         super().__init__()
         self.lowering, self.mask, self.scale, self.softcap, self.node = lowering, mask, scale, softcap, node
+        self.upcast = upcast  # the dtype the captured softmax ran in: computed in at least it
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         c = self.lowering
         if c.batch.local:
             return local_attention(q, k, v, positions=c.positions(q.device), mask=self.mask, doc_ids=c.batch.doc_ids,
-                                   scale=self.scale, softcap=self.softcap)
+                                   scale=self.scale, softcap=self.softcap, upcast=self.upcast)
         return context_attention(q, k, v, layout=c.current(), group=c.axis.group if c.axis.size > 1 else None,
                                  method=c.method, mask=self.mask, doc_ids=c.batch.doc_ids,  # type: ignore[arg-type]
-                                 scale=self.scale, softcap=self.softcap)
+                                 scale=self.scale, softcap=self.softcap, upcast=self.upcast)
 
     def extra_repr(self) -> str:
         c = self.lowering
@@ -236,7 +237,7 @@ def _attention(form: AttentionForm, mask: AttentionMask, lowering: ContextLoweri
                                    f"this rank's {heads} query heads over cp={lowering.layout.cp}, which does not "
                                    f"divide them; use cp_method=all_gather or ring")
     return ContextAttention(lowering=lowering, mask=mask, scale=form.scale, softcap=form.softcap,
-                            node=form.output.name)
+                            upcast=form.upcast, node=form.output.name)
 
 
 def _erase_unused(roots: list[fx.Node]) -> None:
