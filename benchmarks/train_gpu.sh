@@ -25,7 +25,7 @@ mkdir -p /tmp/g
   df -h /tmp | tail -1; } > "$out/gpu.txt"
 cat "$out/gpu.txt"
 start=$(date +%s)
-timeout 120 python3 -m mplan profile -o /tmp/g/cluster.json 2>&1 | tail -3
+timeout 200 python3 -m mplan profile -o /tmp/g/cluster.json 2>&1 | tail -3
 cp /tmp/g/cluster.json "$out/profile.json"
 echo "profile: $(( $(date +%s) - start )) s"
 stdlib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')

@@ -277,16 +277,44 @@ def _profile(args: argparse.Namespace) -> int:
 
     progress = _progress(args)
     with progress.phase("profile", "kernels" + ("" if args.no_links else " and links")):
-        cluster = profile_cluster(args.output, init_distributed_from_env(), quick=args.quick,
-                                  links=not args.no_links, progress=progress)
+        world = init_distributed_from_env()
+        cluster = profile_cluster(args.output, world, quick=args.quick, links=not args.no_links, progress=progress)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # every rank measured; rank 0 reports
+    cluster = _calibrate_host(cluster, args, alone=world is None or world.size() == 1, progress=progress)
     if args.json:
         print(json.dumps(cluster.to_dict(), indent=1))
     elif args.output:
         print(f"cluster profile written to {args.output}")
     _say_completion(cluster, args.output or "the profile")
     return 0
+
+
+def _calibrate_host(cluster: Any, args: argparse.Namespace, *, alone: bool, progress: Any) -> Any:
+    """On a GPU, in a one-process profile: mplan's runtime host factor measured (`host_calibration`)
+    and written into the profile's host figures (and `--output`); elsewhere the profile keeps the
+    planner's constant, and a multi-rank profile says so."""
+    import dataclasses
+
+    host = cluster.profile.device.host if cluster.profile is not None and cluster.profile.device else None
+    if host is None or not host.overlaps or args.no_runtime_host:
+        return cluster
+    if not alone:
+        print("mplan: the runtime's host factor is measured by a one-process `mplan profile` only; this profile "
+              "keeps the planner's constant (planner/host_cost.py)", file=sys.stderr)
+        return cluster
+    from mplan.host_calibration import calibrate
+
+    with progress.phase("runtime host", "a host-bound Llama trained through mplan, its step fitted"):
+        result = calibrate(cluster)
+    print(f"mplan: runtime host factor: {result.why}", file=sys.stderr)
+    if result.factor is None:
+        return cluster
+    device = dataclasses.replace(cluster.profile.device, host=dataclasses.replace(host, runtime_factor=result.factor))
+    cluster = cluster.with_profile(dataclasses.replace(cluster.profile, device=device))
+    if args.output:
+        cluster.to_json(args.output)
+    return cluster
 
 
 def _say_completion(cluster: Any, file: str) -> None:
@@ -554,6 +582,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="cluster.json", help="cluster file to write (rank 0)")
     p.add_argument("--quick", action="store_true", help="a small grid: seconds, for a smoke test")
     p.add_argument("--no-links", action="store_true", help="time the device only")
+    p.add_argument("--no-runtime-host", action="store_true",
+                   help="skip training a small model through mplan to measure its runtime's host time per op (GPU)")
     p.add_argument("--json", action="store_true", help="print the cluster file and nothing else")
     quiet_arg(p)
     p.set_defaults(func=_profile)

@@ -41,9 +41,10 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"ir", "fusion", "cost_models", "collectives", "kernels", "models", "passes", "refusal", "json_fields",
                 "progress"} | BRIDGE,
 }
-TOP_LEVEL = {"__init__", "__main__", "api", "cli", "bench", "measure", "verify", "train", "summary"}
+TOP_LEVEL = {"__init__", "__main__", "api", "cli", "bench", "measure", "verify", "train", "summary", "host_calibration"}
 """The application layer: the public API and the commands (`train`: the `mplan train` run;
-`summary`: the `mplan inspect` report), which may use every layer."""
+`summary`: the `mplan inspect` report; `host_calibration`: `mplan profile`'s run of the runtime),
+which may use every layer."""
 
 
 def _layer(module: str) -> str:

@@ -13,7 +13,8 @@ File format (``"format": "mplan.profile"``, ``"version": 1``)::
                                       forward_s, forward_backward_s}],
                        "copy": [{bytes_moved, seconds}],
                        "host": {aten_op_s, view_op_s, launch_s, backward_node_s, triton_launch_s,
-                                adamw_foreach_tensor_s, adamw_fused_tensor_s, overlaps, source}},
+                                adamw_foreach_tensor_s, adamw_fused_tensor_s, overlaps, source,
+                                runtime_factor (optional)}},
      "links": null | {"backend", "world_size", "ranks_per_node", "measured_on",
                       "timings": [{collective, level, group_size, ranks_per_node, nbytes, seconds}],
                       "fits": [{collective, level, alpha_s, beta_Bps, group_size, num_points,
@@ -107,6 +108,10 @@ class HostTiming:
     # whether kernels run beside the host (a GPU's stream) or on it (a CPU: host and device add up)
     overlaps: bool = True
     source: str  # "measured by ... on DATE" or "nominal, not measured: ..."
+    runtime_factor: float | None = None
+    """Host seconds mplan's runtime pays per op over these bare streams, measured on this machine
+    (`mplan.host_calibration`: a tiny host-bound model trained through mplan, its step fitted);
+    None: not measured, `planner.host_cost` uses its constant fitted on one H100."""
 
     def scaled(self, factor: float, why: str) -> HostTiming:
         """Every per-launch figure times `factor` (a runtime that pays more per op than the
@@ -274,7 +279,12 @@ def _device_to_dict(device: DeviceProfile) -> dict[str, Any]:
             "gemm": [_record_dict(t) for t in device.gemm],
             "attention": [_record_dict(t) for t in device.attention],
             "copy": [_record_dict(t) for t in device.copy],
-            **({} if device.host is None else {"host": _record_dict(device.host)})}
+            **({} if device.host is None else {"host": _host_dict(device.host)})}
+
+
+def _host_dict(host: HostTiming) -> dict[str, Any]:
+    """The host record, `runtime_factor` only where measured (files before it carry none)."""
+    return {k: v for k, v in _record_dict(host).items() if k != "runtime_factor" or v is not None}
 
 
 def _links_to_dict(links: LinkProfile) -> dict[str, Any]:
@@ -329,7 +339,8 @@ def _read_host(h: FieldReader) -> HostTiming:
         backward_node_s=h.number("backward_node_s"), triton_launch_s=h.number("triton_launch_s"),
         adamw_foreach_tensor_s=h.number("adamw_foreach_tensor_s"),
         adamw_fused_tensor_s=h.number("adamw_fused_tensor_s"), overlaps=h.boolean("overlaps"),
-        source=h.string("source")))
+        source=h.string("source"),
+        runtime_factor=h.number("runtime_factor") if h.has("runtime_factor") else None))
 
 
 def _read_timing(t: FieldReader) -> CollectiveTiming:

@@ -64,12 +64,14 @@ def host_timing(cluster: ClusterSpec) -> HostTiming:
 
 
 def runtime_host(cluster: ClusterSpec, runtime: str, factor: float | None = None) -> HostTiming:
-    """The host figures a plan for `runtime` pays: `host_timing`'s, times `factor` (None:
-    MPLAN_RUNTIME_HOST_FACTOR for mplan's runtime on a GPU, whose kernels overlap the host; 1 for
+    """The host figures a plan for `runtime` pays: `host_timing`'s, times `factor` (None: for
+    mplan's runtime on a GPU, whose kernels overlap the host, the factor `mplan profile` measured
+    on the machine (`HostTiming.runtime_factor`), else MPLAN_RUNTIME_HOST_FACTOR; 1 for
     Megatron-LM's runtime, priced as bare ops, and on a CPU, whose figures are nominal)."""
     host = host_timing(cluster)
     if factor is None:
-        factor = MPLAN_RUNTIME_HOST_FACTOR if runtime == "mplan" and host.overlaps else 1.0
+        measured = host.runtime_factor if host.runtime_factor is not None else MPLAN_RUNTIME_HOST_FACTOR
+        factor = measured if runtime == "mplan" and host.overlaps else 1.0
     return host if factor == 1.0 else host.scaled(factor, f"per op in {runtime}'s runtime (host_cost)")
 
 
