@@ -12,6 +12,13 @@ parameters each group of consecutive segments reads, in forward order). Output: 
                       local parameters (`pm.params`, the program's placeholders) point into
     release(unit)     that storage resized to 0 bytes: the parameter tensors stay, empty
 
+A group of one (dp=1, or expert-DP of one): the rank's shard is the whole bucket, so its
+parameters point into the compute shard itself and stay whole: no gather, copy or release, and
+the calls `unit_gathers.py` inserts find them whole (measured on an H200, a 1.26B Llama at dp=1
+ran zero=3 80 ms a step slower than zero=1 while it still copied and freed every unit twice per
+micro-batch; benchmarks/results/train_gpu-2026-12-06.json). The gradients still take zero=2's
+path into the master shard's gradient each micro-batch.
+
 In a one-stage program a unit is gathered before its first op, released after its last (forward),
 gathered again when the first gradient of its outputs arrives (a multi-grad hook: before any of
 its backward, recomputation included) and released when every one of its parameters has its
@@ -58,9 +65,10 @@ Invariants: storage is gathered only from the shards (never written back from it
 order, the same on every replica; a gather in flight is waited for before its storage is read,
 released or written and before the step updates the shards it reads; at most
 `UNITS_IN_FLIGHT` runs' units are whole or in flight at once in a one-stage program, besides those
-a later run reads again; outside a step (and its `parameters_whole` contexts) no unit is gathered.
-So outside them `pm.params` hold tensors of the right shape over storage of 0 bytes, which
-`released_parameters.py` guards: reading their values raises one line naming the accessors. Read
+a later run reads again; outside a step (and its `parameters_whole` contexts) no unit is
+gathered, except over a group of one, whose parameters are the shard. So outside them
+`pm.params` hold tensors of the right shape over storage of 0 bytes, which `released_parameters.py`
+guards: reading their values raises one line naming the accessors. Read
 them inside `pm.optimizer.parameters_whole()`, as `full_state_dict`, inference and the
 checkpoints do.
 """
@@ -78,7 +86,7 @@ import torch.distributed as dist
 from mplan.collectives.flat import all_gather_flat
 from mplan.runtime.optimizer_state import ParamsArg, StateRange
 from mplan.runtime.param_placement import Placements
-from mplan.runtime.process_groups import ProcessGroup, ProcessGroups, group_rank, group_size
+from mplan.runtime.process_groups import ProcessGroup, ProcessGroups, group_rank
 from mplan.runtime.replicated_optimizer import OptimizerFactory
 from mplan.runtime.sharded_optimizer import ShardedOptimizer, _Bucket, _Partition
 
@@ -104,6 +112,9 @@ class _Gathered:
     tensors stay valid)."""
     gathered: bool = False
     """Its storage allocated and filled, or being filled by `work`."""
+    alone: bool = False
+    """Its group has one rank: the shard is the whole bucket, `whole` is `source` itself (the
+    parameters point into the compute shard), always gathered, never copied or released."""
     work: dist.Work | None = None
     """The all-gather still writing `whole` (issued ahead by `prefetch`); None once waited for."""
     arrived: int = 0
@@ -150,15 +161,20 @@ class FullyShardedOptimizer(ShardedOptimizer):
     def _hold(part: _Partition, bucket: _Bucket, compute: torch.Tensor) -> _Gathered:
         """The bucket's whole storage, with its parameters re-pointed into it."""
         first = bucket.params[0]
-        whole = torch.empty(bucket.shard_numel * part.num_replicas, dtype=first.dtype, device=first.device)
-        offset = 0
+        source = compute[bucket.in_shard]
+        alone = part.num_replicas == 1
+        whole = source if alone else torch.empty(bucket.shard_numel * part.num_replicas, dtype=first.dtype,
+                                                  device=first.device)
+        offset = whole.storage_offset()
         for param in bucket.params:
             view = torch.empty(0, dtype=param.dtype, device=param.device)
             view.set_(whole.untyped_storage(), offset, param.shape)
             param.data = view  # same Parameter object (placements, the program's feeds), new storage
             offset += param.numel()
+        if alone:
+            return _Gathered(bucket=bucket, group=part.group, source=source, whole=whole, gathered=True, alone=True)
         whole.untyped_storage().resize_(0)  # released until its unit's first gather
-        return _Gathered(bucket=bucket, group=part.group, source=compute[bucket.in_shard], whole=whole)
+        return _Gathered(bucket=bucket, group=part.group, source=source, whole=whole)
 
     def _all(self) -> Iterator[_Gathered]:
         for unit in self._units:
@@ -188,13 +204,10 @@ class FullyShardedOptimizer(ShardedOptimizer):
     def _start(self, held: _Gathered, *, blocking: bool) -> None:
         self.num_gathers += 1
         held.whole.untyped_storage().resize_(held.nbytes)
-        if group_size(held.group) > 1:
-            work = all_gather_flat(held.whole, held.source, group=held.group, async_op=not blocking)
-            if not blocking:
-                held.work = work
-                self.num_prefetched += 1
-        else:
-            held.whole.copy_(held.source)
+        work = all_gather_flat(held.whole, held.source, group=held.group, async_op=not blocking)
+        if not blocking:
+            held.work = work
+            self.num_prefetched += 1
         held.gathered, held.arrived = True, 0
 
     @staticmethod
@@ -205,7 +218,7 @@ class FullyShardedOptimizer(ShardedOptimizer):
             held.work = None
 
     def _drop(self, held: _Gathered) -> None:
-        if held.gathered and not self._pinned:
+        if held.gathered and not held.alone and not self._pinned:
             self._settle(held)  # the collective writes into the storage about to be freed
             held.whole.untyped_storage().resize_(0)
             held.gathered = False
@@ -279,6 +292,8 @@ class FullyShardedOptimizer(ShardedOptimizer):
             if compute is not part.master:
                 compute.copy_(part.master)
         for held in self._all():
+            if held.alone:
+                continue  # its parameters are the compute shard, just written
             if self._pinned and held.gathered:
                 self._settle(held)
                 self._start(held, blocking=True)
@@ -301,7 +316,7 @@ class FullyShardedOptimizer(ShardedOptimizer):
             rank = group_rank(part.group)
             for bucket in part.buckets:
                 held = self._held_of_bucket[id(bucket)]
-                if held.gathered:
+                if held.gathered and not held.alone:  # (alone: written in place, `whole` is the shard)
                     own = held.whole[rank * bucket.shard_numel:(rank + 1) * bucket.shard_numel]
                     compute[bucket.in_shard] = own
                 if compute is not part.master:
