@@ -11,7 +11,8 @@
 #      still gathers each unit and frees it, over one rank): step time and peak memory beside the
 #      predictions.
 #     bash benchmarks/train_gpu.sh [STEPS] [quick]     (quick: steps 1-3 only, for a short lease)
-# Results (JSON, the GPU's name and versions) go to $OUT; work files stay in /tmp/g.
+# Results (JSON, the GPU's name and versions) go to $OUT, joined into $OUT/train_gpu.json by
+# benchmarks/train_gpu_summary.py (8 files: what the device returns); work files stay in /tmp/g.
 set -u
 cd "$(dirname "$0")/.."
 steps=${1:-120}
@@ -42,6 +43,8 @@ cp /tmp/g/out/metrics-gpu.jsonl "$out/train_gpu_metrics.jsonl" 2>/dev/null
 cp /tmp/g/out/loss-gpu.png "$out/train_gpu_loss.png" 2>/dev/null
 ls /tmp/g/out/tb-gpu /tmp/g/out/hf-gpu /tmp/g/out/ckpt-gpu 2>&1 | head -20
 echo "train: $(( $(date +%s) - start )) s"
+summary() { python3 benchmarks/train_gpu_summary.py "$out" -o "$out/train_gpu.json" 2>&1 | tail -3; }
+summary
 [ "$quick" = quick ] && exit 0
 timeout 200 python3 benchmarks/checkpoint_time.py --plan dp=1 --other dp=1,recompute=full --dtype bfloat16 \
     --model "llama:layers=24,hidden=2048,heads=16,kv_heads=8,ffn=5632,seq=2048,vocab=32000" --batch 4 \
@@ -52,3 +55,4 @@ timeout 200 python3 -m torch.distributed.run --nproc-per-node 1 -m mplan bench \
     --global-batch 8 --plans dp=1,mbs=2 dp=1,zero=1,mbs=2 dp=1,zero=3,mbs=2 --measure --out "$out/zero_bench.json" \
     2>&1 | tail -12 | cut -c1-220
 echo "zero bench: $(( $(date +%s) - start )) s"
+summary
