@@ -10,13 +10,14 @@ datasheet figures and the link as given (100 Gb/s, 10 ms), not measurements.
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 
 import mplan
 from mplan.cost_models.cluster import ClusterSpec
-from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES, collective_time
-from mplan.ir.mesh import MeshShape
+from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES, collective_time, long_haul_steps
+from mplan.ir.mesh import GroupShape, MeshShape
 from mplan.planner.dp_sync import cross_site_all_reduce, dp_collective
 from mplan.planner.parallel_config import PlanSpec, ParallelConfig, parse_plan_spec, site_variants
 from mplan.planner.plan import Plan, PlanError
@@ -40,18 +41,57 @@ def test_hierarchical_sends_about_half_the_long_haul_bytes_of_a_flat_ring():
     # hierarchical: 512 cross-site pairs a site, each 1/64 of the gradients
     assert flat.links.inter_site_bytes == pytest.approx(8 * 2 * 127 / 128 * GRADS)
     assert hier.links.inter_site_bytes == pytest.approx(512 * GRADS / 64)
-    assert flat.seconds > 1.3 * hier.seconds  # the latency per bucket is the same: 2 long-haul hops
+    assert flat.seconds > 1.3 * hier.seconds
     assert hier.seconds > hier.links.inter_site_s  # the link's transfer, plus a latency per bucket
 
 
-def test_every_bucket_pays_the_long_haul_latency():
+def test_every_bucket_waits_its_rings_long_haul_latency_under_nccl():
     slow, fast = two_sites(latency_ms=10), two_sites(latency_ms=0)
-    mesh = MeshShape(dp=16, tp=8, pp=8, sites=2)
     buckets = GRADS / DEFAULT_BUCKET_BYTES
+    mesh = MeshShape(dp=16, tp=8, pp=8, sites=2)
     added = dp_collective(slow, "reduce_scatter", GRADS, mesh).seconds - \
         dp_collective(fast, "reduce_scatter", GRADS, mesh).seconds
-    # an all-reduce over two sites: two long-haul hops of 10 ms per bucket
+    # NCCL runs one communicator's rings in order: each bucket's all-reduce between the two sites
+    # waits its chain, two long-haul hops of 10 ms
     assert added == pytest.approx(buckets * 2 * 0.010, rel=0.05)
+    flat = MeshShape(dp=128, tp=8)
+    added = dp_collective(slow, "all_reduce", GRADS, flat).seconds - dp_collective(fast, "all_reduce", GRADS, flat).seconds
+    # a 128-rank ring over two sites: its chain of dependent messages crosses 4 times a bucket
+    assert added == pytest.approx(math.ceil(buckets) * 4 * 0.010)
+
+
+def test_gloo_keeps_two_rings_waiting_at_once():
+    slow, fast = _local_sites(4, 2), _local_sites(4, 2).with_sites(2, inter_site_gbps=1.0, inter_site_latency_ms=0.0)
+    flat = MeshShape(dp=4)
+    nbytes = 5 * DEFAULT_BUCKET_BYTES
+    added = dp_collective(slow, "all_reduce", nbytes, flat).seconds - dp_collective(fast, "all_reduce", nbytes, flat).seconds
+    assert added == pytest.approx(3 * 3 * 0.010)  # 5 buckets, 2 at a time: 3 waits of the 4-rank ring's 3 hops
+
+
+@pytest.mark.parametrize("size, sites, kind, crossings", [
+    (2, 2, "all_reduce", 2),  # one rank a site: both hops of the chain cross
+    (4, 2, "all_reduce", 3),  # 0 1 | 2 3: the chain's 6 hops cross every other hop
+    (128, 2, "all_reduce", 4),  # 2(n-1) hops: nearly two laps, each crossing twice
+    (128, 2, "reduce_scatter", 2),  # n-1 hops: nearly one lap
+    (12, 3, "all_reduce", 6),
+])
+def test_a_rings_chain_of_dependent_messages_sets_its_long_haul_hops(size, sites, kind, crossings):
+    group = GroupShape(size=size, ranks_per_node=1, num_sites=sites)
+    assert long_haul_steps(kind, group) == crossings
+    assert long_haul_steps(kind, GroupShape(size=size, ranks_per_node=1)) == 0
+
+
+def test_the_loss_average_over_dp_is_priced_across_the_sites():
+    # the runtime all-reduces the step's loss over the whole dp group after the update: across the
+    # sites in either layout, 3 one-way delays on a 4-rank ring over two sites of 2
+    cluster = _local_sites(4, 2)
+    slow = cluster.with_sites(2, inter_site_gbps=1.0, inter_site_latency_ms=50.0)
+    graph = _tiny_graph()
+    for spec in ("dp=4,sites=1", "dp=4,sites=2"):
+        fast_s, slow_s = (resolve_for(spec, graph, c).predicted.step_time_s for c in (cluster, slow))
+        # gradients: the 4-rank ring's chain (3) flat, the 2-rank one's (2) hierarchical; the loss: 3
+        crossings = (3 if spec.endswith("1") else 2) + 3
+        assert slow_s - fast_s == pytest.approx(crossings * 0.040, rel=0.02)
 
 
 def test_zero_levels_shard_over_a_site_and_gather_inside_it():
@@ -169,6 +209,12 @@ def _local_sites(world: int, sites: int) -> ClusterSpec:
     cluster = dataclasses.replace(base, num_nodes=sites, gpus_per_node=world // sites,
                                   links=dataclasses.replace(base.links, inter_node=inter))
     return cluster if sites == 1 else cluster.with_sites(sites, inter_site_gbps=1.0, inter_site_latency_ms=10.0)
+
+
+def resolve_for(spec: str, graph, cluster: ClusterSpec) -> Plan:
+    from mplan.planner.resolve import resolve_plan
+
+    return resolve_plan(spec, graph, cluster=cluster, world_size=4, global_batch=4)
 
 
 def test_resolve_carries_a_specs_sites_and_refuses_what_the_cluster_cannot_hold():

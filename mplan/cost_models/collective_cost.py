@@ -52,15 +52,28 @@ A group of ``n`` ranks with ``g`` per node on ``k = n / g`` nodes:
   * send_recv: one message between neighbouring ranks; across nodes when the group spans nodes
     (the slowest hop, which paces a pipeline).
   * a ring across sites (``group.num_sites = s > 1``, a flat data-parallel ring on a cluster of
-    several sites): the flat ring again, its hops now of three kinds, added (``per_hop (s-1)``
-    long-haul hops, ``per_hop (k-s)`` between nodes of a site, the rest inside nodes; ``per_hop``
-    2 for all-reduce, 1 for the others), and a third transfer beside NVLink's and the NICs': the
-    ring enters and leaves each site once, so a site's link carries ``bus`` for every group of
-    the axis with ranks in it, all at once (``cluster.ranks_per_site / group.ranks_per_site`` of
-    them), over the whole site's ``inter_site_gbps``::
+    several sites, or the 2-rank all-reduce between sites of hierarchical DP): the flat ring
+    again, its hops now of three kinds, added (``site_steps`` long-haul hops, ``per_hop (k-s)``
+    between nodes of a site, the rest inside nodes; ``per_hop`` 2 for all-reduce, 1 for the
+    others), and a third transfer beside NVLink's and the NICs': the ring enters and leaves each
+    site once, so a site's link carries ``bus`` for every group of the axis with ranks in it, all
+    at once (``cluster.ranks_per_site / group.ranks_per_site`` of them), over the whole site's
+    ``inter_site_gbps``::
 
-        t_site = ... + per_hop (s-1) site_latency
+        t_site = ... + site_steps site_latency
                  + max(bus / nvlink_bandwidth, bus / (g * nic_bandwidth), groups_per_site * bus / site_bandwidth)
+
+    ``site_steps`` (`long_haul_steps`) is the long-haul hops on the ring's longest chain of
+    dependent messages: a ring collective is ``ring_steps`` steps (2(n-1) for all-reduce: n-1
+    reduce-scatter, n-1 all-gather), and a rank's step t+1 sends what it received at step t, so
+    a chunk's path runs ``ring_steps`` consecutive hops around the ring and waits at each. The
+    ring visits a site's ``m = n / s`` ranks in a row, so every m-th hop is long-haul and the
+    worst chain crosses ``ceil(ring_steps / m)`` times: 2 for the 2-rank all-reduce between two
+    sites, 3 for a 4-rank all-reduce over two sites of 2, 2s for an all-reduce over sites of 3
+    ranks or more. Not every step waits a long-haul latency (a step's messages inside a site
+    are not on the chain that crosses), nor only 2(s-1) of them as NCCL's per-node count would
+    give: the chain a ring's data must follow is what waits. (Gloo's and NCCL's rings are flat
+    rings in ring order: neither splits a group by site, `runtime/hierarchical_reduce.py` does.)
 
     The long-haul figures are the cluster's as given (no efficiency applied, no measured fit).
     Only rings cross sites (data parallelism): any other collective across sites is refused.
@@ -73,6 +86,7 @@ conservative).
 """
 from __future__ import annotations
 
+import math
 
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.collectives import bus_factor, check_collective, ring_steps
@@ -177,14 +191,27 @@ def _site_ring(phases: _Phases, kind: str, group: GroupShape, nbytes: float) -> 
     cluster, n, g, k, s = phases.cluster, group.size, group.ranks_per_node, group.num_nodes, group.num_sites
     bus = bus_factor(kind, n) * nbytes
     per_hop = 2 if kind == "all_reduce" else 1
-    site_steps, node_steps = per_hop * (s - 1), per_hop * (k - s)
-    intra_latency, intra = phases.split("intra_node", kind, bus, ring_steps(kind, n) - site_steps - node_steps) \
-        if g > 1 else (0.0, 0.0)
+    site_steps, node_steps = long_haul_steps(kind, group), per_hop * (k - s)
+    intra_steps = max(0, ring_steps(kind, n) - site_steps - node_steps)
+    intra_latency, intra = phases.split("intra_node", kind, bus, intra_steps) if g > 1 else (0.0, 0.0)
     inter_latency, inter = phases.split("inter_node", kind, bus / g, node_steps)
     phases.analytic = True
     groups_per_site = cluster.ranks_per_site // group.ranks_per_site
     site = groups_per_site * bus / cluster.sites.bandwidth_Bps
     return intra_latency + inter_latency + site_steps * cluster.sites.latency_s + max(intra, inter, site)
+
+
+def long_haul_steps(kind: str, group: GroupShape) -> int:
+    """Long-haul hops on the longest chain of dependent messages of a ring ``kind`` over ``group``,
+    its ranks in a row site by site (module docstring); 0 for a group inside one site."""
+    if not group.crosses_sites:
+        return 0
+    return math.ceil(ring_steps(kind, group.size) / (group.size // group.num_sites))
+
+
+def long_haul_latency_s(cluster: ClusterSpec, kind: str, group: GroupShape) -> float:
+    """The long-haul latency one ring ``kind`` over ``group`` waits (``long_haul_steps`` one-way delays)."""
+    return long_haul_steps(kind, group) * cluster.sites.latency_s if group.crosses_sites else 0.0
 
 
 def _two_node_tree(phases: _Phases, g: int, nbytes: float) -> float:

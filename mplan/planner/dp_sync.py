@@ -12,8 +12,9 @@ Three layouts (`ir/mesh.py`):
   before sites (`collective_time`), whatever the bucketing (its latency is microseconds);
 - flat across sites (`sites=1` on a cluster of several): the ring crosses the long haul
   (`collective_cost`, "a ring across sites"), bucket by bucket (`DEFAULT_BUCKET_BYTES`, the
-  runtime's buckets), each bucket one collective that pays the long haul's latency, one after the
-  other (collectives on one communicator run in order);
+  runtime's buckets); each bucket's ring waits the long-haul latency of its chain of dependent
+  messages (`long_haul_steps` one-way delays: 4 for an all-reduce over two sites of 3 ranks or
+  more, 3 over two sites of 2);
 - hierarchical (`sites = S > 1`), as `runtime/hierarchical_reduce.py` runs it, per bucket:
 
       1. reduce-scatter over the site's dp_local ranks      site links, the whole bucket
@@ -23,10 +24,21 @@ Three layouts (`ir/mesh.py`):
 
   Bucket i's phase 2 runs while bucket i+1's phase 1 does (different links): the two-stage
   pipeline takes max(sum of phase 1, sum of phase 2) plus the shorter phase of one bucket; each
-  bucket's phase 2 pays the long haul's latency. Phase 3 runs at the step. A reduce-scatter for
+  bucket's phase 2 waits the long haul's latency (2 one-way delays for the 2-rank all-reduce
+  between two sites), shared by the buckets in flight together (below). Phase 3 runs at the step. A reduce-scatter for
   ZeRO is phases 1 and 2; a gather of parameters is phase 3 alone (the sites hold the same
   shards after phase 2); zero 2/3's reduce-scatters run per unit inside a site, and the shards'
   all-reduce between sites (`cross_site_all_reduce`) once a step.
+Buckets in flight: the runtime posts each bucket's cross-site collective as soon as the bucket
+is ready (`data_parallel._start_all_reduce`, `hierarchical_reduce.SiteReductions`: phase 2 of
+bucket i when bucket i+1's phase 1 is issued) and waits for none of them before posting the next;
+how many of a group's rings then wait their long-haul latency at the same time is the backend's
+(`collectives_in_flight`): NCCL runs a communicator's collectives in its stream's order, each
+ring starting once the one before it finished on the rank (1: every bucket waits its own chain
+latency, serially); gloo runs posted work on ProcessGroupGloo's worker threads, 2 by default,
+each collective under its own tag (2 at once). The link's transfers follow one another either
+way (`_in_flight`). `last_bucket_s` (what follows the last bucket under overlap with backward)
+is one whole bucket, its latency included.
 Traffic (`LinkUse`): bytes one rank pushes through NVLink and through its NIC (bus bytes,
 `collectives.bus_factor`), and bytes one site sends over the long haul in each direction (all
 its groups together), with each level's transfer seconds at its bandwidth.
@@ -38,7 +50,7 @@ import math
 from dataclasses import dataclass
 
 from mplan.cost_models.cluster import ClusterSpec
-from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES, collective_time
+from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES, collective_time, long_haul_latency_s
 from mplan.cost_models.collectives import bus_factor
 from mplan.ir.mesh import GroupShape, MeshShape
 
@@ -73,6 +85,18 @@ class SyncPrice:
 NOTHING = SyncPrice(seconds=0.0, last_bucket_s=0.0, links=LinkUse())
 
 
+NCCL_IN_FLIGHT = 1
+"""Rings of one NCCL communicator waiting their latency at once: its collectives run in stream order."""
+GLOO_IN_FLIGHT = 2
+"""Rings of one gloo group waiting their latency at once: ProcessGroupGloo's default worker threads."""
+
+
+def collectives_in_flight(cluster: ClusterSpec) -> int:
+    """How many of one group's posted collectives wait their long-haul latency together (module
+    docstring): gloo's on CPU ranks, NCCL's on GPUs."""
+    return GLOO_IN_FLIGHT if cluster.device.name == "cpu" else NCCL_IN_FLIGHT
+
+
 def link_use(cluster: ClusterSpec, kind: str, nbytes: float, group: GroupShape) -> LinkUse:
     """The traffic of one ring collective (module docstring), without its latency."""
     if group.size == 1 or nbytes == 0:
@@ -102,10 +126,7 @@ def dp_collective(cluster: ClusterSpec, kind: str, nbytes: float, mesh: MeshShap
             return SyncPrice(seconds=collective_time(cluster, kind, nbytes, group),
                              last_bucket_s=collective_time(cluster, kind, min(nbytes, DEFAULT_BUCKET_BYTES), group),
                              links=links)
-        full, rest = divmod(nbytes, DEFAULT_BUCKET_BYTES)
-        last = collective_time(cluster, kind, rest or DEFAULT_BUCKET_BYTES, group)
-        return SyncPrice(seconds=full * collective_time(cluster, kind, DEFAULT_BUCKET_BYTES, group)
-                         + (last if rest else 0.0), last_bucket_s=last, links=links)
+        return _in_flight(cluster, kind, nbytes, DEFAULT_BUCKET_BYTES, group, links)
     site = mesh.site_group_shape(axis, gpn)
     if kind == "all_gather":  # phase 3 alone: every site holds the same shards
         return SyncPrice(seconds=collective_time(cluster, kind, nbytes, site),
@@ -126,11 +147,24 @@ def cross_site_all_reduce(cluster: ClusterSpec, shard_bytes: float, mesh: MeshSh
     if mesh.sites == 1 or shard_bytes == 0:
         return NOTHING
     cross = mesh.cross_site_group_shape()
-    bucket = DEFAULT_BUCKET_BYTES / mesh.dp_local
-    full, rest = divmod(shard_bytes, bucket)
-    last = collective_time(cluster, "all_reduce", rest or bucket, cross)
-    return SyncPrice(seconds=full * collective_time(cluster, "all_reduce", bucket, cross) + (last if rest else 0.0),
-                     last_bucket_s=last, links=link_use(cluster, "all_reduce", shard_bytes, cross))
+    return _in_flight(cluster, "all_reduce", shard_bytes, DEFAULT_BUCKET_BYTES / mesh.dp_local, cross,
+                      link_use(cluster, "all_reduce", shard_bytes, cross))
+
+
+def _in_flight(cluster: ClusterSpec, kind: str, nbytes: float, bucket: float, group: GroupShape,
+               links: LinkUse) -> SyncPrice:
+    """`nbytes` in collectives of `bucket` bytes over `group`, which crosses sites, all posted
+    before any is waited for (module docstring: buckets in flight): every bucket's time but its
+    long-haul latency, one after the other, and that latency once per `collectives_in_flight`
+    buckets."""
+    latency = long_haul_latency_s(cluster, kind, group)
+    full, rest = divmod(nbytes, bucket)
+    count = int(full) + (1 if rest else 0)
+    last = collective_time(cluster, kind, rest or bucket, group)
+    each = collective_time(cluster, kind, bucket, group) - latency
+    waits = math.ceil(count / collectives_in_flight(cluster))
+    return SyncPrice(seconds=full * each + (last - latency if rest else 0.0) + waits * latency, last_bucket_s=last,
+                     links=links)
 
 
 def _phases_1_and_2(cluster: ClusterSpec, nbytes: float, mesh: MeshShape, site: GroupShape) -> SyncPrice:
@@ -141,7 +175,10 @@ def _phases_1_and_2(cluster: ClusterSpec, nbytes: float, mesh: MeshShape, site: 
     bucket = nbytes / num_buckets
     scatter = collective_time(cluster, "reduce_scatter", bucket, site)
     exchange = collective_time(cluster, "all_reduce", bucket / site.size, cross)
+    # phase 2's latency shared by the buckets in flight together (module docstring)
+    latency, alone = long_haul_latency_s(cluster, "all_reduce", cross), scatter + exchange
+    exchange -= latency * (1 - math.ceil(num_buckets / collectives_in_flight(cluster)) / num_buckets)
     seconds = max(scatter, exchange) * num_buckets + min(scatter, exchange)
     links = (link_use(cluster, "reduce_scatter", nbytes, site)
              + link_use(cluster, "all_reduce", nbytes / site.size, cross))
-    return SyncPrice(seconds=seconds, last_bucket_s=scatter + exchange, links=links)
+    return SyncPrice(seconds=seconds, last_bucket_s=alone, links=links)
