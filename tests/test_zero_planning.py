@@ -19,8 +19,9 @@ import pytest
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES, collective_time
 from mplan.cost_models.memory_model import bytes_per_param, estimate_memory, mplan_bytes_per_param
+from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.planner.zero_pricing import (ZERO3_UNITS_IN_FLIGHT, ZERO_OVERLAP, ZERO_REDUCTIONS_IN_FLIGHT, ZeroOverlap,
-                                        gathered_window)
+                                        gathered_window, zero1_copy_time, zero23_copy_time)
 from mplan.planner.explain import explain_data, render
 from mplan.planner.parallel_config import (EXECUTABLE_ZERO, ParallelConfig, PlanSpec, PlanSpecError,
                                            enumerate_configs, parse_plan_spec)
@@ -290,6 +291,31 @@ def test_zero2_and_zero3_add_their_collectives_as_the_runtime_overlaps_them(smal
     # zero 1 and 2 gather the updated parameters after the step, zero=3 never gathers them whole
     whole = collective_time(cluster, "all_gather", e[2].memory[0].params_bytes, group)  # the rank's bf16 weights
     assert e[2].grad_sync_s[0] == pytest.approx(whole + max(scatter)) and e[3].grad_sync_s[0] == pytest.approx(max(scatter))
+
+
+def test_zero2_and_zero3_copy_their_gradients_in_every_micro_batch(small_planner: Planner) -> None:
+    """mplan's runtime reduces zero 2/3's gradients in every micro-batch's backward (flattened into
+    fp32, added into the master shard's gradient: bf16 10 bytes a parameter, 12 more a shard
+    element), zero=1 once a step (as one reduction, plus the step's narrowing and copy into the
+    parameters). At dp=1 zero=3 gathers nothing (its parameters are the shard: fully_sharded.py),
+    so what sets it above zero=1 is those copies, 3 more reductions at 4 micro-batches. Measured
+    on an H200 for a 1.26B Llama before zero=3 stopped copying its units at dp=1: zero=3 483 ms,
+    zero=1 403 (benchmarks/results/train_gpu-2026-12-06.json), both priced 314 then."""
+    compute = ComputeCostModel(small_planner.cluster)
+    assert zero23_copy_time(compute, N, 1, 2, zero=3, reductions=4) == compute.memory_bound_time(N * (4 * 10 + 4 * 12 + 6))
+    # one reduction: zero=1's copies, but added into the gradient (read 4 more) where zero=1 copies
+    assert zero1_copy_time(compute, N, 1, 2) == compute.memory_bound_time(N * 28)
+    assert zero23_copy_time(compute, N, 1, 2, zero=2, reductions=1) == compute.memory_bound_time(N * 32)
+    # fp32 parameters: zero=3's compute shard is the master, nothing to narrow
+    assert zero23_copy_time(compute, N, 4, 4, zero=3, reductions=2) == compute.memory_bound_time(
+        N * 2 * (8 + 4 + 8) + N / 4 * 2 * 12)
+    one_rank = {z: small_planner.evaluate(ParallelConfig(dp=1, tp=1, pp=1, mbs=1, num_micro_batches=4, zero=z),
+                                          fast=True) for z in (1, 3)}
+    params = one_rank[1].memory[0].params_bytes / 2
+    assert one_rank[3].zero_comm_s == 0.0
+    assert one_rank[3].optimizer_s - one_rank[1].optimizer_s == pytest.approx(
+        zero23_copy_time(compute, params, 1, 2, zero=3, reductions=4) - zero1_copy_time(compute, params, 1, 2))
+    assert one_rank[3].step_time_s > one_rank[1].step_time_s
 
 
 def test_keeping_zero3s_weights_prices_one_gather_a_step(small_planner: Planner) -> None:

@@ -45,7 +45,8 @@ Model (each term from the cost models, nothing fitted here):
   `cost_models.memory_model.reduction_peak`);
 - the optimizer step is memory-bound over the rank's optimizer shard: clipping's gradient norm,
   then one multi-tensor AdamW, mplan's kernel or torch's fused one (`optimizer_time`), and under
-  ZeRO-1 the copies between parameters, flat gradients and master shard (`zero1_copy_time`);
+  ZeRO-1 the copies between parameters, flat gradients and master shard (`zero1_copy_time`; under
+  mplan's runtime zero 2/3's, whose reductions copy in every micro-batch: `zero23_copy_time`);
 - MoE layers (`unit_experts.py`) are priced per config, not by the TP solve: on the busiest rank of
   the expert-parallel group, E/ep experts a layer, their GEMMs at that rank's load (the
   `moe_imbalance` over the mean, capped by a capacity factor), a dispatch and a combine all-to-all
@@ -78,7 +79,8 @@ from mplan.planner.unit_costs import UnitCost, chunk_backward_s, chunk_forward_s
 from mplan.planner.dp_sync import NOTHING, LinkUse, cross_site_all_reduce, dp_collective
 from mplan.planner.unit_experts import UnitExperts
 from mplan.planner.zero_pricing import (ZERO_OVERLAP, ZERO_OVERLAP_CPU, gathered_window, gradient_reductions, shared_glue,
-                                        zero1_copy_time, zero_collectives, zero_links)
+                                        zero1_copy_time, zero23_copy_time, zero_collectives,
+                                        zero_links)
 
 LOSS_BYTES = 8
 """The step's loss averaged over dp: one float64 (`parallel_module._flat_step`)."""
@@ -307,7 +309,9 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
                         default=0.0)
         sizes = [moe.dense_params[u] + moe.expert_params[u] for u in rank_units] if config.zero >= 1 else []
         gathered = 0.0
-        if config.zero == 3:
+        # over groups of one mplan's runtime gathers nothing: the parameters are the shard (fully_sharded.py)
+        alone = facts.runtime == "mplan" and mesh.dp_local == 1 and mesh.expert_dp_local == 1
+        if config.zero == 3 and not alone:
             shared = shared_glue(moe.glue_params, rank_units)
             apart = [size - sum(n for name, n in moe.glue_params[u] if name in shared)
                      for u, size in zip(rank_units, sizes)]
@@ -485,12 +489,17 @@ def _sync_and_step(config: ParallelConfig, cluster: ClusterSpec, compute: Comput
     sync += sum(g.seconds for g in gathers)
     links = sum((p.links for p in (*grads, shards, *gathers)), LinkUse())
     # the dtype AdamW steps: the parameters', or ZeRO's master shard (at least fp32, sharded_optimizer.py);
-    # zero 2 and 3's copies around the collectives priced as zero=1's until the runtime's own are counted;
+    # zero 2 and 3's copies around the collectives: mplan's runtime's own, else priced as zero=1's;
     # ZeRO shards over a site's replicas (`ir/mesh.py`: dp_local, all of dp without sites)
     step_bytes = max(per.param, 4) if config.zero else per.param
     shard = dense / mesh.dp_local + experts / mesh.expert_dp_local if config.zero else dense + experts
     step = optimizer_time(compute, shard, step_bytes, mplan_adamw=facts.mplan_adamw)
-    if config.zero:
+    if config.zero >= 2 and facts.runtime == "mplan":  # reduced each micro-batch of a one-stage program
+        reductions = config.num_micro_batches if config.pp == 1 else 1
+        for held, replicas in ((dense, mesh.dp_local), (experts, mesh.expert_dp_local)):
+            if held:
+                step += zero23_copy_time(compute, held, replicas, per.param, zero=config.zero, reductions=reductions)
+    elif config.zero:
         step += zero1_copy_time(compute, dense, mesh.dp_local, per.param)
         if experts:
             step += zero1_copy_time(compute, experts, mesh.expert_dp_local, per.param)

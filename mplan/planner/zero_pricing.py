@@ -4,7 +4,8 @@ Role: the ZeRO half of `evaluate.py`'s model. Input: a `ParallelConfig` (its `ze
 `keep_weights`), the cluster, the bytes a parameter takes (`BytesPerParam`) and the units a rank runs.
 Output: zero 2/3's per-unit collectives (`zero_collectives`, `ZeroCollectives.unit_seconds`: what
 they add to each unit's forward and backward under the overlap a runtime achieves, `ZERO_OVERLAP`),
-zero 1's copies around its collectives (`zero1_copy_time`), their traffic per link (`zero_links`), the worst moment of the gradient
+zero 1's copies around its collectives (`zero1_copy_time`; zero 2/3's, each micro-batch:
+`zero23_copy_time`), their traffic per link (`zero_links`), the worst moment of the gradient
 reductions (`gradient_reductions`) and the weights zero=3 holds gathered at once (`gathered_window`).
 
 As mplan's runtime runs them (runtime/sharded_optimizer.py, fully_sharded.py): zero=1 reduce-scatters
@@ -83,6 +84,26 @@ def zero1_copy_time(compute: ComputeCostModel, params: float, dp: int, param_byt
     whole = params * (8 + 3 * param_bytes + (8 if dp > 1 else 0))
     shard = params / dp * (4 + param_bytes + (8 if dp == 1 else 0))
     return compute.memory_bound_time(whole + shard)
+
+def zero23_copy_time(compute: ComputeCostModel, params: float, dp: int, param_bytes: int, *, zero: int,
+                     reductions: int) -> float:
+    """Seconds of zero 2 and 3's own copies over a rank's `params` (elements of `param_bytes`
+    bytes) in one step of `reductions` gradient reductions (the micro-batches of a one-stage
+    program; one under a pipeline, which reduces at the step), counted in
+    mplan/runtime/sharded_optimizer.py `_reduce` and fully_sharded.py. Each reduction: the
+    gradients flattened into a zeroed fp32 buffer (write 4; read p, write 4), divided by dp when
+    dp > 1 (read and write 4), then added into the master shard's gradient (read 4 and 4, write 4
+    per shard element). The step: the master shard narrowed to the parameter dtype (read 4, write
+    p per shard element; zero=3 not where the dtypes agree: its compute shard is the master);
+    zero=2 then copies the gathered buckets into the parameters (read and write p); zero=3's
+    gathers are collectives (`zero_collectives`) and over a group of one copy nothing (its
+    parameters are the shard). So at dp=1 zero 2/3 cost `reductions` times zero=1's
+    reduction copies."""
+    whole = reductions * (8 + param_bytes + (8 if dp > 1 else 0)) + (2 * param_bytes if zero == 2 else 0)
+    narrow = 4 + param_bytes if zero == 2 or param_bytes < 4 else 0
+    shard = reductions * 12 + narrow
+    return compute.memory_bound_time(params * whole + params / dp * shard)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ZeroCollectives:
