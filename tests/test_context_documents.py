@@ -9,8 +9,9 @@ Equivalence: `autoparallel(..., document_mask=True)` and `train_step(ids, labels
 every document as its own sequence and averages the token losses over all of them: losses and
 every parameter within 1e-9. mplan's Llama family (RoPE): attention depends on position
 differences only, so a document at positions a..b of a packed row computes what it computes at
-0..b-a alone, up to rounding (positions are not restarted per document; a model with learned
-absolute positions would see them shifted).
+0..b-a alone, up to rounding. Positions are not restarted per document, so a model with learned
+absolute positions (nanoGPT's wpe) would train its documents at shifted positions: refused, one
+line on every rank, at cp=2 and at cp=1.
 
 Balance: a synthetic packed mix (document lengths log-normal, median 600 tokens, sigma 1.2, cut to
 [16, S]: a heavy tail like web-text corpora's, stated as synthetic) at 32k tokens over cp=4 and
@@ -172,8 +173,27 @@ def train_with_documents() -> dict[str, Any]:
     return {**losses, "documents_per_row": [int(d[-1]) + 1 for d in docs]}
 
 
+def refuses_learned_positions_with_documents() -> list[str]:
+    import mplan
+    from mplan.ir.attention_mask import doc_ids_from_lengths
+    from zoo_models import ZOO
+
+    entry, messages = ZOO["nanogpt"], []
+    ids = torch.randint(0, entry.vocab, (2, entry.seq), generator=torch.Generator().manual_seed(0))
+    doc_ids = doc_ids_from_lengths([[5, entry.seq - 5], [entry.seq]])
+    for plan in ("cp=2", "dp=2"):
+        pm = mplan.autoparallel(entry.make(), example_inputs=(ids,), global_batch=2, plan=plan, loss_fn=entry.loss_fn,
+                                document_mask=True)
+        try:
+            pm.train_step(ids, ids, doc_ids=doc_ids)
+            messages.append("not refused")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
 CHECKS = [documents_cp1, documents_cp2, documents_cp2_ring, documents_dynamic_cp,
-          refuses_doc_ids_without_document_mask, train_with_documents]
+          refuses_doc_ids_without_document_mask, train_with_documents, refuses_learned_positions_with_documents]
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +223,13 @@ def test_mplan_train_masks_documents_under_cp2(world2: Any) -> None:
 def test_doc_ids_need_a_document_module(world2: Any) -> None:
     for message in world2.assert_passed(refuses_doc_ids_without_document_mask):
         assert "document_mask=True" in message and "\n" not in message, message
+
+
+def test_learned_absolute_positions_refuse_documents(world2: Any) -> None:
+    """nanoGPT's wpe reads positions that run on across documents: one line, never shifted."""
+    for messages in world2.assert_passed(refuses_learned_positions_with_documents):
+        for message in messages:
+            assert "learned absolute positions (transformer.wpe.weight)" in message and "\n" not in message, message
 
 
 # -- balance (one process) ---------------------------------------------------------------------------

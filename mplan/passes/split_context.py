@@ -122,14 +122,25 @@ class ContextAttention(nn.Module):
 
 class ContextPositions(nn.Module):
     """This rank's global token positions in the micro-batch running now (`lowering.positions`),
-    as a dtype the graph wants, or the rows of a table at them."""
+    as a dtype the graph wants, or the rows of a table at them.
+
+    Positions run on across packed documents (they are not restarted per document). Under RoPE
+    that is exact: attention within a document sees position differences only. A learned
+    absolute position table (GPT's wpe) would train each document at shifted positions, unlike
+    the document alone: with documents set, positions that index such a table (`learned`, its
+    name) are refused, in one line, never run shifted."""
 
     def __init__(self, lowering: ContextLowering, *, device: torch.device | None = None, dim: int | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, learned: str | None = None) -> None:
         super().__init__()
-        self.lowering, self.device, self.dim, self.dtype = lowering, device, dim, dtype
+        self.lowering, self.device, self.dim, self.dtype, self.learned = lowering, device, dim, dtype, learned
 
     def forward(self, table: torch.Tensor | None = None) -> torch.Tensor:
+        if self.learned is not None and self.lowering.batch.doc_ids is not None:
+            raise ValueError(f"packed documents (document_mask, train_step(doc_ids=)) with learned absolute "
+                             f"positions ({self.learned}): positions run on across a row's documents, so every "
+                             f"document but the first would train at shifted positions; positions restarting "
+                             f"per document are not built; pack without document ids or use a RoPE model")
         if table is None:
             return self.lowering.positions(self.device).to(self.dtype)
         return table.index_select(self.dim, self.lowering.positions(table.device))
@@ -215,7 +226,8 @@ def split_context(program: fx.GraphModule, lowering: ContextLowering, *, labels:
             continue
         if is_position_arange(node, local):
             dtype = node.kwargs.get("dtype") or (node.meta["val"].dtype if "val" in node.meta else torch.int64)
-            node.replace_all_uses_with(add(ContextPositions(lowering, device=device, dtype=dtype), (), node))
+            positions = ContextPositions(lowering, device=device, dtype=dtype, learned=_learned_table(program, node))
+            node.replace_all_uses_with(add(positions, (), node))
             graph.erase_node(node)
         elif node.target is aten.slice.Tensor and _is_table(program, node.args[0]):
             dim = is_table_slice(node, rows_of, local, whole)
@@ -295,6 +307,26 @@ def _shift_labels(program: fx.GraphModule, lowering: ContextLowering, labels: st
         program.graph.erase_node(cut)
         program.graph.erase_node(pad)
         return shifted
+    return None
+
+
+def _learned_table(program: fx.GraphModule, positions: fx.Node) -> str | None:
+    """The parameter an embedding lookup reads at `positions` (through a few reshapes and
+    casts), or None: a learned absolute position table, as GPT's wpe."""
+    from mplan.passes.insert_collectives import INPUTS  # the program's input table
+
+    parameters = {spec.placeholder: spec.name for spec in program.meta.get(INPUTS, ()) if spec.kind == "PARAMETER"}
+    todo, seen = [(positions, 0)], set()
+    while todo:
+        node, depth = todo.pop()
+        for user in node.users:
+            if user.target is aten.embedding.default and user.args[1] is node:
+                table = user.args[0]
+                if table.op == "placeholder" and table.name in parameters:
+                    return parameters[table.name]
+            elif depth < 4 and user not in seen and user.op == "call_function":
+                seen.add(user)
+                todo.append((user, depth + 1))
     return None
 
 
