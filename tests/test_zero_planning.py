@@ -213,6 +213,26 @@ def _config(zero: int, *, pp: int = 1, keep: bool = False) -> ParallelConfig:
     return ParallelConfig(dp=8 // pp, tp=1, pp=pp, mbs=1, num_micro_batches=4, zero=zero, keep_weights=keep)
 
 
+def test_the_parameters_dtype_sets_the_bytes_a_parameter_takes() -> None:
+    """The planner reads the parameters' dtype off the capture (it priced bf16 whatever the model
+    trained in): a float32 model holds 4-byte parameters, float64 (as the CPU equivalence runs
+    train) 8."""
+    import torch
+
+    from mplan.planner.planning import capture_spec
+
+    cluster = ClusterSpec.preset("dgx-h100", nodes=1)
+    config = ParallelConfig(dp=8, tp=1, pp=1, mbs=1, num_micro_batches=1, zero=1)
+    held = {}
+    for dtype, name, size in ((torch.bfloat16, "bf16", 2), (torch.float32, "fp32", 4), (torch.float64, "fp64", 8)):
+        planner = Planner(capture_spec(TINY, batch=2, shallow=True, dtype=dtype, dynamic_batch=True), cluster)
+        assert planner.facts.param_dtype == name
+        memory = planner.evaluate(config, fast=True).memory[0]
+        held[name] = memory.params_bytes
+        assert memory.params_bytes > 0
+    assert held["fp32"] == pytest.approx(2 * held["bf16"]) and held["fp64"] == pytest.approx(4 * held["bf16"])
+
+
 def test_the_planner_holds_less_per_rank_at_each_level(small_planner: Planner) -> None:
     """A small GPT on one DGX, dp=8: the rank's parameters n read off zero=0, then each level's
     bytes from n and the units. Gradients: zero 0/1 keep them whole through the step, zero 2/3 a

@@ -26,11 +26,13 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Callable, Sequence
 
 from mplan.cost_models.cluster import ClusterSpec
+from mplan.cost_models.dtypes import canonical_dtype
 from mplan.ir.graph import Graph, OpNode
 from mplan.ir.mesh import GroupShape
 from mplan.ir.moe import num_experts
@@ -560,10 +562,19 @@ def _limits(graph: Graph) -> ModelLimits:
                        num_experts=num_experts(graph), seq_len=graph.seq_len or 1)
 
 
+def _param_dtype(graph: Graph) -> str:
+    """The dtype most of the parameters' elements are in, which they, their gradients and ZeRO's
+    gathers take in the runtime (bf16 where the capture holds no parameter)."""
+    elements: Counter[str] = Counter()
+    for info in graph.params.values():
+        elements[canonical_dtype(info.meta.dtype)] += info.meta.numel
+    return elements.most_common(1)[0][0] if elements else "bf16"
+
+
 def _facts(graph: Graph) -> ModelFacts:
     stream = stream_meta(graph)
     return ModelFacts(training_flops_per_sequence=graph.training_flops / graph.batch_size,
-                      seq_len=graph.seq_len or 1, param_dtype="bf16",
+                      seq_len=graph.seq_len or 1, param_dtype=_param_dtype(graph),
                       stream_bytes_per_sequence=0 if stream is None else stream.nbytes // graph.batch_size)
 
 
