@@ -62,7 +62,7 @@ is between the figure x `PAYLOAD_FRACTION`, which `site_sent_payload_bytes_measu
 the figure itself). `injected_s` adds the latency given to a step's cross-site messages: the
 gradients' (flat: the 4-rank ring, 3 crossings a bucket; hierarchical: the 2-rank all-reduce of
 the shards, 2) and the loss's average over dp, a 4-rank all-reduce across the sites in both
-layouts (3), which the planner does not price.
+layouts (3); the planner prices the same crossings (`collective_cost.long_haul_steps`).
 Beside them, the planner's predictions for the same cluster (`two_site_cluster`: this machine's
 measured 4-rank CPU profile for the ranks inside a site, the emulated link between the sites),
 which layout it chose, and whether that one measured fastest. The runtime's own latency switch
@@ -306,14 +306,15 @@ RING_STEPS: dict[str, Callable[[int], int]] = {
     "all_reduce": lambda g: 2 * (g - 1),
     "reduce_scatter": lambda g: g - 1, "reduce_scatter_tensor": lambda g: g - 1,
     "all_gather": lambda g: g - 1, "all_gather_into_tensor": lambda g: g - 1,
-    "broadcast": lambda g: 1, "send": lambda g: 1, "isend": lambda g: 1,
+    "broadcast": lambda g: 1, "send": lambda g: 1,
     "barrier": lambda g: 0,
 }
 """How many hops along gloo's ring (rank i sends to i + 1 in the group's order) each piece of a
 collective over g ranks travels, one after the other: a ring all-reduce's chunk goes g - 1 hops
 reducing and g - 1 gathering. A point-to-point message or a broadcast from the root is one hop.
 A barrier is given none (the timing's own barriers): it goes through the queue only to keep its
-place in each group's order."""
+place in each group's order. `isend` stays torch's own: the pipeline executor's `P2POp` takes only
+that function, and a plan's pipeline sends never cross sites (pp groups stay inside one)."""
 
 
 def ring_crossings(sites: Sequence[int], steps: int) -> int:
@@ -376,7 +377,7 @@ class DelayedLink:
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         dist = self._dist
         posting = getattr(dist, ASYNC.get(name, name))
-        point_to_point = name in ("send", "isend")
+        point_to_point = name == "send"
         signature = inspect.signature(original)
 
         @functools.wraps(original)
@@ -389,7 +390,7 @@ class DelayedLink:
                 return original(*args, **kwargs)
             delay = across * self.delay_s
             self.injected_s += delay
-            wanted_async = name == "isend" or named.get("async_op", False)
+            wanted_async = named.get("async_op", False)
             if not point_to_point:
                 kwargs = {**kwargs, "async_op": True}
             deferred = _Deferred(self._thread.submit(_post_at, time.monotonic() + delay, posting, args, kwargs))
