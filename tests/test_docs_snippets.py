@@ -87,7 +87,7 @@ PARSE_ONLY = {
     "torchrun --nproc-per-node 8 -m mplan bench MODEL --cluster cluster.json --global-batch 64 --plans auto tp=8 "
     "--measure --out rows.json": "`--measure` trains every plan on 8 ranks; tests/test_profile_command.py runs "
                        "`bench --measure` for real on CPU ranks",
-    "mplan profile [-o cluster.json] [--quick] [--no-links] [--json] [-q]":
+    "mplan profile [-o cluster.json] [--quick] [--no-links] [--no-runtime-host] [--json] [-q]":
         "times this machine's kernel grid (minutes without --quick); tests/test_profile_command.py runs "
         "`profile --quick --no-links -o cluster.json`",
     "mplan verify MODEL [--plan SPEC|plan.json] [--world-size N] [--steps N] [--bisect] [--json] [-q]":
