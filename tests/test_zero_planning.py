@@ -22,6 +22,7 @@ from mplan.cost_models.memory_model import bytes_per_param, estimate_memory, mpl
 from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.planner.zero_pricing import (ZERO3_UNITS_IN_FLIGHT, ZERO_OVERLAP, ZERO_REDUCTIONS_IN_FLIGHT, ZeroOverlap,
                                         gathered_window, zero1_copy_time, zero23_copy_time)
+from mplan.planner.evaluate import LOSS_BYTES
 from mplan.planner.explain import explain_data, render
 from mplan.planner.parallel_config import (EXECUTABLE_ZERO, ParallelConfig, PlanSpec, PlanSpecError,
                                            enumerate_configs, parse_plan_spec)
@@ -310,7 +311,9 @@ def test_zero2_and_zero3_add_their_collectives_as_the_runtime_overlaps_them(smal
     assert e[1].step_time_s < e[2].step_time_s
     # zero 1 and 2 gather the updated parameters after the step, zero=3 never gathers them whole
     whole = collective_time(cluster, "all_gather", e[2].memory[0].params_bytes, group)  # the rank's bf16 weights
-    assert e[2].grad_sync_s[0] == pytest.approx(whole + max(scatter)) and e[3].grad_sync_s[0] == pytest.approx(max(scatter))
+    loss = collective_time(cluster, "all_reduce", LOSS_BYTES, group)  # the loss averaged over dp after the step
+    assert e[2].grad_sync_s[0] == pytest.approx(whole + max(scatter) + loss)
+    assert e[3].grad_sync_s[0] == pytest.approx(max(scatter) + loss)
 
 
 def test_zero2_and_zero3_copy_their_gradients_in_every_micro_batch(small_planner: Planner) -> None:
