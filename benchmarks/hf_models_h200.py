@@ -400,15 +400,12 @@ def liger_unavailable(device: torch.device) -> str | None:
     return None
 
 
-class LigerChild:
-    """The liger system in its own process (the module docstring says why), driven over a pipe:
-    one command a line in, one JSON line out."""
+class PipeChild:
+    """A system in its own process (the module docstring says why), driven over a pipe: one
+    command a line in (`warmup`, `run K`, `profile K`, `quit`), one JSON line out; `command`
+    starts it (this script or benchmarks/peers.py in its child mode)."""
 
-    def __init__(self, model: HFModel, args: argparse.Namespace, system: str = "liger") -> None:
-        command = [sys.executable, os.path.abspath(__file__), "--system", system, "--model", model.name,
-                   "--device", args.device, "--warmup", str(args.warmup), "--steps", str(args.steps),
-                   "--rounds", str(args.rounds), "--lr-warmup", str(args.lr_warmup)]
-        command += (["--small"] if args.small else []) + (["--profile"] if args.profile else [])
+    def __init__(self, command: list[str]) -> None:
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.error: str | None = None
 
@@ -442,6 +439,16 @@ class LigerChild:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+
+
+class LigerChild(PipeChild):
+    """This script's liger system (`--system liger --model NAME`)."""
+
+    def __init__(self, model: HFModel, args: argparse.Namespace, system: str = "liger") -> None:
+        command = [sys.executable, os.path.abspath(__file__), "--system", system, "--model", model.name,
+                   "--device", args.device, "--warmup", str(args.warmup), "--steps", str(args.steps),
+                   "--rounds", str(args.rounds), "--lr-warmup", str(args.lr_warmup)]
+        super().__init__(command + (["--small"] if args.small else []) + (["--profile"] if args.profile else []))
 
 
 def serve_child(args: argparse.Namespace) -> None:

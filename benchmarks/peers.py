@@ -92,6 +92,7 @@ from benchmarks.hf_models_h200 import (  # noqa: E402
     LOSS_STEP_RTOL,
     ZIPF_OFFSET,
     Feed,
+    PipeChild,
     fingerprint,
     loss_agreement,
     profile_steps,
@@ -106,7 +107,6 @@ PEERS = ("eager", "compile", "liger")
 TARGET_VS_BEST_PEER = 1.0
 TARGET_PEAK_VS_LOWEST_PEER = 1.10
 PROFILE_STEPS = 2
-CHILD_TIMEOUT_S = {"warmup": 400.0, "run": 180.0, "profile": 180.0, "quit": 60.0}
 STDERR_TAIL_LINES = 40
 """lines of a failed family process's stderr kept in its entry"""
 PACKAGES = ("torch", "triton", "transformers", "liger-kernel")
@@ -222,50 +222,15 @@ def release_cache(setting: Setting) -> None:
 
 # ---- the liger child ---------------------------------------------------------------------------
 
-class Child:
-    """The liger system in its own process (the module docstring says why), driven over a pipe:
-    one command a line in (`warmup`, `run K`, `profile K`, `quit`), one JSON line out."""
+class Child(PipeChild):
+    """A family's liger system (`--system liger --family NAME`) in its own process (the module
+    docstring says why), driven over hf_models_h200's pipe protocol."""
 
     def __init__(self, fam: Family, args: argparse.Namespace, system: str) -> None:
         command = [sys.executable, os.path.abspath(__file__), "--system", system, "--family", fam.name,
                    "--device", args.device, "--warmup", str(args.warmup), "--steps", str(args.steps),
                    "--rounds", str(args.rounds), "--lr-warmup", str(args.lr_warmup)]
-        command += (["--small"] if args.small else []) + (["--profile"] if args.profile else [])
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.error: str | None = None
-
-    def ask(self, command: str) -> dict[str, Any]:
-        """Sends `command`; its answer, or {"error": ...} when the child fails, dies or times out."""
-        import select
-
-        if self.error is not None:
-            return {"error": self.error}
-        timeout = CHILD_TIMEOUT_S[command.split()[0]]
-        try:
-            assert self.proc.stdin is not None and self.proc.stdout is not None
-            self.proc.stdin.write(command + "\n")
-            self.proc.stdin.flush()
-            ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-            line = self.proc.stdout.readline() if ready else ""
-        except (BrokenPipeError, OSError):
-            line = ""
-        if not line:
-            self.proc.kill()
-            self.error = (f"liger child: no answer to {command!r} within {timeout:.0f} s" if self.proc.poll() is None
-                          else f"liger child exited with code {self.proc.wait()} (its traceback is in the log)")
-            self.proc.wait()
-            return {"error": self.error}
-        answer = json.loads(line)
-        if "error" in answer:
-            self.error = answer["error"]
-        return answer
-
-    def close(self) -> None:
-        if self.proc.poll() is None and self.error is None:
-            self.ask("quit")
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        super().__init__(command + (["--small"] if args.small else []) + (["--profile"] if args.profile else []))
 
 
 def serve_child(args: argparse.Namespace) -> None:
