@@ -82,7 +82,6 @@ from benchmarks.e2e_h200 import (  # noqa: E402
     Running,
     Setting,
     Step,
-    _plain_step,
     timed_rounds,
     warm_up,
 )
@@ -93,6 +92,7 @@ from benchmarks.hf_models_h200 import (  # noqa: E402
     ZIPF_OFFSET,
     Feed,
     PipeChild,
+    _hf_step,
     fingerprint,
     loss_agreement,
     profile_steps,
@@ -130,16 +130,6 @@ def initial_model(fam: Family) -> nn.Module:
 
 def _on_device(fam: Family, setting: Setting) -> nn.Module:
     return copy.deepcopy(initial_model(fam)).to(setting.device)
-
-
-def _hf_step(module: nn.Module, forward: Callable[..., Any], batches: list[torch.Tensor], setting: Setting) -> Step:
-    feed = Feed(batches)
-
-    def loss() -> torch.Tensor:
-        ids = feed.next()
-        return forward(input_ids=ids, labels=ids).loss
-
-    return _plain_step(loss, list(module.parameters()), setting)
 
 
 def build_eager(fam: Family, setting: Setting, batches: list[torch.Tensor]) -> tuple[Step, dict[str, Any]]:
