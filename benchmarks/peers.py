@@ -66,7 +66,6 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
