@@ -6,7 +6,8 @@ What is equal and what is not:
   which is the synchronous step but for the order of the sums);
 - inner AdamW, same outer loop: it differs (each site's moments see only its own gradients);
 - `every=4`: the sites' parameters differ between outer steps and agree right after each;
-- the cross-site group carries exactly one all-reduce per outer step, nothing else.
+- the cross-site group carries exactly one all-reduce per outer step, nothing else, of this
+  rank's half of the parameters (the site's two ranks send a half each).
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def train(inner: str, group: dist.ProcessGroup | None, loop_every: int | None,
     loop over the sites. Each step's parameters."""
     net = model()
     opt = torch.optim.SGD(net.parameters(), lr=0.1) if inner == "sgd" else torch.optim.AdamW(net.parameters(), lr=0.01)
-    loop = OuterLoop(net.parameters(), groups()[1], loop_every, outer) if loop_every else None
+    loop = OuterLoop(net.parameters(), groups()[1], loop_every, outer, site_group=groups()[0]) if loop_every else None
     seen = []
     for step in range(STEPS):
         x, y = batch(step)
@@ -106,6 +107,8 @@ def check_one_all_reduce_over_the_cross_site_group_per_outer_step():
 
     def counting(tensor, *args, group=None, **kwargs):
         calls.append(group)
+        if group is cross:
+            assert tensor.numel() == -(-sum(p.numel() for p in model().parameters()) // PER_SITE)
         return real(tensor, *args, group=group, **kwargs)
 
     dist.all_reduce = counting
