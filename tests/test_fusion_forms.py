@@ -237,7 +237,19 @@ needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTER
 def test_interpreted_head_loss_applies_the_transform_per_chunk(transform: dict[str, float]) -> None:
     """11 rows in chunks of 4 over a 70-token vocabulary, fp32, an incoming gradient of 3: the
     Triton kernels' loss and gradients within 1e-6 of the unfused ops' (the logits' scale set so
-    the cap bends them)."""
+    the cap bends them); the kernels apply the transform as they load the logits, so no ATen op
+    rewrites them (tanh_, mul_)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.add(func.__name__)
+            return func(*args, **(kwargs or {}))
+
     generator = torch.Generator().manual_seed(0)
     x, weight = torch.randn(11, 16, generator=generator) * 2, torch.randn(70, 16, generator=generator)
     bias, labels = torch.randn(70, generator=generator), torch.randint(0, 70, (11,), generator=generator)
@@ -245,10 +257,12 @@ def test_interpreted_head_loss_applies_the_transform_per_chunk(transform: dict[s
     results = []
     for op, kwargs in ((linear_cross_entropy, {"chunk_rows": 4}), (linear_cross_entropy_reference, {})):
         leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
-        loss = op(leaves[0], leaves[1], labels, -100, leaves[2], **kwargs, **transform)
+        with Ops() as ops:
+            loss = op(leaves[0], leaves[1], labels, -100, leaves[2], **kwargs, **transform)
         (3.0 * loss).backward()
         if op is linear_cross_entropy:
             assert "LinearCrossEntropy" in loss.grad_fn.name()
+            assert not ops.names & {"tanh_.default", "mul_.Tensor", "mul_.Scalar"}, ops.names
         results.append([loss.detach(), *(t.grad for t in leaves)])
     for name, got, want in zip(["loss", "d_x", "d_W", "d_b"], *results):
         assert rel_err(got, want) < 1e-6, name

@@ -125,13 +125,28 @@ _MEAN_BLOCK = 16 if INTERPRET else 1024
 """Partial sums the mean kernel adds per step (a few hundred at training shapes)."""
 
 
+@triton.jit
+def transformed_logits(z, logit_scale, softcap, CAPPED: tl.constexpr):
+    """What a model does to its logits before the loss, in fp32: softcap * tanh(z * logit_scale /
+    softcap) where CAPPED, else z * logit_scale. tanh(u) as 1 - 2 / (exp(2u) + 1) (exact at both
+    ends: +-1 when exp overflows or vanishes): triton.language has no tanh on every version
+    mplan runs on (Triton 3.6 lacks it)."""
+    if CAPPED:
+        u = z * (logit_scale / softcap)
+        return softcap * (1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
+    return z * logit_scale
+
+
 @triton.autotune(configs=_STATS, key=["n_cols"])
 @triton.jit
 def _block_stats_kernel(x_ptr, max_ptr, sumexp_ptr, n_parts_ptr, n_cols, row_stride, max_parts,
-                        BLOCK_V: tl.constexpr, CHUNK: tl.constexpr):
+                        logit_scale, softcap, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr,
+                        TRANSFORMED: tl.constexpr = False, CAPPED: tl.constexpr = False):
     """One partial (max, sum of exp(x - max)) per CHUNK consecutive blocks of BLOCK_V of a row,
     merged online; the max is -inf (and the sum 0) where every logit of the partial is -inf.
-    exp(x - max) is computed as 2^(x log2(e) - max log2(e)): one FMA and an ex2 per logit."""
+    exp(x - max) is computed as 2^(x log2(e) - max log2(e)): one FMA and an ex2 per logit.
+    TRANSFORMED: x holds the model's logits before its scale and cap (`transformed_logits`),
+    applied on load, so the transformed logits are never written."""
     pid = tl.program_id(0)
     n_parts = tl.cdiv(n_cols, BLOCK_V * CHUNK)
     row = pid // n_parts
@@ -146,6 +161,8 @@ def _block_stats_kernel(x_ptr, max_ptr, sumexp_ptr, n_parts_ptr, n_cols, row_str
     s = tl.zeros((), tl.float32)
     for i in tl.static_range(CHUNK):
         x = x_next.to(tl.float32)
+        if TRANSFORMED:  # the padding stays -inf: a cap would map it to -softcap
+            x = tl.where(cols < n_cols, transformed_logits(x, logit_scale, softcap, CAPPED), float("-inf"))
         if i + 1 < CHUNK:  # prefetch: the next block is in flight during this one's exp
             cols += BLOCK_V
             x_next = tl.load(x_row + cols, mask=cols < n_cols, other=float("-inf"))
@@ -160,8 +177,9 @@ def _block_stats_kernel(x_ptr, max_ptr, sumexp_ptr, n_parts_ptr, n_cols, row_str
 
 @triton.jit
 def _combine_kernel(max_ptr, sumexp_ptr, n_parts_ptr, x_ptr, labels_ptr, lse_ptr, loss_sum_ptr, count_ptr,
-                    n_rows, n_cols, row_stride, max_parts, vocab_start, ignore_index, FINALIZE: tl.constexpr,
-                    BLOCK_ROWS: tl.constexpr, BLOCK_SLOTS: tl.constexpr):
+                    n_rows, n_cols, row_stride, max_parts, vocab_start, ignore_index, logit_scale, softcap,
+                    FINALIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_SLOTS: tl.constexpr,
+                    TRANSFORMED: tl.constexpr = False, CAPPED: tl.constexpr = False):
     """FINALIZE (one shard): lse per row, and this program's loss sum and counted rows.
     Otherwise the local (max, sum-exp, label logit) per row, into lse_ptr's [3, n_rows]; the
     max is -inf where the shard's logits of the row all are, so it never outweighs the others."""
@@ -180,6 +198,8 @@ def _combine_kernel(max_ptr, sumexp_ptr, n_parts_ptr, x_ptr, labels_ptr, lse_ptr
     counted = in_rows & (labels != ignore_index)
     mine = counted & (local >= 0) & (local < n_cols)
     target = tl.load(x_ptr + rows.to(tl.int64) * row_stride + local, mask=mine, other=0.0).to(tl.float32)
+    if TRANSFORMED:  # 0 where not `mine` stays 0: both transforms fix it
+        target = transformed_logits(target, logit_scale, softcap, CAPPED)
     if FINALIZE:
         lse = shift + tl.log(tl.where(in_rows, sumexp, 1.0))  # no log(0) past the last row
         tl.store(lse_ptr + rows, lse, mask=in_rows)
@@ -268,10 +288,12 @@ class _BlockStats:
     n_parts: torch.Tensor
 
 
-def _block_stats(logits: torch.Tensor, scratch: torch.Tensor | None = None) -> _BlockStats:
+def _block_stats(logits: torch.Tensor, scratch: torch.Tensor | None = None,
+                 transform: tuple[float, float | None] | None = None) -> _BlockStats:
     """Per row, partial (max, sum-exp) over blocks of columns. `scratch`: a contiguous buffer on
     the same device whose bytes the partials may take if they fit (the fused head + loss lends
-    the rows of d_x it writes only after the partials are read), else they get their own."""
+    the rows of d_x it writes only after the partials are read), else they get their own.
+    `transform`: (logit_scale, softcap or None) applied to the logits on load (`transformed_logits`)."""
     n_rows, n_cols = logits.shape
     max_parts = triton.cdiv(n_cols, _MIN_PART_V)
     nbytes = 2 * n_rows * max_parts * 4
@@ -285,7 +307,10 @@ def _block_stats(logits: torch.Tensor, scratch: torch.Tensor | None = None) -> _
     def grid(meta: dict[str, Any]) -> tuple[int]:
         return (n_rows * triton.cdiv(n_cols, meta["BLOCK_V"] * meta["CHUNK"]),)
 
-    _block_stats_kernel[grid](logits, partial[0], partial[1], n_parts, n_cols, logits.stride(0), max_parts)
+    scale, cap = transform or (1.0, None)
+    _block_stats_kernel[grid](logits, partial[0], partial[1], n_parts, n_cols, logits.stride(0), max_parts,
+                              float(scale), float(cap or 1.0), TRANSFORMED=transform is not None,
+                              CAPPED=cap is not None)
     return _BlockStats(max=partial[0], sumexp=partial[1], n_parts=n_parts)
 
 
@@ -295,7 +320,8 @@ def combine_programs(n_rows: int) -> int:
 
 
 def _combine(logits: torch.Tensor, labels: torch.Tensor, stats: _BlockStats, vocab_start: int, ignore_index: int,
-             *, finalize: bool, loss_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             *, finalize: bool, loss_sum: torch.Tensor | None = None,
+             transform: tuple[float, float | None] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """finalize: (lse [rows], loss sums [programs], counted rows [programs]), the loss sums
     written into `loss_sum` when given (`combine_programs(rows)` fp32 slots: a chunked caller
     sums every chunk's partials once, at the end); else: (local max, local sum-exp, local label
@@ -307,10 +333,12 @@ def _combine(logits: torch.Tensor, labels: torch.Tensor, stats: _BlockStats, voc
         loss_sum = torch.empty(programs if finalize else 1, dtype=torch.float32, device=logits.device)
     count = torch.empty(loss_sum.shape, dtype=torch.float32, device=logits.device)
     max_parts = stats.max.shape[1]
+    scale, cap = transform or (1.0, None)
     _combine_kernel[(programs,)](stats.max, stats.sumexp, stats.n_parts, logits, labels, out, loss_sum, count,
                                  n_rows, n_cols, logits.stride(0), max_parts, vocab_start, ignore_index,
-                                 FINALIZE=finalize, BLOCK_ROWS=_COMBINE_ROWS,
-                                 BLOCK_SLOTS=next_power_of_2(max_parts))
+                                 float(scale), float(cap or 1.0), FINALIZE=finalize, BLOCK_ROWS=_COMBINE_ROWS,
+                                 BLOCK_SLOTS=next_power_of_2(max_parts), TRANSFORMED=transform is not None,
+                                 CAPPED=cap is not None)
     if finalize:
         return out, loss_sum, count
     local = out.view(3, n_rows)

@@ -15,9 +15,14 @@ ignore_index=ignore_index)`, the mean over rows whose label is not `ignore_index
 F.cross_entropy gives (the logits' dtype; fp32 under autocast); labels are global token ids.
 The logits may be scaled and soft-capped first, as models write them between the head and the
 loss: z * logit_scale (Cohere's logit_scale, Granite's 1 / logits_scaling), then with `softcap`
-c the Gemma-2 cap c * tanh(z / c); each chunk's logits are transformed in their own dtype (as
-the model's ops round them) before the loss, and the gradient through the cap, d_z = d_y *
-logit_scale * (1 - (y / c)^2), is taken from the capped logits y themselves.
+c the Gemma-2 cap c * tanh(z / c); the gradient through the cap, d_z = d_y * logit_scale *
+(1 - (y / c)^2), is taken from the capped logits y. Where the fused Triton kernels finish the
+loss (one shard), they apply the transform in fp32 as they load z (`transformed_logits`): no
+pass writes y, where three in-place ATen ops over each chunk's logits took 2.5 ms of a Gemma-2
+step on the H200 (256000-token vocabulary, 4096 rows; peers_profile-2026-12-06.json); y then
+carries no rounding to the logits' dtype, which the model's own ops apply (within bf16 rounding
+of them). Elsewhere (CPU, float64, the vocabulary-parallel path) each chunk's logits are
+transformed in their own dtype, as the model's ops round them, before the loss.
 
 Why: unfused, a batch of 16384 tokens at a 128256-token vocabulary holds 4 GiB of bf16 logits
 from the forward to the backward, and the backward adds their 4 GiB gradient (CUDA's
@@ -142,6 +147,7 @@ from torch.autograd.function import once_differentiable
 # cross_entropy_loss's kernels and local math, shared rather than copied (module docstring, How)
 from mplan.kernels.cross_entropy_loss import (
     _MIN_PART_V,
+    transformed_logits,
     IGNORE_INDEX,
     VocabReductions,
     _accumulation_dtype,
@@ -172,11 +178,12 @@ _GRAD_BLOCKS = configs(
 @triton.jit
 def _grad_in_place_kernel(logits_ptr, labels_ptr, lse_ptr, scale_ptr, n_cols, row_stride, vocab_start,
                           ignore_index, logit_scale, softcap, BLOCK_V: tl.constexpr,
-                          TRANSFORMED: tl.constexpr = False, CAPPED: tl.constexpr = False):
+                          TRANSFORMED: tl.constexpr = False, CAPPED: tl.constexpr = False, RAW: tl.constexpr = False):
     """One block of one row: logits <- (exp(logits - lse) - [col == label]) * scale, 0 on a row
     whose label is ignore_index; `TRANSFORMED` logits y = cap(z * logit_scale) also times dy/dz,
-    logit_scale (1 - (y / softcap)^2) where `CAPPED`. Each element is read, then written, by the
-    same program."""
+    logit_scale (1 - (y / softcap)^2) where `CAPPED`. `RAW`: the buffer holds z, and y is made
+    from it on load (`transformed_logits`), else it holds y. Each element is read, then written,
+    by the same program."""
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(n_cols, BLOCK_V)
     row = pid // n_blocks
@@ -184,6 +191,8 @@ def _grad_in_place_kernel(logits_ptr, labels_ptr, lse_ptr, scale_ptr, n_cols, ro
     in_cols = cols < n_cols
     ptrs = logits_ptr + row.to(tl.int64) * row_stride + cols
     x = tl.load(ptrs, mask=in_cols, other=0.0).to(tl.float32)
+    if RAW:
+        x = transformed_logits(x, logit_scale, softcap, CAPPED)
     label = tl.load(labels_ptr + row)
     lse = tl.load(lse_ptr + row)
     grad = (tl.exp(x - lse) - tl.where(cols == label - vocab_start, 1.0, 0.0)) * tl.load(scale_ptr)
@@ -287,25 +296,30 @@ def _fused_combine(logits: torch.Tensor, reductions: VocabReductions) -> bool:
 
 
 def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, ignore_index: int,
-                reductions: VocabReductions, loss_out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+                reductions: VocabReductions, loss_out: torch.Tensor, scratch: torch.Tensor | None = None,
+                raw: LogitTransform | None = None) -> torch.Tensor:
     """lse per row, fp32 (float64 for float64); the chunk's loss over counted rows goes into
     `loss_out` (zeros, `combine_programs(chunk rows)` of them at least) as partial sums: no
     reduction launched per chunk, the op sums every chunk's slots once. `scratch`: memory the row
-    statistics may use until this returns (`_block_stats`)."""
+    statistics may use until this returns (`_block_stats`). `raw`: the logits are z, and the
+    kernels apply this transform on load (only where `_fused_combine`)."""
     if _fused_combine(logits, reductions):
-        lse, _, _ = _combine(logits, labels, _block_stats(logits, scratch), vocab_start, ignore_index, finalize=True,
-                             loss_sum=loss_out[:combine_programs(logits.shape[0])])
+        transform = None if raw is None else (raw.logit_scale, raw.softcap)
+        lse, _, _ = _combine(logits, labels, _block_stats(logits, scratch, transform), vocab_start, ignore_index,
+                             finalize=True, loss_sum=loss_out[:combine_programs(logits.shape[0])],
+                             transform=transform)
         return lse
+    assert raw is None, "a raw chunk's transform is applied by the fused kernels only"
     lse, row_loss = reduced_row_losses(logits, labels, vocab_start, ignore_index, reductions)
     loss_out[0] = row_loss.sum()
     return lse
 
 
 def _logits_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
-                 vocab_start: int, ignore_index: int, transform: LogitTransform) -> torch.Tensor:
+                 vocab_start: int, ignore_index: int, transform: LogitTransform, raw: bool = False) -> torch.Tensor:
     """(softmax - onehot(label)) * scale on counted rows, 0 on the others, times the transform's
-    derivative (`logits` are its results), in the logits' dtype: written over the logits by the
-    Triton kernel, a new tensor on the PyTorch path."""
+    derivative (`logits` are its results; with `raw`, its inputs, Triton only), in the logits'
+    dtype: written over the logits by the Triton kernel, a new tensor on the PyTorch path."""
     n_rows, n_cols = logits.shape
     if use_triton(logits):
         def grid(meta: dict[str, Any]) -> tuple[int]:
@@ -313,8 +327,10 @@ def _logits_grad(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, 
 
         _grad_in_place_kernel[grid](logits, labels, lse, scale, n_cols, logits.stride(0), vocab_start, ignore_index,
                                     float(transform.logit_scale), float(transform.softcap or 1.0),
-                                    TRANSFORMED=not transform.is_identity(), CAPPED=transform.softcap is not None)
+                                    TRANSFORMED=not transform.is_identity(), CAPPED=transform.softcap is not None,
+                                    RAW=raw)
         return logits
+    assert not raw, "raw logits are transformed by the Triton kernel only"
     local = labels - vocab_start
     counted = labels != ignore_index
     mine = counted & (local >= 0) & (local < n_cols)
@@ -363,18 +379,23 @@ def _fused_chunk(x_c: torch.Tensor, labels_c: torch.Tensor, weight: torch.Tensor
         torch.mm(x_c, weight.t(), out=logits)
     else:
         torch.addmm(bias, x_c, weight.t(), out=logits)
-    transform.apply_(logits)  # in the model's dtype, before any upcast, as the model's ops run
+    # the fused kernels apply the transform on load (the module docstring, What); elsewhere it runs
+    # in the model's dtype, before any upcast, as the model's ops do
+    raw = not transform.is_identity() and _fused_combine(logits, reductions)
+    if not raw:
+        transform.apply_(logits)
     if upcast and logits.dtype == torch.float64:
         logits = logits.float()
     # the row statistics borrow d_x's rows of this chunk, written only after they are read: at
     # Liger's chunk this op then holds no more than Liger's does (the module docstring, Memory)
     scratch = grads[0] if grads is not None else None
-    lse = _chunk_loss(logits, labels_c, vocab_start, ignore_index, reductions, loss_out, scratch)
+    lse = _chunk_loss(logits, labels_c, vocab_start, ignore_index, reductions, loss_out, scratch,
+                      transform if raw else None)
     if grads is None:
         return
     d_x_c, d_w, d_b = grads
     d_logits = _logits_grad(logits, labels_c, lse, scale.to(lse.dtype), vocab_start, ignore_index,
-                            transform).to(x_c.dtype)
+                            transform, raw).to(x_c.dtype)
     del logits  # the PyTorch path's gradient is a new tensor: one chunk-sized buffer at a time
     if d_x_c is not None:
         torch.mm(d_logits, weight, out=d_x_c)
