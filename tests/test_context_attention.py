@@ -10,7 +10,10 @@ Attention: every rank builds the full q, k, v from one seed and runs one-process
 a mask written here as a loop over pairs (not `attention_mask.visible`), then runs its slice
 through `context_attention`; outputs and the gradients of q, k, v, gathered from all ranks and
 put back in sequence order, must match the reference within 1e-12 relative, for every method.
-In bfloat16 with upcast=float32 (what the lowering passes for Hugging Face's eager attention,
+The fused-kernel path (the block masks PyTorch's flash kernels express: causal per span, or
+none) matches the same reference in float32 within 1e-5 and in float64 within 1e-12, for every
+method, MHA and GQA, and never makes a score matrix; windows, documents and soft-capping stay on
+the reference path. In bfloat16 with upcast=float32 (what the lowering passes for Hugging Face's eager attention,
 which takes its softmax in float32), every method is within bf16 rounding of float64 attention and
 no further from it than the model's own bf16 eager chain.
 """
@@ -23,9 +26,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed import rel_err, run_checks
-from mplan.collectives.context_attention import METHODS, context_attention
+
+from mplan.collectives.context_attention import METHODS, PATHS, context_attention
 from mplan.ir.attention_mask import CAUSAL, AttentionMask, doc_ids_from_lengths, document_ids, keys_per_query, visible
 from mplan.ir.context_layout import (
     ContextLayout,
@@ -312,30 +317,122 @@ def check_bidirectional_documents_and_window_contiguous() -> dict[str, float]:
 
 def check_ring_skips_masked_blocks() -> list[int]:
     """The ring computes only block rows and columns with a visible pair, so the layout's balance
-    is the ranks' real balance: per (batch, head), head-tail costs every rank its own block plus
-    half of each other block; a contiguous split costs rank r r + 1 whole blocks."""
+    is the ranks' real balance. Reference path (v of another head size than q keeps it there):
+    per (batch, head), head-tail costs every rank its own block plus half of each other block; a
+    contiguous split costs rank r r + 1 whole blocks. Fused path: its kernel calls cover exactly
+    the rank's visible pairs (a diagonal call computes its causal half, L (L + 1) / 2)."""
     from mplan.collectives import context_attention as module
+    from mplan.collectives import fused_attention
 
     cp, rank, local = _world(), dist.get_rank(), 16
     computed: list[int] = []
-    original = module._Scores.logits
+    original_logits, original_attend = module._Scores.logits, fused_attention.attend
 
     def counting(self, q5, k):  # type: ignore[no-untyped-def]
         computed.append(q5.shape[-2] * k.shape[-2])
-        return original(self, q5, k)
+        return original_logits(self, q5, k)
 
-    module._Scores.logits = counting
+    def covering(q, k, v, calls, scale):  # type: ignore[no-untyped-def]
+        for call in calls:
+            rows, keys = call.rows[1] - call.rows[0], sum(b - a for a, b in call.keys)
+            computed.append(rows * (rows + 1) // 2 if call.causal else rows * keys)
+        return original_attend(q, k, v, calls, scale)
+
+    module._Scores.logits, fused_attention.attend = counting, covering
     try:
         q = torch.randn(1, 2, local, 4)
         entries = []
         for layout in (head_tail(local * cp, cp), contiguous(local * cp, cp)):
-            computed.clear()
-            context_attention(q, q[:, :1], q[:, :1], layout=layout, group=dist.group.WORLD)
-            entries.append(sum(computed))
+            for v in (q[:, :1, :, :3], q[:, :1]):  # reference, fused
+                computed.clear()
+                context_attention(q, q[:, :1], v, layout=layout, group=dist.group.WORLD)
+                entries.append(sum(computed))
     finally:
-        module._Scores.logits = original
-    assert entries == [local * local * (cp + 1) // 2, local * local * (rank + 1)], entries
+        module._Scores.logits, fused_attention.attend = original_logits, original_attend
+    pairs = [num_visible_pairs(layout)[rank] for layout in (head_tail(local * cp, cp), contiguous(local * cp, cp))]
+    assert entries == [local * local * (cp + 1) // 2, pairs[0], local * local * (rank + 1), pairs[1]], entries
     return entries
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest trailing [rows, cols] any op creates, as rows * cols with both at
+    least `floor`: a score matrix of `floor` x `floor` tokens or more shows up, [S, head_dim]
+    tensors (head_dim < floor) do not."""
+
+    def __init__(self, floor: int) -> None:
+        super().__init__()
+        self.floor, self.largest = floor, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and min(t.shape[-2:]) >= self.floor:
+                self.largest = max(self.largest, t.shape[-2] * t.shape[-1])
+        return out
+
+
+def _compare_fused(*, dtype: torch.dtype, tolerance: float, num_kv_heads: int, causal: bool) -> dict[str, float]:
+    """The fused-kernel path (v's head size = q's, no window, documents or soft-capping) of every
+    method against one-process float64 attention: out, dq, dk, dv within `tolerance`; every
+    block ran on the kernels and no op made a score block of a chunk's size (`_LargestTensor`)."""
+    cp, rank = _world(), dist.get_rank()
+    seq_len, head_dim = 32 * cp, 4  # head-tail chunks of 16 tokens; head_dim below them
+    layout = head_tail(seq_len, cp) if causal else contiguous(seq_len, cp)
+    mask = CAUSAL if causal else AttentionMask(causal=False)
+    gen = torch.Generator().manual_seed(seq_len + num_kv_heads + causal)
+    q, k, v = (torch.randn(2, h, seq_len, head_dim, generator=gen, dtype=torch.float64) for h in (8, num_kv_heads,
+                                                                                                   num_kv_heads))
+    probe = torch.randn(2, 8, seq_len, head_dim, generator=gen, dtype=torch.float64)
+    full = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    expected_out = _reference(*full, _allowed(seq_len, causal=causal), head_dim ** -0.5, None)
+    (expected_out * probe).sum().backward()
+    expected = {"out": expected_out.detach(), **{f"d{n}": x.grad for n, x in zip("qkv", full)}}
+    errors = {}
+    for method in METHODS:
+        local = [layout.split(x, 2, rank).to(dtype).requires_grad_(True) for x in (q, k, v)]
+        PATHS.clear()
+        with _LargestTensor(floor=seq_len // (2 * cp)) as watch:
+            out = context_attention(*local, layout=layout, group=dist.group.WORLD, method=method, mask=mask)
+            (out * layout.split(probe, 2, rank).to(dtype)).sum().backward()
+        assert set(PATHS) == {"kernel"}, f"{method}: {dict(PATHS)}"
+        assert watch.largest == 0, f"{method}: a [{watch.floor}+, {watch.floor}+] tensor of {watch.largest} entries"
+        got = {"out": out.detach(), **{f"d{n}": x.grad for n, x in zip("qkv", local)}}
+        for name, value in got.items():
+            error = rel_err(_gathered(value.double(), layout), expected[name])
+            assert error < tolerance, f"{method} {name}: relative error {error:.3e}"
+            errors[method] = max(errors.get(method, 0.0), error)
+    return errors
+
+
+def check_fused_float32() -> dict[str, float]:
+    """float32 on the kernels: causal (head-tail) and bidirectional (contiguous), MHA and GQA."""
+    errors: dict[str, float] = {}
+    for causal in (True, False):
+        for num_kv_heads in (8, 2):
+            found = _compare_fused(dtype=torch.float32, tolerance=1e-5, num_kv_heads=num_kv_heads, causal=causal)
+            errors = {m: max(errors.get(m, 0.0), e) for m, e in found.items()}
+    return errors
+
+
+def check_fused_float64_is_exact() -> dict[str, float]:
+    """float64 on the CPU kernel is as exact as the reference path."""
+    return _compare_fused(dtype=torch.float64, tolerance=TOLERANCE, num_kv_heads=2, causal=True)
+
+
+def check_reference_path_where_no_kernel_mask() -> dict[str, int]:
+    """Sliding windows, documents and soft-capping stay on the reference path, every block."""
+    cp = _world()
+    layout = head_tail(16 * cp, cp)
+    q = torch.randn(1, 4, 16, 4)
+    counts = {}
+    for name, options in {"window": {"mask": AttentionMask(window=5)}, "softcap": {"softcap": 2.0},
+                          "documents": {"doc_ids": doc_ids_from_lengths([5, 16 * cp - 5])}}.items():
+        for method in METHODS:
+            PATHS.clear()
+            context_attention(q, q, q, layout=layout, group=dist.group.WORLD, method=method, **options)
+            assert set(PATHS) == {"reference"}, f"{name} {method}: {dict(PATHS)}"
+            counts[f"{name}_{method}"] = PATHS["reference"]
+    return counts
 
 
 def _eager_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
@@ -392,7 +489,8 @@ def check_bf16_upcast() -> dict[str, dict[str, float]]:
 
 
 CHECKS = [check_ring_skips_masked_blocks, check_causal, check_causal_gqa, check_documents, check_sliding_window,
-          check_softcap, check_bidirectional_documents_and_window_contiguous, check_bf16_upcast]
+          check_softcap, check_bidirectional_documents_and_window_contiguous, check_bf16_upcast, check_fused_float32,
+          check_fused_float64_is_exact, check_reference_path_where_no_kernel_mask]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")

@@ -44,7 +44,14 @@ How:
   and every rank's q heads find their kv head among its own), and autograd sums the copies'
   gradients. Each rank computes all queries of its heads, so it is balanced whatever the layout.
 
-Precision: plain torch matmul and softmax, no flash kernel, in the inputs' dtype or `upcast`
+Block computation, two paths (`PATHS` counts which ran): where a block's mask is causal per
+span or absent, with no documents, window or soft-capping and v's head size = q's, PyTorch's
+fused attention kernels compute it and return the log-sum-exp that the merge needs
+(`fused_attention`: flash on CPU in float32/float64, flash or memory-efficient on CUDA): no
+[Sq, Sk] score matrix is ever held, which is what makes 32k-128k tokens fit. Elsewhere the
+reference path below materialises the block's scores (small blocks, or masks no kernel takes).
+
+Precision (the reference path): plain torch matmul and softmax in the inputs' dtype or `upcast`
 where wider: Hugging Face's eager attention takes its softmax in float32 in a bfloat16 model
 (`softmax(..., dtype=torch.float32)`) and SDPA's kernels accumulate in float32, so the lowering
 passes upcast=float32 and the scores, softmax, log-sum-exp merge and accumulators (the ring's
@@ -64,6 +71,7 @@ positions; the loss's normalization sums token counts over the cp group.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
@@ -71,15 +79,21 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from mplan.collectives import fused_attention
 from mplan.collectives.redistribute import all_to_all, gather_sequence
 from mplan.ir.attention_mask import CAUSAL, AttentionMask, document_ids, visible
 from mplan.ir.context_layout import ContextLayout
 
-__all__ = ["METHODS", "context_attention", "local_attention"]
+__all__ = ["METHODS", "PATHS", "context_attention", "local_attention"]
 
 ProcessGroup = dist.ProcessGroup
 Method = Literal["all_gather", "ring", "all_to_all"]
 METHODS: tuple[Method, ...] = ("all_gather", "ring", "all_to_all")
+Span = tuple[int, int]
+
+PATHS: Counter[str] = Counter()
+"""Blocks computed per path since the last clear: "kernel" (fused, no score matrix) or
+"reference" (scores materialised). What the tests read to know which path ran."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -91,6 +105,7 @@ class _Scores:
     softcap: float | None
     doc_ids: torch.Tensor | None  # [B | 1, S], on the inputs' device
     compute: torch.dtype  # scores, softmax and accumulators (`upcast`); the output is cast back
+    fused: bool  # the fused kernels can run this mask, dtype and device (`fused_attention`)
 
     def up(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.compute)
@@ -107,15 +122,66 @@ class _Scores:
     def visible(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         return visible(self.mask, q_positions, k_positions, self.doc_ids)
 
+    def pieces(self, q_spans: tuple[Span, ...], k_spans: tuple[Span, ...]) -> tuple[fused_attention.Piece, ...] | None:
+        """The block as fused kernel calls, or None: the reference path (scores materialised)."""
+        calls = fused_attention.pieces(q_spans, k_spans, self.mask.causal) if self.fused else None
+        PATHS["reference" if calls is None else "kernel"] += 1
+        return calls
+
+
+def _fusable(mask: AttentionMask, doc_ids: torch.Tensor | None, softcap: float | None, q: torch.Tensor,
+             v: torch.Tensor, compute: torch.dtype) -> bool:
+    """Whether the fused kernels compute this attention exactly: no sliding window, documents
+    or soft-capping (no kernel mask or score transform for them), equal q and v head sizes, and
+    a kernel for the compute dtype on this device."""
+    return (mask.window is None and doc_ids is None and softcap is None and q.shape[-1] == v.shape[-1]
+            and fused_attention.kernel_dtype(q.device, compute) is not None)
+
+
+def _positions(spans: tuple[Span, ...], device: torch.device) -> torch.Tensor:
+    return torch.cat([torch.arange(a, b, device=device) for a, b in spans])
+
 
 def _grouped(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """[B, Hq, S, D] as [B, Hkv, Hq / Hkv, S, D]: q head h under kv head h // (Hq / Hkv)."""
     return x.unflatten(1, (num_kv_heads, x.shape[1] // num_kv_heads))
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor, scores: _Scores) -> torch.Tensor:
-    """Softmax attention of q against k, v where `seen` [B | 1, Sq, Sk] allows, in the compute
-    dtype, the result in q's; autograd's."""
+class _FusedAttention(torch.autograd.Function):
+    """Attention of q against k, v by the fused kernels' pieces, in the compute dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: tuple[fused_attention.Piece, ...],
+                scores: _Scores) -> torch.Tensor:
+        q_up, k_up, v_up = scores.up(q), scores.up(k), scores.up(v)
+        out, lse = fused_attention.attend(q_up, k_up, v_up, calls, scores.scale)
+        ctx.save_for_backward(q_up, k_up, v_up, out, lse)
+        ctx.calls, ctx.scores = calls, scores
+        return out.to(q.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        grad_q, grad_k, grad_v = fused_attention.attend_backward(q, k, v, ctx.calls, ctx.scores.scale,
+                                                                 ctx.scores.up(grad), out, lse)
+        return grad_q.to(grad.dtype), grad_k.to(grad.dtype), grad_v.to(grad.dtype), None, None
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_spans: tuple[Span, ...], k_spans: tuple[Span, ...],
+            scores: _Scores) -> torch.Tensor:
+    """Softmax attention of q (at global q_spans) against k, v (at k_spans) under the mask, in
+    the compute dtype, the result in q's: the fused kernels where they express the mask, else
+    the scores materialised (autograd's)."""
+    calls = scores.pieces(q_spans, k_spans)
+    if calls is not None:
+        return _FusedAttention.apply(q, k, v, calls, scores)
+    return _reference(q, k, v, scores.visible(_positions(q_spans, q.device), _positions(k_spans, q.device)), scores)
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor, scores: _Scores) -> torch.Tensor:
+    """Softmax attention of q against k, v where `seen` [B | 1, Sq, Sk] allows, the scores
+    materialised in the compute dtype, the result in q's; autograd's."""
     s, _ = scores.logits(_grouped(scores.up(q), k.shape[1]), scores.up(k))
     weights = torch.softmax(s.masked_fill(~seen[:, None, None], -math.inf), dim=-1)
     return (weights @ scores.up(v).unsqueeze(2)).flatten(1, 2).to(q.dtype)
@@ -178,10 +244,17 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == -math.inf, 0.0)
 
 
-def _forward_block(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor, scores: _Scores,
-                   out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Merge this block's attention into `out` [B, Hkv, g, Sq, Dv] and `lse` [B, Hkv, g, Sq] (q5,
-    out and lse in the compute dtype; the block k, v as it travels, in the inputs')."""
+def _forward_block(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: tuple[tuple[Span, ...], tuple[Span, ...]],
+                   scores: _Scores, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge this block's attention (queries at spans[0], keys at spans[1]) into `out` [B, Hkv,
+    g, Sq, Dv] and `lse` [B, Hkv, g, Sq] (q5, out and lse in the compute dtype; the block k, v as
+    it travels, in the inputs'): by the fused kernels where they express the mask."""
+    calls = scores.pieces(*spans)
+    if calls is not None:
+        block_out, block_lse = fused_attention.attend(q5.flatten(1, 2), scores.up(k), scores.up(v), calls, scores.scale)
+        fused_attention.merge(out, lse, block_out.unflatten(1, out.shape[1:3]), block_lse.unflatten(1, lse.shape[1:3]))
+        return
+    seen = scores.visible(*(_positions(s, q5.device) for s in spans))
     live = _live(seen)
     if live is None:
         return
@@ -204,12 +277,20 @@ def _forward_block(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: tor
         lse.index_copy_(3, rows, new_lse)
 
 
-def _backward_block(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor, scores: _Scores,
-                    grad5: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+def _backward_block(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: tuple[tuple[Span, ...], tuple[Span, ...]],
+                    scores: _Scores, grad5: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
                     grad_q5: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Add this block's part of dq to `grad_q5`; return its parts of dk and dv (whole block), in
-    the compute dtype (q5, grad5, lse and delta are in it; the block k, v in the inputs')."""
+    the compute dtype (q5, grad5, out [B, Hq, Sq, Dv], lse and delta are in it; the block k, v in
+    the inputs'): by the fused kernels' backward where they express the mask."""
     k, v = scores.up(k), scores.up(v)
+    calls = scores.pieces(*spans)
+    if calls is not None:
+        grad_q, grad_k, grad_v = fused_attention.attend_backward(q5.flatten(1, 2), k, v, calls, scores.scale,
+                                                                 grad5.flatten(1, 2), out, lse.flatten(1, 2))
+        grad_q5 += grad_q.unflatten(1, grad_q5.shape[1:3])
+        return grad_k, grad_v
+    seen = scores.visible(*(_positions(s, q5.device) for s in spans))
     grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
     live = _live(seen)
     if live is None:
@@ -243,12 +324,11 @@ class _RingAttention(torch.autograd.Function):
         q5 = _grouped(scores.up(q), k.shape[1])
         out = q5.new_zeros((*q5.shape[:-1], v.shape[-1]))
         lse = q5.new_full(q5.shape[:-1], -math.inf)
-        mine = layout.positions(ring.rank, q.device)
         block = [k, v]
         for step in range(ring.size):
             owner = (ring.rank - step) % ring.size
             travelling = ring.shift(block, _BLOCKS) if step < ring.size - 1 else None
-            _forward_block(q5, *block, scores.visible(mine, layout.positions(owner, q.device)), scores, out, lse)
+            _forward_block(q5, *block, (layout.spans[ring.rank], layout.spans[owner]), scores, out, lse)
             if travelling is not None:
                 block = travelling.wait()
         out = out.flatten(1, 2)
@@ -264,14 +344,13 @@ class _RingAttention(torch.autograd.Function):
         q5, grad5 = _grouped(scores.up(q), k.shape[1]), _grouped(scores.up(grad), k.shape[1])
         delta = (grad5 * _grouped(out, k.shape[1])).sum(dim=-1)
         grad_q5 = torch.zeros_like(q5)
-        mine = layout.positions(ring.rank, q.device)
         block = [k, v]
         accumulating: _Shift | None = None
         for step in range(ring.size):
             owner = (ring.rank - step) % ring.size
             travelling = ring.shift(block, _BLOCKS) if step < ring.size - 1 else None
-            grad_k, grad_v = _backward_block(q5, *block, scores.visible(mine, layout.positions(owner, q.device)),
-                                             scores, grad5, lse, delta, grad_q5)
+            grad_k, grad_v = _backward_block(q5, *block, (layout.spans[ring.rank], layout.spans[owner]),
+                                             scores, grad5, out, lse, delta, grad_q5)
             if accumulating is not None:
                 earlier_k, earlier_v = accumulating.wait()
                 grad_k += earlier_k
@@ -304,8 +383,8 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGr
     if copies > 1:
         k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
     heads = [all_to_all(x, group, split_dim=1, concat_dim=2) for x in (q, k, v)]
-    order = layout.order(q.device)
-    out = _attend(*heads, scores.visible(order, order), scores)
+    everything = sum(layout.spans, ())
+    out = _attend(*heads, everything, everything, scores)
     return all_to_all(out, group, split_dim=2, concat_dim=1)
 
 
@@ -331,16 +410,16 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layo
     docs = None if doc_ids is None else document_ids(doc_ids, layout.seq_len).to(q.device)
     if docs is not None and docs.shape[0] not in (1, batch):
         raise ValueError(f"document ids for {docs.shape[0]} rows and a batch of {batch}")
+    compute = _compute_dtype(q.dtype, upcast)
     scores = _Scores(mask=mask, scale=head_dim ** -0.5 if scale is None else scale, softcap=softcap, doc_ids=docs,
-                     compute=_compute_dtype(q.dtype, upcast))
+                     compute=compute, fused=_fusable(mask, docs, softcap, q, v, compute))
     if group is None or size == 1:
-        everything = layout.order(q.device)
-        return _attend(q, k, v, scores.visible(everything, everything), scores)
+        everything = sum(layout.spans, ())
+        return _attend(q, k, v, everything, everything, scores)
     rank = group.rank()
     if method == "all_gather":
         keys, values = gather_sequence(k, group, dim=2), gather_sequence(v, group, dim=2)
-        return _attend(q, keys, values, scores.visible(layout.positions(rank, q.device), layout.order(q.device)),
-                       scores)
+        return _attend(q, keys, values, layout.spans[rank], sum(layout.spans, ()), scores)
     if method == "ring":
         return _RingAttention.apply(q, k, v, _Ring(group=group, rank=rank, size=size), layout, scores)
     return _ulysses(q, k, v, group, layout, scores)
@@ -354,5 +433,6 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, positi
     `context_layout.whole_documents` (every document on one rank)."""
     docs = None if doc_ids is None else document_ids(doc_ids, doc_ids.shape[-1]).to(q.device)
     scores = _Scores(mask=mask, scale=q.shape[-1] ** -0.5 if scale is None else scale, softcap=softcap, doc_ids=docs,
-                     compute=_compute_dtype(q.dtype, upcast))
-    return _attend(q, k, v, scores.visible(positions, positions), scores)
+                     compute=_compute_dtype(q.dtype, upcast), fused=False)
+    PATHS["reference"] += 1
+    return _reference(q, k, v, scores.visible(positions, positions), scores)
