@@ -47,7 +47,8 @@ How:
 Block computation, two paths (`PATHS` counts which ran): where a block's mask is causal per
 span or absent, with no documents, window or soft-capping and v's head size = q's, PyTorch's
 fused attention kernels compute it and return the log-sum-exp that the merge needs
-(`fused_attention`: flash on CPU in float32/float64, flash or memory-efficient on CUDA): no
+(`fused_attention`: flash on CPU in float32/float64/bf16/fp16; CUDA not wired yet, so it
+runs the reference path): no
 [Sq, Sk] score matrix is ever held, which is what makes 32k-128k tokens fit. Elsewhere the
 reference path below materialises the block's scores (small blocks, or masks no kernel takes).
 

@@ -27,10 +27,11 @@ GQA: the kernels' ops want as many kv heads as q heads, so k and v are repeated 
 (Hugging Face's repeat_kv: [S, D] per head, never [S, S]) and their gradients summed back.
 
 Kernels: CPU `_scaled_dot_product_flash_attention_for_cpu` (float32, float64, bfloat16, float16)
-and its backward; CUDA `_scaled_dot_product_flash_attention` in float16 / bfloat16 and
-`_scaled_dot_product_efficient_attention` in float32 (its log-sum-exp is padded along the
-sequence to a multiple of 32: sliced off, padded back for its backward). Inputs are in the
-compute dtype (the caller's upcast); the kernels accumulate in float32 or wider.
+and its backward, which take out and lse. CUDA is not wired yet (`kernel_dtype` says None there,
+so CUDA runs the caller's reference path): its flash backward wants the forward's cum_seq and
+philox tensors and the memory-efficient one an attn_bias tensor, none optional in the op schema,
+and the log-sum-exp of the latter is padded; that needs a GPU run to get right, not a guess.
+Inputs are in the compute dtype (the caller's upcast); the kernel accumulates in float32 or wider.
 """
 from __future__ import annotations
 
@@ -85,10 +86,9 @@ def pieces(q_spans: tuple[Span, ...], k_spans: tuple[Span, ...], causal: bool) -
 
 
 def kernel_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
-    """The dtype the fused kernel takes on `device` for computing in `dtype`; None: none does."""
+    """The dtype the fused kernel takes on `device` for computing in `dtype`; None: none does
+    (CUDA: not wired yet, module docstring)."""
     if device.type == "cpu" and dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
-        return dtype
-    if device.type == "cuda" and dtype in (torch.float32, torch.bfloat16, torch.float16):
         return dtype
     return None
 
@@ -104,30 +104,14 @@ def _repeat(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if q.device.type == "cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=None, scale=scale)
-        return out, lse
-    if q.dtype == torch.float32:
-        out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
-        return out, lse[..., :q.shape[2]]
-    out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=None, scale=scale)
     return out, lse
 
 
 def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if q.device.type == "cpu":
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale)
-        return dq, dk, dv
-    zero = torch.zeros((), dtype=torch.int64, device=q.device)
-    if q.dtype == torch.float32:
-        padded = torch.nn.functional.pad(lse, (0, -q.shape[2] % 32))
-        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            grad, q, k, v, None, out, padded, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)
-        return dq, dk, dv
-    dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-        grad, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, zero, zero, scale=scale)
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale)
     return dq, dk, dv
 
 
@@ -166,8 +150,7 @@ def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: tu
         keys, values = _select(k, call.keys), _select(v, call.keys)
         dq, dk, dv = _backward(grad[:, :, lo:hi].contiguous(), q[:, :, lo:hi].contiguous(),
                                _repeat(keys, heads).contiguous(), _repeat(values, heads).contiguous(),
-                               out[:, :, lo:hi].contiguous(), lse[:, :, lo:hi].to(torch.float32 if q.is_cuda else q.dtype)
-                               .contiguous(), call.causal, scale)
+                               out[:, :, lo:hi].contiguous(), lse[:, :, lo:hi].contiguous(), call.causal, scale)
         grad_q[:, :, lo:hi] += dq
         dk = dk.unflatten(1, (k.shape[1], group)).sum(dim=2)
         dv = dv.unflatten(1, (k.shape[1], group)).sum(dim=2)
