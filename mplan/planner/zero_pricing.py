@@ -70,9 +70,9 @@ ranks wait in gathers by a third (1.00 to 0.66 s a step) and the step stayed as 
 before, 1.96 s after; medians of 30 steps each, on a machine shared with other jobs)."""
 
 ZERO_REDUCTIONS_IN_FLIGHT = 3
-"""Flat gradient copies (the master dtype) zero 2/3's reduce-scatters hold at once: mplan's
+"""Flat gradient copies (the master dtype) the reduce-scatters hold at once, at zero 1-3: mplan's
 runtime keeps at most two outstanding and makes the third's copy before waiting for the oldest
-(runtime/sharded_optimizer.py `_reduce`, MAX_IN_FLIGHT = 2)."""
+(runtime/sharded_optimizer.py `_reduce` and zero=1's `_Launches`, MAX_IN_FLIGHT = 2)."""
 
 def zero1_copy_time(compute: ComputeCostModel, params: float, dp: int, param_bytes: int) -> float:
     """Seconds of ZeRO-1's own copies around its collectives over a rank's `params` (elements of

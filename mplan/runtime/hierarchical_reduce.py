@@ -135,6 +135,7 @@ class SiteReductions:
             if reduction.cross is None:
                 if reduction.local is not None:
                     reduction.local.wait()
+                    reduction.local = None  # dropped with what its backend holds (gloo: a copy of the input)
                 reduction.cross = self.link.all_reduce(reduction.shard)
 
     def finish(self) -> None:

@@ -25,7 +25,9 @@ in slot order. That costs memory, never exactness: each launch reduces exactly w
 holds since the previous one. Parameters whose gradient is summed with another pipeline rank's
 copy first (`summed_first`: a tied embedding and head on two stages, `stage_copies.py`) keep
 their `.grad` whole until `step()`, in partitions of their own.
-At most `MAX_IN_FLIGHT` reduce-scatters are outstanding (each holds its bucket's flat gradient).
+At most `MAX_IN_FLIGHT` reduce-scatters are outstanding at every level (each holds its bucket's
+flat gradient in the master dtype, and gloo a copy of it until the work is dropped): zero=1's too,
+whose last backward would otherwise hold a copy of every bucket at once (`_Launches`).
 The starts come from post-accumulate-grad hooks, i.e. from autograd's own accumulation: the
 pipeline executor adds a stage's gradients into `.grad` itself (`split_backward.py`, for its
 B/I/W split), so under a pipeline plan no hook fires and every bucket is reduced at `step()`,
@@ -103,7 +105,28 @@ from mplan.runtime.process_groups import ProcessGroup, ProcessGroups, group_rank
 from mplan.runtime.replicated_optimizer import OptimizerFactory
 
 MAX_IN_FLIGHT = 2
-"""zero>=2: reduce-scatters outstanding at once; the oldest is completed before a third starts."""
+"""Reduce-scatters outstanding at once (every level); the oldest is completed once a third starts."""
+
+
+class _Launches:
+    """zero=1's reduce-scatters in flight, oldest first, at most `MAX_IN_FLIGHT` of them: each one
+    launched past the bound waits for the oldest and drops it (with gloo's copy of its input).
+    Kept apart from `ShardedOptimizer` so that `ReductionStarts`' callback does not hold its owner."""
+
+    def __init__(self) -> None:
+        self._works: list[dist.Work] = []
+
+    def add(self, work: dist.Work | None) -> None:
+        if work is not None:
+            self._works.append(work)
+        while len(self._works) > MAX_IN_FLIGHT:
+            self._works.pop(0).wait()
+
+    def wait(self) -> None:
+        """Wait for every one in flight."""
+        for work in self._works:
+            work.wait()
+        self._works = []
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -189,10 +212,11 @@ def _flatten_padded(tensors: list[torch.Tensor], size: int, dtype: torch.dtype) 
 
 @torch.no_grad()
 def _start_reduce_scatter(groups: ProcessGroups, slots: list[tuple[_Partition, _Bucket]],
-                          sites: SiteReductions | None, index: int) -> dist.Work | None:
+                          sites: SiteReductions | None, launches: _Launches, index: int) -> None:
     """Slot `index`: TP sum of partial gradients (if any), then the bucket's reduce-scatter into
-    its slice of the master gradient (asynchronous over more than one replica); across sites,
-    handed to `sites` to be summed over them."""
+    its slice of the master gradient (asynchronous over more than one replica), added to
+    `launches`; across sites, handed to `sites` to be summed over them instead (which waits for
+    each one before the next is added)."""
     part, bucket = slots[index]
     grads = [p.grad for p in bucket.params]
     if part.placement.tp_reduce:
@@ -209,8 +233,8 @@ def _start_reduce_scatter(groups: ProcessGroups, slots: list[tuple[_Partition, _
         shard_grad.copy_(flat)
     if sites is not None and part.across_sites:
         sites.add(work, shard_grad)
-        return None
-    return work
+    else:
+        launches.add(work)
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,9 +308,10 @@ class ShardedOptimizer:
         if units is not None:  # parameters no unit reads (unit -1) get no gradient: last
             self._slots.sort(key=lambda slot: -slot[1].unit if slot[1].unit >= 0 else 1)
         if not self.shard_gradients:
+            self._launches = _Launches()
             self._starts = ReductionStarts([bucket.params for _, bucket in self._slots],
                                            functools.partial(_start_reduce_scatter, groups, self._slots,
-                                                             self._sites))
+                                                             self._sites, self._launches))
             return
         self._slot_of = {id(p): k for k, (_, bucket) in enumerate(self._slots) for p in bucket.params}
         # started from backward's hooks: all but the summed-first and (zero=3) the never-read ones
@@ -401,6 +426,7 @@ class ShardedOptimizer:
             self._landed_last, self._crossed = None, set()
         if not self.shard_gradients:
             self._starts.wait()  # a step that failed after arming may have reduce-scatters in flight
+            self._launches.wait()
         else:
             self._wait()
             self._arrived, self._next, self._reduced_in_backward = [0] * len(self._slots), 0, 0
@@ -423,6 +449,7 @@ class ShardedOptimizer:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
             self._starts.start_rest_and_wait()
+            self._launches.wait()
             if self._sites is not None:
                 self._sites.finish()
         norm = None
