@@ -72,9 +72,9 @@ def skipped_dp_all_reduce() -> Iterator[None]:
 
     original = data_parallel._start_all_reduce
 
-    def local_only(groups: Any, buckets: list, index: int) -> None:
-        alone = dataclasses.replace(buckets[index], group=None)  # same buffer, no replica group
-        return original(groups, [alone], 0)
+    def local_only(groups: Any, buckets: list, sites: Any, index: int) -> None:
+        alone = dataclasses.replace(buckets[index], group=None, site_group=None)  # same buffer, no replica group
+        return original(groups, [alone], sites, 0)
     with mock.patch.object(data_parallel, "_start_all_reduce", local_only):
         yield
 
