@@ -35,4 +35,4 @@ def test_one_slow_step_among_steps_on_the_prediction_is_not_a_warning(capsys: py
 def test_steps_steadily_off_the_prediction_warn_once_naming_the_median(capsys: pytest.CaptureFixture[str]) -> None:
     err = _run(capsys, [27.0] + [0.60] * 20)
     assert err.count("warning") == 1
-    assert "step time (the median of this job's steps) 0.6 is +46% off the plan's prediction 0.41" in err
+    assert "step time (the median of this job's last 100 steps) 0.6 is +46% off the plan's prediction 0.41" in err

@@ -20,6 +20,7 @@ its own (`trace-rank<r>.json` beside the JSONL, or in the working directory).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import math
@@ -36,6 +37,8 @@ import torch
 from mplan.train.config import ConfigError, TrainConfig
 
 PREDICTION_GAP = 0.15
+STEP_WINDOW = 100
+"""Steps whose median `record` holds against the plan's predicted step time."""
 """Measured against predicted step time or memory: a warning beyond this relative gap."""
 
 
@@ -80,8 +83,8 @@ class Observer:
         self.jsonl = m.jsonl if rank == 0 and m.jsonl else None
         self.started = time.perf_counter()
         self.warned: set[str] = set()
-        self.step_times: list[float] = []
-        """this job's measured step times, the first (capture, compilation) included"""
+        self.step_times: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
+        """this job's latest measured step times, its first (capture, compilation) left out"""
         self.writer = None
         if m.tensorboard and rank == 0:
             from torch.utils.tensorboard import SummaryWriter  # `preflight` checked it is there
@@ -137,13 +140,14 @@ class Observer:
             eta = elapsed / done * (self.stop - pm.step) if done else 0.0  # this job's end
             figures = m.line().split(" | ", 1)[1]  # the meter counts this job's steps; the run's are pm.step
             print(f"step {pm.step}/{self.total} | {figures} | ETA {_duration(eta)}", file=sys.stderr, flush=True)
-        if m.step_time_s is not None:
+        if m.step_time_s is not None and done > 1:
             self.step_times.append(m.step_time_s)
-        if done > 2 and len(self.step_times) > 1:
-            # the median of the steps so far: one slow step (a background checkpoint's stall,
-            # a compaction of the allocator) is not the cluster's figures being wrong
-            self._check_prediction("step time (the median of this job's steps)",
-                                   statistics.median(self.step_times[1:]), m.predicted_step_time_s)
+        if done > 2 and self.step_times:
+            # the median of the latest steps: one slow step (a background checkpoint's stall, a
+            # compaction of the allocator) is not the cluster's figures being wrong; a window, so
+            # that each step's check costs the same however long the job runs
+            self._check_prediction(f"step time (the median of this job's last {STEP_WINDOW} steps)",
+                                   statistics.median(self.step_times), m.predicted_step_time_s)
             self._check_prediction("memory", m.peak_memory_gib, m.predicted_memory_gib)
 
     def _check_prediction(self, what: str, measured: float | None, predicted: float | None) -> None:
