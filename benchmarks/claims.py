@@ -111,6 +111,26 @@ def _peers(data: dict) -> tuple[str, ...]:
     return (*out, span(cv("mplan"), lambda v: fixed(v * 100)), span(cv("compile"), lambda v: fixed(v * 100)))
 
 
+
+def _peers_h100(names: tuple[str, ...]) -> Callable[[dict], tuple[str, ...]]:
+    """Each named family's ratio to its fastest peer, mplan's and that peer's step (ms), then the
+    spread of mplan's and compile's steps (coefficient of variation, %) over the file's families."""
+    def figures(data: dict) -> tuple[str, ...]:
+        out = []
+        for name in names:
+            f = data["families"][name]
+            out += [fixed(f["mplan_vs_best_peer"], 3), fixed(f["systems"]["mplan"]["step_s"] * 1e3),
+                    fixed(f["systems"][f["best_peer"]]["step_s"] * 1e3)]
+        timed = [f for f in data["families"].values() if "systems" in f]
+        cv = lambda system: [f["systems"][system]["step_cv"] for f in timed]  # noqa: E731
+        return (*out, span(cv("mplan"), lambda v: fixed(v * 100)), span(cv("compile"), lambda v: fixed(v * 100)))
+    return figures
+
+
+def _gemma3_profile(data: dict) -> tuple[str, ...]:
+    mplan = data["families"]["gemma3"]["profile"]["mplan"]
+    return fixed(mplan["gpu_kernel_ms_per_step"], 0), fixed(mplan["wall_ms_per_step"], 0)
+
 # -- the registry ----------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Claim:
@@ -640,6 +660,18 @@ CLAIMS: tuple[Claim, ...] = (
           pattern=r"Gemma-2 \(soft-capped logits\) (\S+)x compile \((\S+) against (\S+) ms\), Phi-3 \(packed q/k/v and "
                   r"gate/up\) (\S+)x Liger \((\S+) against (\S+) ms\), Granite (\S+)x compile \((\S+) against (\S+) ms\).*"
                   r"mplan's steps vary by (\S+)%, compile's by (\S+)%"),
+    Claim(doc="README.md", source="peers_h100-2026-12-06-a.json",
+          figures=_peers_h100(("phi3", "qwen3", "granite", "gemma2")),
+          pattern=r"first call: Phi-3 (\S+)x Liger \((\S+) against (\S+) ms\), Qwen3 (\S+)x compile \((\S+) against "
+                  r"(\S+) ms\), Granite (\S+)x compile \((\S+) against (\S+) ms\), Gemma-2 (\S+)x compile \((\S+) against "
+                  r"(\S+) ms\); steps vary by (\S+)% \(mplan\) and (\S+)% \(compile\)"),
+    Claim(doc="README.md", source="peers_h100-2026-12-06-b.json",
+          figures=_peers_h100(("olmo2", "cohere", "gemma3")),
+          pattern=r"second call: OLMo-2 (\S+)x compile \((\S+) against (\S+) ms\), Cohere (\S+)x compile \((\S+) against "
+                  r"(\S+) ms\), Gemma-3 (\S+)x compile \((\S+) against (\S+) ms\); steps vary by (\S+)% \(mplan\) and "
+                  r"(\S+)% \(compile\)"),
+    Claim(doc="README.md", source="peers_profile_h100-2026-12-06-gemma3.json", figures=_gemma3_profile,
+          pattern=r"Gemma-3's step is host-bound: (\S+) ms of GPU kernels in a (\S+) ms step"),
     Claim(doc="docs/claims.md", source="capture-cpu-2026-11-29.json", figures=_capture,
           pattern=r"capture of gpt3-175b / llama3-405b: (\S+) s, (\S+) GiB / (\S+) s, (\S+) GiB"),
 )
