@@ -10,6 +10,15 @@ full rotary_dim that rest is empty and the chain is RoPE on x; at a partial one 
 StableLM's `partial_rotary_factor`) the match carries `rot_dim` and the kernels rotate the first
 rot_dim of each head vector and copy the rest through (`mplan.kernels.rotary.rope_qk`), so the
 pair still runs in one launch. A rotation concatenated some other way is reported as missed.
+
+Two more forms, both Hugging Face's (Cohere, OLMo-2, GPT-J):
+- interleaved RoPE: the pairs rotated together are (2i, 2i + 1), the rotation written
+  `stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2)` and the tables repeat_interleave'd; the
+  match carries `interleaved` and the kernels address the pairs so (`mplan.kernels.rotary`);
+- casts around the rotation: `q.float()` before it and `.to(q.dtype)` after it (Cohere's both,
+  OLMo-2's the second), each used only by the chain, are taken into it as `upcast` and `dtype`:
+  the kernels load in fp32 and store in the result's dtype anyway, and attention then reads the
+  fused op's result, so RoPE on q and k still pairs into one rope_qk launch.
 """
 from __future__ import annotations
 
@@ -21,15 +30,31 @@ from torch.fx import Graph, Node
 
 from mplan.fusion.entry import (FusedOpTraffic, FusedSave, FusionEntry, FusionPattern, Launches, MeasuredPricing,
                                 Miss, PairedPattern, PatternMatch, call)
-from mplan.fusion.graph_match import full_slice, is_call, is_last_dim, other, tensor_value, used_only_by
+from mplan.fusion.graph_match import VIEW_OPS, cast, full_slice, is_call, is_last_dim, other, tensor_value, used_only_by
 
 __all__ = ["ROPE", "ROPE_QK", "pair_fused_ropes", "pair_rope_matches"]
 
 aten = torch.ops.aten
 
 
+_OPTIONS = ("rot_dim", "interleaved", "upcast", "dtype")
+"""The params of a ROPE match that are the kernels' keyword arguments (each present only when set)."""
+
+
+def _options(params: Any) -> dict[str, Any]:
+    """The keyword arguments of `rope` / `rope_qk` a match's params give."""
+    return {key: params[key] for key in _OPTIONS if key in params}
+
+
 def _match_rope(anchor: Node) -> PatternMatch | None:
-    """params: x, cos, sin."""
+    """params: x, cos, sin, and where the form has them rot_dim (partial rotary), interleaved,
+    upcast (x's cast before the rotation), dtype (the result's cast after it)."""
+    match = _match_rotation(anchor)
+    return None if match is None else _with_casts(match)
+
+
+def _match_rotation(anchor: Node) -> PatternMatch | None:
+    """The rotation alone, params x, cos, sin [, rot_dim] [, interleaved]."""
     if len(anchor.args) != 2 or anchor.kwargs:
         return None
     for plain, rotated in (anchor.args, anchor.args[::-1]):
@@ -39,6 +64,9 @@ def _match_rope(anchor: Node) -> PatternMatch | None:
             continue
         for cat, sin in (rotated.args, rotated.args[::-1]):
             found = _rotate_half_input(cat, rotated)
+            layout = {}
+            if found is None:
+                found, layout = _rotate_pairs_input(cat, rotated), {"interleaved": True}
             if found is None:
                 continue
             x, chain = found
@@ -51,14 +79,30 @@ def _match_rope(anchor: Node) -> PatternMatch | None:
             whole = _with_rest(x, anchor, core)
             if whole is not None:
                 source, extra, output, rot_dim = whole
-                params = {"x": source, "cos": cos, "sin": sin}
+                params = {"x": source, "cos": cos, "sin": sin, **layout}
                 if rot_dim is not None:
                     params["rot_dim"] = rot_dim
                 return PatternMatch(anchor=anchor, chain=(*extra[:1], *core, *extra[1:]), outputs=(output,),
                                     inputs=(source, cos, sin), params=params)
             return PatternMatch(anchor=anchor, chain=core, outputs=(anchor,),
-                                inputs=(x, cos, sin), params={"x": x, "cos": cos, "sin": sin})
+                                inputs=(x, cos, sin), params={"x": x, "cos": cos, "sin": sin, **layout})
     return None
+
+
+def _with_casts(match: PatternMatch) -> PatternMatch:
+    """The match with the casts around it taken in: x = source.to(upcast) used only by the chain
+    (the whole head vector rotated: a partial rotary's slices read the cast), and the result's
+    only use a cast .to(dtype) (Hugging Face's `q.float()` and `.to(q.dtype)`)."""
+    params, chain, inputs, output = dict(match.params), match.chain, match.inputs, match.outputs[0]
+    before = cast(params["x"])
+    if before is not None and "rot_dim" not in params and used_only_by(params["x"], *chain):
+        chain, params["x"], params["upcast"] = (params["x"], *chain), before[0], before[1]
+        inputs = (before[0], *inputs[1:])
+    users = [u for u in output.users if not is_call(u, aten._assert_tensor_metadata.default)]
+    after = cast(users[0]) if len(users) == 1 else None
+    if after is not None:
+        chain, output, params["dtype"] = (*chain, users[0]), users[0], after[1]
+    return PatternMatch(anchor=match.anchor, chain=chain, outputs=(output,), inputs=inputs, params=params)
 
 
 def _with_rest(x: Node, anchor: Node, core: tuple[Node, ...],
@@ -126,12 +170,49 @@ def _rotate_half_input(cat: Any, user: Node) -> tuple[Node, tuple[Node, ...]] | 
     return x, (first, second, neg, cat)
 
 
+def _rotate_pairs_input(flat: Any, user: Node) -> tuple[Node, tuple[Node, ...]] | None:
+    """(x, chain) for stack([neg(x[..., 1::2]), x[..., ::2]], -1).flatten(-2) used only by `user`
+    (the interleaved rotation, `mplan.kernels.rotary.rotate_pairs`; flattened by flatten or a view)."""
+    if not (is_call(flat, aten.flatten.using_ints, *VIEW_OPS) and used_only_by(flat, user)):
+        return None
+    stack, out = flat.args[0], tensor_value(flat)
+    sv = tensor_value(stack)
+    if not (is_call(stack, aten.stack.default) and used_only_by(stack, flat)) or sv is None or out is None:
+        return None
+    if tuple(out.shape) != (*sv.shape[:-2], 2 * sv.shape[-2]) or sv.shape[-1] != 2 or len(stack.args[0]) != 2:
+        return None
+    if not (stack.args[1:] and stack.args[1] in (-1, sv.dim() - 1)):
+        return None
+    neg, even = stack.args[0]
+    if not (is_call(neg, aten.neg.default) and used_only_by(neg, stack) and is_call(even, aten.slice.Tensor)
+            and used_only_by(even, stack)):
+        return None
+    odd = neg.args[0]
+    if not (is_call(odd, aten.slice.Tensor) and used_only_by(odd, neg)):
+        return None
+    x = even.args[0]
+    xv = tensor_value(x)
+    if odd.args[0] is not x or xv is None or xv.shape[-1] != out.shape[-1]:
+        return None
+    if not (is_last_dim(even.args[1], x) and is_last_dim(odd.args[1], x)):
+        return None
+    if _strided(even) != (0, 2) or _strided(odd) != (1, 2):
+        return None
+    return x, (even, odd, neg, stack, flat)
+
+
+def _strided(node: Node) -> tuple[Any, Any]:
+    """(start, step) of a slice that runs to the end of its dim (start None read as 0), else (None, None)."""
+    start, end, step = (tuple(node.args[2:]) + (None,) * (5 - len(node.args)))[:3]
+    size = tensor_value(node.args[0]).shape[node.args[1]]
+    return ((start or 0), step) if end is None or (isinstance(end, int) and end >= size) else (None, None)
+
+
 def _emit_rope(graph: Graph, match: PatternMatch) -> Node:
     from mplan.kernels import rope
 
     p = match.params
-    kwargs = {"rot_dim": p["rot_dim"]} if "rot_dim" in p else None
-    return call(graph, rope, (p["x"], p["cos"], p["sin"]), match.anchor, kwargs)
+    return call(graph, rope, (p["x"], p["cos"], p["sin"]), match.anchor, _options(p) or None)
 
 
 def _emit_rope_qk(graph: Graph, match: PatternMatch) -> Node:
@@ -165,7 +246,11 @@ def pair_rope_matches(matches: list[tuple[str, PatternMatch]]) -> tuple[list[tup
         if q.params.get("rot_dim") != k.params.get("rot_dim"):
             missed.append((match.anchor, Miss("RoPE on q and k rotate different numbers of dims")))
             continue
-        kwargs = {"rot_dim": q.params["rot_dim"]} if "rot_dim" in q.params else {}
+        kwargs = _options(q.params)
+        if kwargs != _options(k.params):
+            missed.append((match.anchor, Miss("RoPE on q and k differ in layout (interleaved or halves) or in the "
+                                              "casts around them")))
+            continue
         both = PatternMatch(anchor=q.anchor, chain=(*q.chain, *k.chain), outputs=(q.outputs[0], k.outputs[0]),
                             inputs=(q.params["x"], k.params["x"], q.params["cos"], q.params["sin"]),
                             params={"q": q.params["x"], "k": k.params["x"], "cos": q.params["cos"],
@@ -201,7 +286,7 @@ def pair_fused_ropes(graph: Graph, attention_ops: tuple[Any, ...]) -> int:
         q, k = node.args[:2]
         if not (is_call(q, rope) and is_call(k, rope) and q is not k and len(q.users) == len(k.users) == 1):
             continue
-        if q.args[1:3] != k.args[1:3] or q.kwargs != k.kwargs:  # consumer, rot_dim
+        if q.args[1:3] != k.args[1:3] or q.kwargs != k.kwargs:  # consumer, rot_dim, layout, casts
             continue
         order = {n: i for i, n in enumerate(graph.nodes)}
         later = k if order[k] > order[q] else q
@@ -234,7 +319,9 @@ ROPE = FusionEntry(
     # x * cos + cat([-x[..., d/2:], x[..., :d/2]], -1) * sin (apply_rope on q or k)
     pattern=FusionPattern(anchors=(aten.add.Tensor,), match=_match_rope),
     forms=("rotate-half RoPE, either operand order", "Phi-3's x[..., :rotary_dim] with an empty rest concatenated",
-           "partial rotary: RoPE on x[..., :rot_dim], cat with x[..., rot_dim:] (GPT-NeoX, Phi, StableLM)"),
+           "partial rotary: RoPE on x[..., :rot_dim], cat with x[..., rot_dim:] (GPT-NeoX, Phi, StableLM)",
+           "interleaved RoPE: stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2) (Cohere, GPT-J)",
+           "x.float() before and .to(dtype) after the rotation (Cohere, OLMo-2)"),
     keeps=lambda m: FusedSave(),  # its tables are buffers
     pricing=MeasuredPricing(traffic=_ROPE_TRAFFIC, copy_fraction=(1.0, 0.987),
                             source="benchmarks/results/kernels_h200-2026-11-29-session7.json"),
@@ -249,7 +336,8 @@ ROPE_QK = FusionEntry(
     name="rope_qk",
     pattern=PairedPattern(of="rope", consumers="one attention call reading them as q and k, with the same tables"),
     forms=("RoPE on q and on k feeding one attention call",
-           "partial rotary on both (one rot_dim): the rotated part in one launch, the rest copied through"),
+           "partial rotary on both (one rot_dim): the rotated part in one launch, the rest copied through",
+           "interleaved, or cast before and after, alike on both (Cohere, OLMo-2)"),
     keeps=lambda m: FusedSave(),
     # two RoPEs' bytes in one launch: priced as its two rope chains (the planner prices before pairing)
     pricing=MeasuredPricing(traffic=_ROPE_TRAFFIC, copy_fraction=(1.0, 0.987),

@@ -124,6 +124,19 @@ def _load_f32(ptr, mask, EVEN: tl.constexpr, POLICY: tl.constexpr):
 
 
 @triton.jit
+def _pair_offsets(cols, half, INTERLEAVED: tl.constexpr):
+    """Offsets, within a head vector, of the two elements rotated together: (i, i + half) in
+    the rotate-half layout, (2i, 2i + 1) in the interleaved one (GPT-J, Cohere)."""
+    if INTERLEAVED:
+        first = cols * 2
+        second = first + 1
+    else:
+        first = cols
+        second = cols + half
+    return first, second
+
+
+@triton.jit
 def _rotate(x1, x2, c1, c2, s1, s2, BACKWARD: tl.constexpr):
     """The two halves of a head vector rotated (forward), or rotated back (the backward's
     transpose: sin negated): y = x * cos + rotate_half(x) * sin, halves apart."""
@@ -132,16 +145,17 @@ def _rotate(x1, x2, c1, c2, s1, s2, BACKWARD: tl.constexpr):
     return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
 
 
-@triton.autotune(configs=_VECTORS, key=["n_vectors", "half", "BACKWARD"])
+@triton.autotune(configs=_VECTORS, key=["n_vectors", "half", "BACKWARD", "INTERLEAVED"])
 @triton.heuristics({"EVEN": lambda args: args["n_vectors"] % args["BLOCK_R"] == 0 and args["half"] == args["BLOCK_HALF"]})
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1, x_stride2, half, table_stride,
                  n1: tl.constexpr, n2: tl.constexpr, BACKWARD: tl.constexpr, POS_AXIS: tl.constexpr,
-                 INDEX_64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, EVICT: tl.constexpr,
-                 EVEN: tl.constexpr):
+                 INDEX_64: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr, EVICT: tl.constexpr, EVEN: tl.constexpr):
     """Vector r of y (dense, sizes [n0, n1, n2] outermost first) is x's vector (r // (n1 n2),
     r // n2 % n1, r % n2) in that order; its table row is that index on axis POS_AXIS.
     INDEX_64: offsets in 64 bits (only where some tensor spans 2^31 elements or more);
+    INTERLEAVED: the pairs rotated together are (2i, 2i + 1), not (i, i + half);
     EVEN: no vector or column out of range, so no masks."""
     program = tl.program_id(0)
     if INDEX_64:
@@ -149,25 +163,26 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1
     r = program * BLOCK_R + tl.arange(0, BLOCK_R)
     i0, i1, i2, pos = _vector_index(r, n1, n2, POS_AXIS)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
-    t_offs = pos[:, None] * table_stride + cols
-    x_offs = (i0 * x_stride0 + i1 * x_stride1 + i2 * x_stride2)[:, None] + cols
+    first, second = _pair_offsets(cols, half, INTERLEAVED)
+    t_offs = pos[:, None] * table_stride
+    x_offs = (i0 * x_stride0 + i1 * x_stride1 + i2 * x_stride2)[:, None]
     mask = (r < n_vectors)[:, None] & (cols < half)
     table_policy: tl.constexpr = "evict_last" if EVICT else ""
     x_policy: tl.constexpr = "evict_first" if EVICT else ""
-    c1 = _load_f32(cos_ptr + t_offs, mask, EVEN, table_policy)
-    c2 = _load_f32(cos_ptr + t_offs + half, mask, EVEN, table_policy)
-    s1 = _load_f32(sin_ptr + t_offs, mask, EVEN, table_policy)
-    s2 = _load_f32(sin_ptr + t_offs + half, mask, EVEN, table_policy)
-    x1 = _load_f32(x_ptr + x_offs, mask, EVEN, x_policy)
-    x2 = _load_f32(x_ptr + x_offs + half, mask, EVEN, x_policy)
+    c1 = _load_f32(cos_ptr + t_offs + first, mask, EVEN, table_policy)
+    c2 = _load_f32(cos_ptr + t_offs + second, mask, EVEN, table_policy)
+    s1 = _load_f32(sin_ptr + t_offs + first, mask, EVEN, table_policy)
+    s2 = _load_f32(sin_ptr + t_offs + second, mask, EVEN, table_policy)
+    x1 = _load_f32(x_ptr + x_offs + first, mask, EVEN, x_policy)
+    x2 = _load_f32(x_ptr + x_offs + second, mask, EVEN, x_policy)
     y1, y2 = _rotate(x1, x2, c1, c2, s1, s2, BACKWARD)
-    y_offs = r[:, None] * (2 * half) + cols
+    y_offs = r[:, None] * (2 * half)
     if EVEN:
-        tl.store(y_ptr + y_offs, y1.to(y_ptr.dtype.element_ty))
-        tl.store(y_ptr + y_offs + half, y2.to(y_ptr.dtype.element_ty))
+        tl.store(y_ptr + y_offs + first, y1.to(y_ptr.dtype.element_ty))
+        tl.store(y_ptr + y_offs + second, y2.to(y_ptr.dtype.element_ty))
     else:
-        tl.store(y_ptr + y_offs, y1.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_ptr + y_offs + half, y2.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + y_offs + first, y1.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + y_offs + second, y2.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _needs_64_bit_offsets(*tensors: torch.Tensor) -> bool:
@@ -177,7 +192,7 @@ def _needs_64_bit_offsets(*tensors: torch.Tensor) -> bool:
 
 
 def _launch(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dst: torch.Tensor, order: list[int],
-            backward: bool) -> None:
+            backward: bool, interleaved: bool) -> None:
     """dst is dense in the dimension order `order` (outermost first, the head dim last)."""
     sizes = [src.shape[d] for d in order[:3]]
     strides = [src.stride(d) for d in order[:3]]
@@ -189,7 +204,7 @@ def _launch(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dst: torch.
 
     _rope_kernel[grid](src, cos, sin, dst, n_vectors, *strides, head_dim // 2, cos.stride(0), n1=sizes[1], n2=sizes[2],
                        BACKWARD=backward, POS_AXIS=order.index(2), INDEX_64=_needs_64_bit_offsets(src, dst, cos, sin),
-                       BLOCK_HALF=next_power_of_2(head_dim // 2))
+                       INTERLEAVED=interleaved, BLOCK_HALF=next_power_of_2(head_dim // 2))
 
 
 def _order(x: torch.Tensor) -> list[int]:
@@ -209,33 +224,58 @@ class RopeFunction(torch.autograd.Function):
     """Triton forward/backward of `rope`; no gradient for the tables."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype,
+                interleaved: bool) -> torch.Tensor:
         order = _order(x)
         y = _dense_like(x, out_dtype, order)
-        _launch(x, cos, sin, y, order, backward=False)
+        _launch(x, cos, sin, y, order, backward=False, interleaved=interleaved)
         ctx.save_for_backward(cos, sin)
-        ctx.x_dtype, ctx.order = x.dtype, order
+        ctx.x_dtype, ctx.order, ctx.interleaved = x.dtype, order, interleaved
         return y
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         cos, sin = ctx.saved_tensors
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
         dx = _dense_like(dy, ctx.x_dtype, ctx.order)
-        _launch(dy, cos, sin, dx, ctx.order, backward=True)
-        return dx, None, None, None
+        _launch(dy, cos, sin, dx, ctx.order, backward=True, interleaved=ctx.interleaved)
+        return dx, None, None, None, None
 
 
-def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`mplan.models.layers.apply_rope`, op for op."""
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[-x2, x1] of the halves [x1, x2] of each head vector (Llama's layout)."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def partial_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(-x[2i + 1], x[2i]) in place of each pair (x[2i], x[2i + 1]): the interleaved layout of
+    GPT-J's `rotate_every_two` and Cohere's `rotate_half`, whose tables repeat each frequency twice."""
+    return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """`mplan.models.layers.apply_rope`, op for op; `interleaved`: with `rotate_pairs` (Cohere's, op for op)."""
+    return x * cos + (rotate_pairs(x) if interleaved else rotate_half(x)) * sin
+
+
+def partial_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int,
+                           interleaved: bool = False) -> torch.Tensor:
     """RoPE on x[..., :rot_dim], the rest concatenated back (Hugging Face's partial rotary, op for op)."""
-    return torch.cat([rope_reference(x[..., :rot_dim], cos, sin), x[..., rot_dim:]], dim=-1)
+    return torch.cat([rope_reference(x[..., :rot_dim], cos, sin, interleaved), x[..., rot_dim:]], dim=-1)
+
+
+_EXACT_IN_FP32 = (torch.float16, torch.bfloat16, torch.float32)
+"""Dtypes whose values fp32 holds exactly: their upcast to fp32 is what the kernels' fp32 loads do."""
+
+
+def _cast_first(x: torch.Tensor, upcast: torch.dtype | None) -> tuple[torch.Tensor, torch.dtype | None]:
+    """(x, upcast) as the kernels take them: an fp32 upcast of a 16-bit or fp32 x is left to the
+    kernels' fp32 loads (no copy); any other cast is made here (None then)."""
+    if upcast is None or (upcast == torch.float32 and x.dtype in _EXACT_IN_FP32):
+        return x, upcast
+    return x.to(upcast), None
 
 
 def _fusable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -246,19 +286,26 @@ def _fusable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, consumer: str | None = None,
-         rot_dim: int | None = None) -> torch.Tensor:
+         rot_dim: int | None = None, *, interleaved: bool = False, upcast: torch.dtype | None = None,
+         dtype: torch.dtype | None = None) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin; Triton where `use_triton` (and the layout fits), else the reference.
     `consumer`: what every use of the result is ("attention"), so that under autocast it comes out
     in the dtype autocast would cast it to there (`consumer_cast_dtype`; with fp32 tables the
     product is fp32 otherwise). `rot_dim`: rotate only x[..., :rot_dim] (tables that wide) and
-    pass the rest through, `partial_rope_reference`."""
+    pass the rest through, `partial_rope_reference`. `interleaved`: rotate the pairs (2i, 2i + 1)
+    (`rotate_pairs`: GPT-J, Cohere) rather than (i, i + head_dim / 2). `upcast`: x cast to it
+    first, `dtype`: the result cast to it (Hugging Face's `q.float()` before and `.to(q.dtype)`
+    after RoPE, as one call: an fp32 upcast of 16-bit x and the downcast are the kernel's loads
+    and stores)."""
+    x, upcast = _cast_first(x, upcast)
     if rot_dim is not None and rot_dim < x.shape[-1]:
-        rotated = rope(x[..., :rot_dim], cos, sin, consumer)
+        rotated = rope(x[..., :rot_dim], cos, sin, consumer, interleaved=interleaved, upcast=upcast, dtype=dtype)
         return torch.cat([rotated, x[..., rot_dim:].to(rotated.dtype)], dim=-1)
-    cast_to = consumer_cast_dtype(consumer, x)
+    cast_to = consumer_cast_dtype(consumer, x) or dtype
     if _fusable(x, cos, sin):
-        return RopeFunction.apply(x, cos, sin, cast_to or torch.promote_types(x.dtype, cos.dtype))
-    y = rope_reference(x, cos, sin)
+        return RopeFunction.apply(x, cos, sin, cast_to or torch.promote_types(upcast or x.dtype, cos.dtype),
+                                  interleaved)
+    y = rope_reference(x if upcast is None else x.to(upcast), cos, sin, interleaved)
     return y if cast_to is None else y.to(cast_to)
 
 
@@ -278,36 +325,37 @@ registers per tensor; wider q (or k) run as two `rope` calls."""
 
 
 @triton.jit
-def _rotate_heads(x_ptr, y_ptr, batch, pos, cols, token_mask, heads, sb, sh, ss, y_sb, y_sh, y_ss, half,
+def _rotate_heads(x_ptr, y_ptr, batch, pos, first, second, token_mask, heads, sb, sh, ss, y_sb, y_sh, y_ss,
                   c1, c2, s1, s2, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr, INDEX_64: tl.constexpr,
                   EVEN: tl.constexpr):
     """All heads of BLOCK_T tokens of one tensor: y = rotation of x (BACKWARD: its transpose).
-    pos, cols: [BLOCK_T, 1, 1] and [1, 1, BLOCK_HALF]; the tables [BLOCK_T, 1, BLOCK_HALF] in fp32."""
+    pos: [BLOCK_T, 1, 1]; first, second: [1, 1, BLOCK_HALF], the offsets of the elements rotated
+    together (`_pair_offsets`); the tables [BLOCK_T, 1, BLOCK_HALF] in fp32."""
     h = tl.arange(0, BLOCK_H)[None, :, None]
     if INDEX_64:
         h = h.to(tl.int64)
     mask = token_mask & (h < heads)
-    x_offs = batch * sb + pos * ss + h * sh + cols
-    x1 = _load_f32(x_ptr + x_offs, mask, EVEN, "")
-    x2 = _load_f32(x_ptr + x_offs + half, mask, EVEN, "")
+    x_offs = batch * sb + pos * ss + h * sh
+    x1 = _load_f32(x_ptr + x_offs + first, mask, EVEN, "")
+    x2 = _load_f32(x_ptr + x_offs + second, mask, EVEN, "")
     y1, y2 = _rotate(x1, x2, c1, c2, s1, s2, BACKWARD)
-    y_offs = batch * y_sb + pos * y_ss + h * y_sh + cols
+    y_offs = batch * y_sb + pos * y_ss + h * y_sh
     if EVEN:
-        tl.store(y_ptr + y_offs, y1.to(y_ptr.dtype.element_ty))
-        tl.store(y_ptr + y_offs + half, y2.to(y_ptr.dtype.element_ty))
+        tl.store(y_ptr + y_offs + first, y1.to(y_ptr.dtype.element_ty))
+        tl.store(y_ptr + y_offs + second, y2.to(y_ptr.dtype.element_ty))
     else:
-        tl.store(y_ptr + y_offs, y1.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_ptr + y_offs + half, y2.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + y_offs + first, y1.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + y_offs + second, y2.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=_QK_TILES, key=["q_heads", "kv_heads", "half", "BACKWARD"])
+@triton.autotune(configs=_QK_TILES, key=["q_heads", "kv_heads", "half", "BACKWARD", "INTERLEAVED"])
 @triton.heuristics({"EVEN": lambda args: args["seq"] % args["BLOCK_T"] == 0 and args["half"] == args["BLOCK_HALF"]
                     and args["q_heads"] == args["BLOCK_HQ"] and args["kv_heads"] == args["BLOCK_HK"]})
 @triton.jit
 def _rope_qk_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, seq, q_heads, kv_heads, half,
                     q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, qo_sb, qo_sh, qo_ss, ko_sb, ko_sh, ko_ss, t_sb, t_ss,
-                    BACKWARD: tl.constexpr, INDEX_64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                    BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, EVEN: tl.constexpr):
+                    BACKWARD: tl.constexpr, INDEX_64: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, EVEN: tl.constexpr):
     """Program (i, b): positions [i BLOCK_T, (i + 1) BLOCK_T) of batch b, every q head and every
     k head; each table row is loaded once for both. Tensors are addressed by (batch, head,
     position) strides, the tables by (batch, position) strides (0 where broadcast).
@@ -320,19 +368,20 @@ def _rope_qk_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, seq, q
     pos = (block * BLOCK_T + tl.arange(0, BLOCK_T))[:, None, None]
     cols = tl.arange(0, BLOCK_HALF)[None, None, :]
     token_mask = (pos < seq) & (cols < half)
-    t_offs = batch * t_sb + pos * t_ss + cols
-    c1 = _load_f32(cos_ptr + t_offs, token_mask, EVEN, "")
-    c2 = _load_f32(cos_ptr + t_offs + half, token_mask, EVEN, "")
-    s1 = _load_f32(sin_ptr + t_offs, token_mask, EVEN, "")
-    s2 = _load_f32(sin_ptr + t_offs + half, token_mask, EVEN, "")
-    _rotate_heads(q_ptr, q_out_ptr, batch, pos, cols, token_mask, q_heads, q_sb, q_sh, q_ss, qo_sb, qo_sh, qo_ss,
-                  half, c1, c2, s1, s2, BLOCK_HQ, BACKWARD, INDEX_64, EVEN)
-    _rotate_heads(k_ptr, k_out_ptr, batch, pos, cols, token_mask, kv_heads, k_sb, k_sh, k_ss, ko_sb, ko_sh, ko_ss,
-                  half, c1, c2, s1, s2, BLOCK_HK, BACKWARD, INDEX_64, EVEN)
+    first, second = _pair_offsets(cols, half, INTERLEAVED)
+    t_offs = batch * t_sb + pos * t_ss
+    c1 = _load_f32(cos_ptr + t_offs + first, token_mask, EVEN, "")
+    c2 = _load_f32(cos_ptr + t_offs + second, token_mask, EVEN, "")
+    s1 = _load_f32(sin_ptr + t_offs + first, token_mask, EVEN, "")
+    s2 = _load_f32(sin_ptr + t_offs + second, token_mask, EVEN, "")
+    _rotate_heads(q_ptr, q_out_ptr, batch, pos, first, second, token_mask, q_heads, q_sb, q_sh, q_ss, qo_sb, qo_sh,
+                  qo_ss, c1, c2, s1, s2, BLOCK_HQ, BACKWARD, INDEX_64, EVEN)
+    _rotate_heads(k_ptr, k_out_ptr, batch, pos, first, second, token_mask, kv_heads, k_sb, k_sh, k_ss, ko_sb, ko_sh,
+                  ko_ss, c1, c2, s1, s2, BLOCK_HK, BACKWARD, INDEX_64, EVEN)
 
 
 def _launch_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor,
-               k_out: torch.Tensor, backward: bool) -> None:
+               k_out: torch.Tensor, backward: bool, interleaved: bool) -> None:
     """One launch: q_out, k_out = the rotation (backward: its transpose) of q, k; any strides with
     a contiguous last dim; cos/sin [batch, 1, seq, head_dim] views (broadcast dims of stride 0)."""
     batch, q_heads, seq, head_dim = q.shape
@@ -344,20 +393,21 @@ def _launch_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     strides = [t.stride(d) for t in (q, k, q_out, k_out) for d in range(3)]
     _rope_qk_kernel[grid](q, k, cos, sin, q_out, k_out, seq, q_heads, k.shape[1], half, *strides,
                           cos.stride(0), cos.stride(2), BACKWARD=backward,
-                          INDEX_64=_needs_64_bit_offsets(q, k, q_out, k_out, cos, sin),
+                          INDEX_64=_needs_64_bit_offsets(q, k, q_out, k_out, cos, sin), INTERLEAVED=interleaved,
                           BLOCK_HQ=next_power_of_2(q_heads), BLOCK_HK=next_power_of_2(k.shape[1]),
                           BLOCK_HALF=next_power_of_2(half))
 
 
 def _rotate_and_pass(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor,
-                     k_out: torch.Tensor, rot_dim: int, backward: bool) -> None:
+                     k_out: torch.Tensor, rot_dim: int, backward: bool, interleaved: bool) -> None:
     """The one launch on the first rot_dim of each head vector, written in place into the
     outputs' leading columns (the kernel takes any output strides); the rest, where there is
     one (partial rotary), copied through: one ATen copy per tensor, nothing concatenated."""
     if rot_dim == q.shape[-1]:
-        _launch_qk(q, k, cos, sin, q_out, k_out, backward)
+        _launch_qk(q, k, cos, sin, q_out, k_out, backward, interleaved)
         return
-    _launch_qk(q[..., :rot_dim], k[..., :rot_dim], cos, sin, q_out[..., :rot_dim], k_out[..., :rot_dim], backward)
+    _launch_qk(q[..., :rot_dim], k[..., :rot_dim], cos, sin, q_out[..., :rot_dim], k_out[..., :rot_dim], backward,
+               interleaved)
     q_out[..., rot_dim:].copy_(q[..., rot_dim:])
     k_out[..., rot_dim:].copy_(k[..., rot_dim:])
 
@@ -367,12 +417,14 @@ class RopeQKFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                q_dtype: torch.dtype, k_dtype: torch.dtype, rot_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+                q_dtype: torch.dtype, k_dtype: torch.dtype, rot_dim: int,
+                interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
         q_order, k_order = _order(q), _order(k)
         q_out, k_out = _dense_like(q, q_dtype, q_order), _dense_like(k, k_dtype, k_order)
-        _rotate_and_pass(q, k, cos, sin, q_out, k_out, rot_dim, backward=False)
+        _rotate_and_pass(q, k, cos, sin, q_out, k_out, rot_dim, backward=False, interleaved=interleaved)
         ctx.save_for_backward(cos, sin)
         ctx.dtypes, ctx.orders, ctx.rot_dim = (q.dtype, k.dtype), (q_order, k_order), rot_dim
+        ctx.interleaved = interleaved
         return q_out, k_out
 
     @staticmethod
@@ -382,18 +434,19 @@ class RopeQKFunction(torch.autograd.Function):
         dk_out = dk_out if dk_out.stride(-1) == 1 else dk_out.contiguous()
         dq = _dense_like(dq_out, ctx.dtypes[0], ctx.orders[0])
         dk = _dense_like(dk_out, ctx.dtypes[1], ctx.orders[1])
-        _rotate_and_pass(dq_out, dk_out, cos, sin, dq, dk, ctx.rot_dim, backward=True)
+        _rotate_and_pass(dq_out, dk_out, cos, sin, dq, dk, ctx.rot_dim, backward=True, interleaved=ctx.interleaved)
         return (dq if ctx.needs_input_grad[0] else None, dk if ctx.needs_input_grad[1] else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def rope_qk_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      rot_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      rot_dim: int | None = None, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`rope_reference` on q and on k (Hugging Face's `apply_rotary_pos_emb`, op for op); with
     `rot_dim`, `partial_rope_reference` on each."""
     if rot_dim is not None and rot_dim < q.shape[-1]:
-        return partial_rope_reference(q, cos, sin, rot_dim), partial_rope_reference(k, cos, sin, rot_dim)
-    return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+        return (partial_rope_reference(q, cos, sin, rot_dim, interleaved),
+                partial_rope_reference(k, cos, sin, rot_dim, interleaved))
+    return rope_reference(q, cos, sin, interleaved), rope_reference(k, cos, sin, interleaved)
 
 
 def _qk_tables(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -418,18 +471,25 @@ def _qk_tables(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, consumer: str | None = None,
-            rot_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            rot_dim: int | None = None, *, interleaved: bool = False, upcast: torch.dtype | None = None,
+            dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rope(q, cos, sin), rope(k, cos, sin)) in one Triton launch per direction where the inputs
     fit (`_qk_tables`), else those two `rope` calls. q: [batch, q_heads, seq, head_dim], k:
     [batch, kv_heads, seq, head_dim]; cos/sin: [seq, head_dim], [1, 1, seq, head_dim] or
     [batch, 1, seq, head_dim]. Each output has the reference's dtype (its input's, cos's and sin's
     promoted), or under autocast the dtype `consumer` ("attention") would cast it to. `rot_dim`
     (partial rotary: tables rot_dim wide): only q[..., :rot_dim] and k[..., :rot_dim] rotate, in
-    the same launch; the rest is copied through (`rope_qk_reference`'s partial form)."""
+    the same launch; the rest is copied through (`rope_qk_reference`'s partial form).
+    `interleaved`, `upcast`, `dtype`: as `rope`'s, the same for q and k."""
+    (q, q_upcast), (k, k_upcast) = _cast_first(q, upcast), _cast_first(k, upcast)
+    if q_upcast != k_upcast:  # q and k of two dtypes, one of them cast here: the other too
+        q, k, q_upcast = q.to(upcast), k.to(upcast), None
     rot_dim = q.shape[-1] if rot_dim is None else rot_dim
     tables = _qk_tables(q[..., :rot_dim], k[..., :rot_dim], cos, sin) if k.shape[-1] == q.shape[-1] else None
     if tables is None:
-        return rope(q, cos, sin, consumer, rot_dim), rope(k, cos, sin, consumer, rot_dim)
+        options = dict(interleaved=interleaved, upcast=q_upcast, dtype=dtype)
+        return rope(q, cos, sin, consumer, rot_dim, **options), rope(k, cos, sin, consumer, rot_dim, **options)
     table_dtype = torch.promote_types(cos.dtype, sin.dtype)
-    q_dtype, k_dtype = (consumer_cast_dtype(consumer, x) or torch.promote_types(x.dtype, table_dtype) for x in (q, k))
-    return RopeQKFunction.apply(q, k, *tables, q_dtype, k_dtype, rot_dim)
+    q_dtype, k_dtype = (consumer_cast_dtype(consumer, x) or dtype or torch.promote_types(q_upcast or x.dtype, table_dtype)
+                        for x in (q, k))
+    return RopeQKFunction.apply(q, k, *tables, q_dtype, k_dtype, rot_dim, interleaved)
