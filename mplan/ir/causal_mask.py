@@ -20,7 +20,13 @@ another integer in it (a sliding window of 4096, `seq - 1`) is computed at the p
 when that is at most `EXACT_LIMIT` entries, and is not proven causal otherwise (it then runs and
 is priced with its mask: slower, never wrong).
 
-Invariants: no value of any placeholder is read (an input's size may be); what a meta-device
+Lifted constants: torch.export turns a tensor the model creates from a Python number
+(transformers 5.17 writes the mask's 0 as `torch.tensor(0.0)`) into a constant placeholder; the
+capture keeps its value on the node (`CONSTANT_META`), and the evaluation reads it as it reads a
+literal: a one-element float, or a one-element integer under SHORT_SEQ / 2, at any length; any
+other constant only at the program's own length.
+
+Invariants: no value of any placeholder is read but the lifted constants (an input's size may be); what a meta-device
 capture creates on the meta device is computed on the CPU; at most `EVALUATION_LIMIT` nodes are
 evaluated; the decision is cached on the mask node (`meta["mplan_causal_mask"]`).
 """
@@ -32,7 +38,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-__all__ = ["EVALUATION_LIMIT", "EXACT_LIMIT", "SHORT_SEQ", "example_int", "is_causal_mask"]
+__all__ = ["CONSTANT_META", "EVALUATION_LIMIT", "EXACT_LIMIT", "SHORT_SEQ", "example_int", "is_causal_mask"]
 
 aten = torch.ops.aten
 
@@ -43,6 +49,8 @@ EXACT_LIMIT = 1 << 26
 bool per intermediate, seq 5792 at the planner's example batch of 2."""
 EVALUATION_LIMIT = 256
 """At most this many nodes are evaluated to decide a mask (transformers' mask takes ~40)."""
+CONSTANT_META = "mplan_constant"
+"""The node meta key under which the capture keeps a lifted constant placeholder's value."""
 _END = (sys.maxsize, -sys.maxsize - 1)  # slice ends meaning "to the end", as export writes them
 
 
@@ -123,6 +131,19 @@ def _resized(value: Any, length: int, at: int) -> Any:
     raise ValueError(f"the integer {value} in a mask of length {length} may not scale to {at}")
 
 
+def _constant(value: torch.Tensor, length: int | None, at: int | None) -> torch.Tensor:
+    """A lifted constant's value for an evaluation at `at` instead of `length`: as it is where it
+    holds no position (a one-element float, a one-element integer under at / 2); refused
+    (ValueError) where it might encode one and the evaluation is resized."""
+    if value.device.type == "meta":
+        raise ValueError("a lifted constant on the meta device has no value")
+    if length is None or at is None or at == length or value.numel() != 1 or value.dtype == torch.bool:
+        return value
+    if value.is_floating_point() or (not value.is_complex() and abs(int(value.item())) < at // 2):
+        return value
+    raise ValueError(f"the constant {value.item()} in a mask of length {length} may not scale to {at}")
+
+
 def evaluate_constant(node: Node, *, length: int | None = None, at: int | None = None) -> Any:
     """The value of `node`, computed from its ancestors when they are calls of ATen ops on
     constants only (never a placeholder's values: no input, parameter or buffer, though an
@@ -137,6 +158,10 @@ def evaluate_constant(node: Node, *, length: int | None = None, at: int | None =
         current = stack.pop()
         if current in seen:
             continue
+        if current.op == "placeholder" and isinstance(current.meta.get(CONSTANT_META), torch.Tensor):
+            seen.add(current)
+            order.append(current)
+            continue
         if current.op != "call_function" or not isinstance(current.target, torch._ops.OpOverload):
             raise ValueError(f"{current} is not an ATen call on constants")
         seen.add(current)
@@ -148,6 +173,9 @@ def evaluate_constant(node: Node, *, length: int | None = None, at: int | None =
     position = {n: i for i, n in enumerate(node.graph.nodes)}
     values: dict[Node, Any] = {}
     for current in sorted(order, key=position.__getitem__):
+        if current.op == "placeholder":
+            values[current] = _constant(current.meta[CONSTANT_META], length, at)
+            continue
         if current.target is aten.sym_size.int:  # the batch of a symbolic capture, at its example value
             values[current] = example_int(_value(current.args[0]).shape[current.args[1]])
             continue

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from mplan.ir.causal_mask import CONSTANT_META
 from mplan.ir.blocks import Container, find_containers, instance_of, relative_name, truncate_containers
 from mplan.ir.experts_capture import experts_as_op
 from mplan.ir.graph import BlockType, Graph, OpNode, ParamInfo, Segment, TensorMeta
@@ -391,6 +392,8 @@ class _GraphBuilder:
             self.requires_grad.add(name)
         elif kind in ("BUFFER", "CONSTANT_TENSOR"):
             name = self._strip(spec.target)
+            if kind == "CONSTANT_TENSOR":  # a value fixed at export: causal_mask may read it
+                fx_node.meta[CONSTANT_META] = self.exported.constants[spec.target]
         else:
             name = fx_node.name
         self.names[fx_node.name] = name

@@ -42,6 +42,7 @@ import torch.fx as fx
 from torch import nn
 
 from mplan.collectives.redistribute import AxisGroup, redistribute
+from mplan.ir.causal_mask import CONSTANT_META
 from mplan.ir.graph import Graph, OpNode, TensorMeta
 from mplan.ir.moe import is_experts
 from mplan.ir.placement import Placement, R, can_transition, grad_placement, local_shape
@@ -150,6 +151,8 @@ class _Rewriter:
         kind = spec.kind.name
         name = self._ir_name(fx_node.name, spec)
         new = self.out.placeholder(fx_node.name)
+        if CONSTANT_META in fx_node.meta:  # a lifted constant's value, whole on every rank (causal_mask reads it)
+            new.meta[CONSTANT_META] = fx_node.meta[CONSTANT_META]
         layout: ParamLayout | None = self.layouts.get(name) if kind == "PARAMETER" else None
         self.place[fx_node.name] = layout.placement if layout else R
         self.grad_needed[fx_node.name] = layout.grad_placement if layout else R
