@@ -1,8 +1,15 @@
-"""LayerNorm fused with the residual add before it (GPT's pre-LayerNorm blocks).
+"""LayerNorm fused with the residual add before it (GPT's pre-LayerNorm blocks), or alone.
 
     layer_norm_residual(x, residual, weight, bias, eps) -> (normed, new_residual)
         new_residual = x + residual                                   (in the input dtype)
         normed       = (new_residual - mean) * rsqrt(var + eps) * weight + bias   (over the last dim)
+    layer_norm(x, weight, bias, eps) -> normed                        (the same without a residual)
+
+Hand-written forms (`hand_written=True`, `LayerNormForm`): a model that writes its LayerNorm as
+ATen ops rather than calling F.layer_norm (Cohere: no bias, x.float(), mean, (x - mean)^2's
+mean, (x - mean) * rsqrt(var + eps), weight.float() * h, .to(input_dtype)) gets the same
+kernels, its casts as keywords; its reference is then that chain op for op. `layer_norm` alone
+is fused only in such forms: F.layer_norm alone is already one ATen kernel.
 
 Inputs [..., hidden] in bf16/fp16/fp32 (x and residual of one shape; their dtypes may differ,
 as under autocast, and new_residual takes the promoted one), weight and bias [hidden] (bias may
@@ -30,6 +37,9 @@ without Triton run `layer_norm_residual_reference`, i.e. `x + residual` then `F.
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,18 +64,19 @@ from mplan.kernels.rmsnorm import BACKWARD_TILES, fitting_tiles, row_tile
 _WARPS = configs([triton.Config({}, num_warps=w) for w in (2, 4, 8, 16)], triton.Config({}, num_warps=1))
 
 
-@triton.autotune(configs=_WARPS, key=["n_cols", "HAS_BIAS"])
+@triton.autotune(configs=_WARPS, key=["n_cols", "HAS_BIAS", "HAS_RESIDUAL"])
 @triton.jit
 def _forward_kernel(x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, sum_ptr, mean_ptr, rstd_ptr, n_cols, eps,
-                    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr = True):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     offs = row * n_cols + cols
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    r = tl.load(res_ptr + offs, mask=mask, other=0.0)
-    s_stored = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
-    tl.store(sum_ptr + offs, s_stored, mask=mask)
+    s_stored = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + offs, mask=mask, other=0.0)
+        s_stored = (s_stored.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + offs, s_stored, mask=mask)
     s = s_stored.to(tl.float32)
     mean = tl.sum(s, axis=0) / n_cols
     centred = tl.where(mask, s - mean, 0.0)
@@ -125,28 +136,36 @@ def _backward_kernel(dy_ptr, dsum_ptr, s_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr,
 
 
 class LayerNormResidualFunction(torch.autograd.Function):
-    """Triton forward/backward of `layer_norm_residual`."""
+    """Triton forward/backward of `layer_norm_residual`; of `layer_norm` when `residual` is None
+    (then it returns normed alone, and the backward reads x where it read new_residual)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+    def forward(ctx: Any, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                 bias: torch.Tensor | None, eps: float, out_dtype: torch.dtype) -> Any:
         shape, n_cols = x.shape, x.shape[-1]
         x2 = x.contiguous().view(-1, n_cols)
         n_rows = x2.shape[0]
-        new_res = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+        if residual is not None:
+            res2 = residual.contiguous().view(-1, n_cols)
+            new_res = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+        else:
+            res2 = new_res = x2
         y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
         mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty_like(mean)
-        _forward_kernel[(n_rows,)](x2, residual.contiguous().view(-1, n_cols), weight.contiguous(),
+        _forward_kernel[(n_rows,)](x2, res2, weight.contiguous(),
                                    bias.contiguous() if bias is not None else weight, y, new_res, mean, rstd,
-                                   n_cols, eps, HAS_BIAS=bias is not None, BLOCK=next_power_of_2(n_cols))
+                                   n_cols, eps, HAS_BIAS=bias is not None, BLOCK=next_power_of_2(n_cols),
+                                   HAS_RESIDUAL=residual is not None)
         ctx.save_for_backward(new_res, weight, mean, rstd)
-        ctx.shape, ctx.has_bias = shape, bias is not None
+        ctx.shape, ctx.has_bias, ctx.has_residual = shape, bias is not None, residual is not None
         ctx.set_materialize_grads(False)
+        if residual is None:
+            return y.view(shape)
         return y.view(shape), new_res.view(shape)
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor | None, dsum: torch.Tensor | None) -> Any:
+    def backward(ctx: Any, dy: torch.Tensor | None, dsum: torch.Tensor | None = None) -> Any:
         new_res, weight, mean, rstd = ctx.saved_tensors
         n_rows, n_cols = new_res.shape
         dy2 = torch.zeros_like(new_res) if dy is None else dy.contiguous().view(n_rows, n_cols)
@@ -160,32 +179,99 @@ class LayerNormResidualFunction(torch.autograd.Function):
         # autograd casts dx to the dtype of x or residual where it differs (mixed-precision stream)
         dx = dx.view(ctx.shape)
         sums = sum_partials(partials if ctx.has_bias else partials[:1], weight.dtype)
-        return dx, dx, sums[0], (sums[1] if ctx.has_bias else None), None, None
+        return dx, (dx if ctx.has_residual else None), sums[0], (sums[1] if ctx.has_bias else None), None, None
+
+
+@dataclass(frozen=True, slots=True)
+class LayerNormForm:
+    """A LayerNorm written as ATen ops (no bias), with the casts a model writes around it:
+    s = x.to(float32) when `upcast`, else x; n = (s - mean) * rsqrt(mean((s - mean)^2) + eps);
+    y = w * n, w = weight.to(float32) when `weight_upcast`; y.to(`out_dtype`) when given."""
+
+    upcast: bool = False
+    weight_upcast: bool = False
+    out_dtype: torch.dtype | None = None
+
+
+def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+                         form: LayerNormForm | None = None) -> torch.Tensor:
+    """`F.layer_norm` over the last dim (`form` None), or the hand-written chain `form` describes, op for op."""
+    if form is None:
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    s = x.to(torch.float32) if form.upcast else x
+    mean = s.mean(-1, keepdim=True)
+    variance = (s - mean).pow(2).mean(-1, keepdim=True)
+    y = (weight.to(torch.float32) if form.weight_upcast else weight) * ((s - mean) * torch.rsqrt(variance + eps))
+    if bias is not None:
+        y = y + bias
+    return y if form.out_dtype is None else y.to(form.out_dtype)
 
 
 def layer_norm_residual_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                  bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x + residual`, then `F.layer_norm` over the last dim: the unfused graph, op for op."""
+                                  bias: torch.Tensor | None, eps: float,
+                                  form: LayerNormForm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x + residual`, then the LayerNorm over the last dim: the unfused graph, op for op."""
     new_residual = x + residual
-    return F.layer_norm(new_residual, (x.shape[-1],), weight, bias, eps), new_residual
+    return layer_norm_reference(new_residual, weight, bias, eps, form), new_residual
 
 
-def _probe(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
-    x_dtype, res_dtype, w_dtype = dtypes
-    total = torch.ones(1, 2, dtype=x_dtype, device=device) + torch.ones(1, 2, dtype=res_dtype, device=device)
-    weight = torch.ones(2, dtype=w_dtype, device=device)
-    return F.layer_norm(total, (2,), weight, weight, 1e-5)
+@functools.cache
+def _probe(form: LayerNormForm | None) -> Callable[[torch.device, tuple[torch.dtype, ...]], torch.Tensor]:
+    """A reference run on tiny tensors of given dtypes, one function per form (the autocast
+    probe caches by function)."""
+    def probe(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+        x_dtype, res_dtype, w_dtype = dtypes
+        total = torch.ones(1, 2, dtype=x_dtype, device=device) + torch.ones(1, 2, dtype=res_dtype, device=device)
+        weight = torch.ones(2, dtype=w_dtype, device=device)
+        return layer_norm_reference(total, weight, None if form else weight, 1e-5, form)
+    return probe
+
+
+@functools.cache
+def _result_dtype(form: LayerNormForm | None, dtypes: tuple[torch.dtype, ...]) -> torch.dtype:
+    """What the reference returns outside autocast (probed once per form and dtypes, on meta)."""
+    with torch.no_grad():
+        return _probe(form)(torch.device("meta"), dtypes).dtype
+
+
+def _form(hand_written: bool, upcast: bool, weight_upcast: bool, out_dtype: torch.dtype | None) -> LayerNormForm | None:
+    return LayerNormForm(upcast, weight_upcast, out_dtype) if hand_written else None
+
+
+def _normed_dtype(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                  form: LayerNormForm | None) -> torch.dtype:
+    dtypes = (x.dtype, x.dtype if residual is None else residual.dtype, weight.dtype)
+    if form is None:  # F.layer_norm returns its input's dtype outside autocast
+        return autocast_result_dtype(_probe(form), x, dtypes) or torch.promote_types(*dtypes[:2])
+    return autocast_result_dtype(_probe(form), x, dtypes) or _result_dtype(form, dtypes)
 
 
 def layer_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        eps: float, consumer: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        eps: float, consumer: str | None = None, *, hand_written: bool = False,
+                        upcast: bool = False, weight_upcast: bool = False,
+                        out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(layernorm(x + residual), x + residual); Triton where `use_triton`, else the reference.
     `consumer`: what every use of the normed output is ("linear"), so that under autocast it
-    comes out in the dtype autocast would cast it to there (`consumer_cast_dtype`)."""
+    comes out in the dtype autocast would cast it to there (`consumer_cast_dtype`).
+    `hand_written`: the model writes the norm as ATen ops, with the casts `upcast`,
+    `weight_upcast`, `out_dtype` (`LayerNormForm`)."""
+    form = _form(hand_written, upcast, weight_upcast, out_dtype)
     cast_to = consumer_cast_dtype(consumer, x)
     if use_triton(x) and x.shape[-1] <= MAX_ROW_SIZE and residual.shape == x.shape:
-        out_dtype = (cast_to or autocast_result_dtype(_probe, x, (x.dtype, residual.dtype, weight.dtype))
-                     or torch.promote_types(x.dtype, residual.dtype))
-        return LayerNormResidualFunction.apply(x, residual, weight, bias, eps, out_dtype)
-    normed, new_residual = layer_norm_residual_reference(x, residual, weight, bias, eps)
+        return LayerNormResidualFunction.apply(x, residual, weight, bias, eps,
+                                               cast_to or _normed_dtype(x, residual, weight, form))
+    normed, new_residual = layer_norm_residual_reference(x, residual, weight, bias, eps, form)
     return (normed if cast_to is None else normed.to(cast_to)), new_residual
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+               consumer: str | None = None, *, hand_written: bool = False, upcast: bool = False,
+               weight_upcast: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """layernorm(x) over the last dim; Triton where `use_triton`, else the reference. Keywords as
+    for `layer_norm_residual`."""
+    form = _form(hand_written, upcast, weight_upcast, out_dtype)
+    cast_to = consumer_cast_dtype(consumer, x)
+    if use_triton(x) and x.shape[-1] <= MAX_ROW_SIZE:
+        return LayerNormResidualFunction.apply(x, None, weight, bias, eps, cast_to or _normed_dtype(x, None, weight, form))
+    normed = layer_norm_reference(x, weight, bias, eps, form)
+    return normed if cast_to is None else normed.to(cast_to)

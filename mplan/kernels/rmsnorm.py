@@ -4,6 +4,9 @@
         new_residual = x + residual                       (in the promoted dtype of the two)
         normed       = new_residual * rsqrt(mean(new_residual^2, -1) + eps) * weight
     rms_norm(x, weight, eps) -> normed                    (the same without a residual)
+    rms_norm_add(x, residual, weight, eps) -> residual + rmsnorm(x) * weight   (a post-norm, OLMo-2)
+
+rms_norm_residual's `scale` multiplies x before the add (Granite's residual + h * multiplier).
 
 Inputs [..., hidden] in bf16/fp16/fp32 (x and residual of one shape; under autocast the
 residual stream is often fp32 and the branch bf16), weight [hidden]. `normed` has the dtype
@@ -91,12 +94,15 @@ def fitting_tiles(tiles: list[Any], named_args: dict[str, Any], **kwargs: Any) -
 @triton.autotune(configs=_WARPS, key=["n_cols", "HAS_RESIDUAL"])
 @triton.jit
 def _forward_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, rstd_ptr, n_cols, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NORM_DTYPE: tl.constexpr = None):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NORM_DTYPE: tl.constexpr = None,
+                    scale=1.0, HAS_SCALE: tl.constexpr = False, ADD_AFTER: tl.constexpr = None):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     offs = row * n_cols + cols
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if HAS_SCALE:  # Granite's residual_multiplier: the branch scaled in its own dtype, then added
+        x = (x.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + offs, mask=mask, other=0.0)
         # rounded to the stream's dtype first: the stored residual is what the norm sees
@@ -109,7 +115,12 @@ def _forward_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, rstd_ptr, n_cols, eps
     if NORM_DTYPE is not None:  # Hugging Face's cast back to the input dtype before the weight
         normed = normed.to(NORM_DTYPE).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
+    if ADD_AFTER is not None:  # a post-norm (OLMo-2): residual + normed, normed rounded to its dtype first
+        r = tl.load(res_ptr + offs, mask=mask, other=0.0)
+        y = (normed * w).to(ADD_AFTER).to(tl.float32) + r.to(tl.float32)
+        tl.store(sum_ptr + offs, y.to(sum_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(y_ptr + offs, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -127,7 +138,7 @@ def row_tile(first_row, n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr)
 @triton.jit
 def _backward_kernel(dy_ptr, dsum_ptr, s_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, n_rows, n_cols,
                      HAS_DSUM: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                     NORM_DTYPE: tl.constexpr = None):
+                     NORM_DTYPE: tl.constexpr = None, dscaled_ptr=None, scale=1.0, HAS_SCALE: tl.constexpr = False):
     pid = tl.program_id(0)
     step = tl.num_programs(0) * ROWS
     cols = tl.arange(0, BLOCK)
@@ -157,6 +168,9 @@ def _backward_kernel(dy_ptr, dsum_ptr, s_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, n
         if HAS_DSUM:
             ds += dsum
         tl.store(dx_ptr + offs, ds.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_SCALE:  # the scaled branch's gradient: the sum's, rounded as stored, times the scale
+            dscaled = ds.to(dx_ptr.dtype.element_ty).to(tl.float32) * scale
+            tl.store(dscaled_ptr + offs, dscaled.to(dscaled_ptr.dtype.element_ty), mask=mask)
         if NORM_DTYPE is not None:  # the weight multiplied the rounded value
             xhat = xhat.to(NORM_DTYPE).to(tl.float32)
         dw += tl.sum(dy * xhat, axis=0)  # rows past the end loaded dy = 0: they add nothing
@@ -170,7 +184,8 @@ class RMSNormResidualFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                eps: float, out_dtype: torch.dtype, norm_dtype: torch.dtype | None = None) -> Any:
+                eps: float, out_dtype: torch.dtype, norm_dtype: torch.dtype | None = None,
+                scale: float | None = None) -> Any:
         shape, n_cols = x.shape, x.shape[-1]
         x2 = x.contiguous().view(-1, n_cols)
         n_rows = x2.shape[0]
@@ -181,12 +196,14 @@ class RMSNormResidualFunction(torch.autograd.Function):
             res2 = new_res = x2
         y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        rounding = None if norm_dtype is None else getattr(tl, str(norm_dtype).removeprefix("torch."))  # tl.bfloat16
+        rounding = _tl_dtype(norm_dtype)
         _forward_kernel[(n_rows,)](x2, res2, weight.contiguous(), y, new_res, rstd, n_cols, eps,
                                    HAS_RESIDUAL=residual is not None, NORM_DTYPE=rounding,
-                                   BLOCK=next_power_of_2(n_cols))
+                                   BLOCK=next_power_of_2(n_cols), scale=1.0 if scale is None else scale,
+                                   HAS_SCALE=scale is not None)
         ctx.save_for_backward(new_res, weight, rstd)
         ctx.has_residual, ctx.shape, ctx.rounding = residual is not None, shape, rounding
+        ctx.scale, ctx.x_dtype = scale, x.dtype
         ctx.set_materialize_grads(False)
         if residual is None:
             return y.view(shape)
@@ -199,14 +216,55 @@ class RMSNormResidualFunction(torch.autograd.Function):
         dy2 = torch.zeros_like(new_res) if dy is None else dy.contiguous().view(n_rows, n_cols)
         dsum2 = dsum.contiguous().view(n_rows, n_cols) if dsum is not None else dy2
         dx = torch.empty_like(new_res)
+        dscaled = dx if ctx.scale is None else torch.empty(new_res.shape, dtype=ctx.x_dtype, device=new_res.device)
         programs = num_row_programs(n_rows, new_res)
         dw = torch.empty(programs, n_cols, dtype=torch.float32, device=new_res.device)
         _backward_kernel[(programs,)](dy2, dsum2, new_res, weight.contiguous(), rstd, dx, dw, n_rows, n_cols,
                                       HAS_DSUM=dsum is not None, NORM_DTYPE=ctx.rounding,
-                                      BLOCK=next_power_of_2(n_cols))
+                                      BLOCK=next_power_of_2(n_cols), dscaled_ptr=dscaled,
+                                      scale=1.0 if ctx.scale is None else ctx.scale, HAS_SCALE=ctx.scale is not None)
         # autograd casts dx to the dtype of x or residual where it differs (mixed-precision stream)
-        dx = dx.view(ctx.shape)
-        return dx, (dx if ctx.has_residual else None), sum_partials(dw[None], weight.dtype)[0], None, None, None
+        dx, dscaled = dx.view(ctx.shape), dscaled.view(ctx.shape)
+        return dscaled, (dx if ctx.has_residual else None), sum_partials(dw[None], weight.dtype)[0], None, None, None, None
+
+
+class RMSNormAddFunction(torch.autograd.Function):
+    """Triton forward/backward of `rms_norm_add`: residual + rmsnorm(x) * weight, the normed value
+    never stored. The backward is RMSNorm's on x (saved) with the sum's gradient as the normed
+    one's; the residual's gradient is the sum's itself."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                normed_dtype: torch.dtype, norm_dtype: torch.dtype | None = None) -> Any:
+        shape, n_cols = x.shape, x.shape[-1]
+        x2 = x.contiguous().view(-1, n_cols)
+        n_rows = x2.shape[0]
+        total = torch.empty(x2.shape, dtype=torch.promote_types(normed_dtype, residual.dtype), device=x.device)
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        rounding = _tl_dtype(norm_dtype)
+        _forward_kernel[(n_rows,)](x2, residual.contiguous().view(-1, n_cols), weight.contiguous(), total, total,
+                                   rstd, n_cols, eps, HAS_RESIDUAL=False, NORM_DTYPE=rounding,
+                                   BLOCK=next_power_of_2(n_cols), ADD_AFTER=_tl_dtype(normed_dtype))
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.shape, ctx.rounding = shape, rounding
+        return total.view(shape)
+
+    @staticmethod
+    def backward(ctx: Any, dtotal: torch.Tensor) -> Any:
+        x2, weight, rstd = ctx.saved_tensors
+        n_rows, n_cols = x2.shape
+        dy2 = dtotal.contiguous().view(n_rows, n_cols)
+        dx = torch.empty_like(x2)
+        programs = num_row_programs(n_rows, x2)
+        dw = torch.empty(programs, n_cols, dtype=torch.float32, device=x2.device)
+        _backward_kernel[(programs,)](dy2, dy2, x2, weight.contiguous(), rstd, dx, dw, n_rows, n_cols,
+                                      HAS_DSUM=False, NORM_DTYPE=ctx.rounding, BLOCK=next_power_of_2(n_cols))
+        return dx.view(ctx.shape), dtotal, sum_partials(dw[None], weight.dtype)[0], None, None, None
+
+
+def _tl_dtype(dtype: torch.dtype | None) -> Any:
+    """Triton's dtype of the same name (tl.bfloat16 for torch.bfloat16), or None."""
+    return None if dtype is None else getattr(tl, str(dtype).removeprefix("torch."))
 
 
 _ROUNDED = (torch.bfloat16, torch.float16)
@@ -241,9 +299,17 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, form: 
 
 
 def rms_norm_residual_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                eps: float, form: NormForm = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
-    new_residual = x + residual
+                                eps: float, form: NormForm = PLAIN,
+                                scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scale`: the branch x is multiplied by it before the add (Granite's residual_multiplier)."""
+    new_residual = (x if scale is None else x * scale) + residual
     return rms_norm_reference(new_residual, weight, eps, form), new_residual
+
+
+def rms_norm_add_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                           form: NormForm = PLAIN) -> torch.Tensor:
+    """residual + rmsnorm(x) * weight: a post-norm's sublayer output normed, then added (OLMo-2)."""
+    return residual + rms_norm_reference(x, weight, eps, form)
 
 
 @functools.cache
@@ -283,16 +349,30 @@ def _form(upcast: bool, norm_dtype: torch.dtype | None, out_dtype: torch.dtype |
 
 def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                       consumer: str | None = None, *, upcast: bool = False, norm_dtype: torch.dtype | None = None,
-                      out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      out_dtype: torch.dtype | None = None, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual) * weight, x + residual); Triton where `use_triton`, else the reference.
-    `consumer` as in `rms_norm`; `upcast`, `norm_dtype`, `out_dtype` the casts of `NormForm`."""
+    `consumer` as in `rms_norm`; `upcast`, `norm_dtype`, `out_dtype` the casts of `NormForm`;
+    `scale`: x is the branch x * scale (in x's dtype) instead (Granite's residual_multiplier)."""
     form = _form(upcast, norm_dtype, out_dtype)
     cast_to = consumer_cast_dtype(consumer, x)
     if _fusable(x, form) and residual.shape == x.shape:
         return RMSNormResidualFunction.apply(x, residual, weight, eps, cast_to or _normed_dtype(x, residual, weight, form),
-                                             _rounding(form))
-    normed, new_residual = rms_norm_residual_reference(x, residual, weight, eps, form)
+                                             _rounding(form), scale)
+    normed, new_residual = rms_norm_residual_reference(x, residual, weight, eps, form, scale)
     return (normed if cast_to is None else normed.to(cast_to)), new_residual
+
+
+def rms_norm_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, upcast: bool = False,
+                 norm_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """residual + rmsnorm(x) * weight in one launch each way; Triton where `use_triton`, else the
+    reference. The normed value is rounded to the dtype the model's chain gives it (its casts,
+    `NormForm`) before the add, as the chain rounds it. Under autocast with a stream wider than
+    that dtype the kernel's backward reads the sum's gradient unrounded (the chain rounds it to
+    the normed value's dtype first): a closer gradient, not the same bits."""
+    form = _form(upcast, norm_dtype, out_dtype)
+    if _fusable(x, form) and residual.shape == x.shape:
+        return RMSNormAddFunction.apply(x, residual, weight, eps, _normed_dtype(x, None, weight, form), _rounding(form))
+    return rms_norm_add_reference(x, residual, weight, eps, form)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, consumer: str | None = None, *,
