@@ -8,6 +8,7 @@ are what the step pays on the GPU.
     kernel_ms(fn, iters)  -> mean GPU time of fn() per call (every kernel, memset and copy it issues)
     interleaved_kernel_ms(calls, rounds, iters) -> each call's kernel_ms in rounds taken in turn
     kernel_table(prof)    -> {kernel name: total ms} of a finished profile, largest first
+    host_table(prof, steps) -> where the host's time went per step: launches, waits, top ops
     copy_tbps()           -> TB/s (read + written) of a 1 GiB device-to-device copy, by the same clock
 """
 from __future__ import annotations
@@ -32,6 +33,41 @@ def kernel_table(prof: profile) -> dict[str, float]:
         if event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation:
             totals[event.name] = totals.get(event.name, 0.0) + event.device_time / 1e3
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+"""The CUDA runtime and driver calls that launch a kernel (Triton's launcher calls the driver's)."""
+WAIT_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cudaMemcpyAsync")
+"""Calls in which the host may wait for the device (a device-to-host copy waits for the stream)."""
+
+
+def host_table(prof: profile, steps: int, top: int = 15) -> dict[str, Any]:
+    """Per step, the host's side of a profile: kernel launches and their host milliseconds, the
+    milliseconds spent in calls that may wait for the device, and the `top` CPU ops by self time.
+
+    Why: a step whose GPU kernels take a third of its wall time is either host-bound (the host
+    cannot enqueue work faster than the device runs it) or waits on the device mid-step; the
+    launch count, the waits and the ops with the most host time tell which, and where."""
+    launches = waits = launch_ms = wait_ms = 0.0
+    ops: dict[str, list[float]] = {}
+    for event in prof.key_averages():
+        if event.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        self_ms = event.self_cpu_time_total / 1e3
+        if event.key in LAUNCH_CALLS:
+            launches, launch_ms = launches + event.count, launch_ms + self_ms
+        elif event.key in WAIT_CALLS:
+            waits, wait_ms = waits + event.count, wait_ms + self_ms
+        elif not event.key.startswith(("cuda", "cu", "ProfilerStep")):
+            entry = ops.setdefault(event.key, [0.0, 0.0])
+            entry[0] += self_ms
+            entry[1] += event.count
+    largest = sorted(ops.items(), key=lambda item: -item[1][0])[:top]
+    return {"launches": round(launches / steps), "launch_ms": round(launch_ms / steps, 2),
+            "wait_calls": round(waits / steps), "wait_ms": round(wait_ms / steps, 2),
+            "top_ops_self_ms": {name[:120]: {"ms": round(ms / steps, 3), "calls": round(calls / steps)}
+                                for name, (ms, calls) in largest}}
 
 
 def kernel_ms(fn: Callable[[], Any], iters: int = 10) -> float:

@@ -122,7 +122,7 @@ from benchmarks.e2e_h200 import (  # noqa: E402
 )
 from benchmarks.e2e_h200 import FULL as FAMILIES_FULL  # noqa: E402
 from benchmarks.e2e_h200 import SMALL as FAMILIES_SMALL  # noqa: E402
-from benchmarks.gpu_time import kernel_table  # noqa: E402
+from benchmarks.gpu_time import host_table, kernel_table  # noqa: E402
 from benchmarks.report import Clock, run_header, write_report  # noqa: E402
 from benchmarks.step_profile_h200 import category as coarse_category  # noqa: E402
 
@@ -370,7 +370,8 @@ def kernel_category(name: str) -> str:
 
 
 def profile_steps(step: Step, steps: int, device: torch.device) -> dict[str, Any]:
-    """`steps` steps under torch.profiler: per step wall time, GPU kernel time, by category, top kernels."""
+    """`steps` steps under torch.profiler: per step wall time, GPU kernel time, by category, top
+    kernels, and the host's side (`gpu_time.host_table`: launches, waits, the ops with most host time)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         elapsed = start_timer(device)
@@ -385,7 +386,8 @@ def profile_steps(step: Step, steps: int, device: torch.device) -> dict[str, Any
     return {"steps": steps, "wall_ms_per_step": round(wall_s * 1e3 / steps, 2),
             "gpu_kernel_ms_per_step": round(sum(kernels.values()) / steps, 2),
             "by_category_ms": {k: round(v, 2) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
-            "top_kernels_ms": {k[:160]: round(v / steps, 3) for k, v in list(kernels.items())[:25]}}
+            "top_kernels_ms": {k[:160]: round(v / steps, 3) for k, v in list(kernels.items())[:25]},
+            "host": host_table(prof, steps)}
 
 
 # ---- the liger child ---------------------------------------------------------------------------

@@ -274,3 +274,22 @@ def test_peers_benchmark_records_a_family_that_fails_and_runs_the_next(tmp_path:
     families = json.loads(out.read_text())["families"]
     assert list(families) == ["phi3", "llama"]
     assert all("ran past --family-timeout-s" in entry["error"] for entry in families.values())
+
+
+def test_the_host_table_counts_each_steps_host_ops() -> None:
+    """gpu_time.host_table: per step, the CPU ops with their self time and calls (no launches or
+    waits on the CPU), so a profile of a host-bound step says where the host's time went."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.gpu_time import host_table
+
+    x = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(4):
+            (x @ x).relu_()
+    table = host_table(prof, 4)
+    assert (table["launches"], table["wait_calls"]) == (0, 0)
+    assert table["top_ops_self_ms"]["aten::mm"]["calls"] == 1
+    assert table["top_ops_self_ms"]["aten::relu_"]["calls"] == 1
+    assert table["top_ops_self_ms"]["aten::mm"]["ms"] > 0
