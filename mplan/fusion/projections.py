@@ -6,6 +6,13 @@ projection (Phi-3's `qkv_proj`, one linear whose result is sliced along its last
 and v) is already one GEMM, and its slices become the same `split_with_sizes`, so what follows
 (RoPE on q and k in one launch, the copy that lets the packed buffer go) is the same for both.
 `grouped_product` is the GEMM both this entry and the GLU entries emit.
+
+Which linears of one input join the group: those whose results are read only through views
+(attention's q, k, v reshaped to heads), and those whose results reach attention's q, k or v
+through other ops but no GEMM (OLMo-2's q_norm and k_norm over all heads, between the projection
+and the reshape: the norms then read their slices of the one GEMM's result). The others stay
+apart: a parallel block's MLP projections of the same input (Cohere, Phi) are the GLU entries'
+or their own. Every form is exact: each part is its linear's value, a strided slice.
 """
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ from torch.fx import Graph, Node
 
 from mplan.fusion.entry import (SPLIT_BACKWARD_KEY, AtenPricing, FusedSave, FusionEntry, FusionPattern, Launches,
                                 Miss, PatternMatch, call, meta_like)
-from mplan.fusion.graph_match import VIEW_OPS, is_call, is_last_dim, tensor_value
+from mplan.fusion.graph_match import ATTENTION_OPS, VIEW_OPS, is_call, is_last_dim, tensor_value
 from mplan.ir.causal_mask import example_int
 
 __all__ = ["LINEAR_GROUP", "grouped_product"]
@@ -57,8 +64,8 @@ def grouped_product(graph: Graph, like: Node, x: Node, weights: Sequence[Any], b
 
 
 def _viewable_as_slices(outputs: list[Node], sizes: list[int]) -> bool:
-    """Whether every use of each output is a view that still works when the output is a slice of
-    the last dim of one wider tensor (a `split` of a grouped GEMM's result)."""
+    """Whether every view (VIEW_OPS) reading an output still works when the output is a slice of
+    the last dim of one wider tensor (a `split` of a grouped GEMM's result); other ops take any strides."""
     first = tensor_value(outputs[0])
     if first is None:
         return False
@@ -69,7 +76,9 @@ def _viewable_as_slices(outputs: list[Node], sizes: list[int]) -> bool:
         return False
     for part, out in zip(wide.split(sizes, dim=-1), outputs):
         for user in out.users:
-            shape = user.args[1] if is_call(user, *VIEW_OPS) and len(user.args) == 2 else None
+            if not is_call(user, *VIEW_OPS):
+                continue
+            shape = user.args[1] if len(user.args) == 2 else None
             try:
                 shape = None if shape is None else [
                     example_int(d.meta.get("val") if isinstance(d, Node) else d) for d in shape]
@@ -84,18 +93,48 @@ def _viewable_as_slices(outputs: list[Node], sizes: list[int]) -> bool:
     return True
 
 
+_GEMMS = (aten.linear.default, aten.matmul.default, aten.mm.default, aten.bmm.default, aten.addmm.default)
+_REACH = 64
+"""Most nodes `_reaches_attention` looks at (OLMo-2's norm, reshape, RoPE and casts are ~20)."""
+
+
+def _reaches_attention(value: Node) -> bool:
+    """Whether `value` flows into attention's q, k or v (an ATTENTION_OPS call) through ops that
+    are no GEMM: norms, casts, views, RoPE (a q/k norm between the projection and the reshape)."""
+    seen: set[Node] = set()
+    frontier = [value]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if is_call(user, *ATTENTION_OPS) and node in user.args[:3]:
+                return True
+            if user in seen or user.op != "call_function" or is_call(user, *_GEMMS) or len(seen) >= _REACH:
+                continue
+            seen.add(user)
+            frontier.append(user)
+    return False
+
+
+def _joins_group(part: Node) -> bool:
+    """A linear (or a packed one's slice) whose value is read only through views, or reaches
+    attention (module docstring)."""
+    return all(is_call(u, *VIEW_OPS, aten._assert_tensor_metadata.default) for u in part.users) or \
+        _reaches_attention(part)
+
+
 def _match_linear_group(anchor: Node) -> PatternMatch | Miss | None:
     """params: x, weights, biases (all None or all given), sizes (each part's width), parts (the
     nodes the split replaces: the linears, or the packed projection's slices), all in graph order."""
     x = anchor.args[0]
     if not isinstance(x, Node) or anchor.kwargs:
         return None
-    group = [u for u in x.users if is_call(u, aten.linear.default) and not u.kwargs and u.args[0] is x]
-    if len(group) < 2:
+    linears = [u for u in x.users if is_call(u, aten.linear.default) and not u.kwargs and u.args[0] is x]
+    if len(linears) < 2:
         return _match_packed(anchor)
     order = {node: i for i, node in enumerate(anchor.graph.nodes)}
-    group.sort(key=order.__getitem__)
-    if group[0] is not anchor:
+    # a projection read otherwise (an MLP's gate and up: a GLU's; a parallel block's MLP) stays apart
+    group = sorted((node for node in linears if _joins_group(node)), key=order.__getitem__)
+    if len(group) < 2 or group[0] is not anchor:
         return None
     weights = [node.args[1] for node in group]
     biases = [(list(node.args) + [None])[2] for node in group]
@@ -108,7 +147,7 @@ def _match_linear_group(anchor: Node) -> PatternMatch | Miss | None:
         return None
     sizes = [v.shape[0] for v in values]
     if not _viewable_as_slices(group, sizes):
-        return None  # a projection read other than through views (an MLP's gate and up: a GLU's)
+        return Miss("a projection's view does not hold on its slice of the grouped GEMM's result")
     inputs = tuple(n for n in (x, *weights, *biases) if isinstance(n, Node))
     return PatternMatch(anchor=anchor, chain=tuple(group), outputs=tuple(group), inputs=inputs,
                         params={"x": x, "weights": tuple(weights), "biases": tuple(biases), "sizes": tuple(sizes)})
@@ -132,8 +171,8 @@ def _match_packed(linear: Node) -> PatternMatch | Miss | None:
         return Miss("a packed projection's slices do not tile its output in order")
     parts = [b[2] for b in bounds]
     sizes = [end - start for start, end, _ in bounds]
-    if not _viewable_as_slices(parts, sizes):
-        return Miss("a part of a packed projection is read other than through views")
+    if not (all(_joins_group(part) for part in parts) and _viewable_as_slices(parts, sizes)):
+        return Miss("a part of a packed projection is read other than through views on its way to attention")
     x, weight, bias = (list(linear.args) + [None])[:3]
     inputs = tuple(n for n in (x, weight, bias) if isinstance(n, Node))
     return PatternMatch(anchor=linear, chain=(linear, *parts), outputs=tuple(parts), inputs=inputs,
@@ -152,7 +191,9 @@ LINEAR_GROUP = FusionEntry(
     # slice (attention's q, k, v projections): one GEMM on the concatenated weights can replace
     # them; or one packed linear sliced into its parts (Phi-3's qkv_proj)
     pattern=FusionPattern(anchors=(aten.linear.default,), match=_match_linear_group),
-    forms=("separate q/k/v projections of one input, biases or none", "one packed qkv_proj sliced into q, k, v"),
+    forms=("separate q/k/v projections of one input, biases or none", "one packed qkv_proj sliced into q, k, v",
+           "q/k/v beside a parallel block's MLP projections of the same input (Cohere, Phi)",
+           "q and k normed over all heads before the reshape to heads (OLMo-2's q_norm, k_norm)"),
     keeps=lambda m: FusedSave((m.params["x"].name,)),  # the input; the weights are parameters
     pricing=AtenPricing(why="one GEMM of the summed width: priced as its parts' GEMMs, the same FLOPs"),
     # the weights' concatenation and one GEMM; backward: dX and dW GEMMs
