@@ -1,10 +1,16 @@
-"""Fused norms: RMSNorm (after a residual add, or alone) and LayerNorm after a residual add.
+"""Fused norms: RMSNorm (after a residual add, alone, or before one) and LayerNorm (after a
+residual add, or hand-written alone).
 
-Entries: RMS_NORM_RESIDUAL, RMS_NORM, LAYER_NORM_RESIDUAL (mplan.kernels.rmsnorm, .layernorm).
-Each matches the chain at its last node; the residual forms return (normed, a + b), the sum
-also being the next residual. The measured fractions are shares of the device-to-device copy
-bandwidth each kernel reached on the H200 (benchmarks/results/kernels_h200-2026-11-29-session7.json,
-each kernel's main 16384-row training shape; `fit_kernel_copy_fraction`).
+Entries: LAYER_NORM_RESIDUAL, LAYER_NORM, RMS_NORM_RESIDUAL, RMS_NORM_ADD, RMS_NORM
+(mplan.kernels.layernorm, .rmsnorm). Each matches the chain at its last node but RMS_NORM_ADD,
+which takes the norm's chain and the add its output feeds; the residual forms return
+(normed, a + b), the sum also being the next residual. The forms models write:
+    pre-norm, a + b then norm       Llama, GPT (aten.layer_norm), Cohere (LayerNorm as ATen ops)
+    the branch scaled, a + c * b    Granite's residual_multiplier (rms_norm_residual's `scale`)
+    post-norm, a + norm(b)          OLMo-2 (rms_norm_add: the sum alone comes out)
+The measured fractions are shares of the device-to-device copy bandwidth each kernel reached on
+the H200 (benchmarks/results/kernels_h200-2026-11-29-session7.json, each kernel's main
+16384-row training shape; `fit_kernel_copy_fraction`).
 """
 from __future__ import annotations
 
@@ -16,9 +22,10 @@ from torch.fx import Graph, Node
 
 from mplan.fusion.entry import (FusedOpTraffic, FusedSave, FusionEntry, FusionPattern, Launches, MeasuredPricing,
                                 PatternMatch, call)
-from mplan.fusion.graph_match import cast, is_call, is_last_dim, same_shape_add, tensor_value, used_only_by
+from mplan.fusion.graph_match import (cast, is_call, is_last_dim, number, other, same_shape_add, tensor_value,
+                                      used_only_by)
 
-__all__ = ["LAYER_NORM_RESIDUAL", "RMS_NORM", "RMS_NORM_RESIDUAL"]
+__all__ = ["LAYER_NORM", "LAYER_NORM_RESIDUAL", "RMS_NORM", "RMS_NORM_ADD", "RMS_NORM_RESIDUAL"]
 
 aten = torch.ops.aten
 _KERNELS_RUN = "benchmarks/results/kernels_h200-2026-11-29-session7.json"
@@ -103,6 +110,119 @@ def _out_cast(user: Node, anchor: Node, x: Node, stats: tuple[Node, ...]) -> tor
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class _LayerNormChain:
+    x: Node
+    """the value normalized (before any upcast): a fused kernel's input"""
+    weight: Node
+    """the weight as the model holds it (before a `.float()` the chain takes)"""
+    eps: float
+    chain: tuple[Node, ...]
+    output: Node
+    form: dict[str, Any]
+    """keywords of mplan.kernels.layer_norm: hand_written, and the casts upcast, weight_upcast,
+    out_dtype where the model writes them"""
+
+
+def _layer_norm_chain(anchor: Node) -> _LayerNormChain | None:
+    """LayerNorm without a bias written as ATen ops (Cohere's): y = w * n or n * w,
+    n = (X - m) * rsqrt(mean((X - m)^2, -1, keepdim) + eps), m = mean(X, -1, keepdim), X = x or
+    x.to(float32) (folded when the upcast feeds only the norm), w = weight or weight.to(float32)
+    (folded likewise), y optionally cast (`.to(input_dtype)`). X - m may be written once or twice."""
+    for normed, weight in (anchor.args, anchor.args[::-1]):
+        if not (is_call(normed, aten.mul.Tensor) and isinstance(weight, Node) and used_only_by(normed, anchor)):
+            continue
+        for centred, rsqrt in (normed.args, normed.args[::-1]):
+            found = _standardization(centred, rsqrt, normed)
+            if found is None:
+                continue
+            x, eps, stats = found
+            form: dict[str, Any] = {"hand_written": True}
+            if (upcast := cast(x)) is not None and upcast[1] == torch.float32 and \
+                    used_only_by(x, *(n for n in stats if is_call(n, aten.mean.dim, aten.sub.Tensor))):
+                stats, x, form["upcast"] = (x, *stats), upcast[0], True
+            weights: tuple[Node, ...] = ()
+            if (w_cast := cast(weight)) is not None and w_cast[1] == torch.float32 and used_only_by(weight, anchor):
+                weights, weight, form["weight_upcast"] = (weight,), w_cast[0], True
+            wv, xv = tensor_value(weight), tensor_value(x)
+            if wv is None or xv is None or wv.dim() != 1 or wv.shape[0] != xv.shape[-1] or weight is x:
+                continue
+            output, tail = anchor, ()
+            users = list(anchor.users)
+            if len(users) == 1 and (out := cast(users[0])) is not None and out[0] is anchor:
+                output, tail, form["out_dtype"] = users[0], (users[0],), out[1]
+            return _LayerNormChain(x=x, weight=weight, eps=eps, chain=(*stats, normed, *weights, anchor, *tail),
+                                   output=output, form=form)
+    return None
+
+
+def _standardization(centred: Any, rsqrt: Any, normed: Node) -> tuple[Node, float, tuple[Node, ...]] | None:
+    """(X, eps, [mean, X - m (once or twice), pow, mean, add, rsqrt]) when `centred` is X - m and
+    `rsqrt` is rsqrt(mean((X - m)^2, -1, keepdim) + eps), m = mean(X, -1, keepdim), every value
+    used only inside (the centred value by `normed` and the square alone)."""
+    found = _normalization_stats(rsqrt, normed)
+    if found is None or not is_call(centred, aten.sub.Tensor) or len(centred.args) != 2 or centred.kwargs:
+        return None
+    eps, (square, variance, add_eps) = found
+    x, mean = centred.args
+    diff = square.args[0]
+    if not (is_call(diff, aten.sub.Tensor) and diff.args == (x, mean) and not diff.kwargs):
+        return None
+    if diff is centred:
+        if not used_only_by(centred, square, normed):
+            return None
+        diffs: tuple[Node, ...] = (centred,)
+    elif used_only_by(centred, normed) and used_only_by(diff, square):
+        diffs = (diff, centred)
+    else:
+        return None
+    if not (_last_dim_mean(mean, x) and mean.args[0] is x and used_only_by(mean, *diffs)):
+        return None
+    return x, eps, (mean, *diffs, square, variance, add_eps, rsqrt)
+
+
+def _normalization_stats(rsqrt: Any, user: Node) -> tuple[float, tuple[Node, Node, Node]] | None:
+    """(eps, [pow, mean, add]) when `rsqrt` is rsqrt(mean(v^2, -1, keepdim) + eps) used only by
+    `user`, each inner value used once."""
+    if not (is_call(rsqrt, aten.rsqrt.default) and used_only_by(rsqrt, user)):
+        return None
+    add_eps = rsqrt.args[0]
+    if not (is_call(add_eps, aten.add.Tensor, aten.add.Scalar) and used_only_by(add_eps, rsqrt)):
+        return None
+    variance, eps = add_eps.args[0], add_eps.args[1]
+    if not (is_call(variance, aten.mean.dim) and used_only_by(variance, add_eps) and isinstance(eps, float)):
+        return None
+    square = variance.args[0]
+    if not (is_call(square, aten.pow.Tensor_Scalar) and square.args[1:] == (2,) and used_only_by(square, variance)
+            and isinstance(square.args[0], Node) and _last_dim_mean(variance, square.args[0])):
+        return None
+    return eps, (square, variance, add_eps)
+
+
+def _last_dim_mean(mean: Any, x: Node) -> bool:
+    """mean(..., [-1], keepdim=True) over x's last dim."""
+    if not is_call(mean, aten.mean.dim) or mean.kwargs or mean.args[2:] != (True,):
+        return False
+    dims = mean.args[1]
+    return len(dims) == 1 and is_last_dim(dims[0], x)
+
+
+def _scaled_branch(pair: tuple[Node, Node], total: Node) -> tuple[tuple[Node, Node], float | None, tuple[Node, ...]]:
+    """((branch, residual), scale, [the mul]) when one addend of the residual add `total` is
+    branch * c (c a number, the product used only by the add: Granite's residual_multiplier),
+    the second addend first when both are; else (pair, None, ())."""
+    for scaled in pair[::-1]:
+        if not (is_call(scaled, aten.mul.Tensor) and len(scaled.args) == 2 and not scaled.kwargs
+                and used_only_by(scaled, total)):
+            continue
+        for branch, c in (scaled.args, scaled.args[::-1]):
+            bv, sv = tensor_value(branch), tensor_value(scaled)
+            if number(c) is not None and bv is not None and sv is not None and bv.shape == sv.shape \
+                    and bv.dtype == sv.dtype:
+                return (branch, other(pair, scaled)), number(c), (scaled,)
+    return pair, None, ()
+
+
 def _match_rms_norm_residual(anchor: Node) -> PatternMatch | None:
     """params: addends (the residual add's operands, in its order), weight, eps, form (the casts
     around the normalization, keywords of the fused op)."""
@@ -112,9 +232,29 @@ def _match_rms_norm_residual(anchor: Node) -> PatternMatch | None:
     pair = same_shape_add(found.x)
     if pair is None:
         return None  # a norm of anything but a residual sum: RMS_NORM's
-    return PatternMatch(anchor=anchor, chain=(found.x, *found.chain), outputs=(found.output, found.x),
+    pair, scale, scaling = _scaled_branch(pair, found.x)
+    form = found.form if scale is None else {**found.form, "scale": scale}
+    return PatternMatch(anchor=anchor, chain=(*scaling, found.x, *found.chain), outputs=(found.output, found.x),
                         inputs=(*pair, found.weight),
-                        params={"addends": pair, "weight": found.weight, "eps": found.eps, "form": found.form})
+                        params={"addends": pair, "weight": found.weight, "eps": found.eps, "form": form})
+
+
+def _match_rms_norm_add(anchor: Node) -> PatternMatch | None:
+    """params: x (the sublayer output normed), residual, weight, eps, form (the norm's casts). The
+    norm's result (after its cast) must feed only a residual add of its own shape and dtype."""
+    found = _rms_chain(anchor)
+    if found is None:
+        return None
+    users = [u for u in found.output.users if not is_call(u, aten._assert_tensor_metadata.default)]
+    pair = same_shape_add(users[0]) if len(users) == 1 else None
+    if pair is None or found.output not in pair or pair[0] is pair[1] or _feeds_a_norm(users[0]):
+        return None
+    total = users[0]
+    residual = other(pair, found.output)
+    return PatternMatch(anchor=anchor, chain=(*found.chain, total), outputs=(total,),
+                        inputs=(found.x, residual, found.weight),
+                        params={"x": found.x, "residual": residual, "weight": found.weight, "eps": found.eps,
+                                "form": found.form})
 
 
 def _match_rms_norm(anchor: Node) -> PatternMatch | None:
@@ -126,15 +266,50 @@ def _match_rms_norm(anchor: Node) -> PatternMatch | None:
                         params={"x": found.x, "weight": found.weight, "eps": found.eps, "form": found.form})
 
 
+_NORM_STARTS = (aten.pow.Tensor_Scalar, aten.mean.dim, aten.layer_norm.default)
+
+
+def _feeds_a_norm(total: Node) -> bool:
+    """Whether the sum `total` is normed next (read by a pow, mean or layer_norm, directly or
+    through a cast) and read past that norm too: Gemma-2's post-norm, add, then pre-norm, the
+    sum going on as the residual stream. The add is then better the pre-norm's residual add
+    (rms_norm_residual, whose backward takes the stream's gradient in): taken by the post-norm,
+    it leaves the sum read by two ops, whose gradients one more kernel sums, so the two fused
+    norms meeting at the add would move more bytes than post-norm alone + norm with residual.
+    A sum that only the next norm reads (the last block's, into the final norm) is not such."""
+    users = [u for u in total.users if not is_call(u, aten._assert_tensor_metadata.default)]
+    reads = [*users, *(u for c in users if cast(c) is not None for u in c.users)]
+    return len(users) > 1 and any(is_call(u, *_NORM_STARTS) for u in reads)
+
+
 def _match_layer_norm_residual(anchor: Node) -> PatternMatch | None:
-    """params: addends (the residual add's operands, in its order), weight, bias (or None), eps."""
+    """params: addends (the residual add's operands, in its order), weight, bias (or None), eps,
+    form (a hand-written norm's keywords, `_layer_norm_chain`; empty for aten.layer_norm)."""
+    if is_call(anchor, aten.mul.Tensor):
+        found = _layer_norm_chain(anchor)
+        pair = None if found is None else same_shape_add(found.x)
+        if found is None or pair is None:
+            return None  # a hand-written norm of anything but a residual sum: LAYER_NORM's
+        return PatternMatch(anchor=anchor, chain=(found.x, *found.chain), outputs=(found.output, found.x),
+                            inputs=(*pair, found.weight),
+                            params={"addends": pair, "weight": found.weight, "bias": None, "eps": found.eps,
+                                    "form": found.form})
     total, normalized_shape, weight, bias, eps = (list(anchor.args) + [None, None, 1e-5])[:5]
     pair = same_shape_add(total)
     if pair is None or anchor.kwargs or weight is None or len(normalized_shape) != 1:
         return None
     inputs = (*pair, weight) if bias is None else (*pair, weight, bias)
     return PatternMatch(anchor=anchor, chain=(total, anchor), outputs=(anchor, total), inputs=inputs,
-                        params={"addends": pair, "weight": weight, "bias": bias, "eps": eps})
+                        params={"addends": pair, "weight": weight, "bias": bias, "eps": eps, "form": {}})
+
+
+def _match_layer_norm(anchor: Node) -> PatternMatch | None:
+    """params: x, weight, eps, form (as for layer_norm_residual's hand-written norms)."""
+    found = _layer_norm_chain(anchor)
+    if found is None:
+        return None
+    return PatternMatch(anchor=anchor, chain=found.chain, outputs=(found.output,), inputs=(found.x, found.weight),
+                        params={"x": found.x, "weight": found.weight, "eps": found.eps, "form": found.form})
 
 
 def _emit_rms_norm_residual(graph: Graph, match: PatternMatch) -> Node:
@@ -151,11 +326,26 @@ def _emit_rms_norm(graph: Graph, match: PatternMatch) -> Node:
     return call(graph, rms_norm, (p["x"], p["weight"], p["eps"]), match.anchor, dict(p["form"]))
 
 
+def _emit_rms_norm_add(graph: Graph, match: PatternMatch) -> Node:
+    from mplan.kernels.rmsnorm import rms_norm_add
+
+    p = match.params
+    return call(graph, rms_norm_add, (p["x"], p["residual"], p["weight"], p["eps"]), match.anchor, dict(p["form"]))
+
+
 def _emit_layer_norm_residual(graph: Graph, match: PatternMatch) -> Node:
     from mplan.kernels import layer_norm_residual
 
     p = match.params
-    return call(graph, layer_norm_residual, (*p["addends"], p["weight"], p["bias"], p["eps"]), match.anchor)
+    return call(graph, layer_norm_residual, (*p["addends"], p["weight"], p["bias"], p["eps"]), match.anchor,
+                dict(p["form"]))
+
+
+def _emit_layer_norm(graph: Graph, match: PatternMatch) -> Node:
+    from mplan.kernels.layernorm import layer_norm
+
+    p = match.params
+    return call(graph, layer_norm, (p["x"], p["weight"], None, p["eps"]), match.anchor, dict(p["form"]))
 
 
 _RMS_FRACTION = (0.965, 0.943)
@@ -166,7 +356,8 @@ RMS_NORM_RESIDUAL = FusionEntry(
     # (a + b) -> pow 2 / mean(-1, keepdim) / add eps / rsqrt / mul / mul weight, the sum also used
     # later: Llama's pre-norm after each residual add
     pattern=FusionPattern(anchors=(aten.mul.Tensor,), match=_match_rms_norm_residual),
-    forms=("weight * n or n * weight", "Hugging Face's fp32 upcast and cast back", "Gemma's (1 + weight) and type_as"),
+    forms=("weight * n or n * weight", "Hugging Face's fp32 upcast and cast back", "Gemma's (1 + weight) and type_as",
+           "Granite's residual + branch * residual_multiplier (the scale applied in the kernel)"),
     keeps=lambda m: FusedSave((m.outputs[1].name,), ((m.anchor.name, "rows4"),)),  # the sum, rstd
     pricing=MeasuredPricing(
         traffic=FusedOpTraffic(
@@ -178,6 +369,32 @@ RMS_NORM_RESIDUAL = FusionEntry(
     launches=_NORM_LAUNCHES,
     emit=_emit_rms_norm_residual,
     marks=0,
+    lesser="rms_norm",
+    notes={"scale": "a scaled branch's backward writes its gradient apart from the residual's (one row "
+                    "tensor more than `traffic` counts; Granite only)"},
+)
+
+RMS_NORM_ADD = FusionEntry(
+    name="rms_norm_add",
+    # pow 2 / mean / add eps / rsqrt / mul / mul weight [/ cast] -> residual + normed: a post-norm
+    # block (OLMo-2) norms each sublayer's output, then adds it to the residual stream. Matched
+    # at the norm's last mul (before RMS_NORM would take the norm alone), the add taken with it.
+    pattern=FusionPattern(anchors=(aten.mul.Tensor,), match=_match_rms_norm_add),
+    forms=("OLMo-2's residual + post_attention_layernorm(attn) and + post_feedforward_layernorm(mlp)",
+           "the norm in any of RMS_NORM's forms, its result used by the add alone"),
+    keeps=lambda m: FusedSave((m.params["x"].name,), ((m.anchor.name, "rows4"),)),  # x, rstd
+    pricing=MeasuredPricing(
+        traffic=FusedOpTraffic(
+            forward_row_tensors=3, backward_row_tensors=3, forward_vectors=1, backward_vectors=2,
+            forward_row_stats=1, backward_row_stats=1,
+            what="read x, residual, weight; write the sum, rstd; read d_sum, x, weight, rstd; write dx, d_weight "
+                 "(the residual's gradient is d_sum itself)"),
+        # not measured on a GPU: its forward is RMSNorm + residual's row loop with the add moved
+        # after the weight, its backward RMSNorm's, so that kernel's measured fraction stands in
+        copy_fraction=_RMS_FRACTION,
+        source=f"{_KERNELS_RUN}: RMSNorm + residual's (not measured itself: the same row kernels)"),
+    launches=_NORM_LAUNCHES,
+    emit=_emit_rms_norm_add,
     lesser="rms_norm",
 )
 
@@ -201,9 +418,11 @@ RMS_NORM = FusionEntry(
 LAYER_NORM_RESIDUAL = FusionEntry(
     name="layer_norm_residual",
     # (a + b) -> aten.layer_norm over the last dim with a weight: GPT's pre-LayerNorm after each
-    # residual add
-    pattern=FusionPattern(anchors=(aten.layer_norm.default,), match=_match_layer_norm_residual),
-    forms=("aten.layer_norm of a residual sum, with or without a bias",),
+    # residual add; or (a + b) -> Cohere's LayerNorm written as ATen ops (mean, sub, pow, mean,
+    # add eps, rsqrt, mul, mul weight, casts), matched at its weight's mul
+    pattern=FusionPattern(anchors=(aten.layer_norm.default, aten.mul.Tensor), match=_match_layer_norm_residual),
+    forms=("aten.layer_norm of a residual sum, with or without a bias",
+           "Cohere's LayerNorm as ATen ops (no bias, fp32 upcast, weight.float(), cast back)"),
     keeps=lambda m: FusedSave((m.outputs[1].name,), ((m.anchor.name, "rows8"),)),  # the sum, mean and rstd
     pricing=MeasuredPricing(
         traffic=FusedOpTraffic(
@@ -215,4 +434,26 @@ LAYER_NORM_RESIDUAL = FusionEntry(
     launches=_NORM_LAUNCHES,
     emit=_emit_layer_norm_residual,
     marks=0,
+    lesser="layer_norm",
+)
+
+LAYER_NORM = FusionEntry(
+    name="layer_norm",
+    # a hand-written LayerNorm of anything but a residual sum (Cohere's first block reads the
+    # embedding; its parallel block feeds attention and the MLP from one norm). aten.layer_norm
+    # alone is not taken: it already runs as one ATen kernel.
+    pattern=FusionPattern(anchors=(aten.mul.Tensor,), match=_match_layer_norm),
+    forms=LAYER_NORM_RESIDUAL.forms[1:],
+    keeps=lambda m: FusedSave((m.params["x"].name,), ((m.anchor.name, "rows8"),)),  # x, mean and rstd
+    pricing=MeasuredPricing(
+        traffic=FusedOpTraffic(
+            forward_row_tensors=2, backward_row_tensors=3, forward_vectors=1, backward_vectors=2,
+            forward_row_stats=2, backward_row_stats=2,
+            what="read x, weight; write normed, mean, rstd; read d_normed, x, weight, mean, rstd; "
+                 "write dx, d_weight"),
+        # not measured alone: LayerNorm + residual's kernels with the add skipped
+        copy_fraction=(0.971, 0.899), source=f"{_KERNELS_RUN}: LayerNorm + residual's (the same kernels)"),
+    launches=_NORM_LAUNCHES,
+    emit=_emit_layer_norm,
+    marks=None,
 )

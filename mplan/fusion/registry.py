@@ -4,8 +4,10 @@
 host-time model and `mplan inspect` all read it, so a new layer form is one edit in one entry's
 module. At each node (in graph order) the entries whose pattern anchors there are tried in this
 order, the first match winning: a longer chain before the shorter one it contains (RMSNorm after
-a residual add before RMSNorm alone, a GLU with its GEMM before the GLU alone, the head + loss
-before the loss). ROPE_QK pairs ROPE's chains once they are fused; ATTENTION joins on CUDA
+a residual add, or before one, before RMSNorm alone; a GLU with its GEMM before the GLU alone;
+the head + loss before the loss), and a hand-written LayerNorm before the RMSNorms (written with
+one X - mean, its tail is an RMSNorm of the centred value). ROPE_QK pairs ROPE's chains once
+they are fused; ATTENTION joins on CUDA
 (`fusions(device_is_cuda=)`); FP8 only when asked (mplan.fusion.fp8).
 """
 from __future__ import annotations
@@ -14,7 +16,7 @@ from mplan.fusion.attention import ATTENTION
 from mplan.fusion.entry import FusionEntry, FusionPattern
 from mplan.fusion.loss import CROSS_ENTROPY, LINEAR_CROSS_ENTROPY
 from mplan.fusion.mlp import BIAS_GELU, GEGLU, LINEAR_GEGLU, LINEAR_SWIGLU, SWIGLU
-from mplan.fusion.norms import LAYER_NORM_RESIDUAL, RMS_NORM, RMS_NORM_RESIDUAL
+from mplan.fusion.norms import LAYER_NORM, LAYER_NORM_RESIDUAL, RMS_NORM, RMS_NORM_ADD, RMS_NORM_RESIDUAL
 from mplan.fusion.projections import LINEAR_GROUP
 from mplan.fusion.rope import ROPE, ROPE_QK
 
@@ -22,9 +24,11 @@ __all__ = ["ATTENTION", "FUSIONS", "MATCHED", "ROPE_QK", "entry", "fused_op_byte
 
 FUSIONS: tuple[FusionEntry, ...] = (
     LINEAR_GROUP,
-    RMS_NORM_RESIDUAL,
-    RMS_NORM,
     LAYER_NORM_RESIDUAL,
+    LAYER_NORM,
+    RMS_NORM_RESIDUAL,
+    RMS_NORM_ADD,
+    RMS_NORM,
     BIAS_GELU,
     LINEAR_SWIGLU,
     SWIGLU,
