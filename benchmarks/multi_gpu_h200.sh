@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Issues 7, 18 and 31 on one host of N H200s, in one device call: the NCCL link profile, bf16 equivalence of
-# plans against one GPU, the planner's auto plan against hand-written Megatron-style plans on a
-# Llama-3-8B, expert parallelism on a Mixtral-shaped MoE and checkpoint save/load times, each run for real. Prepared on
-# 2026-11-29 and 2026-12-02 (smoke-tested on CPU ranks only); run as
+# Issues 7, 18, 31, 33 and 34 on one host of N H200s, in one device call: the NCCL link profile, bf16
+# equivalence of plans against one GPU (ZeRO-2/3 and context parallelism included), the planner's auto
+# plan against hand-written Megatron-style plans on a Llama-3-8B, expert parallelism on a Mixtral-shaped
+# MoE, checkpoint save/load times, ZeRO-1 against ZeRO-3 over N GPUs and context parallelism at 32k
+# tokens, each run for real. Prepared on 2026-11-29, 2026-12-02 and 2026-12-06 (the equivalence plans
+# smoke-tested on 2 gloo CPU ranks: `equivalence_gpus.py --device cpu --small --dtype float64`); run as
 #     run(kind="nvidia-h200-x8", carry=[".device_wheels"],
 #         command="bash benchmarks/multi_gpu_h200.sh 8")
 # after `bash scripts/device_wheels.sh` here (the image lacks PuLP and HiGHS). Writes $OUT/*-xN.*
@@ -24,10 +26,12 @@ half=$((n / 2))
 #    and pipelines (NCCL's batched isend/irecv under 1F1B and zb-h1, the path gloo ranks test)
 if [ "$n" -ge 4 ]; then
     plans="tp=$n;tp=$half,dp=2,sp=1,zero=1;dp=$n,zero=1;tp=$half,pp=2,sp=1,mbs=1;pp=$n,mbs=1,schedule=zb-h1"
+    plans="$plans;dp=$n,zero=2;dp=$n,zero=3;tp=2,dp=$half,sp=1,zero=3;cp=$n;cp=2,tp=$half,sp=1"
     hand=("tp=$n,sp=1" "tp=$half,dp=2,sp=1,zero=1" "tp=2,dp=$half,sp=1,zero=1" "tp=$half,pp=2,sp=1,mbs=1")
     batch=64 seq=4096
 else
     plans="tp=$n;tp=$n,sp=1,recompute=selective;dp=$n,zero=1;pp=$n,mbs=1;pp=$n,mbs=1,schedule=zb-h1"
+    plans="$plans;dp=$n,zero=2;dp=$n,zero=3;cp=$n"
     hand=("tp=$n,sp=1" "dp=$n,zero=1" "tp=$n" "dp=$n,zero=1,recompute=full" "pp=$n,mbs=1" "pp=$n,mbs=1,schedule=zb-h1")
     batch=16 seq=2048  # two GPUs: a few steps of seconds each, not tens
 fi
@@ -51,3 +55,18 @@ tail -c 2000 "$out/bench-moe-x$n.json"
 run benchmarks/checkpoint_time.py --model "llama:layers=24,hidden=2048,heads=16,kv_heads=8,seq=2048,vocab=32000,ffn=5632" \
     --plan "tp=$half,dp=2,zero=1" --other "dp=$n,zero=1" --dtype bfloat16 --batch $((2 * n)) \
     --dir /tmp/mplan_ckpt -o "$out/checkpoint_time-x$n.json" 2>&1 | tail -3
+
+# 6. ZeRO over N GPUs (issue 33): the 1.3B Llama under dp=N with ZeRO-1, -2 and -3, each measured
+#    beside its prediction (the unit gathers and gradient reduce-scatters on NVLink, overlapped)
+run -m mplan bench "llama:layers=24,hidden=2048,heads=16,kv_heads=8,ffn=5632,seq=2048,vocab=32000" \
+    --cluster "$out/profile-x$n.json" --global-batch $((4 * n)) \
+    --plans "dp=$n,zero=1,mbs=2" "dp=$n,zero=2,mbs=2" "dp=$n,zero=3,mbs=2" auto \
+    --measure --out "$out/bench-zero-x$n.json" > /dev/null
+tail -c 1500 "$out/bench-zero-x$n.json"
+
+# 7. context parallelism at 32k tokens (issue 34): a 4-layer Llama-3-8B-wide model on one sequence,
+#    cp over every GPU against tp with SP and the planner's choice, measured beside the predictions
+run -m mplan bench "llama:layers=4,hidden=4096,heads=32,kv_heads=8,ffn=14336,seq=32768,vocab=32000" \
+    --cluster "$out/profile-x$n.json" --global-batch 1 --plans "cp=$n" "tp=$n,sp=1" auto \
+    --measure --out "$out/bench-cp-x$n.json" > /dev/null
+tail -c 1500 "$out/bench-cp-x$n.json"
