@@ -46,6 +46,7 @@ from mplan.planner.plan import Plan
 from mplan.planner.resolve import check_before_capture, resolve_plan
 from mplan.progress import Progress
 from mplan.runtime.launch import init_distributed_from_env
+from mplan.runtime.outer_loop import OuterOptimizer
 from mplan.runtime.parallel_module import ParallelModule, check_executable, parallelize
 from mplan.runtime.replicated_optimizer import OptimizerFactory
 from mplan.runtime.watchdog import hang_timeout
@@ -67,7 +68,8 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
                  device: torch.device | str | None = None, tp_layout: str = "megatron",
                  kernels: bool | None = None, fp8: bool = False,
                  progress: Progress | Callable[[str], None] | str | None = None,
-                 hang_timeout_s: float | None = None, document_mask: bool = False) -> ParallelModule:
+                 hang_timeout_s: float | None = None, document_mask: bool = False, inexact_ok: bool = False,
+                 outer_optimizer: OuterOptimizer = OuterOptimizer()) -> ParallelModule:
     """Parallelize `model` under `plan` on this job's ranks (see the module docstring).
 
     `max_grad_norm` clips the global gradient norm (over every shard) before each step, as
@@ -90,8 +92,12 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     naming the stuck ranks; None reads MPLAN_HANG_TIMEOUT_S (unset: off). `document_mask` lets
     `pm.train_step(..., doc_ids=)` tell attention where packed documents start, so no token attends
     across documents (`passes.split_context`; without pipeline stages; under cp > 1 attention
-    takes documents whether or not it is set). Collective: every
-    rank of the job calls it with the same arguments.
+    takes documents whether or not it is set). `inexact_ok` lets a search choose an outer loop
+    across sites (`outer_steps`, DiLoCo-style: sites train alone between outer steps), which does
+    not compute the single-device loop's updates; off, only exact plans are searched (a plan or
+    spec that sets `outer_steps` is itself the user's choice). `outer_optimizer`: that loop's
+    outer SGD (`runtime.outer_loop.OuterOptimizer`; DiLoCo's Nesterov, lr 0.7, momentum 0.9).
+    Collective: every rank of the job calls it with the same arguments.
     """
     _check_numbers(global_batch=global_batch, micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm)
     hang_timeout(hang_timeout_s)  # a bad timeout (or MPLAN_HANG_TIMEOUT_S) refused before the capture
@@ -115,7 +121,8 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     with progress.phase("plan", "searching" if plan is None else "binding the plan given") as planned:
         resolved = resolve_plan(plan, graph, cluster=cluster, world_size=world_size, global_batch=global_batch,
                                 micro_batch_size=micro_batch_size, tp_layout=tp_layout, within=EXECUTABLE,
-                                kernels=use_kernels and cluster.device.name != "cpu", fp8=fp8, progress=progress)
+                                kernels=use_kernels and cluster.device.name != "cpu", fp8=fp8, progress=progress,
+                                inexact_ok=inexact_ok)
         check_executable(resolved)
         planned.detail = _plan_words(resolved, world_size)
     with progress.phase("lowering", f"{resolved.mesh.tp}-way TP, {resolved.mesh.pp} stage"
@@ -126,7 +133,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
         pm = parallelize(graph=graph, plan=resolved, source=state_dict if state_dict is not None else model,
                          model=model, optimizer=optimizer, device=run_on, dtype=dtype, seed=seed,
                          max_grad_norm=max_grad_norm, autocast=_autocast_dtype(autocast), kernels=use_kernels,
-                         fp8=resolved.fp8, inference=inference, documents=document_mask)
+                         fp8=resolved.fp8, inference=inference, documents=document_mask, outer=outer_optimizer)
     pm.progress = progress
     _say_untrained(progress, model, pm.params)
     pm.hf_config = _hf_config(model)

@@ -162,7 +162,8 @@ def _plan(args: argparse.Namespace) -> int:
     _check_vocab(args)
     made = plan(args.model, cluster=_cluster(args), global_batch=args.global_batch, spec=args.spec,
                 seq_len=args.seq_len, allow_cross_node_tp=args.allow_cross_node_tp, kernels=args.kernels,
-                fp8=args.fp8, runtime=args.runtime, moe_imbalance=args.moe_imbalance, progress=_progress(args))
+                fp8=args.fp8, runtime=args.runtime, moe_imbalance=args.moe_imbalance, progress=_progress(args),
+                inexact_ok=args.allow_inexact)
     if args.output:
         made.save(args.output)
     if args.json:
@@ -546,6 +547,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="price memory-bound chains as mplan's fused kernels (default: on for GPU clusters)")
     p.add_argument("--fp8", action="store_true", help="a plan whose block linears run as FP8 GEMMs, priced so")
+    p.add_argument("--allow-inexact", action="store_true",
+                   help="across sites, also try an outer loop (outer_steps=H, DiLoCo-style): sites train alone "
+                        "between outer steps, which is not the single-device loop's arithmetic")
     p.add_argument("--runtime", choices=RUNTIMES, default=DEFAULT_RUNTIME,
                    help="whose runtime to price (default %(default)s, the one that runs the plan, as bench "
                         "and autoparallel price it): mplan's (bf16 in place at zero=0, fp32 master shards at "

@@ -43,6 +43,10 @@ Model (each term from the cost models, nothing fitted here):
   beside them) and the gradients whole between backward and their reduce-scatter, with the copies
   the reductions hold, at their worst moment of the step (`gradient_reductions`,
   `cost_models.memory_model.reduction_peak`);
+- an outer loop across sites (`outer_steps = H`, inexact, `outer_pricing`): the gradients'
+  all-reduce inside the site every step (overlapped with the last backward as flat DP's), the
+  outer step's cross-site all-reduce of the pseudo-gradient over H, the loss averaged inside the
+  site; memory adds the outer loop's anchor and momentum (`OUTER_STATE_COPIES`);
 - the optimizer step is memory-bound over the rank's optimizer shard: clipping's gradient norm,
   then one multi-tensor AdamW, mplan's kernel or torch's fused one (`optimizer_time`), and under
   ZeRO-1 the copies between parameters, flat gradients and master shard (`zero1_copy_time`; under
@@ -59,7 +63,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from mplan.cost_models.cluster import ClusterSpec
@@ -77,6 +81,7 @@ from mplan.planner.stage_partition import Partition, partition
 from mplan.planner.host_cost import host_timing
 from mplan.planner.unit_costs import UnitCost, chunk_backward_s, chunk_forward_s, param_tensors
 from mplan.planner.dp_sync import NOTHING, LinkUse, cross_site_all_reduce, dp_collective
+from mplan.planner.outer_pricing import OUTER_STATE_COPIES, outer_loop_sync
 from mplan.planner.unit_experts import UnitExperts
 from mplan.planner.zero_pricing import (ZERO_OVERLAP, ZERO_OVERLAP_CPU, gathered_window, gradient_reductions, shared_glue,
                                         zero1_copy_time, zero23_copy_time, zero_collectives,
@@ -320,7 +325,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         reductions = gradient_reductions(config, per, [units[u] for u in rank_units], sizes,
                                          [kept[u] for u in rank_units], runtime=facts.runtime,
                                          copies_inputs=not issue.overlaps)
-        return estimate_memory(
+        breakdown = estimate_memory(
             num_params=dense, per_param=per, zero=config.zero, dp=mesh.dp_local, expert_params=expert_params,
             expert_dp=mesh.expert_dp_local, keep_weights=config.keep_weights,
             gathered_params=gathered,
@@ -336,6 +341,10 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
             # its activations as backward runs (data_parallel.py)
             grads_during_backward=facts.runtime == "mplan" and config.dp == 1 and config.num_micro_batches == 1
             and config.zero <= 1)
+        if not config.outer_steps:
+            return breakdown
+        outer_state = OUTER_STATE_COPIES * (dense + expert_params) * per.param  # the anchor and momentum
+        return replace(breakdown, optimizer_bytes=breakdown.optimizer_bytes + outer_state)
 
     memory, syncs, opt = [], [], 0.0
     holdings: list[tuple[list[int], int, int]] = []  # per pipeline rank: its units, dense and expert parameters
@@ -464,6 +473,9 @@ def _sync_and_step(config: ParallelConfig, cluster: ClusterSpec, compute: Comput
     `evaluate`)."""
     per = _bytes_per_param(config, facts)
     mesh, gpn = config.mesh, cluster.gpus_per_node
+    if config.outer_steps:
+        return _outer_sync_and_step(config, cluster, compute, facts, params=dense + experts,
+                                    tp_sync_bytes=tp_sync_bytes, last_backward_s=last_backward_s)
     dp_group = mesh.group_shape("dp", gpn, cluster.num_sites)
     reduction = "reduce_scatter" if config.zero else "all_reduce"
     grads = [dp_collective(cluster, reduction, dense * per.grad, mesh, "dp"),
@@ -504,6 +516,29 @@ def _sync_and_step(config: ParallelConfig, cluster: ClusterSpec, compute: Comput
         if experts:
             step += zero1_copy_time(compute, experts, mesh.expert_dp_local, per.param)
     return sync, step, links
+
+
+def _outer_sync_and_step(config: ParallelConfig, cluster: ClusterSpec, compute: ComputeCostModel,
+                         facts: ModelFacts, *, params: int, tp_sync_bytes: int,
+                         last_backward_s: float | None) -> tuple[float, float, LinkUse]:
+    """`_sync_and_step` under an outer loop across sites (zero=0, ep=1: `outer_refusal`): the
+    gradients' all-reduce inside the site, overlapped with the last backward where flat DP's is,
+    the outer step's share of a step (`outer_pricing.outer_loop_sync`), the loss averaged inside
+    the site (the sites' models differ between outer steps); the step, AdamW over all `params`.
+    The outer step's own arithmetic (a few passes over the parameters, once every H steps) is
+    not priced."""
+    per = _bytes_per_param(config, facts)
+    mesh, gpn = config.mesh, cluster.gpus_per_node
+    site = mesh.site_group_shape("dp", gpn)
+    price = outer_loop_sync(cluster, params * per.grad, params, mesh, config.outer_steps)
+    inner = price.last_bucket_s + collective_time(cluster, "all_reduce", tp_sync_bytes * per.grad / max(1, per.param),
+                                                  mesh.group_shape("tp", gpn))
+    if last_backward_s is not None and site.size > 1:
+        inner = overlapped_sync(cluster, "all_reduce", inner, last_backward_s, params * per.grad, site)
+    sync = inner + (price.seconds - price.last_bucket_s)
+    if site.size > 1:
+        sync += collective_time(cluster, "all_reduce", LOSS_BYTES, site)
+    return sync, optimizer_time(compute, params, per.param, mplan_adamw=facts.mplan_adamw), price.links
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -207,7 +207,7 @@ def config_of(plan: Plan) -> ParallelConfig:
                           mbs=plan.micro_batch_size,
                           num_micro_batches=plan.num_micro_batches, sp=plan.sequence_parallel, zero=plan.zero,
                           keep_weights=plan.zero3_keep_weights, recompute=plan.recompute, schedule=plan.schedule,
-                          sites=m.sites)
+                          sites=m.sites, outer_steps=plan.outer_steps)
 
 
 def simulate_plan(plan: Plan) -> SimResult:
@@ -276,6 +276,7 @@ def explain_data(plan: Plan) -> dict[str, Any]:
                      "vpp": plan.mesh.vpp, "cp": plan.mesh.cp, "cp_method": plan.mesh.cp_method,
                      "sites": plan.mesh.sites},
             "links": _links(plan),
+            "inexact": _inexact(plan),
             "context": _context(plan),
             "predicted": {"step_time_ms": best * 1e3, "tflops_per_gpu": plan.predicted.tflops_per_gpu,
                           "mfu": plan.predicted.mfu, "tokens_per_s": plan.predicted.tokens_per_s,
@@ -403,6 +404,10 @@ def _links(plan: Plan) -> dict[str, Any] | None:
               for level in ("intra_node", "inter_node", "inter_site")}
     if c.sites == 1:
         crossing = None
+    elif plan.outer_steps:
+        crossing = (f"outer loop: gradients reduced inside each site every step, nothing crosses; every "
+                    f"{plan.outer_steps} steps each site rank's 1/{plan.mesh.dp // plan.mesh.sites} of the "
+                    f"pseudo-gradient is all-reduced between sites (the figures are per step, over {plan.outer_steps})")
     elif plan.mesh.sites > 1:
         crossing = (f"hierarchical: each site reduce-scatters gradients over its {plan.mesh.dp // plan.mesh.sites} "
                     f"replicas, only the 1/{plan.mesh.dp // plan.mesh.sites} shards cross, all-reduced between sites")
@@ -410,6 +415,35 @@ def _links(plan: Plan) -> dict[str, Any] | None:
         crossing = f"flat: the data-parallel ring of {plan.mesh.dp} ranks crosses between sites, whole gradients"
     return {"levels": levels, "sites": c.sites, "inter_site_gbps": c.inter_site_gbps,
             "inter_site_latency_ms": c.inter_site_latency_ms, "crossing": crossing}
+
+
+def _inexact(plan: Plan) -> dict[str, Any] | None:
+    """For a plan with an outer loop across sites: that it is inexact and why, and why it won, against
+    the best synchronous plan of the search (the first exact alternative that fits); None otherwise."""
+    if not plan.outer_steps:
+        return None
+    h = plan.outer_steps
+    out: dict[str, Any] = {
+        "outer_steps": h,
+        "why_inexact": f"not the single-device loop's arithmetic: each site takes {h} optimizer steps on its own "
+                       f"gradients (averaged over its replicas only), then one outer step (SGD over the sites' mean "
+                       f"parameter change, runtime/outer_loop.py) joins them; chosen only because inexact training "
+                       f"was allowed (inexact_ok / --allow-inexact). Its convergence is not priced: measured on a "
+                       f"tiny model only (benchmarks/results/outer_loop-cpu-2026-12-06.json)",
+        "exact_spec": None, "exact_step_ms": None, "won_by_ms": None, "why_won": None}
+    exact = next((a for a in plan.alternatives if "outer_steps=" not in a.spec and a.predicted is not None), None)
+    if exact is None:
+        return out
+    mine, theirs = plan.predicted, exact.predicted
+    haul = "" if mine.dp_links is None or theirs.dp_links is None else (
+        f"; the long haul carries {mine.dp_links.inter_site_gb:.2f} GB a site per step "
+        f"({mine.dp_links.inter_site_s * 1e3:.0f} ms) against {theirs.dp_links.inter_site_gb:.2f} GB "
+        f"({theirs.dp_links.inter_site_s * 1e3:.0f} ms)")
+    out.update(exact_spec=exact.spec, exact_step_ms=theirs.step_time_s * 1e3,
+               won_by_ms=(theirs.step_time_s - mine.step_time_s) * 1e3,
+               why_won=f"{(theirs.step_time_s - mine.step_time_s) * 1e3:.0f} ms faster per step than the best "
+                       f"synchronous plan ({theirs.step_time_s * 1e3:.0f} ms){haul}")
+    return out
 
 
 def render(plan: Plan, console: Any) -> None:
@@ -427,6 +461,12 @@ def render(plan: Plan, console: Any) -> None:
                   + (f" cp={m['cp']} (head-tail chunks, {_CP_WORDS[m['cp_method']]})" if m["cp"] > 1 else "") + ", "
                   f"{plan.schedule}, micro-batch {plan.micro_batch_size} x {plan.num_micro_batches}, "
                   f"SP {'on' if plan.sequence_parallel else 'off'}, zero={plan.zero}, recompute={plan.recompute}")
+    inexact = d["inexact"]
+    if inexact is not None:
+        console.print(f"[bold yellow]INEXACT[/]: outer_steps={inexact['outer_steps']}, {inexact['why_inexact']}",
+                      highlight=False)
+        if inexact["why_won"] is not None:
+            console.print(f"why it won over {inexact['exact_spec']}: {inexact['why_won']}", highlight=False)
     if m["cp"] > 1:
         console.print(f"context parallelism: cp={m['cp']} ({m['cp_method']}), each rank {d['seq_len'] // m['cp']:,} "
                       f"tokens of every sequence (head-tail: attention total / cp a rank), gradients over dp x cp; "

@@ -12,6 +12,8 @@ Per step:
 The slice needs no reduce-scatter (the site's ranks hold the same parameters), so pricing the
 outer step as a whole hierarchical all-reduce overstates its site-link part a little; the long
 haul, which is what the outer loop saves, is priced as it runs.
+Memory: the outer loop keeps an anchor and a momentum buffer, each a copy of the rank's
+parameters in their dtype (`OUTER_STATE_COPIES`, `evaluate.py` adds them).
 Input: the cluster, the plan's mesh (sites > 1), gradient bytes and parameter bytes per rank,
 H. Output: a `SyncPrice` per step.
 """
@@ -24,6 +26,11 @@ from mplan.planner.dp_sync import SyncPrice, dp_collective, link_use
 
 PSEUDO_GRADIENT_BYTES = 4
 """Bytes an element of the pseudo-gradient crosses sites in (float32, whatever the weights' dtype)."""
+
+
+OUTER_STATE_COPIES = 2
+"""Copies of the rank's parameters the outer loop keeps (`runtime/outer_loop.OuterLoop`: the anchor,
+and the Nesterov momentum of DiLoCo's outer optimizer)."""
 
 
 class OuterLoopRefused(ValueError):

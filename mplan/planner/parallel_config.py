@@ -14,6 +14,12 @@ to its last backward of the step instead: one gather per step, the stage's weigh
 `sites=S` (a cluster of S sites): data parallelism hierarchical over the sites, the site dp's
 outermost factor (`ir/mesh.py`); 1, the default, is flat. On a cluster of several sites the search
 tries both where the mesh allows (`site_options`).
+`outer_steps=H` (H >= 1; 0, the default, is synchronous): across sites, each site trains alone for
+H steps, its gradients reduced inside the site only, then one outer step over the sites averages
+their parameters' change (DiLoCo-style, `runtime/outer_loop.py`). Inexact: it is not the
+single-device loop's arithmetic, so it needs sites > 1 and zero=0 and ep=1 (the outer loop reads
+whole, non-expert parameters), and the search tries it only where the user allows inexact
+training (`outer_variants`).
 `enumerate_configs` lists every config a cluster and model admit, with the reason each excluded
 degree fails kept for error messages.
 """
@@ -42,10 +48,16 @@ ZERO3_KEEPS_UNDER_PIPELINES: dict[str, bool] = {"mplan": True, "megatron": False
 plan says. mplan's does (`runtime/parallel_module.py`: `keep_gathered` under a pipeline), so its
 zero=3 pipeline plans are priced and recorded with keep_weights; Megatron-FSDP's is not known
 here, so both are priced for it."""
-_INT_KEYS = ("dp", "tp", "pp", "vpp", "ep", "cp", "mbs", "sp", "zero", "keep_weights", "sites")
+_INT_KEYS = ("dp", "tp", "pp", "vpp", "ep", "cp", "mbs", "sp", "zero", "keep_weights", "sites", "outer_steps")
 _FLAG_KEYS = ("sp", "keep_weights")
 _KEYS = _INT_KEYS + ("recompute", "schedule", "capacity", "cp_method")
 CP_METHODS = ("all_gather", "ring", "all_to_all")
+OUTER_STEPS_SEARCHED = (8, 32, 128)
+"""The outer loop's periods (inner steps per outer step) a search tries where inexact training is
+allowed. DiLoCo ("DiLoCo: Distributed Low-Communication Training of Language Models", Douillard
+et al., 2023) ran H = 500 with little loss; shorter periods are tried first because the
+convergence cost grows with H and is not priced (measured here on a tiny model only:
+benchmarks/results/outer_loop-cpu-2026-12-06.json, held-out 1.550 synchronous, 1.666 at H=8)."""
 """How attention exchanges the sequence over cp (`collectives.context_attention.METHODS`): keys and
 values all-gathered, passed around a ring, or heads redistributed all-to-all (Ulysses)."""
 
@@ -76,6 +88,13 @@ class ParallelConfig:
     schedule: str = "1f1b"
     capacity_factor: float | None = None  # experts' capacity factor; None: dropless (not searched)
     sites: int = 1  # sites dp spans hierarchically (the mesh's outermost factor of dp); 1: flat
+    # inner steps per outer step of the outer loop across sites (`runtime/outer_loop.py`); 0: synchronous
+    outer_steps: int = 0
+
+    @property
+    def inexact(self) -> bool:
+        """Whether this config changes the single-device loop's arithmetic (an outer loop)."""
+        return self.outer_steps > 0
 
     @property
     def world_size(self) -> int:
@@ -93,6 +112,7 @@ class ParallelConfig:
                 + (f",cp_method={self.cp_method}" if self.cp > 1 and self.cp_method != "all_gather" else "")
                 + (",keep_weights=1" if self.keep_weights else "")
                 + (f",sites={self.sites}" if self.sites > 1 else "")
+                + (f",outer_steps={self.outer_steps}" if self.outer_steps else "")
                 + (f",capacity={self.capacity_factor:g}" if self.capacity_factor is not None else ""))
 
     def short(self) -> str:
@@ -114,6 +134,8 @@ class ParallelConfig:
             parts.append(f"cf{self.capacity_factor:g}")
         if self.sites > 1:
             parts.append(f"sites{self.sites}")
+        if self.outer_steps:
+            parts.append(f"outer{self.outer_steps}")
         return "-".join(parts)
 
 
@@ -136,6 +158,7 @@ class PlanSpec:
     schedule: str | None = None
     capacity: float | None = None  # experts' capacity factor (None: dropless); passed through, not searched
     sites: int | None = None  # None: searched where the cluster has several sites (`site_options`)
+    outer_steps: int | None = None  # None: synchronous unless inexact training is allowed (`outer_variants`)
 
     @property
     def is_auto(self) -> bool:
@@ -157,8 +180,8 @@ class PlanSpec:
             have = getattr(config, key)
             if key == "cp_method" and config.cp == 1:
                 continue  # read only where cp > 1
-            if key == "sites":
-                continue  # chosen after the mesh, against the cluster (`site_variants`)
+            if key in ("sites", "outer_steps"):
+                continue  # chosen after the mesh, against the cluster (`site_variants`, `outer_variants`)
             if want is not None and (int(have) if key in _FLAG_KEYS else have) != want:
                 return False
         return True
@@ -188,6 +211,11 @@ def parse_plan_spec(text: str) -> PlanSpec:
                                     f"optimizer state sharded over DP, 2 and gradients, 3 and parameters), "
                                     f"got {raw!r}")
             values[key] = int(raw)
+        elif key == "outer_steps":
+            if not raw.isdigit():
+                raise PlanSpecError(f"plan spec {text!r}: outer_steps must be a whole number of inner steps per "
+                                    f"outer step (0: synchronous), got {raw!r}")
+            values[key] = int(raw)
         elif key in _FLAG_KEYS:
             if raw not in ("0", "1"):
                 raise PlanSpecError(f"plan spec {text!r}: {key} must be 0 or 1, got {raw!r}")
@@ -204,7 +232,36 @@ def parse_plan_spec(text: str) -> PlanSpec:
     if values.get("keep_weights") == 1 and values.get("zero", 3) != 3:
         raise PlanSpecError(f"plan spec {text!r}: keep_weights=1 keeps zero=3's gathered weights through the step; "
                             f"it needs zero=3, got zero={values['zero']}")
+    if values.get("outer_steps") and values.get("sites") == 1:
+        raise PlanSpecError(f"plan spec {text!r}: outer_steps={values['outer_steps']} averages over sites; it needs "
+                            f"sites > 1, got sites=1")
     return PlanSpec(**values)  # type: ignore[arg-type]
+
+
+def outer_refusal(config: ParallelConfig) -> str | None:
+    """Why `config` cannot run its outer loop (one line), or None: it needs sites to average over,
+    whole parameters (zero=0) and no expert parallelism (experts' replicas span sites flat)."""
+    if not config.outer_steps:
+        return None
+    if config.sites == 1:
+        return f"outer_steps={config.outer_steps} averages over sites; it needs sites > 1, got sites=1"
+    if config.zero:
+        return (f"outer_steps={config.outer_steps} runs with zero=0 only (the outer step reads and writes whole "
+                f"parameters), got zero={config.zero}")
+    if config.ep > 1:
+        return (f"outer_steps={config.outer_steps} runs with ep=1 only (experts' replicas span sites flat), "
+                f"got ep={config.ep}")
+    return None
+
+
+def outer_variants(config: ParallelConfig, spec: PlanSpec, inexact_ok: bool) -> list[ParallelConfig]:
+    """`config` at each outer-loop period the search tries: the spec's, else synchronous (0) and,
+    where the user allows inexact training, each of `OUTER_STEPS_SEARCHED` that can run there
+    (`outer_refusal`)."""
+    wanted = (spec.outer_steps,) if spec.outer_steps is not None else \
+        (0, *OUTER_STEPS_SEARCHED) if inexact_ok else (0,)
+    variants = [replace(config, outer_steps=h) for h in wanted]
+    return [v for v in variants if outer_refusal(v) is None]
 
 
 def _capacity(text: str, raw: str) -> float:

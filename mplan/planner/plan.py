@@ -20,6 +20,11 @@ last backward of the step (one all-gather per step) instead of gathering them be
 and backward. `zero_levels` (optional) records, for `explain`, the plan's layout priced at every
 other ZeRO level the search could choose and the search's best plan at each (`ZeroLevel`).
 
+`outer_steps` (optional; absent or 0: synchronous) is the outer loop across sites of an inexact
+plan (`parallel_config.outer_refusal`, `runtime/outer_loop.py`): each site reduces its gradients
+inside itself for H steps, then one outer step averages the sites' parameters. Valid only with
+mesh.sites > 1, zero=0 and ep=1; written only where it is set, so plans without it read as before.
+
 JSON is validated field by field on load (`PlanError` names the field); nothing is unpickled.
 """
 from __future__ import annotations
@@ -34,7 +39,8 @@ from mplan.ir.graph import Graph
 from mplan.ir.mesh import MeshShape
 from mplan.ir.schedule import SCHEDULES
 from mplan.ir.strategy import Strategy, StrategyParseError, parse_strategy
-from mplan.planner.parallel_config import CP_METHODS, DEFAULT_RUNTIME, RUNTIMES
+from mplan.planner.parallel_config import (CP_METHODS, DEFAULT_RUNTIME, RUNTIMES, ParallelConfig,
+                                           outer_refusal)
 
 LEGACY_RUNTIME = "megatron"
 """A Plan file without a `runtime` field was written before plans recorded it, when `mplan plan`
@@ -242,7 +248,14 @@ class Plan:
     # zero=3 only: the gathered weights kept through the step (module doc); optional (absent: False)
     zero3_keep_weights: bool = False
     zero_levels: tuple[ZeroLevel, ...] = ()  # optional (absent: none recorded)
+    # inner steps per outer step of the outer loop across sites (module doc); optional (absent: 0, synchronous)
+    outer_steps: int = 0
     version: int = PLAN_VERSION
+
+    @property
+    def inexact(self) -> bool:
+        """Whether this plan changes the single-device loop's arithmetic (an outer loop across sites)."""
+        return self.outer_steps > 0
 
     def spec(self) -> str:
         """The manual spec string that asks for exactly this plan."""
@@ -254,7 +267,8 @@ class Plan:
                 + (f",cp_method={m.cp_method}" if m.cp > 1 and m.cp_method != "all_gather" else "")
                 + (",keep_weights=1" if self.zero3_keep_weights else "")
                 + (f",capacity={self.capacity_factor:g}" if self.capacity_factor is not None else "")
-                + (f",sites={m.sites}" if m.sites > 1 else ""))
+                + (f",sites={m.sites}" if m.sites > 1 else "")
+                + (f",outer_steps={self.outer_steps}" if self.outer_steps else ""))
 
     def mesh_shape(self) -> MeshShape:
         """The rank layout of this plan's mesh (ep and vpp do not add ranks)."""
@@ -298,6 +312,8 @@ class Plan:
             del doc["op_costs"]
         if not self.zero_levels:
             del doc["zero_levels"]
+        if not self.outer_steps:
+            del doc["outer_steps"]
         return _json_data({"version": doc.pop("version"), **doc})
 
     def to_json(self) -> str:
@@ -334,7 +350,7 @@ class Plan:
                    op_costs=_op_costs(r, "op_costs"),
                    zero3_keep_weights=r.boolean("zero3_keep_weights") if r.has("zero3_keep_weights") else False,
                    zero_levels=tuple(_zero_level(z) for z in r.objects("zero_levels")) if r.has("zero_levels")
-                   else (), version=version)
+                   else (), outer_steps=_outer_steps(r), version=version)
         r.finish()
         _check_consistent(plan, file)
         return plan
@@ -372,6 +388,11 @@ def _capacity(r: FieldReader) -> float | None:
     if not r.has("capacity_factor") or r.raw("capacity_factor") is None:
         return None
     return r.number("capacity_factor")
+
+
+def _outer_steps(r: FieldReader) -> int:
+    """Inner steps per outer step; absent: 0 (synchronous, as every plan written before the key)."""
+    return r.integer("outer_steps", minimum=0) if r.has("outer_steps") else 0
 
 
 def _head_loss_chunk_rows(r: FieldReader) -> int | None:
@@ -555,6 +576,10 @@ def _check_consistent(plan: Plan, file: str) -> None:
     if m.sites > 1 and m.sites != plan.cluster.sites:
         raise PlanError(f"{file}: mesh.sites={m.sites} but cluster.sites={plan.cluster.sites}: a plan's sites are 1 "
                         f"(flat) or its cluster's")
+    refused = outer_refusal(ParallelConfig(dp=m.dp, tp=m.tp, pp=m.pp, ep=m.ep, sites=m.sites, zero=plan.zero,
+                                           outer_steps=plan.outer_steps))
+    if refused:
+        raise PlanError(f"{file}: {refused}")
     if plan.zero3_keep_weights and plan.zero != 3:
         raise PlanError(f"{file}: zero3_keep_weights is true at zero={plan.zero}: only zero=3 gathers weights to keep")
     if m.ep > 1 and not any(placements.get("ep") == "S(0)" for placements in plan.sharding.values()):

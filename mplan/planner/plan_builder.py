@@ -111,13 +111,15 @@ def _why_lost(best: Estimate, other: Estimate) -> str:
 def _diverse(ranked: list[Estimate], best: Estimate, meshes: int = 4) -> list[Estimate]:
     """The best candidate of each other mesh shape, then the best variant of the winning mesh; where
     the winner has cp > 1, the best plan without context parallelism among the meshes too, and
-    where it runs DP hierarchically over sites, the best flat plan (sites=1)."""
+    where it runs DP hierarchically over sites, the best flat plan (sites=1); where it is inexact (an
+    outer loop across sites), the best synchronous plan first, what `explain` weighs it against."""
     def mesh(e: Estimate) -> tuple[int, ...]:
-        return (e.config.dp, e.config.tp, e.config.pp, e.config.vpp, e.config.cp, e.config.sites)
+        return (e.config.dp, e.config.tp, e.config.pp, e.config.vpp, e.config.cp, e.config.sites, e.config.outer_steps)
     seen, picked = {mesh(best)}, []
+    exact = next((e for e in ranked if not e.config.inexact), None) if best.config.inexact else None
     without_cp = next((e for e in ranked if e.config.cp == 1), None) if best.config.cp > 1 else None
     flat = next((e for e in ranked if e.config.sites == 1), None) if best.config.sites > 1 else None
-    for kept in (without_cp, flat):
+    for kept in (exact, without_cp, flat):
         if kept is not None and mesh(kept) not in seen:
             seen.add(mesh(kept))
             picked.append(kept)
@@ -194,7 +196,7 @@ def build_plan(result: SearchResult, graph: Graph, cluster: ClusterSpec, global_
         recompute=config.recompute, stages=stages, sharding=_param_placements(graph, model, best, units), ops=ops,
         predicted=predicted_of(best), alternatives=alternatives, tp_layout=tp_layout, runtime=runtime,
         capacity_factor=config.capacity_factor, head_loss_chunk_rows=best.head_chunk_rows, op_costs=op_costs,
-        zero3_keep_weights=config.keep_weights, zero_levels=zero_levels_of(result) if best is result.best else (),
+        zero3_keep_weights=config.keep_weights, outer_steps=config.outer_steps, zero_levels=zero_levels_of(result) if best is result.best else (),
         planner={"search_seconds": round(result.seconds, 3), "candidates": result.num_candidates,
                  "capture_seconds": round(graph.capture_seconds, 3), **context_figures(best)})
 

@@ -77,21 +77,25 @@ def check_batch(global_batch: object, seq_len: object = None) -> None:
 def search_plans(graph: Graph, cluster: ClusterSpec, global_batch: int, spec: PlanSpec | str = "auto", *,
                  allow: StrategyFilter | None = None, allow_cross_node_tp: bool = False, kernels: bool = False,
                  fp8: bool = False, runtime: str = DEFAULT_RUNTIME, moe_imbalance: float = 1.0,
-                 progress: Callable[[str], None] | None = None) -> tuple[Planner, SearchResult]:
+                 progress: Callable[[str], None] | None = None, inexact_ok: bool = False) -> tuple[Planner, SearchResult]:
     check_batch(global_batch)
     if isinstance(spec, str):
         spec = parse_plan_spec(spec)
     planner = Planner(graph, cluster, allow=allow, kernels=kernels, fp8=fp8, runtime=runtime,
                       moe_imbalance=moe_imbalance, progress=progress)
-    return planner, planner.search(global_batch, spec, allow_cross_node_tp=allow_cross_node_tp)
+    return planner, planner.search(global_batch, spec, allow_cross_node_tp=allow_cross_node_tp, inexact_ok=inexact_ok)
 
 
 def plan(model: nn.Module | str, example_inputs: Sequence[Any] | None = None, *, cluster: ClusterSpec,
          global_batch: int, spec: PlanSpec | str = "auto", seq_len: int | None = None,
          loss_fn: Callable[..., torch.Tensor] | None = None, allow_cross_node_tp: bool = False,
          kernels: bool | None = None, fp8: bool = False, runtime: str = DEFAULT_RUNTIME, moe_imbalance: float = 1.0,
-         progress: Progress | Callable[[str], None] | str | None = None) -> Plan:
+         progress: Progress | Callable[[str], None] | str | None = None, inexact_ok: bool = False) -> Plan:
     """The fastest plan that fits, with the best rejected alternatives and why each lost.
+
+    `inexact_ok`: the user allows inexact training, so on a cluster of several sites the search
+    also tries an outer loop across sites (`outer_steps`, DiLoCo-style), which does not compute the
+    single-device loop's updates; `explain` then says so and why it won.
 
     `kernels`: price the memory-bound chains as mplan's fused kernels, as `autoparallel` runs
     them on CUDA (None: on for GPU clusters, off for the `cpu` preset). `fp8`: a plan whose
@@ -116,7 +120,7 @@ def plan(model: nn.Module | str, example_inputs: Sequence[Any] | None = None, *,
     with progress.phase("search", f"{cluster.world_size} {cluster.device.name} ranks"):
         _, result = search_plans(graph, cluster, global_batch, checked.spec, allow_cross_node_tp=allow_cross_node_tp,
                                  kernels=kernels, fp8=fp8, runtime=runtime, moe_imbalance=moe_imbalance,
-                                 progress=progress)
+                                 progress=progress, inexact_ok=inexact_ok)
     made = build_plan(result, graph, cluster, global_batch, runtime=runtime)
     made = dataclasses.replace(made, fp8=fp8, model=dataclasses.replace(made.model, seq_len_source=checked.seq_len_source))
     made.planner["total_seconds"] = round(time.perf_counter() - start, 3)

@@ -48,7 +48,7 @@ from mplan.ir.stage_cut import StageCutError, stage_of_units
 from mplan.ir.strategy import Strategy, parse_strategy
 from mplan.planner.op_registry import replicated
 from mplan.planner.parallel_config import (EXECUTABLE_ZERO, ZERO3_KEEPS_UNDER_PIPELINES, ParallelConfig, PlanSpec,
-                                           PlanSpecError, parse_plan_spec)
+                                           PlanSpecError, outer_refusal, parse_plan_spec)
 from mplan.planner.plan import TP_LAYOUTS, Plan, PlanError
 from mplan.planner.plan_builder import build_plan
 from mplan.planner.search import Planner, SearchResult
@@ -58,8 +58,9 @@ from mplan.planner.spec_check import experts_refusal, heads_refusal
 def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec, world_size: int,
                  global_batch: int, micro_batch_size: int | None = None, tp_layout: str = "megatron",
                  within: PlanSpec = PlanSpec(), kernels: bool = False, fp8: bool = False,
-                 progress: Callable[[str], None] | None = None) -> Plan:
-    """One complete Plan for `graph` (see the module docstring)."""
+                 progress: Callable[[str], None] | None = None, inexact_ok: bool = False) -> Plan:
+    """One complete Plan for `graph` (see the module docstring). `inexact_ok`: a search may choose
+    an outer loop across sites (`outer_steps`), which is not the single-device loop's arithmetic."""
     plan = check_before_capture(plan, world_size=world_size, global_batch=global_batch,
                                 micro_batch_size=micro_batch_size, tp_layout=tp_layout)
 
@@ -71,7 +72,8 @@ def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec,
     if plan is None or (isinstance(plan, str) and plan.strip() in ("", "auto")):
         # cp=1: `graph` holds whole sequences (`api` captures a cp rank's slice only for a cp it is given)
         within = within if within.cp is not None else dataclasses.replace(within, cp=1)
-        result = planner("ilp").search(global_batch, within, zero_levels=EXECUTABLE_ZERO["mplan"])
+        result = planner("ilp").search(global_batch, within, zero_levels=EXECUTABLE_ZERO["mplan"],
+                                       inexact_ok=inexact_ok)
         made = build_plan(result, graph, cluster, global_batch, tp_layout="ilp", runtime="mplan")
     elif isinstance(plan, Plan):
         made = _bind(plan, graph, world_size, global_batch)
@@ -181,6 +183,10 @@ def _degrees_of(text: str, world_size: int, global_batch: int,
     if spec.sites is not None and (dp % spec.sites or (dp // spec.sites) % (spec.ep or 1)):
         raise PlanSpecError(f"plan {text!r}: sites={spec.sites} must divide dp={dp} and leave ep={spec.ep or 1} "
                             f"inside a site (data parallelism is what spans sites)")
+    refused = outer_refusal(ParallelConfig(dp=dp, tp=tp, pp=pp, ep=spec.ep or 1, sites=spec.sites or 1,
+                                           zero=spec.zero or 0, outer_steps=spec.outer_steps or 0))
+    if refused:
+        raise PlanSpecError(f"plan {text!r}: {refused}")
     if spec.zero == 3 and pp > 1 and spec.keep_weights == 0 and ZERO3_KEEPS_UNDER_PIPELINES["mplan"]:
         raise PlanSpecError(f"plan {text!r}: mplan's runtime keeps zero=3's gathered weights through the step "
                             f"under a pipeline (pp={pp}): keep_weights=0 cannot run there; leave it out")
@@ -224,7 +230,7 @@ def _config_of(text: str, world_size: int, global_batch: int, micro_batch_size: 
                                                                    ZERO3_KEEPS_UNDER_PIPELINES["mplan"]),
                           recompute=spec.recompute or "none",
                           schedule=spec.schedule or ("interleaved" if (spec.vpp or 1) > 1 else "1f1b"),
-                          capacity_factor=spec.capacity, sites=spec.sites or 1)
+                          capacity_factor=spec.capacity, sites=spec.sites or 1, outer_steps=spec.outer_steps or 0)
 
 
 def _check_sites(plan: Plan, cluster: ClusterSpec) -> None:

@@ -45,8 +45,8 @@ from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains, fin
 from mplan.planner.host_cost import runtime_host
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.parallel_config import (DEFAULT_RUNTIME, RUNTIMES, ZERO_LEVELS, ModelLimits, ParallelConfig,
-                                           PlanSpec, PlanSpecError, context_methods, enumerate_configs, site_variants,
-                                           zero_variants)
+                                           PlanSpec, PlanSpecError, context_methods, enumerate_configs, outer_variants,
+                                           site_variants, zero_variants)
 from mplan.planner.plan import TP_LAYOUTS
 from mplan.planner.spec_check import spec_refusal
 from mplan.planner.sharding_ilp import (GraphSharding, ShardingInfeasible, StrategyFilter, reprice_graph,
@@ -284,10 +284,16 @@ class Planner:
         return self._dominated_methods[key]
 
     def search(self, global_batch: int, spec: PlanSpec | None = None, *,
-               allow_cross_node_tp: bool = False, zero_levels: tuple[int, ...] = ZERO_LEVELS) -> SearchResult:
+               allow_cross_node_tp: bool = False, zero_levels: tuple[int, ...] = ZERO_LEVELS,
+               inexact_ok: bool = False) -> SearchResult:
         """The fastest config that fits (module docstring); `zero_levels`: the ZeRO levels to
-        search (those the runtime that will run the plan executes, `EXECUTABLE_ZERO`)."""
+        search (those the runtime that will run the plan executes, `EXECUTABLE_ZERO`);
+        `inexact_ok`: the user allows inexact training, so an outer loop across sites
+        (`outer_variants`, priced by `outer_pricing`) competes with synchronous plans."""
         spec = spec or PlanSpec()
+        if spec.outer_steps and self.cluster.num_sites == 1:
+            raise PlanSpecError(f"plan spec {spec}: outer_steps={spec.outer_steps} averages over sites; cluster "
+                                f"{self.cluster.name} has one site")
         start = time.perf_counter()
         world = self.cluster.world_size
         configs = list(enumerate_configs(world_size=world, gpus_per_node=self.cluster.gpus_per_node,
@@ -299,6 +305,8 @@ class Planner:
             configs = [c for c in configs if c.cp == self.context_slice]
         # flat and hierarchical data parallelism where the cluster has sites
         configs = [v for c in configs for v in site_variants(c, self.cluster.num_sites, spec)]
+        # an outer loop across sites only where the user allows inexact training (or the spec asks for one)
+        configs = [v for c in configs for v in outer_variants(c, spec, inexact_ok)]
         if not configs:
             raise PlanningError(_no_config_reason(world, self.cluster.gpus_per_node, global_batch, self.limits,
                                                   spec, _ranks(self.cluster), model=self.graph.model_name,

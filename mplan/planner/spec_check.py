@@ -29,7 +29,8 @@ from torch import nn
 
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.planner.evaluate import device_word
-from mplan.planner.parallel_config import ZERO_LEVELS, PlanSpec, PlanSpecError, parse_plan_spec
+from mplan.planner.parallel_config import (ZERO_LEVELS, ParallelConfig, PlanSpec, PlanSpecError, outer_refusal,
+                                           parse_plan_spec)
 
 
 def spec_refusal(spec: PlanSpec, *, world_size: int, gpus_per_node: int, global_batch: int,
@@ -72,6 +73,9 @@ def spec_refusal(spec: PlanSpec, *, world_size: int, gpus_per_node: int, global_
     sites = sites_refusal(spec, asked, dp, num_sites)
     if sites:
         return sites
+    outer = outer_steps_refusal(spec, asked, num_sites)
+    if outer:
+        return outer
     if dp is not None and spec.ep is not None and dp % spec.ep:
         return (f"{asked}: ep={spec.ep} does not divide the dp={dp} data-parallel ranks it is carved from "
                 f"({dp} % {spec.ep} = {dp % spec.ep})")
@@ -130,6 +134,19 @@ class Checked:
     inputs" for a module)"""
 
 
+def outer_steps_refusal(spec: PlanSpec, asked: str, num_sites: int) -> str | None:
+    """Why the spec's outer loop cannot run on a cluster of `num_sites` sites, or None
+    (`parallel_config.outer_refusal` for what the rest of the spec fixes)."""
+    if not spec.outer_steps:
+        return None
+    if num_sites == 1:
+        return f"{asked}: outer_steps={spec.outer_steps} averages over sites; the cluster has one site (see --sites)"
+    ep = spec.ep or 1
+    refused = outer_refusal(ParallelConfig(dp=num_sites * ep, tp=1, pp=1, ep=ep, sites=num_sites, zero=spec.zero or 0,
+                                           outer_steps=spec.outer_steps))
+    return f"{asked}: {refused}" if refused else None
+
+
 def check_before_capture(spec: PlanSpec | str, *, cluster: ClusterSpec, global_batch: int,
                          model: nn.Module | str, seq_len: int | None = None,
                          allow_cross_node_tp: bool = False) -> Checked:
@@ -158,4 +175,5 @@ def check_before_capture(spec: PlanSpec | str, *, cluster: ClusterSpec, global_b
     return Checked(spec=parsed, seq_len_source=seq_len_source)
 
 
-__all__ = ["Checked", "check_before_capture", "experts_refusal", "heads_refusal", "sites_refusal", "spec_refusal"]
+__all__ = ["Checked", "check_before_capture", "experts_refusal", "heads_refusal", "outer_steps_refusal",
+           "sites_refusal", "spec_refusal"]

@@ -25,6 +25,11 @@ inside the site: `hierarchical_reduce.py`), its buffer padded to a multiple of t
 replicas; the first phase starts where the flat all-reduce would, the last at the sync.
 Expert buckets keep their flat all-reduce over expert_dp.
 
+Inside the site only (an outer loop across sites, `outer_loop.py`): `GradientSync` built on
+`inner_only(groups)` sees the site's replicas as the whole of data parallelism, so each bucket is
+one all-reduce over `site_dp`, divided by the site's replica count: nothing crosses the long haul,
+and each site steps as a data-parallel job of its own until the outer step averages the sites.
+
 Parameters whose gradient needs no collective and no scaling (dp=1, unless it is a TP partial
 sum over tp > 1: every parameter of a one-rank or pure-TP run) get no bucket: autograd makes
 their `.grad` and `zero_grad()` sets it to None, as eager PyTorch does. A bucket would hold
@@ -43,6 +48,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import weakref
@@ -58,6 +64,21 @@ from mplan.runtime.hierarchical_reduce import CrossSiteLink, SiteReductions
 from mplan.runtime.param_placement import ParamPlacement, Placements, placement_of, replica_group, shard_group
 from mplan.runtime.process_groups import ProcessGroup, ProcessGroups, group_size
 
+
+
+def inner_only(groups: ProcessGroups) -> ProcessGroups:
+    """`groups` as a site's own data parallelism sees them (module docstring): dp is the site's
+    replicas (`site_dp`), one site, no cross-site group. The optimizers built on them reduce
+    gradients (and shard ZeRO state) inside the site only; the batch rows a rank reads still come
+    from the whole mesh's `groups`. Experts' replicas span sites flat, so ep must be 1."""
+    mesh = groups.mesh
+    if mesh.sites == 1 or mesh.ep > 1:
+        raise ValueError(f"inner-only gradient sync needs sites > 1 and ep = 1, got sites={mesh.sites}, ep={mesh.ep}")
+    local = dataclasses.replace(mesh, dp=mesh.dp_local, sites=1)
+    position = groups.coord.dp % mesh.dp_local
+    coord = dataclasses.replace(groups.coord, dp=position, expert_dp=position, site=0)
+    return dataclasses.replace(groups, mesh=local, coord=coord, dp=groups.site_dp, expert_dp=groups.site_dp,
+                               cross_site_dp=None)
 
 
 def unique_trainable(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:

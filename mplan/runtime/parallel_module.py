@@ -41,6 +41,14 @@ over micro-batches and replicas, which equals the single-device loss of the glob
 every micro-batch counts the same number of target tokens (no ignored labels, or the same number
 per micro-batch).
 
+Under an outer loop across sites (`plan.outer_steps = H`, inexact, `outer_loop.py`): the optimizer
+is built on the site's groups alone (`data_parallel.inner_only`), so gradients are averaged over
+the site's replicas and nothing crosses sites in a step; every H steps the outer step averages the
+sites' parameters' change over `cross_site_dp`. The loss returned is the site's (its replicas'
+mean): between outer steps each site trains its own copy. Clipping is refused there (its global
+norm would cross sites every step), and so are `save` and `load` (the outer loop's anchor and
+momentum are not in the checkpoint format).
+
 Inference (`pm(inputs)`) runs the training graph's own program up to the model's output (the
 logits the capture keeps beside the loss), rebuilt for the inputs' batch under the same Plan;
 a model that returns only its loss when given labels gets its inference graph from the caller
@@ -88,10 +96,11 @@ from mplan.planner.plan import Plan, PlanError
 from mplan.progress import Progress
 from mplan.runtime.checkpoint import Stateful, is_hf_directory, load_checkpoint, save_checkpoint
 from mplan.runtime.compute_copies import ComputeCopies, autocast_cast_parameters
-from mplan.runtime.data_parallel import needs_reduction
+from mplan.runtime.data_parallel import inner_only, needs_reduction, unique_trainable
 from mplan.runtime.launch import collective_device
 from mplan.runtime.metrics import StepMeter, StepMetrics
 from mplan.runtime.optimizer import DistributedOptimizer, build_optimizer
+from mplan.runtime.outer_loop import OuterLoop, OuterOptimizer
 from mplan.runtime.param_placement import ParamPlacement
 from mplan.runtime.pipeline_executor import PipelineExecutor, StageRunner
 from mplan.runtime.pipeline_stages import RankStages, pipeline_schedule, rank_stages
@@ -157,10 +166,15 @@ def at_batch(graph: Graph, rows: int) -> Graph:
 def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.Module, optimizer: OptimizerFactory,
                 device: torch.device, dtype: torch.dtype | None = None, seed: int = 0,
                 max_grad_norm: float | None = None, autocast: torch.dtype | None = None, kernels: bool = False,
-                fp8: bool = False, inference: Inference | None = None, documents: bool = False) -> ParallelModule:
+                fp8: bool = False, inference: Inference | None = None, documents: bool = False,
+                outer: OuterOptimizer = OuterOptimizer()) -> ParallelModule:
     """Build this rank's `ParallelModule` (collective: every rank of the job calls it).
-    `documents`: attention can be told packed documents' boundaries (`train_step(..., doc_ids=)`)."""
+    `documents`: attention can be told packed documents' boundaries (`train_step(..., doc_ids=)`).
+    `outer`: the outer loop's optimizer, read only where the plan has `outer_steps`."""
     check_executable(plan)
+    if plan.outer_steps and max_grad_norm is not None:  # raised alike on every rank, before any collective
+        raise ValueError(f"plan {plan.spec()}: max_grad_norm with outer_steps: the global norm would cross sites "
+                         f"every step, which the outer loop exists to avoid; clip without it or drop outer_steps")
     if fp8 and plan.recompute != "none":
         # raised alike on every rank, before the first collective
         raise ValueError(f"plan {plan.spec()}: recompute={plan.recompute} with fp8=True: FP8's delayed scaling "
@@ -209,7 +223,7 @@ def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.
                           params={k: nn.Parameter(v) for k, v in shards.items()}, statics=statics,
                           layouts=parameter_layouts(graph, choice), optimizer=optimizer, device=device,
                           max_grad_norm=max_grad_norm, autocast=autocast, kernels=kernels, fp8=fp8,
-                          inference=inference, pipeline=pipeline, experts=experts, context=context)
+                          inference=inference, pipeline=pipeline, experts=experts, context=context, outer=outer)
 
 
 def context_layout(plan: Plan) -> ContextLayout:
@@ -319,7 +333,8 @@ class ParallelModule:
                  optimizer: OptimizerFactory, device: torch.device, max_grad_norm: float | None,
                  autocast: torch.dtype | None, kernels: bool, inference: Inference | None,
                  fp8: bool = False, pipeline: RankStages | None = None,
-                 experts: ExpertsLowering = NO_EXPERT_PARALLELISM, context: ContextLowering | None = None) -> None:
+                 experts: ExpertsLowering = NO_EXPERT_PARALLELISM, context: ContextLowering | None = None,
+                 outer: OuterOptimizer = OuterOptimizer()) -> None:
         self.graph, self.plan, self.digest, self.groups, self.axis = graph, plan, digest, groups, axis
         self.choice = choice  # the TP strategy of every node of the training graph
         self.program, self.params, self.statics, self.layouts = program, params, statics, layouts
@@ -348,14 +363,18 @@ class ParallelModule:
         programs = [program] if pipeline is None else [pipeline.stages[s].module for s in pipeline.mine]
         units = unit_parameters(programs, graph, params) if plan.zero == 3 else None
         keep = pipeline is not None or getattr(plan, "zero3_keep_weights", False)
+        # what data parallelism reduces over in a step: the mesh's replicas, or under an outer loop the site's
+        self.replicas = inner_only(groups) if plan.outer_steps else groups
         self.optimizer: DistributedOptimizer = build_optimizer(
-            list(params.values()), optimizer, groups, zero=plan.zero, placements=placements, copies=self.copies,
+            list(params.values()), optimizer, self.replicas, zero=plan.zero, placements=placements, copies=self.copies,
             summed_first=[params[n] for n in shared.groups] if shared is not None else (), units=units,
             keep_gathered=keep)
         for module in programs if units is not None else ():
             insert_unit_gathers(module, graph, params, self.optimizer, keep=keep)
         if units is not None:  # between steps their storage is released: reading one raises, naming how to
             guard(params)
+        self.outer_loop = OuterLoop(unique_trainable(params.values()), groups.cross_site_dp, plan.outer_steps, outer,
+                                    site_group=groups.site_dp) if plan.outer_steps else None
         self._last_grad_norm: torch.Tensor | None = None
         # the step's micro-batches, filled in place for the stages' feeds (which hold this list, the
         # parameters and the buffers, never the module: deleting pm frees it without a collection)
@@ -529,15 +548,17 @@ class ParallelModule:
                 total += loss.detach().to(torch.float64)
             self.position.collective("optimizer step")
             self._last_grad_norm = self.optimizer.step(max_grad_norm=self.max_grad_norm)
+            self._after_inner_step()
         finally:
             # Gradients live from the first backward to the update, as in an eager loop that
             # zeroes after stepping: none are held between steps, nor after a failed one.
             self.optimizer.zero_grad()
-        # over dp x cp ranks under context parallelism (each cp rank's loss is its share, scaled by cp)
-        total /= count * self.groups.mesh.dp
-        if group_size(self.groups.dp) > 1:
+        # over dp x cp ranks under context parallelism (each cp rank's loss is its share, scaled by
+        # cp); under an outer loop, the site's
+        total /= count * self.replicas.mesh.dp
+        if group_size(self.replicas.dp) > 1:
             self.position.collective("loss all-reduce", "dp")
-            dist.all_reduce(total, group=self.groups.dp)
+            dist.all_reduce(total, group=self.replicas.dp)
         return float(total)
 
     def _pipeline_step(self, micro: list[tuple[torch.Tensor, ...]]) -> float:
@@ -551,19 +572,34 @@ class ParallelModule:
             self.pipeline.copies.sum_gradients(self.params)
             self.position.collective("optimizer step")
             self._last_grad_norm = self.optimizer.step(max_grad_norm=self.max_grad_norm)
+            self._after_inner_step()
         finally:
             self._micro.clear()
             self.optimizer.zero_grad()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for loss in losses:
             total += loss.to(torch.float64)
-        total /= len(micro) * self.groups.mesh.dp  # dp x cp ranks under context parallelism (see `_step`)
+        total /= len(micro) * self.replicas.mesh.dp  # dp x cp ranks under context parallelism (see `_flat_step`)
         # the last stage's sum, then over replicas
-        for axis, group in (("pp", self.groups.pp), ("dp", self.groups.dp)):
+        for axis, group in (("pp", self.groups.pp), ("dp", self.replicas.dp)):
             if group_size(group) > 1:
                 self.position.collective("loss all-reduce", axis)
                 dist.all_reduce(total, group=group)
         return float(total)
+
+    def _after_inner_step(self) -> None:
+        """Under an outer loop, count the step and, every `outer_steps`, take the outer step over the
+        sites (`outer_loop.py`); what the optimizer keeps of the parameters is then re-derived. (The
+        hang watchdog reads it as part of the optimizer step.)"""
+        if self.outer_loop is not None:
+            if self.outer_loop.after_inner_step():
+                self.optimizer.params_loaded()
+
+    def _refuse_checkpoint_under_outer_loop(self, what: str) -> None:
+        if self.outer_loop is not None:
+            raise NotImplementedError(f"pm.{what} under outer_steps={self.plan.outer_steps}: the outer loop's anchor "
+                                      f"and momentum are not in mplan's checkpoints yet, and a resume without them "
+                                      f"would silently restart the outer optimizer")
 
     def watch_for_hangs(self, timeout_s: float | None = None, **options: float) -> Watchdog | None:
         """Start the hang watchdog (`watchdog.py`): a rank with no progress inside a step for
@@ -702,6 +738,7 @@ class ParallelModule:
         state is copied to CPU memory and writes while training goes on (`wait_for_save()`);
         `keep_latest=k` keeps the newest k checkpoints. `format="hf"` writes a Hugging Face
         directory instead (`hf_checkpoint.py`). Returns the checkpoint's directory."""
+        self._refuse_checkpoint_under_outer_loop("save")
         self.wait_for_save()
         if format == "hf":
             if background or keep_latest is not None or extras:
@@ -727,6 +764,7 @@ class ParallelModule:
         """Load a checkpoint saved under any plan and world size (collective), resharding it to
         this one: a checkpoint root (its newest step), one step's directory, or a Hugging Face
         model directory (config.json + safetensors: the weights only). Returns what it loaded."""
+        self._refuse_checkpoint_under_outer_loop("load")
         self.wait_for_save()
         if is_hf_directory(directory):
             from mplan.runtime.hf_checkpoint import load_hf  # safetensors, only when asked
