@@ -32,6 +32,14 @@ ZeRO-2 and ZeRO-3 (FSDP-style; ``BytesPerParam.total``), per local parameter:
           flight (held from the first forward to the last backward).
   bf16 under mplan's runtime: zero=2 2 + 16/d, zero=3 (2 + 16)/d; under Megatron's: 2 + 16/d and
   (2 + 4 + 12)/d.
+  With ``grads_whole`` (mplan's runtime under a pipeline: its executor adds each stage's gradients
+  into ``.grad`` itself, where no hook sees them, so zero 2 and 3 reduce-scatter every bucket at
+  the step, runtime/sharded_optimizer.py) the parameters' whole gradients are held too, from the
+  first backward to the step, beside the shard: zero=2 2 + 2 + 16/d, zero=3 keeping its weights
+  2 + 2 + (2 + 16)/d. The step's reductions then drop each bucket's whole gradients as they
+  flatten it (``reduction_peak``). On 4 gloo ranks (pp=2 x dp=2, a 16-layer bf16 Llama) zero=3's
+  first stage peaked in its backward 5.4% above this prediction, 13.3% above the shard-only count
+  (tests/test_zero23_pipeline_memory.py).
 Gradient reductions (``reduction_peak``, mplan's runtime): zero=1 flattens every bucket's
 gradients into a master-dtype copy for its reduce-scatter too, beside the whole gradients, at
 most three in flight as at zero 2/3. The
@@ -66,7 +74,12 @@ OPTIMIZERS: tuple[str, ...] = ("adam", "sgd")
 """``adam`` (also AdamW): two moments; ``sgd``: one momentum buffer."""
 FRAGMENTATION_FRACTION = 0.10
 """Share of allocated bytes lost to the caching allocator's fragmentation and the CUDA context: an
-assumption (reports of PyTorch runs range from a few to ~10%), not measured here; erring high."""
+assumption (reports of PyTorch runs range from a few to ~10%), not measured here; erring high. It
+is headroom, not bytes any tensor holds: `torch.cuda.max_memory_allocated` never sees it, so a
+Plan's `memory_gib` reads this share above such a peak by construction (one H100, a 1.26B Llama
+at zero 0, 1 and 3: +9.4% to +10.5%, while the prediction without it came within 0.6%;
+benchmarks/results/zero_bench_h100-2026-12-06.json, tests/test_memory_model_gpu_rows.py).
+What it stands for, reserved beyond allocated plus the context, is still unmeasured."""
 GiB = float(1 << 30)
 
 
@@ -118,18 +131,21 @@ class BytesPerParam:
         return (self.param if self.param_shard is None else self.param_shard,
                 self.grad if self.grad_shard is None else self.grad_shard)
 
-    def total(self, *, zero: int = 0, dp: int = 1, keep_weights: bool = False) -> float:
+    def total(self, *, zero: int = 0, dp: int = 1, keep_weights: bool = False, grads_whole: bool = False) -> float:
         """Bytes a local parameter holds through the step at `zero` over `dp` replicas, the
         transients of zero 2 and 3 apart (one unit's gradients, the gathered units in flight), but
-        with zero=3's weights whole where it keeps them through the step (`keep_weights`)."""
+        with zero=3's weights whole where it keeps them through the step (`keep_weights`) and zero
+        2 and 3's gradients whole beside their shard where the runtime reduces them at the step
+        (`grads_whole`, module docstring)."""
         check_zero(zero)
         param_shard, grad_shard = self.shard_bytes()
         optimizer = self.optimizer / (dp if zero else 1)
         if zero <= 1:
             return self.param + self.grad + optimizer
+        whole_grads = self.grad if grads_whole else 0.0
         if zero == 2:
-            return self.param + grad_shard / dp + optimizer
-        return param_shard / dp + grad_shard / dp + optimizer + (self.param if keep_weights else 0.0)
+            return self.param + grad_shard / dp + whole_grads + optimizer
+        return param_shard / dp + grad_shard / dp + whole_grads + optimizer + (self.param if keep_weights else 0.0)
 
 
 def check_zero(zero: object) -> None:
@@ -206,7 +222,7 @@ def estimate_memory(*, num_params: float, per_param: BytesPerParam, zero: int = 
                     selective_activation_bytes: float | None = None, checkpoint_bytes: float | None = None,
                     layer_activation_bytes: float = 0.0, largest_workspace_bytes: float = 0.0,
                     fragmentation: float = FRAGMENTATION_FRACTION,
-                    grads_during_backward: bool = False) -> MemoryBreakdown:
+                    grads_during_backward: bool = False, grads_whole: bool = False) -> MemoryBreakdown:
     """Peak memory of one rank whose parameters cost `per_param` each (before ZeRO sharding).
 
     ``activation_bytes`` (and ``selective_activation_bytes``, ``checkpoint_bytes``) are per
@@ -224,6 +240,9 @@ def estimate_memory(*, num_params: float, per_param: BytesPerParam, zero: int = 
     ``activations_beside_transient`` the activations the backward still holds then (None: all of
     them); the peak is the larger of the activations and the two together (``reduction_peak``
     walks the reductions for both). Both counted by the caller, who knows the units.
+    ``grads_whole`` (zero >= 2): the gradients are held whole from the first backward to the step
+    beside their shard, and reduced there (module docstring); ``grad_transient_bytes`` then counts
+    from them (``reduction_peak``'s ``grads_whole``).
     """
     check_zero(zero)
     if dp < 1 or num_params < 0 or activation_bytes < 0 or largest_workspace_bytes < 0 or not 0 <= fragmentation < 1:
@@ -247,6 +266,7 @@ def estimate_memory(*, num_params: float, per_param: BytesPerParam, zero: int = 
         grads = held * per_param.grad
     else:
         grads = (num_params / dp + expert_params / expert_dp) * grad_shard
+        grads += held * per_param.grad if grads_whole else 0.0
     opt = num_params * per_param.optimizer / (dp if zero else 1) + \
         expert_params * per_param.optimizer / (expert_dp if zero else 1)
     acts = activation_bytes_kept(recompute=recompute, activation_bytes=activation_bytes, num_in_flight=num_in_flight,
@@ -273,7 +293,7 @@ class ReductionPeak:
 def reduction_peak(buckets: Sequence[float], activations_left: Sequence[float], *, zero: int,
                    per_param: BytesPerParam, copy_bytes: float, replicas: int, outstanding: int,
                    micro_batches: int = 1, activation_bytes: float = 0.0,
-                   backend_copies: bool = False) -> ReductionPeak:
+                   backend_copies: bool = False, grads_whole: bool = False) -> ReductionPeak:
     """One step's gradient reductions walked as mplan's runtime issues them
     (runtime/sharded_optimizer.py), and their worst moment: the most they hold together with the
     activations still held then (at least: no reduction beside all the activations).
@@ -291,6 +311,10 @@ def reduction_peak(buckets: Sequence[float], activations_left: Sequence[float], 
     What a reduction in flight holds is the backend's: gloo (`backend_copies`, CPU ranks) reduces a
     copy of its input made at launch (ours is freed once the launch returns) and keeps it until the
     runtime drops the work; NCCL reduces the copy itself. One replica: nothing stays in flight.
+    `grads_whole` (zero >= 2 under mplan's pipelines): the reductions run once, at the step, the
+    bucket's gradients already counted among the whole gradients held through the step; each
+    reduction drops its bucket's once flattened, so the moments count what the step has dropped
+    so far against what its reductions hold.
     (Before zero=1's reductions were bounded, gloo held a copy of every bucket until the step:
     on 2 gloo ranks, 16 buckets of 8 Linear(128, 128) layers in fp32, 1.06 MB of copies against
     0.26 MB bounded.)"""
@@ -302,6 +326,7 @@ def reduction_peak(buckets: Sequence[float], activations_left: Sequence[float], 
         return peak
     pending: list[float] = []  # what each reduction in flight holds, oldest first
     in_flight = 0.0  # their sum
+    dropped = 0.0  # (grads_whole) the whole gradients the step's reductions have dropped so far
 
     def moment(left: float, held: float) -> None:
         nonlocal peak
@@ -309,19 +334,20 @@ def reduction_peak(buckets: Sequence[float], activations_left: Sequence[float], 
             peak = ReductionPeak(transient_bytes=held, activations_bytes=left)
 
     # a third micro-batch starts as the second did (the same reductions still in flight): two suffice
-    for micro_batch in range(min(micro_batches, 2) if zero >= 2 else 1):
+    for micro_batch in range(min(micro_batches, 2) if zero >= 2 and not grads_whole else 1):
         if micro_batch:
             moment(activation_bytes, in_flight)
         for size, left in zip(buckets, activations_left):
             copy = size * copy_bytes
             if zero >= 2:  # the bucket's gradients beside their copy, until dropped
-                moment(left, in_flight + size * per_param.grad + copy)
+                moment(left, in_flight - dropped + copy + (0.0 if grads_whole else size * per_param.grad))
+                dropped += size * per_param.grad if grads_whole else 0.0
             if replicas == 1:
-                moment(left, in_flight + copy)
+                moment(left, in_flight - dropped + copy)
                 continue
             pending.append(copy + (size / replicas * copy_bytes if zero >= 2 else 0.0))
             in_flight += pending[-1]
-            moment(left, in_flight + (copy if backend_copies else 0.0))
+            moment(left, in_flight - dropped + (copy if backend_copies else 0.0))
             if len(pending) > outstanding:
                 in_flight -= pending.pop(0)
     return peak

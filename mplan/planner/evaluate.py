@@ -42,7 +42,8 @@ Model (each term from the cost models, nothing fitted here):
   Memory counts the gathered units in flight (`ZERO3_UNITS_IN_FLIGHT`, a tied embedding and head
   beside them) and the gradients whole between backward and their reduce-scatter, with the copies
   the reductions hold, at their worst moment of the step (`gradient_reductions`,
-  `cost_models.memory_model.reduction_peak`);
+  `cost_models.memory_model.reduction_peak`); under mplan's pipelines, which reduce at the step,
+  the stage's gradients whole through the step beside their shard (`grads_whole_until_step`);
 - an outer loop across sites (`outer_steps = H`, inexact, `outer_pricing`): the gradients'
   all-reduce inside the site every step (overlapped with the last backward as flat DP's), the
   outer step's cross-site all-reduce of the pseudo-gradient over H, the loss averaged inside the
@@ -83,7 +84,8 @@ from mplan.planner.unit_costs import UnitCost, chunk_backward_s, chunk_forward_s
 from mplan.planner.dp_sync import NOTHING, LinkUse, cross_site_all_reduce, dp_collective
 from mplan.planner.outer_pricing import OUTER_STATE_COPIES, outer_loop_sync
 from mplan.planner.unit_experts import UnitExperts
-from mplan.planner.zero_pricing import (ZERO_OVERLAP, ZERO_OVERLAP_CPU, gathered_window, gradient_reductions, shared_glue,
+from mplan.planner.zero_pricing import (ZERO_OVERLAP, ZERO_OVERLAP_CPU, gathered_window, gradient_reductions,
+                                        grads_whole_until_step, shared_glue,
                                         zero1_copy_time, zero23_copy_time, zero_collectives,
                                         zero_links)
 
@@ -267,8 +269,11 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     k = config.pp * config.vpp
     mesh = config.mesh
     # ZeRO shards over one site's replicas (all of dp without sites, `ir/mesh.py`)
-    param_state = per.total(zero=config.zero, dp=mesh.dp_local, keep_weights=config.keep_weights)
-    expert_state = per.total(zero=config.zero, dp=mesh.expert_dp_local, keep_weights=config.keep_weights)
+    grads_whole = grads_whole_until_step(config, facts.runtime)
+    param_state = per.total(zero=config.zero, dp=mesh.dp_local, keep_weights=config.keep_weights,
+                            grads_whole=grads_whole)
+    expert_state = per.total(zero=config.zero, dp=mesh.expert_dp_local, keep_weights=config.keep_weights,
+                             grads_whole=grads_whole)
     in_flight = in_flight_of(config)
     # what a unit keeps of one micro-batch under the plan's recomputation, for the stage cut's memory
     kept = [activation_bytes_kept(recompute=config.recompute, activation_bytes=saved, num_in_flight=1,
@@ -340,7 +345,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
             # mplan's runtime keeps no gradient buffer at dp=1: one micro-batch's gradients replace
             # its activations as backward runs (data_parallel.py)
             grads_during_backward=facts.runtime == "mplan" and config.dp == 1 and config.num_micro_batches == 1
-            and config.zero <= 1)
+            and config.zero <= 1, grads_whole=grads_whole)
         if not config.outer_steps:
             return breakdown
         outer_state = OUTER_STATE_COPIES * (dense + expert_params) * per.param  # the anchor and momentum

@@ -12,7 +12,8 @@ As mplan's runtime runs them (runtime/sharded_optimizer.py, fully_sharded.py): z
 the gradients once a step and gathers the updated parameters after it; zero=2 reduce-scatters each
 bucket's gradients over DP in every micro-batch's backward; zero=3 also all-gathers each unit's
 weights before its forward and again before its backward (or once a step, keeping them). Dense
-weights shard over DP, the experts' over expert-DP (`ir/mesh.py`).
+weights shard over DP, the experts' over expert-DP (`ir/mesh.py`). Under a pipeline mplan's zero 2
+and 3 reduce at the step instead, the stage's gradients whole until then (`grads_whole_until_step`).
 Invariants: nothing is priced as overlapped that the runtime does not overlap; identical units are
 priced once.
 """
@@ -187,6 +188,15 @@ def zero_links(config: ParallelConfig, cluster: ClusterSpec, per: BytesPerParam,
     return total
 
 
+def grads_whole_until_step(config: ParallelConfig, runtime: str) -> bool:
+    """Whether zero 2/3 keep the parameters' gradients whole until the step (beside their shard)
+    and reduce them there: mplan's runtime under a pipeline, whose executor adds each stage's
+    gradients into `.grad` itself (runtime/split_backward.py), where the reduce-scatter hooks of
+    runtime/sharded_optimizer.py never fire. Megatron-FSDP's pipelines are not known here: priced
+    as it reduces without one."""
+    return runtime == "mplan" and config.zero >= 2 and config.pp > 1
+
+
 def gradient_reductions(config: ParallelConfig, per: BytesPerParam, units: Sequence[UnitCost],
                         sizes: Sequence[float], kept: Sequence[float], *, runtime: str,
                         copies_inputs: bool) -> ReductionPeak:
@@ -196,7 +206,8 @@ def gradient_reductions(config: ParallelConfig, per: BytesPerParam, units: Seque
     `DEFAULT_BUCKET_BYTES` of parameters (the largest parameter alone where it is larger) cut in the
     units' order (data_parallel.split_into_buckets), each complete once backward has passed the
     first unit it holds a parameter of; under a pipeline they are reduced at the step, the
-    activations gone; `copies_inputs`: the backend copies a reduce-scatter's input (gloo, on CPU
+    activations gone (zero 2/3 dropping the whole gradients bucket by bucket,
+    `grads_whole_until_step`); `copies_inputs`: the backend copies a reduce-scatter's input (gloo, on CPU
     ranks). Megatron-LM's runtime: zero=1 reduces its gradient buffer in place; zero 2/3 a bucket's
     gradients and `ZERO_REDUCTIONS_IN_FLIGHT` copies beside all the activations (not walked)."""
     if config.zero == 0 or not sizes:
@@ -211,13 +222,14 @@ def gradient_reductions(config: ParallelConfig, per: BytesPerParam, units: Seque
     one_stage = config.pp == 1
     return _walked_reductions(config.zero, per, tuple(sizes), tuple(u.largest_param for u in units),
                               tuple(kept) if one_stage else None, config.mesh.dp_local,
-                              min(config.num_micro_batches, 2) if one_stage else 1, copies_inputs)
+                              min(config.num_micro_batches, 2) if one_stage else 1, copies_inputs,
+                              grads_whole_until_step(config, runtime))
 
 
 @functools.lru_cache(maxsize=4096)
 def _walked_reductions(zero: int, per: BytesPerParam, sizes: tuple[float, ...], largest: tuple[int, ...],
                        kept: tuple[float, ...] | None, dp: int, micro_batches: int,
-                       copies_inputs: bool) -> ReductionPeak:
+                       copies_inputs: bool, grads_whole: bool = False) -> ReductionPeak:
     """`gradient_reductions` for mplan's runtime, once per rank shape (`kept` None: reduced at the
     step, the activations gone; two micro-batches walk as many as more)."""
     if zero == 3:
@@ -242,7 +254,8 @@ def _walked_reductions(zero: int, per: BytesPerParam, sizes: tuple[float, ...], 
     before = list(itertools.accumulate(kept, initial=0.0)) if kept is not None else [0.0] * (len(sizes) + 1)
     return reduction_peak(buckets[::-1], [before[u] for u in first_unit][::-1], zero=zero, per_param=per,
                           copy_bytes=max(per.param, 4), replicas=dp, outstanding=ZERO_REDUCTIONS_IN_FLIGHT - 1,
-                          micro_batches=micro_batches, activation_bytes=before[-1], backend_copies=copies_inputs)
+                          micro_batches=micro_batches, activation_bytes=before[-1], backend_copies=copies_inputs,
+                          grads_whole=grads_whole)
 
 
 def gathered_window(sizes: Sequence[float], width: int = ZERO3_UNITS_IN_FLIGHT, *, spanning: float = 0.0) -> float:
