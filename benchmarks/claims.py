@@ -101,6 +101,16 @@ def _train_gpu_zero(data: dict) -> tuple[str, ...]:
             " / ".join(fixed(m["step_time_s"] * 1e3, 0) for m in measured))
 
 
+
+def _zero_bench_h100(data: dict) -> tuple[str, ...]:
+    """Each plan's measured and predicted step (ms), then its measured peak and the predicted
+    tensor bytes without the allocator margin (GiB)."""
+    rows = data["plans"]
+    return (" / ".join(fixed(p["measured"]["step_time_s"] * 1e3) for p in rows),
+            " / ".join(fixed(p["predicted"]["step_time_s"] * 1e3) for p in rows),
+            " / ".join(fixed(p["measured"]["peak_memory_gib"], 2) for p in rows),
+            " / ".join(fixed(p["measured"]["prediction_error"]["predicted_allocated_gib"], 2) for p in rows))
+
 def _peers(data: dict) -> tuple[str, ...]:
     out = []
     for name in ("gemma2", "phi3", "granite"):
@@ -656,6 +666,9 @@ CLAIMS: tuple[Claim, ...] = (
     Claim(doc="README.md", source="train_gpu-2026-12-06.json", figures=_train_gpu_zero,
           pattern=r"within 1% of `max_memory_allocated` \((\S+ / \S+ / \S+) GiB measured\); step time predicted "
                   r"(\S+ / \S+ / \S+) low \((\S+ / \S+ / \S+) ms measured\)"),
+    Claim(doc="README.md", source="zero_bench_h100-2026-12-06.json", figures=_zero_bench_h100,
+          pattern=r"step (\S+ / \S+ / \S+) ms measured, (\S+ / \S+ / \S+) ms predicted; peak (\S+ / \S+ / \S+) GiB "
+                  r"measured, (\S+ / \S+ / \S+) GiB predicted"),
     Claim(doc="README.md", source="peers-2026-12-06.json", figures=_peers,
           pattern=r"Gemma-2 \(soft-capped logits\) (\S+)x compile \((\S+) against (\S+) ms\), Phi-3 \(packed q/k/v and "
                   r"gate/up\) (\S+)x Liger \((\S+) against (\S+) ms\), Granite (\S+)x compile \((\S+) against (\S+) ms\).*"
