@@ -1,11 +1,11 @@
 """Data parallelism (zero=0 and ZeRO-1) against one process, on gloo ranks in float64.
 
-Each rank trains a small MLP on its slice of the global batch, in two micro-batches with
-gradient accumulation, with AdamW, two parameter groups and global-norm clipping; the
-reference trains the same model on the whole batch in one process. Losses and final
-parameters must agree to 1e-9 (they agree to ~1e-15), and the two zero levels to 1e-12.
-The MLP has 66 parameters: not divisible by 4, and with 100-byte buckets (35, 7, 21 and 3
-elements) not by 2 either, so ZeRO's padding is exercised at both world sizes.
+Each rank trains the small MLP of tests/dp_fixtures.py on its slice of the global batch, in two
+micro-batches with gradient accumulation, with AdamW, two parameter groups and global-norm
+clipping; the reference trains the same model on the whole batch in one process. Losses and
+final parameters must agree to 1e-9 (they agree to ~1e-15), and the two zero levels to 1e-12.
+The MLP's 66 parameters are not divisible by 4, and in 100-byte buckets not by 2 either, so
+ZeRO's padding is exercised at both world sizes.
 """
 from __future__ import annotations
 
@@ -16,31 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distributed import rel_err, run_checks
+from distributed import run_checks
+from dp_fixtures import (ADAMW, SMALL_BUCKET_BYTES, STEPS, TO_REFERENCE, batch, max_rel_err, mlp, param_groups,
+                         reference, train_steps)
 from mplan.ir.mesh import MeshShape, mesh_for_world
 from mplan.runtime.optimizer import build_optimizer
 from mplan.runtime.process_groups import ProcessGroups, init_process_groups
 
-STEPS, MICRO_BATCHES, GLOBAL_BATCH, MAX_NORM = 5, 2, 8, 0.5
-SMALL_BUCKET_BYTES = 100
-ADAMW = functools.partial(torch.optim.AdamW, lr=0.02, weight_decay=0.1)
-TO_REFERENCE, BETWEEN_ZERO_LEVELS = 1e-9, 1e-12
-
-
-def _model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
-
-
-def _param_groups(model: nn.Module) -> list[dict]:
-    weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
-    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
-    return [{"params": weights}, {"params": biases, "weight_decay": 0.0}]
-
-
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 + step)
-    return torch.randn(GLOBAL_BATCH, 5, generator=gen), torch.randn(GLOBAL_BATCH, 3, generator=gen)
+BETWEEN_ZERO_LEVELS = 1e-12
 
 
 @functools.cache
@@ -48,62 +31,22 @@ def _groups() -> ProcessGroups:
     return init_process_groups(mesh_for_world(dist.get_world_size()))
 
 
-@functools.cache
-def _reference() -> tuple[list[float], list[float], nn.Module]:
-    model = _model()
-    optimizer = ADAMW(_param_groups(model))
-    losses, norms = [], []
-    for step in range(STEPS):
-        inputs, targets = _batch(step)
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(model(inputs), targets)
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        optimizer.step()
-        losses.append(loss.item())
-    assert norms[0] > MAX_NORM, "the test must exercise clipping"
-    return losses, norms, model
-
-
-def _train_steps(model: nn.Module, optimizer, groups: ProcessGroups, steps: range) -> list[float]:
-    """Train on this rank's slice of each global batch; returns the global-batch losses."""
-    dp, rank = groups.mesh.dp, groups.dp_rank
-    local = GLOBAL_BATCH // dp
-    losses = []
-    for step in steps:
-        inputs, targets = _batch(step)
-        inputs, targets = inputs[rank * local:(rank + 1) * local], targets[rank * local:(rank + 1) * local]
-        optimizer.zero_grad()
-        local_loss = torch.zeros(())
-        for i, (x, y) in enumerate(zip(inputs.chunk(MICRO_BATCHES), targets.chunk(MICRO_BATCHES))):
-            loss = nn.functional.mse_loss(model(x), y) / MICRO_BATCHES
-            if i == MICRO_BATCHES - 1:
-                optimizer.before_last_backward()  # zero=0: buckets reduce while backward goes on
-            loss.backward()
-            local_loss += loss.detach()
-        optimizer.step(max_grad_norm=MAX_NORM)
-        dist.all_reduce(local_loss)
-        losses.append(local_loss.item() / dp)
-    return losses
-
-
 def _train(zero: int, bucket_bytes: int) -> tuple[list[float], nn.Module]:
-    model = _model()
-    optimizer = build_optimizer(_param_groups(model), ADAMW, _groups(), zero=zero,
+    model = mlp()
+    optimizer = build_optimizer(param_groups(model), ADAMW, _groups(), zero=zero,
                                 bucket_bytes=bucket_bytes)
-    return _train_steps(model, optimizer, _groups(), range(STEPS)), model
+    return train_steps(model, optimizer, _groups(), range(STEPS)), model
 
 
 def _compare(losses: list[float], model: nn.Module, ref_losses: list[float], ref_model: nn.Module,
              tolerance: float) -> float:
-    errors = [rel_err(torch.tensor(losses), torch.tensor(ref_losses))]
-    errors += [rel_err(p, q) for p, q in zip(model.parameters(), ref_model.parameters())]
-    assert max(errors) < tolerance, f"relative errors {errors}"
-    return max(errors)
+    error = max_rel_err(losses, model, ref_losses, ref_model)
+    assert error < tolerance, f"largest relative error {error}"
+    return error
 
 
 def _check_against_reference(bucket_bytes: int) -> dict[str, float]:
-    ref_losses, _, ref_model = _reference()
+    ref_losses, _, ref_model = reference()
     plain_losses, plain = _train(0, bucket_bytes)
     zero_losses, zero = _train(1, bucket_bytes)
     return {
@@ -124,9 +67,9 @@ def check_small_padded_buckets() -> dict[str, float]:
 def check_zero0_buckets_reduce_during_the_last_backward() -> int:
     """Every 100-byte bucket (three: [b2, w2], [b1], [w1], last layer first) starts its all-reduce
     from backward's hooks; none waits for the step (the results above are exact with this overlap)."""
-    model = _model()
-    optimizer = build_optimizer(_param_groups(model), ADAMW, _groups(), zero=0, bucket_bytes=SMALL_BUCKET_BYTES)
-    _train_steps(model, optimizer, _groups(), range(1))
+    model = mlp()
+    optimizer = build_optimizer(param_groups(model), ADAMW, _groups(), zero=0, bucket_bytes=SMALL_BUCKET_BYTES)
+    train_steps(model, optimizer, _groups(), range(1))
     sync = optimizer.grad_sync
     assert sync.started_in_backward == sync.num_buckets == 3, (sync.started_in_backward, sync.num_buckets)
     return sync.started_in_backward
@@ -135,9 +78,9 @@ def check_zero0_buckets_reduce_during_the_last_backward() -> int:
 def check_zero1_buckets_reduce_scatter_during_the_last_backward() -> int:
     """ZeRO-1's buckets (two parameter groups: weights [w1], [w2], biases [b1, b2]) start their
     reduce-scatter from backward's hooks too, last first."""
-    model = _model()
-    optimizer = build_optimizer(_param_groups(model), ADAMW, _groups(), zero=1, bucket_bytes=SMALL_BUCKET_BYTES)
-    _train_steps(model, optimizer, _groups(), range(1))
+    model = mlp()
+    optimizer = build_optimizer(param_groups(model), ADAMW, _groups(), zero=1, bucket_bytes=SMALL_BUCKET_BYTES)
+    train_steps(model, optimizer, _groups(), range(1))
     slots = len(optimizer._slots)
     assert optimizer.started_in_backward == slots >= 3, (optimizer.started_in_backward, slots)
     return optimizer.started_in_backward
@@ -147,20 +90,20 @@ def _check_resume(zero: int) -> float:
     """3 steps, save, restore into a fresh (differently initialized) model, 2 more steps."""
     groups = _groups()
     uninterrupted_losses, uninterrupted = _train(zero, SMALL_BUCKET_BYTES)
-    model = _model()
-    optimizer = build_optimizer(_param_groups(model), ADAMW, groups, zero=zero,
+    model = mlp()
+    optimizer = build_optimizer(param_groups(model), ADAMW, groups, zero=zero,
                                 bucket_bytes=SMALL_BUCKET_BYTES)
-    losses = _train_steps(model, optimizer, groups, range(3))
+    losses = train_steps(model, optimizer, groups, range(3))
     state = optimizer.state_dict()
     assert all(torch.is_tensor(v) for v in state.values())
-    resumed_model = _model(seed=1)
+    resumed_model = mlp(seed=1)
     if zero == 0:
         # zero=0 keeps no master weights: the model's own checkpoint restores them.
         resumed_model.load_state_dict(model.state_dict())
-    resumed = build_optimizer(_param_groups(resumed_model), ADAMW, groups, zero=zero,
+    resumed = build_optimizer(param_groups(resumed_model), ADAMW, groups, zero=zero,
                               bucket_bytes=SMALL_BUCKET_BYTES)
     resumed.load_state_dict(state)
-    losses += _train_steps(resumed_model, resumed, groups, range(3, STEPS))
+    losses += train_steps(resumed_model, resumed, groups, range(3, STEPS))
     assert losses == uninterrupted_losses
     assert all(torch.equal(p, q) for p, q in zip(resumed_model.parameters(), uninterrupted.parameters()))
     return 0.0
@@ -176,8 +119,8 @@ def check_zero1_resume_is_exact() -> float:
 
 def check_zero1_refuses_a_checkpoint_of_another_layout() -> str:
     groups = _groups()
-    state = build_optimizer(_model().parameters(), ADAMW, groups, zero=1).state_dict()
-    other = build_optimizer(_model().parameters(), ADAMW, groups, zero=1,
+    state = build_optimizer(mlp().parameters(), ADAMW, groups, zero=1).state_dict()
+    other = build_optimizer(mlp().parameters(), ADAMW, groups, zero=1,
                             bucket_bytes=SMALL_BUCKET_BYTES)
     with pytest.raises(ValueError, match="layout.shard_numels") as error:
         other.load_state_dict(state)
@@ -186,9 +129,9 @@ def check_zero1_refuses_a_checkpoint_of_another_layout() -> str:
 
 def check_zero1_holds_one_shard_of_state() -> int:
     groups = _groups()
-    model = _model()
+    model = mlp()
     optimizer = build_optimizer(model.parameters(), ADAMW, groups, zero=1)
-    _train_steps(model, optimizer, groups, range(1))
+    train_steps(model, optimizer, groups, range(1))
     exp_avg = [v for k, v in optimizer.state_dict().items() if k.endswith("exp_avg")]
     shard = sum(t.numel() for t in exp_avg)
     assert shard == -(-66 // groups.mesh.dp), shard
@@ -221,21 +164,21 @@ def test_distributed(outcomes, check) -> None:
 def test_one_process_zero1_is_adamw_to_the_bit() -> None:
     """With groups of one (no process group), ZeRO-1 is a flat AdamW over the same elements."""
     groups = init_process_groups(MeshShape())
-    model, reference = _model(), _model()
+    model, plain = mlp(), mlp()
     optimizer = build_optimizer(model.parameters(), ADAMW, groups, zero=1,
                                 bucket_bytes=SMALL_BUCKET_BYTES)
-    torch_optimizer = ADAMW(reference.parameters())
+    torch_optimizer = ADAMW(plain.parameters())
     for step in range(3):
-        inputs, targets = _batch(step)
-        for net, opt in ((model, optimizer), (reference, torch_optimizer)):
+        inputs, targets = batch(step)
+        for net, opt in ((model, optimizer), (plain, torch_optimizer)):
             opt.zero_grad()
             nn.functional.mse_loss(net(inputs), targets).backward()
             opt.step()
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
 
 
 def test_zero_level_is_checked() -> None:
     with pytest.raises(ValueError, match="zero must be 0, 1, 2 or 3, got 4"):
-        build_optimizer(_model().parameters(), ADAMW, init_process_groups(MeshShape()), zero=4)
+        build_optimizer(mlp().parameters(), ADAMW, init_process_groups(MeshShape()), zero=4)
     with pytest.raises(ValueError, match="zero=3 gathers parameters per unit"):
-        build_optimizer(_model().parameters(), ADAMW, init_process_groups(MeshShape()), zero=3)
+        build_optimizer(mlp().parameters(), ADAMW, init_process_groups(MeshShape()), zero=3)
