@@ -69,7 +69,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
                  kernels: bool | None = None, fp8: bool = False,
                  progress: Progress | Callable[[str], None] | str | None = None,
                  hang_timeout_s: float | None = None, document_mask: bool = False, inexact_ok: bool = False,
-                 outer_optimizer: OuterOptimizer = OuterOptimizer()) -> ParallelModule:
+                 outer_optimizer: OuterOptimizer | None = None) -> ParallelModule:
     """Parallelize `model` under `plan` on this job's ranks (see the module docstring).
 
     `max_grad_norm` clips the global gradient norm (over every shard) before each step, as
@@ -96,7 +96,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     across sites (`outer_steps`, DiLoCo-style: sites train alone between outer steps), which does
     not compute the single-device loop's updates; off, only exact plans are searched (a plan or
     spec that sets `outer_steps` is itself the user's choice). `outer_optimizer`: that loop's
-    outer SGD (`runtime.outer_loop.OuterOptimizer`; DiLoCo's Nesterov, lr 0.7, momentum 0.9).
+    outer SGD (`runtime.outer_loop.OuterOptimizer`; None: DiLoCo's Nesterov, lr 0.7, momentum 0.9).
     Collective: every rank of the job calls it with the same arguments.
     """
     _check_numbers(global_batch=global_batch, micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm)
@@ -133,7 +133,8 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
         pm = parallelize(graph=graph, plan=resolved, source=state_dict if state_dict is not None else model,
                          model=model, optimizer=optimizer, device=run_on, dtype=dtype, seed=seed,
                          max_grad_norm=max_grad_norm, autocast=_autocast_dtype(autocast), kernels=use_kernels,
-                         fp8=resolved.fp8, inference=inference, documents=document_mask, outer=outer_optimizer)
+                         fp8=resolved.fp8, inference=inference, documents=document_mask,
+                         outer=outer_optimizer or OuterOptimizer())
     pm.progress = progress
     _say_untrained(progress, model, pm.params)
     pm.hf_config = _hf_config(model)
