@@ -240,11 +240,15 @@ def test_q_and_k_in_two_layouts_stay_two_ropes_and_the_miss_says_why() -> None:
 
 HF_SHAPE = dict(vocab_size=64, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=32)
-HF = {"cohere": (transformers.CohereConfig, transformers.CohereForCausalLM),
-      "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM)}
+HF = {  # config, model, attention implementation (eager: q/k norms before transformers' own matmuls)
+    "cohere": (transformers.CohereConfig, transformers.CohereForCausalLM, "sdpa"),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, "sdpa"),
+    "olmo2_eager": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, "eager"),
+}
 HF_ROPE = {  # the rope_qk call of each layer: Cohere's interleaved pairs and its casts; OLMo-2's cast after
     "cohere": {"interleaved": True, "upcast": torch.float32, "dtype": torch.float64},
     "olmo2": {"dtype": torch.float64},
+    "olmo2_eager": {"dtype": torch.float64},
 }
 
 
@@ -258,10 +262,10 @@ class _Loss(nn.Module):
 
 
 def _hf_model(family: str, dtype: torch.dtype) -> nn.Module:
-    config_cls, model_cls = HF[family]
+    config_cls, model_cls, attention = HF[family]
     torch.manual_seed(0)
     config = config_cls(**HF_SHAPE, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attention
     return model_cls(config).to(dtype)
 
 

@@ -94,19 +94,23 @@ def _viewable_as_slices(outputs: list[Node], sizes: list[int]) -> bool:
 
 
 _GEMMS = (aten.linear.default, aten.matmul.default, aten.mm.default, aten.bmm.default, aten.addmm.default)
+_PRODUCTS = (aten.matmul.default, aten.bmm.default)
 _REACH = 64
 """Most nodes `_reaches_attention` looks at (OLMo-2's norm, reshape, RoPE and casts are ~20)."""
 
 
 def _reaches_attention(value: Node) -> bool:
-    """Whether `value` flows into attention's q, k or v (an ATTENTION_OPS call) through ops that
-    are no GEMM: norms, casts, views, RoPE (a q/k norm between the projection and the reshape)."""
+    """Whether `value` flows into attention's q, k or v (an ATTENTION_OPS call, or eager
+    attention's product of two activations) through ops that are no GEMM: norms, casts, views,
+    RoPE (a q/k norm between the projection and the reshape)."""
     seen: set[Node] = set()
     frontier = [value]
     while frontier:
         node = frontier.pop()
         for user in node.users:
             if is_call(user, *ATTENTION_OPS) and node in user.args[:3]:
+                return True
+            if is_call(user, *_PRODUCTS) and all(isinstance(a, Node) and a.op == "call_function" for a in user.args):
                 return True
             if user in seen or user.op != "call_function" or is_call(user, *_GEMMS) or len(seen) >= _REACH:
                 continue

@@ -9,6 +9,16 @@
 The backward is the transposed map, which for the rotation tables (c1 = c2, s1 = s2) is the
 inverse rotation: dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1. One kernel does both.
 
+Interleaved layout (`interleaved=True`: GPT-J's `rotate_every_two`, Cohere's `rotate_half`, with
+tables repeating each frequency twice side by side): the pairs rotated together are
+(x[2i], x[2i + 1]) rather than (x[i], x[i + head_dim / 2]); the same formulas, the kernels only
+address the two elements (and the two table entries) of a pair differently (`_pair_offsets`):
+stride-2 loads and stores, which cover the same cache lines as the halves' two contiguous ones.
+Not yet timed on a GPU. Casts (`upcast`, `dtype`): Hugging Face's `q.float()` before RoPE and
+`.to(q.dtype)` after it, taken as the call's input and result dtypes: the kernels load in fp32
+and store the result's dtype, so neither cast is a pass over memory (an upcast that fp32 loads do
+not give, e.g. of float64, is made before the call).
+
 Kernel: flat over the output's head vectors in its dense order (the order of x's strides):
 each program takes BLOCK_R consecutive vectors, finds each one's (batch, head, position) by
 divisions by the two inner sizes, compile-time constants (one compile per heads x positions
