@@ -6,11 +6,13 @@ What must hold:
   model trained through `mplan.autoparallel` on 4 gloo ranks = 2 sites of 2, float64, equals
   synchronous data parallelism over all 4 ranks to 1e-9 over 4 steps (parameters, and the sites'
   mean loss): the identity `runtime/outer_loop.py` states. Also with TP inside the sites
-  (tp=2, one replica a site, whose gradients need no collective at all);
+  (tp=2, one replica a site, whose gradients need no collective at all) and with a pipeline
+  inside them (pp=2, 1F1B over 2 micro-batches);
 - traffic: under H=2 no collective whose group spans both sites runs in a non-outer step (every
   torch.distributed collective counted, by the ranks of its group), exactly one (the
   pseudo-gradient's all-reduce) in an outer step; the sites' parameters differ after an inner
-  step and agree after an outer one;
+  step and agree after an outer one; bf16 parameters' pseudo-gradient crosses in float32 (as
+  `planner/outer_pricing.py` prices it);
 - refusals in one line: no sites, H < 0, a non-integer H, zero > 0, clipping, checkpoints;
 - the plan key round-trips the Plan JSON, an old file without it loads synchronous, a bad
   value names the field;
@@ -93,6 +95,10 @@ def h1_equals_synchronous_dp_with_tp_inside_sites() -> dict[str, float]:
     return _against_synchronous("tp=2,dp=2,sites=2")
 
 
+def h1_equals_synchronous_dp_with_a_pipeline_inside_sites() -> dict[str, float]:
+    return _against_synchronous("pp=2,dp=2,mbs=2,sites=2")
+
+
 def _crossing(group: dist.ProcessGroup | None, sites: list[set[int]]) -> bool:
     ranks = set(range(dist.get_world_size())) if group is None else set(dist.get_process_group_ranks(group))
     return all(ranks & site for site in sites)
@@ -140,6 +146,36 @@ def h2_crosses_sites_only_at_outer_steps() -> list[int]:
     return [len(calls) for calls in per_step]
 
 
+def bf16_pseudo_gradient_crosses_in_float32() -> str:
+    from mplan.runtime.outer_loop import OuterLoop
+
+    groups = _built("dp=4,sites=2,outer_steps=2").groups
+    site = dist.get_rank() // 2
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    loop = OuterLoop(layer.parameters(), groups.cross_site_dp, 1, PLAIN, site_group=groups.site_dp)
+    start = [p.detach().clone() for p in layer.parameters()]
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(2.0 ** -4 * (site + 1))  # each site moved its own way (exact in bf16 here)
+    real, sent = dist.all_reduce, []
+
+    def recording(tensor: torch.Tensor, *args: Any, group: Any = None, **kwargs: Any) -> Any:
+        if group is groups.cross_site_dp:
+            sent.append(tensor.dtype)
+        return real(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = recording
+    try:
+        assert loop.after_inner_step()
+    finally:
+        dist.all_reduce = real
+    assert sent == [torch.float32], sent
+    for before, p in zip(start, layer.parameters()):  # plain SGD at lr 1: the sites' mean
+        assert p.dtype == torch.bfloat16 and torch.equal(p, before + 2.0 ** -4 * 1.5), (p - before).unique()
+    return str(sent[0])
+
+
 def plan_key_round_trips_the_json() -> int:
     pm = _built("dp=4,sites=2,outer_steps=2")
     doc = json.loads(pm.plan.to_json())
@@ -168,7 +204,8 @@ def refusals_in_one_line() -> None:
 
 
 CHECKS = [h1_with_plain_outer_sgd_equals_synchronous_dp, h1_equals_synchronous_dp_with_tp_inside_sites,
-          h2_crosses_sites_only_at_outer_steps, plan_key_round_trips_the_json, refusals_in_one_line]
+          h1_equals_synchronous_dp_with_a_pipeline_inside_sites, h2_crosses_sites_only_at_outer_steps,
+          bf16_pseudo_gradient_crosses_in_float32, plan_key_round_trips_the_json, refusals_in_one_line]
 
 
 @pytest.fixture(scope="module")

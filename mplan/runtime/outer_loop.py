@@ -4,8 +4,8 @@ Role: let each site train on its own for `every` inner steps, its data paralleli
 gradients inside the site only (nothing crosses the long-haul link), then take one outer step
 over the sites: each rank's pseudo-gradient, the change since the last outer step
 (`anchor - theta`), is averaged over the cross-site group in ONE all-reduce (all parameters in a
-flat buffer; with `site_group`, each rank of a site sends only its 1/n slice of it, the site's
-ranks holding the same parameters, and the slices are all-gathered inside the site after, as
+flat buffer of at least float32; with `site_group`, each rank of a site sends only its 1/n
+slice of it, the site's ranks holding the same parameters, and the slices are all-gathered inside the site after, as
 hierarchical DP's shards are), and an outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9, as DiLoCo) moves the
 anchor, which every site then loads. The long haul then carries the parameters once per `every`
 steps instead of the gradients every step (`planner/outer_pricing.py` prices it).
@@ -23,6 +23,7 @@ overwritten in place at each outer step.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -66,7 +67,10 @@ class OuterLoop:
 
     @torch.no_grad()
     def _outer_step(self) -> None:
-        flat = torch.cat([(a - p.detach()).reshape(-1) for a, p in zip(self.anchor, self.params)])
+        # the differences and their mean over the sites in at least float32, as `planner/outer_pricing.py`
+        # prices the long haul: rounded to bf16, a parameter's small change over H steps would be lost
+        wire = functools.reduce(torch.promote_types, (a.dtype for a in self.anchor), torch.float32)
+        flat = torch.cat([(a.to(wire) - p.detach().to(wire)).reshape(-1) for a, p in zip(self.anchor, self.params)])
         n = 1 if self.site_group is None else dist.get_world_size(self.site_group)
         size = flat.numel()
         flat = torch.nn.functional.pad(flat, (0, -size % n))
@@ -80,7 +84,7 @@ class OuterLoop:
         flat = flat[:size]
         start, o = 0, self.outer
         for i, (anchor, param) in enumerate(zip(self.anchor, self.params)):
-            delta = flat[start:start + anchor.numel()].view_as(anchor)
+            delta = flat[start:start + anchor.numel()].view_as(anchor).to(anchor.dtype)
             start += anchor.numel()
             if self.velocity is not None:
                 self.velocity[i].mul_(o.momentum).add_(delta)
