@@ -407,3 +407,17 @@ def test_405b_at_8k_on_2048_nodes_weighs_every_level() -> None:
         if zero != made.zero and levels[zero].fits:
             assert levels[zero].zero_comm_s > 0 and levels[zero].step_time_s > made.predicted.step_time_s
     assert "all-gathers/reduce-scatters" in explain_data(made)["zero"]["summary"] or made.zero >= 2
+
+
+def test_under_a_pipeline_zero2_reduces_at_the_step_as_zero1_does(small_planner: Planner) -> None:
+    """mplan's pipeline executor adds each stage's gradients into `.grad` itself, so zero 2/3's
+    backward hooks never fire and every bucket is reduced at the step (`grads_whole_until_step`):
+    no reduce-scatter in backward, the step's sync that of zero=1, and zero=2 no faster than zero=1
+    (it was priced faster, its per-micro-batch scatters hidden behind backward, and the search chose
+    it for llama3-405b where it gains nothing). Without a pipeline zero=2 still scatters in backward."""
+    e = {z: small_planner.evaluate(_config(z, pp=2), fast=True) for z in (1, 2)}
+    assert e[2].zero_comm_s == 0.0
+    assert e[2].grad_sync_s == pytest.approx(e[1].grad_sync_s)
+    assert e[2].step_time_s >= e[1].step_time_s
+    flat = small_planner.evaluate(_config(2), fast=True)
+    assert flat.zero_comm_s > 0.0

@@ -258,7 +258,10 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     # zero 2/3's collectives of each unit, after recomputation: a re-run forward reads the weights
     # its backward gathered; on CPU ranks gloo's collectives share the cores with the compute
     overlap = ZERO_OVERLAP[facts.runtime] if issue.overlaps else ZERO_OVERLAP_CPU
-    zc = zero_collectives(config, cluster, per, list(zip(moe.dense_params, moe.expert_params)), overlap)
+    # under mplan's pipelines zero 2/3 reduce at the step, not in backward (`grads_whole_until_step`)
+    grads_whole = grads_whole_until_step(config, facts.runtime)
+    zc = zero_collectives(config, cluster, per, list(zip(moe.dense_params, moe.expert_params)), overlap,
+                          reduced_at_step=grads_whole)
     fwd, zero_added = moe.forward_s, [0.0] * len(units)
     if config.zero >= 2:
         fwd, bwd_zero = zc.unit_seconds(moe.forward_s, bwd)
@@ -269,7 +272,6 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     k = config.pp * config.vpp
     mesh = config.mesh
     # ZeRO shards over one site's replicas (all of dp without sites, `ir/mesh.py`)
-    grads_whole = grads_whole_until_step(config, facts.runtime)
     param_state = per.total(zero=config.zero, dp=mesh.dp_local, keep_weights=config.keep_weights,
                             grads_whole=grads_whole)
     expert_state = per.total(zero=config.zero, dp=mesh.expert_dp_local, keep_weights=config.keep_weights,
@@ -373,7 +375,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
                                             last_scatter_s=last_scatter)
         sync, step, rank_links = by_params[key]
         rank_links = rank_links + zero_links(config, cluster, per, [(moe.dense_params[u], moe.expert_params[u])
-                                                                   for u in rank_units])
+                                                                   for u in rank_units], reduced_at_step=grads_whole)
         if (rank_links.inter_site_bytes, rank_links.inter_node_bytes) > (links.inter_site_bytes, links.inter_node_bytes):
             links = rank_links
         syncs.append(sync)
@@ -473,10 +475,12 @@ def _sync_and_step(config: ParallelConfig, cluster: ClusterSpec, compute: Comput
     site's dp with sites) and its `experts` (the same over expert_dp, the ranks holding the same
     experts); `last_backward_s`: the backward a sync overlaps, if any.
     zero 2 and 3 reduce-scatter their gradients in every micro-batch's backward (`zero_collectives`),
-    not here: the step waits only for the last of them still in flight (`last_scatter_s`); zero 1
-    and 2 gather the updated parameters after the step, zero=3 never does (it gathers per unit,
-    `evaluate`)."""
+    not here: the step waits only for the last of them still in flight (`last_scatter_s`), except
+    under mplan's pipelines, which reduce them here as zero=1 does (`grads_whole_until_step`);
+    zero 1 and 2 gather the updated parameters after the step, zero=3 never does (it gathers per
+    unit, `evaluate`)."""
     per = _bytes_per_param(config, facts)
+    at_step = config.zero <= 1 or grads_whole_until_step(config, facts.runtime)  # the gradients reduced here
     mesh, gpn = config.mesh, cluster.gpus_per_node
     if config.outer_steps:
         return _outer_sync_and_step(config, cluster, compute, facts, params=dense + experts,
@@ -484,11 +488,11 @@ def _sync_and_step(config: ParallelConfig, cluster: ClusterSpec, compute: Comput
     dp_group = mesh.group_shape("dp", gpn, cluster.num_sites)
     reduction = "reduce_scatter" if config.zero else "all_reduce"
     grads = [dp_collective(cluster, reduction, dense * per.grad, mesh, "dp"),
-             dp_collective(cluster, reduction, experts * per.grad, mesh, "expert_dp")] if config.zero <= 1 else []
+             dp_collective(cluster, reduction, experts * per.grad, mesh, "expert_dp")] if at_step else []
     sync = sum(g.seconds for g in grads)
     sync += collective_time(cluster, "all_reduce", tp_sync_bytes * per.grad / max(1, per.param),
                             mesh.group_shape("tp", gpn))
-    if last_backward_s is not None and config.zero <= 1:
+    if last_backward_s is not None and at_step:
         if mesh.sites == 1 and not dp_group.crosses_sites:
             sync = overlapped_sync(cluster, reduction, sync, last_backward_s, (dense + experts) * per.grad, dp_group)
         else:  # what outlasts the last backward, at least what follows the last bucket (`dp_sync`)
@@ -497,7 +501,7 @@ def _sync_and_step(config: ParallelConfig, cluster: ClusterSpec, compute: Comput
     # zero 2/3 across sites: each unit's gradients reduce-scattered inside the site (`zero_collectives`),
     # the shards' all-reduce between sites once a step
     shards = cross_site_all_reduce(cluster, (dense / mesh.dp_local + experts / mesh.expert_dp_local) * per.grad,
-                                   mesh) if config.zero >= 2 else NOTHING
+                                   mesh) if not at_step else NOTHING
     sync += shards.seconds
     sync += collective_time(cluster, "all_reduce", LOSS_BYTES, dp_group)  # the loss's average, after the step
     gathers = [dp_collective(cluster, "all_gather", dense * per.param, mesh, "dp"),

@@ -139,13 +139,16 @@ class ZeroCollectives:
 
 
 def zero_collectives(config: ParallelConfig, cluster: ClusterSpec, per: BytesPerParam,
-                     params: Sequence[tuple[int, int]], overlap: ZeroOverlap) -> ZeroCollectives:
+                     params: Sequence[tuple[int, int]], overlap: ZeroOverlap, *,
+                     reduced_at_step: bool = False) -> ZeroCollectives:
     """Per unit (its `params`: dense and expert elements a rank holds), the collectives of one
     micro-batch at `config.zero`, each over the group that shares the unit's shards: dense weights
     over DP, the experts' over expert-DP (`ir/mesh.py`). All-gathers move the weights in the
     parameters' dtype (`per.param`: mixed precision gathers the compute dtype), reduce-scatters the
     gradients in theirs (`per.grad`); one call a unit, its whole size (nccl-tests' size: the
-    gather's output, the scatter's input; zero=2's buckets of a unit add up to about the same)."""
+    gather's output, the scatter's input; zero=2's buckets of a unit add up to about the same).
+    `reduced_at_step` (`grads_whole_until_step`): no reduce-scatter in backward; the gradients are
+    reduced at the step, priced there as zero=1's (evaluate's `_sync_and_step`)."""
     zeros = tuple(0.0 for _ in params)
     if config.zero < 2:
         return ZeroCollectives(gather_s=zeros, scatter_s=zeros, per_micro_batch=False, overlap=overlap)
@@ -156,7 +159,7 @@ def zero_collectives(config: ParallelConfig, cluster: ClusterSpec, per: BytesPer
         if held not in priced:
             gather = sum(collective_time(cluster, "all_gather", n * per.param, g) for n, g in zip(held, groups))
             scatter = sum(collective_time(cluster, "reduce_scatter", n * per.grad, g) for n, g in zip(held, groups))
-            priced[held] = (gather if config.zero == 3 else 0.0, scatter)
+            priced[held] = (gather if config.zero == 3 else 0.0, 0.0 if reduced_at_step else scatter)
     return ZeroCollectives(gather_s=tuple(priced[h][0] for h in params), scatter_s=tuple(priced[h][1] for h in params),
                            per_micro_batch=not config.keep_weights, overlap=overlap)
 
@@ -171,18 +174,20 @@ def _zero_groups(config: ParallelConfig, cluster: ClusterSpec) -> tuple[GroupSha
 
 
 def zero_links(config: ParallelConfig, cluster: ClusterSpec, per: BytesPerParam,
-               params: Sequence[tuple[int, int]]) -> LinkUse:
+               params: Sequence[tuple[int, int]], *, reduced_at_step: bool = False) -> LinkUse:
     """The traffic of one step of zero 2/3's unit collectives on a rank holding units of `params`
-    (dense and expert elements): a reduce-scatter per unit and micro-batch, zero=3's gathers before
+    (dense and expert elements): a reduce-scatter per unit and micro-batch (none where the
+    gradients are `reduced_at_step`: that traffic is the step's sync), zero=3's gathers before
     each forward and backward (once a step, keeping its weights)."""
     if config.zero < 2:
         return LinkUse()
-    groups, m = _zero_groups(config, cluster), config.num_micro_batches
+    groups, m = _zero_groups(config, cluster), (0 if reduced_at_step else config.num_micro_batches)
     gathers = 0 if config.zero == 2 else (1 if config.keep_weights else 2 * m)
     total = LinkUse()
     for held in params:
         for n, group in zip(held, groups):
-            total = total + link_use(cluster, "reduce_scatter", n * per.grad, group).times(m)
+            if m:
+                total = total + link_use(cluster, "reduce_scatter", n * per.grad, group).times(m)
             if gathers:
                 total = total + link_use(cluster, "all_gather", n * per.param, group).times(gathers)
     return total
