@@ -10,9 +10,9 @@ it on 8 gloo ranks (2 sites of 4) in float64:
   and against the same world without sites (< 1e-12: the same sums in another order of additions);
 - the groups: the site is the outermost factor of dp and whole pipelines sit in one site;
 - the slow link carries one message per bucket, and `MPLAN_INTER_SITE_DELAY_MS` delays it;
-- whole models through `mplan.autoparallel` (test_equivalence.py's comparison: 5 AdamW steps with
-  active clipping, < 1e-9 on every loss and parameter against one process, and against the same
-  plan without sites): zero 0, 1 and 3 over 4 replicas a site; TP (with SP), PP and CP inside
+- a whole model (tiny Llama) through `mplan.autoparallel` (test_equivalence.py's comparison: 5
+  AdamW steps with active clipping, < 1e-9 on every loss and parameter against one process, and
+  against the same plan without sites): zero 0, 1 and 3 over 4 replicas a site; TP (with SP), PP and CP inside
   sites beside 2 replicas a site; TP and PP leaving one replica a site, where only the cross-site
   sum is left of the three phases;
 - a zero=1 checkpoint moves between 2 sites and one site exactly.
@@ -48,6 +48,9 @@ WORLD_SIZE = 8
 """2 sites of 4 ranks: room for TP, PP or CP of 2 inside a site beside 2 replicas."""
 TO_FLAT = 1e-12
 """Largest relative error against the same world without sites: the same sums in another order."""
+MODEL, GLOBAL_BATCH_ROWS = "tiny-llama", 8
+"""The whole model every autoparallel check trains (one capture per rank serves all but CP's),
+on 8 sequences a step."""
 
 
 # -- the MLP of dp_fixtures.py, over sites -------------------------------------------------------------
@@ -185,20 +188,20 @@ def _fresh_heap() -> None:
 
 
 @functools.cache
-def _one_process(spec: str, global_batch: int) -> tuple[list, dict[str, torch.Tensor]]:
-    return single_device(family(spec), batches(global_batch))
+def _one_process() -> tuple[list, dict[str, torch.Tensor]]:
+    return single_device(family(MODEL), batches(GLOBAL_BATCH_ROWS))
 
 
-def _against_flat_and_one_process(spec: str, plan: str, global_batch: int = 8, **options: Any) -> dict[str, Any]:
-    """The model family `spec` under `plan` with sites=2, against one process and against the same
-    plan on one site."""
+def _against_flat_and_one_process(plan: str) -> dict[str, Any]:
+    """`MODEL` under `plan` with sites=2, one sequence a micro-batch, against one process and
+    against the same plan on one site."""
     _fresh_heap()
-    make, data = family(spec), batches(global_batch)
-    pm, losses, norms = trained(make, f"{plan},sites=2", data, progress="quiet",
-                                cluster=two_site_cluster(dist.get_world_size()), **options)
+    make, data = family(MODEL), batches(GLOBAL_BATCH_ROWS)
+    pm, losses, norms = trained(make, f"{plan},sites=2", data, progress="quiet", micro_batch_size=1,
+                                cluster=two_site_cluster(dist.get_world_size()))
     assert pm.plan.mesh.sites == pm.groups.sites == 2 and pm.groups.cross_site_dp is not None, pm.plan.describe()
-    result = errors(pm, losses, norms, _one_process(spec, global_batch))
-    flat_pm, flat_losses, _ = trained(make, plan, data, progress="quiet", **options)
+    result = errors(pm, losses, norms, _one_process())
+    flat_pm, flat_losses, _ = trained(make, plan, data, progress="quiet", micro_batch_size=1)
     assert flat_pm.groups.sites == 1
     result["to_flat"] = errors(pm, losses, norms, (flat_losses, flat_pm.full_state_dict()))["param"]
     result["to_flat_loss"] = max(abs(a - b) / abs(b) for a, b in zip(losses, flat_losses))
@@ -209,33 +212,33 @@ def _against_flat_and_one_process(spec: str, plan: str, global_batch: int = 8, *
     return result
 
 
-def dp_zero0_gpt() -> dict[str, Any]:
-    return _against_flat_and_one_process("tiny-gpt", "dp=8")
+def dp_zero0() -> dict[str, Any]:
+    return _against_flat_and_one_process("dp=8")
 
 
-def dp_zero1_llama() -> dict[str, Any]:
-    return _against_flat_and_one_process("tiny-llama", "dp=8,zero=1", micro_batch_size=1)
+def dp_zero1() -> dict[str, Any]:
+    return _against_flat_and_one_process("dp=8,zero=1")
 
 
-def dp_zero3_llama() -> dict[str, Any]:
-    return _against_flat_and_one_process("tiny-llama", "dp=8,zero=3", micro_batch_size=1)
+def dp_zero3() -> dict[str, Any]:
+    return _against_flat_and_one_process("dp=8,zero=3")
 
 
-def tp2_sp_zero1_llama_in_sites() -> dict[str, Any]:
-    return _against_flat_and_one_process("tiny-llama", "tp=2,dp=4,sp=1,zero=1", micro_batch_size=1)
+def tp2_sp_zero1_in_sites() -> dict[str, Any]:
+    return _against_flat_and_one_process("tp=2,dp=4,sp=1,zero=1")
 
 
-def pp2_zero1_gpt_in_sites() -> dict[str, Any]:
-    return _against_flat_and_one_process("tiny-gpt", "pp=2,dp=4,zero=1", micro_batch_size=1)
+def pp2_zero1_in_sites() -> dict[str, Any]:
+    return _against_flat_and_one_process("pp=2,dp=4,zero=1")
 
 
-def cp2_zero1_llama_in_sites() -> dict[str, Any]:
-    return _against_flat_and_one_process("tiny-llama", "cp=2,dp=4,zero=1", micro_batch_size=1)
+def cp2_zero1_in_sites() -> dict[str, Any]:
+    return _against_flat_and_one_process("cp=2,dp=4,zero=1")
 
 
-def tp2_pp2_zero0_gpt_one_replica_per_site() -> dict[str, Any]:
+def tp2_pp2_zero0_one_replica_per_site() -> dict[str, Any]:
     """dp=2 over 2 sites: a site's replica group is one rank, so only the cross-site sum is left."""
-    result = _against_flat_and_one_process("tiny-gpt", "tp=2,pp=2,dp=2", micro_batch_size=1)
+    result = _against_flat_and_one_process("tp=2,pp=2,dp=2")
     assert result["site_group"] == 1, result
     return result
 
@@ -261,7 +264,7 @@ def checkpoint_between_sites_and_one_site() -> dict[str, Any]:
     into the same plan on one site and back into 2 sites; parameters and optimizer state come
     back bit for bit, and the 3 steps after it match training on without a stop."""
     _fresh_heap()
-    make, data, n = family("tiny-llama"), batches(8), dist.get_world_size()
+    make, data, n = family(MODEL), batches(GLOBAL_BATCH_ROWS), dist.get_world_size()
     spec, cluster = f"dp={n},zero=1", two_site_cluster(n)
     first = _built(make, f"{spec},sites=2", data, cluster=cluster)
     for ids, labels in data[:2]:
@@ -293,13 +296,13 @@ CHECKS = [
     check_an_unused_parameter_across_sites,
     check_one_cross_site_message_per_bucket,
     check_injected_delay_holds_back_the_cross_site_sums,
-    dp_zero0_gpt,
-    dp_zero1_llama,
-    dp_zero3_llama,
-    tp2_sp_zero1_llama_in_sites,
-    pp2_zero1_gpt_in_sites,
-    cp2_zero1_llama_in_sites,
-    tp2_pp2_zero0_gpt_one_replica_per_site,
+    dp_zero0,
+    dp_zero1,
+    dp_zero3,
+    tp2_sp_zero1_in_sites,
+    pp2_zero1_in_sites,
+    cp2_zero1_in_sites,
+    tp2_pp2_zero0_one_replica_per_site,
     checkpoint_between_sites_and_one_site,
 ]
 
