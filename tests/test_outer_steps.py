@@ -285,6 +285,7 @@ def test_search_tries_an_outer_loop_only_when_inexact_training_is_allowed():
     assert inexact.outer_steps > 0 and inexact.mesh.sites == 2, inexact.spec()
     assert inexact.predicted.step_time_s < exact.predicted.step_time_s
     assert inexact.predicted.dp_links.inter_site_gb < exact.predicted.dp_links.inter_site_gb
+    assert {z.zero for z in inexact.zero_levels} <= {0}  # no other ZeRO level runs an outer loop
     said = explain_data(inexact)["inexact"]
     assert "not the single-device loop's arithmetic" in said["why_inexact"]
     assert said["exact_spec"] is not None and "outer_steps" not in said["exact_spec"] and said["won_by_ms"] > 0

@@ -45,8 +45,8 @@ from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains, fin
 from mplan.planner.host_cost import runtime_host
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.parallel_config import (DEFAULT_RUNTIME, RUNTIMES, ZERO_LEVELS, ModelLimits, ParallelConfig,
-                                           PlanSpec, PlanSpecError, context_methods, enumerate_configs, outer_variants,
-                                           site_variants, zero_variants)
+                                           PlanSpec, PlanSpecError, context_methods, enumerate_configs, outer_refusal,
+                                           outer_variants, site_variants, zero_variants)
 from mplan.planner.plan import TP_LAYOUTS
 from mplan.planner.spec_check import spec_refusal
 from mplan.planner.sharding_ilp import (GraphSharding, ShardingInfeasible, StrategyFilter, reprice_graph,
@@ -362,6 +362,8 @@ class Planner:
         if best.config.dp == 1 or spec.zero is not None or len(levels) < 2:
             return {}
         pairs = zero_variants(best.config, levels, self.facts.runtime, dominated=True)
+        # an outer loop runs at zero=0 only: its layout at another level is no plan
+        pairs = [(z, k) for z, k in pairs if outer_refusal(replace(best.config, zero=z, keep_weights=k)) is None]
         fastest: dict[tuple[int, bool], Estimate] = {}
         for e in ranked:
             fastest.setdefault((e.config.zero, e.config.keep_weights), e)
