@@ -273,6 +273,13 @@ def test_plan_json_outer_steps_without_sites_is_refused():
         Plan.from_dict(doc)
 
 
+def test_a_plan_made_in_code_says_why_its_outer_loop_cannot_run():
+    made = _outer_plan()
+    assert made.outer_refusal() is None
+    assert "runs with zero=0 only" in dataclasses.replace(made, zero=1).outer_refusal()
+    assert "needs sites > 1" in dataclasses.replace(made, mesh=dataclasses.replace(made.mesh, sites=1)).outer_refusal()
+
+
 def test_search_tries_an_outer_loop_only_when_inexact_training_is_allowed():
     """On a slow long haul (0.1 Gb/s) the outer loop is much faster by the planner's prices, yet
     without `inexact_ok` no plan of the search has one."""

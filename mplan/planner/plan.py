@@ -257,6 +257,12 @@ class Plan:
         """Whether this plan changes the single-device loop's arithmetic (an outer loop across sites)."""
         return self.outer_steps > 0
 
+    def outer_refusal(self) -> str | None:
+        """Why this plan's outer loop cannot run (`parallel_config.outer_refusal`), or None."""
+        m = self.mesh
+        return outer_refusal(ParallelConfig(dp=m.dp, tp=m.tp, pp=m.pp, ep=m.ep, sites=m.sites, zero=self.zero,
+                                            outer_steps=self.outer_steps))
+
     def spec(self) -> str:
         """The manual spec string that asks for exactly this plan."""
         m = self.mesh
@@ -576,8 +582,7 @@ def _check_consistent(plan: Plan, file: str) -> None:
     if m.sites > 1 and m.sites != plan.cluster.sites:
         raise PlanError(f"{file}: mesh.sites={m.sites} but cluster.sites={plan.cluster.sites}: a plan's sites are 1 "
                         f"(flat) or its cluster's")
-    refused = outer_refusal(ParallelConfig(dp=m.dp, tp=m.tp, pp=m.pp, ep=m.ep, sites=m.sites, zero=plan.zero,
-                                           outer_steps=plan.outer_steps))
+    refused = plan.outer_refusal()
     if refused:
         raise PlanError(f"{file}: {refused}")
     if plan.zero3_keep_weights and plan.zero != 3:

@@ -96,6 +96,7 @@ def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec,
         made = dataclasses.replace(made, model=dataclasses.replace(made.model, seq_len_source="example inputs"))
     made = dataclasses.replace(made, fp8=made.fp8 or fp8)
     _check_sites(made, cluster)
+    _check_outer_loop(made)
     _check(made, graph)
     return made
 
@@ -240,6 +241,13 @@ def _check_sites(plan: Plan, cluster: ClusterSpec) -> None:
         plan.mesh_shape().check_sites(cluster.num_sites)
     except ValueError as exc:
         raise PlanSpecError(f"plan {plan.spec()!r} on cluster {cluster.name}: {exc}") from None
+
+
+def _check_outer_loop(plan: Plan) -> None:
+    """A Plan made in code (a file is checked as it loads) whose outer loop cannot run: one line."""
+    refused = plan.outer_refusal()
+    if refused:
+        raise PlanError(f"plan {plan.spec()!r}: {refused}")
 
 
 def _bind(plan: Plan, graph: Graph, world_size: int, global_batch: int) -> Plan:
