@@ -7,7 +7,8 @@ RoPE, q/k norms over all heads, q/k/v beside a parallel block's MLP.
 - OLMo-2 norms q and k over all heads between the projection and the reshape to heads; Cohere's
   input norm feeds q, k, v and the MLP's gate and up (a parallel block): q, k, v still run as one
   grouped GEMM (linear_group), its parts feeding the norms; gate and up stay the GLU's.
-- q and k in two layouts do not pair, and say why.
+- q and k in two layouts do not pair, and say why; nor does GPT-J's interleaved partial RoPE on
+  [batch, seq, heads, head_dim], permuted after it (each RoPE still fuses).
 
 Each form is checked on a hand-written module and on a tiny Hugging Face model as transformers
 ships it (2 layers, hidden 64): fused and unfused programs agree forward and backward (float64 on
@@ -322,6 +323,28 @@ def test_inspect_coverage_shows_rope_qk_and_linear_group_fired(family: str) -> N
     assert fused["linear_group"] == 1 and fused["rope_qk"] == 1 and "rope" not in fused
     assert not [s for s in block.skipped if s.kernel in ("linear_group", "rope", "rope_qk")]
     assert not {op.op for op in block.left} & {"aten.stack.default", "aten.neg.default", "aten.flatten.using_ints"}
+
+
+def test_gptj_rotates_interleaved_pairs_unpaired_and_the_miss_says_why() -> None:
+    """GPT-J rotates the first rotary_dim of each head in interleaved pairs on [batch, seq, heads,
+    head_dim], then permutes to attention's layout: RoPE fuses on q and on k (two launches), exactly;
+    the pairing into one launch is a near miss `mplan inspect` explains."""
+    config = transformers.GPTJConfig(vocab_size=64, n_embd=HIDDEN, n_layer=2, n_head=HEADS, rotary_dim=8,
+                                     n_positions=32, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    ids, labels = _batch()
+    model = transformers.GPTJForCausalLM(config).to(torch.float64)
+    unfused = torch.export.export(_Loss(model), (ids, labels), strict=False).module()
+    fused = fuse_kernels(copy.deepcopy(unfused))
+    assert {k: v for k, v in fused.meta["fuse_kernels"].counts.items() if k in _OURS} == {"linear_group": 2, "rope": 4}
+    assert [n.kwargs for n in fused.graph.nodes if n.target is rope] == [{"rot_dim": 8, "interleaved": True}] * 4
+    (loss, grads), (ref_loss, ref_grads) = _hf_loss_and_grads(fused), _hf_loss_and_grads(unfused)
+    assert rel_err(loss, ref_loss) <= 1e-6
+    for name, grad in ref_grads.items():
+        assert rel_err(grads[name], grad) <= 1e-6, name
+    block = fusion_coverage(capture(model, (ids,), labels=labels))[0]
+    assert [(s.kernel, s.count) for s in block.skipped] == [("rope_qk", 1)]
+    assert "permuted after RoPE" in block.skipped[0].why
 
 
 # --- under the Triton interpreter (fp32) ------------------------------------------------------------

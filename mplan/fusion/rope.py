@@ -235,9 +235,14 @@ def pair_rope_matches(matches: list[tuple[str, PatternMatch]]) -> tuple[list[tup
             continue
         q, k = (ropes.get(getattr(x, "name", "")) for x in match.params["qkv"][:2])
         if q is None or k is None:
-            if all(_rotated_then_concatenated(x, ropes) for x in match.params["qkv"][:2]):
+            behind = {_rope_behind(x, ropes) for x in match.params["qkv"][:2]}
+            if behind == {"concatenated"}:
                 missed.append((match.anchor, Miss("q and k are RoPE of a partial rotary_dim, concatenated with "
                                                   "the unrotated rest before attention")))
+            elif behind == {"permuted"}:
+                missed.append((match.anchor, Miss("q and k are permuted after RoPE (RoPE on [batch, seq, heads, "
+                                                  "head_dim], as GPT-J's): rope_qk pairs RoPE on attention's "
+                                                  "[batch, heads, seq, head_dim] only")))
             continue
         if q is k or len(q.outputs[0].users) != 1 or len(k.outputs[0].users) != 1 or \
                 (q.params["cos"], q.params["sin"]) != (k.params["cos"], k.params["sin"]):
@@ -266,11 +271,21 @@ def pair_rope_matches(matches: list[tuple[str, PatternMatch]]) -> tuple[list[tup
     return out, missed
 
 
-def _rotated_then_concatenated(value: Any, ropes: dict[str, PatternMatch]) -> bool:
-    """`value` is cat([a RoPE chain's result, rest], -1), looking through repeat_kv's views."""
-    while is_call(value, aten.reshape.default, aten.expand.default, aten.unsqueeze.default, aten.view.default):
+_REPEAT_KV = (aten.reshape.default, aten.expand.default, aten.unsqueeze.default, aten.view.default)
+_PERMUTES = (aten.permute.default, aten.transpose.int)
+
+
+def _rope_behind(value: Any, ropes: dict[str, PatternMatch]) -> str | None:
+    """How attention's `value` comes from a RoPE chain, looking through repeat_kv's views and
+    casts: "concatenated" (cat([the chain's result, rest], -1)), "permuted" (the chain's result
+    permuted or transposed), or None (neither)."""
+    permuted = False
+    while is_call(value, *_REPEAT_KV, *_PERMUTES) or cast(value) is not None:
+        permuted |= is_call(value, *_PERMUTES)
         value = value.args[0]
-    return is_call(value, aten.cat.default) and getattr(value.args[0][0], "name", None) in ropes
+    if is_call(value, aten.cat.default) and getattr(value.args[0][0], "name", None) in ropes:
+        return "concatenated"
+    return "permuted" if permuted and getattr(value, "name", None) in ropes else None
 
 
 def pair_fused_ropes(graph: Graph, attention_ops: tuple[Any, ...]) -> int:
