@@ -90,9 +90,9 @@ def _match_rotation(anchor: Node) -> PatternMatch | None:
 
 
 def _with_casts(match: PatternMatch) -> PatternMatch:
-    """The match with the casts around it taken in: x = source.to(upcast) used only by the chain
-    (the whole head vector rotated: a partial rotary's slices read the cast), and the result's
-    only use a cast .to(dtype) (Hugging Face's `q.float()` and `.to(q.dtype)`)."""
+    """The match with the casts around it taken in (Hugging Face's `q.float()` and `.to(q.dtype)`):
+    x = source.to(upcast) used only by the chain, where the whole head vector rotates (a partial
+    rotary's cast stays an op), and the result's only use a cast .to(dtype)."""
     params, chain, inputs, output = dict(match.params), match.chain, match.inputs, match.outputs[0]
     before = cast(params["x"])
     if before is not None and "rot_dim" not in params and used_only_by(params["x"], *chain):
