@@ -3,8 +3,8 @@
 - Cohere writes its LayerNorm as ATen ops (no bias; x.float(), mean, (x - mean)^2's mean,
   (x - mean) * rsqrt(var + eps), weight.float() * h, .to(input_dtype)) and feeds attention and
   the MLP from one norm (a parallel block, out = residual + attn + mlp): the LayerNorm kernel
-  takes the chain, casts and all, alone (layer_norm) or with the residual add before it
-  (layer_norm_residual).
+  takes the chain, casts and all, alone (layer_norm) or with the residual adds before it
+  (layer_norm_residual, both adds: three addends).
 - OLMo-2 norms each sublayer's output, then adds it (h = residual + norm(attn)): norm and add in
   one launch (rms_norm_add), which returns the sum alone.
 - Granite scales each sublayer's output before the add (residual + h * residual_multiplier):
@@ -191,6 +191,10 @@ def test_the_fused_calls_carry_each_forms_casts_and_scale() -> None:
     _, cohere, _ = _module_programs("cohere", torch.float64)
     assert _fused_ops(cohere)["layer_norm"] == {"hand_written": True, "upcast": True, "weight_upcast": True,
                                                 "out_dtype": torch.float64}
+    # (residual + attn) + mlp: the stream and attention's output, then the MLP's as the third addend
+    residual_norms = [n for n in cohere.graph.nodes if getattr(n.target, "__name__", "") == "layer_norm_residual"]
+    assert [(n.args[1].target, n.kwargs["third"].target) for n in residual_norms] == \
+        [(aten.linear.default, aten.linear.default)] * 2
     _, olmo2, _ = _module_programs("olmo2", torch.float64)
     assert _fused_ops(olmo2)["rms_norm_add"] == {"upcast": True, "out_dtype": torch.float64}
     _, granite, _ = _module_programs("granite", torch.float64)
@@ -336,11 +340,11 @@ NORM_OPS = {"aten.sub.Tensor", "aten.mean.dim", "aten.pow.Tensor_Scalar", "aten.
 def test_inspect_shows_cohere_s_layer_norms_fused_their_ops_gone() -> None:
     """The race's coverage left per Cohere layer mul x6, add x5, to.dtype x7, sub x2, mean x2,
     pow x1 (1.15 GB at its size) and the final norm. Now the norm, its casts included, is one
-    kernel; one add is left: the parallel block's residual + attn, the sum the next norm's kernel
-    adds the MLP's output to."""
+    kernel, and the block's two residual adds (residual + attn, + mlp) are the next norm's.
+    (RoPE's ops among those are tests/test_fusion_rope_forms.py's.)"""
     coverage = _coverage("cohere")
     assert coverage["fused"]["layer_norm"] == 1  # the template block is the first: it norms the embedding
-    assert coverage["left"] == {"aten.add.Tensor": 1}
+    assert coverage["left"] == {}
     assert "layer_norm_residual" in coverage["outside_fused"]  # the final norm, after the last add
     assert not coverage["outside_left"] & NORM_OPS
 
@@ -417,8 +421,8 @@ def test_interpreted_family_matches_its_unfused_program(family: str) -> None:
 @needs_interpreter
 def test_interpreted_kernels_compute_their_references() -> None:
     """Each new kernel form directly, fp32, 11 rows of 40 (a partial row block), both outputs'
-    gradients flowing back: the hand-written LayerNorm alone and after a residual add, norm + add,
-    and the scaled residual add."""
+    gradients flowing back: the hand-written LayerNorm alone and after a residual add, three
+    addends, norm + add, and the scaled residual add."""
     from mplan.kernels.layernorm import (LayerNormForm, layer_norm, layer_norm_reference, layer_norm_residual,
                                          layer_norm_residual_reference)
     from mplan.kernels.rmsnorm import (NormForm, rms_norm_add, rms_norm_add_reference, rms_norm_residual,
@@ -434,6 +438,10 @@ def test_interpreted_kernels_compute_their_references() -> None:
          lambda a, r, w: layer_norm_reference(a, w, None, 1e-5, ln_form), "LayerNormResidualFunction"),
         (lambda a, r, w: layer_norm_residual(a, r, w, None, 1e-5, **hand),
          lambda a, r, w: layer_norm_residual_reference(a, r, w, None, 1e-5, ln_form), "LayerNormResidualFunction"),
+        # a third addend made from x, so that its gradient shows in x's
+        (lambda a, r, w: layer_norm_residual(a, r, w, None, 1e-5, third=0.5 * a.flip(0)),
+         lambda a, r, w: layer_norm_residual_reference(a, r, w, None, 1e-5, third=0.5 * a.flip(0)),
+         "LayerNormResidualFunction"),
         (lambda a, r, w: rms_norm_add(a, r, w, 1e-6, upcast=True, out_dtype=torch.float32),
          lambda a, r, w: rms_norm_add_reference(a, r, w, 1e-6, NormForm(True, None, torch.float32)),
          "RMSNormAddFunction"),

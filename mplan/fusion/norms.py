@@ -296,17 +296,30 @@ def _match_layer_norm_residual(anchor: Node) -> PatternMatch | None:
         pair = None if found is None else same_shape_add(found.x)
         if found is None or pair is None:
             return None  # a hand-written norm of anything but a residual sum: LAYER_NORM's
-        return PatternMatch(anchor=anchor, chain=(found.x, *found.chain), outputs=(found.output, found.x),
-                            inputs=(*pair, found.weight),
-                            params={"addends": pair, "weight": found.weight, "bias": None, "eps": found.eps,
+        addends, inner = _three_addends(pair, found.x)
+        return PatternMatch(anchor=anchor, chain=(*inner, found.x, *found.chain), outputs=(found.output, found.x),
+                            inputs=(*addends, found.weight),
+                            params={"addends": addends, "weight": found.weight, "bias": None, "eps": found.eps,
                                     "form": found.form})
     total, normalized_shape, weight, bias, eps = (list(anchor.args) + [None, None, 1e-5])[:5]
     pair = same_shape_add(total)
     if pair is None or anchor.kwargs or weight is None or len(normalized_shape) != 1:
         return None
-    inputs = (*pair, weight) if bias is None else (*pair, weight, bias)
-    return PatternMatch(anchor=anchor, chain=(total, anchor), outputs=(anchor, total), inputs=inputs,
-                        params={"addends": pair, "weight": weight, "bias": bias, "eps": eps, "form": {}})
+    addends, inner = _three_addends(pair, total)
+    inputs = (*addends, weight) if bias is None else (*addends, weight, bias)
+    return PatternMatch(anchor=anchor, chain=(*inner, total, anchor), outputs=(anchor, total), inputs=inputs,
+                        params={"addends": addends, "weight": weight, "bias": bias, "eps": eps, "form": {}})
+
+
+def _three_addends(pair: tuple[Node, Node], total: Node) -> tuple[tuple[Node, ...], tuple[Node, ...]]:
+    """((a, b, c), [a + b]) when one addend of the residual add `total` is itself a residual add
+    a + b that only `total` reads (a parallel block's residual + attn + mlp: Cohere's, GPT-NeoX's),
+    the sum added first as the model adds it; else (pair, ())."""
+    for inner in pair:
+        inner_pair = same_shape_add(inner)
+        if inner_pair is not None and used_only_by(inner, total) and inner is not other(pair, inner):
+            return (*inner_pair, other(pair, inner)), (inner,)
+    return pair, ()
 
 
 def _match_layer_norm(anchor: Node) -> PatternMatch | None:
@@ -343,8 +356,9 @@ def _emit_layer_norm_residual(graph: Graph, match: PatternMatch) -> Node:
     from mplan.kernels import layer_norm_residual
 
     p = match.params
-    return call(graph, layer_norm_residual, (*p["addends"], p["weight"], p["bias"], p["eps"]), match.anchor,
-                dict(p["form"]))
+    (x, residual, *third) = p["addends"]
+    return call(graph, layer_norm_residual, (x, residual, p["weight"], p["bias"], p["eps"]), match.anchor,
+                {**p["form"], **({"third": third[0]} if third else {})})
 
 
 def _emit_layer_norm(graph: Graph, match: PatternMatch) -> Node:
@@ -428,7 +442,8 @@ LAYER_NORM_RESIDUAL = FusionEntry(
     # add eps, rsqrt, mul, mul weight, casts), matched at its weight's mul
     pattern=FusionPattern(anchors=(aten.layer_norm.default, aten.mul.Tensor), match=_match_layer_norm_residual),
     forms=("aten.layer_norm of a residual sum, with or without a bias",
-           "Cohere's LayerNorm as ATen ops (no bias, fp32 upcast, weight.float(), cast back)"),
+           "Cohere's LayerNorm as ATen ops (no bias, fp32 upcast, weight.float(), cast back)",
+           "a parallel block's (residual + attn) + mlp: three addends"),
     keeps=lambda m: FusedSave((m.outputs[1].name,), ((m.anchor.name, "rows8"),)),  # the sum, mean and rstd
     pricing=MeasuredPricing(
         traffic=FusedOpTraffic(
@@ -441,6 +456,8 @@ LAYER_NORM_RESIDUAL = FusionEntry(
     emit=_emit_layer_norm_residual,
     marks=0,
     lesser="layer_norm",
+    notes={"third": "three addends read one row tensor more in the forward than `traffic` counts (and "
+                    "save the add that wrote and read their first sum)"},
 )
 
 LAYER_NORM = FusionEntry(
@@ -449,7 +466,7 @@ LAYER_NORM = FusionEntry(
     # embedding; its parallel block feeds attention and the MLP from one norm). aten.layer_norm
     # alone is not taken: it already runs as one ATen kernel.
     pattern=FusionPattern(anchors=(aten.mul.Tensor,), match=_match_layer_norm),
-    forms=LAYER_NORM_RESIDUAL.forms[1:],
+    forms=LAYER_NORM_RESIDUAL.forms[1:2],
     keeps=lambda m: FusedSave((m.params["x"].name,), ((m.anchor.name, "rows8"),)),  # x, mean and rstd
     pricing=MeasuredPricing(
         traffic=FusedOpTraffic(

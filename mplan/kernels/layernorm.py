@@ -5,6 +5,9 @@
         normed       = (new_residual - mean) * rsqrt(var + eps) * weight + bias   (over the last dim)
     layer_norm(x, weight, bias, eps) -> normed                        (the same without a residual)
 
+`third=`: new_residual = (x + residual) + third, a parallel block's residual + attn + mlp
+(Cohere, GPT-NeoX), each sum rounded to the stream's dtype as the two adds round it.
+
 Hand-written forms (`hand_written=True`, `LayerNormForm`): a model that writes its LayerNorm as
 ATen ops rather than calling F.layer_norm (Cohere: no bias, x.float(), mean, (x - mean)^2's
 mean, (x - mean) * rsqrt(var + eps), weight.float() * h, .to(input_dtype)) gets the same
@@ -67,7 +70,8 @@ _WARPS = configs([triton.Config({}, num_warps=w) for w in (2, 4, 8, 16)], triton
 @triton.autotune(configs=_WARPS, key=["n_cols", "HAS_BIAS", "HAS_RESIDUAL"])
 @triton.jit
 def _forward_kernel(x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, sum_ptr, mean_ptr, rstd_ptr, n_cols, eps,
-                    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr = True):
+                    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr = True,
+                    third_ptr=None, HAS_THIRD: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -76,6 +80,9 @@ def _forward_kernel(x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, sum_ptr, mean_ptr, rstd
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + offs, mask=mask, other=0.0)
         s_stored = (s_stored.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        if HAS_THIRD:
+            t = tl.load(third_ptr + offs, mask=mask, other=0.0)
+            s_stored = (s_stored.to(tl.float32) + t.to(tl.float32)).to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + offs, s_stored, mask=mask)
     s = s_stored.to(tl.float32)
     mean = tl.sum(s, axis=0) / n_cols
@@ -141,7 +148,7 @@ class LayerNormResidualFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                bias: torch.Tensor | None, eps: float, out_dtype: torch.dtype) -> Any:
+                bias: torch.Tensor | None, eps: float, out_dtype: torch.dtype, third: torch.Tensor | None = None) -> Any:
         shape, n_cols = x.shape, x.shape[-1]
         x2 = x.contiguous().view(-1, n_cols)
         n_rows = x2.shape[0]
@@ -156,9 +163,12 @@ class LayerNormResidualFunction(torch.autograd.Function):
         _forward_kernel[(n_rows,)](x2, res2, weight.contiguous(),
                                    bias.contiguous() if bias is not None else weight, y, new_res, mean, rstd,
                                    n_cols, eps, HAS_BIAS=bias is not None, BLOCK=next_power_of_2(n_cols),
-                                   HAS_RESIDUAL=residual is not None)
+                                   HAS_RESIDUAL=residual is not None,
+                                   third_ptr=x2 if third is None else third.contiguous().view(-1, n_cols),
+                                   HAS_THIRD=third is not None)
         ctx.save_for_backward(new_res, weight, mean, rstd)
         ctx.shape, ctx.has_bias, ctx.has_residual = shape, bias is not None, residual is not None
+        ctx.has_third = third is not None
         ctx.set_materialize_grads(False)
         if residual is None:
             return y.view(shape)
@@ -179,7 +189,8 @@ class LayerNormResidualFunction(torch.autograd.Function):
         # autograd casts dx to the dtype of x or residual where it differs (mixed-precision stream)
         dx = dx.view(ctx.shape)
         sums = sum_partials(partials if ctx.has_bias else partials[:1], weight.dtype)
-        return dx, (dx if ctx.has_residual else None), sums[0], (sums[1] if ctx.has_bias else None), None, None
+        return (dx, (dx if ctx.has_residual else None), sums[0], (sums[1] if ctx.has_bias else None), None, None,
+                (dx if ctx.has_third else None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,10 +219,12 @@ def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 def layer_norm_residual_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                  bias: torch.Tensor | None, eps: float,
-                                  form: LayerNormForm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x + residual`, then the LayerNorm over the last dim: the unfused graph, op for op."""
+                                  bias: torch.Tensor | None, eps: float, form: LayerNormForm | None = None,
+                                  third: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x + residual` (`+ third`), then the LayerNorm over the last dim: the unfused graph, op for op."""
     new_residual = x + residual
+    if third is not None:
+        new_residual = new_residual + third
     return layer_norm_reference(new_residual, weight, bias, eps, form), new_residual
 
 
@@ -248,19 +261,21 @@ def _normed_dtype(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
 
 def layer_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         eps: float, consumer: str | None = None, *, hand_written: bool = False,
-                        upcast: bool = False, weight_upcast: bool = False,
-                        out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        upcast: bool = False, weight_upcast: bool = False, out_dtype: torch.dtype | None = None,
+                        third: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(layernorm(x + residual), x + residual); Triton where `use_triton`, else the reference.
     `consumer`: what every use of the normed output is ("linear"), so that under autocast it
     comes out in the dtype autocast would cast it to there (`consumer_cast_dtype`).
     `hand_written`: the model writes the norm as ATen ops, with the casts `upcast`,
-    `weight_upcast`, `out_dtype` (`LayerNormForm`)."""
+    `weight_upcast`, `out_dtype` (`LayerNormForm`). `third`: a third addend, added to the sum
+    (Triton only where its shape and dtype are x's and residual's)."""
     form = _form(hand_written, upcast, weight_upcast, out_dtype)
     cast_to = consumer_cast_dtype(consumer, x)
-    if use_triton(x) and x.shape[-1] <= MAX_ROW_SIZE and residual.shape == x.shape:
+    third_fits = third is None or (third.shape == x.shape and third.dtype == x.dtype == residual.dtype)
+    if use_triton(x) and x.shape[-1] <= MAX_ROW_SIZE and residual.shape == x.shape and third_fits:
         return LayerNormResidualFunction.apply(x, residual, weight, bias, eps,
-                                               cast_to or _normed_dtype(x, residual, weight, form))
-    normed, new_residual = layer_norm_residual_reference(x, residual, weight, bias, eps, form)
+                                               cast_to or _normed_dtype(x, residual, weight, form), third)
+    normed, new_residual = layer_norm_residual_reference(x, residual, weight, bias, eps, form, third)
     return (normed if cast_to is None else normed.to(cast_to)), new_residual
 
 
