@@ -462,3 +462,32 @@ def test_interpreted_kernels_compute_their_references() -> None:
         for got, want in zip(*results, strict=True):
             assert (got is None) == (want is None), function  # layer_norm reads no residual
             assert got is None or rel_err(got, want) < 1e-5, function
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_training_step_with_the_new_norms_matches_one_without(family: str) -> None:
+    """`autoparallel` on one process (the planner prices and counts the new entries' memory),
+    float64, two SGD steps with kernels on and off: the same losses (to the fp32 rounding of
+    transformers' loss) and the same parameters after them."""
+    import functools
+
+    import mplan
+
+    ids, labels = _batch()
+    results = []
+    for kernels in (True, False):
+        config_cls, model_cls, extra = FAMILIES[family]
+        torch.manual_seed(0)
+        config = config_cls(**SHAPE, **extra)
+        config._attn_implementation = "sdpa"
+        pm = mplan.autoparallel(model_cls(config).double(), example_inputs=(ids,), global_batch=2, plan="dp=1",
+                                kernels=kernels, cluster=mplan.ClusterSpec.preset("cpu", gpus_per_node=1),
+                                optimizer=functools.partial(torch.optim.SGD, lr=0.1), progress="quiet")
+        losses = [float(pm.train_step(ids, labels)) for _ in range(2)]
+        report = pm.program.meta.get("fuse_kernels")
+        results.append((losses, pm.full_state_dict(), report.counts if report is not None else {}))
+    (losses, params, fired), (ref_losses, ref_params, unfused) = results
+    assert {k: v for k, v in fired.items() if "norm" in k} == FAMILY_NORMS[family] and unfused == {}
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    for name, value in ref_params.items():
+        assert (params[name] - value).norm() <= 1e-6 * value.norm(), name
