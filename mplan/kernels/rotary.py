@@ -12,9 +12,8 @@ inverse rotation: dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1. One kernel does 
 Interleaved layout (`interleaved=True`: GPT-J's `rotate_every_two`, Cohere's `rotate_half`, with
 tables repeating each frequency twice side by side): the pairs rotated together are
 (x[2i], x[2i + 1]) rather than (x[i], x[i + head_dim / 2]); the same formulas, the kernels only
-address the two elements (and the two table entries) of a pair differently (`_pair_offsets`):
-stride-2 loads and stores, which cover the same cache lines as the halves' two contiguous ones.
-Not yet timed on a GPU. Casts (`upcast`, `dtype`): Hugging Face's `q.float()` before RoPE and
+address the two elements (and the two table entries) of a pair differently (`_load_pairs`,
+`_store_pairs`): one contiguous load of each pair, split in registers, and one store of both. Casts (`upcast`, `dtype`): Hugging Face's `q.float()` before RoPE and
 `.to(q.dtype)` after it, taken as the call's input and result dtypes: the kernels load in fp32
 and store the result's dtype, so neither cast is a pass over memory (an upcast that fp32 loads do
 not give, e.g. of float64, is made before the call).
@@ -134,16 +133,37 @@ def _load_f32(ptr, mask, EVEN: tl.constexpr, POLICY: tl.constexpr):
 
 
 @triton.jit
-def _pair_offsets(cols, half, INTERLEAVED: tl.constexpr):
-    """Offsets, within a head vector, of the two elements rotated together: (i, i + half) in
-    the rotate-half layout, (2i, 2i + 1) in the interleaved one (GPT-J, Cohere)."""
+def _load_pairs(ptr, base, cols, mask, half, EVEN: tl.constexpr, POLICY: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The two elements rotated together, in fp32, of the head vectors (or table rows) at `base`:
+    (v[i], v[i + half]) for i in `cols` (the halves), or (v[2i], v[2i + 1]) (interleaved: one
+    contiguous load of both, split in registers; two stride-2 loads ran 3x slower on the H100)."""
     if INTERLEAVED:
-        first = cols * 2
-        second = first + 1
+        offs = tl.expand_dims(base + cols * 2, -1) + tl.arange(0, 2)
+        both = _load_f32(ptr + offs, tl.expand_dims(mask, -1), EVEN, POLICY)
+        first, second = tl.split(both)
     else:
-        first = cols
-        second = cols + half
+        first = _load_f32(ptr + base + cols, mask, EVEN, POLICY)
+        second = _load_f32(ptr + base + cols + half, mask, EVEN, POLICY)
     return first, second
+
+
+@triton.jit
+def _store_pairs(ptr, base, cols, first, second, mask, half, EVEN: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """`_load_pairs`' inverse: the pairs written back in ptr's dtype (interleaved: one store of both)."""
+    if INTERLEAVED:
+        offs = tl.expand_dims(base + cols * 2, -1) + tl.arange(0, 2)
+        both = tl.join(first, second).to(ptr.dtype.element_ty)
+        if EVEN:
+            tl.store(ptr + offs, both)
+        else:
+            tl.store(ptr + offs, both, mask=tl.expand_dims(mask, -1))
+    else:
+        if EVEN:
+            tl.store(ptr + base + cols, first.to(ptr.dtype.element_ty))
+            tl.store(ptr + base + cols + half, second.to(ptr.dtype.element_ty))
+        else:
+            tl.store(ptr + base + cols, first.to(ptr.dtype.element_ty), mask=mask)
+            tl.store(ptr + base + cols + half, second.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -173,26 +193,16 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, n_vectors, x_stride0, x_stride1
     r = program * BLOCK_R + tl.arange(0, BLOCK_R)
     i0, i1, i2, pos = _vector_index(r, n1, n2, POS_AXIS)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
-    first, second = _pair_offsets(cols, half, INTERLEAVED)
     t_offs = pos[:, None] * table_stride
     x_offs = (i0 * x_stride0 + i1 * x_stride1 + i2 * x_stride2)[:, None]
     mask = (r < n_vectors)[:, None] & (cols < half)
     table_policy: tl.constexpr = "evict_last" if EVICT else ""
     x_policy: tl.constexpr = "evict_first" if EVICT else ""
-    c1 = _load_f32(cos_ptr + t_offs + first, mask, EVEN, table_policy)
-    c2 = _load_f32(cos_ptr + t_offs + second, mask, EVEN, table_policy)
-    s1 = _load_f32(sin_ptr + t_offs + first, mask, EVEN, table_policy)
-    s2 = _load_f32(sin_ptr + t_offs + second, mask, EVEN, table_policy)
-    x1 = _load_f32(x_ptr + x_offs + first, mask, EVEN, x_policy)
-    x2 = _load_f32(x_ptr + x_offs + second, mask, EVEN, x_policy)
+    c1, c2 = _load_pairs(cos_ptr, t_offs, cols, mask, half, EVEN, table_policy, INTERLEAVED)
+    s1, s2 = _load_pairs(sin_ptr, t_offs, cols, mask, half, EVEN, table_policy, INTERLEAVED)
+    x1, x2 = _load_pairs(x_ptr, x_offs, cols, mask, half, EVEN, x_policy, INTERLEAVED)
     y1, y2 = _rotate(x1, x2, c1, c2, s1, s2, BACKWARD)
-    y_offs = r[:, None] * (2 * half)
-    if EVEN:
-        tl.store(y_ptr + y_offs + first, y1.to(y_ptr.dtype.element_ty))
-        tl.store(y_ptr + y_offs + second, y2.to(y_ptr.dtype.element_ty))
-    else:
-        tl.store(y_ptr + y_offs + first, y1.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_ptr + y_offs + second, y2.to(y_ptr.dtype.element_ty), mask=mask)
+    _store_pairs(y_ptr, r[:, None] * (2 * half), cols, y1, y2, mask, half, EVEN, INTERLEAVED)
 
 
 def _needs_64_bit_offsets(*tensors: torch.Tensor) -> bool:
@@ -335,27 +345,18 @@ registers per tensor; wider q (or k) run as two `rope` calls."""
 
 
 @triton.jit
-def _rotate_heads(x_ptr, y_ptr, batch, pos, first, second, token_mask, heads, sb, sh, ss, y_sb, y_sh, y_ss,
+def _rotate_heads(x_ptr, y_ptr, batch, pos, cols, token_mask, heads, sb, sh, ss, y_sb, y_sh, y_ss, half,
                   c1, c2, s1, s2, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr, INDEX_64: tl.constexpr,
-                  EVEN: tl.constexpr):
+                  EVEN: tl.constexpr, INTERLEAVED: tl.constexpr):
     """All heads of BLOCK_T tokens of one tensor: y = rotation of x (BACKWARD: its transpose).
-    pos: [BLOCK_T, 1, 1]; first, second: [1, 1, BLOCK_HALF], the offsets of the elements rotated
-    together (`_pair_offsets`); the tables [BLOCK_T, 1, BLOCK_HALF] in fp32."""
+    pos, cols: [BLOCK_T, 1, 1] and [1, 1, BLOCK_HALF]; the tables [BLOCK_T, 1, BLOCK_HALF] in fp32."""
     h = tl.arange(0, BLOCK_H)[None, :, None]
     if INDEX_64:
         h = h.to(tl.int64)
     mask = token_mask & (h < heads)
-    x_offs = batch * sb + pos * ss + h * sh
-    x1 = _load_f32(x_ptr + x_offs + first, mask, EVEN, "")
-    x2 = _load_f32(x_ptr + x_offs + second, mask, EVEN, "")
+    x1, x2 = _load_pairs(x_ptr, batch * sb + pos * ss + h * sh, cols, mask, half, EVEN, "", INTERLEAVED)
     y1, y2 = _rotate(x1, x2, c1, c2, s1, s2, BACKWARD)
-    y_offs = batch * y_sb + pos * y_ss + h * y_sh
-    if EVEN:
-        tl.store(y_ptr + y_offs + first, y1.to(y_ptr.dtype.element_ty))
-        tl.store(y_ptr + y_offs + second, y2.to(y_ptr.dtype.element_ty))
-    else:
-        tl.store(y_ptr + y_offs + first, y1.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_ptr + y_offs + second, y2.to(y_ptr.dtype.element_ty), mask=mask)
+    _store_pairs(y_ptr, batch * y_sb + pos * y_ss + h * y_sh, cols, y1, y2, mask, half, EVEN, INTERLEAVED)
 
 
 @triton.autotune(configs=_QK_TILES, key=["q_heads", "kv_heads", "half", "BACKWARD", "INTERLEAVED"])
@@ -378,16 +379,13 @@ def _rope_qk_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, seq, q
     pos = (block * BLOCK_T + tl.arange(0, BLOCK_T))[:, None, None]
     cols = tl.arange(0, BLOCK_HALF)[None, None, :]
     token_mask = (pos < seq) & (cols < half)
-    first, second = _pair_offsets(cols, half, INTERLEAVED)
     t_offs = batch * t_sb + pos * t_ss
-    c1 = _load_f32(cos_ptr + t_offs + first, token_mask, EVEN, "")
-    c2 = _load_f32(cos_ptr + t_offs + second, token_mask, EVEN, "")
-    s1 = _load_f32(sin_ptr + t_offs + first, token_mask, EVEN, "")
-    s2 = _load_f32(sin_ptr + t_offs + second, token_mask, EVEN, "")
-    _rotate_heads(q_ptr, q_out_ptr, batch, pos, first, second, token_mask, q_heads, q_sb, q_sh, q_ss, qo_sb, qo_sh,
-                  qo_ss, c1, c2, s1, s2, BLOCK_HQ, BACKWARD, INDEX_64, EVEN)
-    _rotate_heads(k_ptr, k_out_ptr, batch, pos, first, second, token_mask, kv_heads, k_sb, k_sh, k_ss, ko_sb, ko_sh,
-                  ko_ss, c1, c2, s1, s2, BLOCK_HK, BACKWARD, INDEX_64, EVEN)
+    c1, c2 = _load_pairs(cos_ptr, t_offs, cols, token_mask, half, EVEN, "", INTERLEAVED)
+    s1, s2 = _load_pairs(sin_ptr, t_offs, cols, token_mask, half, EVEN, "", INTERLEAVED)
+    _rotate_heads(q_ptr, q_out_ptr, batch, pos, cols, token_mask, q_heads, q_sb, q_sh, q_ss, qo_sb, qo_sh, qo_ss,
+                  half, c1, c2, s1, s2, BLOCK_HQ, BACKWARD, INDEX_64, EVEN, INTERLEAVED)
+    _rotate_heads(k_ptr, k_out_ptr, batch, pos, cols, token_mask, kv_heads, k_sb, k_sh, k_ss, ko_sb, ko_sh, ko_ss,
+                  half, c1, c2, s1, s2, BLOCK_HK, BACKWARD, INDEX_64, EVEN, INTERLEAVED)
 
 
 def _launch_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor,
