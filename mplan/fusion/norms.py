@@ -87,21 +87,11 @@ def _uses(node: Node) -> list[Node]:
 
 def _normalization(x: Any, rsqrt: Any, scaled: Node) -> tuple[float, tuple[Node, ...]] | None:
     """(eps, [pow, mean, add, rsqrt]) when `rsqrt` is rsqrt(mean(x^2, -1, keepdim) + eps) used only by `scaled`."""
-    if not (is_call(rsqrt, aten.rsqrt.default) and used_only_by(rsqrt, scaled)):
+    found = _normalization_stats(rsqrt, scaled)
+    if found is None or found[1][0].args[0] is not x:
         return None
-    add_eps = rsqrt.args[0]
-    if not (is_call(add_eps, aten.add.Tensor, aten.add.Scalar) and used_only_by(add_eps, rsqrt)):
-        return None
-    mean, eps = add_eps.args[0], add_eps.args[1]
-    if not (is_call(mean, aten.mean.dim) and used_only_by(mean, add_eps) and isinstance(eps, float)):
-        return None
-    dims = mean.args[1]
-    if len(dims) != 1 or not is_last_dim(dims[0], x) or mean.args[2:] != (True,) or mean.kwargs:
-        return None
-    square = mean.args[0]
-    if not (is_call(square, aten.pow.Tensor_Scalar) and square.args == (x, 2) and used_only_by(square, mean)):
-        return None
-    return eps, (square, mean, add_eps, rsqrt)
+    eps, stats = found
+    return eps, (*stats, rsqrt)
 
 
 def _out_cast(user: Node, anchor: Node, x: Node, stats: tuple[Node, ...]) -> torch.dtype | None:
