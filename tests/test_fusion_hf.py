@@ -51,8 +51,9 @@ COVERAGE = {
               "linear_geglu": 2, "linear_cross_entropy": 1},
     # partial rotary (half and a quarter of each head; StableLM's in test_fusion_forms.py): the
     # slice, the rotation and the concatenation of q and of k in one rope_qk (rot_dim 4 and 2 of
-    # head_dim 8); attention and MLP in parallel off one LayerNorm, fused with its residual add
-    "phi": {"layer_norm_residual": 2, "rope_qk": 2, "attention": 2, "linear_cross_entropy": 1},
+    # head_dim 8); attention and MLP in parallel off one LayerNorm, fused with its residual add,
+    # q/k/v one GEMM beside the MLP's fc1 (it stays apart: no attention input)
+    "phi": {"layer_norm_residual": 2, "linear_group": 2, "rope_qk": 2, "attention": 2, "linear_cross_entropy": 1},
     "gpt_neox": {"layer_norm_residual": 2, "rope_qk": 2, "attention": 2, "linear_cross_entropy": 1},
 }
 

@@ -222,6 +222,7 @@ INTERPRETED = {
     "tests/test_geglu.py": "under_the_interpreter or (on_the_halves and float32)",
     "tests/test_linear_cross_entropy.py": "interpreted",
     "tests/test_fusion_forms.py": "interpreted",
+    "tests/test_fusion_rope_forms.py": "interpreted",
 }
 
 
