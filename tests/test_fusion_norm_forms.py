@@ -8,7 +8,8 @@
 - OLMo-2 norms each sublayer's output, then adds it (h = residual + norm(attn)): norm and add in
   one launch (rms_norm_add), which returns the sum alone.
 - Granite scales each sublayer's output before the add (residual + h * residual_multiplier):
-  rms_norm_residual takes the scale.
+  rms_norm_residual takes the scale; and its embeddings (times embedding_multiplier), which
+  rms_norm takes, returning the product (the residual stream) with the normed value.
 
 Each form on a hand-written module and on the transformers family as shipped (2 layers, hidden
 64): the fused program's loss and gradients against the unfused one's (float64, the kernels'
@@ -118,13 +119,16 @@ class ScaledResidualBlock(nn.Module):
 
 
 class Stack(nn.Module):
-    """Two blocks and a final norm, the loss their output's mean weighted by a target."""
+    """Two blocks and a final norm, the loss their output's mean weighted by a target; the input
+    times `input_scale` first where given (Granite's embedding_multiplier)."""
 
-    def __init__(self, blocks: list[nn.Module], final: nn.Module) -> None:
+    def __init__(self, blocks: list[nn.Module], final: nn.Module, input_scale: float | None = None) -> None:
         super().__init__()
-        self.blocks, self.final = nn.ModuleList(blocks), final
+        self.blocks, self.final, self.input_scale = nn.ModuleList(blocks), final, input_scale
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.input_scale is not None:
+            x = x * self.input_scale
         for block in self.blocks:
             x = block(x)
         return (self.final(x) * target).mean()
@@ -138,7 +142,7 @@ def _stack(form: str, dtype: torch.dtype, **options: Any) -> Stack:
         "granite": lambda: (ScaledResidualBlock(**options), RMSNorm(cast_before_weight=True, **options)),
     }
     made = [blocks[form]() for _ in range(2)]
-    return Stack([block for block, _ in made], made[-1][1]).to(dtype)
+    return Stack([block for block, _ in made], made[-1][1], 3.0 if form == "granite" else None).to(dtype)
 
 
 MODULE_COUNTS = {
@@ -146,7 +150,8 @@ MODULE_COUNTS = {
     "cohere": {"layer_norm": 1, "layer_norm_residual": 2},
     # each sublayer's norm and add in one launch; the final norm reads the last sum alone
     "olmo2": {"rms_norm_add": 4, "rms_norm": 1},
-    # every norm but the first after a scaled residual add, the scale in the kernel
+    # every norm but the first after a scaled residual add, the scale in the kernel; the first of
+    # the scaled input, returned with it
     "granite": {"rms_norm": 1, "rms_norm_residual": 4},
 }
 
@@ -203,6 +208,10 @@ def test_the_fused_calls_carry_each_forms_casts_and_scale() -> None:
     assert [n.kwargs.get("scale") for n in scaled] == [0.22] * 4
     # the branch (the linear's output, not the product) goes in first, the residual second
     assert all(n.args[0].target in (aten.linear.default, aten.tanh.default) for n in scaled)
+    assert _fused_ops(granite)["rms_norm"] == {"upcast": True, "norm_dtype": torch.float64, "scale": 3.0}
+    # no product by a number is left (the loss's product with the target is no scaling)
+    assert not [n for n in granite.graph.nodes
+                if n.target is aten.mul.Tensor and not all(isinstance(arg, torch.fx.Node) for arg in n.args)]
 
 
 def test_a_post_norm_whose_sum_is_normed_and_read_on_leaves_the_add_to_the_next_norm() -> None:
@@ -359,11 +368,15 @@ def test_inspect_shows_olmo2_s_post_norms_and_adds_fused_nothing_left() -> None:
 
 def test_inspect_shows_granite_s_residual_multiplier_fused_nothing_left_in_blocks() -> None:
     """The race left per Granite layer mul x2 (268 MB): the sublayer outputs times
-    residual_multiplier, now inside rms_norm_residual. (The embedding times embedding_multiplier
-    outside the blocks is still an op of its own.)"""
+    residual_multiplier, now inside rms_norm_residual; and outside the blocks one mul (134 MB),
+    the embeddings times embedding_multiplier, now inside the first block's rms_norm (the
+    template block's: the first)."""
     coverage = _coverage("granite")
-    assert coverage["fused"]["rms_norm_residual"] == 1 and coverage["left"] == {}
-    assert "aten.mul.Tensor" in coverage["outside_left"]
+    assert coverage["fused"]["rms_norm_residual"] == 1 and coverage["fused"]["rms_norm"] == 1
+    assert coverage["left"] == {}
+    _, fused = _family_programs("granite", torch.float64)
+    (first,) = [n for n in fused.graph.nodes if getattr(n.target, "__name__", "") == "rms_norm"]
+    assert first.kwargs["scale"] == 3.0 and first.args[0].target is aten.embedding.default
 
 
 # -- under the Triton interpreter (TRITON_INTERPRET=1 from process start) ------------------------
@@ -422,11 +435,11 @@ def test_interpreted_family_matches_its_unfused_program(family: str) -> None:
 def test_interpreted_kernels_compute_their_references() -> None:
     """Each new kernel form directly, fp32, 11 rows of 40 (a partial row block), both outputs'
     gradients flowing back: the hand-written LayerNorm alone and after a residual add, three
-    addends, norm + add, and the scaled residual add."""
+    addends, norm + add, the scaled input normed and returned, and the scaled residual add."""
     from mplan.kernels.layernorm import (LayerNormForm, layer_norm, layer_norm_reference, layer_norm_residual,
                                          layer_norm_residual_reference)
-    from mplan.kernels.rmsnorm import (NormForm, rms_norm_add, rms_norm_add_reference, rms_norm_residual,
-                                       rms_norm_residual_reference)
+    from mplan.kernels.rmsnorm import (NormForm, rms_norm, rms_norm_add, rms_norm_add_reference, rms_norm_reference,
+                                       rms_norm_residual, rms_norm_residual_reference)
 
     generator = torch.Generator().manual_seed(0)
     x, residual = torch.randn(11, 40, generator=generator), torch.randn(11, 40, generator=generator)
@@ -445,6 +458,8 @@ def test_interpreted_kernels_compute_their_references() -> None:
         (lambda a, r, w: rms_norm_add(a, r, w, 1e-6, upcast=True, out_dtype=torch.float32),
          lambda a, r, w: rms_norm_add_reference(a, r, w, 1e-6, NormForm(True, None, torch.float32)),
          "RMSNormAddFunction"),
+        (lambda a, r, w: rms_norm(a, w, 1e-6, scale=3.0),
+         lambda a, r, w: (rms_norm_reference(3.0 * a, w, 1e-6), 3.0 * a), "RMSNormResidualFunction"),
         (lambda a, r, w: rms_norm_residual(a, r, w, 1e-6, scale=0.3),
          lambda a, r, w: rms_norm_residual_reference(a, r, w, 1e-6, scale=0.3), "RMSNormResidualFunction"),
     ]

@@ -208,14 +208,9 @@ def _scaled_branch(pair: tuple[Node, Node], total: Node) -> tuple[tuple[Node, No
     branch * c (c a number, the product used only by the add: Granite's residual_multiplier),
     the second addend first when both are; else (pair, None, ())."""
     for scaled in pair[::-1]:
-        if not (is_call(scaled, aten.mul.Tensor) and len(scaled.args) == 2 and not scaled.kwargs
-                and used_only_by(scaled, total)):
-            continue
-        for branch, c in (scaled.args, scaled.args[::-1]):
-            bv, sv = tensor_value(branch), tensor_value(scaled)
-            if number(c) is not None and bv is not None and sv is not None and bv.shape == sv.shape \
-                    and bv.dtype == sv.dtype:
-                return (branch, other(pair, scaled)), number(c), (scaled,)
+        branch, scale = _scaled_input(scaled)
+        if scale is not None and used_only_by(scaled, total):
+            return (branch, other(pair, scaled)), scale, (scaled,)
     return pair, None, ()
 
 
@@ -254,12 +249,31 @@ def _match_rms_norm_add(anchor: Node) -> PatternMatch | None:
 
 
 def _match_rms_norm(anchor: Node) -> PatternMatch | None:
-    """params: x, weight, eps, form (as for rms_norm_residual)."""
+    """params: x, weight, eps, form (as for rms_norm_residual). x * c (c a number) also read past
+    the norm (Granite's embeddings times embedding_multiplier, the residual stream) is taken as
+    the norm's `scale`: the fused op returns (normed, x * c)."""
     found = _rms_chain(anchor)
     if found is None:
         return None
-    return PatternMatch(anchor=anchor, chain=found.chain, outputs=(found.output,), inputs=(found.x, found.weight),
-                        params={"x": found.x, "weight": found.weight, "eps": found.eps, "form": found.form})
+    scaled = found.x
+    x, scale = _scaled_input(scaled)
+    if scale is None:
+        return PatternMatch(anchor=anchor, chain=found.chain, outputs=(found.output,), inputs=(found.x, found.weight),
+                            params={"x": found.x, "weight": found.weight, "eps": found.eps, "form": found.form})
+    return PatternMatch(anchor=anchor, chain=(scaled, *found.chain), outputs=(found.output, scaled),
+                        inputs=(x, found.weight),
+                        params={"x": x, "weight": found.weight, "eps": found.eps, "form": {**found.form, "scale": scale}})
+
+
+def _scaled_input(scaled: Any) -> tuple[Any, float | None]:
+    """(x, c) when `scaled` is x * c or c * x, c a number, x of its shape and dtype; else (scaled, None)."""
+    if is_call(scaled, aten.mul.Tensor) and len(scaled.args) == 2 and not scaled.kwargs:
+        for x, c in (scaled.args, scaled.args[::-1]):
+            xv, sv = tensor_value(x), tensor_value(scaled)
+            if number(c) is not None and xv is not None and sv is not None and xv.shape == sv.shape \
+                    and xv.dtype == sv.dtype:
+                return x, number(c)
+    return scaled, None
 
 
 _NORM_STARTS = (aten.pow.Tensor_Scalar, aten.mean.dim, aten.layer_norm.default)
@@ -412,8 +426,11 @@ RMS_NORM = FusionEntry(
     name="rms_norm",
     # the same chain on anything else (the first block's embedding output, q/k norms)
     pattern=FusionPattern(anchors=(aten.mul.Tensor,), match=_match_rms_norm),
-    forms=RMS_NORM_RESIDUAL.forms,
-    keeps=lambda m: FusedSave((m.params["x"].name,), ((m.anchor.name, "rows4"),)),  # x, rstd
+    forms=(*RMS_NORM_RESIDUAL.forms[:3],
+           "Granite's embeddings * embedding_multiplier, normed and returned (the scale applied in the kernel)"),
+    # x (or x * scale, which it writes), rstd
+    keeps=lambda m: FusedSave((m.outputs[-1].name if "scale" in m.params["form"] else m.params["x"].name,),
+                              ((m.anchor.name, "rows4"),)),
     pricing=MeasuredPricing(
         traffic=FusedOpTraffic(
             forward_row_tensors=2, backward_row_tensors=3, forward_vectors=1, backward_vectors=2,
@@ -423,6 +440,8 @@ RMS_NORM = FusionEntry(
     launches=_NORM_LAUNCHES,
     emit=_emit_rms_norm,
     marks=None,
+    notes={"scale": "a scaled input's product is written too: one row tensor more in the forward than "
+                    "`traffic` counts (Granite's first norm only); its two outputs are not marked for autocast"},
 )
 
 LAYER_NORM_RESIDUAL = FusionEntry(

@@ -6,7 +6,8 @@
     rms_norm(x, weight, eps) -> normed                    (the same without a residual)
     rms_norm_add(x, residual, weight, eps) -> residual + rmsnorm(x) * weight   (a post-norm, OLMo-2)
 
-rms_norm_residual's `scale` multiplies x before the add (Granite's residual + h * multiplier).
+rms_norm_residual's `scale` multiplies x before the add (Granite's residual + h * multiplier);
+rms_norm's multiplies x before the norm and returns the product too (its embedding_multiplier).
 
 Inputs [..., hidden] in bf16/fp16/fp32 (x and residual of one shape; under autocast the
 residual stream is often fp32 and the branch bf16), weight [hidden]. `normed` has the dtype
@@ -103,6 +104,8 @@ def _forward_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, rstd_ptr, n_cols, eps
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     if HAS_SCALE:  # Granite's residual_multiplier: the branch scaled in its own dtype, then added
         x = (x.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
+        if not HAS_RESIDUAL:  # Granite's embedding_multiplier: the scaled input is the stream
+            tl.store(sum_ptr + offs, x, mask=mask)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + offs, mask=mask, other=0.0)
         # rounded to the stream's dtype first: the stored residual is what the norm sees
@@ -193,7 +196,7 @@ class RMSNormResidualFunction(torch.autograd.Function):
             res2 = residual.contiguous().view(-1, n_cols)
             new_res = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
         else:
-            res2 = new_res = x2
+            res2 = new_res = x2 if scale is None else torch.empty_like(x2)
         y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         rounding = _tl_dtype(norm_dtype)
@@ -205,7 +208,7 @@ class RMSNormResidualFunction(torch.autograd.Function):
         ctx.has_residual, ctx.shape, ctx.rounding = residual is not None, shape, rounding
         ctx.scale, ctx.x_dtype = scale, x.dtype
         ctx.set_materialize_grads(False)
-        if residual is None:
+        if residual is None and scale is None:
             return y.view(shape)
         return y.view(shape), new_res.view(shape)
 
@@ -377,18 +380,22 @@ def rms_norm_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, consumer: str | None = None, *,
              upcast: bool = False, norm_dtype: torch.dtype | None = None,
-             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+             out_dtype: torch.dtype | None = None, scale: float | None = None) -> Any:
     """rmsnorm(x) * weight; Triton where `use_triton`, else the reference. `consumer`: what every
     use of the result is ("linear"), so that under autocast it comes out in the dtype autocast
     would cast it to there (`consumer_cast_dtype`); `upcast`, `norm_dtype`, `out_dtype`: the
-    casts a model writes around the normalization (`NormForm`)."""
+    casts a model writes around the normalization (`NormForm`). `scale`: the norm of x * scale
+    (in x's dtype), returned with it, (normed, x * scale): Granite's embeddings times
+    embedding_multiplier, normed and also the residual stream."""
     form = _form(upcast, norm_dtype, out_dtype)
     cast_to = consumer_cast_dtype(consumer, x)
     if _fusable(x, form):
         return RMSNormResidualFunction.apply(x, None, weight, eps, cast_to or _normed_dtype(x, None, weight, form),
-                                             _rounding(form))
-    normed = rms_norm_reference(x, weight, eps, form)
-    return normed if cast_to is None else normed.to(cast_to)
+                                             _rounding(form), scale)
+    scaled = x if scale is None else x * scale
+    normed = rms_norm_reference(scaled, weight, eps, form)
+    normed = normed if cast_to is None else normed.to(cast_to)
+    return normed if scale is None else (normed, scaled)
 
 
 def _rounding(form: NormForm) -> torch.dtype | None:
