@@ -96,7 +96,7 @@ def fitting_tiles(tiles: list[Any], named_args: dict[str, Any], **kwargs: Any) -
 @triton.jit
 def _forward_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, rstd_ptr, n_cols, eps,
                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NORM_DTYPE: tl.constexpr = None,
-                    scale=1.0, HAS_SCALE: tl.constexpr = False, ADD_AFTER: tl.constexpr = None):
+                    scale=1.0, HAS_SCALE: tl.constexpr = False, ADD_AFTER: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -118,9 +118,9 @@ def _forward_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, rstd_ptr, n_cols, eps
     if NORM_DTYPE is not None:  # Hugging Face's cast back to the input dtype before the weight
         normed = normed.to(NORM_DTYPE).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if ADD_AFTER is not None:  # a post-norm (OLMo-2): residual + normed, normed rounded to its dtype first
+    if ADD_AFTER:  # a post-norm (OLMo-2): residual + normed, normed rounded to y's dtype first (y unwritten)
         r = tl.load(res_ptr + offs, mask=mask, other=0.0)
-        y = (normed * w).to(ADD_AFTER).to(tl.float32) + r.to(tl.float32)
+        y = (normed * w).to(y_ptr.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
         tl.store(sum_ptr + offs, y.to(sum_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(y_ptr + offs, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
@@ -245,9 +245,11 @@ class RMSNormAddFunction(torch.autograd.Function):
         total = torch.empty(x2.shape, dtype=torch.promote_types(normed_dtype, residual.dtype), device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         rounding = _tl_dtype(norm_dtype)
-        _forward_kernel[(n_rows,)](x2, residual.contiguous().view(-1, n_cols), weight.contiguous(), total, total,
+        # y_ptr only names the dtype the normed value is rounded to before the add: nothing is written there
+        rounds_to = torch.empty(0, dtype=normed_dtype, device=x.device)
+        _forward_kernel[(n_rows,)](x2, residual.contiguous().view(-1, n_cols), weight.contiguous(), rounds_to, total,
                                    rstd, n_cols, eps, HAS_RESIDUAL=False, NORM_DTYPE=rounding,
-                                   BLOCK=next_power_of_2(n_cols), ADD_AFTER=_tl_dtype(normed_dtype))
+                                   BLOCK=next_power_of_2(n_cols), ADD_AFTER=True)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape, ctx.rounding = shape, rounding
         return total.view(shape)
