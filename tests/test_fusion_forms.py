@@ -66,9 +66,11 @@ COVERAGE = {
     # logits divided by logits_scaling into the head + loss
     "granite": {"rms_norm": 1, "rms_norm_residual": 4, "linear_group": 2, "rope_qk": 2, "attention": 2,
                 "linear_swiglu": 2, "linear_cross_entropy": 1},
-    # logits times logit_scale into the head + loss (Cohere's LayerNorm without a bias, its
-    # interleaved RoPE and its parallel block are not fused forms: see the inspect test)
-    "cohere": {"linear_cross_entropy": 1, "linear_swiglu": 2, "attention": 2},
+    # logits times logit_scale into the head + loss; Cohere's hand-written LayerNorm without a bias
+    # (alone first, then with the parallel block's two adds), q/k/v one GEMM beside the MLP's
+    # gate/up, its interleaved RoPE on q and k in one launch
+    "cohere": {"layer_norm": 1, "layer_norm_residual": 2, "linear_group": 2, "rope_qk": 2, "linear_swiglu": 2,
+               "attention": 2, "linear_cross_entropy": 1},
     # partial rotary (a quarter of each head): q and k sliced, rotated and concatenated with
     # their rest, both in one rope_qk (rot_dim 2 of head_dim 8); LayerNorms with their residual adds
     "stablelm": {"layer_norm_residual": 4, "linear_group": 2, "rope_qk": 2, "attention": 2, "linear_swiglu": 2,

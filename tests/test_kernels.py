@@ -223,6 +223,7 @@ INTERPRETED = {
     "tests/test_linear_cross_entropy.py": "interpreted",
     "tests/test_fusion_forms.py": "interpreted",
     "tests/test_fusion_rope_forms.py": "interpreted",
+    "tests/test_fusion_norm_forms.py": "interpreted",
 }
 
 

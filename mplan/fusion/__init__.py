@@ -7,9 +7,9 @@ entries whole (pattern, what the kernel keeps, its price, its launches, its emit
     entry.py        FusionEntry and the records its fields hold
     graph_match.py  the node predicates the patterns share
     projections.py  linear_group: q/k/v as one GEMM (separate or packed projections)
-    norms.py        rms_norm_residual, rms_norm, layer_norm_residual
+    norms.py        layer_norm_residual, layer_norm, rms_norm_residual, rms_norm_add, rms_norm
     mlp.py          bias_gelu, linear_swiglu, swiglu, linear_geglu, geglu
-    rope.py         rope, rope_qk (RoPE on q and k in one launch)
+    rope.py         rope, rope_qk (RoPE on q and k in one launch; halves or interleaved pairs)
     loss.py         linear_cross_entropy (the head + loss, scalings and soft-caps), cross_entropy
     attention.py    attention (causal masks proven, repeat_kv read once)
     fp8.py          fp8_linear, only when asked
