@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 import torch
 from distributed import rel_err
+from hf_loss import HFLoss
 from test_fusion_hf import _batch  # 2 x 12 ids and labels of vocabulary 64, three ignored
 from torch import nn
 
@@ -78,21 +79,12 @@ COVERAGE = {
 }
 
 
-class _Loss(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
-
-
 def _build(family: str, dtype: torch.dtype = torch.float64, **overrides: Any) -> nn.Module:
     config_cls, model_cls, extra, attention = FAMILIES[family]
     torch.manual_seed(0)
     config = config_cls(**{**SHAPE, **extra, **overrides})
     config._attn_implementation = attention
-    return _Loss(model_cls(config).to(dtype))
+    return HFLoss(model_cls(config).to(dtype))
 
 
 def _programs(family: str, dtype: torch.dtype = torch.float64,

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from hf_loss import HFLoss
 from torch import nn
 
 from mplan.kernels.rotary import rope_qk, rope_qk_reference
@@ -61,22 +62,12 @@ ROT_DIMS = {"phi": 4, "gpt_neox": 2}
 """rot_dim of the partial-rotary families at SHAPE's head_dim 8."""
 
 
-class _Loss(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids=input_ids, labels=labels, attention_mask=attention_mask, use_cache=False).loss
-
-
 def _build(family: str, dtype: torch.dtype = torch.float64, **overrides: Any) -> nn.Module:
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(0)
     config = config_cls(**{**SHAPE, **extra, **overrides})
     config._attn_implementation = "sdpa"
-    return _Loss(model_cls(config).to(dtype))
+    return HFLoss(model_cls(config).to(dtype))
 
 
 def _export(module: nn.Module, *args: torch.Tensor) -> torch.fx.GraphModule:

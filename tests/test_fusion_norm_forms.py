@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 from distributed import rel_err
+from hf_loss import HFLoss
 from test_fusion_hf import _batch  # 2 x 12 ids and labels of vocabulary 64, three ignored
 from torch import nn
 
@@ -291,21 +292,12 @@ FAMILY_NORMS = {
 }
 
 
-class _Loss(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
-
-
 def _family_programs(family: str, dtype: torch.dtype) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(0)
     config = config_cls(**SHAPE, **extra)
     config._attn_implementation = "sdpa"
-    unfused = torch.export.export(_Loss(model_cls(config).to(dtype)), _batch(), strict=False).module()
+    unfused = torch.export.export(HFLoss(model_cls(config).to(dtype)), _batch(), strict=False).module()
     return unfused, fuse_kernels(copy.deepcopy(unfused))
 
 

@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import rel_err
+from hf_loss import HFLoss
 from torch import nn
 
 from mplan.fusion.coverage import fusion_coverage, missed_chains
@@ -253,15 +254,6 @@ HF_ROPE = {  # the rope_qk call of each layer: Cohere's interleaved pairs and it
 }
 
 
-class _Loss(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
-
-
 def _hf_model(family: str, dtype: torch.dtype) -> nn.Module:
     config_cls, model_cls, attention = HF[family]
     torch.manual_seed(0)
@@ -280,7 +272,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _hf_programs(family: str, dtype: torch.dtype) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     ids, labels = _batch()
-    unfused = torch.export.export(_Loss(_hf_model(family, dtype)), (ids, labels), strict=False).module()
+    unfused = torch.export.export(HFLoss(_hf_model(family, dtype)), (ids, labels), strict=False).module()
     return unfused, fuse_kernels(copy.deepcopy(unfused))
 
 
@@ -334,7 +326,7 @@ def test_gptj_rotates_interleaved_pairs_unpaired_and_the_miss_says_why() -> None
     torch.manual_seed(0)
     ids, labels = _batch()
     model = transformers.GPTJForCausalLM(config).to(torch.float64)
-    unfused = torch.export.export(_Loss(model), (ids, labels), strict=False).module()
+    unfused = torch.export.export(HFLoss(model), (ids, labels), strict=False).module()
     fused = fuse_kernels(copy.deepcopy(unfused))
     assert {k: v for k, v in fused.meta["fuse_kernels"].counts.items() if k in _OURS} == {"linear_group": 2, "rope": 4}
     assert [n.kwargs for n in fused.graph.nodes if n.target is rope] == [{"rot_dim": 8, "interleaved": True}] * 4
