@@ -22,11 +22,10 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-import torch
 from torch.fx import Node
 
 from mplan.fusion.entry import FusionEntry, Miss, PatternMatch
-from mplan.fusion.graph_match import is_call
+from mplan.fusion.graph_match import uses
 from mplan.fusion.registry import MATCHED, entry
 from mplan.fusion.rope import pair_rope_matches
 from mplan.ir.graph import Graph, OpNode
@@ -185,7 +184,7 @@ def _erased_with(graph: Graph, chains: set[str], read: set[str]) -> set[str]:
     for node in reversed(graph.program.graph.nodes):
         if node.name in read:
             continue
-        users = [user for user in node.users if not is_call(user, torch.ops.aten._assert_tensor_metadata.default)]
+        users = uses(node)
         if node.op == "call_function" and users and all(user.name in gone for user in users):
             gone.add(node.name)
     return gone

@@ -34,10 +34,15 @@ def tensor_value(node: Any) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
+def uses(node: Node) -> list[Node]:
+    """`node`'s users but export's dtype assertions: a fused op never exposes the value they
+    check, and the pass drops them (`mplan inspect`'s capture keeps them)."""
+    return [u for u in node.users if not is_call(u, aten._assert_tensor_metadata.default)]
+
+
 def used_only_by(node: Node, *users: Node) -> bool:
-    """Every use of `node` is one of `users` (export's dtype assertions do not count: a fused op
-    never exposes the value they check, and the pass drops them)."""
-    return {u for u in node.users if not is_call(u, aten._assert_tensor_metadata.default)} <= set(users)
+    """Every use of `node` (`uses`: dtype assertions do not count) is one of `users`."""
+    return set(uses(node)) <= set(users)
 
 
 def is_last_dim(dim: Any, node: Node) -> bool:

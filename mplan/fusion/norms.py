@@ -23,7 +23,7 @@ from torch.fx import Graph, Node
 from mplan.fusion.entry import (FusedOpTraffic, FusedSave, FusionEntry, FusionPattern, Launches, MeasuredPricing,
                                 PatternMatch, call)
 from mplan.fusion.graph_match import (cast, is_call, is_last_dim, number, other, same_shape_add, tensor_value,
-                                      used_only_by)
+                                      used_only_by, uses)
 
 __all__ = ["LAYER_NORM", "LAYER_NORM_RESIDUAL", "RMS_NORM", "RMS_NORM_ADD", "RMS_NORM_RESIDUAL"]
 
@@ -71,18 +71,12 @@ def _rms_chain(anchor: Node) -> _RmsChain | None:
             if wv is None or xv is None or wv.dim() != 1 or wv.shape[0] != xv.shape[-1] or weight is x:
                 continue
             output, tail = anchor, ()
-            users = _uses(anchor)
+            users = uses(anchor)
             if len(users) == 1 and (out := _out_cast(users[0], anchor, x, stats)) is not None:
                 output, tail, form["out_dtype"] = users[0], (users[0],), out
             return _RmsChain(x=x, weight=weight, eps=eps, chain=(*stats, scaled, *casts, anchor, *tail),
                              output=output, form=form)
     return None
-
-
-def _uses(node: Node) -> list[Node]:
-    """`node`'s users but export's dtype assertions (which the pass drops before matching, and
-    `mplan inspect`'s capture keeps)."""
-    return [u for u in node.users if not is_call(u, aten._assert_tensor_metadata.default)]
 
 
 def _normalization(x: Any, rsqrt: Any, scaled: Node) -> tuple[float, tuple[Node, ...]] | None:
@@ -144,7 +138,7 @@ def _layer_norm_chain(anchor: Node) -> _LayerNormChain | None:
             if wv is None or xv is None or wv.dim() != 1 or wv.shape[0] != xv.shape[-1] or weight is x:
                 continue
             output, tail = anchor, ()
-            users = _uses(anchor)
+            users = uses(anchor)
             if len(users) == 1 and (out := cast(users[0])) is not None and out[0] is anchor:
                 output, tail, form["out_dtype"] = users[0], (users[0],), out[1]
             return _LayerNormChain(x=x, weight=weight, eps=eps, chain=(*stats, normed, *weights, anchor, *tail),
@@ -236,7 +230,7 @@ def _match_rms_norm_add(anchor: Node) -> PatternMatch | None:
     found = _rms_chain(anchor)
     if found is None:
         return None
-    users = _uses(found.output)
+    users = uses(found.output)
     pair = same_shape_add(users[0]) if len(users) == 1 else None
     if pair is None or found.output not in pair or pair[0] is pair[1] or _feeds_a_norm(users[0]):
         return None
@@ -287,7 +281,7 @@ def _feeds_a_norm(total: Node) -> bool:
     it leaves the sum read by two ops, whose gradients one more kernel sums, so the two fused
     norms meeting at the add would move more bytes than post-norm alone + norm with residual.
     A sum that only the next norm reads (the last block's, into the final norm) is not such."""
-    users = _uses(total)
+    users = uses(total)
     reads = [*users, *(u for c in users if cast(c) is not None for u in c.users)]
     return len(users) > 1 and any(is_call(u, *_NORM_STARTS) for u in reads)
 

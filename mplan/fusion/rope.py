@@ -30,7 +30,8 @@ from torch.fx import Graph, Node
 
 from mplan.fusion.entry import (FusedOpTraffic, FusedSave, FusionEntry, FusionPattern, Launches, MeasuredPricing,
                                 Miss, PairedPattern, PatternMatch, call)
-from mplan.fusion.graph_match import VIEW_OPS, cast, full_slice, is_call, is_last_dim, other, tensor_value, used_only_by
+from mplan.fusion.graph_match import (VIEW_OPS, cast, full_slice, is_call, is_last_dim, other, tensor_value,
+                                      used_only_by, uses)
 
 __all__ = ["ROPE", "ROPE_QK", "pair_fused_ropes", "pair_rope_matches"]
 
@@ -98,7 +99,7 @@ def _with_casts(match: PatternMatch) -> PatternMatch:
     if before is not None and "rot_dim" not in params and used_only_by(params["x"], *chain):
         chain, params["x"], params["upcast"] = (params["x"], *chain), before[0], before[1]
         inputs = (before[0], *inputs[1:])
-    users = [u for u in output.users if not is_call(u, aten._assert_tensor_metadata.default)]
+    users = uses(output)
     after = cast(users[0]) if len(users) == 1 else None
     if after is not None:
         chain, output, params["dtype"] = (*chain, users[0]), users[0], after[1]
@@ -112,7 +113,7 @@ def _with_rest(x: Node, anchor: Node, core: tuple[Node, ...],
     rot_dim of each head vector, the rest passed through (GPT-NeoX, Phi, StableLM's partial
     rotary). rot_dim is None where x is all of `source` (an alias or a full slice; the rest is
     empty): Phi-3's RoPE at a full rotary_dim, which is RoPE on `source`."""
-    users = [u for u in anchor.users if not is_call(u, aten._assert_tensor_metadata.default)]
+    users = uses(anchor)
     if len(users) != 1 or not is_call(users[0], aten.cat.default):
         return None
     cat = users[0]

@@ -44,7 +44,7 @@ from torch.fx import Graph, GraphModule, Node
 from mplan.fusion.entry import (HEAD_CHUNK_ROWS_KEY, NOT_MARKED, SPLIT_BACKWARD_KEY, FusionEntry, Miss, PatternMatch,
                                 meta_like)
 from mplan.fusion.fp8 import fp8_linear_entry
-from mplan.fusion.graph_match import ATTENTION_OPS, LOSS_OPS, VIEW_OPS, is_call, sole_consumer, tensor_value
+from mplan.fusion.graph_match import ATTENTION_OPS, LOSS_OPS, VIEW_OPS, is_call, sole_consumer, tensor_value, uses
 from mplan.fusion.registry import MATCHED
 from mplan.fusion.rope import pair_fused_ropes
 from mplan.kernels import attention, cross_entropy, rope, rope_qk
@@ -208,7 +208,7 @@ def _vocab_parallel_head(loss: Node) -> tuple[tuple[Node, Node, Node | None], li
     chain: list[Node] = []
     user, upcast, viewed = loss, False, False
     while isinstance(value, Node) and not is_call(value, aten.linear.default):
-        only_here = {u for u in value.users if not is_call(u, aten._assert_tensor_metadata.default)} == {user}
+        only_here = set(uses(value)) == {user}
         if not only_here or value.kwargs or len(value.args) != 2:
             return None
         if is_call(value, *VIEW_OPS) and not viewed:
@@ -221,7 +221,7 @@ def _vocab_parallel_head(loss: Node) -> tuple[tuple[Node, Node, Node | None], li
         user, value = value, value.args[0]
     linear = value
     if not is_call(linear, aten.linear.default) or linear.kwargs or \
-            {u for u in linear.users if not is_call(u, aten._assert_tensor_metadata.default)} != {user}:
+            set(uses(linear)) != {user}:
         return None
     x, weight, bias = (list(linear.args) + [None])[:3]
     xv, wv, out, logits, labels = (tensor_value(n) for n in (x, weight, linear, loss.args[0], target))
