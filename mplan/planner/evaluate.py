@@ -480,11 +480,11 @@ def _sync_and_step(config: ParallelConfig, cluster: ClusterSpec, compute: Comput
     zero 1 and 2 gather the updated parameters after the step, zero=3 never does (it gathers per
     unit, `evaluate`)."""
     per = _bytes_per_param(config, facts)
-    at_step = config.zero <= 1 or grads_whole_until_step(config, facts.runtime)  # the gradients reduced here
     mesh, gpn = config.mesh, cluster.gpus_per_node
     if config.outer_steps:
-        return _outer_sync_and_step(config, cluster, compute, facts, params=dense + experts,
+        return _outer_sync_and_step(config, cluster, compute, facts, per, params=dense + experts,
                                     tp_sync_bytes=tp_sync_bytes, last_backward_s=last_backward_s)
+    at_step = config.zero <= 1 or grads_whole_until_step(config, facts.runtime)  # the gradients reduced here
     dp_group = mesh.group_shape("dp", gpn, cluster.num_sites)
     reduction = "reduce_scatter" if config.zero else "all_reduce"
     grads = [dp_collective(cluster, reduction, dense * per.grad, mesh, "dp"),
@@ -528,7 +528,7 @@ def _sync_and_step(config: ParallelConfig, cluster: ClusterSpec, compute: Comput
 
 
 def _outer_sync_and_step(config: ParallelConfig, cluster: ClusterSpec, compute: ComputeCostModel,
-                         facts: ModelFacts, *, params: int, tp_sync_bytes: int,
+                         facts: ModelFacts, per: BytesPerParam, *, params: int, tp_sync_bytes: int,
                          last_backward_s: float | None) -> tuple[float, float, LinkUse]:
     """`_sync_and_step` under an outer loop across sites (zero=0, ep=1: `outer_refusal`): the
     gradients' all-reduce inside the site, overlapped with the last backward where flat DP's is,
@@ -536,7 +536,6 @@ def _outer_sync_and_step(config: ParallelConfig, cluster: ClusterSpec, compute: 
     the site (the sites' models differ between outer steps); the step, AdamW over all `params`.
     The outer step's own arithmetic (a few passes over the parameters, once every H steps) is
     not priced."""
-    per = _bytes_per_param(config, facts)
     mesh, gpn = config.mesh, cluster.gpus_per_node
     site = mesh.site_group_shape("dp", gpn)
     price = outer_loop_sync(cluster, params * per.grad, params, mesh, config.outer_steps)

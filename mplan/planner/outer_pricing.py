@@ -46,9 +46,9 @@ def outer_loop_sync(cluster: ClusterSpec, grad_bytes: float, param_elements: flo
     if every < 1:
         raise OuterLoopRefused(f"outer_steps must be a positive integer, got {every}")
     site = mesh.site_group_shape("dp", cluster.gpus_per_node)
-    inner = collective_time(cluster, "all_reduce", grad_bytes, site) if site.size > 1 and grad_bytes else 0.0
-    inner_links = link_use(cluster, "all_reduce", grad_bytes, site) if site.size > 1 and grad_bytes else None
     outer = dp_collective(cluster, "all_reduce", param_elements * PSEUDO_GRADIENT_BYTES, mesh)
-    links = outer.links.times(1 / every)
-    return SyncPrice(seconds=inner + outer.seconds / every, last_bucket_s=inner,
-                     links=links if inner_links is None else links + inner_links)
+    inner, links = 0.0, outer.links.times(1 / every)
+    if site.size > 1 and grad_bytes:
+        inner = collective_time(cluster, "all_reduce", grad_bytes, site)
+        links = links + link_use(cluster, "all_reduce", grad_bytes, site)
+    return SyncPrice(seconds=inner + outer.seconds / every, last_bucket_s=inner, links=links)

@@ -52,14 +52,14 @@ _INT_KEYS = ("dp", "tp", "pp", "vpp", "ep", "cp", "mbs", "sp", "zero", "keep_wei
 _FLAG_KEYS = ("sp", "keep_weights")
 _KEYS = _INT_KEYS + ("recompute", "schedule", "capacity", "cp_method")
 CP_METHODS = ("all_gather", "ring", "all_to_all")
+"""How attention exchanges the sequence over cp (`collectives.context_attention.METHODS`): keys and
+values all-gathered, passed around a ring, or heads redistributed all-to-all (Ulysses)."""
 OUTER_STEPS_SEARCHED = (8, 32, 128)
 """The outer loop's periods (inner steps per outer step) a search tries where inexact training is
 allowed. DiLoCo ("DiLoCo: Distributed Low-Communication Training of Language Models", Douillard
 et al., 2023) ran H = 500 with little loss; shorter periods are tried first because the
 convergence cost grows with H and is not priced (measured here on a tiny model only:
 benchmarks/results/outer_loop-cpu-2026-12-06.json, held-out 1.550 synchronous, 1.666 at H=8)."""
-"""How attention exchanges the sequence over cp (`collectives.context_attention.METHODS`): keys and
-values all-gathered, passed around a ring, or heads redistributed all-to-all (Ulysses)."""
 
 
 class PlanSpecError(ValueError):
