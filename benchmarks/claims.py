@@ -111,18 +111,8 @@ def _zero_bench_h100(data: dict) -> tuple[str, ...]:
             " / ".join(fixed(p["measured"]["peak_memory_gib"], 2) for p in rows),
             " / ".join(fixed(p["measured"]["prediction_error"]["predicted_allocated_gib"], 2) for p in rows))
 
-def _peers(data: dict) -> tuple[str, ...]:
-    out = []
-    for name in ("gemma2", "phi3", "granite"):
-        f = data["families"][name]
-        out += [fixed(f["mplan_vs_best_peer"], 3), fixed(f["systems"]["mplan"]["step_s"] * 1e3),
-                fixed(f["systems"][f["best_peer"]]["step_s"] * 1e3)]
-    cv = lambda system: [f["systems"][system]["step_cv"] for f in data["families"].values() if "systems" in f]  # noqa: E731
-    return (*out, span(cv("mplan"), lambda v: fixed(v * 100)), span(cv("compile"), lambda v: fixed(v * 100)))
 
-
-
-def _peers_h100(names: tuple[str, ...]) -> Callable[[dict], tuple[str, ...]]:
+def _peers(names: tuple[str, ...]) -> Callable[[dict], tuple[str, ...]]:
     """Each named family's ratio to its fastest peer, mplan's and that peer's step (ms), then the
     spread of mplan's and compile's steps (coefficient of variation, %) over the file's families."""
     def figures(data: dict) -> tuple[str, ...]:
@@ -669,17 +659,17 @@ CLAIMS: tuple[Claim, ...] = (
     Claim(doc="README.md", source="zero_bench_h100-2026-12-06.json", figures=_zero_bench_h100,
           pattern=r"step (\S+ / \S+ / \S+) ms measured, (\S+ / \S+ / \S+) ms predicted; peak (\S+ / \S+ / \S+) GiB "
                   r"measured, (\S+ / \S+ / \S+) GiB predicted"),
-    Claim(doc="README.md", source="peers-2026-12-06.json", figures=_peers,
+    Claim(doc="README.md", source="peers-2026-12-06.json", figures=_peers(("gemma2", "phi3", "granite")),
           pattern=r"Gemma-2 \(soft-capped logits\) (\S+)x compile \((\S+) against (\S+) ms\), Phi-3 \(packed q/k/v and "
                   r"gate/up\) (\S+)x Liger \((\S+) against (\S+) ms\), Granite (\S+)x compile \((\S+) against (\S+) ms\).*"
                   r"mplan's steps vary by (\S+)%, compile's by (\S+)%"),
     Claim(doc="README.md", source="peers_h100-2026-12-06-a.json",
-          figures=_peers_h100(("phi3", "qwen3", "granite", "gemma2")),
+          figures=_peers(("phi3", "qwen3", "granite", "gemma2")),
           pattern=r"first call: Phi-3 (\S+)x Liger \((\S+) against (\S+) ms\), Qwen3 (\S+)x compile \((\S+) against "
                   r"(\S+) ms\), Granite (\S+)x compile \((\S+) against (\S+) ms\), Gemma-2 (\S+)x compile \((\S+) against "
                   r"(\S+) ms\); steps vary by (\S+)% \(mplan\) and (\S+)% \(compile\)"),
     Claim(doc="README.md", source="peers_h100-2026-12-06-b.json",
-          figures=_peers_h100(("olmo2", "cohere", "gemma3")),
+          figures=_peers(("olmo2", "cohere", "gemma3")),
           pattern=r"second call: OLMo-2 (\S+)x compile \((\S+) against (\S+) ms\), Cohere (\S+)x compile \((\S+) against "
                   r"(\S+) ms\), Gemma-3 (\S+)x compile \((\S+) against (\S+) ms\); steps vary by (\S+)% \(mplan\) and "
                   r"(\S+)% \(compile\)"),

@@ -23,8 +23,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from mplan.ir.causal_mask import CONSTANT_META
 from mplan.ir.blocks import Container, find_containers, instance_of, relative_name, truncate_containers
+from mplan.ir.causal_mask import CONSTANT_META
 from mplan.ir.experts_capture import experts_as_op
 from mplan.ir.graph import BlockType, Graph, OpNode, ParamInfo, Segment, TensorMeta
 from mplan.ir.op_table import op_cost, op_packet, rule_for
