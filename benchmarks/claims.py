@@ -127,6 +127,20 @@ def _peers(names: tuple[str, ...]) -> Callable[[dict], tuple[str, ...]]:
     return figures
 
 
+def _peer_profile(family: str) -> Callable[[dict], tuple[str, ...]]:
+    """One family's profiled mplan step: GPU kernel time and wall time (ms)."""
+    def figures(data: dict) -> tuple[str, ...]:
+        mplan = data["families"][family]["profile"]["mplan"]
+        return fixed(mplan["gpu_kernel_ms_per_step"], 0), fixed(mplan["wall_ms_per_step"], 0)
+    return figures
+
+
+def _own(data: dict) -> tuple[str, ...]:
+    """mplan's own GPT-1.3B and Llama-1.1B against eager and compile."""
+    return tuple(fixed(data["own"][kind][key], 3) for kind in ("gpt", "llama")
+                 for key in ("mplan_vs_eager", "mplan_vs_compile"))
+
+
 def _gemma3_profile(data: dict) -> tuple[str, ...]:
     mplan = data["families"]["gemma3"]["profile"]["mplan"]
     return fixed(mplan["gpu_kernel_ms_per_step"], 0), fixed(mplan["wall_ms_per_step"], 0)
@@ -673,6 +687,26 @@ CLAIMS: tuple[Claim, ...] = (
           pattern=r"second call: OLMo-2 (\S+)x compile \((\S+) against (\S+) ms\), Cohere (\S+)x compile \((\S+) against "
                   r"(\S+) ms\), Gemma-3 (\S+)x compile \((\S+) against (\S+) ms\); steps vary by (\S+)% \(mplan\) and "
                   r"(\S+)% \(compile\)"),
+    Claim(doc="README.md", source="peers_h100-2026-12-06-session13-a.json",
+          figures=_peers(("cohere", "gemma3", "gemma2", "granite")),
+          pattern=r"call a: Cohere (\S+)x compile \((\S+) against (\S+) ms\), Gemma-3 (\S+)x compile \((\S+) against "
+                  r"(\S+) ms\), Gemma-2 (\S+)x compile \((\S+) against (\S+) ms\), Granite (\S+)x compile \((\S+) against "
+                  r"(\S+) ms\); steps vary by (\S+)% \(mplan\) and (\S+)% \(compile\)"),
+    Claim(doc="README.md", source="peers_h100-2026-12-06-session13-b.json",
+          figures=_peers(("olmo2", "qwen3", "stablelm", "llama")),
+          pattern=r"call b: OLMo-2 (\S+)x compile \((\S+) against (\S+) ms\), Qwen3 (\S+)x compile \((\S+) against "
+                  r"(\S+) ms\), StableLM (\S+)x compile \((\S+) against (\S+) ms\), Llama (\S+)x Liger \((\S+) against "
+                  r"(\S+) ms\); steps vary by (\S+)% \(mplan\) and (\S+)% \(compile\)"),
+    Claim(doc="README.md", source="peers_h100-2026-12-06-session13-c.json",
+          figures=_peers(("phi3", "qwen3_moe")),
+          pattern=r"call c: Phi-3 (\S+)x Liger \((\S+) against (\S+) ms\), Qwen3-MoE \(64 experts\) (\S+)x compile "
+                  r"\((\S+) against (\S+) ms\); steps vary by (\S+)% \(mplan\) and (\S+)% \(compile\)"),
+    Claim(doc="README.md", source="peers_h100-2026-12-06-session13-own.json", figures=_own,
+          pattern=r"mplan's own GPT-1.3B (\S+)x eager and (\S+)x compile, Llama-1.1B (\S+)x eager and (\S+)x compile"),
+    Claim(doc="README.md", source="peers_h100-2026-12-06-session13-a.json", figures=_peer_profile("gemma3"),
+          pattern=r"Gemma-3 is host-bound still: (\S+) ms of GPU kernels in a (\S+) ms profiled step"),
+    Claim(doc="README.md", source="peers_h100-2026-12-06-session13-c.json", figures=_peer_profile("qwen3_moe"),
+          pattern=r"Qwen3-MoE's, (\S+) ms of kernels in (\S+) ms"),
     Claim(doc="README.md", source="peers_profile_h100-2026-12-06-gemma3.json", figures=_gemma3_profile,
           pattern=r"Gemma-3's step is host-bound: (\S+) ms of GPU kernels in a (\S+) ms step"),
     Claim(doc="docs/claims.md", source="capture-cpu-2026-11-29.json", figures=_capture,
