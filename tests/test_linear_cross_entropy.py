@@ -29,7 +29,13 @@ from mplan.kernels import (
     vocab_parallel_linear_cross_entropy,
 )
 from mplan.kernels.dispatch import INTERPRET
-from mplan.kernels.head_loss import LinearCrossEntropyBytes, _logits_buffer, default_chunk_rows, logits_row_bytes
+from mplan.kernels.head_loss import (
+    LinearCrossEntropyBytes,
+    _logits_buffer,
+    aligned_vocab,
+    default_chunk_rows,
+    logits_row_bytes,
+)
 
 needs_reference_dispatch = pytest.mark.skipif(INTERPRET, reason="this process runs Triton's interpreter")
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 from process start; run by "
@@ -91,6 +97,42 @@ def test_an_odd_vocabulary_computes_on_row_aligned_logits_and_equals_the_unfused
     want = _loss_and_grads(linear_cross_entropy_reference, x, weight, bias, labels)
     for name, g, w in zip(["loss", "d_x", "d_W", "d_b"], got, want):
         assert rel_err(g, w) < 1e-12, name
+
+
+class _GemmExtents(TorchFunctionMode):
+    """Records the shapes of the matrices every GEMM (mm, addmm, addmm_) is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in ("mm", "addmm", "addmm_"):
+            a, b = args[-2], args[-1]
+            self.shapes.append((tuple(a.shape), tuple(b.shape)))
+        return func(*args, **(kwargs or {}))
+
+
+@needs_reference_dispatch
+@pytest.mark.parametrize("dtype, vocab, aligned", [(torch.float64, 51, 50), (torch.float32, 51, 48),
+                                                   (torch.float32, 3, 3), (torch.float64, 50, 50)])
+def test_every_head_gemm_runs_on_an_aligned_vocabulary_extent_but_one_of_the_rest(
+        dtype: torch.dtype, vocab: int, aligned: int) -> None:
+    """Granite's 49155 tokens sent the head's backward GEMMs to cuBLAS's align1 kernels even on
+    row-aligned logits: the vocabulary is also a contiguous GEMM extent. Each GEMM over the
+    vocabulary is split at `aligned_vocab` (a multiple of 16 bytes of columns): every vocabulary
+    extent a GEMM sees is that many columns or the few left over, and the result is unchanged."""
+    assert aligned_vocab(vocab, torch.empty(0, dtype=dtype).element_size()) == aligned
+    assert aligned_vocab(49155, 2) == 49152 and aligned_vocab(32000, 2) == 32000
+    x, weight, bias, labels = _leaves(*_problem((3, 7), 16, vocab, dtype))
+    with _GemmExtents() as spy:
+        got = _loss_and_grads(linear_cross_entropy, x, weight, bias, labels, chunk_rows=8)
+    vocab_extents = [dim for a, b in spy.shapes for dim in (*a, *b) if dim not in (16, 8, 5)]
+    assert vocab_extents and set(vocab_extents) == ({aligned} if aligned == vocab else {aligned, vocab - aligned})
+    want = _loss_and_grads(linear_cross_entropy_reference, x, weight, bias, labels)
+    for name, g, w in zip(["loss", "d_x", "d_W", "d_b"], got, want):
+        assert rel_err(g, w) < (1e-12 if dtype == torch.float64 else 1e-5), name
 
 
 @needs_reference_dispatch

@@ -121,8 +121,16 @@ cuBLAS falls back to its slowest kernels (cutlass sm75 "align1" tiles: the three
 12-layer Granite took 86 ms of a 218 ms step on the H200, benchmarks/results/peers_profile-2026-12-06.json).
 Each chunk's logits are therefore a view of a buffer whose rows are padded to ROW_ALIGN_BYTES;
 the padding is never read (every kernel here takes the row stride), and it costs at most 127
-bytes a row of the chunk. Megatron pads the vocabulary itself (make_vocab_size_divisible_by),
-which changes the model; this keeps the model's vocabulary and only aligns the scratch.
+bytes a row of the chunk. Aligned rows did not suffice: on an H100 (2026-12-06, session 13,
+benchmarks/results/peers_h100-2026-12-06-session13-a.json) the backward GEMMs still ran on
+align1 tiles (62 ms of a 212 ms step), because the vocabulary is also a GEMM extent that is
+contiguous in memory (d_x's reduction, d_W's rows), and an odd extent misaligns every row's last
+vector. So each head GEMM is split at `aligned_vocab` (the largest multiple of 16 bytes of
+columns): the aligned columns in one GEMM, the few left (at most 7 in bf16) in a tiny one.
+d_x's two parts add with one rounding of the aligned part's sum (the small part first, then the
+aligned one added in place by addmm, which sums in fp32); d_W's and the logits' parts are
+disjoint rows and columns. Megatron pads the vocabulary itself (make_vocab_size_divisible_by),
+which changes the model; this keeps the model's vocabulary and only aligns the work.
 
 Invariants: x, weight (and bias) share a dtype outside autocast (as F.linear demands); x may
 have any leading dims (they are flattened to rows; a non-contiguous x is copied once);
@@ -356,6 +364,20 @@ def logits_row_bytes(vocab: int, itemsize: int) -> int:
     return row if row % 16 == 0 else -(-row // ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES
 
 
+def aligned_vocab(vocab: int, itemsize: int) -> int:
+    """Columns of the head's GEMMs that run on cuBLAS's aligned kernels: the largest multiple of
+    16 bytes of columns (the whole vocabulary where it is one, or where it is narrower than 16
+    bytes); the rest, fewer than 16 bytes' worth, go to a GEMM of their own."""
+    aligned = vocab - vocab % max(1, 16 // itemsize)
+    return aligned or vocab
+
+
+def _vocab_parts(vocab: int, itemsize: int) -> tuple[slice, ...]:
+    """The vocabulary's column ranges, one GEMM each: the aligned columns, then any rest."""
+    aligned = aligned_vocab(vocab, itemsize)
+    return (slice(0, aligned),) if aligned == vocab else (slice(0, aligned), slice(aligned, vocab))
+
+
 def _logits_buffer(rows: int, vocab: int, like: torch.Tensor) -> torch.Tensor:
     """Uninitialized [rows, vocab] logits (the GEMM then writes every element) on rows of
     `logits_row_bytes`: the view's row stride is the leading dimension of the logits GEMM and of
@@ -375,10 +397,12 @@ def _fused_chunk(x_c: torch.Tensor, labels_c: torch.Tensor, weight: torch.Tensor
     logits die on return, before the next chunk's exist. `upcast` with float64 logits: the loss of
     their fp32 copy, as `logits.float()` gives (16- and 32-bit logits are computed in fp32 anyway)."""
     logits = _logits_buffer(x_c.shape[0], weight.shape[0], x_c)
-    if bias is None:
-        torch.mm(x_c, weight.t(), out=logits)
-    else:
-        torch.addmm(bias, x_c, weight.t(), out=logits)
+    parts = _vocab_parts(weight.shape[0], x_c.element_size())
+    for cols in parts:  # module docstring, Alignment
+        if bias is None:
+            torch.mm(x_c, weight[cols].t(), out=logits[:, cols])
+        else:
+            torch.addmm(bias[cols], x_c, weight[cols].t(), out=logits[:, cols])
     # the fused kernels apply the transform on load (the module docstring, What); elsewhere it runs
     # in the model's dtype, before any upcast, as the model's ops do
     raw = not transform.is_identity() and _fused_combine(logits, reductions)
@@ -397,14 +421,19 @@ def _fused_chunk(x_c: torch.Tensor, labels_c: torch.Tensor, weight: torch.Tensor
     d_logits = _logits_grad(logits, labels_c, lse, scale.to(lse.dtype), vocab_start, ignore_index,
                             transform, raw).to(x_c.dtype)
     del logits  # the PyTorch path's gradient is a new tensor: one chunk-sized buffer at a time
-    if d_x_c is not None:
-        torch.mm(d_logits, weight, out=d_x_c)
+    if d_x_c is not None:  # the rest's few columns first, the aligned ones added with one rounding
+        for i, cols in enumerate(reversed(parts)):
+            if i == 0:
+                torch.mm(d_logits[:, cols], weight[cols], out=d_x_c)
+            else:
+                d_x_c.addmm_(d_logits[:, cols], weight[cols])
     # d_W and d_b: the first chunk writes them (they start uninitialized), the others add to them
     if d_w is not None:
-        if first:
-            torch.mm(d_logits.t(), x_c, out=d_w)
-        else:
-            d_w.addmm_(d_logits.t(), x_c)
+        for cols in parts:
+            if first:
+                torch.mm(d_logits[:, cols].t(), x_c, out=d_w[cols])
+            else:
+                d_w[cols].addmm_(d_logits[:, cols].t(), x_c)
     if d_b is not None:  # the column sums as a GEMV: sum(0, dtype=fp32) would convert the chunk to fp32 first
         if first:
             torch.mv(d_logits.t(), ones[: d_logits.shape[0]], out=d_b)
