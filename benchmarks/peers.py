@@ -9,7 +9,9 @@ benchmarks/hf_models_h200.py) with fused AdamW (lr 1e-4 after --lr-warmup steps 
 global-norm clipping at 1.0, the loss read back every step:
     eager    the HF model, its loss from labels=
     compile  torch.compile(HF model) (default mode; its warm-up includes the compile)
-    mplan    mplan.autoparallel(model, plan="dp=1,tp=1,pp=1", kernels=True) then pm.train_step(ids, labels)
+    mplan    mplan.autoparallel(model, plan="dp=1,tp=1,pp=1", kernels=True, cuda_graphs=True) then
+             pm.train_step(ids, labels) (--no-cuda-graphs: without; the row's "cuda_graphs" says whether
+             the steps replayed or why not)
     liger    the HF model patched by liger_kernel.transformers.apply_liger_kernel_to_<family>(model=...)
              with the patch's own defaults; recorded as not supported where Liger has no patch
 
@@ -152,11 +154,13 @@ def build_liger(fam: Family, setting: Setting, batches: list[torch.Tensor]) -> t
         "pipeline": f"liger_kernel.transformers.{fam.liger_patch}(model=instance)", "liger_options": defaults}
 
 
-def build_mplan(fam: Family, setting: Setting, batches: list[torch.Tensor]) -> tuple[Step, dict[str, Any]]:
+def build_mplan(fam: Family, setting: Setting, batches: list[torch.Tensor],
+                cuda_graphs: bool = True) -> tuple[Step, dict[str, Any]]:
     module = _on_device(fam, setting)
+    graphs = cuda_graphs and setting.device.type == "cuda"
     pm = mplan.autoparallel(module, example_inputs=(batches[0],), global_batch=fam.batch, plan="dp=1,tp=1,pp=1",
                             kernels=True, optimizer=setting.optimizer(), max_grad_norm=MAX_GRAD_NORM,
-                            dtype=torch.bfloat16, device=setting.device)
+                            dtype=torch.bfloat16, device=setting.device, cuda_graphs=graphs)
     del module  # pm trains the model's own tensors
     report = pm.program.meta["fuse_kernels"]
     schedule = setting.lr_schedule(pm.optimizer.optimizer)  # mplan's AdamW kernel reads group["lr"] every step
@@ -165,11 +169,16 @@ def build_mplan(fam: Family, setting: Setting, batches: list[torch.Tensor]) -> t
     def step() -> tuple[float, float]:
         schedule()
         ids = feed.next()
-        return pm.train_step(ids, ids), pm.last_grad_norm
+        loss = pm.train_step(ids, ids)
+        if pm.step_graph is not None:  # the row is this dict: the state after the last step is recorded
+            info["cuda_graphs"] = pm.step_graph.state()
+        return loss, pm.last_grad_norm
 
-    return step, {"pipeline": 'mplan.autoparallel(plan="dp=1,tp=1,pp=1", kernels=True)',
-                  "fusion": {"fused": report.counts, "missed": report.missed, "summary": str(report),
-                             "coverage": coverage(pm.graph)}}
+    info: dict[str, Any] = {
+        "pipeline": f'mplan.autoparallel(plan="dp=1,tp=1,pp=1", kernels=True, cuda_graphs={graphs})',
+        "fusion": {"fused": report.counts, "missed": report.missed, "summary": str(report),
+                   "coverage": coverage(pm.graph)}}
+    return step, info
 
 
 def coverage(graph: Any) -> list[dict[str, Any]] | str:
@@ -432,7 +441,8 @@ def run_family_process(name: str, args: argparse.Namespace, part: str) -> dict[s
                "--warmup", str(args.warmup), "--steps", str(args.steps), "--rounds", str(args.rounds),
                "--lr-warmup", str(args.lr_warmup)]
     command += [flag for flag, on in (("--small", args.small), ("--profile", args.profile),
-                                      ("--smoke-child", args.smoke_child)) if on]
+                                      ("--smoke-child", args.smoke_child), ("--no-cuda-graphs", args.no_cuda_graphs))
+                if on]
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
     tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
     reader = threading.Thread(target=_forward_stderr, args=(proc.stderr, tail), daemon=True)
@@ -490,6 +500,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no family after this many seconds (default 480 on CUDA, a device call having "
                              "600 s; none on a CPU)")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="mplan without cuda_graphs=True (its steps' forwards and backwards then launch from "
+                             "Python every step; on CUDA the race runs mplan with them by default)")
     parser.add_argument("--profile", action="store_true",
                         help=f"after timing, profile {PROFILE_STEPS} steps of each system by kernel category")
     parser.add_argument("--smoke-child", action="store_true",
@@ -519,6 +532,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    BUILDERS["mplan"] = functools.partial(build_mplan, cuda_graphs=not args.no_cuda_graphs)
     if args.system is not None:
         serve_child(args)
         return

@@ -49,6 +49,7 @@ from mplan.runtime.launch import init_distributed_from_env
 from mplan.runtime.outer_loop import OuterOptimizer
 from mplan.runtime.parallel_module import ParallelModule, check_executable, parallelize
 from mplan.runtime.replicated_optimizer import OptimizerFactory
+from mplan.runtime.step_graph import graph_refusal
 from mplan.runtime.watchdog import hang_timeout
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -69,7 +70,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
                  kernels: bool | None = None, fp8: bool = False,
                  progress: Progress | Callable[[str], None] | str | None = None,
                  hang_timeout_s: float | None = None, document_mask: bool = False, inexact_ok: bool = False,
-                 outer_optimizer: OuterOptimizer | None = None) -> ParallelModule:
+                 outer_optimizer: OuterOptimizer | None = None, cuda_graphs: bool = False) -> ParallelModule:
     """Parallelize `model` under `plan` on this job's ranks (see the module docstring).
 
     `max_grad_norm` clips the global gradient norm (over every shard) before each step, as
@@ -97,6 +98,9 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     not compute the single-device loop's updates; off, only exact plans are searched (a plan or
     spec that sets `outer_steps` is itself the user's choice). `outer_optimizer`: that loop's
     outer SGD (`runtime.outer_loop.OuterOptimizer`; None: DiLoCo's Nesterov, lr 0.7, momentum 0.9).
+    `cuda_graphs` replays each step's forwards and backwards as one CUDA graph from the third
+    step on (`runtime.step_graph`: the host's launch cost paid once; plans of one rank on CUDA,
+    refused in one line elsewhere; a step whose capture fails runs eagerly, saying why).
     Collective: every rank of the job calls it with the same arguments.
     """
     _check_numbers(global_batch=global_batch, micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm)
@@ -107,6 +111,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     cluster = cluster or _local_cluster(world_size)
     inputs = tuple(example_inputs)
     use_kernels = run_on.type == "cuda" if kernels is None else kernels
+    _refuse_graphs(cuda_graphs, None, run_on)  # the device alone, before the capture's seconds
     # a spec string or plan file that cannot run on this world and batch, refused before the capture's seconds
     plan = check_before_capture(plan, world_size=world_size, global_batch=global_batch, model=model,
                                 micro_batch_size=micro_batch_size, tp_layout=tp_layout)
@@ -124,6 +129,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
                                 kernels=use_kernels and cluster.device.name != "cpu", fp8=fp8, progress=progress,
                                 inexact_ok=inexact_ok)
         check_executable(resolved)
+        _refuse_graphs(cuda_graphs, resolved, run_on)
         planned.detail = _plan_words(resolved, world_size)
     with progress.phase("lowering", f"{resolved.mesh.tp}-way TP, {resolved.mesh.pp} stage"
                                     f"{'s' if resolved.mesh.pp > 1 else ''}, {'fused kernels' if use_kernels else 'ATen ops'}"):
@@ -136,6 +142,8 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
                          fp8=resolved.fp8, inference=inference, documents=document_mask,
                          outer=outer_optimizer or OuterOptimizer())
     pm.progress = progress
+    if cuda_graphs:
+        pm.use_cuda_graphs()
     _say_untrained(progress, model, pm.params)
     pm.hf_config = _hf_config(model)
     pm.watch_for_hangs(hang_timeout_s)
@@ -145,6 +153,12 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     del graph
     gc.collect()
     return pm
+
+
+def _refuse_graphs(cuda_graphs: bool, plan: Plan | None, device: torch.device) -> None:
+    refusal = graph_refusal(plan, device, fp8=plan is not None and plan.fp8) if cuda_graphs else None
+    if refusal is not None:
+        raise ValueError(f"cuda_graphs=True: {refusal}")
 
 
 def _say_untrained(progress: Progress, model: nn.Module, params: dict[str, torch.Tensor]) -> None:

@@ -39,7 +39,9 @@ DP, sums partial gradients over TP, clips by the global norm across all shards w
 gradients (None where unbucketed, as an eager loop leaves them). The returned loss is the mean
 over micro-batches and replicas, which equals the single-device loss of the global batch when
 every micro-batch counts the same number of target tokens (no ignored labels, or the same number
-per micro-batch).
+per micro-batch). With `pm.use_cuda_graphs()` (`autoparallel(..., cuda_graphs=True)`, plans of one
+rank on CUDA) the forwards and backwards of a step replay as one CUDA graph from the third step on,
+the optimizer staying eager (`step_graph.py`).
 
 Under an outer loop across sites (`plan.outer_steps = H`, inexact, `outer_loop.py`): the optimizer
 is built on the site's groups alone (`data_parallel.inner_only`), so gradients are averaged over
@@ -107,6 +109,7 @@ from mplan.runtime.pipeline_stages import RankStages, pipeline_schedule, rank_st
 from mplan.runtime.process_groups import ProcessGroups, group_size, init_process_groups
 from mplan.runtime.released_parameters import guard, unguarded
 from mplan.runtime.replicated_optimizer import OptimizerFactory
+from mplan.runtime.step_graph import StepGraph, graph_refusal
 from mplan.runtime.unit_gathers import insert_unit_gathers, unit_parameters
 from mplan.runtime.watchdog import Position, Watchdog, watch
 
@@ -340,6 +343,7 @@ class ParallelModule:
         self.program, self.params, self.statics, self.layouts = program, params, statics, layouts
         self.device, self.max_grad_norm, self.autocast, self.kernels = device, max_grad_norm, autocast, kernels
         self.fp8, self.experts = fp8, experts
+        self.step_graph: StepGraph | None = None  # `use_cuda_graphs`
         self.context = context  # its `batch` is set per micro-batch of packed documents
         self.last_context_sizes: list[int] = []  # the cp size each micro-batch of the last document step ran at
         self.pipeline = pipeline  # None: one stage, the flat program runs each micro-batch
@@ -534,18 +538,11 @@ class ParallelModule:
         """The step of a plan without pipeline stages over its micro-batches (`batches`: each
         one's layout and documents)."""
         count = len(micro)
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
         try:
-            for i, one in enumerate(micro):
-                self.position.micro_batch(i)
-                if batches is not None and self.context is not None:
-                    self.context.batch.layout, self.context.batch.doc_ids, self.context.batch.local = batches[i]
-                with self._autocast():
-                    loss = self.program(*self._feed(self.program, one))
-                if i == count - 1:
-                    self.optimizer.before_last_backward()
-                (loss if count == 1 else loss / count).backward()
-                total += loss.detach().to(torch.float64)
+            if self.step_graph is not None and batches is None:
+                total = self.step_graph.forward_backward(micro, self._forward_backward)
+            else:
+                total = self._forward_backward(micro, batches)
             self.position.collective("optimizer step")
             self._last_grad_norm = self.optimizer.step(max_grad_norm=self.max_grad_norm)
             self._after_inner_step()
@@ -554,12 +551,39 @@ class ParallelModule:
             # zeroes after stepping: none are held between steps, nor after a failed one.
             self.optimizer.zero_grad()
         # over dp x cp ranks under context parallelism (each cp rank's loss is its share, scaled by
-        # cp); under an outer loop, the site's
-        total /= count * self.replicas.mesh.dp
+        # cp); under an outer loop, the site's (out of place: a graphed step's total is its graph's)
+        total = total / (count * self.replicas.mesh.dp)
         if group_size(self.replicas.dp) > 1:
             self.position.collective("loss all-reduce", "dp")
             dist.all_reduce(total, group=self.replicas.dp)
         return float(total)
+
+    def _forward_backward(self, micro: list[tuple[torch.Tensor, ...]],
+                          batches: list[tuple[ContextLayout, torch.Tensor, bool]] | None = None) -> torch.Tensor:
+        """Every micro-batch's forward and backward, gradients accumulated; their summed loss
+        (float64, on the device). What a `StepGraph` records and replays."""
+        count = len(micro)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, one in enumerate(micro):
+            self.position.micro_batch(i)
+            if batches is not None and self.context is not None:
+                self.context.batch.layout, self.context.batch.doc_ids, self.context.batch.local = batches[i]
+            with self._autocast():
+                loss = self.program(*self._feed(self.program, one))
+            if i == count - 1:
+                self.optimizer.before_last_backward()
+            (loss if count == 1 else loss / count).backward()
+            total += loss.detach().to(torch.float64)
+        return total
+
+    def use_cuda_graphs(self) -> None:
+        """Replay each step's forwards and backwards as one CUDA graph from the third step on
+        (`runtime.step_graph`); raises ValueError naming why where this module's plan cannot."""
+        refusal = graph_refusal(self.plan, self.device, fp8=self.fp8)
+        if refusal is not None:
+            raise ValueError(f"cuda_graphs=True: {refusal}")
+        copies = self.copies
+        self.step_graph = StepGraph([p if copies is None else copies.of(p) for p in self.params.values()])
 
     def _pipeline_step(self, micro: list[tuple[torch.Tensor, ...]]) -> float:
         """`train_step` under a pipeline plan: the executor runs this rank's actions; stage copies
@@ -613,7 +637,8 @@ class ParallelModule:
         return self.watchdog
 
     def _autocast(self) -> contextlib.AbstractContextManager[None]:
-        return _autocast_context(self.device, self.autocast)
+        # a CUDA graph's capture must not keep autocast's cast weights across its ops (torch.cuda.graph)
+        return _autocast_context(self.device, self.autocast, cache=self.step_graph is None)
 
     def _unguarded(self) -> contextlib.AbstractContextManager[None]:
         """zero=3: the parameters plain inside a step or an inference call, whose ops then pay nothing
@@ -797,8 +822,10 @@ def _compute_copies(program: fx.GraphModule, params: Mapping[str, nn.Parameter],
     return ComputeCopies([params[n] for n in names], autocast) if names else None
 
 
-def _autocast_context(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[None]:
-    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
+def _autocast_context(device: torch.device, dtype: torch.dtype | None,
+                      cache: bool = True) -> contextlib.AbstractContextManager[None]:
+    return (contextlib.nullcontext() if dtype is None
+            else torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=cache))
 
 
 def _as_tuple(inputs: Batch) -> tuple[torch.Tensor, ...]:

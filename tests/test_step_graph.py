@@ -1,0 +1,169 @@
+"""A step's forwards and backwards replayed as one CUDA graph (`mplan.runtime.step_graph`), on the CPU.
+
+CUDA graphs need a GPU, so here a stand-in backend gives a replay the effect a CUDA graph's has
+on memory (`RerunReplay`): the recorded function runs again on the same static inputs, every
+gradient that was None when the capture began starts None again, and the results are written
+into the very tensors the capture returned (the loss) and left (the gradients). What that checks
+is everything of the graphed step but the recording itself: the batch copied into the static
+inputs, the kept gradients handed back before each replay and after every step dropped as eager
+drops them, the optimizer stepping on them, accumulation over micro-batches, the fallbacks.
+Trained that way, a model's losses and parameters equal the eager module's, float64.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import mplan
+from distributed import rel_err
+from mplan.models import build_model
+from mplan.runtime.step_graph import StepGraph, graph_refusal
+
+SPEC = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=64"
+GLOBAL_BATCH, MICRO = 4, 2
+STEPS = 6
+OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+
+
+class RerunReplay:
+    """Stands in for `CudaGraphs` on the CPU (module docstring)."""
+
+    def __init__(self, leaves: list[torch.Tensor], fail: str | None = None) -> None:
+        self.leaves, self.fail, self.captures, self.replays = leaves, fail, 0, 0
+
+    def capture(self, record: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        self.captures += 1
+        fresh = [leaf for leaf in self.leaves if leaf.grad is None]
+        out = record()
+        if self.fail:
+            raise RuntimeError(self.fail)
+        kept = {id(leaf): leaf.grad for leaf in fresh}
+
+        def replay() -> None:  # memory rewritten; Python's attributes, as a graph leaves them, untouched
+            self.replays += 1
+            attributes = [leaf.grad for leaf in fresh]
+            for leaf in fresh:
+                leaf.grad = None
+            again = record()
+            out.copy_(again)
+            for leaf, attribute in zip(fresh, attributes):
+                if leaf.grad is not None:
+                    kept[id(leaf)].copy_(leaf.grad)
+                leaf.grad = attribute
+        return replay, out
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 64, (GLOBAL_BATCH, 16), generator=torch.Generator().manual_seed(step))
+    return ids, ids
+
+
+def _module() -> mplan.ParallelModule:
+    model = build_model(SPEC, device="cpu", dtype=torch.float64, seed=0)
+    return mplan.autoparallel(model, example_inputs=(_batch(0)[0][:MICRO],), global_batch=GLOBAL_BATCH,
+                              micro_batch_size=MICRO, plan="dp=1,tp=1", optimizer=OPTIMIZER, max_grad_norm=1.0,
+                              progress="quiet")
+
+
+def _graphed(pm: mplan.ParallelModule, fail: str | None = None) -> RerunReplay:
+    leaves = list(pm.params.values())
+    backend = RerunReplay(leaves, fail)
+    pm.step_graph = StepGraph(leaves, backend=backend)
+    return backend
+
+
+def _train(pm: mplan.ParallelModule, states: list[str] | None = None) -> list[float]:
+    losses = []
+    for step in range(STEPS):
+        losses.append(pm.train_step(*_batch(step + 1)))
+        if states is not None:
+            states.append(pm.step_graph.state())
+        assert all(p.grad is None for p in pm.params.values()), "no gradient is held between steps, as eager"
+    return losses
+
+
+@functools.cache
+def _eager() -> tuple[list[float], dict[str, torch.Tensor]]:
+    pm = _module()
+    return _train(pm), {k: v.detach().clone() for k, v in pm.params.items()}
+
+
+def test_a_graphed_step_trains_as_the_eager_one_from_capture_to_the_last_step() -> None:
+    """Two eager warm-up steps, the capture (and its own replay) at the third, replays after:
+    every loss and every parameter after six AdamW steps (two micro-batches each, clipped) equal
+    the eager module's; the capture happened once and every later step replayed."""
+    pm = _module()
+    backend = _graphed(pm)
+    states: list[str] = []
+    losses = _train(pm, states)
+    want_losses, want_params = _eager()
+    assert states == ["warming up"] * 2 + ["replaying"] * (STEPS - 2)
+    assert backend.captures == 1 and backend.replays == STEPS - 2
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses)) < 1e-12
+    assert max(rel_err(pm.params[k], v) for k, v in want_params.items()) < 1e-12
+
+
+def test_a_replay_reads_this_steps_batch_not_the_captured_one() -> None:
+    """The batch is copied into the graph's static inputs: with the copy skipped, the replays
+    would train on the capture's batch again and the losses would repeat."""
+    pm = _module()
+    _graphed(pm)
+    losses = _train(pm)
+    assert len(set(losses[2:])) == len(losses[2:])
+    assert losses == pytest.approx(_eager()[0], rel=1e-12)
+
+
+def test_a_failed_capture_runs_that_step_and_every_later_one_eagerly_saying_why() -> None:
+    """A capture that raises (on a GPU: an op that synchronizes with the host, as MoE routing's
+    counts do) leaves no partial gradient behind; the step reruns eagerly, the state names the
+    cause, and the training is the eager one's."""
+    pm = _module()
+    backend = _graphed(pm, fail="operation not permitted when stream is capturing")
+    with pytest.warns(UserWarning, match="CUDA graphs off"):
+        losses = _train(pm)
+    assert pm.step_graph.state() == ("eager: the capture failed (RuntimeError: operation not permitted when "
+                                     "stream is capturing)")
+    assert backend.captures == 1 and backend.replays == 0
+    assert losses == pytest.approx(_eager()[0], rel=1e-12)
+
+
+def test_a_batch_of_other_shapes_than_the_captured_runs_eagerly() -> None:
+    """StepGraph alone: a step of another shape runs `run` itself, once said; the graph stays."""
+    weight = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    calls: list[int] = []
+
+    def run(micro: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        calls.append(micro[0][0].shape[0])
+        loss = (micro[0][0] @ weight[: micro[0][0].shape[1]]).sum()
+        loss.backward()
+        return loss.detach()
+
+    graph = StepGraph([weight], warmup=0, backend=RerunReplay([weight]))
+    first = graph.forward_backward([(torch.ones(2, 3, dtype=torch.float64),)], run)
+    weight.grad = None
+    with pytest.warns(UserWarning, match="other shapes"):
+        other = graph.forward_backward([(torch.ones(4, 2, dtype=torch.float64),)], run)
+    assert float(first) == 6.0 and float(other) == 8.0 and graph.state() == "replaying"
+
+
+def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_run() -> None:
+    """On the CPU before any capture (fast); for a plan of several ranks, FP8, zero=3 by name."""
+    model = build_model(SPEC, device="cpu", dtype=torch.float64, seed=0)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"^cuda_graphs=True: CUDA graphs need a CUDA device; this module runs on cpu$"):
+        mplan.autoparallel(model, example_inputs=(_batch(0)[0],), global_batch=GLOBAL_BATCH, cuda_graphs=True,
+                           progress="quiet")
+    assert time.perf_counter() - start < 1.0
+    plan = _module().plan
+    cuda = torch.device("cuda")
+    assert graph_refusal(plan, cuda) is None
+    wide = dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, world_size=2),
+                               mesh=dataclasses.replace(plan.mesh, dp=2))
+    assert "spans 2 ranks" in graph_refusal(wide, cuda)
+    assert "FP8" in graph_refusal(plan, cuda, fp8=True)
+    assert "zero=3" in graph_refusal(dataclasses.replace(plan, zero=3), cuda)
