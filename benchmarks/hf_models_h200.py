@@ -124,7 +124,7 @@ from benchmarks.e2e_h200 import FULL as FAMILIES_FULL  # noqa: E402
 from benchmarks.e2e_h200 import SMALL as FAMILIES_SMALL  # noqa: E402
 from benchmarks.gpu_time import host_table, kernel_table  # noqa: E402
 from benchmarks.report import Clock, run_header, write_report  # noqa: E402
-from benchmarks.step_profile_h200 import category as coarse_category  # noqa: E402
+from benchmarks.step_profile import category as coarse_category  # noqa: E402
 
 MODEL_SEED = 0
 BATCH_SEED = 1234

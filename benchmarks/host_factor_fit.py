@@ -45,7 +45,7 @@ FIT = ("qwen2-0.5b", 1)
 def measured_rows(hf_rows: list[Path]) -> list[dict[str, Any]]:
     """(model, config path, seq, mbs, measured step s), from the results files."""
     import hf_measure_gpu
-    from host_overhead_h200 import write_config
+    from host_overhead import write_config
 
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "host_factor_fit"
     work.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,7 @@ def test_fp8_convergence_benchmark_trains_toward_the_chains_floor(tmp_path: Path
     """The smoke run learns the chain's transitions (below H(pi), the best loss without context,
     and above the batches' exact best loss); FP8 refuses the CPU and is skipped with the reason."""
     out = tmp_path / "fp8_convergence.json"
-    _run("fp8_convergence_h200.py", "--device", "cpu", "--small", "--out", str(out))
+    _run("fp8_convergence.py", "--device", "cpu", "--small", "--out", str(out))
     models = json.loads(out.read_text())["models"]
     assert set(models) == {"gpt-tiny", "llama-tiny"}
     for name, entry in models.items():
@@ -58,7 +58,7 @@ def test_fp8_convergence_benchmark_trains_toward_the_chains_floor(tmp_path: Path
 
 def test_fp8_convergence_comparison_fails_a_final_gap_over_one_percent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(ROOT))
-    compare = importlib.import_module("benchmarks.fp8_convergence_h200").compare
+    compare = importlib.import_module("benchmarks.fp8_convergence").compare
     bf16 = [2.0 + 9.0 * math.exp(-step / 20) for step in range(100)]
     close = compare(bf16, [loss * 1.005 for loss in bf16], best_final_loss=1.9)
     assert close["passed"] and close["final_rel_diff"] == pytest.approx(0.005)
@@ -75,7 +75,7 @@ def test_fp8_convergence_comparison_fails_a_final_gap_over_one_percent(monkeypat
 @pytest.mark.slow
 def test_kernel_benchmark_checks_every_kernel_under_the_interpreter(tmp_path: Path) -> None:
     out = tmp_path / "kernels.json"
-    _run("kernels_h200.py", "--smoke", "--all-shapes", "--out", str(out), env={"TRITON_INTERPRET": "1"})
+    _run("fused_kernels.py", "--smoke", "--all-shapes", "--out", str(out), env={"TRITON_INTERPRET": "1"})
     kernels = json.loads(out.read_text())["kernels"]
     assert {"swiglu (packed)", "rope", "cross_entropy"} <= set(kernels)
     assert all(entry["correct"] and len(entry["timing_more"]) == 1 for entry in kernels.values()), kernels
@@ -103,7 +103,7 @@ def test_gpu_kernel_time_counts_kernels_not_the_annotations_around_them() -> Non
 @pytest.mark.script_smoke
 def test_step_profile_on_tiny_models(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
-    _run("step_profile_h200.py", "--device", "cpu", "--small", "--systems", "eager,mplan", "--out", str(out))
+    _run("step_profile.py", "--device", "cpu", "--small", "--systems", "eager,mplan", "--out", str(out))
     models = json.loads(out.read_text())["models"]
     assert set(models) == {"gpt-tiny", "llama-tiny"}
     assert all(row["wall_ms_per_step"] > 0 for rows in models.values() for row in rows.values())
@@ -143,7 +143,7 @@ def test_single_h200_steps_are_predicted_within_ten_percent(tmp_path: Path) -> N
 
 
 def test_a_copy_table_run_replaces_a_profiles_copy_table_and_nothing_else(tmp_path: Path) -> None:
-    """copy_table_h200.py --apply: the profile's copy rows become the run's batched ones, its GEMM
+    """copy_table.py --apply: the profile's copy rows become the run's batched ones, its GEMM
     and attention tables stay, and its note names the run."""
     from mplan.cost_models.profile import ClusterProfile
 
@@ -151,7 +151,7 @@ def test_a_copy_table_run_replaces_a_profiles_copy_table_and_nothing_else(tmp_pa
     profile = tmp_path / "h200.json"
     profile.write_text(packaged.read_text())
     result = RESULTS / "copy_table_h200-2026-12-02-session6.json"
-    _run("copy_table_h200.py", "--apply", str(result), "--profile", str(profile))
+    _run("copy_table.py", "--apply", str(result), "--profile", str(profile))
     before, after = ClusterProfile.from_json(str(packaged)), ClusterProfile.from_json(str(profile))
     assert [(c.bytes_moved, c.seconds) for c in after.device.copy] == [
         (r["bytes_moved"], r["seconds"]) for r in json.loads(result.read_text())["profile_copy"]]
@@ -177,11 +177,11 @@ def test_gpu_equivalence_script_on_cpu_ranks(tmp_path: Path) -> None:
 
 @pytest.mark.script_smoke
 def test_split_backward_benchmark_on_tiny_stages(tmp_path: Path) -> None:
-    """benchmarks/split_backward_h200.py --smoke (float32, CPU): every phase timed on both clocks,
+    """benchmarks/split_backward_time.py --smoke (float32, CPU): every phase timed on both clocks,
     the planner's weight-gradient share beside the measured one, and the split backward (mplan's
     I+W, torch's stage_backward_input + stage_backward_weight) equal to the whole backward."""
     out = tmp_path / "split_backward.json"
-    _run("split_backward_h200.py", "--smoke", "-o", str(out))
+    _run("split_backward_time.py", "--smoke", "-o", str(out))
     report = json.loads(out.read_text())
     assert {"date", "gpu", "torch", "triton", "dtype", "kernel_clock", "settings", "planner_cluster"} <= set(report)
     assert report["torch_split_error"] is None and report["skipped"] == []
@@ -210,10 +210,10 @@ def test_split_backward_benchmark_on_tiny_stages(tmp_path: Path) -> None:
 
 @pytest.mark.script_smoke
 def test_host_overhead_benchmark_measures_and_compares_every_micro_batch(tmp_path: Path) -> None:
-    """benchmarks/host_overhead_h200.py on the CPU: host figures measured, every micro-batch's plan
+    """benchmarks/host_overhead.py on the CPU: host figures measured, every micro-batch's plan
     measured by `mplan bench --measure` and predicted with and without the host term."""
     out = tmp_path / "host.json"
-    _run("host_overhead_h200.py", "--device", "cpu", "--small", "--out", str(out), timeout=420)
+    _run("host_overhead.py", "--device", "cpu", "--small", "--out", str(out), timeout=420)
     report = json.loads(out.read_text())
     assert report["host"]["aten_op_s"] > 0 and report["host"]["source"].startswith("measured")
     rows = report["comparison"]["rows"]

@@ -586,9 +586,9 @@ def test_runtime_steps_masters_from_their_compute_copies(max_grad_norm: float | 
 
 @pytest.mark.skipif(INTERPRET, reason="the CPU smoke test needs the reference dispatch")
 def test_optimizer_benchmark_smoke_on_the_cpu(tmp_path: Path) -> None:
-    """benchmarks/optimizer_h200.py on tiny models on the CPU: its correctness check passes."""
+    """benchmarks/optimizer_step.py on tiny models on the CPU: its correctness check passes."""
     out = tmp_path / "optimizer.json"
-    run = subprocess.run([sys.executable, "benchmarks/optimizer_h200.py", "--device", "cpu", "--out", str(out)],
+    run = subprocess.run([sys.executable, "benchmarks/optimizer_step.py", "--device", "cpu", "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]

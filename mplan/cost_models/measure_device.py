@@ -15,7 +15,7 @@ head_dim] with seq_q == seq_kv; its backward is timed as forward-then-backward. 
 ``dst.copy_(src)`` and count bytes read plus written, COPY_BATCH copies back to back between two
 events: a memory-bound kernel in a training step runs among others, and events around one copy
 add a launch (about 7 us on the H200: 3.4 TB/s at 134 MB against 4.2 back to back,
-benchmarks/copy_table_h200.py).
+benchmarks/copy_table.py).
 Host time per launch (``measure_host``): streams of tiny eager ops (one element of work each) timed
 on the host's clock with the device idle, so the host binds: an ATen op with autograd recording, a
 view, the same two without autograd (their difference is one kernel launch), one autograd backward

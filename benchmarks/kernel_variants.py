@@ -45,7 +45,7 @@ Every configuration is timed; torch.compile of the reference is timed in the sam
 shipped kernels' designs and autotune lists come from these figures.
 
 Run on the GPU (from the repository root; about two minutes; `--only rope` about one):
-    PYTHONPATH=. python3 benchmarks/kernel_variants_h200.py --out $OUT/kernel_variants.json
+    PYTHONPATH=. python3 benchmarks/kernel_variants.py --out $OUT/kernel_variants.json
 """
 from __future__ import annotations
 
@@ -499,7 +499,7 @@ def swiglu_variants(n_rows: int, n_cols: int, device: torch.device) -> dict[str,
 
 def _swiglu_ops(gate: torch.Tensor, up: torch.Tensor) -> dict[str, Any]:
     """The forward as training calls it, each op allocating its output: mplan's `swiglu` and
-    torch.compile's training graph (inputs that require grad, as kernels_h200 times it; there
+    torch.compile's training graph (inputs that require grad, as fused_kernels.py times it; there
     compile's forward took 0.1267 ms at F 5632, against 0.1274 compiled for inference here), in 9
     interleaved rounds of 50 calls, with the training graph's generated source."""
     g, u = (t.detach().requires_grad_() for t in (gate, up))

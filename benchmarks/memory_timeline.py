@@ -11,14 +11,15 @@ boundaries (before forward, after forward, after backward, after the optimizer) 
 predicted breakdown (params, grads, optimizer, activations, transient).
 
 Run on the GPU:
-    PYTHONPATH=. python3 benchmarks/memory_timeline_h200.py --out $OUT/memory_timeline.json
+    PYTHONPATH=. python3 benchmarks/memory_timeline.py --out $OUT/memory_timeline.json
 CPU smoke test (tiny model, no allocator history):
-    PYTHONPATH=. python3 benchmarks/memory_timeline_h200.py --device cpu --small --out /tmp/mt.json
+    PYTHONPATH=. python3 benchmarks/memory_timeline.py --device cpu --small --out /tmp/mt.json
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.metadata
 import json
 from collections import defaultdict
 from dataclasses import asdict
@@ -95,8 +96,8 @@ def main() -> None:
                             kernels=cuda, optimizer=functools.partial(torch.optim.AdamW, lr=1e-4, fused=cuda),
                             max_grad_norm=1.0, dtype=model.dtype, device=device)
     del model
-    doc: dict[str, Any] = {"date": date.today().isoformat(), "script": "benchmarks/memory_timeline_h200.py",
-                           "torch": torch.__version__,
+    doc: dict[str, Any] = {"date": date.today().isoformat(), "script": "benchmarks/memory_timeline.py",
+                           "torch": torch.__version__, "transformers": importlib.metadata.version("transformers"),
                            "gpu": torch.cuda.get_device_name() if cuda else "cpu",
                            "plan": pm.plan.spec(), "micro_batch_size": pm.plan.micro_batch_size,
                            "predicted_gib": [asdict(m) for m in pm.plan.predicted.memory_by_stage],

@@ -27,9 +27,9 @@ The wider autotune lists (5-7 configurations a kernel, each compiled once per sh
 under 2 minutes; kernels not started within BUDGET_S are skipped so the run ends within 4 minutes.
 
 Run on the GPU (from the repository root):
-    PYTHONPATH=. python3 benchmarks/kernels_h200.py --out $OUT/kernels.json
+    PYTHONPATH=. python3 benchmarks/fused_kernels.py --out $OUT/kernels.json
 Smoke test of the script's logic on a CPU (Triton interpreter, tiny shapes, no compile, fp16):
-    TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/kernels_h200.py --smoke --out /tmp/kernels.json
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/fused_kernels.py --smoke --out /tmp/kernels.json
 """
 from __future__ import annotations
 

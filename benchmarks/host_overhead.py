@@ -14,12 +14,12 @@ tokens. This script checks the cost model's host term against a measurement, in 
 Per micro-batch it reports the measured step, both predictions and their errors (predicted /
 measured - 1), and the micro-batch-1 over micro-batch-8 ratio measured and predicted.
 `--apply PROFILE` writes the measured host figures into a profile file (its kernel tables kept),
-as copy_table_h200.py --apply does for copies.
+as copy_table.py --apply does for copies.
 
 Run on the GPU (a few minutes, most of it capture and the first steps):
-    PYTHONPATH=. python3 benchmarks/host_overhead_h200.py --out $OUT/host_overhead.json
+    PYTHONPATH=. python3 benchmarks/host_overhead.py --out $OUT/host_overhead.json
 Smoke test on a CPU (tiny config, gloo, the cpu preset; nothing is judged):
-    PYTHONPATH=. python3 benchmarks/host_overhead_h200.py --device cpu --small --out /tmp/host.json
+    PYTHONPATH=. python3 benchmarks/host_overhead.py --device cpu --small --out /tmp/host.json
 """
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ def main() -> int:
     import transformers
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("host_overhead_h200: no CUDA device here; use --device cpu for the smoke test")
+        raise SystemExit("host_overhead: no CUDA device here; use --device cpu for the smoke test")
     out = Path(args.out)
     work = out.parent / (out.stem + "_work")
     work.mkdir(parents=True, exist_ok=True)
@@ -180,7 +180,7 @@ def main() -> int:
     if args.apply:
         profile = ClusterProfile.from_json(args.apply)
         if profile.device is None:
-            raise SystemExit(f"host_overhead_h200: {args.apply} has no device tables to add host figures to")
+            raise SystemExit(f"host_overhead: {args.apply} has no device tables to add host figures to")
         dataclasses.replace(profile, device=dataclasses.replace(profile.device, host=host)).to_json(args.apply)
         print(f"wrote the host figures into {args.apply}")
     print(f"wrote {out}")

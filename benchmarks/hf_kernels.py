@@ -27,7 +27,7 @@ Liger's functions are called directly (nothing is patched), so one process holds
 Method, per op and model: every system gets its own inputs (same seed, same values: Liger writes
 into some of them); correctness: outputs and every input gradient of a bf16 call against the op
 run in fp32 on the upcast inputs (HF's function), relative error in norm; passed when within
-max(1e-2, 2x HF eager's) (benchmarks/kernels_h200.py's rule). Timing: kernels_h200's two clocks,
+max(1e-2, 2x HF eager's) (benchmarks/fused_kernels.py's rule). Timing: fused_kernels.py's two clocks,
 GPU kernel time from the profiler summed per call (medians of ROUNDS interleaved rounds over the
 op's systems: fwd_ms, fwd_bwd_ms, the figures judged, since in a GPU-bound step the host runs
 ahead) and CUDA events around the call (triton.testing.do_bench medians: event_fwd_ms,
@@ -43,10 +43,10 @@ Run on the GPU (from the repository root, Liger installed from the carried wheel
 minutes with torch.compile's and Triton's cold compiles; ops not started within --budget-s are
 skipped and say so):
     pip install --no-index --find-links .device_wheels --no-deps liger-kernel
-    PYTHONPATH=. python3 benchmarks/hf_kernels_h200.py --out $OUT/hf_kernels.json
+    PYTHONPATH=. python3 benchmarks/hf_kernels.py --out $OUT/hf_kernels.json
 Smoke test on a CPU (tiny shapes; mplan's ops run their PyTorch references, Liger is skipped,
 torch.compile only with --compile):
-    PYTHONPATH=. python3 benchmarks/hf_kernels_h200.py --device cpu --small --out /tmp/hf_kernels.json
+    PYTHONPATH=. python3 benchmarks/hf_kernels.py --device cpu --small --out /tmp/hf_kernels.json
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mplan.kernels as mk  # noqa: E402
 from benchmarks.hf_models_h200 import HFModel, _families, versions  # noqa: E402
-from benchmarks.kernels_h200 import _forward_backward, _leaf, _outputs, _rel, _timer  # noqa: E402
+from benchmarks.fused_kernels import _forward_backward, _leaf, _outputs, _rel, _timer  # noqa: E402
 from benchmarks.report import Clock, run_header, write_report  # noqa: E402
 
 ROUNDS = 5
@@ -208,7 +208,7 @@ def _table_2d(fn: Fn) -> Fn:
 def liger_chunk_rows(s: Shape) -> int:
     """Rows per chunk of Liger's fused linear cross-entropy: mplan's op at this chunk holds the
     same memory."""
-    from benchmarks.head_loss_chunks_h200 import liger_chunk_rows as rows
+    from benchmarks.head_loss_chunks import liger_chunk_rows as rows
     return rows(s.tokens, s.hidden, s.vocab)
 
 
@@ -386,7 +386,7 @@ def kernel_times(calls: dict[tuple[str, str], Callable[[], Any]], rows: dict[str
 
 
 def _judge_errors(rows: dict[str, dict[str, Any]]) -> None:
-    """kernels_h200's rule: each error within max(1e-2, 2x HF eager's)."""
+    """fused_kernels.py's rule: each error within max(1e-2, 2x HF eager's)."""
     eager = rows.get("eager", {}).get("errors")
     for row in rows.values():
         if "errors" in row and eager is not None:

@@ -5,7 +5,7 @@ used (recorded in benchmarks/results/hf_bench_h200-2026-12-02.json), beside that
 Runs `mplan bench CONFIG --cluster h200 --global-batch 8 --seq-len 2048 --plans auto --json` per
 model (no --measure: a prediction only) with this machine's torch and transformers.
 
-    python benchmarks/hf_price_h200.py -o benchmarks/results/hf_price_h200-cpu-2026-12-02.json
+    python benchmarks/hf_price.py -o benchmarks/results/hf_price_h200-cpu-2026-12-02.json
 """
 from __future__ import annotations
 

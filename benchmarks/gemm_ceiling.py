@@ -17,7 +17,7 @@ system built on these kernels. Given an e2e_h200 result (--e2e), it reports per 
                       where it prices the op and counted in this docstring's terms otherwise
 
 Run on the GPU (from the repository root; about half a minute):
-    PYTHONPATH=. python3 benchmarks/gemm_ceiling_h200.py --e2e benchmarks/results/e2e_h200-2026-11-29.json \
+    PYTHONPATH=. python3 benchmarks/gemm_ceiling.py --e2e benchmarks/results/e2e_h200-2026-11-29.json \
         --out $OUT/gemm_ceiling.json
 """
 from __future__ import annotations

@@ -11,12 +11,12 @@ memory and their relative errors (`mplan.bench`'s prediction_error: predicted / 
 memory compared with max_memory_allocated); target (issue 19): |error| <= 5% for both.
 
 Run on the GPU (about a minute per model, most of it the CPU-side capture and the first steps):
-    PYTHONPATH=. python3 benchmarks/hf_bench_h200.py --out $OUT/hf_bench.json
+    PYTHONPATH=. python3 benchmarks/hf_bench.py --out $OUT/hf_bench.json
 A model whose process outlived --timeout-s after writing its rows (they are rewritten after each
 plan) is judged on them; `--rejudge REPORT` re-reads an earlier run's rows files from the folder
 beside REPORT (`<stem>_work/`) and rewrites REPORT's judgements, running nothing.
 Smoke test on a CPU (tiny configs, one gloo rank, the cpu cluster preset; nothing is judged):
-    PYTHONPATH=. python3 benchmarks/hf_bench_h200.py --device cpu --small --out /tmp/hf_bench.json
+    PYTHONPATH=. python3 benchmarks/hf_bench.py --device cpu --small --out /tmp/hf_bench.json
 """
 from __future__ import annotations
 

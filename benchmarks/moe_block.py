@@ -45,10 +45,10 @@ than theirs. Reference figures of 2026-12-01: hf 57.4 ms, hf_compile 56.1 ms, ~6
 
 Run on the GPU (from the repository root; about 3-4 minutes, most of it torch.compile and the
 fp32 reference; mplan_runtime needs PuLP and HiGHS: scripts/device_wheels.sh):
-    PYTHONPATH=. python3 benchmarks/moe_block_h200.py -o $OUT/moe_block_h200.json
+    PYTHONPATH=. python3 benchmarks/moe_block.py -o $OUT/moe_block.json
 Smoke test of the same code paths on a CPU (float32, a tiny block, float64 reference; the
 profile, the sync check and torch.compile are left out; ~20 s):
-    PYTHONPATH=. python3 benchmarks/moe_block_h200.py --smoke -o /tmp/moe_block.json
+    PYTHONPATH=. python3 benchmarks/moe_block.py --smoke -o /tmp/moe_block.json
 """
 from __future__ import annotations
 

@@ -17,9 +17,9 @@ model `d_w_share` = the predicted share of the fixed per-chunk d_W traffic in th
 planner uses to pick chunk rows.
 
 Run on the GPU (Liger from the carried wheels):
-    PYTHONPATH=. python3 benchmarks/head_loss_chunks_h200.py --out $OUT/head_loss_chunks.json
+    PYTHONPATH=. python3 benchmarks/head_loss_chunks.py --out $OUT/head_loss_chunks.json
 CPU smoke test (tiny shapes, no Liger, references only):
-    PYTHONPATH=. python3 benchmarks/head_loss_chunks_h200.py --device cpu --small --out /tmp/hlc.json
+    PYTHONPATH=. python3 benchmarks/head_loss_chunks.py --device cpu --small --out /tmp/hlc.json
 """
 from __future__ import annotations
 
@@ -178,13 +178,18 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     shapes = SMALL if args.small else SHAPES
     doc: dict[str, Any] = {
-        "date": date.today().isoformat(), "script": "benchmarks/head_loss_chunks_h200.py",
+        "date": date.today().isoformat(), "script": "benchmarks/head_loss_chunks.py",
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "dtype": str(dtype),
         "method": f"fwd+bwd GPU kernel time, median of {args.rounds} interleaved rounds x {args.iters} calls; "
                   "peak = max_memory_allocated above the inputs during one fwd+bwd",
         "shapes": {},
     }
+    try:
+        import triton
+        doc["triton"] = triton.__version__
+    except ImportError:
+        pass
     try:
         import liger_kernel  # noqa: F401
         from importlib.metadata import version

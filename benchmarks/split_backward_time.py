@@ -48,10 +48,10 @@ and its W share; the correctness figures; with the GPU name, torch and Triton ve
 Run on the GPU (from the repository root; estimated at 2-3 minutes before its first run, most
 of it CUDA start-up, the models' CPU-side initialization and the profiler's passes; no shape is
 started after --budget-s, so the report is written within the device tool's 600 s):
-    PYTHONPATH=. python3 benchmarks/split_backward_h200.py -o $OUT/split_backward_h200.json
+    PYTHONPATH=. python3 benchmarks/split_backward_time.py -o $OUT/split_backward.json
 Smoke test of the same code paths on a CPU (float32, a 2-layer Llama and GPT of hidden 64, no
 CUDA events or profiler; a few seconds):
-    PYTHONPATH=. python3 benchmarks/split_backward_h200.py --smoke -o /tmp/split_backward.json
+    PYTHONPATH=. python3 benchmarks/split_backward_time.py --smoke -o /tmp/split_backward.json
 """
 from __future__ import annotations
 
@@ -411,7 +411,7 @@ def main() -> None:
     args = parse_args()
     clock = Clock()
     if not args.smoke and not torch.cuda.is_available():
-        raise SystemExit("split_backward_h200.py measures a GPU; no CUDA device here (use --smoke on a CPU)")
+        raise SystemExit("split_backward_time.py measures a GPU; no CUDA device here (use --smoke on a CPU)")
     settings = SMOKE if args.smoke else FULL
     if args.smoke:
         # tiny tensors gain nothing from threads, and on a busy 2-core runner OpenMP's threads

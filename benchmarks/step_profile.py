@@ -8,14 +8,13 @@ optimizer, copies) and the largest kernels. This is the evidence for what to fus
 headline ratios come from e2e_h200.py, whose steps run without a profiler attached.
 
 Run on the GPU (from the repository root; about 3 minutes with two torch.compile warm-ups):
-    PYTHONPATH=. python3 benchmarks/step_profile_h200.py --out $OUT/step_profile.json
+    PYTHONPATH=. python3 benchmarks/step_profile.py --out $OUT/step_profile.json
 Smoke test on a CPU (tiny models; the profiler then records no CUDA kernels):
-    PYTHONPATH=. python3 benchmarks/step_profile_h200.py --device cpu --small --out /tmp/step_profile.json
+    PYTHONPATH=. python3 benchmarks/step_profile.py --device cpu --small --out /tmp/step_profile.json
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import os
 import re
@@ -28,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.report import write_report  # noqa: E402
+from benchmarks.report import run_header, write_report  # noqa: E402
 from benchmarks.e2e_h200 import FULL, SMALL, SYSTEMS, Setting, start_timer  # noqa: E402
 from benchmarks.gpu_time import kernel_table  # noqa: E402
 
@@ -99,9 +98,7 @@ def main() -> None:
     workloads = SMALL if args.small else FULL
     if args.models:
         workloads = tuple(w for w in workloads if w.name in args.models.split(","))
-    report: dict[str, Any] = {"date": datetime.date.today().isoformat(),
-                              "gpu": torch.cuda.get_device_name() if setting.device.type == "cuda" else "cpu",
-                              "torch": torch.__version__, "steps_profiled": args.steps, "models": {}}
+    report: dict[str, Any] = {**run_header(setting.device), "steps_profiled": args.steps, "models": {}}
     for workload in workloads:
         rows = report["models"].setdefault(workload.name, {})
         for name in args.systems.split(","):

@@ -40,11 +40,11 @@ FINAL_LOSS_RTOL above bf16's (one-sided: FP8 ending lower is no failure).
 Run on the GPU (from the repository root; about 6 minutes: two CPU model builds, then per model
 and system its set-up and autotuning, ~20 s, and 300 steps at ~0.17-0.26 s; a system not started
 within --budget-s is skipped and says so; the report is rewritten after every system):
-    PYTHONPATH=. python3 benchmarks/fp8_convergence_h200.py --out $OUT/fp8_convergence.json
+    PYTHONPATH=. python3 benchmarks/fp8_convergence.py --out $OUT/fp8_convergence.json
 One model at a time: add --models gpt-1.3b (or llama-1.1b).
 Smoke test of the same code path on a CPU (tiny models on a 16-state chain, mplan's kernels on
 their references; FP8 needs a CUDA device of capability >= 8.9, so it is skipped with the reason):
-    PYTHONPATH=. python3 benchmarks/fp8_convergence_h200.py --device cpu --small --out /tmp/fp8_convergence.json
+    PYTHONPATH=. python3 benchmarks/fp8_convergence.py --device cpu --small --out /tmp/fp8_convergence.json
 """
 from __future__ import annotations
 

@@ -11,12 +11,11 @@
    against the fp32 product.
 
 Run on the GPU (from the repository root; under a minute):
-    PYTHONPATH=. python3 benchmarks/fp8_h200.py --out $OUT/fp8.json
+    PYTHONPATH=. python3 benchmarks/fp8_kernels.py --out $OUT/fp8.json
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 from typing import Any
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.report import write_report  # noqa: E402
+from benchmarks.report import run_header, write_report  # noqa: E402
 from benchmarks.gpu_time import copy_tbps, kernel_ms  # noqa: E402
 from mplan.kernels.fp8 import E4M3, E5M2, Fp8LinearFunction, Fp8ScalingState, _cast_reference, cast_fp8  # noqa: E402
 
@@ -87,8 +86,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     copy = copy_tbps()
-    report = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "copy_TBps": round(copy, 3), "cast": check_cast(copy),
+    report = {**run_header(torch.device("cuda")), "copy_TBps": round(copy, 3), "cast": check_cast(copy),
               "linears": time_linears()}
     write_report(args.out, report)
 

@@ -23,9 +23,9 @@ from -2.5..-7.4% to -3.4..-10.3%: an eager step's hundreds of small ATen ops pay
 which the one-copy timings happen to include. Switching needs a per-launch cost in the compute
 model first, so that neither regime is priced by the other's error.
 
-Run on the GPU:   PYTHONPATH=. python3 benchmarks/copy_table_h200.py --out $OUT/copy_table.json
-CPU smoke test:   PYTHONPATH=. python3 benchmarks/copy_table_h200.py --device cpu --out /tmp/copy.json
-Into the profile: PYTHONPATH=. python3 benchmarks/copy_table_h200.py --apply RESULT.json \
+Run on the GPU:   PYTHONPATH=. python3 benchmarks/copy_table.py --out $OUT/copy_table.json
+CPU smoke test:   PYTHONPATH=. python3 benchmarks/copy_table.py --device cpu --out /tmp/copy.json
+Into the profile: PYTHONPATH=. python3 benchmarks/copy_table.py --apply RESULT.json \
                       --profile mplan/cost_models/profiles/h200.json
 """
 from __future__ import annotations
@@ -109,7 +109,7 @@ def main() -> None:
     sizes = ProfileGrid.transformer(quick=False, on_gpu=True).copy_bytes if device.type == "cuda" else SMALL_SIZES
     rows = [measure(n, device, args.batch, args.rounds) for n in sizes]
     doc = {
-        "date": date.today().isoformat(), "script": "benchmarks/copy_table_h200.py",
+        "date": date.today().isoformat(), "script": "benchmarks/copy_table.py",
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "method": f"per size: one_copy = median of 20 CUDA-event samples around one copy; batched = median of "

@@ -23,9 +23,9 @@ from the models built on the meta device), in bf16 and in fp32, AdamW(lr=1e-3, w
    `adamw.default_config`.
 
 Run on the GPU (from the repository root; a few minutes, most of it Triton compiling the sweep):
-    PYTHONPATH=. python3 benchmarks/optimizer_h200.py --out $OUT/optimizer.json
+    PYTHONPATH=. python3 benchmarks/optimizer_step.py --out $OUT/optimizer.json
 CPU smoke test (tiny models, the PyTorch reference path, no timing):
-    PYTHONPATH=. python3 benchmarks/optimizer_h200.py --device cpu --out /tmp/optimizer.json
+    PYTHONPATH=. python3 benchmarks/optimizer_step.py --device cpu --out /tmp/optimizer.json
 """
 from __future__ import annotations
 
