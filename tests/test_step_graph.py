@@ -33,8 +33,11 @@ OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 class RerunReplay:
     """Stands in for `CudaGraphs` on the CPU (module docstring)."""
 
-    def __init__(self, leaves: list[torch.Tensor], fail: str | None = None) -> None:
-        self.leaves, self.fail, self.captures, self.replays = leaves, fail, 0, 0
+    def __init__(self, leaves: list[torch.Tensor], fail: str | None = None, syncs: tuple[str, ...] = ()) -> None:
+        self.leaves, self.fail, self.syncs, self.captures, self.replays = leaves, fail, list(syncs), 0, 0
+
+    def synchronizing(self, run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, list[str]]:
+        return run(), self.syncs
 
     def capture(self, record: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         self.captures += 1
@@ -70,9 +73,9 @@ def _module() -> mplan.ParallelModule:
                               progress="quiet")
 
 
-def _graphed(pm: mplan.ParallelModule, fail: str | None = None) -> RerunReplay:
+def _graphed(pm: mplan.ParallelModule, fail: str | None = None, syncs: tuple[str, ...] = ()) -> RerunReplay:
     leaves = list(pm.params.values())
-    backend = RerunReplay(leaves, fail)
+    backend = RerunReplay(leaves, fail, syncs)
     pm.step_graph = StepGraph(leaves, backend=backend)
     return backend
 
@@ -132,6 +135,21 @@ def test_a_failed_capture_runs_that_step_and_every_later_one_eagerly_saying_why(
     assert losses == pytest.approx(_eager()[0], rel=1e-12)
 
 
+def test_a_step_that_synchronizes_with_the_host_is_never_captured_and_says_where() -> None:
+    """The last warm-up step is watched for host synchronizations (on a GPU, torch's sync debug
+    mode): where there are any, no capture is tried (it would fail without naming the op) and the
+    state names the places; training goes on eagerly, exactly."""
+    pm = _module()
+    places = tuple(f"moe.py:{line}" for line in range(89, 95))
+    backend = _graphed(pm, syncs=places)
+    with pytest.warns(UserWarning, match="CUDA graphs off"):
+        losses = _train(pm)
+    assert pm.step_graph.state() == ("eager: the step synchronizes with the host at moe.py:89, moe.py:90, "
+                                     "moe.py:91, moe.py:92 and 2 more places")
+    assert backend.captures == 0
+    assert losses == pytest.approx(_eager()[0], rel=1e-12)
+
+
 def test_a_batch_of_other_shapes_than_the_captured_runs_eagerly() -> None:
     """StepGraph alone: a step of another shape runs `run` itself, once said; the graph stays."""
     weight = torch.ones(3, dtype=torch.float64, requires_grad=True)
@@ -143,7 +161,9 @@ def test_a_batch_of_other_shapes_than_the_captured_runs_eagerly() -> None:
         loss.backward()
         return loss.detach()
 
-    graph = StepGraph([weight], warmup=0, backend=RerunReplay([weight]))
+    graph = StepGraph([weight], warmup=1, backend=RerunReplay([weight]))
+    graph.forward_backward([(torch.ones(2, 3, dtype=torch.float64),)], run)  # the watched warm-up step
+    weight.grad = None
     first = graph.forward_backward([(torch.ones(2, 3, dtype=torch.float64),)], run)
     weight.grad = None
     with pytest.warns(UserWarning, match="other shapes"):

@@ -20,7 +20,8 @@ work unchanged.
 
 How, per step (`forward_backward`):
   - the first `warmup` steps run eagerly: Triton's autotuning, cuBLAS's and cuDNN's plans and any
-    lazily built state happen there, never inside a capture;
+    lazily built state happen there, never inside a capture; the last of them is watched for
+    host synchronizations (below);
   - the next step captures: its micro-batches are copied into static input tensors, `run` is
     recorded under `torch.cuda.graph`, then replayed once to compute this step. The gradients the
     capture left on `leaves` (the tensors the program differentiates: parameters, or their compute
@@ -35,9 +36,10 @@ buffer at every replay, else the graph is dropped and steps run eagerly. No stal
 added.
 
 Falls back to eager, saying why once (`state`): a batch of other shapes than the captured one
-(that step only); a capture that fails: an op that synchronizes with the host (`.item()`,
-`.tolist()`, a shape read from data, as MoE routing's counts are), or one CUDA graphs cannot
-record: never tried again. `graph_refusal` names what is refused up front: no CUDA device, a plan
+(that step only); a step that synchronizes with the host (`.item()`, `.tolist()`, a shape read
+from data, as capacity-limited MoE routing's counts are), which the last warm-up step watches for
+under torch's sync debug mode and names by file and line, since a capture would fail there
+without saying where; a capture that fails all the same: never tried again. `graph_refusal` names what is refused up front: no CUDA device, a plan
 over several ranks (collectives inside the step), FP8 (its scaling history is kept by Python
 between steps), zero=3 (gathers between the forward's units) and outer loops.
 
@@ -89,6 +91,10 @@ class GraphBackend(Protocol):
         memory every replay rewrites). Raises where the recording fails."""
         ...
 
+    def synchronizing(self, run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, list[str]]:
+        """`run()`, and where (file:line) it made the host wait for the device."""
+        ...
+
 
 class CudaGraphs:
     """`torch.cuda.CUDAGraph`: the capture runs on torch's capture stream, in a private memory pool."""
@@ -102,6 +108,19 @@ class CudaGraphs:
         with torch.cuda.graph(graph):
             out = record()
         return graph.replay, out
+
+    def synchronizing(self, run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, list[str]]:
+        """torch's sync debug mode warns at every synchronizing call (`.item()`, `nonzero`, a
+        blocking copy): each warning's place names the Python line that made it."""
+        previous = torch.cuda.get_sync_debug_mode()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = run()
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        return out, sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
 
 
 def _shapes(micro: MicroBatches) -> tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...]:
@@ -135,8 +154,14 @@ class StepGraph:
         """`run(micro)` (every micro-batch's forward and backward; it returns the summed loss), from
         the graph once captured."""
         self.steps += 1
-        if self.refusal is not None or self.steps <= self.warmup:
+        if self.refusal is not None or self.steps < self.warmup:
             return run(micro)
+        if self.steps == self.warmup:  # the last eager step tells whether a capture could work
+            total, places = self.backend.synchronizing(lambda: run(micro))
+            if places:
+                self._drop(f"the step synchronizes with the host at {', '.join(places[:4])}"
+                           + (f" and {len(places) - 4} more places" if len(places) > 4 else ""))
+            return total
         if self._replay is None:
             return self._capture(micro, run)
         if _shapes(micro) != self._shapes:
