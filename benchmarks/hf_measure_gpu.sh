@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 30 on one GPU, in one device call: host time per launch measured (host_overhead.py,
 # which also benches a Qwen2-0.5B config at micro-batch 1, 2 and 8), then `mplan bench --measure`
-# on the unseen HF configs (hf_measure_gpu.py). On an H200 the configs are priced on the packaged
-# H200 kernel tables carrying the host figures just measured; on any other GPU the machine is
+# on the unseen HF configs (hf_bench.py --configs unseen). On an H200 the configs are priced on the
+# packaged H200 kernel tables carrying the host figures just measured; on any other GPU the machine is
 # profiled once first (`mplan profile`, host figures included, $OUT/profile.json), as a user would.
 # Give each model a call of its own at first (a 256k-vocabulary model's rows take minutes).
 #     bash benchmarks/hf_measure_gpu.sh [MODELS] [--skip-host]     (MODELS: qwen3,smollm2,gemma)
@@ -24,13 +24,13 @@ cluster=()
 case "$gpu" in
     *H200*) [ -f /tmp/r/host_overhead_work/cluster.json ] && cluster=(--cluster /tmp/r/host_overhead_work/cluster.json) ;;
     *)  # another card: `mplan profile` once, as a user would, for every model below (35 s on the H100),
-        # not once per model inside hf_measure_gpu.py
+        # not once per model inside hf_bench.py
         timeout 200 python3 -m torch.distributed.run --nproc-per-node 1 -m mplan profile -o /tmp/r/cluster.json \
             --no-links -q 2>&1 | tail -3
         [ -f /tmp/r/cluster.json ] && cluster=(--cluster /tmp/r/cluster.json) && cp /tmp/r/cluster.json "$OUT/profile.json" ;;
 esac
 for m in ${models//,/ }; do
-    timeout 330 python3 benchmarks/hf_measure_gpu.py --models "$m" "${cluster[@]}" --timeout-s 300 \
+    timeout 330 python3 benchmarks/hf_bench.py --configs unseen --models "$m" "${cluster[@]}" --timeout-s 300 \
         --out "/tmp/r/hf_measure_$m.json" 2>&1 | tail -3
     cp "/tmp/r/hf_measure_$m.json" "$OUT/" 2>/dev/null
 done

@@ -44,7 +44,7 @@ FIT = ("qwen2-0.5b", 1)
 
 def measured_rows(hf_rows: list[Path]) -> list[dict[str, Any]]:
     """(model, config path, seq, mbs, measured step s), from the results files."""
-    import hf_measure_gpu
+    import hf_bench
     from host_overhead import write_config
 
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "host_factor_fit"
@@ -57,7 +57,7 @@ def measured_rows(hf_rows: list[Path]) -> list[dict[str, Any]]:
             for r in overhead["comparison"]["rows"] if r["measured_step_s"]]
     for path in hf_rows:
         name = path.name.split("_rows")[0]
-        config = hf_measure_gpu.write_config(name, work, small=False)
+        config = hf_bench.write_config(name, work, small=False)
         for r in json.loads(path.read_text())["plans"]:
             step = (r.get("measured") or {}).get("step_time_s")
             if step:

@@ -229,8 +229,8 @@ def test_hf_measure_benchmark_measures_every_row_of_every_config(tmp_path: Path)
     """The three unseen HF configs, tiny, one gloo rank: a row without and one with selective
     recomputation each get a prediction and a measurement (no row lost to another's error)."""
     out = tmp_path / "hf_measure.json"
-    _run("hf_measure_gpu.py", "--device", "cpu", "--small", "--plans", "mbs=1", "mbs=2,recompute=selective",
-         "--out", str(out), timeout=600)
+    _run("hf_bench.py", "--configs", "unseen", "--device", "cpu", "--small", "--plans", "mbs=1",
+         "mbs=2,recompute=selective", "--out", str(out), timeout=600)
     report = json.loads(out.read_text())
     assert set(report["models"]) == {"qwen3", "smollm2", "gemma"}
     assert report["summary"]["rows"] == report["summary"]["measured"] == 6, report["summary"]
