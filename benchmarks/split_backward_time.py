@@ -42,7 +42,7 @@ order), 1e-4 in float32.
 
 Reported per shape: each phase's times and memory; (I+W)/B, I/B, W/B, torch's (I+W)/B and B/forward
 on both clocks; the planner's forward, backward and weight-gradient ms for the same blocks
-(`Planner(capture_for_planning(spec), ClusterSpec.preset("h200")).units(tp=1, sp=False, mbs)`)
+(`Planner(capture_for_planning(spec), ClusterSpec.preset(CLUSTER)).units(tp=1, sp=False, mbs)`, --cluster)
 and its W share; the correctness figures; with the GPU name, torch and Triton versions and the date.
 
 Run on the GPU (from the repository root; estimated at 2-3 minutes before its first run, most
@@ -83,7 +83,9 @@ from mplan.runtime.split_backward import WeightGradients, backward_full, backwar
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 2**20
-CLUSTER = "h200"  # mplan/cost_models/presets.py: one H200 of this workplace, measured 2026-11-29
+CLUSTER = "h200"
+"""--cluster's default, the preset the W share is predicted on (mplan/cost_models/presets.py: one
+H200 of this workplace, measured 2026-11-29, the card of the cited run)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -396,8 +398,10 @@ def table(shapes: Mapping[str, dict[str, Any]]) -> str:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-o", "--out", default=None,
-                        help="JSON report path (default benchmarks/results/split_backward_h200-<date>.json, "
+                        help="JSON report path (default benchmarks/results/split_backward-<date>.json, "
                              "or split_backward_cpu_smoke-<date>.json with --smoke)")
+    parser.add_argument("--cluster", default=CLUSTER,
+                        help="the cluster preset the planner's W share is predicted on (default: %(default)s)")
     parser.add_argument("--smoke", action="store_true",
                         help="the same code paths on the CPU in float32 at tiny sizes, in a few seconds")
     parser.add_argument("--rounds", type=int, default=None, help="wall-clock samples per phase (default 9; smoke 3)")
@@ -421,10 +425,10 @@ def main() -> None:
         settings = dataclasses.replace(settings, rounds=args.rounds)
     date = datetime.date.today().isoformat()
     out = args.out or os.path.join(ROOT, "benchmarks", "results",
-                                   f"split_backward_{'cpu_smoke' if args.smoke else 'h200'}-{date}.json")
+                                   f"split_backward{'_cpu_smoke' if args.smoke else ''}-{date}.json")
     report: dict[str, Any] = {
         **run_header(settings.device), "smoke": args.smoke, "dtype": str(settings.dtype).removeprefix("torch."),
-        "planner_cluster": CLUSTER,
+        "planner_cluster": args.cluster,
         "kernel_clock": "cuda profiler kernel time (benchmarks/gpu_time.py)" if settings.device.type == "cuda"
         else "perf_counter wall time (CPU smoke run: no CUDA kernels to profile)",
         "settings": {"rounds": settings.rounds, "warmup": settings.warmup, "kernel_rounds": settings.kernel_rounds,
@@ -443,7 +447,7 @@ def main() -> None:
                 continue
             if model is None:
                 clock.log(f"{spec}: pricing with the planner, building on {settings.device}")
-                planner = Planner(capture_for_planning(spec), ClusterSpec.preset(CLUSTER))
+                planner = Planner(capture_for_planning(spec), ClusterSpec.preset(args.cluster))
                 model = build_model(spec, device=settings.device, dtype=settings.dtype)
             report["shapes"][key] = measure_shape(model, spec, micro_batch, planner, settings, clock)
             write_report(out, report)  # a run cut short by the time limit keeps the shapes it finished
