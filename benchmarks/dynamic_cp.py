@@ -1,7 +1,7 @@
 """Dynamic context parallelism (issue 34, item 4), predicted: what a CP size chosen per unit of
 work from its documents' lengths would save over one fixed CP size, on stated length mixes.
 Every figure is a prediction, nothing is measured. The runtime builds the two-size case
-(`runtime.parallel_module.document_layout`: a micro-batch whose documents deal whole onto the cp
+(`runtime.lowering.document_layout`: a micro-batch whose documents deal whole onto the cp
 ranks with equal work runs each at cp=1, with no exchange; else over the whole group, exact
 either way: tests/test_context_documents.py); this prices every power-of-two size.
 

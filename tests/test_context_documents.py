@@ -16,7 +16,7 @@ line on every rank, at cp=2 and at cp=1.
 Balance: a synthetic packed mix (document lengths log-normal, median 600 tokens, sigma 1.2, cut to
 [16, S]: a heavy tail like web-text corpora's, stated as synthetic) at 32k tokens over cp=4 and
 128k over cp=8; the attention pairs per rank counted under head-tail chunks and under the
-document-aware split the runtime takes (`runtime.parallel_module.document_layout`).
+document-aware split the runtime takes (`runtime.lowering.document_layout`).
 """
 from __future__ import annotations
 
@@ -249,7 +249,7 @@ def test_document_split_balances_attention_work(seq_len: int, cp: int) -> None:
     documents fall where they fall); the document-aware split is within 5% of equal."""
     from mplan.ir.attention_mask import doc_ids_from_lengths
     from mplan.ir.context_layout import head_tail, imbalance, num_visible_pairs
-    from mplan.runtime.parallel_module import document_layout
+    from mplan.runtime.lowering import document_layout
 
     worst_head_tail, worst_chosen = 0.0, 0.0
     for seed in range(3):

@@ -20,7 +20,9 @@ here is global state, and nothing here plans: the runtime reads the Plan.
     optimizer_state.py        parameter groups in, tensor-only state dicts out
     grad_clip.py              global-norm clipping across TP, DP, PP and ZeRO shards
     compute_copies.py         bf16 compute copies of fp32 weights under autocast
+    lowering.py               a plan into one rank's program: layouts, lowerings, the passes in order
     parallel_module.py        ParallelModule: train_step, inference, full_state_dict (autoparallel's pm)
+    step_graph.py             a step's forwards and backwards replayed as one CUDA graph
     unit_gathers.py           ZeRO-3's units of a rank program and the gather/release calls in it
     checkpoint.py             save/load through torch.distributed.checkpoint: step directories,
                               atomic commit, background saves, validation agreed over the ranks
