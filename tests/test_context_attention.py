@@ -332,11 +332,11 @@ def check_ring_skips_masked_blocks() -> list[int]:
         computed.append(q5.shape[-2] * k.shape[-2])
         return original_logits(self, q5, k)
 
-    def covering(q, k, v, calls, scale):  # type: ignore[no-untyped-def]
+    def covering(q, k, v, calls, scale, kernel=None):  # type: ignore[no-untyped-def]
         for call in calls:
             rows, keys = call.rows[1] - call.rows[0], sum(b - a for a, b in call.keys)
             computed.append(rows * (rows + 1) // 2 if call.causal else rows * keys)
-        return original_attend(q, k, v, calls, scale)
+        return original_attend(q, k, v, calls, scale, kernel)
 
     module._Scores.logits, fused_attention.attend = counting, covering
     try:

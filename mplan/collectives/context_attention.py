@@ -47,8 +47,8 @@ How:
 Block computation, two paths (`PATHS` counts which ran): where a block's mask is causal per
 span or absent, with no documents, window or soft-capping and v's head size = q's, PyTorch's
 fused attention kernels compute it and return the log-sum-exp that the merge needs
-(`fused_attention`: flash on CPU in float32/float64/bf16/fp16; CUDA not wired yet, so it
-runs the reference path): no
+(`fused_attention`: flash on CPU in float32/float64/bf16/fp16, on CUDA in bf16/fp16 once a
+first small block checks out against float32 math, else the reference path): no
 [Sq, Sk] score matrix is ever held, which is what makes 32k-128k tokens fit. Elsewhere the
 reference path below materialises the block's scores (small blocks, or masks no kernel takes).
 
@@ -106,7 +106,7 @@ class _Scores:
     softcap: float | None
     doc_ids: torch.Tensor | None  # [B | 1, S], on the inputs' device
     compute: torch.dtype  # scores, softmax and accumulators (`upcast`); the output is cast back
-    fused: bool  # the fused kernels can run this mask, dtype and device (`fused_attention`)
+    kernel: torch.dtype | None  # what the fused kernels run this mask in on this device; None: none can
 
     def up(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.compute)
@@ -125,18 +125,19 @@ class _Scores:
 
     def pieces(self, q_spans: tuple[Span, ...], k_spans: tuple[Span, ...]) -> tuple[fused_attention.Piece, ...] | None:
         """The block as fused kernel calls, or None: the reference path (scores materialised)."""
-        calls = fused_attention.pieces(q_spans, k_spans, self.mask.causal) if self.fused else None
+        calls = fused_attention.pieces(q_spans, k_spans, self.mask.causal) if self.kernel is not None else None
         PATHS["reference" if calls is None else "kernel"] += 1
         return calls
 
 
 def _fusable(mask: AttentionMask, doc_ids: torch.Tensor | None, softcap: float | None, q: torch.Tensor,
-             v: torch.Tensor, compute: torch.dtype) -> bool:
-    """Whether the fused kernels compute this attention exactly: no sliding window, documents
-    or soft-capping (no kernel mask or score transform for them), equal q and v head sizes, and
-    a kernel for the compute dtype on this device."""
-    return (mask.window is None and doc_ids is None and softcap is None and q.shape[-1] == v.shape[-1]
-            and fused_attention.kernel_dtype(q.device, compute) is not None)
+             v: torch.Tensor, compute: torch.dtype) -> torch.dtype | None:
+    """The dtype the fused kernels compute this attention in, or None where they cannot compute
+    it exactly: a sliding window, documents or soft-capping (no kernel mask or score transform
+    for them), unequal q and v head sizes, no kernel for the dtypes and head size on this device."""
+    if mask.window is not None or doc_ids is not None or softcap is not None or q.shape[-1] != v.shape[-1]:
+        return None
+    return fused_attention.kernel_dtype(q.device, compute, q.dtype, q.shape[-1])
 
 
 def _positions(spans: tuple[Span, ...], device: torch.device) -> torch.Tensor:
@@ -155,7 +156,7 @@ class _FusedAttention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: tuple[fused_attention.Piece, ...],
                 scores: _Scores) -> torch.Tensor:
         q_up, k_up, v_up = scores.up(q), scores.up(k), scores.up(v)
-        out, lse = fused_attention.attend(q_up, k_up, v_up, calls, scores.scale)
+        out, lse = fused_attention.attend(q_up, k_up, v_up, calls, scores.scale, scores.kernel)
         ctx.save_for_backward(q_up, k_up, v_up, out, lse)
         ctx.calls, ctx.scores = calls, scores
         return out.to(q.dtype)
@@ -165,7 +166,7 @@ class _FusedAttention(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         grad_q, grad_k, grad_v = fused_attention.attend_backward(q, k, v, ctx.calls, ctx.scores.scale,
-                                                                 ctx.scores.up(grad), out, lse)
+                                                                 ctx.scores.up(grad), out, lse, ctx.scores.kernel)
         return grad_q.to(grad.dtype), grad_k.to(grad.dtype), grad_v.to(grad.dtype), None, None
 
 
@@ -252,7 +253,8 @@ def _forward_block(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: tu
     it travels, in the inputs'): by the fused kernels where they express the mask."""
     calls = scores.pieces(*spans)
     if calls is not None:
-        block_out, block_lse = fused_attention.attend(q5.flatten(1, 2), scores.up(k), scores.up(v), calls, scores.scale)
+        block_out, block_lse = fused_attention.attend(q5.flatten(1, 2), scores.up(k), scores.up(v), calls, scores.scale,
+                                                      scores.kernel)
         fused_attention.merge(out, lse, block_out.unflatten(1, out.shape[1:3]), block_lse.unflatten(1, lse.shape[1:3]))
         return
     seen = scores.visible(*(_positions(s, q5.device) for s in spans))
@@ -288,7 +290,8 @@ def _backward_block(q5: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: t
     calls = scores.pieces(*spans)
     if calls is not None:
         grad_q, grad_k, grad_v = fused_attention.attend_backward(q5.flatten(1, 2), k, v, calls, scores.scale,
-                                                                 grad5.flatten(1, 2), out, lse.flatten(1, 2))
+                                                                 grad5.flatten(1, 2), out, lse.flatten(1, 2),
+                                                                 scores.kernel)
         grad_q5 += grad_q.unflatten(1, grad_q5.shape[1:3])
         return grad_k, grad_v
     seen = scores.visible(*(_positions(s, q5.device) for s in spans))
@@ -413,7 +416,7 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layo
         raise ValueError(f"document ids for {docs.shape[0]} rows and a batch of {batch}")
     compute = _compute_dtype(q.dtype, upcast)
     scores = _Scores(mask=mask, scale=head_dim ** -0.5 if scale is None else scale, softcap=softcap, doc_ids=docs,
-                     compute=compute, fused=_fusable(mask, docs, softcap, q, v, compute))
+                     compute=compute, kernel=_fusable(mask, docs, softcap, q, v, compute))
     if group is None or size == 1:
         everything = sum(layout.spans, ())
         return _attend(q, k, v, everything, everything, scores)
@@ -434,6 +437,6 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, positi
     `context_layout.whole_documents` (every document on one rank)."""
     docs = None if doc_ids is None else document_ids(doc_ids, doc_ids.shape[-1]).to(q.device)
     scores = _Scores(mask=mask, scale=q.shape[-1] ** -0.5 if scale is None else scale, softcap=softcap, doc_ids=docs,
-                     compute=_compute_dtype(q.dtype, upcast), fused=False)
+                     compute=_compute_dtype(q.dtype, upcast), kernel=None)
     PATHS["reference"] += 1
     return _reference(q, k, v, scores.visible(positions, positions), scores)

@@ -27,15 +27,22 @@ GQA: the kernels' ops want as many kv heads as q heads, so k and v are repeated 
 (Hugging Face's repeat_kv: [S, D] per head, never [S, S]) and their gradients summed back.
 
 Kernels: CPU `_scaled_dot_product_flash_attention_for_cpu` (float32, float64, bfloat16, float16)
-and its backward, which take out and lse. CUDA is not wired yet (`kernel_dtype` says None there,
-so CUDA runs the caller's reference path): its flash backward wants the forward's cum_seq and
-philox tensors and the memory-efficient one an attn_bias tensor, none optional in the op schema,
-and the log-sum-exp of the latter is padded; that needs a GPU run to get right, not a guess.
-Inputs are in the compute dtype (the caller's upcast); the kernel accumulates in float32 or wider.
+and its backward, which take out and lse, in the compute dtype (the caller's upcast). CUDA:
+`_scaled_dot_product_flash_attention` and its backward, in bfloat16 or float16 only: the
+inputs' own dtype, in which the single-device model's SDPA runs the same kernel (it accumulates
+in float32); the caller's float32 upcast of bf16 inputs is cast back, exactly. Pieces merge in
+the compute dtype. The backward op's cum_seq tensors are None (a dense batch, as the forward
+returns them), its max lengths the pieces' own, and its philox tensors unread at dropout 0.
+Those conventions are torch's private op schema, so the first CUDA call per device, dtype and
+head size checks them (`_cuda_checked`: a small block of a causal and a full piece against plain
+float32 math, outputs, log-sum-exp and gradients); where the check fails or raises, a warning
+says why and that device runs the caller's reference path (never a wrong result). Written without
+a GPU in reach (2026-12-06): the check is what first tells whether it holds.
 """
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -85,11 +92,21 @@ def pieces(q_spans: tuple[Span, ...], k_spans: tuple[Span, ...], causal: bool) -
     return tuple(calls)
 
 
-def kernel_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
-    """The dtype the fused kernel takes on `device` for computing in `dtype`; None: none does
-    (CUDA: not wired yet, module docstring)."""
+_CUDA_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+_CUDA_MAX_HEAD = 256
+"""Flash attention's head sizes on CUDA: at most 256, a multiple of 8."""
+
+
+def kernel_dtype(device: torch.device, dtype: torch.dtype, inputs: torch.dtype | None = None,
+                 head_dim: int | None = None) -> torch.dtype | None:
+    """The dtype the fused kernel takes on `device` for computing in `dtype` inputs of dtype
+    `inputs` (default: `dtype`) and head size `head_dim`; None: none does (module docstring)."""
     if device.type == "cpu" and dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
         return dtype
+    inputs = dtype if inputs is None else inputs
+    if (device.type == "cuda" and inputs in _CUDA_KERNEL_DTYPES and head_dim is not None
+            and head_dim % 8 == 0 and head_dim <= _CUDA_MAX_HEAD and _cuda_checked(device, inputs, head_dim)):
+        return inputs
     return None
 
 
@@ -104,15 +121,77 @@ def _repeat(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.device.type == "cuda":
+        result = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        _PHILOX.setdefault(q.device, (result[6], result[7]))
+        return result[0], result[1]
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=None, scale=scale)
     return out, lse
 
 
+_PHILOX: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+"""A CUDA forward's philox seed and offset per device: the backward op takes them; at dropout 0
+it reads neither (module docstring), and a ring's backward has no forward of its own at hand."""
+
+
 def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if q.device.type == "cuda":
+        seed, offset = _PHILOX[q.device]
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            grad, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
+        return dq, dk, dv
     dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale)
     return dq, dk, dv
+
+
+_CHECKED: dict[tuple[torch.device, torch.dtype, int], bool] = {}
+
+
+def _cuda_checked(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the CUDA kernels' calls (module docstring) compute a small block right: a full
+    piece and a causal one of 2 heads, against float32 math, forward and backward; once per
+    device, dtype and head size. A failure warns once and returns False."""
+    key = (device, dtype, head_dim)
+    if key not in _CHECKED:
+        try:
+            _CHECKED[key] = _check_block(device, dtype, head_dim)
+            why = "its results differ from float32 math beyond rounding"
+        except Exception as error:  # noqa: BLE001 - any failure means: the reference path runs
+            _CHECKED[key] = False
+            why = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+        if not _CHECKED[key]:
+            warnings.warn(f"mplan: context attention's CUDA flash path failed its check on {device} ({dtype}, head "
+                          f"size {head_dim}): {why}; the reference path runs there (scores materialised)",
+                          stacklevel=3)
+    return _CHECKED[key]
+
+
+def _check_block(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v, grad = (torch.randn(1, 2, rows, head_dim, device=device, dtype=dtype, generator=generator)
+                     for rows in (48, 80, 80, 48))
+    calls = (Piece((0, 16), ((0, 32),), False), Piece((16, 48), ((32, 64),), True), Piece((16, 48), ((64, 80),), False))
+    scale = head_dim ** -0.5
+    out, lse = attend(q.float(), k.float(), v.float(), calls, scale, kernel=dtype)
+    grads = attend_backward(q.float(), k.float(), v.float(), calls, scale, grad.float(), out, lse, kernel=dtype)
+    # float32 math: the visible keys of each row (module docstring: a span pair is full, causal or unseen)
+    seen = torch.zeros(48, 80, dtype=torch.bool, device=device)
+    seen[:16, :32] = True
+    seen[16:48, 32:64] = torch.ones(32, 32, dtype=torch.bool, device=device).tril()
+    seen[16:48, 64:80] = True
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    scores = (leaves[0] @ leaves[1].transpose(-1, -2) * scale).masked_fill(~seen, -math.inf)
+    want_lse = scores.logsumexp(-1)
+    want_out = torch.softmax(scores, -1) @ leaves[2]
+    want_grads = torch.autograd.grad(want_out, leaves, grad.float())
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 4e-3
+
+    def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+        return bool(((got.float() - want).norm() <= tolerance * want.norm()).item())
+    return (close(out, want_out) and close(lse, want_lse)
+            and all(close(g, w) for g, w in zip(grads, want_grads)))
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -123,34 +202,49 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
     lse.copy_(new_lse)
 
 
+def _kernel_input(x: torch.Tensor, kernel: torch.dtype | None) -> torch.Tensor:
+    return (x if kernel is None else x.to(kernel)).contiguous()
+
+
+def _kernel_lse(lse: torch.Tensor, inputs: torch.dtype) -> torch.Tensor:
+    """The log-sum-exp as the backward op takes it beside inputs of dtype `inputs`: float64 with
+    float64, else float32 (what the kernels accumulate in)."""
+    return lse.to(torch.float64 if inputs == torch.float64 else torch.float32).contiguous()
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: tuple[Piece, ...],
-           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+           scale: float, kernel: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Output [B, Hq, Sq, Dv] and log-sum-exp [B, Hq, Sq] of q [B, Hq, Sq, D] against k, v
-    [B, Hkv, Sk, D] over the pieces, in q's dtype (the kernels accumulate wider)."""
+    [B, Hkv, Sk, D] over the pieces, in q's dtype (the kernels accumulate wider; `kernel`: the
+    dtype they run in where it is not q's, `kernel_dtype`'s)."""
     heads = q.shape[1]
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     lse = q.new_full(q.shape[:-1], -math.inf)
     for call in calls:
         lo, hi = call.rows
-        piece_out, piece_lse = _forward(q[:, :, lo:hi].contiguous(), _repeat(_select(k, call.keys), heads).contiguous(),
-                                        _repeat(_select(v, call.keys), heads).contiguous(), call.causal, scale)
+        piece_out, piece_lse = _forward(_kernel_input(q[:, :, lo:hi], kernel),
+                                        _kernel_input(_repeat(_select(k, call.keys), heads), kernel),
+                                        _kernel_input(_repeat(_select(v, call.keys), heads), kernel), call.causal, scale)
         merge(out[:, :, lo:hi], lse[:, :, lo:hi], piece_out.to(out.dtype), piece_lse.to(lse.dtype))
     return out, lse
 
 
 def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: tuple[Piece, ...], scale: float,
-                    grad: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    grad: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                    kernel: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """These pieces' shares of dq, dk, dv, given the merged output and log-sum-exp of q's rows
-    over everything they attend to (module docstring, Backward)."""
+    over everything they attend to (module docstring, Backward), in q's dtype (`kernel` as for
+    `attend`)."""
     heads, group = q.shape[1], q.shape[1] // k.shape[1]
     grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for call in calls:
         lo, hi = call.rows
         keys, values = _select(k, call.keys), _select(v, call.keys)
-        dq, dk, dv = _backward(grad[:, :, lo:hi].contiguous(), q[:, :, lo:hi].contiguous(),
-                               _repeat(keys, heads).contiguous(), _repeat(values, heads).contiguous(),
-                               out[:, :, lo:hi].contiguous(), lse[:, :, lo:hi].contiguous(), call.causal, scale)
+        dq, dk, dv = _backward(_kernel_input(grad[:, :, lo:hi], kernel), _kernel_input(q[:, :, lo:hi], kernel),
+                               _kernel_input(_repeat(keys, heads), kernel), _kernel_input(_repeat(values, heads), kernel),
+                               _kernel_input(out[:, :, lo:hi], kernel), _kernel_lse(lse[:, :, lo:hi], kernel or q.dtype),
+                               call.causal, scale)
+        dq, dk, dv = dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
         grad_q[:, :, lo:hi] += dq
         dk = dk.unflatten(1, (k.shape[1], group)).sum(dim=2)
         dv = dv.unflatten(1, (k.shape[1], group)).sum(dim=2)
