@@ -247,7 +247,7 @@ def build_mplan_graph(workload: Workload, setting: Setting) -> tuple[Step, dict[
 
 def mplan_module(workload: Workload, setting: Setting, fp8: bool = False) -> tuple[ParallelModule, dict[str, Any]]:
     """mplan on the trivial plan, traced on the workload's example batch; its `train_step` takes
-    any batch of that shape (benchmarks/fp8_convergence_h200.py feeds a fresh one every step)."""
+    any batch of that shape (benchmarks/fp8_convergence.py feeds a fresh one every step)."""
     model, ids, _ = _model_and_batch(workload, setting)
     pm = mplan.autoparallel(model, example_inputs=(ids,), global_batch=workload.batch, plan="dp=1,tp=1,pp=1",
                             kernels=True, fp8=fp8, optimizer=setting.optimizer(), max_grad_norm=MAX_GRAD_NORM,

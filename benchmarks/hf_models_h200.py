@@ -56,7 +56,7 @@ eager/compile/mplan on e2e's memorized batch, judged by e2e's compare) to the sa
 issue 19's targets: mplan >= 1.05x eager (GPT), >= 1.3x eager (Llama), >= torch.compile.
 --profile records 2 steps of every system (the liger child's too) under torch.profiler after the
 timing and reports GPU time by kernel category (gemm, attention, norm, rope, swiglu, elementwise,
-loss, optimizer, copy, other; step_profile_h200's categories refined by kernel name; mplan's RMSNorm
+loss, optimizer, copy, other; step_profile's categories refined by kernel name; mplan's RMSNorm
 and unpacked SwiGLU kernels share the Triton names _forward_kernel/_backward_kernel, so they are
 counted together as norm_or_swiglu).
 
@@ -345,7 +345,7 @@ def warm_up_hf(name: str, model: HFModel, setting: Setting, batches: list[torch.
 # ---- profile -----------------------------------------------------------------------------------
 
 FINE_CATEGORIES: tuple[tuple[str, str], ...] = (
-    # refinements of step_profile_h200.category for what it leaves as fused/elementwise/reduction/other
+    # refinements of step_profile.category for what it leaves as fused/elementwise/reduction/other
     ("loss", r"cross_entropy|log_?softmax|nll_loss|logsumexp|_block_stats_kernel|_combine_kernel|_grad_kernel"
              r"|_grad_in_place_kernel|_mean_kernel|element_mul_kernel"),
     ("norm", r"rms_?norm|rsqrt"),

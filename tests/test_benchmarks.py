@@ -293,3 +293,20 @@ def test_the_host_table_counts_each_steps_host_ops() -> None:
     assert table["top_ops_self_ms"]["aten::mm"]["calls"] == 1
     assert table["top_ops_self_ms"]["aten::relu_"]["calls"] == 1
     assert table["top_ops_self_ms"]["aten::mm"]["ms"] > 0
+
+
+def test_cp_attention_benchmark_times_both_extreme_ranks_against_the_price(tmp_path: Path) -> None:
+    """Issue 34's GPU row, its code path on the CPU's kernels: ranks 0 and cp-1 of a head-tail
+    layout count the same visible pairs, each is timed forward and backward through the fused
+    pieces and priced from the committed H100 profile (the CPU's times are no claim)."""
+    out = tmp_path / "cp_attention.json"
+    _run("cp_attention.py", "--device", "cpu", "--small", "--seqs", "256", "--cps", "2,4", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["gpu"] == "cpu (smoke test)" and report["priced_from"] == "profile_h100-2026-12-05.json"
+    rows = report["rows"]
+    assert [(r["cp"], r["rank"]) for r in rows] == [(2, 0), (2, 1), (4, 0), (4, 3)]
+    for row in rows:
+        assert row["pairs_imbalance"] == 0.0 and row["kernel_calls"] >= 2, row
+        assert row["measured_ms"]["forward"] > 0 and row["measured_ms"]["backward"] > 0, row
+        assert 0 < row["predicted_ms"]["forward"] < row["predicted_ms"]["backward"], row
+    assert rows[0]["visible_pairs"] == rows[1]["visible_pairs"] == 256 * 257 // 4

@@ -6,7 +6,7 @@
 # tokens, each run for real. Prepared on 2026-11-29, 2026-12-02 and 2026-12-06 (the equivalence plans
 # smoke-tested on 2 gloo CPU ranks: `equivalence_gpus.py --device cpu --small --dtype float64`); run as
 #     run(kind="nvidia-h200-x8", carry=[".device_wheels"],
-#         command="bash benchmarks/multi_gpu.sh 8")
+#         command="bash benchmarks/multi_gpu_h200.sh 8")
 # after `bash scripts/device_wheels.sh` here (the image lacks PuLP and HiGHS). Writes $OUT/*-xN.*
 set -euo pipefail
 n=${1:?number of GPUs}

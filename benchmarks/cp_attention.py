@@ -1,0 +1,146 @@
+"""One context-parallel rank's local attention at long context, timed against the planner's price
+(issue 34's must-show: "measured on the GPU: the local attention of one CP rank at 32k-128k
+tokens against the prediction").
+
+What is timed is what the runtime runs on a rank of the all_gather method once K and V are
+gathered: the rank's head-tail queries (chunks r and 2cp-1-r, S / cp tokens) against the whole
+sequence's keys and values, causal, through `fused_attention` (the pieces `pieces()` makes: per
+query chunk the fully visible earlier keys in one call, the diagonal in a causal one, merged by
+log-sum-exp), forward (`attend`) and backward (`attend_backward`), bf16, GQA as the config says.
+Ranks 0 and cp-1 (the extremes of the layout) are both timed: head-tail balance says they do the
+same work, and the counted pairs say how far from equal it is.
+
+Predicted: what `planner/context_pricing.rank_units` charges a rank for its attention, the whole
+sequence's causal attention (`ComputeCostModel.attention_time`, from the card's profile) over cp.
+
+On CUDA the fused path first checks itself (`fused_attention._cuda_checked`); if the check fails
+the row records why and nothing is timed (the reference path would hold [S/cp, S] scores).
+
+Run (GPU; from the repository root):
+    PYTHONPATH=. python3 benchmarks/cp_attention.py --out $OUT/cp_attention.json
+Smoke test on the CPU (small sequences, the CPU's flash kernels, the committed H100 profile's
+prices; no claim rests on its times):
+    PYTHONPATH=. python3 benchmarks/cp_attention.py --device cpu --small --out /tmp/cp_attention.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.report import run_header, write_report  # noqa: E402
+from mplan.collectives import fused_attention  # noqa: E402
+from mplan.cost_models.cluster import ClusterSpec  # noqa: E402
+from mplan.cost_models.compute_cost import ComputeCostModel  # noqa: E402
+from mplan.ir.context_layout import head_tail, imbalance, num_visible_pairs  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROFILE = RESULTS / "profile_h100-2026-12-05.json"
+"""The card's measured profile the prediction prices from (the H100's: the card the device lends most)."""
+
+
+def _timed(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> float:
+    """Median seconds of `fn` over `iters` runs after `warmup`."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def rank_row(seq: int, cp: int, rank: int, args: argparse.Namespace, device: torch.device,
+             compute: ComputeCostModel) -> dict[str, Any]:
+    layout = head_tail(seq, cp)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    kernel = fused_attention.kernel_dtype(device, dtype, dtype, args.head_dim)
+    pairs = num_visible_pairs(layout)
+    row: dict[str, Any] = {"seq": seq, "cp": cp, "rank": rank, "spans": [list(s) for s in layout.spans[rank]],
+                           "visible_pairs": pairs[rank], "pairs_imbalance": imbalance(pairs)}
+    forward_s = compute.attention_time(args.batch, args.heads, seq, seq, args.head_dim, "bfloat16", True, False) / cp
+    backward_s = compute.attention_time(args.batch, args.heads, seq, seq, args.head_dim, "bfloat16", True, True) / cp
+    row["predicted_ms"] = {"forward": forward_s * 1e3, "backward": backward_s * 1e3}
+    if kernel is None:
+        row["skipped"] = f"no fused kernel for {dtype} on {device.type} (see the warning): the reference path"
+        return row
+    keys = sorted(span for own in layout.spans for span in own)  # all of them, gathered, in sequence order
+    calls = fused_attention.pieces(layout.spans[rank], tuple(keys), True)
+    assert calls is not None, "head-tail spans always split into full and diagonal pieces"
+    generator = torch.Generator(device=device).manual_seed(0)
+    shape = (args.batch, args.heads, seq // cp, args.head_dim)
+    q = torch.randn(shape, device=device, dtype=dtype, generator=generator)
+    k, v = (torch.randn(args.batch, args.kv_heads, seq, args.head_dim, device=device, dtype=dtype,
+                        generator=generator) for _ in range(2))
+    grad = torch.randn(shape, device=device, dtype=dtype, generator=generator)
+    scale = args.head_dim ** -0.5
+    out, lse = fused_attention.attend(q, k, v, calls, scale, kernel)
+    forward = _timed(lambda: fused_attention.attend(q, k, v, calls, scale, kernel), device, args.warmup, args.iters)
+    backward = _timed(lambda: fused_attention.attend_backward(q, k, v, calls, scale, grad, out, lse, kernel),
+                      device, args.warmup, args.iters)
+    row["kernel_calls"] = len(calls)
+    row["measured_ms"] = {"forward": forward * 1e3, "backward": backward * 1e3}
+    row["prediction_error"] = {"forward": forward_s / forward - 1, "backward": backward_s / backward - 1}
+    return row
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="where to write the JSON results")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--small", action="store_true", help="short sequences (the CPU smoke test)")
+    parser.add_argument("--seqs", default=None, help="comma-separated sequence lengths (default 32768,65536,131072)")
+    parser.add_argument("--cps", default="2,4,8", help="comma-separated cp sizes")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=32, help="query heads (default: Llama-3 8B's 32)")
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--profile", default=str(PROFILE), help="the cluster profile JSON the prediction prices from")
+    args = parser.parse_args()
+    if args.seqs is None:
+        args.seqs = "256,512" if args.small else "32768,65536,131072"
+    if args.small:
+        args.heads, args.kv_heads, args.head_dim, args.iters, args.warmup = 4, 2, 16, 2, 1
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device(args.device)
+    compute = ComputeCostModel(ClusterSpec.from_json(args.profile))
+    rows = [rank_row(seq, cp, rank, args, device, compute)
+            for seq in map(int, args.seqs.split(",")) for cp in map(int, args.cps.split(",")) for rank in (0, cp - 1)]
+    report = {**run_header(device), "what": "one cp rank's local attention (all_gather method), causal, head-tail",
+              "dtype": "bfloat16" if device.type == "cuda" else "float32 (CPU smoke test)",
+              "shape": {"batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim},
+              "priced_from": os.path.basename(args.profile), "rows": rows}
+    write_report(args.out, report)
+    for row in rows:
+        measured = row.get("measured_ms")
+        print(f"S={row['seq']} cp={row['cp']} rank {row['rank']}: pairs imbalance {row['pairs_imbalance']:.4f}; "
+              + (f"forward {measured['forward']:.2f} ms (predicted {row['predicted_ms']['forward']:.2f}), backward "
+                 f"{measured['backward']:.2f} ms (predicted {row['predicted_ms']['backward']:.2f})"
+                 if measured else row["skipped"]), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
