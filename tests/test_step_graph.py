@@ -150,6 +150,22 @@ def test_a_step_that_synchronizes_with_the_host_is_never_captured_and_says_where
     assert losses == pytest.approx(_eager()[0], rel=1e-12)
 
 
+def test_parameters_given_new_memory_drop_the_graph_rather_than_replay_on_the_old() -> None:
+    """In-place updates (the optimizer's) keep replaying; a parameter whose storage is replaced
+    (`p.data = ...`) would leave the graph reading the old memory: the next step runs eagerly and
+    says why, and training stays the eager module's."""
+    pm = _module()
+    _graphed(pm)
+    losses = [pm.train_step(*_batch(step + 1)) for step in range(3)]
+    assert pm.step_graph.state() == "replaying"
+    first = next(iter(pm.params.values()))
+    first.data = first.data.clone()
+    with pytest.warns(UserWarning, match="new memory"):
+        losses += [pm.train_step(*_batch(step + 1)) for step in range(3, STEPS)]
+    assert pm.step_graph.state().startswith("eager: parameters were given new memory")
+    assert losses == pytest.approx(_eager()[0], rel=1e-12)
+
+
 def test_a_batch_of_other_shapes_than_the_captured_runs_eagerly() -> None:
     """StepGraph alone: a step of another shape runs `run` itself, once said; the graph stays."""
     weight = torch.ones(3, dtype=torch.float64, requires_grad=True)

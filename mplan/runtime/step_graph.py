@@ -43,6 +43,10 @@ without saying where; a capture that fails all the same: never tried again. `gra
 over several ranks (collectives inside the step), FP8 (its scaling history is kept by Python
 between steps), zero=3 (gathers between the forward's units) and outer loops.
 
+A replay reads the parameters where the capture found them: updates in place (the optimizer,
+`pm.load`) are seen; a parameter given new memory drops the graph (steps run eagerly, saying so)
+rather than replay on the old.
+
 Invariants: between steps, and after a failed one, the leaves' `.grad` are what the module's
 eager step leaves (None, or zeroed buckets); the static inputs and the graph's memory pool live
 as long as the module: one step's activations and gradients, which the eager step also holds at
@@ -143,6 +147,7 @@ class StepGraph:
         self._total: torch.Tensor | None = None
         self._shapes: tuple = ()
         self._grads: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # leaf, its gradient, had one before
+        self._addresses: list[int] = []  # the leaves' memory the graph reads
         self._said_shapes = False
 
     def state(self) -> str:
@@ -169,6 +174,9 @@ class StepGraph:
                 self._said_shapes = True
                 warnings.warn(f"mplan: a step's batch has other shapes than the CUDA graph's ({_shapes(micro)} "
                               f"against {self._shapes}): such steps run eagerly", stacklevel=3)
+            return run(micro)
+        if [leaf.data_ptr() for leaf in self.leaves] != self._addresses:
+            self._drop("parameters were given new memory since the capture (a replay would read the old)")
             return run(micro)
         moved = [leaf for leaf, grad, had in self._grads if had and (leaf.grad is None or
                                                                      leaf.grad.data_ptr() != grad.data_ptr())]
@@ -198,6 +206,7 @@ class StepGraph:
             return run(micro)
         self._grads = [(leaf, leaf.grad, before[id(leaf)] is not None) for leaf in self.leaves if leaf.grad is not None]
         self._replay, self._inputs, self._total, self._shapes = replay, inputs, total, _shapes(micro)
+        self._addresses = [leaf.data_ptr() for leaf in self.leaves]
         replay()  # a capture records the kernels without running them: this step's own replay
         return total
 
