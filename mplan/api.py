@@ -92,7 +92,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     that many seconds makes every rank report where it is and the job stop with `HangError`
     naming the stuck ranks; None reads MPLAN_HANG_TIMEOUT_S (unset: off). `document_mask` lets
     `pm.train_step(..., doc_ids=)` tell attention where packed documents start, so no token attends
-    across documents (`passes.split_context`; without pipeline stages; under cp > 1 attention
+    across documents (`passes.split_context`; pipeline stages too; under cp > 1 attention
     takes documents whether or not it is set). `inexact_ok` lets a search choose an outer loop
     across sites (`outer_steps`, DiLoCo-style: sites train alone between outer steps), which does
     not compute the single-device loop's updates; off, only exact plans are searched (a plan or

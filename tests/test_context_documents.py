@@ -5,7 +5,8 @@ equal, or, where its documents deal whole onto the ranks with equal work, runs e
 cp=1 with no exchange (dynamic CP between 1 and the plan's cp, chosen per micro-batch).
 
 Equivalence: `autoparallel(..., document_mask=True)` and `train_step(ids, labels, doc_ids=)`,
-3 AdamW steps with active clipping in float64 on 2 gloo ranks, against one process that runs
+3 AdamW steps with active clipping in float64 on 2 gloo ranks (cp=1, cp=2, and two pipeline
+stages, with and without recomputation), against one process that runs
 every document as its own sequence and averages the token losses over all of them: losses and
 every parameter within 1e-9. mplan's Llama family (RoPE): attention depends on position
 differences only, so a document at positions a..b of a packed row computes what it computes at
@@ -107,6 +108,18 @@ def documents_dynamic_cp() -> dict[str, Any]:
     return _packed("cp=2,cp_method=ring", micro_batch_size=2, lengths=DYNAMIC)
 
 
+def documents_pp2() -> dict[str, Any]:
+    """Two pipeline stages, two micro-batches in flight under 1F1B: each stage's attention reads
+    the documents of the micro-batch its action computes."""
+    return _packed("pp=2", micro_batch_size=2)
+
+
+def documents_pp2_recompute() -> dict[str, Any]:
+    """The same with every block recomputed: the first stage runs F0 F1 B0 B1, so B0's forward
+    re-run reads micro-batch 0's documents, not those of F1 before it."""
+    return _packed("pp=2,recompute=full", micro_batch_size=2)
+
+
 def refuses_doc_ids_without_document_mask() -> str:
     import mplan
 
@@ -192,7 +205,7 @@ def refuses_learned_positions_with_documents() -> list[str]:
     return messages
 
 
-CHECKS = [documents_cp1, documents_cp2, documents_cp2_ring, documents_dynamic_cp,
+CHECKS = [documents_cp1, documents_cp2, documents_cp2_ring, documents_dynamic_cp, documents_pp2, documents_pp2_recompute,
           refuses_doc_ids_without_document_mask, train_with_documents, refuses_learned_positions_with_documents]
 
 
@@ -202,7 +215,8 @@ def world2() -> Any:
 
 
 @pytest.mark.parametrize("check,cp,sizes", [(documents_cp1, 1, [1]), (documents_cp2, 2, [2, 2]),
-                                            (documents_cp2_ring, 2, [2]), (documents_dynamic_cp, 2, [1, 2])])
+                                            (documents_cp2_ring, 2, [2]), (documents_dynamic_cp, 2, [1, 2]),
+                                            (documents_pp2, 1, [1, 1]), (documents_pp2_recompute, 1, [1, 1])])
 def test_packed_documents_train_as_separate_documents(world2: Any, check: Any, cp: int, sizes: list[int]) -> None:
     """`sizes`: the cp each micro-batch ran at; dynamic CP's step runs one micro-batch with every
     document on one rank (no exchange) and one over both ranks, and is exact all the same."""

@@ -293,6 +293,7 @@ class ParallelModule:
         # the step's micro-batches, filled in place for the stages' feeds (which hold this list, the
         # parameters and the buffers, never the module: deleting pm frees it without a collection)
         self._micro: list[tuple[torch.Tensor, ...]] = []
+        self._documents: list[tuple[ContextLayout, torch.Tensor, bool]] = []  # the pipeline step's (`_select_documents`)
         # where this rank is inside a step, for the hang watchdog (`watch_for_hangs`; off by default)
         self.position = Position.of(groups, clipping=max_grad_norm is not None)
         self.watchdog: Watchdog | None = None
@@ -322,7 +323,15 @@ class ParallelModule:
             runners[s] = StageRunner(program=stage, feed=self._stage_feed(stage.inputs), params=params)
         return PipelineExecutor(schedule=pipeline.schedule, pp_rank=self.groups.pp_rank, stages=runners,
                                 peers=self.groups.ranks("pp"), device=self.device, position=self.position,
-                                autocast=functools.partial(_autocast_context, self.device, self.autocast))
+                                autocast=functools.partial(_autocast_context, self.device, self.autocast),
+                                before_compute=self._select_documents if self.context is not None else None)
+
+    def _select_documents(self, i: int) -> None:
+        """Micro-batch i's packed documents (layout, ids) on the context modules, before a pipeline
+        action computes it (`_document_step`); nothing in a step without documents."""
+        if self._documents:
+            assert self.context is not None
+            self.context.batch.layout, self.context.batch.doc_ids, self.context.batch.local = self._documents[i]
 
     def _stage_feed(self, specs: tuple[LocalInput, ...]) -> Callable[[int], list[torch.Tensor]]:
         """A stage's own inputs for micro-batch i of the current step (`_micro`)."""
@@ -414,9 +423,9 @@ class ParallelModule:
         """`_step` for packed documents: each micro-batch runs under its own layout, balanced for
         its documents, with its document ids set on the program's context modules, and at the cp
         size `document_layout` chooses for it (`last_context_sizes`)."""
-        if self.context is None or self.executor is not None:
+        if self.context is None:
             raise ValueError("train_step(doc_ids=...) needs a module whose attention takes documents "
-                             "(autoparallel(..., document_mask=True), or any cp > 1) and no pipeline stages")
+                             "(autoparallel(..., document_mask=True), or any cp > 1)")
         tensors = (*_as_tuple(inputs), labels, doc_ids)
         replica = self.plan.global_batch // self.plan.mesh.dp
         rows, seq_len = (replica if local else self.plan.global_batch), self.plan.model.seq_len
@@ -438,8 +447,12 @@ class ParallelModule:
             batches.append((layout, docs.to(self.device), local))
         self.last_context_sizes = [1 if local else self.plan.mesh.cp for _, _, local in batches]
         try:
+            if self.executor is not None:
+                self._documents[:] = batches
+                return self._pipeline_step(micro)
             return self._flat_step(micro, batches)
         finally:
+            self._documents.clear()
             self.context.batch.layout = self.context.batch.doc_ids = None
             self.context.batch.local = False
 

@@ -80,9 +80,14 @@ class PipelineExecutor:
     def __init__(self, *, schedule: Schedule, pp_rank: int, stages: Mapping[int, StageRunner],
                  peers: Sequence[int], device: torch.device,
                  autocast: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
-                 record: bool = False, position: Position | None = None) -> None:
+                 record: bool = False, position: Position | None = None,
+                 before_compute: Callable[[int], None] | None = None) -> None:
         self.schedule, self.pp_rank, self.stages, self.peers = schedule, pp_rank, stages, tuple(peers)
         self.device, self.autocast, self.record = device, autocast, record
+        # called with the micro-batch before each F, B, I and W: state the stages' modules read
+        # per micro-batch (packed documents' ids and layout) is set there, a recomputed forward
+        # inside B included
+        self.before_compute = before_compute
         self.position = position if position is not None else Position()
         self.last_stage = schedule.num_stages - 1
         mine = set(schedule.stages_of(pp_rank))
@@ -120,6 +125,8 @@ class PipelineExecutor:
                 if self.record:
                     self.executed.append(action)
                 queued = len(self._ops)
+                if self.before_compute is not None and action.kind not in COMM_KINDS:
+                    self.before_compute(action.microbatch)
                 self.handlers[action.kind](action)
                 self._op_actions += [(index, action)] * (len(self._ops) - queued)
             position.pipeline_action(len(actions), None)
