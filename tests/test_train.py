@@ -131,6 +131,7 @@ def test_a_stopped_job_resumes_under_another_plan_or_dp_size(runs, name, plan) -
     (["trian.steps=3"], r"\[trian\] is not a known section"),
     (["steps=3"], r"--set 'steps=3': must be section.key=value"),
     (["metrics.profile_steps=5:2"], r"metrics.profile_steps must be a:b with a < b"),
+    (["plan.cuda_graphs=maybe"], r"plan.cuda_graphs must be true or false, got 'maybe'"),
 ])
 def test_a_wrong_key_or_value_is_one_line(tmp_path, tokens, overrides, says) -> None:
     from mplan.train.config import ConfigError, load_config

@@ -55,6 +55,9 @@ class PlanSection:
     hang_timeout_s: float = 0.0
     """Seconds a rank may wait in one collective or transfer before the job reports where every
     rank is and stops (0: no watchdog)."""
+    cuda_graphs: bool = False
+    """Replay each step's forwards and backwards as one CUDA graph (one-rank plans on CUDA:
+    `autoparallel(cuda_graphs=True)`; refused in one line elsewhere)."""
 
 
 @dataclass(frozen=True)

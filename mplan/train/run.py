@@ -73,7 +73,7 @@ def train(config: TrainConfig, *, progress: Any = None) -> RunSummary:
     pm = mplan.autoparallel(model, cluster=_cluster(config), example_inputs=(ids,), optimizer=_optimizer(config),
                             global_batch=t.global_batch, plan=None if config.plan.spec == "auto" else config.plan.spec,
                             max_grad_norm=config.optimizer.max_grad_norm or None, seed=t.seed, progress=progress,
-                            hang_timeout_s=config.plan.hang_timeout_s or None,
+                            hang_timeout_s=config.plan.hang_timeout_s or None, cuda_graphs=config.plan.cuda_graphs,
                             document_mask=config.data.document_mask)
     del model
     s = config.schedule
