@@ -101,29 +101,41 @@ class GraphBackend(Protocol):
 
 
 class CudaGraphs:
-    """`torch.cuda.CUDAGraph`: the capture runs on torch's capture stream, in a private memory pool."""
+    """`torch.cuda.CUDAGraph`, captured on a side stream of its own in a private memory pool. The
+    watched warm-up step runs on that same stream, as torch's CUDA-graph notes ask: what is set
+    up lazily per stream (cuBLAS's workspace, autograd's stream bookkeeping) then exists before
+    the capture, which may not create it."""
+
+    def __init__(self) -> None:
+        self.stream: torch.cuda.Stream | None = None
+
+    def _side(self) -> torch.cuda.Stream:
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        return self.stream
 
     def capture(self, record: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()  # nothing of the eager steps still in flight on another stream
-        # the graph allocates from a pool of its own: the eager steps' cached blocks go back to the
-        # device first, or the step's activations would be reserved twice
-        torch.cuda.empty_cache()
-        with torch.cuda.graph(graph):
+        # torch.cuda.graph synchronizes and empties the cache first: the capture's pool then
+        # reuses the eager steps' memory rather than reserving the step's activations twice
+        with torch.cuda.graph(graph, stream=self._side()):
             out = record()
         return graph.replay, out
 
     def synchronizing(self, run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, list[str]]:
         """torch's sync debug mode warns at every synchronizing call (`.item()`, `nonzero`, a
         blocking copy): each warning's place names the Python line that made it."""
+        side, main = self._side(), torch.cuda.current_stream()
         previous = torch.cuda.get_sync_debug_mode()
-        with warnings.catch_warnings(record=True) as caught:
+        side.wait_stream(main)
+        with warnings.catch_warnings(record=True) as caught, torch.cuda.stream(side):
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 out = run()
             finally:
                 torch.cuda.set_sync_debug_mode(previous)
+        main.wait_stream(side)  # the optimizer, on the main stream, reads the gradients made here
         return out, sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
 
 
