@@ -23,6 +23,16 @@ def test_the_check_passes_on_kernels_that_compute_right(dtype: torch.dtype) -> N
     assert _check_block(torch.device("cpu"), dtype, 64)
 
 
+def test_the_check_holds_inside_an_inference_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first attention call may come from `pm(inputs)` under no_grad: the check takes its own
+    gradients all the same (here on the CPU's kernels, through the path a CUDA device takes)."""
+    monkeypatch.setattr(fused_attention, "_CHECKED", {})
+    monkeypatch.setattr(fused_attention, "_check_block", lambda device, dtype, head: _check_block(
+        torch.device("cpu"), dtype, head))
+    with torch.no_grad():
+        assert fused_attention._cuda_checked(torch.device("cpu"), torch.bfloat16, 32)
+
+
 def test_the_check_fails_on_a_kernel_whose_log_sum_exp_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel that returns its log-sum-exp off by 0.1 (a misread schema would do worse) fails it."""
     forward = fused_attention._forward

@@ -156,7 +156,9 @@ def _cuda_checked(device: torch.device, dtype: torch.dtype, head_dim: int) -> bo
     key = (device, dtype, head_dim)
     if key not in _CHECKED:
         try:
-            _CHECKED[key] = _check_block(device, dtype, head_dim)
+            # whatever the caller's context: an inference call (no grad) or autocast would change the check
+            with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+                _CHECKED[key] = _check_block(device, dtype, head_dim)
             why = "its results differ from float32 math beyond rounding"
         except Exception as error:  # noqa: BLE001 - any failure means: the reference path runs
             _CHECKED[key] = False
