@@ -1,7 +1,7 @@
-"""How much of mplan's lead over torch.compile in benchmarks/e2e_h200.py is its AdamW kernel
+"""How much of mplan's lead over torch.compile in benchmarks/e2e.py is its AdamW kernel
 (runs on a CPU, from committed results; derived, not measured).
 
-e2e_h200.py's torch.compile baseline compiles the model only: its optimizer is torch's fused
+e2e.py's torch.compile baseline compiles the model only: its optimizer is torch's fused
 AdamW, run eagerly, while mplan steps with its own Triton AdamW. This script takes each bf16 run's
 measured step times (compile and mplan) and adds to mplan's step the gap between the two AdamWs'
 kernel times measured alone on the same GPU with a grad_scale (optimizer_h200-2026-11-29.json,

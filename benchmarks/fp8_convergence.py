@@ -1,6 +1,6 @@
 """FP8 against bf16 training over a few hundred fresh batches on one GPU: do their losses converge alike?
 
-benchmarks/e2e_h200.py compares mplan's FP8 losses with bf16's over 15 steps of one batch, which
+benchmarks/e2e.py compares mplan's FP8 losses with bf16's over 15 steps of one batch, which
 the models memorize: thin evidence (Llama's FP8 loss ran up to 7.2% of the first loss above
 bf16's mid-descent in benchmarks/results/e2e_h200-2026-11-29.json). Here both train on data with
 learnable structure and a known best loss, a fresh batch every step, long enough to leave the
@@ -13,14 +13,14 @@ distribution pi, so every position has the same best achievable loss, the entrop
 H = sum_i pi_i H(P_i). Also reported: H(pi), the loss of a model that ignores its input (what
 learning the transitions must beat), and the exact best loss on the final steps' batches (the
 mean of -log P(label | input)). All --steps x batch sequences are drawn once, on the device, from
---seed; both systems train on the same batches in the same order, from e2e_h200's seed-0
+--seed; both systems train on the same batches in the same order, from e2e's seed-0
 weights. Why 8192 states and not the whole vocabulary: 300 steps of 8 x 2048 tokens see each of
 8192 x 8 transitions ~75 times, each of 50304 x 8 only ~12 times, too few to get near the floor.
 
-Systems (benchmarks/e2e_h200.mplan_module, plan dp=1,tp=1,pp=1, kernels=True):
+Systems (benchmarks/e2e.mplan_module, plan dp=1,tp=1,pp=1, kernels=True):
     mplan      bf16 parameters and activations
     mplan_fp8  the same with fp8=True (the blocks' linears as FP8 GEMMs, delayed scaling)
-Training as e2e_h200 (fused AdamW, global-norm clipping at 1.0, the loss read back every step)
+Training as e2e (fused AdamW, global-norm clipping at 1.0, the loss read back every step)
 but a peak lr of 3e-4 (e2e: 1e-4), the usual peak for models of this size, chosen to get far
 down the curve in a few hundred steps (how far is for the first run to show), warmed up linearly
 over the first 10% of steps against early spikes, then constant. No decay: bf16 parameters have
@@ -65,7 +65,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.e2e_h200 import MAX_GRAD_NORM, Setting, Workload, mplan_module, select_workloads, start_timer  # noqa: E402
+from benchmarks.e2e import MAX_GRAD_NORM, Setting, Workload, mplan_module, select_workloads, start_timer  # noqa: E402
 from benchmarks.report import Clock, run_header, write_report  # noqa: E402
 from mplan.kernels.fp8 import fp8_unavailable_reason  # noqa: E402
 from mplan.runtime.parallel_module import ParallelModule  # noqa: E402

@@ -6,7 +6,7 @@
    bandwidth (2 bytes read, 2 written per element) against the device-to-device copy measured
    in the same run.
 2. A linear's forward and forward+backward at the GPT and Llama block shapes of
-   benchmarks/e2e_h200.py (16384 tokens): bf16 `F.linear` against `Fp8LinearFunction` (casts
+   benchmarks/e2e.py (16384 tokens): bf16 `F.linear` against `Fp8LinearFunction` (casts
    included), GPU kernel time (benchmarks/gpu_time.py), TFLOP/s, and FP8's relative error
    against the fp32 product.
 

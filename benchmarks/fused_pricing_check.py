@@ -1,6 +1,6 @@
 """The planner's price of fused kernels against the H200's measurement (runs on a CPU).
 
-For the two models of benchmarks/e2e_h200.py, predicts one training step on one H200 (the
+For the two models of benchmarks/e2e.py, predicts one training step on one H200 (the
 `h200` preset, which carries the profile measured on that GPU) three ways: every op priced on
 its own and the optimizer as torch's fused AdamW (as eager runs them), with the memory-bound
 chains priced as mplan's fused kernels (mplan/planner/fused_pricing.py) and the optimizer as
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.e2e_h200 import FULL  # noqa: E402
+from benchmarks.e2e import FULL  # noqa: E402
 from mplan.cost_models.cluster import ClusterSpec  # noqa: E402
 from mplan.models import build_model  # noqa: E402
 from mplan.planner.parallel_config import ParallelConfig  # noqa: E402

@@ -1,12 +1,12 @@
 """How fast can a training step of the end-to-end models get without faster GEMMs and attention?
 
-Every system in benchmarks/e2e_h200.py (eager, torch.compile, mplan) runs the same cuBLAS GEMMs
+Every system in benchmarks/e2e.py (eager, torch.compile, mplan) runs the same cuBLAS GEMMs
 and the same cuDNN/flash attention; the fused kernels can only shrink the rest. This script
 times, alone on the GPU, every GEMM one training step issues (per nn.Linear: the forward
 x W^T (+ bias), the input gradient dy W and the weight gradient dy^T x, as autograd issues
 them, the output head included) and causal attention's forward and backward at the model's
 shape, by GPU kernel time (benchmarks/gpu_time.py). Their sum is a floor for the step of any
-system built on these kernels. Given an e2e_h200 result (--e2e), it reports per model:
+system built on these kernels. Given an e2e result (--e2e), it reports per model:
     fixed_ms          GEMMs + attention per step
     bound_vs_eager    eager's measured step / fixed_ms: the speedup over eager if everything
                       else (norms, activations, losses, optimizer) took no time at all
@@ -36,7 +36,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.e2e_h200 import FULL, TARGET_VS_EAGER, Workload  # noqa: E402
+from benchmarks.e2e import FULL, TARGET_VS_EAGER, Workload  # noqa: E402
 from benchmarks.gpu_time import copy_tbps, kernel_ms  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
 from mplan.models import GPTConfig, build_model  # noqa: E402
@@ -106,7 +106,7 @@ def rest_bytes(workload: Workload, num_params: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--e2e", help="an e2e_h200 result, for the bounds against its eager step")
+    parser.add_argument("--e2e", help="an e2e result, for the bounds against its eager step")
     args = parser.parse_args()
     device = torch.device("cuda")
     e2e = json.load(open(args.e2e, encoding="utf-8"))["models"] if args.e2e else {}

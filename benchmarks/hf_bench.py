@@ -2,7 +2,7 @@
 
 One harness, two sets of Hugging Face configs (--configs):
 
-  seen     the three models of benchmarks/hf_models_h200.py (Llama at TinyLlama-1.1B's shape, Mistral
+  seen     the three models of benchmarks/hf_models.py (Llama at TinyLlama-1.1B's shape, Mistral
            ~1B, Qwen2-1.5B), plan `auto`; target (issue 19, item 6): |error| <= 5% for both
   unseen   three configs never benchmarked here before (issue 30, "A GPU it never saw"), at
            micro-batch 1, 2 and 8 with and without recomputation; target |error| <= 10% on every row:
@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import hf_models_h200  # noqa: E402  (the seen set: the same three models, by the same definitions)
+import hf_models  # noqa: E402  (the seen set: the same three models, by the same definitions)
 
 UNSEEN_PLANS = ("mbs=1", "mbs=2", "mbs=8", "mbs=1,recompute=selective", "mbs=2,recompute=selective",
                 "mbs=8,recompute=selective", "mbs=8,recompute=full")
@@ -77,7 +77,7 @@ UNSEEN: dict[str, tuple[str, dict[str, Any]]] = {
 """The unseen set: each config's transformers class and its published shape."""
 SMALL = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              intermediate_size=128, vocab_size=128, max_position_embeddings=64)
-"""An unseen config's sizes in the smoke test (the seen set's tiny sizes are hf_models_h200's)."""
+"""An unseen config's sizes in the smoke test (the seen set's tiny sizes are hf_models's)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,7 +106,7 @@ def write_config(name: str, directory: Path, *, small: bool) -> Path:
     """The named config's config.json as transformers writes it, in bf16, naming its class."""
     if name in UNSEEN:
         return _write_unseen(name, directory, small=small)
-    model = {m.name: m for m in hf_models_h200._families(small)}[name]
+    model = {m.name: m for m in hf_models._families(small)}[name]
     config = model.config()
     config.architectures = [model.model_class]
     config.dtype = "bfloat16"

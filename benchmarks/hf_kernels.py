@@ -1,6 +1,6 @@
 """Kernel against kernel at the Hugging Face models' shapes: mplan, Liger Kernel, torch.compile, HF eager.
 
-For the shapes of benchmarks/hf_models_h200.py's three models (Llama at TinyLlama-1.1B's shape,
+For the shapes of benchmarks/hf_models.py's three models (Llama at TinyLlama-1.1B's shape,
 Mistral ~1B, Qwen2-1.5B) at 16384 tokens (batch 8 x 2048), bf16, forward and forward+backward:
     rmsnorm        HF's RMSNorm (upcast to fp32, normalize, cast back, times the weight) on [16384, hidden]:
                    mplan.kernels.rms_norm in that form (upcast=True, norm_dtype=bf16, where this mplan
@@ -70,7 +70,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mplan.kernels as mk  # noqa: E402
-from benchmarks.hf_models_h200 import HFModel, _families, versions  # noqa: E402
+from benchmarks.hf_models import HFModel, _families, versions  # noqa: E402
 from benchmarks.fused_kernels import _forward_backward, _leaf, _outputs, _rel, _timer  # noqa: E402
 from benchmarks.report import Clock, run_header, write_report  # noqa: E402
 

@@ -1,6 +1,6 @@
 """AdamW on one GPU: mplan's multi-tensor Triton step (mplan/kernels/adamw.py) against torch's fused AdamW.
 
-For the parameters of GPT-1.3B and Llama-1.1B (benchmarks/e2e_h200.py's workloads, shapes taken
+For the parameters of GPT-1.3B and Llama-1.1B (benchmarks/e2e.py's workloads, shapes taken
 from the models built on the meta device), in bf16 and in fp32, AdamW(lr=1e-3, weight_decay=0.1):
 1. check: 3 steps, each from the same state (torch's params, moments and steps copied into an
    identical optimizer that `adamw.step` drives), the last with a grad_scale; per tensor the
@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.e2e_h200 import FULL, SMALL, Workload  # noqa: E402
+from benchmarks.e2e import FULL, SMALL, Workload  # noqa: E402
 from benchmarks.gpu_time import copy_tbps, kernel_ms  # noqa: E402
 from benchmarks.report import Clock, run_header, write_report  # noqa: E402
 from mplan.kernels import adamw  # noqa: E402

@@ -16,7 +16,7 @@ tiny config; tests/test_fusion_hf.py and tests/test_fusion_forms.py test the for
     cohere     LayerNorm without a bias, a parallel attention + MLP block, interleaved RoPE,
                logits times logit_scale, 256k vocabulary (no Liger patch)
     stablelm   LayerNorm with a bias, RoPE on a quarter of each head (no Liger patch)
-    llama      TinyLlama-1.1B's shape: benchmarked before (benchmarks/hf_models_h200.py), the anchor
+    llama      TinyLlama-1.1B's shape: benchmarked before (benchmarks/hf_models.py), the anchor
 Only llama was benchmarked before. Batches: 2 x 2048 tokens where the vocabulary is 256k (the
 eager peers materialize [tokens, vocab] logits in fp32), 4 x 2048 above 100k, 8 x 2048 below, but
 4 x 2048 for llama's 22 layers: four systems stay resident on one 80 GB card (about 8 bytes a

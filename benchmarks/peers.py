@@ -5,7 +5,7 @@ Kernel (where Liger patches the family) and mplan, all in one run, family by fam
 The families (benchmarks/peer_families.py says which and why) are built from their configs (no
 download), bf16 parameters, use_cache=False. Every system trains the same seed-0 weights on the
 same FRESH batches (step k of every system trains on batch k; Zipf-like tokens, as in
-benchmarks/hf_models_h200.py) with fused AdamW (lr 1e-4 after --lr-warmup steps of linear warm-up),
+benchmarks/hf_models.py) with fused AdamW (lr 1e-4 after --lr-warmup steps of linear warm-up),
 global-norm clipping at 1.0, the loss read back every step:
     eager    the HF model, its loss from labels=
     compile  torch.compile(HF model) (default mode; its warm-up includes the compile)
@@ -21,7 +21,7 @@ family still runs; the JSON is rewritten after every family. Liger patches trans
 globally, so within a family the liger system runs in a child process of its own (this script with
 --system liger), driven over a pipe; all four systems stay resident and take turns in --rounds
 interleaved rounds whose order rotates, each process emptying its CUDA cache before the other's turn
-(benchmarks/hf_models_h200.py's method, whose child protocol and loss checks this script shares).
+(benchmarks/hf_models.py's method, whose child protocol and loss checks this script shares).
 
 Reported per family and system: median step time, the coefficient of variation of the timed steps
 (standard deviation / mean), peak memory above what was allocated before its build, first-step and
@@ -29,13 +29,13 @@ set-up times, every loss and gradient norm. Per family: mplan_vs_<peer> and mpla
 the MEDIAN OF PER-ROUND RATIOS (the peer's time in round r / mplan's time in round r; the best peer
 is the one with the lowest median step), so a slow round of one system does not decide the figure;
 mplan's peak memory over the lowest peer's; mplan's, compile's and liger's losses against eager's
-(hf_models_h200.loss_agreement); mplan's fusion report (which kernels fired, which entries missed
+(hf_models.loss_agreement); mplan's fusion report (which kernels fired, which entries missed
 and why, and per block type the memory-bound ops left: `mplan inspect`'s coverage). The card,
 torch, triton, transformers and liger-kernel versions are in the JSON.
 Targets (issue 35): mplan_vs_best_peer >= 1.0, mplan's peak <= 1.10 x the lowest peer's, losses agree.
 
---own gpt,llama adds mplan's own GPT-1.3B and Llama-1.1B (benchmarks/e2e_h200.py's workloads on its
-memorized batch, eager/compile/mplan, through hf_models_h200.run_family) after the families, under
+--own gpt,llama adds mplan's own GPT-1.3B and Llama-1.1B (benchmarks/e2e.py's workloads on its
+memorized batch, eager/compile/mplan, through hf_models.run_family) after the families, under
 "own", with the targets issue 35 keeps (GPT >= 1.05x eager, Llama >= 1.3x eager, both >= compile)
 and this script's per-round ratios and step spread beside them ("per_round").
 
@@ -77,7 +77,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mplan  # noqa: E402
-from benchmarks.e2e_h200 import (  # noqa: E402
+from benchmarks.e2e import (  # noqa: E402
     MAX_GRAD_NORM,
     SYSTEMS,
     Running,
@@ -86,7 +86,7 @@ from benchmarks.e2e_h200 import (  # noqa: E402
     timed_rounds,
     warm_up,
 )
-from benchmarks.hf_models_h200 import (  # noqa: E402
+from benchmarks.hf_models import (  # noqa: E402
     BATCH_SEED,
     LOSS_MEAN_RTOL,
     LOSS_STEP_RTOL,
@@ -200,7 +200,7 @@ BUILDERS = {"eager": build_eager, "compile": build_compile, "mplan": build_mplan
 
 def start_system(name: str, fam: Family, setting: Setting, batches: list[torch.Tensor],
                  warmup: int) -> Running | dict[str, Any]:
-    """e2e_h200.warm_up (build, first step, warm-up steps, peak memory) on this script's builder."""
+    """e2e.warm_up (build, first step, warm-up steps, peak memory) on this script's builder."""
     with mock.patch.dict(SYSTEMS, {name: functools.partial(BUILDERS[name], batches=batches)}):
         return warm_up(name, fam, setting, warmup)  # type: ignore[arg-type]
 
@@ -222,7 +222,7 @@ def release_cache(setting: Setting) -> None:
 
 class Child(PipeChild):
     """A family's liger system (`--system liger --family NAME`) in its own process (the module
-    docstring says why), driven over hf_models_h200's pipe protocol."""
+    docstring says why), driven over hf_models's pipe protocol."""
 
     def __init__(self, fam: Family, args: argparse.Namespace, system: str) -> None:
         command = [sys.executable, os.path.abspath(__file__), "--system", system, "--family", fam.name,
@@ -399,11 +399,11 @@ def run_family(fam: Family, names: list[str], args: argparse.Namespace) -> dict[
 
 
 def run_own(kind: str, names: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """One of mplan's own models (e2e_h200's GPT-1.3B or Llama-1.1B, on its memorized batch)
-    through hf_models_h200.run_family, with issue 19's targets (which issue 35 keeps), plus this
+    """One of mplan's own models (e2e's GPT-1.3B or Llama-1.1B, on its memorized batch)
+    through hf_models.run_family, with issue 19's targets (which issue 35 keeps), plus this
     script's per-round ratios and step spread."""
-    from benchmarks.e2e_h200 import FULL, SMALL
-    from benchmarks.hf_models_h200 import run_family as run_own_family
+    from benchmarks.e2e import FULL, SMALL
+    from benchmarks.hf_models import run_family as run_own_family
 
     setting = Setting(device=torch.device(args.device), precision="bf16", lr_warmup=args.lr_warmup)
     (workload,) = [w for w in (SMALL if args.small else FULL) if w.name.split("-")[0] == kind]
@@ -483,7 +483,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--families", default=",".join(f.name for f in families(small=True)),
                         help="comma-separated families (default: all; benchmarks/peer_families.py lists them)")
     parser.add_argument("--own", default="",
-                        help="also mplan's own models, of gpt,llama (e2e_h200's GPT-1.3B and Llama-1.1B on its "
+                        help="also mplan's own models, of gpt,llama (e2e's GPT-1.3B and Llama-1.1B on its "
                              "memorized batch; eager, compile and mplan), after the families")
     parser.add_argument("--systems", default=None,
                         help="comma-separated, of eager,compile,mplan,liger (default: all four on CUDA; "

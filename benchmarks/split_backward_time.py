@@ -72,7 +72,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.e2e_h200 import start_timer  # noqa: E402
+from benchmarks.e2e import start_timer  # noqa: E402
 from benchmarks.gpu_time import interleaved_kernel_ms  # noqa: E402
 from benchmarks.report import Clock, run_header, write_report  # noqa: E402
 from mplan.cost_models.cluster import ClusterSpec  # noqa: E402

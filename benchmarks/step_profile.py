@@ -1,11 +1,11 @@
 """Where a training step's GPU time goes: eager, torch.compile and mplan, kernel by kernel.
 
-For each workload of benchmarks/e2e_h200.py and each system, after the warm-up steps, records
+For each workload of benchmarks/e2e.py and each system, after the warm-up steps, records
 --steps steps under torch.profiler and reports per step: the wall time (CUDA events around the
 profiled steps), the summed GPU kernel time, the time by category (GEMM, attention, norms and
 other fused Triton kernels, torch.compile's generated kernels, elementwise, reductions,
 optimizer, copies) and the largest kernels. This is the evidence for what to fuse next; the
-headline ratios come from e2e_h200.py, whose steps run without a profiler attached.
+headline ratios come from e2e.py, whose steps run without a profiler attached.
 
 Run on the GPU (from the repository root; about 3 minutes with two torch.compile warm-ups):
     PYTHONPATH=. python3 benchmarks/step_profile.py --out $OUT/step_profile.json
@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report import run_header, write_report  # noqa: E402
-from benchmarks.e2e_h200 import FULL, SMALL, SYSTEMS, Setting, start_timer  # noqa: E402
+from benchmarks.e2e import FULL, SMALL, SYSTEMS, Setting, start_timer  # noqa: E402
 from benchmarks.gpu_time import kernel_table  # noqa: E402
 
 CATEGORIES: tuple[tuple[str, str], ...] = (

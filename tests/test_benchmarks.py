@@ -25,7 +25,7 @@ def _run(script: str, *args: str, env: dict[str, str] | None = None, timeout: in
 @pytest.mark.script_smoke
 def test_end_to_end_benchmark_on_tiny_models(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"
-    _run("e2e_h200.py", "--device", "cpu", "--small", "--systems", "eager,mplan,mplan_fp8", "--warmup", "2",
+    _run("e2e.py", "--device", "cpu", "--small", "--systems", "eager,mplan,mplan_fp8", "--warmup", "2",
          "--steps", "2", "--rounds", "2", "--out", str(out))
     report = json.loads(out.read_text())
     for name, entry in report["models"].items():

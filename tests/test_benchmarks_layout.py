@@ -15,8 +15,6 @@ CITED_PATH = re.compile(r"benchmarks/([A-Za-z0-9_]+\.(?:py|sh))\b")
 CARD = re.compile(r"_(?:h100|h200|a100|b200)(?:x\d+)?\.(?:py|sh)$", re.IGNORECASE)
 
 NAMED_AFTER_A_CARD = {
-    "e2e_h200.py": "imported by peers.py (being reworked); to be renamed with it",
-    "hf_models_h200.py": "imported by peers.py (being reworked); to be renamed with it",
     "profile_h200.py": "writes the H200's packaged profile, mplan/cost_models/profiles/h200.json",
     "multi_gpu_h200.sh": "the multi-GPU run the team's run book names (whichever multi-GPU kind is lent)",
 }

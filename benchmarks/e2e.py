@@ -45,7 +45,7 @@ Model FLOPs (no recomputation; attention counted whole, not halved for the causa
 Run on the GPU (from the repository root; about 5 minutes: two CPU model builds, two
 torch.compile warm-ups and mplan's Triton autotuning; a system not started within --budget-s
 is skipped and says so):
-    PYTHONPATH=. python3 benchmarks/e2e_h200.py --out $OUT/e2e.json
+    PYTHONPATH=. python3 benchmarks/e2e.py --out $OUT/e2e.json
 Budget a fresh machine's first run by its cold caches: on 2026-11-29 torch.compile's first step
 took 50-68 s and mplan's 13-24 s per model there (compile 4-5 s, mplan 7-18 s once warm), so four
 single-model runs under a 110 s limit each all died before timing. With fp32 parameters
@@ -53,7 +53,7 @@ single-model runs under a 110 s limit each all died before timing. With fp32 par
 --systems eager,mplan,compile there.
 Smoke test of the same code path on a CPU (tiny models, mplan's kernels on their references;
 FP8 refuses the CPU, which the report records as that system's error):
-    PYTHONPATH=. python3 benchmarks/e2e_h200.py --device cpu --small --out /tmp/e2e.json
+    PYTHONPATH=. python3 benchmarks/e2e.py --device cpu --small --out /tmp/e2e.json
 """
 from __future__ import annotations
 

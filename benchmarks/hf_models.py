@@ -33,7 +33,7 @@ interleaved rounds whose order rotates, the liger child being one of the turns (
 return their cached blocks with torch.cuda.empty_cache before the other's turn). So liger's steps
 are timed between the others' like theirs, and its losses form one continuous trajectory.
 
-Method (benchmarks/e2e_h200.py's, whose warm_up and timed_rounds this script calls): each system
+Method (benchmarks/e2e.py's, whose warm_up and timed_rounds this script calls): each system
 is built and warmed up in turn (--warmup steps); its peak memory is torch.cuda.max_memory_allocated
 from a reset just before its build, above what was allocated then (the other resident systems and
 the batches; in the child: the batches). Then --steps timed steps per system in --rounds rounds;
@@ -47,11 +47,11 @@ first-step times; per model mplan_vs_eager, mplan_vs_compile, mplan_vs_liger, mp
 peak memory over the lowest peer's, and the loss agreement of mplan with eager (compile's and
 liger's with eager beside it, for scale): per step |loss - eager's| / eager's first loss <=
 LOSS_STEP_RTOL, the means of the last LAST_STEPS losses within LOSS_MEAN_RTOL of each other, and
-the first loss and first gradient norm within e2e_h200.FIRST_STEP_RTOL (same weights, same batch,
+the first loss and first gradient norm within e2e.FIRST_STEP_RTOL (same weights, same batch,
 no update yet).
 Targets (issue 19): mplan_vs_best_peer >= 1.0; mplan's peak <= 1.10 x the lowest peer's; losses agree.
 
---families gpt,llama adds mplan's own GPT-1.3B and Llama-1.1B (e2e_h200's workloads and systems,
+--families gpt,llama adds mplan's own GPT-1.3B and Llama-1.1B (e2e's workloads and systems,
 eager/compile/mplan on e2e's memorized batch, judged by e2e's compare) to the same run, with
 issue 19's targets: mplan >= 1.05x eager (GPT), >= 1.3x eager (Llama), >= torch.compile.
 --profile records 2 steps of every system (the liger child's too) under torch.profiler after the
@@ -64,15 +64,15 @@ Run on the GPU (from the repository root, with Liger installed from the carried 
 call has 600 s in all, builds and cold torch.compile warm-ups (40-60 s a model) included, so run one
 model per call (about 3-4 minutes each with all four systems):
     pip install --no-index --find-links .device_wheels --no-deps liger-kernel pulp highspy
-    PYTHONPATH=. python3 benchmarks/hf_models_h200.py --models llama --out $OUT/hf_llama.json
-    PYTHONPATH=. python3 benchmarks/hf_models_h200.py --models mistral --out $OUT/hf_mistral.json
-    PYTHONPATH=. python3 benchmarks/hf_models_h200.py --models qwen2 --out $OUT/hf_qwen2.json
-    PYTHONPATH=. python3 benchmarks/hf_models_h200.py --models none --families gpt,llama --out $OUT/hf_families.json
+    PYTHONPATH=. python3 benchmarks/hf_models.py --models llama --out $OUT/hf_llama.json
+    PYTHONPATH=. python3 benchmarks/hf_models.py --models mistral --out $OUT/hf_mistral.json
+    PYTHONPATH=. python3 benchmarks/hf_models.py --models qwen2 --out $OUT/hf_qwen2.json
+    PYTHONPATH=. python3 benchmarks/hf_models.py --models none --families gpt,llama --out $OUT/hf_families.json
 A system not started within --budget-s seconds is skipped and says so.
 Smoke test of the same code path on a CPU (tiny models; compile only if named in --systems; liger
 skipped with its reason, or with --smoke-child its slot run by the plain HF model in the child
 process, which tests the child's protocol: its losses must equal eager's bit for bit):
-    PYTHONPATH=. python3 benchmarks/hf_models_h200.py --device cpu --small --families gpt,llama --profile \
+    PYTHONPATH=. python3 benchmarks/hf_models.py --device cpu --small --families gpt,llama --profile \
         --smoke-child --out /tmp/hf.json
 """
 from __future__ import annotations
@@ -104,7 +104,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mplan  # noqa: E402
-from benchmarks.e2e_h200 import (  # noqa: E402
+from benchmarks.e2e import (  # noqa: E402
     FIRST_STEP_RTOL,
     MAX_GRAD_NORM,
     SYSTEMS,
@@ -120,8 +120,8 @@ from benchmarks.e2e_h200 import (  # noqa: E402
     timed_rounds,
     warm_up,
 )
-from benchmarks.e2e_h200 import FULL as FAMILIES_FULL  # noqa: E402
-from benchmarks.e2e_h200 import SMALL as FAMILIES_SMALL  # noqa: E402
+from benchmarks.e2e import FULL as FAMILIES_FULL  # noqa: E402
+from benchmarks.e2e import SMALL as FAMILIES_SMALL  # noqa: E402
 from benchmarks.gpu_time import host_table, kernel_table  # noqa: E402
 from benchmarks.report import Clock, run_header, write_report  # noqa: E402
 from benchmarks.step_profile import category as coarse_category  # noqa: E402
@@ -337,7 +337,7 @@ BUILDERS: dict[str, Builder] = {"eager": build_eager, "compile": build_compile, 
 
 def warm_up_hf(name: str, model: HFModel, setting: Setting, batches: list[torch.Tensor],
                warmup: int) -> Running | dict[str, Any]:
-    """e2e_h200.warm_up (the same measurement) on this script's builder for `name`."""
+    """e2e.warm_up (the same measurement) on this script's builder for `name`."""
     with mock.patch.dict(SYSTEMS, {name: functools.partial(BUILDERS[name], batches=batches)}):
         return warm_up(name, model, setting, warmup)  # type: ignore[arg-type]
 
@@ -663,13 +663,13 @@ def run_hf_model(model: HFModel, names: list[str], args: argparse.Namespace, set
 
 def run_family(workload: Workload, names: list[str], args: argparse.Namespace, setting: Setting,
                clock: Clock) -> dict[str, Any]:
-    """One of mplan's own models through e2e_h200's systems and compare, with issue 19's targets."""
+    """One of mplan's own models through e2e's systems and compare, with issue 19's targets."""
     starts = {name: functools.partial(warm_up, name, workload, setting, args.warmup) for name in names}
     rows, running = contest(starts, None, setting, args, clock, workload.name)
     flops = model_flops(workload, _initial_model(workload, setting.param_dtype))  # e2e's seed-0 CPU model
     _finish(rows, flops, workload.name, clock.log)
     entry: dict[str, Any] = {"batch": workload.batch, "flops_per_step": flops,
-                             "batches": "e2e_h200's one memorized batch", "systems": rows}
+                             "batches": "e2e's one memorized batch", "systems": rows}
     if args.profile and clock.elapsed() <= args.budget_s:
         entry["profile"] = _profile_all(running, None, rows, setting)
     entry.update(compare(rows))
@@ -716,7 +716,7 @@ def parse_args() -> argparse.Namespace:
                         help="comma-separated, of eager,compile,mplan,liger (default: all four on CUDA; "
                              "eager,mplan,liger on a CPU, where torch.compile is slow)")
     parser.add_argument("--families", default="",
-                        help="also mplan's own models, of gpt,llama (e2e_h200's GPT-1.3B and Llama-1.1B)")
+                        help="also mplan's own models, of gpt,llama (e2e's GPT-1.3B and Llama-1.1B)")
     parser.add_argument("--warmup", type=int, default=3, help="steps before timing (their losses are checked)")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per system (the median is reported)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds the timed steps are spread over")
