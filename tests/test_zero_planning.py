@@ -405,7 +405,9 @@ def test_405b_at_8k_on_2048_nodes_weighs_every_level() -> None:
     assert set(levels) == {0, 1, 2, 3}
     for zero in (2, 3):
         if zero != made.zero and levels[zero].fits:
-            assert levels[zero].zero_comm_s > 0 and levels[zero].step_time_s > made.predicted.step_time_s
+            assert levels[zero].step_time_s > made.predicted.step_time_s
+            # under a pipeline zero=2 reduces at the step, as zero=1 does (the test below)
+            assert levels[zero].zero_comm_s > 0 or (zero == 2 and made.mesh.pp > 1)
     assert "all-gathers/reduce-scatters" in explain_data(made)["zero"]["summary"] or made.zero >= 2
 
 

@@ -288,6 +288,9 @@ class ModelLimits:
     num_kv_heads: int
     num_experts: int  # 0 for dense models
     seq_len: int
+    # the loss is a token-mean cross-entropy alone, the one `passes/split_context` makes exact over
+    # cp ranks (`context_pricing.splits_loss`); an MoE model adding a load-balancing loss is refused there
+    splits_loss: bool = True
 
 
 def enumerate_configs(*, world_size: int, gpus_per_node: int, global_batch: int, limits: ModelLimits,
@@ -296,31 +299,44 @@ def enumerate_configs(*, world_size: int, gpus_per_node: int, global_batch: int,
                       runtime: str = DEFAULT_RUNTIME) -> Iterator[ParallelConfig]:
     """Every config the spec admits: dp*tp*pp*cp == world, tp | heads, pp <= layers, mbs | batch share,
     zero among `zero_levels` as `runtime` runs them (`zero_variants`), cp among `context_degrees`
-    with every method `context_methods` allows."""
+    with every method `context_methods` allows, but none that `replicated_context` prices no better
+    than data parallelism."""
     for cp in context_degrees(world_size, limits, spec):
         yield from _meshes(world_size // cp, cp, gpus_per_node, global_batch, limits, spec, allow_cross_node_tp,
                            max_mbs, zero_levels, runtime)
 
 
-MIN_CONTEXT_SLICE = 8192
-"""The fewest tokens of each sequence a rank holds under a searched cp degree. Below it the search
-tries no cp: Llama 3 405B's long-context stage, the largest published, ran 131072 tokens over cp=16,
-8192 a rank ("The Llama 3 Herd of Models", 2024, section 3.3.2); a spec's cp is taken as given."""
+MIN_CONTEXT_CHUNK = 128
+"""The fewest tokens of one head-tail chunk a searched cp degree leaves (a rank holds two): the
+query and key tile of the flash attention kernels the planner prices every SDPA as (FlashAttention-2
+and -3 tile both by 128 rows on H100), below which a chunk fills a tile partly and the attention's
+seconds stop scaling with its tokens. Above it the search lets the pricing decide; a spec's cp is
+taken as given."""
 
 
 def context_degrees(world_size: int, limits: ModelLimits, spec: PlanSpec) -> list[int]:
-    """The cp degrees a search tries: the spec's, else 1 and every power of two that divides the
-    world, splits each sequence into 2 cp head-tail chunks and leaves a rank `MIN_CONTEXT_SLICE`
-    tokens or more. None above 1 for models with experts (expert and context parallelism do not
-    run together, and the experts' pricing is per whole sequence)."""
+    """The cp degrees a search tries: the spec's, else 1 and every degree that divides the world,
+    splits each sequence into 2 cp head-tail chunks and leaves each chunk `MIN_CONTEXT_CHUNK`
+    tokens or more. The search prices them in the order of a lower bound on their step and skips
+    those a fitting plan beats (`search.Planner._context_bound`). MoE models too where their loss is
+    a cross-entropy alone (`ModelLimits.splits_loss`): with ep=1 a cp rank routes its own tokens to
+    every expert (`enumerate_configs` pairs cp > 1 with ep=1 only; tests/test_cp_moe.py)."""
     if spec.cp is not None:
         return [spec.cp] if world_size % spec.cp == 0 else []
-    degrees, cp = [1], 2
-    while not limits.num_experts and world_size % cp == 0 and limits.seq_len % (2 * cp) == 0 \
-            and limits.seq_len // cp >= MIN_CONTEXT_SLICE:
-        degrees.append(cp)
-        cp *= 2
-    return degrees
+    if limits.num_experts and not limits.splits_loss:
+        return [1]
+    return [1] + [cp for cp in divisors(world_size)[1:]
+                  if limits.seq_len % (2 * cp) == 0 and limits.seq_len // (2 * cp) >= MIN_CONTEXT_CHUNK]
+
+
+def replicated_context(cp: int, mbs: int, spec: PlanSpec) -> bool:
+    """Whether a searched cp > 1 at `mbs` sequences a micro-batch is data parallelism with an
+    exchange added: where cp divides mbs each rank holds mbs / cp sequences' tokens, as a rank of
+    the same mesh with dp * cp replicas at mbs / cp whole sequences does (the same GEMM rows,
+    attention pairs, activations and micro-batches a step, `context_pricing.whole_batch`), plus
+    the K/V exchange, so that config is never slower and holds no more. Skipped unless the spec
+    fixes cp, dp or mbs (the config without cp may then be outside it)."""
+    return cp > 1 and mbs % cp == 0 and spec.cp is None and spec.dp is None and spec.mbs is None
 
 
 def context_methods(tp: int, cp: int, limits: ModelLimits, spec: PlanSpec) -> tuple[str, ...]:
@@ -348,13 +364,14 @@ def _meshes(world_size: int, cp: int, gpus_per_node: int, global_batch: int, lim
             dp = world_size // (tp * pp)
             if global_batch % dp:
                 continue
-            for ep in divisors(dp) if limits.num_experts else [1]:
+            # expert and context parallelism do not run together: cp > 1 with ep=1 only
+            for ep in divisors(dp) if limits.num_experts and cp == 1 else [1]:
                 if limits.num_experts and limits.num_experts % ep:
                     continue
                 # every micro-batch that divides the replica's share, not only powers of two: a
                 # share of 6 (6 sequences on one replica, 12 on two) splits in 3s too
                 for mbs in divisors(global_batch // dp):
-                    if mbs > max_mbs:
+                    if mbs > max_mbs or replicated_context(cp, mbs, spec):
                         continue
                     m = global_batch // (dp * mbs)
                     for method in context_methods(tp, cp, limits, spec):

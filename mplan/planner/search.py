@@ -13,9 +13,10 @@ Steps:
    methods among them), evaluate each with the closed-form schedule model (cuts by
    `stage_partition` under memory; a cp config as one cp rank's units, `context_pricing`), drop
    those that do not fit; zero 0 and 1 first, then zero 2 and 3 only where they can still win
-   (`_AboveOne`); cp > 1 after cp = 1, in the order of a lower bound on their step, skipped once
-   a plan that fits beats the bound (`_context_bound`), and a cp method another exchanges faster
-   with less memory skipped (`_dominated`);
+   (`_AboveOne`); cp > 1 after every cp = 1, in the order of a lower bound on their step, skipped
+   once a plan that fits beats the bound (`_context_bound`) or where the replicas' parameters and
+   optimizer state alone exceed the device (`_ReplicaState`), and a cp method another exchanges
+   faster with less memory skipped (`_dominated`);
 3. re-evaluate the best few with the event simulator and rank by simulated step time; a cp
    winner is priced under its other methods too, for `explain`;
 4. for `explain`, the best plan's layout at every other ZeRO level (`zero_levels`), and whether any
@@ -29,7 +30,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from types import TracebackType
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.dtypes import canonical_dtype
@@ -37,8 +38,9 @@ from mplan.ir.graph import Graph, OpNode
 from mplan.ir.mesh import GroupShape
 from mplan.ir.moe import num_experts
 from mplan.ir.rebatch import rebatch
-from mplan.planner.context_pricing import (AttentionOp, ContextEstimate, Exchange, attention_ops, method_price,
-                                           rank_units, replica_config, replica_facts, with_context)
+from mplan.planner.context_pricing import (AttentionOp, ContextEstimate, Exchange, LinearGemm, attention_ops,
+                                           linear_gemms, method_price, rank_experts, rank_units, replica_config,
+                                           replica_facts, splits_loss, whole_batch, with_context)
 from mplan.ir.strategy import Strategy
 from mplan.planner.evaluate import NO_CUT_IN_MEMORY, Estimate, ModelFacts, device_word, evaluate, gib_versus
 from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains, find_fused_saves
@@ -56,6 +58,7 @@ from mplan.planner.unit_costs import UnitCost, unit_costs
 from mplan.planner.unit_experts import UnitExperts, unit_experts
 
 SIMULATED_FINALISTS = 8  # candidates re-ranked by the event simulator
+_Found = TypeVar("_Found")  # what `Planner._per_unit` finds in each unit (attention ops, linears)
 
 
 class PlanningError(ValueError):
@@ -154,6 +157,7 @@ class Planner:
         self._sharded: dict[tuple[int, bool], ShardedModel] = {}
         self._context: dict[tuple[int, bool, int, int, str], tuple[list[UnitCost], list[tuple[Exchange, ...]]]] = {}
         self._attention_ops: dict[tuple[int, bool, int], list[tuple[AttentionOp, ...]]] = {}
+        self._linear_gemms: dict[tuple[int, bool, int], list[tuple[LinearGemm, ...]]] = {}
         self._dominated_methods: dict[tuple[int, bool, int, int, str], bool] = {}
         self._context_sums: dict[tuple[int, bool, int, int, str], tuple[float, float, float]] = {}
         self.facts = replace(_facts(self.graph), grad_dtype=grad_dtype, fp32_grad_copy=fp32_grad_copy,
@@ -214,11 +218,12 @@ class Planner:
         experts = self.sharded(config.tp, config.sp).experts[config.mbs]
         if config.cp == 1:
             return evaluate(config, units, self.cluster, self.facts, experts=experts, fast=fast, **options)
-        # one cp rank, priced as dp * cp replicas of its units (`context_pricing`)
+        # one cp rank, priced as dp * cp replicas of its units (`context_pricing`), its experts at its tokens
         whole = self.context_slice == 1
-        if whole and any(experts):
-            raise PlanningError(f"cp={config.cp}: MoE layers are priced per whole sequence; context parallelism "
-                                f"is priced for dense models (expert and context parallelism do not run together)")
+        if whole:
+            batch = whole_batch(config.mbs, config.cp)
+            experts = rank_experts(self.sharded(config.tp, config.sp).experts[batch],
+                                   config.mbs / (config.cp * batch))
         ranked, exchanges = self.context_units(config)
         facts = replica_facts(self.facts, config.cp) if whole else self.facts
         replica = evaluate(replica_config(config), ranked, self.cluster, facts, experts=experts, fast=fast, **options)
@@ -229,9 +234,12 @@ class Planner:
         cached by (tp, sp, mbs, cp, method)."""
         key = (config.tp, config.sp, config.mbs, config.cp, config.cp_method)
         if key not in self._context:
-            units = self.units(config.tp, config.sp, config.mbs)
-            self._context[key] = rank_units(config, units, self._attention(config.tp, config.sp, config.mbs),
-                                            self.cluster, whole=self.context_slice == 1)
+            whole = self.context_slice == 1
+            batch = whole_batch(config.mbs, config.cp) if whole else config.mbs
+            units = self.units(config.tp, config.sp, batch)
+            self._context[key] = rank_units(config, units, self._attention(config.tp, config.sp, batch),
+                                            self.cluster, whole=whole, batch=batch,
+                                            gemms=self._linears(config.tp, config.sp, batch) if whole else ())
         return self._context[key]
 
     def _attention(self, tp: int, sp: bool, mbs: int) -> list[tuple[AttentionOp, ...]]:
@@ -239,20 +247,34 @@ class Planner:
         capture did not trace: its block type's)."""
         key = (tp, sp, mbs)
         if key not in self._attention_ops:
-            model = self.sharded(tp, sp)
-            graph = self._at_batch[mbs] if mbs in self._at_batch else self.graph
-            choice = model.shardings[mbs].choice
-            by_segment = {}
-            for segment in graph.segments:
-                names = segment.nodes or (graph.block_type(segment.block_type).template if segment.block_type else ())
-                by_segment[segment.name] = attention_ops(graph.nodes_of(names), choice, model.coster)
-            self._attention_ops[key] = [by_segment.get(u.name, ()) for u in model.units[mbs]]
+            self._attention_ops[key] = self._per_unit(tp, sp, mbs, attention_ops)
         return self._attention_ops[key]
+
+    def _linears(self, tp: int, sp: bool, mbs: int) -> list[tuple[LinearGemm, ...]]:
+        """Each unit's linears on one tp rank at micro-batch `mbs`, as `_attention` finds its attention."""
+        key = (tp, sp, mbs)
+        if key not in self._linear_gemms:
+            self._linear_gemms[key] = self._per_unit(tp, sp, mbs, linear_gemms)
+        return self._linear_gemms[key]
+
+    def _per_unit(self, tp: int, sp: bool, mbs: int,
+                  find: Callable[..., tuple[_Found, ...]]) -> list[tuple[_Found, ...]]:
+        """`find(nodes, choice, coster)` of each unit's nodes on one tp rank at micro-batch `mbs`."""
+        model = self.sharded(tp, sp)
+        graph = self._at_batch[mbs] if mbs in self._at_batch else self.graph
+        choice = model.shardings[mbs].choice
+        by_segment = {}
+        for segment in graph.segments:
+            names = segment.nodes or (graph.block_type(segment.block_type).template if segment.block_type else ())
+            by_segment[segment.name] = find(graph.nodes_of(names), choice, model.coster)
+        return [by_segment.get(u.name, ()) for u in model.units[mbs]]
 
     def _context_bound(self, config: ParallelConfig) -> float:
         """A lower bound on the step of a cp config: its rank's compute over one step, every pipeline
-        rank as busy as the mean, no bubble, no gradient sync (`evaluate` adds those to the same
-        units' seconds). The sums are cached by (tp, sp, mbs, cp, method)."""
+        rank as busy as the mean, with the fill 1F1B and interleaving cannot avoid (`evaluate`'s
+        closed form: m micro-batches of the slowest rank, at least the mean, plus the other stages'
+        F + B, or (pp - 1) / vpp of the slowest rank's; zb-h1's none), no gradient sync (`evaluate`
+        adds those to the same units' seconds). The sums are cached by (tp, sp, mbs, cp, method)."""
         key = (config.tp, config.sp, config.mbs, config.cp, config.cp_method)
         if key not in self._context_sums:
             units, _ = self.context_units(config)
@@ -260,7 +282,8 @@ class Planner:
                                        sum(u.selective_extra_s for u in units))
         forward, backward, selective = self._context_sums[key]
         rerun = {"none": 0.0, "selective": selective, "full": forward}[config.recompute]
-        return config.num_micro_batches * (forward + backward + rerun) / config.pp
+        fill = 0.0 if config.schedule == "zb-h1" else (config.pp - 1) / config.vpp
+        return (config.num_micro_batches + fill) * (forward + backward + rerun) / config.pp
 
     def _dominated(self, config: ParallelConfig, spec: PlanSpec) -> bool:
         """Whether another cp method at `config`'s tp, sp, micro-batch and cp exchanges no slower per
@@ -314,23 +337,32 @@ class Planner:
                                                   num_sites=self.cluster.num_sites))
         estimates = []
         above_one = _AboveOne()
+        held = _ReplicaState(self.cluster.device.memory_bytes)
         fastest = math.inf  # of the configs evaluated so far that fit
-        with _PricedAhead(self.units, [(c.tp, c.sp, c.mbs) for c in configs]) as priced:
-            # zero 0 and 1 first, then zero 2 and 3 where they can still win (`_AboveOne`); cp > 1
-            # after cp = 1, fastest lower bound first, none whose bound a fitting plan beats (`_context_bound`)
-            for c in configs:
-                if c.cp > 1:
-                    priced.wait(c.tp, c.sp, c.mbs)
-            context = sorted((c for c in configs if c.zero <= 1 and c.cp > 1), key=self._context_bound)
-            for config in ([c for c in configs if c.zero <= 1 and c.cp == 1] + context
-                           + [c for c in configs if c.zero > 1]):
-                if not above_one.worth(config, fastest) or (config.cp > 1 and self._context_bound(config) >= fastest):
+        # a cp rank is priced from the units of `whole_batch` sequences (`context_units`)
+        whole = [(tp, sp, whole_batch(mbs, cp)) for tp, sp, mbs, cp in dict.fromkeys(
+            (c.tp, c.sp, c.mbs, c.cp) for c in configs if c.cp > 1 and self.context_slice == 1)]
+        with _PricedAhead(self.units, [(c.tp, c.sp, c.mbs) for c in configs] + whole) as priced:
+            def ordered() -> Iterator[ParallelConfig]:
+                """cp = 1 first, then cp > 1 (their units priced meanwhile), fastest lower bound first,
+                none whose bound a fitting plan beats (`_context_bound`); at each, zero 0 and 1 first,
+                then zero 2 and 3 where they can still win (`_AboveOne`)."""
+                yield from (c for c in configs if c.zero <= 1 and c.cp == 1)
+                yield from (c for c in configs if c.zero > 1 and c.cp == 1)
+                for key in list(dict.fromkeys((c.tp, c.sp, c.mbs) for c in configs if c.cp > 1)) + whole:
+                    priced.wait(*key)
+                yield from sorted((c for c in configs if c.zero <= 1 and c.cp > 1), key=self._context_bound)
+                yield from (c for c in configs if c.zero > 1 and c.cp > 1)
+            for config in ordered():
+                if not above_one.worth(config, fastest) or (config.cp > 1 and (
+                        self._context_bound(config) >= fastest or held.over(config))):
                     continue
                 priced.wait(config.tp, config.sp, config.mbs)
                 if self._dominated(config, spec):
                     continue
                 estimates.append(self.evaluate(config, fast=True))
                 above_one.record(estimates[-1])
+                held.record(estimates[-1])
                 if estimates[-1].fits:
                     fastest = min(fastest, estimates[-1].step_time_s)
         feasible = sorted((e for e in estimates if e.fits), key=lambda e: e.step_time_s)
@@ -375,6 +407,33 @@ class Planner:
                                                 best_fitting=fastest.get((zero, keep)),
                                                 nothing_fits_below=not any(z < zero for z, _ in fastest))
         return out
+
+
+class _ReplicaState:
+    """cp configs whose parameters, gradients and optimizer state alone exceed the device. A cp
+    config is priced as dp * cp replicas (`context_pricing.replica_config`), so it holds what the
+    config without cp at dp * cp replicas holds of them, at any micro-batch and recomputation; the
+    least any such config evaluated held on its fullest pipeline rank stands for it (stage cuts
+    move with activations, which a cp rank holds fewer of, so this is the cut that suited them)."""
+
+    def __init__(self, capacity_bytes: float) -> None:
+        self._capacity = capacity_bytes
+        self._least: dict[tuple[object, ...], float] = {}  # replica layout -> bytes
+
+    @staticmethod
+    def _key(config: ParallelConfig, replicas: int) -> tuple[object, ...]:
+        return (replicas, config.tp, config.pp, config.vpp, config.zero, config.keep_weights, config.sites,
+                config.outer_steps)
+
+    def record(self, estimate: Estimate) -> None:
+        config = estimate.config
+        if config.cp == 1:
+            state = max(m.params_bytes + m.grads_bytes + m.optimizer_bytes for m in estimate.memory)
+            key = self._key(config, config.dp)
+            self._least[key] = min(state, self._least.get(key, math.inf))
+
+    def over(self, config: ParallelConfig) -> bool:
+        return self._least.get(self._key(config, config.dp * config.cp), 0.0) > self._capacity
 
 
 class _AboveOne:
@@ -569,7 +628,7 @@ def _limits(graph: Graph) -> ModelLimits:
             break
     # experts from the graph's MoE layers (their `moe_experts` ops), never from parameter names
     return ModelLimits(num_layers=graph.num_layers, num_heads=heads, num_kv_heads=kv,
-                       num_experts=num_experts(graph), seq_len=graph.seq_len or 1)
+                       num_experts=num_experts(graph), seq_len=graph.seq_len or 1, splits_loss=splits_loss(graph))
 
 
 def _param_dtype(graph: Graph) -> str:

@@ -1,0 +1,152 @@
+"""Context parallelism on MoE models (issue 34): cp=2 with ep=1 trains exactly as one process,
+and the search weighs cp for MoE models whose loss it can split.
+
+With ep=1 every rank holds every expert and a cp rank routes its own tokens: routing and the
+experts are per token, so splitting each sequence over the cp ranks moves only where a token's
+experts run. Checked as tests/test_context_parallel.py checks dense models: 3 AdamW steps with
+active global-norm clipping under `mplan.autoparallel(plan="cp=2")` on 2 gloo ranks, every step's
+loss and every final parameter (routers and experts included) against one process trained with
+the plan's micro-batches (test_expert_parallel.accumulated), float64, relative error under 1e-9:
+Hugging Face Mixtral and Qwen2-MoE (shared expert) without their router loss. A load-balancing
+loss is a product of token means over the whole sequence (each expert's share of the choices
+times its mean probability); `split_context` makes only a token-mean cross-entropy exact over the
+cp group and refuses the sum (mplan's MoE family always adds its aux term, even at aux=0), so
+the search does not try cp for such models (`ModelLimits.splits_loss`).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+from torch import nn
+
+from distributed import run_checks
+from test_equivalence import TOL, batches, errors, family, trained
+from test_expert_parallel import MOE, accumulated, hf_moe
+
+STEPS = 3
+
+
+def _compare(make: Callable[[], nn.Module], global_batch: int = 2, micro_batch: int = 1) -> dict[str, Any]:
+    data = batches(global_batch, steps=STEPS)
+    pm, losses, norms = trained(make, "cp=2", data, micro_batch_size=micro_batch)
+    kinds = [type(m).__name__ for m in pm.program.modules()]
+    return {**errors(pm, losses, norms, accumulated(make, data, micro_batch)), "cp": pm.plan.mesh.cp,
+            "ep": pm.plan.mesh.ep, "attention": kinds.count("ContextAttention"),
+            "experts": kinds.count("RoutedExperts")}
+
+
+def _refusal(make: Callable[[], nn.Module]) -> str:
+    try:
+        _compare(make)
+    except Exception as error:  # the refusal's one line is what is checked
+        return f"{type(error).__name__}: {error}"
+    return "not refused"
+
+
+def without_router_loss(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """`make`'s Hugging Face MoE model with `output_router_logits` off: its loss the LM loss alone."""
+    def build() -> nn.Module:
+        model = make()
+        model.config.output_router_logits = False
+        return model
+    build.capture_key = (*make.capture_key, "no router loss")  # type: ignore[attr-defined]
+    return build
+
+
+def cp2_mixtral() -> dict[str, Any]:
+    return _compare(without_router_loss(hf_moe("mixtral")))
+
+
+def cp2_qwen2_moe() -> dict[str, Any]:
+    return _compare(without_router_loss(hf_moe("qwen2_moe")))
+
+
+def refuses_mplan_moe_aux_loss() -> str:
+    return _refusal(family(f"{MOE},experts=4,topk=2"))
+
+
+def refuses_mixtral_router_loss() -> str:
+    return _refusal(hf_moe("mixtral"))
+
+
+CHECKS = [cp2_mixtral, cp2_qwen2_moe, refuses_mplan_moe_aux_loss, refuses_mixtral_router_loss]
+
+
+@pytest.fixture(scope="module")
+def world2() -> Any:
+    return run_checks(2, CHECKS, timeout_s=600)
+
+
+@pytest.mark.parametrize("check", [cp2_mixtral, cp2_qwen2_moe], ids=lambda c: c.__name__)
+def test_cp2_with_ep1_trains_moe_models_exactly(world2: Any, check: Any) -> None:
+    values = world2.assert_passed(check)
+    assert values, "no per-rank results"
+    for rank, result in enumerate(values):
+        # both layers' attention split over cp, both layers' experts routed locally (ep=1)
+        assert (result["cp"], result["ep"], result["attention"], result["experts"]) == (2, 1, 2, 2), result
+        assert result["loss"] < TOL and result["param"] < TOL, f"rank {rank}: {result}"
+        assert result["clipped"], f"rank {rank}: clipping never engaged: {result}"
+    assert all(v["loss"] == values[0]["loss"] for v in values), "ranks report different losses"
+
+
+@pytest.mark.parametrize("check", [refuses_mplan_moe_aux_loss, refuses_mixtral_router_loss],
+                         ids=lambda c: c.__name__)
+def test_a_load_balancing_loss_is_refused_under_cp(world2: Any, check: Any) -> None:
+    for message in world2.assert_passed(check):
+        assert message.startswith("UnexecutableStrategy") and "needs a token-mean cross-entropy" in message, message
+
+
+# -- the search (one process) -------------------------------------------------------------------------
+MIXTRAL_CONFIG = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000,
+                  "hidden_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 8,
+                  "intermediate_size": 3584, "num_local_experts": 8, "num_experts_per_tok": 2,
+                  "max_position_embeddings": 131072, "rope_theta": 1e6, "rms_norm_eps": 1e-5,
+                  "tie_word_embeddings": False, "output_router_logits": False, "torch_dtype": "bfloat16"}
+"""A Mixtral-style model of 4 layers, hidden 1024, 8 experts (top 2), its loss the LM loss alone."""
+
+
+@pytest.fixture(scope="module")
+def mixtral_graph(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    import json
+
+    from mplan.planner.planning import capture_for_planning
+
+    where = tmp_path_factory.mktemp("mixtral")
+    (where / "config.json").write_text(json.dumps(MIXTRAL_CONFIG))
+    return capture_for_planning(str(where), seq_len=131072)
+
+
+def test_the_search_weighs_cp_for_an_moe_model_and_picks_it_at_long_sequences(mixtral_graph: Any) -> None:
+    """At 131072 tokens, 2 sequences a step on 8 H100s: cp with ep=1 beats every plan without cp,
+    and a cp rank's experts are priced at its own tokens (1/cp of the sequence's)."""
+    from mplan.cost_models.cluster import ClusterSpec
+    from mplan.planner.context_pricing import rank_experts, splits_loss
+    from mplan.planner.parallel_config import PlanSpec
+    from mplan.planner.search import Planner
+
+    assert splits_loss(mixtral_graph)
+    planner = Planner(mixtral_graph, ClusterSpec.preset("dgx-h100", nodes=1), kernels=True)
+    best = planner.search(2).best
+    without = planner.search(2, PlanSpec(cp=1)).best
+    assert best.config.cp > 1 and best.config.ep == 1 and best.experts_per_rank == 8, best.config.short()
+    assert best.step_time_s < without.step_time_s, (best.config.short(), without.config.short())
+    whole = [e for e in planner.sharded(1, False).experts[1] if e is not None]
+    ranked = [e for e in rank_experts(planner.sharded(1, False).experts[1], 1 / 4) if e is not None]
+    assert len(whole) == len(ranked) == 4
+    for held, rank in zip(whole, ranked):
+        assert [layer.tokens for layer in held.layers] == [131072] and [layer.tokens for layer in rank.layers] == [32768]
+        assert rank.held_forward_s == pytest.approx(held.held_forward_s / 4)
+        assert rank.expert_params == held.expert_params  # every expert on every cp rank
+
+
+def test_mplan_moe_family_gets_no_cp_search() -> None:
+    """Its aux loss is added to the cross-entropy even at aux=0: split_context refuses it, so the
+    search keeps cp=1 for it."""
+    from mplan.planner.context_pricing import splits_loss
+    from mplan.planner.planning import capture_for_planning
+
+    moe = "moe:layers=2,hidden=64,heads=4,kv_heads=2,seq=4096,vocab=64,ffn=48,experts=4,topk=2,aux=0"
+    dense = "llama:layers=2,hidden=64,heads=4,kv_heads=2,seq=4096,vocab=64,ffn=48"
+    assert not splits_loss(capture_for_planning(moe, seq_len=4096))
+    assert splits_loss(capture_for_planning(dense, seq_len=4096))
