@@ -521,7 +521,7 @@ CLAIMS: tuple[Claim, ...] = (
     Claim(doc="README.md", source="bench_mixtral-8x7b_dgx-h100x8-imbalance1.3-2026-12-05.json",
           figures=lambda data: (fixed(_plan(data, "tp=1,ep=8")["predicted"]["step_time_s"], 2),),
           pattern=r"at 1\.3 ep=8 would take (\S+) s:"),
-    Claim(doc="README.md", source="context_plans-predicted-2026-12-06.json", figures=_context_plans,
+    Claim(doc="README.md", source="context_plans-predicted-2026-12-06-session13.json", figures=_context_plans,
           pattern=r"8B: cp=(\d+) over a ring, .*?: (\S+) s a step, (\S+) GiB and MFU (\S+) per GPU; .*? Without cp the best "
                   r"is .*?, (\S+) s \((\S+):.*? 405B: cp=(\d+) \(ring\) x tp=(\d+) x pp=(\d+), .*?: (\S+) s, (\S+) GiB, "
                   r"MFU (\S+) \(.*?: (\S+) s \((\S+)x, bubble (\S+)\)"),
