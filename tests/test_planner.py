@@ -300,8 +300,11 @@ def test_planning_the_issue_jobs_is_fast(model, cluster, nodes, seq_len, global_
     made = plan(model, cluster=spec, global_batch=global_batch, seq_len=seq_len, runtime="mplan")
     seconds = time.process_time() - start
     # measured 5.4-6.0 s (llama3-8b) and 7.0-8.3 s (gpt3-175b) on the 2-core machine with other
-    # tests running beside it; generous against that noise, tight enough to catch a search 1.5x slower
-    assert seconds < 12.0
+    # tests running beside it (2026-12-03); since cp joined the search (every degree leaving chunks of
+    # 128 tokens, 2026-12-06) gpt3-175b takes 10.4-10.8 s on the idle machine, 933 of its 6652
+    # evaluations cp configs that lose. The bound: generous against load, tight enough to catch a
+    # search 1.4x slower than that; the slowdown itself is open (issue 30's planning speed)
+    assert seconds < 15.0
     assert made.mesh.dp * made.mesh.tp * made.mesh.pp == spec.world_size
     assert made.mesh.tp <= spec.gpus_per_node and made.predicted.memory_gib <= spec.device.memory_bytes / 2**30
 
