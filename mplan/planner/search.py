@@ -414,26 +414,35 @@ class _ReplicaState:
     config is priced as dp * cp replicas (`context_pricing.replica_config`), so it holds what the
     config without cp at dp * cp replicas holds of them, at any micro-batch and recomputation; the
     least any such config evaluated held on its fullest pipeline rank stands for it (stage cuts
-    move with activations, which a cp rank holds fewer of, so this is the cut that suited them)."""
+    move with activations, which a cp rank holds fewer of, so this is the cut that suited them).
+    Interleaving (vpp) and the schedule leave a rank the same layers, so a twin at another vpp
+    stands for it too, but only past `OTHER_VPP_MARGIN` of the device: the glue units (embedding,
+    head) may fall on other ranks there. Without it gpt3-175b's search priced 700 interleaved cp
+    configs whose state alone was 4-8x the device, their twins at vpp=1 having been evaluated."""
+
+    OTHER_VPP_MARGIN = 1.25
 
     def __init__(self, capacity_bytes: float) -> None:
         self._capacity = capacity_bytes
         self._least: dict[tuple[object, ...], float] = {}  # replica layout -> bytes
+        self._least_any_vpp: dict[tuple[object, ...], float] = {}
 
     @staticmethod
     def _key(config: ParallelConfig, replicas: int) -> tuple[object, ...]:
-        return (replicas, config.tp, config.pp, config.vpp, config.zero, config.keep_weights, config.sites,
-                config.outer_steps)
+        return (replicas, config.tp, config.pp, config.zero, config.keep_weights, config.sites, config.outer_steps)
 
     def record(self, estimate: Estimate) -> None:
         config = estimate.config
         if config.cp == 1:
             state = max(m.params_bytes + m.grads_bytes + m.optimizer_bytes for m in estimate.memory)
             key = self._key(config, config.dp)
-            self._least[key] = min(state, self._least.get(key, math.inf))
+            self._least[(*key, config.vpp)] = min(state, self._least.get((*key, config.vpp), math.inf))
+            self._least_any_vpp[key] = min(state, self._least_any_vpp.get(key, math.inf))
 
     def over(self, config: ParallelConfig) -> bool:
-        return self._least.get(self._key(config, config.dp * config.cp), 0.0) > self._capacity
+        key = self._key(config, config.dp * config.cp)
+        return (self._least.get((*key, config.vpp), 0.0) > self._capacity
+                or self._least_any_vpp.get(key, 0.0) > self._capacity * self.OTHER_VPP_MARGIN)
 
 
 class _AboveOne:
