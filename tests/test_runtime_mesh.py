@@ -56,7 +56,7 @@ def test_expert_parallel_ranks_are_adjacent_inside_data_parallel() -> None:
 
 def test_context_parallel_ranks_sit_next_to_tp() -> None:
     """cp groups are the next consecutive ranks after tp (inside a node while tp * cp fits);
-    gradients reduce over dp x cp, the replica mesh's dp groups."""
+    gradients reduce over dp x cp, the replica mesh's dp groups, and ep groups come out of them."""
     mesh = MeshShape(dp=2, tp=2, cp=2)
     assert mesh.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert mesh.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -64,8 +64,10 @@ def test_context_parallel_ranks_sit_next_to_tp() -> None:
     assert mesh.group_shape("cp", gpus_per_node=8).level == "intra_node"
     with pytest.raises(ValueError, match=r"dp\*tp\*pp\*cp = 2\*2\*1\*2 = 8 but the world size is 4"):
         mesh.check_world_size(4)
-    with pytest.raises(ValueError, match="expert and context parallelism"):
-        MeshShape(dp=2, ep=2, cp=2)
+    # expert parallelism is carved out of the dp x cp replicas: here each ep group is the two cp ranks
+    # of one dp replica, and an expert's replicas are the other replica's (tests/test_cp_ep.py)
+    moe = MeshShape(dp=2, ep=2, cp=2).replicas()
+    assert (moe.dp, moe.ep, moe.expert_dp) == (4, 2, 2) and moe.groups("ep") == [[0, 1], [2, 3]]
 
 
 def test_bad_meshes_show_the_arithmetic() -> None:

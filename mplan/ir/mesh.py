@@ -108,9 +108,6 @@ class MeshShape:
         if self.dp_local % self.ep:
             raise ValueError(f"ep must divide dp / sites (expert groups stay inside a site): "
                              f"{self.dp} / {self.sites} = {self.dp_local}, not a multiple of ep={self.ep}")
-        if self.ep > 1 and self.cp > 1:
-            raise ValueError(f"ep={self.ep} with cp={self.cp}: expert and context parallelism do not run "
-                             f"together yet")
 
     @property
     def size(self) -> int:

@@ -320,7 +320,8 @@ def context_degrees(world_size: int, limits: ModelLimits, spec: PlanSpec) -> lis
     tokens or more. The search prices them in the order of a lower bound on their step and skips
     those a fitting plan beats (`search.Planner._context_bound`). MoE models too where their loss is
     a cross-entropy alone (`ModelLimits.splits_loss`): with ep=1 a cp rank routes its own tokens to
-    every expert (`enumerate_configs` pairs cp > 1 with ep=1 only; tests/test_cp_moe.py)."""
+    every expert (`enumerate_configs` pairs cp > 1 with ep=1 only; tests/test_cp_moe.py; a spec's cp with
+    ep > 1 runs, tests/test_cp_ep.py)."""
     if spec.cp is not None:
         return [spec.cp] if world_size % spec.cp == 0 else []
     if limits.num_experts and not limits.splits_loss:
@@ -364,7 +365,8 @@ def _meshes(world_size: int, cp: int, gpus_per_node: int, global_batch: int, lim
             dp = world_size // (tp * pp)
             if global_batch % dp:
                 continue
-            # expert and context parallelism do not run together: cp > 1 with ep=1 only
+            # cp > 1 with ep=1 only: the runtime runs cp with ep > 1 where a spec or plan gives it
+            # (tests/test_cp_ep.py), but the experts' all-to-all under cp is not priced yet
             for ep in divisors(dp) if limits.num_experts and cp == 1 else [1]:
                 if limits.num_experts and limits.num_experts % ep:
                     continue

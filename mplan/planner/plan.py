@@ -569,9 +569,9 @@ def _check_consistent(plan: Plan, file: str) -> None:
     if m.dp * m.tp * m.pp * m.cp != plan.cluster.world_size:
         raise PlanError(f"{file}: mesh dp*tp*pp*cp = {m.dp}*{m.tp}*{m.pp}*{m.cp} = {m.dp * m.tp * m.pp * m.cp} does "
                         f"not equal cluster.world_size {plan.cluster.world_size}")
-    if m.cp > 1 and (m.ep > 1 or plan.model.seq_len % (2 * m.cp)):
-        raise PlanError(f"{file}: mesh.cp={m.cp} needs ep=1 and model.seq_len divisible by 2*cp (head-tail "
-                        f"chunks), got ep={m.ep}, seq_len={plan.model.seq_len}")
+    if m.cp > 1 and plan.model.seq_len % (2 * m.cp):
+        raise PlanError(f"{file}: mesh.cp={m.cp} needs model.seq_len divisible by 2*cp (head-tail chunks), got "
+                        f"seq_len={plan.model.seq_len}")
     if plan.global_batch != m.dp * plan.micro_batch_size * plan.num_micro_batches:
         raise PlanError(f"{file}: global_batch {plan.global_batch} != dp*micro_batch_size*num_micro_batches = "
                         f"{m.dp}*{plan.micro_batch_size}*{plan.num_micro_batches}")

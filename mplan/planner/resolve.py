@@ -175,9 +175,6 @@ def _degrees_of(text: str, world_size: int, global_batch: int,
     if dp * tp * pp * cp != world_size:
         raise PlanSpecError(f"plan {text!r}: dp*tp*pp{names} = {dp}*{tp}*{pp}{values} = {dp * tp * pp * cp} ranks "
                             f"but the world has {world_size}")
-    if cp > 1 and (spec.ep or 1) > 1:
-        raise PlanSpecError(f"plan {text!r}: cp={cp} with ep={spec.ep}: expert and context parallelism do not run "
-                            f"together yet")
     if spec.ep is not None and dp % spec.ep:
         raise PlanSpecError(f"plan {text!r}: ep={spec.ep} does not divide the dp={dp} data-parallel ranks it is "
                             f"carved from ({dp} % {spec.ep} = {dp % spec.ep})")
