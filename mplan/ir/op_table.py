@@ -123,6 +123,11 @@ def _topk(ins: Sequence[TensorMeta], outs: Sequence[TensorMeta]) -> int:
     return ins[0].numel * max(1, int(math.log2(max(2, ins[0].shape[-1]))))
 
 
+LOSS_CASTS = ("aten._to_copy.default", "aten.to.dtype", "aten.clone.default")
+"""Ops between a training graph's loss and its output that change no value's meaning (casts and
+copies): what context parallelism looks through to find the loss, in the pass that splits it
+(`passes/split_context.py`) and in the planner that asks whether it can (`planner/context_pricing.py`)."""
+
 _VIEW_OPS = (
     "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "unsqueeze",
     "squeeze", "slice", "select", "split", "split_with_sizes", "chunk", "unflatten", "flatten",

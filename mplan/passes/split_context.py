@@ -57,13 +57,13 @@ from mplan.collectives.context_attention import METHODS, context_attention, loca
 from mplan.collectives.redistribute import AxisGroup, all_reduce_no_grad
 from mplan.ir.attention_mask import AttentionMask
 from mplan.ir.context_layout import ContextLayout
+from mplan.ir.op_table import LOSS_CASTS
 from mplan.ir.sharding import UnexecutableStrategy
 from mplan.passes.attention_forms import AttentionForm, find_attention, is_position_arange, is_table_slice, read_mask
 from mplan.passes.local_ops import (BatchShardedCrossEntropy, KVReplicatedAttention, VocabParallelCrossEntropy,
                                     VocabParallelHeadLoss, normalized_kwargs)
 
 aten = torch.ops.aten
-_CASTS = (aten._to_copy.default, aten.to.dtype, aten.clone.default)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -360,7 +360,7 @@ def _split_loss(program: fx.GraphModule, lowering: ContextLowering, labels: str 
     result = output.args[0]
     value = result[0] if isinstance(result, (tuple, list)) else result
     source = value
-    while isinstance(source, fx.Node) and source.op == "call_function" and source.target in _CASTS:
+    while isinstance(source, fx.Node) and source.op == "call_function" and str(source.target) in LOSS_CASTS:
         source = source.args[0]
     ignore_index = _mean_cross_entropy(program, source)
     if ignore_index is None:

@@ -72,7 +72,7 @@ from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.cost_models.dtypes import canonical_dtype
 from mplan.ir.graph import Graph, OpNode
 from mplan.ir.mesh import GroupShape
-from mplan.ir.op_table import op_packet
+from mplan.ir.op_table import LOSS_CASTS, op_packet
 from mplan.ir.placement import Shard, local_shape
 from mplan.ir.strategy import Strategy
 from mplan.planner.evaluate import Estimate, ModelFacts
@@ -84,8 +84,6 @@ from mplan.planner.unit_experts import UnitExperts
 
 ATTENTION_OPS = ("aten.scaled_dot_product_attention.default",)
 """The attention the runtime turns into context attention (`passes/split_context.py`)."""
-CASTS = ("aten._to_copy.default", "aten.to.dtype", "aten.clone.default")
-"""Ops `split_context` looks through to find the loss."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -233,7 +231,7 @@ def splits_loss(graph: Graph) -> bool:
     `passes/split_context` makes exact over the cp ranks, which refuses any other (an MoE
     load-balancing loss added to it, whose token statistics span the whole sequence)."""
     for node in reversed(graph.nodes):
-        if node.op not in CASTS:
+        if node.op not in LOSS_CASTS:
             return node.op == "aten.cross_entropy_loss.default"
     return False
 
