@@ -293,7 +293,7 @@ class ParallelModule:
         # the step's micro-batches, filled in place for the stages' feeds (which hold this list, the
         # parameters and the buffers, never the module: deleting pm frees it without a collection)
         self._micro: list[tuple[torch.Tensor, ...]] = []
-        self._documents: list[tuple[ContextLayout, torch.Tensor, bool]] = []  # the pipeline step's (`_select_documents`)
+        self._documents: list[tuple[ContextLayout, torch.Tensor, bool]] = []  # a document step's (`_select_documents`)
         # where this rank is inside a step, for the hang watchdog (`watch_for_hangs`; off by default)
         self.position = Position.of(groups, clipping=max_grad_norm is not None)
         self.watchdog: Watchdog | None = None
@@ -327,8 +327,9 @@ class ParallelModule:
                                 before_compute=self._select_documents if self.context is not None else None)
 
     def _select_documents(self, i: int) -> None:
-        """Micro-batch i's packed documents (layout, ids) on the context modules, before a pipeline
-        action computes it (`_document_step`); nothing in a step without documents."""
+        """Micro-batch i's packed documents (layout, ids) on the context modules, before its
+        forward (and, under a pipeline, before each action that computes it: `_document_step`);
+        nothing in a step without documents."""
         if self._documents:
             assert self.context is not None
             self.context.batch.layout, self.context.batch.doc_ids, self.context.batch.local = self._documents[i]
@@ -446,26 +447,23 @@ class ParallelModule:
             micro.append(tuple(layout.split(t, 1, self.groups.cp_rank).to(self.device) for t in own))
             batches.append((layout, docs.to(self.device), local))
         self.last_context_sizes = [1 if local else self.plan.mesh.cp for _, _, local in batches]
+        self._documents[:] = batches
         try:
-            if self.executor is not None:
-                self._documents[:] = batches
-                return self._pipeline_step(micro)
-            return self._flat_step(micro, batches)
+            return self._pipeline_step(micro) if self.executor is not None else self._flat_step(micro)
         finally:
             self._documents.clear()
             self.context.batch.layout = self.context.batch.doc_ids = None
             self.context.batch.local = False
 
-    def _flat_step(self, micro: list[tuple[torch.Tensor, ...]],
-                   batches: list[tuple[ContextLayout, torch.Tensor, bool]] | None = None) -> float:
-        """The step of a plan without pipeline stages over its micro-batches (`batches`: each
-        one's layout and documents)."""
+    def _flat_step(self, micro: list[tuple[torch.Tensor, ...]]) -> float:
+        """The step of a plan without pipeline stages over its micro-batches (with packed
+        documents: each one's layout and documents, `_documents`)."""
         count = len(micro)
         try:
-            if self.step_graph is not None and batches is None:
+            if self.step_graph is not None and not self._documents:
                 total = self.step_graph.forward_backward(micro, self._forward_backward)
             else:
-                total = self._forward_backward(micro, batches)
+                total = self._forward_backward(micro)
             self.position.collective("optimizer step")
             self._last_grad_norm = self.optimizer.step(max_grad_norm=self.max_grad_norm)
             self._after_inner_step()
@@ -481,16 +479,14 @@ class ParallelModule:
             dist.all_reduce(total, group=self.replicas.dp)
         return float(total)
 
-    def _forward_backward(self, micro: list[tuple[torch.Tensor, ...]],
-                          batches: list[tuple[ContextLayout, torch.Tensor, bool]] | None = None) -> torch.Tensor:
+    def _forward_backward(self, micro: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         """Every micro-batch's forward and backward, gradients accumulated; their summed loss
         (float64, on the device). What a `StepGraph` records and replays."""
         count = len(micro)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, one in enumerate(micro):
             self.position.micro_batch(i)
-            if batches is not None and self.context is not None:
-                self.context.batch.layout, self.context.batch.doc_ids, self.context.batch.local = batches[i]
+            self._select_documents(i)
             with self._autocast():
                 loss = self.program(*self._feed(self.program, one))
             if i == count - 1:
