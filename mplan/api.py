@@ -49,7 +49,7 @@ from mplan.runtime.launch import init_distributed_from_env
 from mplan.runtime.outer_loop import OuterOptimizer
 from mplan.runtime.parallel_module import ParallelModule, check_executable, parallelize
 from mplan.runtime.replicated_optimizer import OptimizerFactory
-from mplan.runtime.step_graph import graph_refusal
+from mplan.runtime.step_graph import refuse_graphs
 from mplan.runtime.watchdog import hang_timeout
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -111,7 +111,8 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     cluster = cluster or _local_cluster(world_size)
     inputs = tuple(example_inputs)
     use_kernels = run_on.type == "cuda" if kernels is None else kernels
-    _refuse_graphs(cuda_graphs, None, run_on)  # the device alone, before the capture's seconds
+    if cuda_graphs:
+        refuse_graphs(None, run_on)  # the device alone, before the capture's seconds
     # a spec string or plan file that cannot run on this world and batch, refused before the capture's seconds
     plan = check_before_capture(plan, world_size=world_size, global_batch=global_batch, model=model,
                                 micro_batch_size=micro_batch_size, tp_layout=tp_layout)
@@ -129,7 +130,8 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
                                 kernels=use_kernels and cluster.device.name != "cpu", fp8=fp8, progress=progress,
                                 inexact_ok=inexact_ok)
         check_executable(resolved)
-        _refuse_graphs(cuda_graphs, resolved, run_on)
+        if cuda_graphs:
+            refuse_graphs(resolved, run_on, fp8=resolved.fp8)
         planned.detail = _plan_words(resolved, world_size)
     with progress.phase("lowering", f"{resolved.mesh.tp}-way TP, {resolved.mesh.pp} stage"
                                     f"{'s' if resolved.mesh.pp > 1 else ''}, {'fused kernels' if use_kernels else 'ATen ops'}"):
@@ -153,12 +155,6 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     del graph
     gc.collect()
     return pm
-
-
-def _refuse_graphs(cuda_graphs: bool, plan: Plan | None, device: torch.device) -> None:
-    refusal = graph_refusal(plan, device, fp8=plan is not None and plan.fp8) if cuda_graphs else None
-    if refusal is not None:
-        raise ValueError(f"cuda_graphs=True: {refusal}")
 
 
 def _say_untrained(progress: Progress, model: nn.Module, params: dict[str, torch.Tensor]) -> None:

@@ -117,7 +117,7 @@ from mplan.runtime.pipeline_stages import RankStages, pipeline_schedule, rank_st
 from mplan.runtime.process_groups import ProcessGroups, group_size, init_process_groups
 from mplan.runtime.released_parameters import guard, unguarded
 from mplan.runtime.replicated_optimizer import OptimizerFactory
-from mplan.runtime.step_graph import StepGraph, graph_refusal
+from mplan.runtime.step_graph import StepGraph, refuse_graphs
 from mplan.runtime.unit_gathers import insert_unit_gathers, unit_parameters
 from mplan.runtime.watchdog import Position, Watchdog, watch
 
@@ -498,9 +498,7 @@ class ParallelModule:
     def use_cuda_graphs(self) -> None:
         """Replay each step's forwards and backwards as one CUDA graph from the third step on
         (`runtime.step_graph`); raises ValueError naming why where this module's plan cannot."""
-        refusal = graph_refusal(self.plan, self.device, fp8=self.fp8)
-        if refusal is not None:
-            raise ValueError(f"cuda_graphs=True: {refusal}")
+        refuse_graphs(self.plan, self.device, fp8=self.fp8)
         copies = self.copies
         self.step_graph = StepGraph([p if copies is None else copies.of(p) for p in self.params.values()])
 

@@ -2,6 +2,7 @@
 (Python, autograd, every kernel's launch) paid once, at capture, instead of every step.
 
     graph_refusal(plan, device, *, fp8=False) -> str | None   why a plan's steps cannot be graphed
+    refuse_graphs(plan, device, *, fp8=False)                 the same, raised as one line
     StepGraph(leaves, warmup=WARMUP_STEPS, backend=CudaGraphs())
         .forward_backward(micro, run) -> run(micro)'s result, from a replay once captured
         .state() -> "replaying", "warming up", or "eager: <why>"
@@ -87,6 +88,14 @@ def graph_refusal(plan: Plan | None, device: torch.device, *, fp8: bool = False)
     if plan.outer_steps:
         return "an outer loop's steps run over sites"
     return None
+
+
+def refuse_graphs(plan: Plan | None, device: torch.device, *, fp8: bool = False) -> None:
+    """Raise ValueError with `graph_refusal`'s reason, where there is one: `cuda_graphs=True`'s
+    one line, before the capture (`plan` None: the device alone) and when the module is built."""
+    refusal = graph_refusal(plan, device, fp8=fp8)
+    if refusal is not None:
+        raise ValueError(f"cuda_graphs=True: {refusal}")
 
 
 class GraphBackend(Protocol):
