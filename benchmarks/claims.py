@@ -141,10 +141,6 @@ def _own(data: dict) -> tuple[str, ...]:
                  for key in ("mplan_vs_eager", "mplan_vs_compile"))
 
 
-def _gemma3_profile(data: dict) -> tuple[str, ...]:
-    mplan = data["families"]["gemma3"]["profile"]["mplan"]
-    return fixed(mplan["gpu_kernel_ms_per_step"], 0), fixed(mplan["wall_ms_per_step"], 0)
-
 # -- the registry ----------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Claim:
@@ -707,7 +703,7 @@ CLAIMS: tuple[Claim, ...] = (
           pattern=r"Gemma-3 is host-bound still: (\S+) ms of GPU kernels in a (\S+) ms profiled step"),
     Claim(doc="README.md", source="peers_h100-2026-12-06-session13-c.json", figures=_peer_profile("qwen3_moe"),
           pattern=r"Qwen3-MoE's, (\S+) ms of kernels in (\S+) ms"),
-    Claim(doc="README.md", source="peers_profile_h100-2026-12-06-gemma3.json", figures=_gemma3_profile,
+    Claim(doc="README.md", source="peers_profile_h100-2026-12-06-gemma3.json", figures=_peer_profile("gemma3"),
           pattern=r"Gemma-3's step is host-bound: (\S+) ms of GPU kernels in a (\S+) ms step"),
     Claim(doc="docs/claims.md", source="capture-cpu-2026-11-29.json", figures=_capture,
           pattern=r"capture of gpt3-175b / llama3-405b: (\S+) s, (\S+) GiB / (\S+) s, (\S+) GiB"),
