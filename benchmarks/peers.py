@@ -195,7 +195,10 @@ def coverage(graph: Any) -> list[dict[str, Any]] | str:
         return "coverage failed: " + traceback.format_exc().strip().splitlines()[-1]
 
 
-BUILDERS = {"eager": build_eager, "compile": build_compile, "mplan": build_mplan, "liger": build_liger}
+BUILDERS = {"eager": build_eager, "compile": build_compile, "mplan": build_mplan, "liger": build_liger,
+            "mplan_eager": functools.partial(build_mplan, cuda_graphs=False)}
+"""mplan_eager: mplan launching every step from Python, beside `mplan` with its CUDA graphs in the same
+rounds (--systems ...,mplan_eager), so that what the graphs buy is measured, not inferred across runs"""
 
 
 def start_system(name: str, fam: Family, setting: Setting, batches: list[torch.Tensor],
@@ -335,6 +338,9 @@ def compare(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
             ratios = [theirs / my for theirs, my in zip(ok[peer]["round_s"], mine)]
             out[f"mplan_vs_{peer}"] = statistics.median(ratios)
             out[f"mplan_vs_{peer}_per_round"] = ratios
+        if "mplan_eager" in ok:
+            out["mplan_vs_mplan_eager"] = statistics.median(
+                theirs / my for theirs, my in zip(ok["mplan_eager"]["round_s"], mine))
         best = min(peers, key=lambda name: ok[name]["step_s"])
         out["best_peer"], out["mplan_vs_best_peer"] = best, out[f"mplan_vs_{best}"]
         peaks = {name: ok[name]["peak_gib"] for name in peers if ok[name].get("peak_gib")}
@@ -342,7 +348,7 @@ def compare(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
             lowest = min(peaks, key=peaks.__getitem__)
             out["lowest_peak_peer"], out["mplan_peak_vs_lowest_peer"] = lowest, ok["mplan"]["peak_gib"] / peaks[lowest]
     if "eager" in ok:
-        for name in ("mplan", "compile", "liger"):
+        for name in ("mplan", "mplan_eager", "compile", "liger"):
             if name in ok:
                 out["loss_agreement"][f"{name}_vs_eager"] = loss_agreement(ok[name], ok["eager"])
     out["targets"] = {
@@ -486,7 +492,7 @@ def parse_args() -> argparse.Namespace:
                         help="also mplan's own models, of gpt,llama (e2e's GPT-1.3B and Llama-1.1B on its "
                              "memorized batch; eager, compile and mplan), after the families")
     parser.add_argument("--systems", default=None,
-                        help="comma-separated, of eager,compile,mplan,liger (default: all four on CUDA; "
+                        help="comma-separated, of eager,compile,mplan,liger,mplan_eager (default: the first four on CUDA; "
                              "eager,mplan,liger on a CPU, where torch.compile is slow)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="steps before timing (their losses are checked; default 3, --small 2)")

@@ -203,3 +203,28 @@ def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_run() -> None:
     assert "spans 2 ranks" in graph_refusal(wide, cuda)
     assert "FP8" in graph_refusal(plan, cuda, fp8=True)
     assert "zero=3" in graph_refusal(dataclasses.replace(plan, zero=3), cuda)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graphs need a GPU")
+
+
+def _on_cuda(graphs: bool, dtype: torch.dtype, kernels: bool) -> tuple[list[float], mplan.ParallelModule]:
+    model = build_model(SPEC, device="cpu", dtype=dtype, seed=0)
+    pm = mplan.autoparallel(model, example_inputs=(_batch(0)[0][:MICRO],), global_batch=GLOBAL_BATCH,
+                            micro_batch_size=MICRO, plan="dp=1,tp=1", optimizer=OPTIMIZER, max_grad_norm=1.0,
+                            device="cuda", dtype=dtype, kernels=kernels, cuda_graphs=graphs, progress="quiet")
+    losses = [pm.train_step(*(t.cuda() for t in _batch(step + 1))) for step in range(STEPS)]
+    return losses, pm
+
+
+@needs_cuda
+@pytest.mark.parametrize(("dtype", "kernels", "tol"), [(torch.float64, False, 1e-12), (torch.float32, True, 1e-5)])
+def test_on_a_gpu_the_captured_step_replays_as_eager_trains(dtype: torch.dtype, kernels: bool, tol: float) -> None:
+    """The real thing on a GPU: the step captured at the third step and replayed after trains as
+    the eager module does (float64 without fused kernels: the same kernels, so equal to rounding;
+    float32 with the Triton kernels, whose autotuned launches are captured too)."""
+    want, eager = _on_cuda(False, dtype, kernels)
+    got, graphed = _on_cuda(True, dtype, kernels)
+    assert graphed.step_graph.state() == "replaying"
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < tol
+    assert max(rel_err(graphed.params[k], v) for k, v in eager.params.items()) < tol
