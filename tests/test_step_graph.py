@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
+import traceback
 from collections.abc import Callable
 
 import pytest
@@ -22,7 +24,7 @@ import torch
 import mplan
 from distributed import rel_err
 from mplan.models import build_model
-from mplan.runtime.step_graph import StepGraph, graph_refusal
+from mplan.runtime.step_graph import StepGraph, graph_refusal, sync_place
 
 SPEC = "llama:layers=2,hidden=32,heads=4,kv_heads=2,ffn=64,seq=16,vocab=64"
 GLOBAL_BATCH, MICRO = 4, 2
@@ -203,6 +205,18 @@ def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_run() -> None:
     assert "spans 2 ranks" in graph_refusal(wide, cuda)
     assert "FP8" in graph_refusal(plan, cuda, fp8=True)
     assert "zero=3" in graph_refusal(dataclasses.replace(plan, zero=3), cuda)
+
+
+def test_a_sync_is_placed_at_the_callers_line_not_inside_torchs_wrapper() -> None:
+    """A synchronizing call made through a torch function is named by the line outside torch that
+    made it, with the torch function beside it: the innermost frame alone (what the C++ warning
+    carries) names only torch's own wrapper, which tells a user nothing."""
+    here = traceback.extract_stack()
+    inside = traceback.FrameSummary(os.path.join(os.path.dirname(torch.__file__), "cuda", "__init__.py"), 1270,
+                                    "synchronize")
+    assert sync_place([*here, inside]) == (f"{here[-1].filename}:{here[-1].lineno} "
+                                           "(in torch's synchronize, cuda/__init__.py:1270)")
+    assert sync_place(here) == f"{here[-1].filename}:{here[-1].lineno}"
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graphs need a GPU")

@@ -55,6 +55,8 @@ its peak.
 """
 from __future__ import annotations
 
+import os
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -63,6 +65,7 @@ import torch
 
 from mplan.planner.plan import Plan
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 WARMUP_STEPS = 2
 """Eager steps before the capture: the first autotunes and builds lazy state; the second runs
 the way every later step will (gradients freed and re-made as between all steps)."""
@@ -136,16 +139,38 @@ class CudaGraphs:
         blocking copy): each warning's place names the Python line that made it."""
         side, main = self._side(), torch.cuda.current_stream()
         previous = torch.cuda.get_sync_debug_mode()
+        places: list[str] = []
+
+        def note(message: Warning | str, *_: object, **__: object) -> None:
+            if "synchroniz" in str(message):  # called inside the warning: the stack is the sync's
+                places.append(sync_place(traceback.extract_stack()[:-1]))
+
         side.wait_stream(main)
-        with warnings.catch_warnings(record=True) as caught, torch.cuda.stream(side):
+        with warnings.catch_warnings(), torch.cuda.stream(side):
             warnings.simplefilter("always")
+            warnings.showwarning = note
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 out = run()
             finally:
                 torch.cuda.set_sync_debug_mode(previous)
         main.wait_stream(side)  # the optimizer, on the main stream, reads the gradients made here
-        return out, sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
+        return out, sorted(set(places))
+
+
+def sync_place(stack: Sequence[traceback.FrameSummary]) -> str:
+    """Where a synchronizing call came from, for a user to find: the innermost frame outside torch
+    (the caller's file:line), with the torch function it went through. A C++ warning names only
+    the innermost Python frame, which is torch's own wrapper (`torch.cuda.synchronize`, say)."""
+    frames = [frame for frame in stack if frame.filename != warnings.__file__]  # the warning's own machinery
+    outside = [i for i, frame in enumerate(frames) if not frame.filename.startswith(_TORCH_DIR)]
+    if not outside:
+        return f"{frames[-1].filename}:{frames[-1].lineno}"
+    caller = frames[outside[-1]]
+    torch_frames = frames[outside[-1] + 1:]
+    via = (f" (in torch's {torch_frames[-1].name}, {os.path.relpath(torch_frames[-1].filename, _TORCH_DIR)}:"
+           f"{torch_frames[-1].lineno})" if torch_frames else "")
+    return f"{caller.filename}:{caller.lineno}{via}"
 
 
 def _shapes(micro: MicroBatches) -> tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...]:
