@@ -37,12 +37,15 @@ buffer at every replay, else the graph is dropped and steps run eagerly. No stal
 added.
 
 Falls back to eager, saying why once (`state`): a batch of other shapes than the captured one
-(that step only); a step that synchronizes with the host (`.item()`, `.tolist()`, a shape read
-from data, as capacity-limited MoE routing's counts are), which the last warm-up step watches for
-under torch's sync debug mode and names by file and line, since a capture would fail there
-without saying where; a capture that fails all the same: never tried again. `graph_refusal` names what is refused up front: no CUDA device, a plan
-over several ranks (collectives inside the step), FP8 (its scaling history is kept by Python
-between steps), zero=3 (gathers between the forward's units) and outer loops.
+(that step only); a capture that fails, never tried again. A step that synchronizes with the host
+(`.item()`, `.tolist()`, a shape read from data, as capacity-limited MoE routing's counts are)
+fails its capture without saying where, so the last warm-up step is watched under torch's sync
+debug mode and the failure names those places (the caller's file:line outside torch). A sync seen
+there does not by itself refuse the capture: the debug mode also flags waits that happen once
+(on an H100 every family's watched step was flagged inside torch's own `torch.cuda` wrapper), and
+the capture is the test that counts. `graph_refusal` names what is refused up front: no CUDA
+device, a plan over several ranks (collectives inside the step), FP8 (its scaling history is kept
+by Python between steps), zero=3 (gathers between the forward's units) and outer loops.
 
 A replay reads the parameters where the capture found them: updates in place (the optimizer,
 `pm.load`) are seen; a parameter given new memory drops the graph (steps run eagerly, saying so)
@@ -195,6 +198,7 @@ class StepGraph:
         self._grads: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # leaf, its gradient, had one before
         self._addresses: list[int] = []  # the leaves' memory the graph reads
         self._said_shapes = False
+        self._synced: list[str] = []  # where the watched warm-up step made the host wait (file:line)
 
     def state(self) -> str:
         if self.refusal is not None:
@@ -207,11 +211,8 @@ class StepGraph:
         self.steps += 1
         if self.refusal is not None or self.steps < self.warmup:
             return run(micro)
-        if self.steps == self.warmup:  # the last eager step tells whether a capture could work
-            total, places = self.backend.synchronizing(lambda: run(micro))
-            if places:
-                self._drop(f"the step synchronizes with the host at {', '.join(places[:4])}"
-                           + (f" and {len(places) - 4} more places" if len(places) > 4 else ""))
+        if self.steps == self.warmup:  # the last eager step: where it synchronizes, should the capture fail
+            total, self._synced = self.backend.synchronizing(lambda: run(micro))
             return total
         if self._replay is None:
             return self._capture(micro, run)
@@ -248,7 +249,10 @@ class StepGraph:
             for leaf in self.leaves:  # a partial capture's gradients are graph memory, never the step's
                 leaf.grad = before[id(leaf)]
             cause = (str(error).strip().splitlines() or [""])[0][:200]
-            self._drop(f"the capture failed ({type(error).__name__}: {cause})")
+            places = self._synced
+            self._drop(f"the capture failed ({type(error).__name__}: {cause})" + (
+                f"; the warm-up step synchronized with the host at {', '.join(places[:4])}"
+                + (f" and {len(places) - 4} more places" if len(places) > 4 else "") if places else ""))
             return run(micro)
         self._grads = [(leaf, leaf.grad, before[id(leaf)] is not None) for leaf in self.leaves if leaf.grad is not None]
         self._replay, self._inputs, self._total, self._shapes = replay, inputs, total, _shapes(micro)
