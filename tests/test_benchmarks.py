@@ -241,10 +241,11 @@ def test_peers_benchmark_races_every_system_on_tiny_families(tmp_path: Path) -> 
     """The soft-capped, packed-projection and MoE families and one Liger does not patch: mplan's
     losses agree with eager's, its fusion report says what fused, the liger slot's child protocol
     (run by the plain HF model on a CPU) reproduces eager's losses bit for bit, and the card and
-    versions are in the JSON."""
+    versions are in the JSON; mplan without its CUDA graphs (`mplan_eager`) runs in the same rounds
+    and is compared with mplan."""
     out = tmp_path / "peers.json"
     _run("peers.py", "--device", "cpu", "--small", "--smoke-child", "--families", "gemma2,phi3,qwen3_moe,stablelm",
-         "--own", "llama", "--out", str(out), timeout=600)
+         "--systems", "eager,mplan,mplan_eager,liger", "--own", "llama", "--out", str(out), timeout=600)
     report = json.loads(out.read_text())
     assert report["gpu"] == "cpu (smoke test)" and {"torch", "triton", "transformers", "liger-kernel"} <= set(
         report["versions"])
@@ -255,6 +256,7 @@ def test_peers_benchmark_races_every_system_on_tiny_families(tmp_path: Path) -> 
         assert entry["loss_agreement"]["mplan_vs_eager"]["passed"], (name, entry["loss_agreement"])
         assert len(entry["mplan_vs_eager_per_round"]) == 2 and entry["mplan_vs_best_peer"] > 0, name
         assert "linear_cross_entropy" in systems["mplan"]["fusion"]["fused"], name
+        assert entry["mplan_vs_mplan_eager"] > 0 and entry["loss_agreement"]["mplan_eager_vs_eager"]["passed"], name
     fused = {name: entry["systems"]["mplan"]["fusion"]["fused"] for name, entry in report["families"].items()}
     assert {"linear_group", "rope_qk", "linear_swiglu"} <= set(fused["phi3"])
     assert "linear_geglu" in fused["gemma2"]
