@@ -8,9 +8,8 @@ reduced over the replicas that hold it (cp ranks' shares summed, dp replicas ave
 dense parameters). Checked as tests/test_cp_moe.py checks cp with ep=1: 3 AdamW steps with active
 clipping, every loss and every final parameter against one process trained on the plan's
 micro-batches, float64, relative error under 1e-9, on Hugging Face Mixtral and Qwen2-MoE (shared
-expert) without their router loss (a load-balancing loss is refused under cp:
-tests/test_cp_moe.py), with and without ZeRO-1. The search does not try cp with ep > 1 yet: a
-spec or plan gives it.
+expert) without their router loss (with it, dp=2 x cp=2 x ep=2: tests/test_cp_router_loss.py),
+with and without ZeRO-1. The search does not try cp with ep > 1 yet: a spec or plan gives it.
 """
 from __future__ import annotations
 

@@ -7,22 +7,21 @@ experts run. Checked as tests/test_context_parallel.py checks dense models: 3 Ad
 active global-norm clipping under `mplan.autoparallel(plan="cp=2")` on 2 gloo ranks, every step's
 loss and every final parameter (routers and experts included) against one process trained with
 the plan's micro-batches (test_expert_parallel.accumulated), float64, relative error under 1e-9:
-Hugging Face Mixtral and Qwen2-MoE (shared expert) without their router loss. A load-balancing
-loss is a product of token means over the whole sequence (each expert's share of the choices
-times its mean probability); `split_context` makes only a token-mean cross-entropy exact over the
-cp group and refuses the sum (mplan's MoE family always adds its aux term, even at aux=0), so
-the search does not try cp for such models (`ModelLimits.splits_loss`).
+Hugging Face Mixtral and Qwen2-MoE (shared expert) without their router loss. With it (a
+load-balancing loss, products of token means over the whole sequence), tests/test_cp_router_loss.py;
+the search tries cp for both (`ModelLimits.splits_loss`).
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import pytest
+import torch
 from torch import nn
 
 from distributed import run_checks
-from test_equivalence import TOL, batches, errors, family, trained
-from test_expert_parallel import MOE, accumulated, hf_moe
+from test_equivalence import TOL, batches, errors, trained
+from test_expert_parallel import accumulated, hf_moe
 
 STEPS = 3
 
@@ -34,14 +33,6 @@ def _compare(make: Callable[[], nn.Module], global_batch: int = 2, micro_batch: 
     return {**errors(pm, losses, norms, accumulated(make, data, micro_batch)), "cp": pm.plan.mesh.cp,
             "ep": pm.plan.mesh.ep, "attention": kinds.count("ContextAttention"),
             "experts": kinds.count("RoutedExperts")}
-
-
-def _refusal(make: Callable[[], nn.Module]) -> str:
-    try:
-        _compare(make)
-    except Exception as error:  # the refusal's one line is what is checked
-        return f"{type(error).__name__}: {error}"
-    return "not refused"
 
 
 def without_router_loss(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
@@ -62,15 +53,7 @@ def cp2_qwen2_moe() -> dict[str, Any]:
     return _compare(without_router_loss(hf_moe("qwen2_moe")))
 
 
-def refuses_mplan_moe_aux_loss() -> str:
-    return _refusal(family(f"{MOE},experts=4,topk=2"))
-
-
-def refuses_mixtral_router_loss() -> str:
-    return _refusal(hf_moe("mixtral"))
-
-
-CHECKS = [cp2_mixtral, cp2_qwen2_moe, refuses_mplan_moe_aux_loss, refuses_mixtral_router_loss]
+CHECKS = [cp2_mixtral, cp2_qwen2_moe]
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +71,6 @@ def test_cp2_with_ep1_trains_moe_models_exactly(world2: Any, check: Any) -> None
         assert result["loss"] < TOL and result["param"] < TOL, f"rank {rank}: {result}"
         assert result["clipped"], f"rank {rank}: clipping never engaged: {result}"
     assert all(v["loss"] == values[0]["loss"] for v in values), "ranks report different losses"
-
-
-@pytest.mark.parametrize("check", [refuses_mplan_moe_aux_loss, refuses_mixtral_router_loss],
-                         ids=lambda c: c.__name__)
-def test_a_load_balancing_loss_is_refused_under_cp(world2: Any, check: Any) -> None:
-    for message in world2.assert_passed(check):
-        assert message.startswith("UnexecutableStrategy") and "needs a token-mean cross-entropy" in message, message
 
 
 # -- the search (one process) -------------------------------------------------------------------------
@@ -140,13 +116,42 @@ def test_the_search_weighs_cp_for_an_moe_model_and_picks_it_at_long_sequences(mi
         assert rank.expert_params == held.expert_params  # every expert on every cp rank
 
 
-def test_mplan_moe_family_gets_no_cp_search() -> None:
-    """Its aux loss is added to the cross-entropy even at aux=0: split_context refuses it, so the
-    search keeps cp=1 for it."""
+def test_moe_models_with_a_load_balancing_loss_get_the_cp_search(tmp_path: Any) -> None:
+    """The aux term's token means are made exact under cp (tests/test_cp_router_loss.py): mplan's
+    MoE family (its aux loss added even at aux=0) and Mixtral with its router loss are offered cp;
+    a loss with a reduction over the tokens cp cannot make exact is not."""
+    import json
+
     from mplan.planner.context_pricing import splits_loss
+    from mplan.planner.parallel_config import ModelLimits, PlanSpec, context_degrees
     from mplan.planner.planning import capture_for_planning
 
     moe = "moe:layers=2,hidden=64,heads=4,kv_heads=2,seq=4096,vocab=64,ffn=48,experts=4,topk=2,aux=0"
     dense = "llama:layers=2,hidden=64,heads=4,kv_heads=2,seq=4096,vocab=64,ffn=48"
-    assert not splits_loss(capture_for_planning(moe, seq_len=4096))
+    (tmp_path / "config.json").write_text(json.dumps({**MIXTRAL_CONFIG, "output_router_logits": True}))
+    assert splits_loss(capture_for_planning(moe, seq_len=4096))
     assert splits_loss(capture_for_planning(dense, seq_len=4096))
+    routed = capture_for_planning(str(tmp_path), seq_len=4096)
+    assert splits_loss(routed)
+    limits = ModelLimits(num_layers=4, num_heads=16, num_kv_heads=8, num_experts=8, seq_len=4096,
+                         splits_loss=splits_loss(routed))
+    assert context_degrees(8, limits, PlanSpec()) == [1, 2, 4, 8]
+
+
+def test_a_loss_cp_cannot_make_exact_gets_no_cp_search() -> None:
+    """A max over the tokens beside the cross-entropy: `split_context` would refuse it."""
+    from mplan.ir.trace import capture
+    from mplan.planner.context_pricing import splits_loss
+
+    class MaxRouted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.router, self.head = nn.Embedding(16, 8), nn.Linear(8, 4), nn.Linear(8, 16)
+
+        def forward(self, input_ids: Any, labels: Any) -> Any:
+            x = self.embed(input_ids)
+            loss = nn.functional.cross_entropy(self.head(x).reshape(-1, 16), labels.reshape(-1))
+            return loss + self.router(x).amax(dim=1).mean()
+
+    ids = torch.randint(0, 16, (2, 8))
+    assert not splits_loss(capture(MaxRouted(), (ids,), labels=ids))

@@ -27,7 +27,16 @@ What changes, and why it is exact (rules; anything else runs unchanged, per toke
            sum over the cp group of these is cp times the global mean, and the runtime reduces
            losses and gradients over dp x cp ranks with a 1/(dp*cp) factor (`mesh.replicas()`),
            so each replica contributes its exact mean. L_r * n_r is sum_r up to one rounding.
-           A loss that is not such a cross-entropy, or no `labels` input, is refused.
+    terms added to the cross-entropy that are computed from means over the tokens (an MoE
+        router's load-balancing loss: each expert's share of the choices times its mean router
+        probability), found by dataflow (`ir.token_statistics`)
+        -> each token mean, or partial sum and its count, made the micro-batch's over the cp group
+           by `ContextStatistic`, an all-reduce whose backward all-reduces the gradient. Every rank
+           adds the whole term T to its share: the runtime's average over the cp ranks leaves T,
+           and the backward all-reduce sums the ranks' equal cotangents, so each rank's gradient is
+           cp times its tokens' part of T's and the average is T's exactly.
+           A loss not linear in its cross-entropy, any other reduction over the tokens in these
+           terms (`ir.token_statistics` names the op), or no `labels` input, is refused.
     pad(labels, (0, 1), value=i)[..., 1:] (Hugging Face's shift inside the loss: position p's
         target is the label at p + 1, on whichever rank holds it)
         -> the labels all-gathered over the cp group (integers, no gradient), padded with i and
@@ -44,6 +53,7 @@ cp=1 when documents are asked for (one rank holds the whole sequence; no collect
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,11 +64,13 @@ import torch.fx as fx
 from torch import nn
 
 from mplan.collectives.context_attention import METHODS, context_attention, local_attention
-from mplan.collectives.redistribute import AxisGroup, all_reduce_no_grad
+from mplan.collectives.redistribute import AxisGroup, all_reduce_no_grad, redistribute
 from mplan.ir.attention_mask import AttentionMask
 from mplan.ir.context_layout import ContextLayout
 from mplan.ir.op_table import LOSS_CASTS
+from mplan.ir.placement import P, R
 from mplan.ir.sharding import UnexecutableStrategy
+from mplan.ir.token_statistics import TokenStatistics, token_statistics
 from mplan.passes.attention_forms import AttentionForm, find_attention, is_position_arange, is_table_slice, read_mask
 from mplan.passes.local_ops import (BatchShardedCrossEntropy, KVReplicatedAttention, VocabParallelCrossEntropy,
                                     VocabParallelHeadLoss, normalized_kwargs)
@@ -164,6 +176,23 @@ class ContextLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return f"node={self.node}, ignore_index={self.ignore_index}, cp={self.axis.size}"
+
+
+class ContextStatistic(nn.Module):
+    """A statistic of this rank's tokens made the micro-batch's (`ir.token_statistics`): summed
+    over the cp group by an all-reduce whose backward all-reduces the gradient, then divided by
+    cp where it is a mean (every rank holds as many tokens)."""
+
+    def __init__(self, *, axis: AxisGroup, mean: bool, node: str) -> None:
+        super().__init__()
+        self.axis, self.mean, self.node = axis, mean, node
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        whole = redistribute(x, P, R, P, R, self.axis)
+        return whole / self.axis.size if self.mean else whole
+
+    def extra_repr(self) -> str:
+        return f"node={self.node}, {'mean' if self.mean else 'sum'}, cp={self.axis.size}"
 
 
 class ContextShiftedLabels(nn.Module):
@@ -353,18 +382,16 @@ def _table_rows(program: fx.GraphModule, node: fx.Node, dim: int) -> int | None:
 
 def _split_loss(program: fx.GraphModule, lowering: ContextLowering, labels: str | None, *,
                 counted: fx.Node | None = None) -> None:
-    """`ContextLoss` on the loss, counting the tokens of `counted` (the labels the loss reads
-    after a shift; None: the labels input)."""
+    """`ContextLoss` on the loss's cross-entropy, counting the tokens of `counted` (the labels the
+    loss reads after a shift; None: the labels input), and `ContextStatistic` where the loss's
+    other terms reduce over the tokens (`ir.token_statistics`)."""
     graph = program.graph
     output = next(n for n in graph.nodes if n.op == "output")
     result = output.args[0]
     value = result[0] if isinstance(result, (tuple, list)) else result
-    source = value
-    while isinstance(source, fx.Node) and source.op == "call_function" and str(source.target) in LOSS_CASTS:
-        source = source.args[0]
-    ignore_index = _mean_cross_entropy(program, source)
-    if ignore_index is None:
-        what = source.target if isinstance(source, fx.Node) else source
+    source = _cross_entropy(program, value)
+    if source is None:
+        what = value.target if isinstance(value, fx.Node) else value
         raise UnexecutableStrategy(f"the loss ({what}) under cp={lowering.layout.cp}: context parallelism needs a "
                                    f"token-mean cross-entropy, whose mean it can make exact over the cp group")
     label_node = next((n for n in graph.nodes if n.op == "placeholder" and n.name == labels), None)
@@ -372,12 +399,65 @@ def _split_loss(program: fx.GraphModule, lowering: ContextLowering, labels: str 
         raise UnexecutableStrategy(f"the loss under cp={lowering.layout.cp}: the program has no labels input to "
                                    f"count the tokens of")
     _check_labels_per_token(label_node, lowering.layout.cp)
-    module = ContextLoss(axis=lowering.axis, ignore_index=ignore_index, node=source.name)
+    statistics = token_statistics(graph, loss=source, tokens=_token_inputs(program), cp=lowering.layout.cp)
+    module = ContextLoss(axis=lowering.axis, ignore_index=_mean_cross_entropy(program, source), node=source.name)
     program.add_submodule("context_loss", module)
-    with graph.inserting_before(output):
-        scaled = graph.call_module("context_loss", (value, label_node if counted is None else counted))
-    scaled.meta.update(value.meta)
-    output.args = ((scaled, *result[1:]),) if isinstance(result, (tuple, list)) else (scaled,)
+    with graph.inserting_after(source):
+        scaled = graph.call_module("context_loss", (source, label_node if counted is None else counted))
+    scaled.meta.update(source.meta)
+    source.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+    _make_whole(program, statistics, lowering.axis)
+
+
+def _cross_entropy(program: fx.GraphModule, value: Any) -> fx.Node | None:
+    """The loss's one token-mean cross-entropy: `value` itself (casts aside), else the only one
+    among what `value` is computed from (a sum with other terms); None where there is none or
+    more than one."""
+    source = value
+    while isinstance(source, fx.Node) and source.op == "call_function" and str(source.target) in LOSS_CASTS:
+        source = source.args[0]
+    if _mean_cross_entropy(program, source) is not None:
+        return source
+    found, todo, seen = [], [value] if isinstance(value, fx.Node) else [], set()
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if _mean_cross_entropy(program, node) is not None:
+            found.append(node)
+        else:
+            todo += node.all_input_nodes
+    return found[0] if len(found) == 1 else None
+
+
+def _token_inputs(program: fx.GraphModule) -> list[fx.Node]:
+    """The program's per-token inputs (input ids, labels, an attention mask)."""
+    from mplan.passes.insert_collectives import INPUTS  # the program's input table
+
+    names = {spec.placeholder for spec in program.meta.get(INPUTS, ()) if spec.kind == "USER_INPUT"}
+    return [n for n in program.graph.nodes if n.op == "placeholder" and n.name in names]
+
+
+def _make_whole(program: fx.GraphModule, statistics: TokenStatistics, axis: AxisGroup) -> None:
+    """Each token statistic of `statistics` made the micro-batch's over the cp group."""
+    graph = program.graph
+    for n, (node, mean) in enumerate([*((m, True) for m in statistics.means),
+                                      *((s, False) for s in statistics.sums)]):
+        name = f"context_statistic_{n}"
+        program.add_submodule(name, ContextStatistic(axis=axis, mean=mean, node=node.name))
+        with graph.inserting_after(node):
+            whole = graph.call_module(name, (node,))
+        whole.meta.update(node.meta)
+        node.replace_all_uses_with(whole, delete_user_cb=lambda user, whole=whole: user is not whole)
+    for division in statistics.counts:
+        count = division.args[1]
+        if isinstance(count, fx.Node):
+            with graph.inserting_before(division):
+                count = graph.call_function(operator.mul, (count, axis.size))
+        else:
+            count = count * axis.size
+        division.args = (division.args[0], count, *division.args[2:])
 
 
 _MOVES = {aten.constant_pad_nd.default, aten.pad.default, aten.roll.default, aten.cat.default, aten.narrow.default,
@@ -420,5 +500,5 @@ def _mean_cross_entropy(program: fx.GraphModule, node: Any) -> int | None:
     return None
 
 
-__all__ = ["METHODS", "ContextAttention", "ContextBatch", "ContextLoss", "ContextLowering", "ContextPositions", "ContextShiftedLabels",
-           "split_context"]
+__all__ = ["METHODS", "ContextAttention", "ContextBatch", "ContextLoss", "ContextLowering", "ContextPositions",
+           "ContextShiftedLabels", "ContextStatistic", "split_context"]

@@ -66,6 +66,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.collective_cost import collective_time
 from mplan.cost_models.compute_cost import ComputeCostModel
@@ -74,7 +76,9 @@ from mplan.ir.graph import Graph, OpNode
 from mplan.ir.mesh import GroupShape
 from mplan.ir.op_table import LOSS_CASTS, op_packet
 from mplan.ir.placement import Shard, local_shape
+from mplan.ir.sharding import UnexecutableStrategy
 from mplan.ir.strategy import Strategy
+from mplan.ir.token_statistics import token_statistics
 from mplan.planner.evaluate import Estimate, ModelFacts
 from mplan.planner.host_cost import host_timing
 from mplan.planner.op_cost import OpCoster
@@ -227,13 +231,35 @@ def rank_experts(experts: Sequence[UnitExperts | None], share: float) -> tuple[U
 
 
 def splits_loss(graph: Graph) -> bool:
-    """Whether the graph's loss (its last op, casts aside) is a cross-entropy alone: the loss
-    `passes/split_context` makes exact over the cp ranks, which refuses any other (an MoE
-    load-balancing loss added to it, whose token statistics span the whole sequence)."""
-    for node in reversed(graph.nodes):
-        if node.op not in LOSS_CASTS:
-            return node.op == "aten.cross_entropy_loss.default"
-    return False
+    """Whether `passes/split_context` can make the graph's loss exact over the cp ranks: a token-mean
+    cross-entropy, alone or beside terms computed from token means (an MoE load-balancing loss),
+    as `ir.token_statistics` reads them off the captured program. Not priced: the all-reduce over
+    the cp group of each statistic per micro-batch (a few [experts] vectors, latency alone). A graph
+    without its program (read from a file) is asked the narrower question: its last op, casts
+    aside, a cross-entropy."""
+    program = getattr(graph, "program", None)
+    if program is None:
+        for node in reversed(graph.nodes):
+            if node.op not in LOSS_CASTS:
+                return node.op == "aten.cross_entropy_loss.default"
+        return False
+    nodes = program.graph.nodes
+    losses = [n for n in nodes if n.target is torch.ops.aten.cross_entropy_loss.default and _token_mean(n)]
+    inputs = {spec.arg.name for spec in program.graph_signature.input_specs if spec.kind.name == "USER_INPUT"}
+    tokens = [n for n in nodes if n.op == "placeholder" and n.name in inputs]
+    if len(losses) != 1 or not tokens:
+        return False
+    try:
+        token_statistics(program.graph, loss=losses[0], tokens=tokens, cp=2)
+    except UnexecutableStrategy:
+        return False
+    return True
+
+
+def _token_mean(node: torch.fx.Node) -> bool:
+    """A cross-entropy node that means over its tokens (reduction 1, aten's default)."""
+    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+    return int(reduction) == 1
 
 
 def exchange(method: str, cp: int, op: AttentionOp, cluster: ClusterSpec, group: GroupShape,
