@@ -288,8 +288,9 @@ class ModelLimits:
     num_kv_heads: int
     num_experts: int  # 0 for dense models
     seq_len: int
-    # the loss is a token-mean cross-entropy alone, the one `passes/split_context` makes exact over
-    # cp ranks (`context_pricing.splits_loss`); an MoE model adding a load-balancing loss is refused there
+    # `passes/split_context` can make the loss exact over cp ranks (`context_pricing.splits_loss`):
+    # a token-mean cross-entropy, alone or beside terms of token means (an MoE load-balancing loss,
+    # `ir.token_statistics`); any other loss is refused there, so the search keeps cp=1 for it
     splits_loss: bool = True
 
 
@@ -318,10 +319,10 @@ def context_degrees(world_size: int, limits: ModelLimits, spec: PlanSpec) -> lis
     """The cp degrees a search tries: the spec's, else 1 and every degree that divides the world,
     splits each sequence into 2 cp head-tail chunks and leaves each chunk `MIN_CONTEXT_CHUNK`
     tokens or more. The search prices them in the order of a lower bound on their step and skips
-    those a fitting plan beats (`search.Planner._context_bound`). MoE models too where their loss is
-    a cross-entropy alone (`ModelLimits.splits_loss`): with ep=1 a cp rank routes its own tokens to
-    every expert (`enumerate_configs` pairs cp > 1 with ep=1 only; tests/test_cp_moe.py; a spec's cp with
-    ep > 1 runs, tests/test_cp_ep.py)."""
+    those a fitting plan beats (`search.Planner._context_bound`). MoE models too where cp can make
+    their loss exact, a load-balancing loss included (`ModelLimits.splits_loss`): with ep=1 a cp rank
+    routes its own tokens to every expert (`enumerate_configs` pairs cp > 1 with ep=1 only;
+    tests/test_cp_moe.py, tests/test_cp_router_loss.py; a spec's cp with ep > 1 runs, tests/test_cp_ep.py)."""
     if spec.cp is not None:
         return [spec.cp] if world_size % spec.cp == 0 else []
     if limits.num_experts and not limits.splits_loss:
