@@ -252,6 +252,19 @@ def test_plain_transformers_load_balancing_loss_is_two_sums_over_their_count() -
     assert _statistics(lambda loss, logits, mask: loss).means == ()  # the cross-entropy alone: nothing
 
 
+def _means_of_concatenated_layers(loss: torch.Tensor, logits: tuple, mask: torch.Tensor) -> torch.Tensor:
+    """The same loss written as transformers 4 did: the layers' logits concatenated along the rows,
+    the choices one-hot, both shares a mean over dim 0."""
+    weights = torch.cat(logits, dim=0).softmax(dim=-1)
+    chosen = F.one_hot(weights.topk(2, dim=-1).indices, 4).to(weights.dtype)
+    return loss + 0.1 * 4 * (chosen.mean(dim=0) * weights.mean(dim=0).unsqueeze(0)).sum()
+
+
+def test_means_over_concatenated_layers_are_made_exact() -> None:
+    found = _statistics(_means_of_concatenated_layers)
+    assert (len(found.means), len(found.sums), len(found.counts)) == (2, 0, 0), found
+
+
 def test_a_max_over_the_tokens_is_refused_naming_the_op() -> None:
     message = _refusal(lambda loss, logits, mask: loss + logits[0].amax(dim=0).sum())
     assert "aten.amax" in message and "token means" in message, message
