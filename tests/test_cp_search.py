@@ -15,11 +15,12 @@ import pytest
 
 import mplan
 from mplan.cost_models.cluster import ClusterSpec
-from mplan.planner.context_pricing import whole_batch
+from mplan.planner.context_pricing import replica_config, replica_facts, whole_batch
+from mplan.planner.evaluate import state_floor_bytes
 from mplan.planner.parallel_config import (MIN_CONTEXT_CHUNK, ModelLimits, ParallelConfig, PlanSpec,
                                            context_degrees, enumerate_configs, parse_plan_spec)
 from mplan.planner.planning import capture_for_planning
-from mplan.planner.search import Planner
+from mplan.planner.search import Planner, SearchResult
 
 WIDE_4_LAYERS = "llama:layers=4,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256,seq=32768"
 """An 8B-wide Llama of 4 layers (hidden 4096, 32 heads, 8 kv heads, ffn 14336, vocab 128256)."""
@@ -92,3 +93,61 @@ def test_moe_models_pair_cp_with_ep_1_only() -> None:
                                      spec=parse_plan_spec("tp=1,pp=1,zero=0,recompute=none,mbs=1")))
     assert {(c.cp, c.ep) for c in configs if c.cp > 1} == {(2, 1), (4, 1), (8, 1)}
     assert {c.ep for c in configs if c.cp == 1} == {1, 2, 4, 8}
+
+
+WIDE_405B_8_LAYERS = "llama:layers=8,hidden=16384,heads=128,kv_heads=8,ffn=53248,vocab=128256,seq=8192"
+"""A 405B-wide Llama of 8 layers: on 16 H100s its replicas' state alone exceeds the device at
+many cp layouts, which the search skips unpriced (`Planner._never_fits`)."""
+
+
+def test_the_state_floor_is_at_most_every_priced_ranks_state_and_exact_in_one_stage() -> None:
+    """`state_floor_bytes`, by which the search skips a cp config that cannot fit, is never above
+    the parameters, gradients and optimizer state `evaluate` puts on the fullest pipeline rank, at
+    any ZeRO level, pipeline depth, interleaving and cp method; in one stage at zero=0 (no reductions'
+    copies counted among the gradients) it is that state."""
+    graph = capture_for_planning(WIDE_405B_8_LAYERS, seq_len=8192)
+    planner = Planner(graph, ClusterSpec.preset("dgx-h100", nodes=2), kernels=True, runtime="mplan")
+    configs = list(enumerate_configs(world_size=16, gpus_per_node=8, global_batch=16, limits=planner.limits,
+                                     spec=PlanSpec(), max_mbs=2, runtime="mplan"))
+    exact = 0
+    for config in configs[::7]:
+        estimate = planner.evaluate(config, fast=True)
+        if config.cp > 1:
+            floor = state_floor_bytes(replica_config(config), planner.context_units(config)[0],
+                                      replica_facts(planner.facts, config.cp))
+        else:
+            floor = state_floor_bytes(config, planner.units(config.tp, config.sp, config.mbs), planner.facts)
+        state = max(m.params_bytes + m.grads_bytes + m.optimizer_bytes for m in estimate.memory)
+        assert floor <= state * (1 + 1e-12), config.short()
+        if config.pp == 1 and config.zero == 0:
+            assert floor == pytest.approx(state, rel=1e-9), config.short()
+            exact += 1
+    assert exact >= 3 and any(c.cp > 1 for c in configs[::7])
+
+
+def test_skipping_cp_configs_that_cannot_fit_changes_nothing_the_search_returns(monkeypatch) -> None:
+    """The search skips a config (at zero 0, 2 or 3) whose state floor exceeds the device and the
+    peak of every leanest rejected plan so far (at cp = 1 also 1.25x the device, where it stands
+    in for its cp twins' state): what fits, the ranking, the rejected plans and the ZeRO levels
+    beside the best are those of the search that prices it."""
+    graph = capture_for_planning(WIDE_405B_8_LAYERS, seq_len=8192)
+    cluster = ClusterSpec.preset("dgx-h100", nodes=2)
+    skipped = []
+    never_fits = Planner._never_fits
+
+    def counted(self: Planner, config: ParallelConfig, limit: float, held: object) -> bool:
+        skipped.append((config.cp, never_fits(self, config, limit, held)))
+        return skipped[-1][1]
+    monkeypatch.setattr(Planner, "_never_fits", counted)
+    fast = Planner(graph, cluster, kernels=True, runtime="mplan").search(16)
+    monkeypatch.setattr(Planner, "_never_fits", lambda self, config, limit, held: False)
+    full = Planner(graph, cluster, kernels=True, runtime="mplan").search(16)
+    assert sum(cp > 1 and out for cp, out in skipped) >= 20 and sum(cp == 1 and out for cp, out in skipped) >= 10
+
+    def seen(result: SearchResult) -> tuple[object, ...]:
+        return ([(e.config, e.step_time_s, e.peak_memory_bytes) for e in result.ranked],
+                [(e.config, e.peak_memory_bytes, e.reason) for e in result.rejected],
+                {k: (v.same_layout.step_time_s, v.best_fitting and v.best_fitting.config, v.nothing_fits_below)
+                 for k, v in result.zero_levels.items()})
+    assert fast.best.config == full.best.config and fast.best.step_time_s == full.best.step_time_s
+    assert seen(fast) == seen(full)

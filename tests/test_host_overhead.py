@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mplan.cost_models.cluster import ClusterSpec
-from mplan.cost_models.host_queue import HostQueue
+from mplan.cost_models.host_queue import HostQueue, queued_makespan
 from mplan.cost_models.measure_device import measure_host
 from mplan.cost_models.profile import (NOMINAL_CPU_HOST, NOMINAL_HOST, ClusterProfile, DeviceProfile, HostTiming,
                                        ProfileError)
@@ -59,6 +59,23 @@ def test_queue_composes_exactly_and_associatively():
         assert whole.makespan() == pytest.approx(_simulate(ops), rel=1e-12, abs=1e-15)
         assert halves.makespan() == pytest.approx(whole.makespan(), rel=1e-12, abs=1e-15)
         assert max(whole.host_s, whole.device_s) <= whole.makespan() + 1e-15 <= whole.host_s + whole.device_s + 2e-15
+
+
+def test_the_searchs_float_fold_is_the_queue_composition_bit_for_bit():
+    """`queued_makespan`, which prices the search's pipeline chunks without a HostQueue per op, is
+    the very float HostQueue's own composition gives: device time added or taken off each queue,
+    host time issued before it (recomputation's re-run), on a GPU and on a CPU rank."""
+    rng = random.Random(31)
+    for _ in range(300):
+        queues = [HostQueue.sequence(HostQueue.op(rng.uniform(0, 2e-5), rng.uniform(0, 1e-3))
+                                     for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(0, 30))]
+        device = [rng.choice((0.0, q.device_s, rng.uniform(0, 2e-3))) for q in queues]
+        before = [rng.choice((0.0, rng.uniform(0, 1e-4))) for _ in queues]
+        for serial in (False, True):
+            plain = HostQueue.sequence(q.with_device(d) for q, d in zip(queues, device))
+            rerun = HostQueue.sequence(q.with_device(d).with_host(h) for q, d, h in zip(queues, device, before))
+            assert queued_makespan(queues, device, serial=serial) == plain.makespan(serial)
+            assert queued_makespan(queues, device, before, serial=serial) == rerun.makespan(serial)
 
 
 def test_a_host_bound_prefix_delays_the_device_work_behind_it():

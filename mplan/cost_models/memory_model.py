@@ -327,27 +327,31 @@ def reduction_peak(buckets: Sequence[float], activations_left: Sequence[float], 
     pending: list[float] = []  # what each reduction in flight holds, oldest first
     in_flight = 0.0  # their sum
     dropped = 0.0  # (grads_whole) the whole gradients the step's reductions have dropped so far
-
-    def moment(left: float, held: float) -> None:
-        nonlocal peak
-        if left + held > peak.activations_bytes + peak.transient_bytes:
-            peak = ReductionPeak(transient_bytes=held, activations_bytes=left)
-
+    # the worst moment so far, (activations, held) and their sum: a moment is (activations left,
+    # what the reductions hold then), compared by that sum in place (a search walks millions)
+    worst_left, worst_held = activation_bytes, 0.0
+    worst = worst_left + worst_held
     # a third micro-batch starts as the second did (the same reductions still in flight): two suffice
     for micro_batch in range(min(micro_batches, 2) if zero >= 2 and not grads_whole else 1):
-        if micro_batch:
-            moment(activation_bytes, in_flight)
+        if micro_batch and activation_bytes + in_flight > worst:
+            worst_left, worst_held, worst = activation_bytes, in_flight, activation_bytes + in_flight
         for size, left in zip(buckets, activations_left):
             copy = size * copy_bytes
             if zero >= 2:  # the bucket's gradients beside their copy, until dropped
-                moment(left, in_flight - dropped + copy + (0.0 if grads_whole else size * per_param.grad))
+                held = in_flight - dropped + copy + (0.0 if grads_whole else size * per_param.grad)
+                if left + held > worst:
+                    worst_left, worst_held, worst = left, held, left + held
                 dropped += size * per_param.grad if grads_whole else 0.0
             if replicas == 1:
-                moment(left, in_flight - dropped + copy)
+                held = in_flight - dropped + copy
+                if left + held > worst:
+                    worst_left, worst_held, worst = left, held, left + held
                 continue
             pending.append(copy + (size / replicas * copy_bytes if zero >= 2 else 0.0))
             in_flight += pending[-1]
-            moment(left, in_flight - dropped + (copy if backend_copies else 0.0))
+            held = in_flight - dropped + (copy if backend_copies else 0.0)
+            if left + held > worst:
+                worst_left, worst_held, worst = left, held, left + held
             if len(pending) > outstanding:
                 in_flight -= pending.pop(0)
-    return peak
+    return ReductionPeak(transient_bytes=worst_held, activations_bytes=worst_left)

@@ -71,7 +71,7 @@ from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES, collective_time
 from mplan.ir.mesh import GroupShape
 from mplan.cost_models.compute_cost import ComputeCostModel
-from mplan.cost_models.memory_model import (FRAGMENTATION_FRACTION, BytesPerParam, MemoryBreakdown,
+from mplan.cost_models.memory_model import (FRAGMENTATION_FRACTION, BytesPerParam, MemoryBreakdown, ReductionPeak,
                                             activation_bytes_kept, bytes_per_param, estimate_memory,
                                             mplan_bytes_per_param)
 from mplan.cost_models.moe_cost import all_to_all_time, experts_time, load_factor
@@ -243,12 +243,24 @@ class Estimate:
         return max(m.total_bytes for m in self.memory)
 
 
+SyncMemo = dict[tuple[object, ...], tuple[float, float, LinkUse]]
+"""`_sync_and_step`'s answers on one cluster, by everything they read (`_sync_key`)."""
+ChunkMemo = dict[tuple[tuple[int, int], str, bool], tuple[float, float]]
+"""One units list's chunk seconds (forward, backward) on one cluster, by (unit range, recomputation,
+whether the host overlaps the device), where the units' own seconds are priced (below zero=2,
+without experts)."""
+
+
 def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: ClusterSpec, facts: ModelFacts, *,
              experts: Sequence[UnitExperts | None] = (), fast: bool = True,
-             fragmentation: float = FRAGMENTATION_FRACTION) -> Estimate:
+             fragmentation: float = FRAGMENTATION_FRACTION, sync_memo: SyncMemo | None = None,
+             chunk_memo: ChunkMemo | None = None) -> Estimate:
     """Predict `config`. `experts`: the MoE layers of each unit (`unit_experts`), priced here at the
     config's expert parallelism (`_price_experts`). `fragmentation` is the allocator's share on top
-    of allocated bytes (0 to compare with `torch.cuda.max_memory_allocated`, which does not see it)."""
+    of allocated bytes (0 to compare with `torch.cuda.max_memory_allocated`, which does not see it).
+    `sync_memo`: a pipeline rank's gradient sync and optimizer step kept across calls on `cluster`
+    (a search asks for the same ones of thousands of configs); `chunk_memo`: the pipeline chunks'
+    forward and backward seconds kept across calls on `cluster` with these same `units`."""
     compute = ComputeCostModel(cluster)
     moe = _price_experts(config, units, experts, cluster, compute, facts.moe_imbalance)
     per = _bytes_per_param(config, facts)
@@ -299,9 +311,21 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         reason = NO_CUT_IN_MEMORY if cut is not None else _no_cut(len(units), k)
         cut = cut or _fallback(times, k)
     short_of_memory = reason == NO_CUT_IN_MEMORY
-    chunk_f = tuple(chunk_forward_s(units, fwd, ab, serial=not issue.overlaps) for ab in cut.bounds)
-    chunk_b = tuple(chunk_backward_s(units, bwd, ab, recompute=config.recompute, serial=not issue.overlaps)
-                    for ab in cut.bounds)
+    # below zero=2 and without experts a chunk's seconds are its units' own: kept across calls
+    memo = chunk_memo if config.zero < 2 and all(e is None for e in experts) else None
+
+    def chunk_seconds(bounds: tuple[int, int]) -> tuple[float, float]:
+        key = (bounds, config.recompute, issue.overlaps)
+        if memo is None or key not in memo:
+            seconds = (chunk_forward_s(units, fwd, bounds, serial=not issue.overlaps),
+                       chunk_backward_s(units, bwd, bounds, recompute=config.recompute, serial=not issue.overlaps))
+            if memo is None:
+                return seconds
+            memo[key] = seconds
+        return memo[key]
+    seconds = [chunk_seconds(bounds) for bounds in cut.bounds]
+    chunk_f = tuple(f for f, _ in seconds)
+    chunk_b = tuple(b for _, b in seconds)
     chunk_w = tuple(sum(wgt[a:b]) for a, b in cut.bounds)
     if config.schedule == "zb-h1" and config.pp > 1:  # W as long as its host work at least
         host = tuple(SPLIT_W_HOST_S * sum(u.num_weight_ops for u in units[a:b]) for a, b in cut.bounds)
@@ -317,7 +341,8 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         # Backward of the largest op holds its output's gradient and its input's at once; a fused
         # kernel's working memory (the head + loss's chunk of logits, `head_rows` rows) is held
         # once, in its forward.
-        workspace = max((max(2 * units[u].largest_op_bytes, units[u].working_bytes(head_rows)) for u in rank_units),
+        workspace = max((workspaces[u] if head_rows is None else
+                         max(2 * units[u].largest_op_bytes, units[u].working_bytes(head_rows)) for u in rank_units),
                         default=0.0)
         sizes = [moe.dense_params[u] + moe.expert_params[u] for u in rank_units] if config.zero >= 1 else []
         gathered = 0.0
@@ -328,10 +353,10 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
             apart = [size - sum(n for name, n in moe.glue_params[u] if name in shared)
                      for u, size in zip(rank_units, sizes)]
             gathered = gathered_window(apart, spanning=sum(shared.values()))
-        # gloo (CPU ranks) reduce-scatters a copy of its input
+        # gloo (CPU ranks) reduce-scatters a copy of its input; at zero=0 nothing is reduced apart
         reductions = gradient_reductions(config, per, [units[u] for u in rank_units], sizes,
                                          [kept[u] for u in rank_units], runtime=facts.runtime,
-                                         copies_inputs=not issue.overlaps)
+                                         copies_inputs=not issue.overlaps) if config.zero else NO_REDUCTION
         breakdown = estimate_memory(
             num_params=dense, per_param=per, zero=config.zero, dp=mesh.dp_local, expert_params=expert_params,
             expert_dp=mesh.expert_dp_local, keep_weights=config.keep_weights,
@@ -353,6 +378,8 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         outer_state = OUTER_STATE_COPIES * (dense + expert_params) * per.param  # the anchor and momentum
         return replace(breakdown, optimizer_bytes=breakdown.optimizer_bytes + outer_state)
 
+    # each unit's largest working memory at the fused head's default chunk (`rank_memory`)
+    workspaces = [max(2 * u.largest_op_bytes, u.working_bytes(None)) for u in units]
     memory, syncs, opt = [], [], 0.0
     holdings: list[tuple[list[int], int, int]] = []  # per pipeline rank: its units, dense and expert parameters
     # ranks holding as many parameters (the middle ranks of a deep pipeline) sync and step alike
@@ -370,12 +397,18 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         last_scatter = max((zc.scatter_s[u] for u in rank_units), default=0.0) if zc.overlap.reduce_scatters else 0.0
         key = (dense, expert_params, tp_sync, last_backward, last_scatter)
         if key not in by_params:
-            by_params[key] = _sync_and_step(config, cluster, compute, facts, dense=dense, experts=expert_params,
-                                            tp_sync_bytes=tp_sync, last_backward_s=last_backward,
-                                            last_scatter_s=last_scatter)
+            memo_key = None if sync_memo is None else _sync_key(config, facts, key)
+            found = None if memo_key is None else sync_memo.get(memo_key)
+            if found is None:
+                found = _sync_and_step(config, cluster, compute, facts, dense=dense, experts=expert_params,
+                                       tp_sync_bytes=tp_sync, last_backward_s=last_backward, last_scatter_s=last_scatter)
+                if memo_key is not None:
+                    sync_memo[memo_key] = found
+            by_params[key] = found
         sync, step, rank_links = by_params[key]
-        rank_links = rank_links + zero_links(config, cluster, per, [(moe.dense_params[u], moe.expert_params[u])
-                                                                   for u in rank_units], reduced_at_step=grads_whole)
+        if config.zero >= 2:  # zero 2/3's unit collectives (below zero=2 none)
+            rank_links = rank_links + zero_links(config, cluster, per, [(moe.dense_params[u], moe.expert_params[u])
+                                                                       for u in rank_units], reduced_at_step=grads_whole)
         if (rank_links.inter_site_bytes, rank_links.inter_node_bytes) > (links.inter_site_bytes, links.inter_node_bytes):
             links = rank_links
         syncs.append(sync)
@@ -462,9 +495,40 @@ def _lean_head_chunk(units: Sequence[UnitCost], bounds: tuple[tuple[int, int], .
     return None, chunk_f
 
 
+def state_floor_bytes(config: ParallelConfig, units: Sequence[UnitCost], facts: ModelFacts) -> float:
+    """A lower bound on the parameters, gradients and optimizer state `evaluate` counts on the
+    fullest pipeline rank of `config` over `units` (a model without MoE layers; the first three
+    figures of a rank's `MemoryBreakdown`, so on its peak too): the mean rank's, each block's
+    parameters once and each glue parameter once by name (`_rank_params` counts one a rank), at the
+    bytes a parameter holds through the step at the config's ZeRO level (`BytesPerParam.total`;
+    zero=3's gathered weights, an outer loop's state and the reductions' transients come on top).
+    It holds at any stage cut, micro-batching and recomputation: a config whose floor exceeds the
+    device does not fit, which the search knows without pricing it."""
+    glue: dict[str, int] = {}
+    blocks = 0
+    for unit in units:
+        if unit.glue_params:
+            for name, n in unit.glue_params:
+                glue[name] = min(n, glue.get(name, n))
+        else:
+            blocks += unit.num_params
+    per_param = _bytes_per_param(config, facts).total(
+        zero=config.zero, dp=config.mesh.dp_local, keep_weights=config.keep_weights,
+        grads_whole=grads_whole_until_step(config, facts.runtime))
+    return (blocks + sum(glue.values())) * per_param / config.pp
+
+
 def _bytes_per_param(config: ParallelConfig, facts: ModelFacts) -> BytesPerParam:
     return (mplan_bytes_per_param(facts.param_dtype, zero=config.zero) if facts.runtime == "mplan" else
             bytes_per_param(facts.param_dtype, facts.grad_dtype, fp32_grad_copy=facts.fp32_grad_copy))
+
+
+def _sync_key(config: ParallelConfig, facts: ModelFacts, rank: tuple[object, ...]) -> tuple[object, ...]:
+    """Everything `_sync_and_step` reads, on one cluster, of a rank's figures `rank` (its dense and
+    expert parameters, TP sync bytes, the backward it overlaps and its last reduce-scatter)."""
+    return (config.dp, config.tp, config.pp, config.ep, config.cp, config.sites, config.zero, config.keep_weights,
+            config.outer_steps, config.num_micro_batches, facts.param_dtype, facts.grad_dtype,
+            facts.fp32_grad_copy, facts.runtime, facts.mplan_adamw, *rank)
 
 
 def _sync_and_step(config: ParallelConfig, cluster: ClusterSpec, compute: ComputeCostModel, facts: ModelFacts, *,
@@ -673,6 +737,9 @@ def _rank_params(units: Sequence[UnitCost], figures: _UnitFigures, indices: Sequ
             dense += figures.dense_params[u]
     return dense + sum(glue.values()), experts
 
+
+NO_REDUCTION = ReductionPeak(transient_bytes=0.0, activations_bytes=None)
+"""What `gradient_reductions` holds at zero=0 (the gradients whole through the step, counted apart)."""
 
 NO_CUT_IN_MEMORY = "cannot be cut into pipeline stages that each fit in a device's memory"
 """The reason of a plan whose units have a cut into its chunks, but none within the device's memory."""

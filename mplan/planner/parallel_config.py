@@ -260,7 +260,7 @@ def outer_variants(config: ParallelConfig, spec: PlanSpec, inexact_ok: bool) -> 
     (`outer_refusal`)."""
     wanted = (spec.outer_steps,) if spec.outer_steps is not None else \
         (0, *OUTER_STEPS_SEARCHED) if inexact_ok else (0,)
-    variants = [replace(config, outer_steps=h) for h in wanted]
+    variants = [config if h == config.outer_steps else replace(config, outer_steps=h) for h in wanted]
     return [v for v in variants if outer_refusal(v) is None]
 
 
@@ -418,13 +418,14 @@ def _variants(base: ParallelConfig, limits: ModelLimits, spec: PlanSpec,
         for vpp in (2, 3, 4, 6, 8):
             if limits.num_layers % (base.pp * vpp) == 0 and base.num_micro_batches % base.pp == 0:
                 schedules.append(("interleaved", vpp))
+    admits_all = spec.is_auto  # an auto spec admits every config made here (capacity_factor: its None)
     for schedule, vpp in schedules:
         for sp in ((False, True) if base.tp > 1 else (False,)):
             for zero, keep in zero_variants(base, zero_levels, runtime, asked=spec.zero):
                 for recompute in RECOMPUTE_MODES:
                     config = replace(base, schedule=schedule, vpp=vpp, sp=sp, zero=zero, keep_weights=keep,
                                      recompute=recompute, capacity_factor=spec.capacity)
-                    if spec.admits(config):
+                    if admits_all or spec.admits(config):
                         yield config
 
 

@@ -16,7 +16,11 @@ Steps:
    (`_AboveOne`); cp > 1 after every cp = 1, in the order of a lower bound on their step, skipped
    once a plan that fits beats the bound (`_context_bound`) or where the replicas' parameters and
    optimizer state alone exceed the device (`_ReplicaState`), and a cp method another exchanges
-   faster with less memory skipped (`_dominated`);
+   faster with less memory skipped (`_dominated`); a config (at zero 0, 2 or 3) whose state alone,
+   at a floor no cut goes below, exceeds the device and every leanest rejected peak is skipped
+   unpriced (`_never_fits`: its estimate would change nothing the search returns). Evaluations
+   share what configs have in common: a rank's gradient sync and a chunk's seconds (`evaluate`'s
+   memos, kept by the planner);
 3. re-evaluate the best few with the event simulator and rank by simulated step time; a cp
    winner is priced under its other methods too, for `explain`;
 4. for `explain`, the best plan's layout at every other ZeRO level (`zero_levels`), and whether any
@@ -24,11 +28,13 @@ Steps:
 """
 from __future__ import annotations
 
+import heapq
 import math
+import operator
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from types import TracebackType
 from typing import Callable, Iterator, Sequence, TypeVar
 
@@ -42,7 +48,8 @@ from mplan.planner.context_pricing import (AttentionOp, ContextEstimate, Exchang
                                            linear_gemms, method_price, rank_experts, rank_units, replica_config,
                                            replica_facts, splits_loss, whole_batch, with_context)
 from mplan.ir.strategy import Strategy
-from mplan.planner.evaluate import NO_CUT_IN_MEMORY, Estimate, ModelFacts, device_word, evaluate, gib_versus
+from mplan.planner.evaluate import (NO_CUT_IN_MEMORY, ChunkMemo, Estimate, ModelFacts, SyncMemo, device_word,
+                                    evaluate, gib_versus, state_floor_bytes)
 from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains, find_fused_saves
 from mplan.planner.host_cost import runtime_host
 from mplan.planner.op_cost import OpCoster
@@ -58,6 +65,7 @@ from mplan.planner.unit_costs import UnitCost, unit_costs
 from mplan.planner.unit_experts import UnitExperts, unit_experts
 
 SIMULATED_FINALISTS = 8  # candidates re-ranked by the event simulator
+REJECTED_KEPT = 5  # the leanest candidates that do not fit, kept for the explanation (`SearchResult.rejected`)
 _Found = TypeVar("_Found")  # what `Planner._per_unit` finds in each unit (attention ops, linears)
 
 
@@ -160,6 +168,8 @@ class Planner:
         self._linear_gemms: dict[tuple[int, bool, int], list[tuple[LinearGemm, ...]]] = {}
         self._dominated_methods: dict[tuple[int, bool, int, int, str], bool] = {}
         self._context_sums: dict[tuple[int, bool, int, int, str], tuple[float, float, float]] = {}
+        self._syncs: SyncMemo = {}  # `evaluate`'s gradient syncs and optimizer steps, on this cluster
+        self._chunks: dict[int, tuple[list[UnitCost], ChunkMemo]] = {}  # by id of a units list: it, its chunks
         self.facts = replace(_facts(self.graph), grad_dtype=grad_dtype, fp32_grad_copy=fp32_grad_copy,
                              mplan_adamw=kernels, runtime=runtime, moe_imbalance=moe_imbalance)
         self.limits = _limits(self.graph)
@@ -217,7 +227,8 @@ class Planner:
         units = self.units(config.tp, config.sp, config.mbs)
         experts = self.sharded(config.tp, config.sp).experts[config.mbs]
         if config.cp == 1:
-            return evaluate(config, units, self.cluster, self.facts, experts=experts, fast=fast, **options)
+            return evaluate(config, units, self.cluster, self.facts, experts=experts, fast=fast,
+                            sync_memo=self._syncs, chunk_memo=self._chunk_memo(units), **options)
         # one cp rank, priced as dp * cp replicas of its units (`context_pricing`), its experts at its tokens
         whole = self.context_slice == 1
         if whole:
@@ -226,8 +237,16 @@ class Planner:
                                    config.mbs / (config.cp * batch))
         ranked, exchanges = self.context_units(config)
         facts = replica_facts(self.facts, config.cp) if whole else self.facts
-        replica = evaluate(replica_config(config), ranked, self.cluster, facts, experts=experts, fast=fast, **options)
+        replica = evaluate(replica_config(config), ranked, self.cluster, facts, experts=experts, fast=fast,
+                           sync_memo=self._syncs, chunk_memo=self._chunk_memo(ranked), **options)
         return with_context(replica, config, method_price(config, exchanges, replica.stage_bounds))
+
+    def _chunk_memo(self, units: list[UnitCost]) -> ChunkMemo:
+        """`evaluate`'s chunk seconds of `units` (a list this planner keeps), kept across configs."""
+        held = self._chunks.get(id(units))
+        if held is None or held[0] is not units:
+            held = self._chunks[id(units)] = (units, {})
+        return held[1]
 
     def context_units(self, config: ParallelConfig) -> tuple[list[UnitCost], list[tuple[Exchange, ...]]]:
         """One cp rank's units under `config` and each unit's exchanges (`context_pricing.rank_units`),
@@ -285,6 +304,25 @@ class Planner:
         fill = 0.0 if config.schedule == "zb-h1" else (config.pp - 1) / config.vpp
         return (config.num_micro_batches + fill) * (forward + backward + rerun) / config.pp
 
+    def _never_fits(self, config: ParallelConfig, limit: float, held: _ReplicaState) -> bool:
+        """Whether `config`'s parameters, gradients and optimizer state alone, at their floor
+        (`evaluate.state_floor_bytes`, on the units `evaluate` prices it on: a cp rank's for cp > 1),
+        exceed `limit` (`_Leanest.limit`: the device, and the peak of every leanest candidate
+        rejected so far), so that its estimate would neither fit nor be kept among the rejected:
+        skipping it changes nothing the search returns. Not at zero=1, whose estimate bounds zero 2
+        and 3's (`_AboveOne`), nor for MoE models (their experts' parameters move with ep); at cp = 1
+        only where `held` takes the floor for the state its estimate would have recorded
+        (`_ReplicaState.record_floor`)."""
+        if config.zero == 1 or self.limits.num_experts or limit == math.inf:
+            return False
+        if config.cp == 1:
+            floor = state_floor_bytes(config, self.units(config.tp, config.sp, config.mbs), self.facts)
+            return floor > limit * (1 + _FLOOR_MARGIN) and held.record_floor(config, floor)
+        whole = self.context_slice == 1
+        units, _ = self.context_units(config)
+        facts = replica_facts(self.facts, config.cp) if whole else self.facts
+        return state_floor_bytes(replica_config(config), units, facts) > limit * (1 + _FLOOR_MARGIN)
+
     def _dominated(self, config: ParallelConfig, spec: PlanSpec) -> bool:
         """Whether another cp method at `config`'s tp, sp, micro-batch and cp exchanges no slower per
         micro-batch and holds no more, one of them strictly (it then prices no worse at any
@@ -338,6 +376,7 @@ class Planner:
         estimates = []
         above_one = _AboveOne()
         held = _ReplicaState(self.cluster.device.memory_bytes)
+        leanest = _Leanest(self.cluster.device.memory_bytes)
         fastest = math.inf  # of the configs evaluated so far that fit
         # a cp rank is priced from the units of `whole_batch` sequences (`context_units`)
         whole = [(tp, sp, whole_batch(mbs, cp)) for tp, sp, mbs, cp in dict.fromkeys(
@@ -358,11 +397,12 @@ class Planner:
                         self._context_bound(config) >= fastest or held.over(config))):
                     continue
                 priced.wait(config.tp, config.sp, config.mbs)
-                if self._dominated(config, spec):
+                if self._dominated(config, spec) or self._never_fits(config, leanest.limit(), held):
                     continue
                 estimates.append(self.evaluate(config, fast=True))
                 above_one.record(estimates[-1])
                 held.record(estimates[-1])
+                leanest.record(estimates[-1])
                 if estimates[-1].fits:
                     fastest = min(fastest, estimates[-1].step_time_s)
         feasible = sorted((e for e in estimates if e.fits), key=lambda e: e.step_time_s)
@@ -373,7 +413,7 @@ class Planner:
         finalists.sort(key=lambda e: e.step_time_s)
         ranked = finalists + feasible[SIMULATED_FINALISTS:]
         ranked[0] = self._beside_other_methods(ranked[0])
-        return SearchResult(best=ranked[0], ranked=ranked, rejected=infeasible[:5], sharded=self._sharded,
+        return SearchResult(best=ranked[0], ranked=ranked, rejected=infeasible[:REJECTED_KEPT], sharded=self._sharded,
                             facts=self.facts, num_candidates=len(configs), seconds=time.perf_counter() - start,
                             zero_levels=self._zero_levels(ranked[0], ranked, spec, zero_levels),
                             context_slice=self.context_slice)
@@ -409,6 +449,11 @@ class Planner:
         return out
 
 
+_FLOOR_MARGIN = 1e-9
+"""Relative margin `_never_fits` leaves its floor: it adds the parameters in another order than the
+ranks' figures do, which moves it by far less."""
+
+
 class _ReplicaState:
     """cp configs whose parameters, gradients and optimizer state alone exceed the device. A cp
     config is priced as dp * cp replicas (`context_pricing.replica_config`), so it holds what the
@@ -434,15 +479,47 @@ class _ReplicaState:
     def record(self, estimate: Estimate) -> None:
         config = estimate.config
         if config.cp == 1:
-            state = max(m.params_bytes + m.grads_bytes + m.optimizer_bytes for m in estimate.memory)
-            key = self._key(config, config.dp)
-            self._least[(*key, config.vpp)] = min(state, self._least.get((*key, config.vpp), math.inf))
-            self._least_any_vpp[key] = min(state, self._least_any_vpp.get(key, math.inf))
+            self._record(config, max(m.params_bytes + m.grads_bytes + m.optimizer_bytes for m in estimate.memory))
+
+    def record_floor(self, config: ParallelConfig, floor_bytes: float) -> bool:
+        """Record a cp = 1 config the search does not price at its state's floor (at most the state
+        its estimate holds, `evaluate.state_floor_bytes`), where `over` then answers as the state
+        would: a floor above `OTHER_VPP_MARGIN` of the device is above both of its bars, as the state
+        is, and a minimum it lowers stays above them. Returns whether it was recorded."""
+        if floor_bytes <= self._capacity * self.OTHER_VPP_MARGIN * (1 + _FLOOR_MARGIN):
+            return False
+        self._record(config, floor_bytes)
+        return True
+
+    def _record(self, config: ParallelConfig, state: float) -> None:
+        key = self._key(config, config.dp)
+        self._least[(*key, config.vpp)] = min(state, self._least.get((*key, config.vpp), math.inf))
+        self._least_any_vpp[key] = min(state, self._least_any_vpp.get(key, math.inf))
 
     def over(self, config: ParallelConfig) -> bool:
         key = self._key(config, config.dp * config.cp)
         return (self._least.get((*key, config.vpp), 0.0) > self._capacity
                 or self._least_any_vpp.get(key, 0.0) > self._capacity * self.OTHER_VPP_MARGIN)
+
+
+class _Leanest:
+    """The peaks of the `REJECTED_KEPT` leanest estimates that do not fit so far, which the
+    search returns for the explanation. A config that peaks above all of them and the device
+    changes neither what fits nor what is rejected: `limit` is the least it must exceed (infinite
+    until that many were rejected)."""
+
+    def __init__(self, capacity_bytes: float) -> None:
+        self._capacity = capacity_bytes
+        self._peaks: list[float] = []  # negated: the largest of the leanest first
+
+    def record(self, estimate: Estimate) -> None:
+        if not estimate.fits:
+            heapq.heappush(self._peaks, -estimate.peak_memory_bytes)
+            if len(self._peaks) > REJECTED_KEPT:
+                heapq.heappop(self._peaks)
+
+    def limit(self) -> float:
+        return max(self._capacity, -self._peaks[0]) if len(self._peaks) == REJECTED_KEPT else math.inf
 
 
 class _AboveOne:
@@ -457,12 +534,13 @@ class _AboveOne:
     step from the same config at zero=1 (`_zero1_bound`) is no faster than a plan found to fit."""
 
     def __init__(self) -> None:
-        self._fits: dict[tuple[ParallelConfig, int], bool] = {}  # (config at zero=0, zero) -> fits
-        self._bound: dict[ParallelConfig, float] = {}  # config at zero=0 -> zero=1's lower bound, seconds
+        self._fits: dict[tuple[tuple[object, ...], int], bool] = {}  # (config but its ZeRO, zero) -> fits
+        self._bound: dict[tuple[object, ...], float] = {}  # config but its ZeRO -> zero=1's lower bound, seconds
 
-    @staticmethod
-    def _base(config: ParallelConfig) -> ParallelConfig:
-        return replace(config, zero=0, keep_weights=False)
+    # the config's every field but its ZeRO level and keep_weights, read at C speed: a search asks
+    # for tens of thousands
+    _base = staticmethod(operator.attrgetter(*(f.name for f in fields(ParallelConfig)
+                                               if f.name not in ("zero", "keep_weights"))))
 
     def record(self, estimate: Estimate) -> None:
         config, base = estimate.config, self._base(estimate.config)

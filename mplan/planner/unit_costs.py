@@ -38,7 +38,7 @@ from mplan.ir.graph import Graph
 from mplan.ir.op_table import persistent_inputs
 from mplan.ir.placement import R, Shard
 from mplan.ir.strategy import Strategy
-from mplan.cost_models.host_queue import HostQueue
+from mplan.cost_models.host_queue import HostQueue, queued_makespan
 from mplan.planner.fused_pricing import HeadChunking, head_chunking
 from mplan.planner.host_cost import grad_values, op_host
 from mplan.planner.op_cost import OpCoster
@@ -214,7 +214,7 @@ def chunk_forward_s(units: Sequence[UnitCost], device_s: Sequence[float], bounds
     queued on the host against `device_s` (each unit's device seconds as the evaluator prices
     them: collectives, re-priced experts) from an idle device (`cost_models.host_queue`)."""
     a, b = bounds
-    return HostQueue.sequence(units[u].host_forward.with_device(device_s[u]) for u in range(a, b)).makespan(serial)
+    return queued_makespan([u.host_forward for u in units[a:b]], device_s[a:b], serial=serial)
 
 
 def chunk_backward_s(units: Sequence[UnitCost], device_s: Sequence[float], bounds: tuple[int, int], *,
@@ -223,11 +223,16 @@ def chunk_backward_s(units: Sequence[UnitCost], device_s: Sequence[float], bound
     forward included, whose host time is issued before each unit's backward: the whole forward's
     under full recomputation, the re-run ops' (`selective_host_s`) under selective."""
     a, b = bounds
-
-    def rerun(unit: UnitCost) -> float:
-        return {"none": 0.0, "selective": unit.selective_host_s, "full": unit.host_forward.host_s}[recompute]
-    return HostQueue.sequence(units[u].host_backward.with_device(device_s[u]).with_host(rerun(units[u]))
-                              for u in reversed(range(a, b))).makespan(serial)
+    chunk = units[a:b][::-1]
+    if recompute == "none":
+        rerun = [0.0] * len(chunk)
+    elif recompute == "selective":
+        rerun = [u.selective_host_s for u in chunk]
+    elif recompute == "full":
+        rerun = [u.host_forward.host_s for u in chunk]
+    else:
+        raise KeyError(recompute)
+    return queued_makespan([u.host_backward for u in chunk], device_s[a:b][::-1], rerun, serial=serial)
 
 
 def param_tensors(units: Sequence[UnitCost], indices: Sequence[int]) -> int:
