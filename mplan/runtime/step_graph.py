@@ -41,11 +41,11 @@ Falls back to eager, saying why once (`state`): a batch of other shapes than the
 (`.item()`, `.tolist()`, a shape read from data, as capacity-limited MoE routing's counts are)
 fails its capture without saying where, so the last warm-up step is watched under torch's sync
 debug mode and the failure names those places (the caller's file:line outside torch). A sync seen
-there does not by itself refuse the capture: the debug mode also flags waits that happen once
-(on an H100 every family's watched step was flagged inside torch's own `torch.cuda` wrapper), and
-the capture is the test that counts. `graph_refusal` names what is refused up front: no CUDA
-device, a plan over several ranks (collectives inside the step), FP8 (its scaling history is kept
-by Python between steps), zero=3 (gathers between the forward's units) and outer loops.
+there does not by itself refuse the capture: the debug mode is a prototype (it misses some waits
+and flags one-off ones), and the capture is the test that counts. `graph_refusal` names what is
+refused up front: no CUDA device, a plan over several ranks (collectives inside the step), FP8
+(its scaling history is kept by Python between steps), zero=3 (gathers between the forward's
+units) and outer loops.
 
 A replay reads the parameters where the capture found them: updates in place (the optimizer,
 `pm.load`) are seen; a parameter given new memory drops the graph (steps run eagerly, saying so)
@@ -69,6 +69,10 @@ import torch
 from mplan.planner.plan import Plan
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+SYNC_WARNING = "called a synchronizing CUDA operation"
+"""The text of torch's sync-debug warning; not "synchroniz" alone, which also matches the notice
+`set_sync_debug_mode("warn")` itself gives that the mode is a prototype: on an H100 (2026-12-06)
+that notice, read as a sync, had every family's step refused."""
 WARMUP_STEPS = 2
 """Eager steps before the capture: the first autotunes and builds lazy state; the second runs
 the way every later step will (gradients freed and re-made as between all steps)."""
@@ -145,7 +149,7 @@ class CudaGraphs:
         places: list[str] = []
 
         def note(message: Warning | str, *_: object, **__: object) -> None:
-            if "synchroniz" in str(message):  # called inside the warning: the stack is the sync's
+            if SYNC_WARNING in str(message):  # called inside the warning: the stack is the sync's
                 places.append(sync_place(traceback.extract_stack()[:-1]))
 
         side.wait_stream(main)
