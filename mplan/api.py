@@ -49,7 +49,7 @@ from mplan.runtime.launch import init_distributed_from_env
 from mplan.runtime.outer_loop import OuterOptimizer
 from mplan.runtime.parallel_module import ParallelModule, check_executable, parallelize
 from mplan.runtime.replicated_optimizer import OptimizerFactory
-from mplan.runtime.step_graph import refuse_graphs
+from mplan.runtime.step_graph import graph_refusal, refuse_graphs
 from mplan.runtime.watchdog import hang_timeout
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -70,7 +70,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
                  kernels: bool | None = None, fp8: bool = False,
                  progress: Progress | Callable[[str], None] | str | None = None,
                  hang_timeout_s: float | None = None, document_mask: bool = False, inexact_ok: bool = False,
-                 outer_optimizer: OuterOptimizer | None = None, cuda_graphs: bool = False) -> ParallelModule:
+                 outer_optimizer: OuterOptimizer | None = None, cuda_graphs: bool | None = None) -> ParallelModule:
     """Parallelize `model` under `plan` on this job's ranks (see the module docstring).
 
     `max_grad_norm` clips the global gradient norm (over every shard) before each step, as
@@ -99,8 +99,11 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     spec that sets `outer_steps` is itself the user's choice). `outer_optimizer`: that loop's
     outer SGD (`runtime.outer_loop.OuterOptimizer`; None: DiLoCo's Nesterov, lr 0.7, momentum 0.9).
     `cuda_graphs` replays each step's forwards and backwards as one CUDA graph from the third
-    step on (`runtime.step_graph`: the host's launch cost paid once; plans of one rank on CUDA,
-    refused in one line elsewhere; a step whose capture fails runs eagerly, saying why).
+    step on (`runtime.step_graph`: the host's launch cost paid once; a step whose capture fails
+    runs eagerly, saying why). None (the default): on wherever the plan allows it (one rank on
+    CUDA, no FP8, zero < 3, no outer loop), off elsewhere; True: on, refused in one line where the
+    plan does not allow it; False: off. On an H100 it made the host-bound families' steps 1.1-2.2x
+    faster (benchmarks/results/peers_h100-2026-12-06-session14-b.json and -c.json).
     Collective: every rank of the job calls it with the same arguments.
     """
     _check_numbers(global_batch=global_batch, micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm)
@@ -144,7 +147,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
                          fp8=resolved.fp8, inference=inference, documents=document_mask,
                          outer=outer_optimizer or OuterOptimizer())
     pm.progress = progress
-    if cuda_graphs:
+    if cuda_graphs or (cuda_graphs is None and graph_refusal(resolved, run_on, fp8=resolved.fp8) is None):
         pm.use_cuda_graphs()
     _say_untrained(progress, model, pm.params)
     pm.hf_config = _hf_config(model)

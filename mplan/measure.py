@@ -58,10 +58,12 @@ def step_kernel_split(step: Callable[[], Any]) -> dict[str, float]:
 
 
 def measure_plan(model_spec: str, plan_spec: str, *, global_batch: int, seq_len: int | None = None,
-                 vocab: int | None = None, steps: int = 5, warmup: int = 2, profile: bool = False,
+                 vocab: int | None = None, steps: int = 5, warmup: int = 3, profile: bool = False,
                  cluster: ClusterSpec | None = None, built: Callable[[], None] | None = None) -> dict[str, Any]:
     """`built`, when given, is called on every rank once the plan's program is built, before its
-    first step's collectives: `mplan bench` has its ranks agree there that no rank failed."""
+    first step's collectives: `mplan bench` has its ranks agree there that no rank failed. Three
+    warm-up steps: a one-rank plan on CUDA captures its CUDA graph at the third (`runtime.step_graph`),
+    which is no step a run repeats."""
     import torch
     import torch.distributed as dist
 

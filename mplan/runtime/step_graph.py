@@ -267,4 +267,5 @@ class StepGraph:
     def _drop(self, why: str) -> None:
         self.refusal = why
         self._replay, self._inputs, self._total, self._grads = None, [], None, []
-        warnings.warn(f"mplan: CUDA graphs off, steps run eagerly: {why}", stacklevel=4)
+        warnings.warn(f"mplan: CUDA graphs off, steps run eagerly: {why} (autoparallel(cuda_graphs=False) does "
+                      "not try them)", stacklevel=4)

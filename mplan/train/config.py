@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,9 +56,10 @@ class PlanSection:
     hang_timeout_s: float = 0.0
     """Seconds a rank may wait in one collective or transfer before the job reports where every
     rank is and stops (0: no watchdog)."""
-    cuda_graphs: bool = False
-    """Replay each step's forwards and backwards as one CUDA graph (one-rank plans on CUDA:
-    `autoparallel(cuda_graphs=True)`; refused in one line elsewhere)."""
+    cuda_graphs: bool | None = None
+    """Replay each step's forwards and backwards as one CUDA graph (`autoparallel(cuda_graphs=...)`):
+    unset, wherever the plan allows it (one rank on CUDA); true, refused in one line elsewhere;
+    false, never."""
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,8 @@ def _section(cls: type, values: dict[str, Any], where: str) -> Any:
 
 
 def _typed(value: Any, hint: Any, where: str) -> Any:
+    if isinstance(hint, types.UnionType) and type(None) in typing.get_args(hint):  # `X | None`: TOML has no None
+        (hint,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
     if hint is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false, got {value!r}")
