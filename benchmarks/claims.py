@@ -127,6 +127,35 @@ def _peers(names: tuple[str, ...]) -> Callable[[dict], tuple[str, ...]]:
     return figures
 
 
+def _graphed(family: str) -> Callable[[dict], tuple[str, ...]]:
+    """One family raced with mplan's CUDA graphs and without (`mplan_eager`): the ratio to the
+    fastest peer, mplan's and that peer's step (ms), the ratio to mplan without graphs, then the
+    spread (%) of mplan's, compile's and mplan-without-graphs' steps."""
+    def figures(data: dict) -> tuple[str, ...]:
+        f = data["families"][family]
+        cv = lambda system: fixed(f["systems"][system]["step_cv"] * 100, 2)  # noqa: E731
+        return (fixed(f["mplan_vs_best_peer"], 3), fixed(f["systems"]["mplan"]["step_s"] * 1e3),
+                fixed(f["systems"][f["best_peer"]]["step_s"] * 1e3), fixed(f["mplan_vs_mplan_eager"], 3),
+                cv("mplan"), cv("compile"), cv("mplan_eager"))
+    return figures
+
+
+def _cp_attention(data: dict) -> tuple[str, ...]:
+    """One cp rank's local attention: the 131072-token cp=2 rank 0's measured and predicted forward
+    and backward (ms), the span of the prediction errors (%, as under-measurement), the largest
+    forward gap between a layout's two ranks (%)."""
+    rows = data["rows"]
+    first = next(r for r in rows if r["seq"] == 131072 and r["cp"] == 2 and r["rank"] == 0)
+    errors = [-r["prediction_error"][k] * 100 for r in rows for k in ("forward", "backward")]
+    pairs: dict[tuple[int, int], list[float]] = {}
+    for r in rows:
+        pairs.setdefault((r["seq"], r["cp"]), []).append(r["measured_ms"]["forward"])
+    gap = max(max(v) / min(v) - 1 for v in pairs.values()) * 100
+    return (fixed(first["measured_ms"]["forward"], 0), fixed(first["measured_ms"]["backward"], 0),
+            fixed(first["predicted_ms"]["forward"], 0), fixed(first["predicted_ms"]["backward"], 0),
+            f"{min(errors):.0f}-{max(errors):.0f}", fixed(gap, 0))
+
+
 def _peer_profile(family: str) -> Callable[[dict], tuple[str, ...]]:
     """One family's profiled mplan step: GPU kernel time and wall time (ms)."""
     def figures(data: dict) -> tuple[str, ...]:
@@ -705,6 +734,22 @@ CLAIMS: tuple[Claim, ...] = (
           pattern=r"Qwen3-MoE's, (\S+) ms of kernels in (\S+) ms"),
     Claim(doc="README.md", source="peers_profile_h100-2026-12-06-gemma3.json", figures=_peer_profile("gemma3"),
           pattern=r"Gemma-3's step is host-bound: (\S+) ms of GPU kernels in a (\S+) ms step"),
+    Claim(doc="README.md", source="peers_h100-2026-12-06-session14-a.json",
+          figures=lambda data: _peers(("granite", "gemma2", "gemma3"))(data)[:-2],
+          pattern=r"Granite (\S+)x compile \((\S+) against (\S+) ms\), Gemma-2 (\S+)x compile \((\S+) against (\S+) ms\), "
+                  r"Gemma-3 (\S+)x compile \((\S+) against (\S+) ms\): Granite's loss is gone"),
+    Claim(doc="README.md", source="peers_h100-2026-12-06-session14-b.json", figures=_graphed("gemma3"),
+          pattern=r"replaying: Gemma-3 (\S+)x compile \((\S+) against (\S+) ms; (\S+)x mplan without graphs; steps vary by "
+                  r"(\S+)%, compile's by (\S+)%, without graphs (\S+)%\)"),
+    Claim(doc="README.md", source="peers_h100-2026-12-06-session14-c.json", figures=_graphed("qwen3_moe"),
+          pattern=r"Qwen3-MoE \(64 experts\) (\S+)x compile \((\S+) against (\S+) ms; (\S+)x mplan without graphs; steps vary "
+                  r"by (\S+)%, compile's by (\S+)%, without graphs (\S+)%\)"),
+    Claim(doc="README.md", source="peers_h100-2026-12-06-session14-c.json", figures=_graphed("gemma2"),
+          pattern=r"Gemma-2 (\S+)x compile \((\S+) against (\S+) ms; (\S+)x mplan without graphs; steps vary by (\S+)%, "
+                  r"compile's by (\S+)%, without graphs (\S+)%\)\. "),
+    Claim(doc="README.md", source="cp_attention_h100-2026-12-06.json", figures=_cp_attention,
+          pattern=r"at 131072 tokens and cp=2 (\S+) \+ (\S+) ms against (\S+) \+ (\S+)\s+ms predicted, and (\S+)% under the "
+                  r"measurement at every size.*?differ by\s+at most (\S+)% in forward time"),
     Claim(doc="docs/claims.md", source="capture-cpu-2026-11-29.json", figures=_capture,
           pattern=r"capture of gpt3-175b / llama3-405b: (\S+) s, (\S+) GiB / (\S+) s, (\S+) GiB"),
 )
