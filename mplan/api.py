@@ -131,7 +131,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
         resolved = resolve_plan(plan, graph, cluster=cluster, world_size=world_size, global_batch=global_batch,
                                 micro_batch_size=micro_batch_size, tp_layout=tp_layout, within=EXECUTABLE,
                                 kernels=use_kernels and cluster.device.name != "cpu", fp8=fp8, progress=progress,
-                                inexact_ok=inexact_ok)
+                                inexact_ok=inexact_ok, cuda_graphs=cuda_graphs)
         check_executable(resolved)
         if cuda_graphs:
             refuse_graphs(resolved, run_on, fp8=resolved.fp8)

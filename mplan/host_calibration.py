@@ -85,8 +85,9 @@ def calibrate(cluster: ClusterSpec, *, model: str = CALIBRATION_MODEL, steps: in
     from mplan.planner.planning import capture_for_planning
     from mplan.planner.search import Planner
 
+    # eager: the factor is the host cost of launching every op from Python, which a graph replay skips
     row = measure_plan(model, CALIBRATION_PLAN, global_batch=CALIBRATION_BATCH, steps=steps, warmup=3,
-                       cluster=cluster)
+                       cluster=cluster, cuda_graphs=False)
     graph = capture_for_planning(model)
     spec = parse_plan_spec(CALIBRATION_PLAN)
     kernels = torch.cuda.is_available()  # what autoparallel ran: fused kernels on CUDA

@@ -59,11 +59,12 @@ def step_kernel_split(step: Callable[[], Any]) -> dict[str, float]:
 
 def measure_plan(model_spec: str, plan_spec: str, *, global_batch: int, seq_len: int | None = None,
                  vocab: int | None = None, steps: int = 5, warmup: int = 3, profile: bool = False,
-                 cluster: ClusterSpec | None = None, built: Callable[[], None] | None = None) -> dict[str, Any]:
+                 cluster: ClusterSpec | None = None, built: Callable[[], None] | None = None,
+                 cuda_graphs: bool | None = None) -> dict[str, Any]:
     """`built`, when given, is called on every rank once the plan's program is built, before its
     first step's collectives: `mplan bench` has its ranks agree there that no rank failed. Three
     warm-up steps: a one-rank plan on CUDA captures its CUDA graph at the third (`runtime.step_graph`),
-    which is no step a run repeats."""
+    which is no step a run repeats; `cuda_graphs` is autoparallel's (None: where the plan allows)."""
     import torch
     import torch.distributed as dist
 
@@ -80,7 +81,8 @@ def measure_plan(model_spec: str, plan_spec: str, *, global_batch: int, seq_len:
     ids = torch.randint(0, source.vocab, (global_batch, seq), generator=generator)
     labels = torch.roll(ids, -1, dims=1)
     pm = mplan.autoparallel(model, cluster=cluster, example_inputs=(ids,), global_batch=global_batch,
-                            plan=plan_spec, optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
+                            plan=plan_spec, optimizer=functools.partial(torch.optim.AdamW, lr=1e-4),
+                            cuda_graphs=cuda_graphs)
     if built is not None:
         built()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")

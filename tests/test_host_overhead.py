@@ -149,9 +149,10 @@ def _cluster(host: HostTiming) -> ClusterSpec:
     return ClusterSpec.preset("dgx-h100", gpus_per_node=1, measured=False).with_profile(ClusterProfile(device=device))
 
 
-def _step(graph, host: HostTiming, mbs: int, m: int) -> float:  # noqa: ANN001
+def _step(graph, host: HostTiming, mbs: int, m: int, cuda_graphs: bool | None = False) -> float:  # noqa: ANN001
+    """One rank's step, eager unless asked (the host terms below are what an eager step pays)."""
     config = ParallelConfig(dp=1, tp=1, pp=1, mbs=mbs, num_micro_batches=m)
-    return Planner(graph, _cluster(host)).evaluate(config).step_time_s
+    return Planner(graph, _cluster(host), cuda_graphs=cuda_graphs).evaluate(config).step_time_s
 
 
 def test_micro_batch_1_pays_the_host_term_that_micro_batch_8_hides(llama_graph):
@@ -161,6 +162,17 @@ def test_micro_batch_1_pays_the_host_term_that_micro_batch_8_hides(llama_graph):
     # the same 8 sequences: at micro-batch 1 the host issues every op 8 times, at 8 once
     assert host_term[1] > 4 * host_term[8] and host_term[1] > 0.05 * free[1]
     assert paid[1] / paid[8] > free[1] / free[8] * 1.05
+
+
+def test_a_step_replayed_as_a_cuda_graph_pays_no_host_term_per_op(llama_graph):
+    """One rank on a GPU replays its forwards and backwards as a CUDA graph by default
+    (`autoparallel(cuda_graphs=None)`), and is priced so: at micro-batch 1 the step is the
+    free-host one plus the optimizer's host time alone, far under the eager step's price."""
+    free = _step(llama_graph, FREE_HOST, 1, 8)
+    eager = _step(llama_graph, NOMINAL_HOST, 1, 8)
+    graphed = _step(llama_graph, NOMINAL_HOST, 1, 8, cuda_graphs=None)
+    assert graphed == _step(llama_graph, NOMINAL_HOST, 1, 8, cuda_graphs=True)
+    assert free <= graphed < free * 1.02 and graphed < eager - 0.5 * (eager - free)
 
 
 def test_a_host_bound_step_takes_the_host_time_of_its_ops(llama_graph):
@@ -180,7 +192,7 @@ def test_a_host_bound_step_takes_the_host_time_of_its_ops(llama_graph):
 
 
 def _units(graph, host: HostTiming):  # noqa: ANN001, ANN202
-    return Planner(graph, _cluster(host)).units(1, False, 1)
+    return Planner(graph, _cluster(host), cuda_graphs=False).units(1, False, 1)
 
 
 def test_mplans_runtime_pays_the_fitted_host_factor_on_gpus_only() -> None:

@@ -63,16 +63,37 @@ def host_timing(cluster: ClusterSpec) -> HostTiming:
     return device.host_timing if device is not None else nominal_host(cluster.device.name)
 
 
-def runtime_host(cluster: ClusterSpec, runtime: str, factor: float | None = None) -> HostTiming:
+def runtime_host(cluster: ClusterSpec, runtime: str, factor: float | None = None, *,
+                 cuda_graphs: bool | None = None) -> HostTiming:
     """The host figures a plan for `runtime` pays: `host_timing`'s, times `factor` (None: for
     mplan's runtime on a GPU, whose kernels overlap the host, the factor `mplan profile` measured
     on the machine (`HostTiming.runtime_factor`), else MPLAN_RUNTIME_HOST_FACTOR; 1 for
-    Megatron-LM's runtime, priced as bare ops, and on a CPU, whose figures are nominal)."""
+    Megatron-LM's runtime, priced as bare ops, and on a CPU, whose figures are nominal).
+    `cuda_graphs`: whether mplan's runtime replays the step's forwards and backwards as a CUDA
+    graph (None: where autoparallel does by default, `replays_graphs`): its program's ops then cost
+    the host nothing per step (factor 0; the optimizer's host time is priced apart, `evaluate`)."""
     host = host_timing(cluster)
+    if factor is None and (replays_graphs(cluster, runtime) if cuda_graphs is None else cuda_graphs):
+        return host.scaled(0.0, GRAPH_REPLAY)
     if factor is None:
         measured = host.runtime_factor if host.runtime_factor is not None else MPLAN_RUNTIME_HOST_FACTOR
         factor = measured if runtime == "mplan" and host.overlaps else 1.0
     return host if factor == 1.0 else host.scaled(factor, f"per op in {runtime}'s runtime (host_cost)")
+
+
+GRAPH_REPLAY = ("the step's forwards and backwards replay as one CUDA graph (runtime/step_graph.py), whose "
+                "launches the host paid once, at capture")
+"""Why a graphed plan's program ops cost the host nothing. Measured on an H100 (2026-12-06,
+benchmarks/results/peers_h100-2026-12-06-session14-b.json): a 12-layer Gemma-3's graphed step took
+38.1 ms against 35.9 ms of GPU kernels (the same model's profiled step), where its eager step took
+82.2 ms."""
+
+
+def replays_graphs(cluster: ClusterSpec, runtime: str) -> bool:
+    """Whether mplan's runtime replays a plan's steps as CUDA graphs by default on `cluster`
+    (`autoparallel(cuda_graphs=None)`): one rank on a GPU. (FP8, zero=3 and outer loops, which
+    it also runs eagerly, are not told apart here: a one-rank search prices them as graphed.)"""
+    return runtime == "mplan" and cluster.world_size == 1 and host_timing(cluster).overlaps
 
 
 def grad_values(graph: Graph) -> frozenset[str]:

@@ -58,16 +58,18 @@ from mplan.planner.spec_check import experts_refusal, heads_refusal
 def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec, world_size: int,
                  global_batch: int, micro_batch_size: int | None = None, tp_layout: str = "megatron",
                  within: PlanSpec = PlanSpec(), kernels: bool = False, fp8: bool = False,
-                 progress: Callable[[str], None] | None = None, inexact_ok: bool = False) -> Plan:
+                 progress: Callable[[str], None] | None = None, inexact_ok: bool = False,
+                 cuda_graphs: bool | None = None) -> Plan:
     """One complete Plan for `graph` (see the module docstring). `inexact_ok`: a search may choose
-    an outer loop across sites (`outer_steps`), which is not the single-device loop's arithmetic."""
+    an outer loop across sites (`outer_steps`), which is not the single-device loop's arithmetic.
+    `cuda_graphs`: autoparallel's, which prices the host as the runtime will run (`Planner`)."""
     plan = check_before_capture(plan, world_size=world_size, global_batch=global_batch,
                                 micro_batch_size=micro_batch_size, tp_layout=tp_layout)
 
     def planner(layout: str, context_slice: int = 1) -> Planner:
         # FP8 GEMMs priced where the cluster has them; elsewhere the runtime refuses fp8, naming why
         return Planner(graph, cluster, kernels=kernels, fp8=fp8 and bool(cluster.device.peak_fp8), runtime="mplan",
-                       tp_layout=layout, progress=progress, context_slice=context_slice)
+                       tp_layout=layout, progress=progress, context_slice=context_slice, cuda_graphs=cuda_graphs)
 
     if plan is None or (isinstance(plan, str) and plan.strip() in ("", "auto")):
         # cp=1: `graph` holds whole sequences (`api` captures a cp rank's slice only for a cp it is given)

@@ -131,10 +131,12 @@ class Planner:
                  grad_dtype: str = "fp32", fp32_grad_copy: bool = True, kernels: bool = False,
                  fp8: bool = False, runtime: str = DEFAULT_RUNTIME, tp_layout: str = "ilp", moe_imbalance: float = 1.0,
                  progress: Callable[[str], None] | None = None, host_factor: float | None = None,
-                 context_slice: int = 1) -> None:
+                 context_slice: int = 1, cuda_graphs: bool | None = None) -> None:
         """`moe_imbalance`: for MoE models, the token copies the busiest expert-parallel rank takes
         over the mean (1.0: uniform routing; `ModelFacts.moe_imbalance`). `host_factor`: host
         seconds per op over the bare ops' (None: the runtime's own, `host_cost.runtime_host`).
+        `cuda_graphs`: whether the step's forwards and backwards replay as a CUDA graph, their ops
+        then costing the host nothing (None: where autoparallel's default does, one rank on a GPU).
         `context_slice`: the cp degree whose one rank's slice of each sequence `graph` is (1: whole
         sequences); configs of another cp are refused, since the slice is what a cp plan is priced on
         (`context_pricing.py`)."""
@@ -155,7 +157,7 @@ class Planner:
         self.graph = rebatch(graph, 1) if self.dynamic else graph
         self._at_batch: dict[int, Graph] = {1: self.graph}
         self.cluster = cluster
-        self.host = runtime_host(cluster, runtime, host_factor)
+        self.host = runtime_host(cluster, runtime, host_factor, cuda_graphs=cuda_graphs)
         self.allow = allow
         # chains fuse_kernels will run as one kernel, priced so (names survive rebatching)
         self.fused = find_fused_chains(graph) if kernels else {}
