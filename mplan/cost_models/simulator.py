@@ -142,7 +142,7 @@ def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) ->
 
 class _Run:
     __slots__ = ("s", "c", "clock", "pos", "arrivals", "timeline", "busy", "sent", "sync_at", "live", "peak_rank",
-                 "peak_stage")
+                 "peak_stage", "stages")
 
     def __init__(self, schedule: Schedule, costs: PipelineCosts) -> None:
         self.s, self.c = schedule, costs
@@ -156,6 +156,7 @@ class _Run:
         self.live = [0] * schedule.num_stages
         self.peak_rank = [0] * schedule.pp
         self.peak_stage = [0] * schedule.num_stages
+        self.stages = tuple(schedule.stages_of(r) for r in range(schedule.pp))  # read at every compute action
 
     def execute(self) -> None:
         # check_schedule has shown every rank completes, so round-robin until all lists are done;
@@ -176,7 +177,7 @@ class _Run:
                                                stream="compute"))
             self.live[a.stage] += IN_FLIGHT_STEP[a.kind]
             self.peak_stage[a.stage] = max(self.peak_stage[a.stage], self.live[a.stage])
-            on_rank = sum(self.live[s] for s in self.s.stages_of(rank))
+            on_rank = sum(self.live[s] for s in self.stages[rank])
             self.peak_rank[rank] = max(self.peak_rank[rank], on_rank)
         elif a.kind in ("SEND_F", "SEND_B"):
             boundary = a.stage if a.kind == "SEND_F" else a.stage - 1
@@ -197,7 +198,7 @@ class _Run:
     def _grad_syncs(self, rank: int) -> tuple[float, float]:
         """Issue the rank's grad syncs on its comm stream; (seconds issued, end time)."""
         issued, free = 0.0, 0.0
-        starts = sorted((self.sync_at.get(stage, self.clock[rank]), stage) for stage in self.s.stages_of(rank))
+        starts = sorted((self.sync_at.get(stage, self.clock[rank]), stage) for stage in self.stages[rank])
         for ready, stage in starts:
             duration = self.c.grad_sync_s[stage]
             if duration <= 0:

@@ -309,22 +309,29 @@ def rank_units(config: ParallelConfig, units: Sequence[UnitCost], attention: Seq
     priced: dict[AttentionOp, Exchange] = {}
     group = config.mesh.group_shape("cp", cluster.gpus_per_node)
     overlaps = host_timing(cluster).overlaps
-    out, exchanges = [], []
-    for u, (unit, ops) in enumerate(zip(units, attention)):
-        rows_f, rows_b = rows[gemms[u]] if rows else (0.0, 0.0)
-        # the rank's attention: total / cp (head-tail), from the whole graph's or the slice's seconds
+
+    def exchanged(ops: tuple[AttentionOp, ...]) -> tuple[tuple[Exchange, ...], float, float, float]:
+        """The exchanges of a unit's attention `ops` and their forward and backward seconds and
+        saved bytes: the rank's attention, total / cp (head-tail), from the whole graph's or the
+        slice's seconds."""
         at_rank = [dataclasses.replace(op, q_bytes=op.q_bytes * share, kv_bytes=op.kv_bytes * share,
                                        out_bytes=op.out_bytes * share,
                                        forward_s=op.forward_s * (share if whole else cp),
                                        backward_s=op.backward_s * (share if whole else cp)) for op in ops]
-        added_f = rows_f if whole else sum(op.forward_s * (cp - 1) for op in ops)
-        added_b = rows_b if whole else sum(op.backward_s * (cp - 1) for op in ops)
         for op in at_rank:
             if op not in priced:
                 priced[op] = exchange(config.cp_method, cp, op, cluster, group, overlaps)
         ex = tuple(priced[op] for op in at_rank)
-        ex_f, ex_b = sum(e.forward_s for e in ex), sum(e.backward_s for e in ex)
-        saved = sum(e.saved_bytes for e in ex)
+        return ex, sum(e.forward_s for e in ex), sum(e.backward_s for e in ex), sum(e.saved_bytes for e in ex)
+    by_ops: dict[tuple[AttentionOp, ...], tuple[tuple[Exchange, ...], float, float, float]] = {}
+    out, exchanges = [], []
+    for u, (unit, ops) in enumerate(zip(units, attention)):
+        rows_f, rows_b = rows[gemms[u]] if rows else (0.0, 0.0)
+        added_f = rows_f if whole else sum(op.forward_s * (cp - 1) for op in ops)
+        added_b = rows_b if whole else sum(op.backward_s * (cp - 1) for op in ops)
+        if ops not in by_ops:  # a block type's instances hold equal ops: exchanged once
+            by_ops[ops] = exchanged(ops)
+        ex, ex_f, ex_b, saved = by_ops[ops]
         forward = unit.forward_s * share + added_f + ex_f
         backward = unit.backward_s * share + added_b + ex_b
         out.append(dataclasses.replace(

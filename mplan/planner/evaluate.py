@@ -262,6 +262,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     (a search asks for the same ones of thousands of configs); `chunk_memo`: the pipeline chunks'
     forward and backward seconds kept across calls on `cluster` with these same `units`."""
     compute = ComputeCostModel(cluster)
+    has_experts = any(held is not None for held in experts)
     moe = _price_experts(config, units, experts, cluster, compute, facts.moe_imbalance)
     per = _bytes_per_param(config, facts)
     bwd = [b + {"none": 0.0, "selective": u.selective_extra_s, "full": f}[config.recompute]
@@ -312,7 +313,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         cut = cut or _fallback(times, k)
     short_of_memory = reason == NO_CUT_IN_MEMORY
     # below zero=2 and without experts a chunk's seconds are its units' own: kept across calls
-    memo = chunk_memo if config.zero < 2 and all(e is None for e in experts) else None
+    memo = chunk_memo if config.zero < 2 and not has_experts else None
 
     def chunk_seconds(bounds: tuple[int, int]) -> tuple[float, float]:
         key = (bounds, config.recompute, issue.overlaps)
@@ -341,9 +342,9 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         # Backward of the largest op holds its output's gradient and its input's at once; a fused
         # kernel's working memory (the head + loss's chunk of logits, `head_rows` rows) is held
         # once, in its forward.
-        workspace = max((workspaces[u] if head_rows is None else
-                         max(2 * units[u].largest_op_bytes, units[u].working_bytes(head_rows)) for u in rank_units),
-                        default=0.0)
+        workspace = (max(map(workspaces.__getitem__, rank_units), default=0.0) if head_rows is None else
+                     max((max(2 * units[u].largest_op_bytes, units[u].working_bytes(head_rows)) for u in rank_units),
+                         default=0.0))
         sizes = [moe.dense_params[u] + moe.expert_params[u] for u in rank_units] if config.zero >= 1 else []
         gathered = 0.0
         # over groups of one mplan's runtime gathers nothing: the parameters are the shard (fully_sharded.py)
@@ -363,11 +364,11 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
             gathered_params=gathered,
             grad_transient_bytes=reductions.transient_bytes, activations_beside_transient=reductions.activations_bytes,
             recompute=config.recompute,
-            activation_bytes=sum(moe.saved_bytes[u] for u in rank_units) / config.vpp,
-            selective_activation_bytes=sum(moe.selective_bytes[u] for u in rank_units) / config.vpp,
-            checkpoint_bytes=sum(units[u].input_bytes for u in rank_units) / config.vpp,
+            activation_bytes=sum(map(moe.saved_bytes.__getitem__, rank_units)) / config.vpp,
+            selective_activation_bytes=sum(map(moe.selective_bytes.__getitem__, rank_units)) / config.vpp,
+            checkpoint_bytes=sum(map(input_bytes.__getitem__, rank_units)) / config.vpp,
             # full recomputation re-runs one unit at a time: the largest one's activations on top
-            layer_activation_bytes=max((moe.saved_bytes[u] for u in rank_units), default=0),
+            layer_activation_bytes=max(map(moe.saved_bytes.__getitem__, rank_units), default=0),
             num_in_flight=in_flight[rank], largest_workspace_bytes=workspace, fragmentation=fragmentation,
             # mplan's runtime keeps no gradient buffer at dp=1: one micro-batch's gradients replace
             # its activations as backward runs (data_parallel.py)
@@ -378,8 +379,12 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         outer_state = OUTER_STATE_COPIES * (dense + expert_params) * per.param  # the anchor and momentum
         return replace(breakdown, optimizer_bytes=breakdown.optimizer_bytes + outer_state)
 
-    # each unit's largest working memory at the fused head's default chunk (`rank_memory`)
+    # per unit, what each rank adds up (with `map`, in the units' order: a search does it for
+    # every rank of thousands of configs): the largest working memory at the fused head's default
+    # chunk, the inputs a checkpoint keeps, the TP gradient sync's bytes
     workspaces = [max(2 * u.largest_op_bytes, u.working_bytes(None)) for u in units]
+    input_bytes = [u.input_bytes for u in units]
+    tp_sync_bytes = [u.tp_grad_sync_bytes for u in units]
     memory, syncs, opt = [], [], 0.0
     holdings: list[tuple[list[int], int, int]] = []  # per pipeline rank: its units, dense and expert parameters
     # ranks holding as many parameters (the middle ranks of a deep pipeline) sync and step alike
@@ -391,10 +396,11 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         chunks = range(rank, k, config.pp)
         rank_units = [u for c in chunks for u in range(*cut.bounds[c])]
         dense, expert_params = _rank_params(units, moe, rank_units)
-        tp_sync = sum(units[u].tp_grad_sync_bytes for u in rank_units)
+        tp_sync = sum(map(tp_sync_bytes.__getitem__, rank_units))
         last_backward = sum(chunk_b[c] for c in chunks) if overlapped else None
         # the step waits for the reduce-scatters still in flight: the last unit's at most
-        last_scatter = max((zc.scatter_s[u] for u in rank_units), default=0.0) if zc.overlap.reduce_scatters else 0.0
+        last_scatter = max(map(zc.scatter_s.__getitem__, rank_units), default=0.0) \
+            if zc.overlap.reduce_scatters and config.zero >= 2 else 0.0  # below zero=2 there are none
         key = (dense, expert_params, tp_sync, last_backward, last_scatter)
         if key not in by_params:
             memo_key = None if sync_memo is None else _sync_key(config, facts, key)
@@ -442,14 +448,14 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     else:
         sim = simulate(schedule_of(config), costs, check=False)  # schedule_of checked it once
         step, bubble, busy = sim.step_time_s, sim.bubble_fraction, sim.compute_s
-    zero_comm = max(sum(zero_added[u] for c in range(rank, k, config.pp) for u in range(*cut.bounds[c]))
-                    for rank in range(config.pp)) * config.num_micro_batches + kept_gather
+    zero_comm = (max(sum(zero_added[u] for c in range(rank, k, config.pp) for u in range(*cut.bounds[c]))
+                     for rank in range(config.pp)) * config.num_micro_batches if config.zero >= 2 else 0.0) + kept_gather
     tp_comm = sum((units[u].comm_forward_s + units[u].comm_backward_s)
                   for c in range(0, k, config.pp) for u in range(*cut.bounds[c])) * config.num_micro_batches
     # all-to-all passes a micro-batch runs: forward and backward, and forward again when fully recomputed
     passes = 3 if config.recompute == "full" else 2
     a2a = max(sum(moe.a2a_pass_s[u] for c in range(rank, k, config.pp) for u in range(*cut.bounds[c]))
-              for rank in range(config.pp)) * passes * config.num_micro_batches
+              for rank in range(config.pp)) * passes * config.num_micro_batches if has_experts else 0.0
     sequences = config.dp * config.mbs * config.num_micro_batches
     flops = facts.training_flops_per_sequence * sequences / step
     world = config.world_size
@@ -792,7 +798,9 @@ def _closed_form(config: ParallelConfig, costs: PipelineCosts) -> tuple[float, f
     for its grad sync is r * max(0, I - W), never more than simulated on uniform stages.
     """
     p, m, v = config.pp, config.num_micro_batches, config.vpp
-    per_rank = [sum(costs.forward_s[c] + costs.backward_s[c] for c in range(r, p * v, p)) for r in range(p)]
+    # a rank's chunks r, r + p, ...; one chunk each without interleaving (0 + x is x)
+    per_rank = ([f + b for f, b in zip(costs.forward_s, costs.backward_s)] if v == 1 else
+                [sum(costs.forward_s[c] + costs.backward_s[c] for c in range(r, p * v, p)) for r in range(p)])
     slowest = max(per_rank)
     weight = costs.weight_s or (0.0,) * len(costs.backward_s)
     inputs = [b - w for b, w in zip(costs.backward_s, weight)]
@@ -815,6 +823,7 @@ def _closed_form(config: ParallelConfig, costs: PipelineCosts) -> tuple[float, f
     # Rank r's last backward ends about r chunk-backwards before the pipeline does (1F1B), or r
     # times what its I outlasts its W by (ZB-H1).
     head_start = [r * (max(0.0, inputs[r] - weight[r]) if zero_bubble else costs.backward_s[r]) for r in range(p)]
-    exposed = max(max(0.0, sum(costs.grad_sync_s[c] for c in range(r, p * v, p)) - head_start[r]) for r in range(p))
+    synced = costs.grad_sync_s if v == 1 else [sum(costs.grad_sync_s[c] for c in range(r, p * v, p)) for r in range(p)]
+    exposed = max(max(0.0, synced[r] - head_start[r]) for r in range(p))
     busy = m * slowest
     return pipeline + exposed + costs.optimizer_s, 1.0 - busy / pipeline, busy
