@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -375,21 +375,20 @@ def _shape_of(val: Any) -> tuple[int, ...]:
     return tuple(d if isinstance(d, int) else int(_number(d)) for d in val.shape)  # type: ignore[arg-type]
 
 
-def _ancestors(roots: Sequence[fx.Node]) -> set[fx.Node]:
+def _reach(roots: Collection[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]]) -> set[fx.Node]:
+    """`roots` and every node reached from them by `step` (a node's inputs, or its users)."""
     seen, todo = set(roots), list(roots)
     while todo:
-        for n in todo.pop().all_input_nodes:
+        for n in step(todo.pop()):
             if n not in seen:
                 seen.add(n)
                 todo.append(n)
     return seen
+
+
+def _ancestors(roots: Sequence[fx.Node]) -> set[fx.Node]:
+    return _reach(roots, lambda n: n.all_input_nodes)
 
 
 def _descendants(roots: Collection[fx.Node]) -> set[fx.Node]:
-    seen, todo = set(roots), list(roots)
-    while todo:
-        for n in todo.pop().users:
-            if n not in seen:
-                seen.add(n)
-                todo.append(n)
-    return seen
+    return _reach(roots, lambda n: n.users)
