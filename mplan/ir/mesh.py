@@ -45,8 +45,8 @@ model per link; a plan with `sites=1` whose pipelines would cross the sites of i
 refused (`check_sites`).
 
 Invariants: every degree is positive, `dp * tp * pp * cp == world_size`, `ep` divides `dp`,
-`sites` divides `dp` and `ep` divides `dp / sites`;
-`ep > 1` with `cp > 1` is refused (not yet run together).
+`sites` divides `dp` and `ep` divides `dp / sites`; with `cp > 1` the runtime carves the ep
+groups out of `replicas()` (dp x cp ranks), and `ep` still divides `dp` (not yet `dp x cp`).
 Ranks fill nodes in order (rank r on node r // gpus_per_node).
 Every rank appears in exactly one group per axis; groups along an axis are listed in
 increasing order of their smallest rank, and ranks inside a group in increasing order
