@@ -3,7 +3,8 @@ what the README's planning-time row quotes).
 
 Jobs:
 - the two preset jobs the README has always quoted: `gpt3-175b` on 128 DGX A100 nodes (1024
-  GPUs) and `llama3-8b` on 8 DGX H100 nodes at seq 8192;
+  GPUs) and `llama3-8b` on 8 DGX H100 nodes at seq 8192; and `llama3-405b` at seq 8192 on 2048
+  DGX H100 nodes (16384 GPUs), the widest search context parallelism makes;
 - every Hugging Face config under benchmarks/configs/ (1B, 8B and 70B shapes; Llama, Qwen2/3 and
   Mistral styles) at `--seq-len` 4096 and 32768 on 8 DGX H100 nodes, each beside the mplan
   family spec of the same shape (`llama:layers=...`, what a preset is), so that the file shows
@@ -17,6 +18,8 @@ since other processes on a shared machine stretch wall time.
     python benchmarks/planning_time.py -o benchmarks/results/planning_time-cpu-2026-12-05-after.json
     python benchmarks/planning_time.py --only qwen3-8b --repeats 1     # one config, both lengths
     python benchmarks/planning_time.py --only qwen3-8b --seq-lens 131072 --nodes 32   # the longest the issue asks
+    python benchmarks/planning_time.py --only gpt3-175b llama3-8b llama3-405b qwen3-8b --seq-lens 131072 \
+        -o benchmarks/results/planning_time-cpu-2026-12-06.json     # issue 30's jobs (cp in the search)
 
 With --capture, the capture alone instead: time and peak memory of capturing the largest presets
 on the meta device, each in a fresh process (so peak RSS is that capture's own), full depth and
@@ -46,6 +49,9 @@ PRESET_JOBS = {
     "gpt3-175b": ["gpt3-175b", "--cluster", "dgx-a100", "--nodes", "128", "--global-batch", "1536",
                   "--runtime", "mplan"],
     "llama3-8b": ["llama3-8b", "--seq-len", "8192", *H100_CLUSTER],
+    # issue 30's third job: 16384 H100s, where context parallelism's degrees widen the search most
+    "llama3-405b": ["llama3-405b", "--seq-len", "8192", "--cluster", "dgx-h100", "--nodes", "2048",
+                    "--global-batch", "2048", "--runtime", "mplan"],
 }
 
 
