@@ -309,6 +309,16 @@ def _planning(data: dict) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _planning_fix(data: dict) -> tuple[str, ...]:
+    """Before / after wall times (and gpt3's and llama3-405b's searches) of the 2026-12-06 fix."""
+    jobs = data["summary"]
+    out = []
+    for job, search in (("gpt3-175b", True), ("llama3-8b", False), ("llama3-405b", True), ("qwen3-8b@131072", False)):
+        keys = ("wall_s_min_before", "wall_s_min_after") + (("search_s_before", "search_s_after") if search else ())
+        out += [fixed(jobs[job][key], 2) for key in keys]
+    return tuple(out)
+
+
 def _h200_step(data: dict) -> tuple[str, ...]:
     """The step errors' range as '2.5-7.4%' (all low), and the number of models."""
     errors = [abs(r["step_error"]) * 100 for r in _rows(data)]
@@ -565,6 +575,9 @@ CLAIMS: tuple[Claim, ...] = (
           pattern=r"\| (\S+) s / (\S+) s of wall time over 3 runs each"),
     Claim(doc="README.md", source="planning_time-cpu-2026-12-03.json", figures=lambda data: _planning(data)[2:],
           pattern=r"in the search \((\S+) / (\S+) candidates\)"),
+    Claim(doc="README.md", source="planning_time-cpu-2026-12-06.json", figures=_planning_fix,
+          pattern=r"gpt3-175b\s+(\S+) / (\S+) s \(search (\S+) / (\S+) s\), llama3-8b (\S+) / (\S+) s, llama3-405b "
+                  r"(\S+) / (\S+) s \(search (\S+) / (\S+) s\),\s+the Qwen3-8B config (\S+) / (\S+) s"),
     Claim(doc="README.md", source="host_factor_fit-cpu-2026-12-05.json", figures=_host_factor,
           pattern=r"measured (\d+) / (\d+) / (\d+) ms and (\d+) / (\d+), (\d+) / (\d+) ms; with the bare ops' host "
                   r"figures predicted up to (\d+)% low at micro-batch 1 and 2; with the runtime factor fitted on the Qwen2 "
