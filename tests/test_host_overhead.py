@@ -222,3 +222,24 @@ def test_the_host_factor_is_its_fit_and_holds_out_within_ten_percent() -> None:
     assert len(held) == 6
     assert all(abs(row["error_fitted"]) <= 0.10 for row in held), held
     assert max(abs(row["error_as_measured"]) for row in held) > 0.5  # the bare ops' figures were far off
+
+
+def test_a_plan_says_whether_it_was_priced_as_a_cuda_graph_replay() -> None:
+    """One GPU: the plan records that its program ops were priced as a graph replays them, and
+    `explain` says so in place of the per-op host time; eight GPUs: host time per op."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from mplan.cost_models.cluster import ClusterSpec
+    from mplan.planner.explain import render
+    from mplan.planner.planning import plan
+
+    spec = "llama:layers=2,hidden=64,heads=4,seq=32,vocab=128,ffn=128"
+    for gpus, graphed in ((1, True), (8, False)):
+        made = plan(spec, cluster=ClusterSpec.preset("dgx-h100", gpus_per_node=gpus), global_batch=8, progress="quiet")
+        assert made.planner["cuda_graphs_priced"] == float(graphed)
+        out = StringIO()
+        render(made, Console(file=out, width=400))
+        assert ("replay as one CUDA graph, no host time per op" in out.getvalue()) is graphed
+        assert ("host time priced per op" in out.getvalue()) is not graphed

@@ -131,7 +131,7 @@ def _difference_why(plan: Plan, difference_ms: float, total_ms: float) -> str:
                        f"all-to-all), the ILP every expert local")
     if plan.schedule == "zb-h1" and plan.mesh.pp > 1:
         reasons.append("zb-h1 charges each weight-gradient pass at least the host time of issuing it")
-    if difference_ms > 0:
+    if difference_ms > 0 and not plan.planner.get("cuda_graphs_priced"):
         reasons.append("the host issues every op before the device can run it (planner/host_cost.py): the "
                        "stages add what the device does not hide of that time")
     return "; ".join(reasons) or "not accounted for by this plan's settings"
@@ -270,6 +270,7 @@ def explain_data(plan: Plan) -> dict[str, Any]:
             "world_size": plan.cluster.world_size, "spec": plan.spec(), "fp8": plan.fp8, "runtime": plan.runtime,
             "head_loss_chunk_rows": plan.head_loss_chunk_rows,
             "fused_kernels_priced": bool(plan.planner.get("fused_kernels_priced")),
+            "cuda_graphs_priced": bool(plan.planner.get("cuda_graphs_priced")),
             "fused_kernels": {key.removeprefix("fused."): int(count) for key, count in plan.planner.items()
                               if key.startswith("fused.")},
             "mesh": {"dp": plan.mesh.dp, "tp": plan.mesh.tp, "pp": plan.mesh.pp, "ep": plan.mesh.ep,
@@ -479,8 +480,10 @@ def render(plan: Plan, console: Any) -> None:
     fused = ", ".join(f"{kernel} x{count}" for kernel, count in d["fused_kernels"].items())
     kernels = (f"fused kernels priced ({fused}; per block: mplan inspect)" if fused else "fused kernels priced") \
         if plan.planner.get("fused_kernels_priced") else "ops priced one by one"
+    host = ("host: the step's forwards and backwards replay as one CUDA graph, no host time per op"
+            if plan.planner.get("cuda_graphs_priced") else "host time priced per op")
     console.print(f"GEMMs: {'FP8 block linears (output head in bf16)' if plan.fp8 else 'training dtype'}; {kernels}; "
-                  f"memory priced for {RUNTIME_NAMES[plan.runtime]}")
+                  f"{host}; memory priced for {RUNTIME_NAMES[plan.runtime]}")
     busiest = d["ranks"][p["bubble_rank"]] if d["ranks"] else None
     console.print(f"predicted: step {p['step_time_ms']:.1f} ms, {flops_rate(p['tflops_per_gpu'] * 1e12)} per "
                   f"{device} "

@@ -118,13 +118,14 @@ def plan(model: nn.Module | str, example_inputs: Sequence[Any] | None = None, *,
     with progress.phase("capture", model if isinstance(model, str) else type(model).__name__):
         graph = capture_for_planning(model, example_inputs, seq_len=seq_len, loss_fn=loss_fn)
     with progress.phase("search", f"{cluster.world_size} {cluster.device.name} ranks"):
-        _, result = search_plans(graph, cluster, global_batch, checked.spec, allow_cross_node_tp=allow_cross_node_tp,
+        planner, result = search_plans(graph, cluster, global_batch, checked.spec, allow_cross_node_tp=allow_cross_node_tp,
                                  kernels=kernels, fp8=fp8, runtime=runtime, moe_imbalance=moe_imbalance,
                                  progress=progress, inexact_ok=inexact_ok)
     made = build_plan(result, graph, cluster, global_batch, runtime=runtime)
     made = dataclasses.replace(made, fp8=fp8, model=dataclasses.replace(made.model, seq_len_source=checked.seq_len_source))
     made.planner["total_seconds"] = round(time.perf_counter() - start, 3)
     made.planner["fused_kernels_priced"] = float(kernels)
+    made.planner["cuda_graphs_priced"] = float(planner.graphed)
     if kernels:  # what the pass will fuse, per kernel over the whole model (`mplan explain` shows it)
         made.planner.update(fused_kernel_counts(graph))
     return made

@@ -74,9 +74,10 @@ def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec,
     if plan is None or (isinstance(plan, str) and plan.strip() in ("", "auto")):
         # cp=1: `graph` holds whole sequences (`api` captures a cp rank's slice only for a cp it is given)
         within = within if within.cp is not None else dataclasses.replace(within, cp=1)
-        result = planner("ilp").search(global_batch, within, zero_levels=EXECUTABLE_ZERO["mplan"],
-                                       inexact_ok=inexact_ok)
+        search = planner("ilp")
+        result = search.search(global_batch, within, zero_levels=EXECUTABLE_ZERO["mplan"], inexact_ok=inexact_ok)
         made = build_plan(result, graph, cluster, global_batch, tp_layout="ilp", runtime="mplan")
+        made.planner["cuda_graphs_priced"] = float(search.graphed)
     elif isinstance(plan, Plan):
         made = _bind(plan, graph, world_size, global_batch)
     elif isinstance(plan, str):
@@ -92,6 +93,7 @@ def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec,
         result = SearchResult(best=estimate, ranked=[estimate], rejected=[], sharded=search._sharded,
                               facts=search.facts, num_candidates=1, seconds=0.0, context_slice=config.cp)
         made = build_plan(result, graph, cluster, global_batch, tp_layout=tp_layout, runtime="mplan")
+        made.planner["cuda_graphs_priced"] = float(search.graphed)
     else:
         raise TypeError(f"plan must be None, a Plan, a plan.json path or a spec string, not {type(plan).__name__}")
     if not isinstance(plan, Plan):  # planned here, at the sequence length of the example inputs captured
