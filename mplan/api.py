@@ -101,7 +101,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     `cuda_graphs` replays each step's forwards and backwards as one CUDA graph from the third
     step on (`runtime.step_graph`: the host's launch cost paid once; a step whose capture fails
     runs eagerly, saying why). None (the default): on wherever the plan allows it (one rank on
-    CUDA, no FP8, zero < 3, no outer loop), off elsewhere; True: on, refused in one line where the
+    CUDA, no FP8, zero < 2, no outer loop), off elsewhere; True: on, refused in one line where the
     plan does not allow it; False: off. On an H100 it made the host-bound families' steps 1.1-2.2x
     faster (benchmarks/results/peers_h100-2026-12-06-session14-b.json and -c.json).
     Collective: every rank of the job calls it with the same arguments.

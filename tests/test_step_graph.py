@@ -113,6 +113,23 @@ def test_a_graphed_step_trains_as_the_eager_one_from_capture_to_the_last_step() 
     assert max(rel_err(pm.params[k], v) for k, v in want_params.items()) < 1e-12
 
 
+def test_zero1_at_one_rank_replays_as_its_eager_steps() -> None:
+    """ZeRO-1 (allowed under graphs: its gradients are reduced in the optimizer step, outside the
+    graph) trains as its eager module to the bit; zero=2, whose backward hooks reduce-scatter, is
+    refused (below): replayed, six of its steps drift from eager by 1e-7."""
+    def module() -> mplan.ParallelModule:
+        model = build_model(SPEC, device="cpu", dtype=torch.float64, seed=0)
+        return mplan.autoparallel(model, example_inputs=(_batch(0)[0][:MICRO],), global_batch=GLOBAL_BATCH,
+                                  micro_batch_size=MICRO, plan="dp=1,tp=1,zero=1", optimizer=OPTIMIZER,
+                                  max_grad_norm=1.0, progress="quiet")
+    eager = module()
+    want = _train(eager)
+    graphed = module()
+    backend = _graphed(graphed)
+    assert _train(graphed) == want and backend.replays == STEPS - 2
+    assert all(torch.equal(graphed.params[k], v) for k, v in eager.params.items())
+
+
 def test_a_replay_reads_this_steps_batch_not_the_captured_one() -> None:
     """The batch is copied into the graph's static inputs: with the copy skipped, the replays
     would train on the capture's batch again and the losses would repeat."""
@@ -208,7 +225,7 @@ def test_by_default_graphs_are_tried_only_where_the_plan_allows_them() -> None:
 
 
 def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_run() -> None:
-    """On the CPU before any capture (fast); for a plan of several ranks, FP8, zero=3 by name."""
+    """On the CPU before any capture (fast); for a plan of several ranks, FP8, zero=2 or 3 by name."""
     model = build_model(SPEC, device="cpu", dtype=torch.float64, seed=0)
     start = time.perf_counter()
     with pytest.raises(ValueError, match=r"^cuda_graphs=True: CUDA graphs need a CUDA device; this module runs on cpu$"):
@@ -223,6 +240,8 @@ def test_cuda_graphs_are_refused_in_one_line_where_they_cannot_run() -> None:
     assert "spans 2 ranks" in graph_refusal(wide, cuda)
     assert "FP8" in graph_refusal(plan, cuda, fp8=True)
     assert "zero=3" in graph_refusal(dataclasses.replace(plan, zero=3), cuda)
+    assert "zero=2" in graph_refusal(dataclasses.replace(plan, zero=2), cuda)
+    assert graph_refusal(dataclasses.replace(plan, zero=1), cuda) is None
 
 
 def test_a_sync_is_placed_at_the_callers_line_not_inside_torchs_wrapper() -> None:

@@ -91,7 +91,7 @@ benchmarks/results/peers_h100-2026-12-06-session14-b.json): a 12-layer Gemma-3's
 
 def replays_graphs(cluster: ClusterSpec, runtime: str) -> bool:
     """Whether mplan's runtime replays a plan's steps as CUDA graphs by default on `cluster`
-    (`autoparallel(cuda_graphs=None)`): one rank on a GPU. (FP8, zero=3 and outer loops, which
+    (`autoparallel(cuda_graphs=None)`): one rank on a GPU. (FP8, zero 2 and 3 and outer loops, which
     it also runs eagerly, are not told apart here: a one-rank search prices them as graphed.)"""
     return runtime == "mplan" and cluster.world_size == 1 and host_timing(cluster).overlaps
 
