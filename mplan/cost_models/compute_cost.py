@@ -10,6 +10,13 @@ throughput over (m, n, k) per dtype, attention throughput over (batch*heads, sqr
 head_dim) per (dtype, causal) (the profile times seq_q == seq_kv, so the geometric mean keeps the
 table a full grid), copy time over bytes. Below the table's smallest GEMM the throughput
 is scaled down by the efficiency curve below (relative to the table's edge), never held flat.
+Each table is read through its containment envelope first (`containment_envelope`): a kernel is
+never slower than one at least as large on every axis (the same work, padded), so a measured time
+above the least time of any shape containing it is the timer's glitch, not the kernel's. The H100
+profile of 2026-12-05 has such glitches where its host was slow: [4096, 1024] @ [1024, 256] timed
+409 us against 38 us for k = 2048, which priced Gemma-3's k and v projections ([4096, 1152] @
+[1152, 256]) at 9 TFLOP/s: 8 ms of a 72 ms price for a step measured at 38 ms
+(benchmarks/results/graph_price-cpu-2026-12-06.json).
 
 Without one, a roofline: ``max(flops / (peak * gemm_efficiency * shape(m, n, k)), bytes / (bandwidth *
 memory_efficiency))`` with the GEMM shape curve
@@ -48,13 +55,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy
 
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.dtypes import canonical_dtype, dtype_bytes
 from mplan.cost_models.log_interpolation import LogInterpolator
-from mplan.cost_models.profile import usable_tables
+from mplan.cost_models.profile import DeviceProfile, usable_tables
 
 GEMM_CURVE_C_MN = 3.24e6
 """Output elements (m*n) at which the occupancy factor is one half; fitted (see GEMM_POINTS_FILES)."""
@@ -150,6 +158,19 @@ def fit_gemm_curve(points: Sequence[tuple[float, float, float, float]], achievab
     return tuple(math.exp(x) for x in logs)  # type: ignore[return-value]
 
 
+def containment_envelope(timed: Sequence[tuple[tuple[int, ...], float]]) -> list[tuple[tuple[int, ...], float]]:
+    """`timed` (shape, seconds) points of one kernel, each time lowered to the least time measured at
+    any shape at least as large on every axis (itself included): a kernel never takes longer than
+    one containing it, which does the same work padded (a larger GEMM, more heads, a longer causal
+    sequence, wider heads, more bytes). A measured time above that envelope is the timer's (a
+    host stall inside the timed call), and interpolating it would price every shape near it so."""
+    if not timed:
+        return []
+    shapes = numpy.array([shape for shape, _ in timed], dtype=numpy.int64)
+    seconds = numpy.array([s for _, s in timed], dtype=numpy.float64)
+    return [(shape, float(seconds[(shapes >= shapes[i]).all(axis=1)].min())) for i, (shape, _) in enumerate(timed)]
+
+
 def attention_flops(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, causal: bool,
                     backward: bool) -> float:
     """FLOPs of one attention forward (or backward) pass."""
@@ -157,6 +178,48 @@ def attention_flops(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: i
     if causal:
         flops *= max(1.0 - (seq_q - 1) / (2.0 * seq_kv), 0.0)
     return flops * (ATTENTION_BACKWARD_FLOP_RATIO if backward else 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class _MeasuredTables:
+    """One profile's kernel tables as `ComputeCostModel` reads them (module docstring)."""
+
+    gemm: dict[str, LogInterpolator]  # FLOP/s over (m, n, k), by dtype
+    attention: dict[tuple[str, bool, bool], LogInterpolator]  # FLOP/s, by (dtype, causal, backward)
+    copy: LogInterpolator | None  # seconds over bytes moved
+
+
+_TABLES: dict[int, tuple[DeviceProfile, _MeasuredTables]] = {}
+"""Each profile's tables by the profile object (held, so that its id is not reused): `evaluate`
+builds a ComputeCostModel for every config it prices, on the same few profiles."""
+
+
+def _measured_tables(device: DeviceProfile) -> _MeasuredTables:
+    """`device`'s tables, each through its containment envelope, built once per profile object."""
+    held = _TABLES.get(id(device))
+    if held is not None and held[0] is device:
+        return held[1]
+    usable = usable_tables(device)  # a table too thin to price a model (`mplan profile --quick`'s) is left out
+    gemm = {}
+    for dtype in {t.dtype for t in usable.gemm}:
+        timed = containment_envelope([((t.m, t.n, t.k), t.seconds) for t in usable.gemm if t.dtype == dtype])
+        gemm[dtype] = LogInterpolator([((m, n, k), 2.0 * m * n * k / s) for (m, n, k), s in timed])
+    attention = {}
+    for dtype, causal in {(t.dtype, t.causal) for t in usable.attention}:
+        rows = [t for t in usable.attention if t.dtype == dtype and t.causal == causal]
+        for backward in (False, True):
+            timed = containment_envelope([((t.batch * t.heads, t.seq_q, t.seq_kv, t.head_dim),
+                                           t.backward_s if backward else t.forward_s) for t in rows
+                                          if (t.backward_s if backward else t.forward_s) > 0])
+            if timed:
+                attention[(dtype, causal, backward)] = LogInterpolator(
+                    [((bh, math.sqrt(sq * skv), d), attention_flops(bh, 1, sq, skv, d, causal, backward) / s)
+                     for (bh, sq, skv, d), s in timed])
+    copy = LogInterpolator(containment_envelope([((t.bytes_moved,), t.seconds) for t in usable.copy])) \
+        if usable.copy else None
+    tables = _MeasuredTables(gemm=gemm, attention=attention, copy=copy)
+    _TABLES[id(device)] = (device, tables)
+    return tables
 
 
 class ComputeCostModel:
@@ -167,28 +230,10 @@ class ComputeCostModel:
     def __init__(self, cluster: ClusterSpec) -> None:
         self.cluster = cluster
         self._cache: dict[tuple[object, ...], float] = {}
-        device = cluster.profile.device if cluster.profile is not None else None
-        # a table too thin to price a model (`mplan profile --quick`'s) is left to the datasheet
-        device = usable_tables(device) if device is not None else None
-        self._gemm: dict[str, LogInterpolator] = {}
-        self._attention: dict[tuple[str, bool, bool], LogInterpolator] = {}
-        self._copy: LogInterpolator | None = None
-        if device is None:
-            return
-        for dtype in {t.dtype for t in device.gemm}:
-            self._gemm[dtype] = LogInterpolator([((t.m, t.n, t.k), t.flops_per_s) for t in device.gemm
-                                                 if t.dtype == dtype])
-        for dtype, causal in {(t.dtype, t.causal) for t in device.attention}:
-            rows = [t for t in device.attention if t.dtype == dtype and t.causal == causal]
-            for backward in (False, True):
-                points = [((t.batch * t.heads, math.sqrt(t.seq_q * t.seq_kv), t.head_dim),
-                           attention_flops(t.batch, t.heads, t.seq_q, t.seq_kv, t.head_dim, causal, backward)
-                           / (t.backward_s if backward else t.forward_s))
-                          for t in rows if (t.backward_s if backward else t.forward_s) > 0]
-                if points:
-                    self._attention[(dtype, causal, backward)] = LogInterpolator(points)
-        if device.copy:
-            self._copy = LogInterpolator([((t.bytes_moved,), t.seconds) for t in device.copy])
+        tables = _measured_tables(cluster.profile.device) if cluster.profile is not None else None
+        self._gemm: dict[str, LogInterpolator] = tables.gemm if tables is not None else {}
+        self._attention: dict[tuple[str, bool, bool], LogInterpolator] = tables.attention if tables is not None else {}
+        self._copy: LogInterpolator | None = tables.copy if tables is not None else None
 
     @property
     def measured(self) -> bool:

@@ -94,7 +94,8 @@ class FusedSave:
     """inside a kernel that makes this value one chunk of rows at a time (the fused head + loss's
     logits): that chunk is the kernel's working memory (`HeadChunking`)"""
     kernel: str = ""
-    """on a chain's anchor: the fused op it runs (its entry's name), for its host time"""
+    """the fused op (its entry's name) a chain's anchor runs, for its host time, or that a chain's
+    other node runs inside, for its price (attention's: `op_cost.OpCoster`)"""
     made_in_chunks: tuple[str, ...] = ()
     """on a chain's anchor: chain values the kernel makes one chunk of rows at a time (the head's
     logits); each is `chunked` (MADE_IN_CHUNKS) rather than merely inside"""

@@ -89,10 +89,11 @@ def find_fused_chains(graph: Graph) -> dict[str, FusedChain]:
 
 def find_fused_saves(graph: Graph) -> dict[str, FusedSave]:
     """Node name -> what the fused kernel its chain becomes keeps (on the anchor, its entry's
-    `keeps`; INSIDE_A_KERNEL on the chain's other nodes, MADE_IN_CHUNKS on what the kernel makes
-    a chunk at a time), for every chain `fuse_kernels` fuses (mplan.fusion.coverage). The memory
-    model counts these instead of the ATen ops' saves: Hugging Face's fp32 copies inside norms
-    and loss, the causal mask, repeated keys and values, whole logits."""
+    `keeps`; INSIDE_A_KERNEL naming the kernel on the chain's other nodes, MADE_IN_CHUNKS on what
+    the kernel makes a chunk at a time), for every chain `fuse_kernels` fuses (mplan.fusion.coverage).
+    The memory model counts these instead of the ATen ops' saves: Hugging Face's fp32 copies inside
+    norms and loss, the causal mask, repeated keys and values, whole logits; `OpCoster` prices
+    attention's chain as the one SDPA call it becomes."""
     from mplan.fusion.coverage import fused_chains
     from mplan.fusion.registry import entry
 
@@ -100,7 +101,8 @@ def find_fused_saves(graph: Graph) -> dict[str, FusedSave]:
         return {}
     saves: dict[str, FusedSave] = {}
     for kernel, match in fused_chains(graph):
-        saves.update({node.name: INSIDE_A_KERNEL for node in match.chain if node.name in graph})
+        inside = replace(INSIDE_A_KERNEL, kernel=kernel)
+        saves.update({node.name: inside for node in match.chain if node.name in graph})
         kept = entry(kernel).keeps(match)
         saves.update({name: MADE_IN_CHUNKS for name in kept.made_in_chunks if name in graph})
         saves[match.anchor.name] = replace(kept, kernel=kernel)

@@ -88,6 +88,22 @@ class OpCoster:
         fwd, bwd = self._compute(node, strategy)
         return Cost(forward_s=fwd + comm_f, backward_s=bwd + comm_f)
 
+    def _attention_chain(self, save: FusedSave, locals_: list[tuple[int, ...]], dtype: object) -> tuple[float, float]:
+        """A node of attention's fused chain other than an SDPA call (`fuse_kernels` makes the chain
+        one): attention written out as ATen ops (Gemma-2's eager attention: q @ k^T, scale, mask
+        add, fp32 softmax, cast, dropout, @ v) is charged on its last matmul (probabilities [b, h,
+        sq, skv] @ v [b, h, skv, d]) as that SDPA call, and its other ops, like the keys and
+        values repeated over the query heads (read unrepeated), nothing. Op by op, the eager form
+        cost Gemma-2 on the H100 its two GEMMs plus five memory-bound passes over scores the kernel
+        never makes: 21 ms of an 89 ms step whose attention kernels measured 3.7 ms
+        (benchmarks/results/graph_price-cpu-2026-12-06.json)."""
+        if save.inside:
+            return 0.0, 0.0
+        (batch, heads, seq_q, seq_kv), head_dim = locals_[0], locals_[1][-1]
+        args = (batch, heads, seq_q, seq_kv, head_dim, dtype, save.causal)
+        return (self.compute.attention_time(*args, backward=False),
+                self.compute.attention_time(*args, backward=True))
+
     def _compute(self, node: OpNode, strategy: Strategy) -> tuple[float, float]:
         if node.kind in ("view", "getitem", "scalar") or not node.outputs:
             return 0.0, 0.0
@@ -95,6 +111,9 @@ class OpCoster:
         dtype = node.output.dtype
         locals_ = [local_shape(m.shape, p, self.n) for m, p in zip(node.input_metas, strategy.inputs)]
         packet = op_packet(node.op)
+        save = self.saves.get(node.name)
+        if save is not None and save.kernel == "attention" and node.kind != "attention":
+            return self._attention_chain(save, locals_, dtype)
         if packet == "moe_experts":  # every expert local here: `evaluate` re-prices it at the plan's ep
             t = experts_time(self.compute, experts_layer(locals_, canonical_dtype(dtype)), ep=1, load=1.0)
             return t.forward_s, t.backward_s
