@@ -1,0 +1,141 @@
+"""Does the planner price a step replayed as a CUDA graph, and the same step launched from Python?
+
+The race of 2026-12-06 on one H100 (benchmarks/peers.py, session 14) timed each family's mplan step
+twice in the same rounds: with its CUDA graphs (`mplan`, autoparallel's default for one rank on a
+GPU) and without (`mplan_eager`). Here, on a CPU, the planner prices the same families, configs,
+batches and plan (dp=1, tp=1, pp=1, fused kernels, bf16) on the H100 profile committed beside them
+(`profile_h100-2026-12-05.json`), once as a graph replays (`Planner(cuda_graphs=True)`: the
+program's ops cost the host nothing per step) and once eager (the runtime's host factor per op),
+and sets each price beside its measurement: predicted / measured - 1. Beside the graphed step, the
+planner's device milliseconds by kernel category (`device_categories`) and the race's torch.profiler
+kernel breakdown of the same step (`KERNEL_PROFILES`): where a family's price goes wrong.
+
+    python benchmarks/graph_price.py --out benchmarks/results/graph_price-cpu-2026-12-06.json
+
+Captures with this machine's transformers (the race's: 5.17); a family's capture takes 10-60 s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.peer_families import family  # noqa: E402
+from benchmarks.report import write_report  # noqa: E402
+from mplan.cost_models.cluster import ClusterSpec  # noqa: E402
+from mplan.planner.parallel_config import parse_plan_spec  # noqa: E402
+from mplan.planner.planning import capture_for_planning  # noqa: E402
+from mplan.planner.search import Planner  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROFILE = RESULTS / "profile_h100-2026-12-05.json"
+RACES = {"gemma3": "peers_h100-2026-12-06-session14-b.json", "qwen3_moe": "peers_h100-2026-12-06-session14-c.json",
+         "gemma2": "peers_h100-2026-12-06-session14-c.json", "granite": "peers_h100-2026-12-06-session14-a.json"}
+"""Each family's race file: the graphed and eager steps were timed in the same rounds there (granite's
+graphs were refused in that call, so its two rows are both eager steps)."""
+_PROFILED = "peers_h100-2026-12-06-session14-a.json"
+KERNEL_PROFILES = {"gemma3": _PROFILED, "qwen3_moe": "peers_h100-2026-12-06-session13-c.json", "gemma2": _PROFILED,
+                   "granite": _PROFILED}
+"""Where each family's graphed step was profiled by kernel on the same card (torch.profiler, peers.py):
+qwen3_moe's only in session 13 (older code than session 14's: compare its categories, not its total)."""
+PLAN = "dp=1,tp=1,pp=1"
+
+
+def _category(node: Any, coster: Any) -> str:
+    """The kernel category one priced op falls in, named as the race's kernel profile names them
+    where one matches (gemm, attention, loss, optimizer, rope); a fused chain by its kernel."""
+    from mplan.ir.op_table import op_packet
+
+    chain, save = coster.fused.get(node.name), coster.saves.get(node.name)
+    if node.kind == "attention" or (save is not None and save.kernel == "attention"):
+        return "attention"  # eager attention's chain is priced on its last matmul, as one SDPA call
+    if op_packet(node.op) == "moe_experts" or node.kind == "matmul":
+        return "gemm"
+    if chain is not None:
+        return {"linear_cross_entropy": "loss", "rope": "rope"}.get(chain.op, chain.op)
+    return "memory-bound (unfused)"
+
+
+def device_categories(planner: Planner, best: Any, global_batch: int) -> dict[str, float]:
+    """The planner's device milliseconds of one step of `best` (one rank, cp = 1) by kernel category:
+    each op's forward and backward price on its solved sharding, times the micro-batches, and the
+    optimizer's step."""
+    from mplan.ir.rebatch import rebatch
+
+    config = best.config
+    model = planner.sharded(config.tp, config.sp)
+    planner.units(config.tp, config.sp, config.mbs)  # solves the micro-batch's sharding
+    graph = rebatch(planner.captured, config.mbs) if planner.dynamic else planner.graph
+    choice = model.shardings[config.mbs].choice
+    micro_batches = global_batch // (config.mbs * config.dp)
+    totals: dict[str, float] = {}
+    for segment in graph.segments:
+        names = segment.nodes or (graph.block_type(segment.block_type).template if segment.block_type else ())
+        for node in graph.nodes_of(names):
+            cost = model.coster.op(node, choice[node.name])
+            key = _category(node, model.coster)
+            totals[key] = totals.get(key, 0.0) + (cost.forward_s + cost.backward_s) * micro_batches * 1e3
+    totals["optimizer"] = best.optimizer_s * 1e3
+    return {k: round(v, 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+def price(name: str, cluster: ClusterSpec) -> dict[str, Any]:
+    """The planner's step for one family, graphed and eager, beside the race's measurements."""
+    import transformers
+
+    fam = family(name, small=False)
+    race = json.loads((RESULTS / RACES[name]).read_text())["families"][name]
+    with torch.device("meta"):
+        model = getattr(transformers, fam.model_class)(fam.config()).to(torch.bfloat16)
+    ids = torch.zeros(fam.batch, fam.seq, dtype=torch.long)
+    start = time.perf_counter()
+    graph = capture_for_planning(model, example_inputs=(ids,))
+    captured_s = time.perf_counter() - start
+    row: dict[str, Any] = {"batch": fam.batch, "seq": fam.seq, "capture_s": round(captured_s, 1), "race": RACES[name]}
+    for system, graphs in (("mplan", True), ("mplan_eager", False)):
+        planner = Planner(graph, cluster, kernels=True, runtime="mplan", cuda_graphs=graphs)
+        best = planner.search(fam.batch, parse_plan_spec(PLAN)).best
+        if graphs:
+            kernels = json.loads((RESULTS / KERNEL_PROFILES[name]).read_text())["families"][name]["profile"]["mplan"]
+            row["device_ms"] = {"predicted": device_categories(planner, best, fam.batch),
+                                "measured": kernels["by_category_ms"],
+                                "measured_total": kernels["gpu_kernel_ms_per_step"],
+                                "measured_in": KERNEL_PROFILES[name]}
+        measured = race["systems"][system]
+        row[system] = {"cuda_graphs": graphs, "mbs": best.config.mbs, "predicted_ms": best.step_time_s * 1e3,
+                       "measured_ms": measured["step_s"] * 1e3,
+                       "replayed": measured.get("cuda_graphs"),
+                       "error": best.step_time_s / measured["step_s"] - 1}
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--families", default=",".join(RACES))
+    args = parser.parse_args()
+    import transformers
+
+    cluster = ClusterSpec.from_json(str(PROFILE))
+    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "machine": "cpu (prices only)",
+                              "torch": torch.__version__, "transformers": transformers.__version__,
+                              "profile": PROFILE.name, "plan": PLAN, "families": {}}
+    for name in args.families.split(","):
+        report["families"][name] = price(name, cluster)
+        row = report["families"][name]
+        print(f"{name}: graphed {row['mplan']['predicted_ms']:.1f} ms predicted, {row['mplan']['measured_ms']:.1f} "
+              f"measured ({row['mplan']['error']:+.1%}); eager {row['mplan_eager']['predicted_ms']:.1f} predicted, "
+              f"{row['mplan_eager']['measured_ms']:.1f} measured ({row['mplan_eager']['error']:+.1%})", flush=True)
+        write_report(args.out, report)
+
+
+if __name__ == "__main__":
+    main()
