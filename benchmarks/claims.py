@@ -156,6 +156,18 @@ def _cp_attention(data: dict) -> tuple[str, ...]:
             f"{min(errors):.0f}-{max(errors):.0f}", fixed(gap, 0))
 
 
+def _graph_price(data: dict) -> tuple[str, ...]:
+    """The planner's graphed price of each race family against its measured step (ms, error %),
+    then the eager errors (%)."""
+    families = ("gemma3", "gemma2", "qwen3_moe", "granite")
+    signed = lambda error: f"{error * 100:+.1f}"  # noqa: E731
+    out = []
+    for name in families:
+        row = data["families"][name]["mplan"]
+        out += [fixed(row["predicted_ms"]), fixed(row["measured_ms"]), signed(row["error"])]
+    return (*out, *(signed(data["families"][name]["mplan_eager"]["error"]) for name in families))
+
+
 def _peer_profile(family: str) -> Callable[[dict], tuple[str, ...]]:
     """One family's profiled mplan step: GPU kernel time and wall time (ms)."""
     def figures(data: dict) -> tuple[str, ...]:
@@ -763,6 +775,10 @@ CLAIMS: tuple[Claim, ...] = (
     Claim(doc="README.md", source="cp_attention_h100-2026-12-06.json", figures=_cp_attention,
           pattern=r"at 131072 tokens and cp=2 (\S+) \+ (\S+) ms against (\S+) \+ (\S+)\s+ms predicted, and (\S+)% under the "
                   r"measurement at every size.*?differ by\s+at most (\S+)% in forward time"),
+    Claim(doc="README.md", source="graph_price-cpu-2026-12-06.json", figures=_graph_price,
+          pattern=r"graphed: Gemma-3 (\S+) ms predicted against (\S+) ms measured \((\S+)%\), Gemma-2 (\S+) against (\S+) "
+                  r"\((\S+)%\), Qwen3-MoE (\S+) against (\S+) \((\S+)%\), Granite (\S+) against (\S+) \((\S+)%\); eager "
+                  r"\(host priced per op\): (\S+)%, (\S+)%, (\S+)%, (\S+)%"),
     Claim(doc="docs/claims.md", source="capture-cpu-2026-11-29.json", figures=_capture,
           pattern=r"capture of gpt3-175b / llama3-405b: (\S+) s, (\S+) GiB / (\S+) s, (\S+) GiB"),
 )
