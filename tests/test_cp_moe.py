@@ -155,3 +155,32 @@ def test_a_loss_cp_cannot_make_exact_gets_no_cp_search() -> None:
 
     ids = torch.randint(0, 16, (2, 8))
     assert not splits_loss(capture(MaxRouted(), (ids,), labels=ids))
+
+
+def test_a_capacity_factor_keeps_cp_out_and_is_refused_with_it() -> None:
+    """A capacity counts a whole micro-batch's tokens (docs/execution.md): under cp each rank would
+    count its own share and drop other tokens than one process does. So a model whose MoE layers
+    keep a capacity, or a spec that sets one, is searched at cp=1 only; asking for both is one
+    line, before the capture for a spec, at binding for a model's own capacity."""
+    import dataclasses
+
+    from mplan.cost_models.cluster import ClusterSpec
+    from mplan.planner.parallel_config import ModelLimits, PlanSpec, PlanSpecError, context_degrees, parse_plan_spec
+    from mplan.planner.planning import PlanError, capture_for_planning, plan
+    from mplan.planner.resolve import resolve_plan
+    from mplan.planner.search import Planner
+
+    limits = ModelLimits(num_layers=4, num_heads=16, num_kv_heads=8, num_experts=8, seq_len=4096)
+    assert context_degrees(8, limits, PlanSpec()) == [1, 2, 4, 8]
+    assert context_degrees(8, limits, parse_plan_spec("capacity=1.25")) == [1]
+    assert context_degrees(8, dataclasses.replace(limits, capacity_limited=True), PlanSpec()) == [1]
+    moe = "moe:layers=2,hidden=64,heads=4,kv_heads=2,seq=4096,vocab=64,ffn=48,experts=4,topk=2,aux=0"
+    cluster = ClusterSpec.preset("dgx-h100", nodes=1)
+    with pytest.raises(PlanSpecError, match=r"cp=2 with capacity=1\.25: a capacity counts the tokens of a whole "
+                                            r"micro-batch"):
+        plan(moe, cluster=cluster, global_batch=8, spec="cp=2,capacity=1.25", progress="quiet")
+    own = capture_for_planning(moe + ",capacity=1.25", seq_len=4096)
+    assert Planner(own, cluster).limits.capacity_limited
+    assert not Planner(capture_for_planning(moe, seq_len=4096), cluster).limits.capacity_limited
+    with pytest.raises(PlanError, match=r"cp=2 with its MoE layers' own capacity factor 1\.25"):
+        resolve_plan("dp=4,cp=2", own, cluster=cluster, world_size=8, global_batch=8)

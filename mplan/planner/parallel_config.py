@@ -292,6 +292,9 @@ class ModelLimits:
     # a token-mean cross-entropy, alone or beside terms of token means (an MoE load-balancing loss,
     # `ir.token_statistics`); any other loss is refused there, so the search keeps cp=1 for it
     splits_loss: bool = True
+    # an MoE layer keeps a capacity of its own: it counts a micro-batch's tokens, which cp would
+    # split over its ranks (each counting only its own), so the search keeps cp=1 for it
+    capacity_limited: bool = False
 
 
 def enumerate_configs(*, world_size: int, gpus_per_node: int, global_batch: int, limits: ModelLimits,
@@ -325,8 +328,8 @@ def context_degrees(world_size: int, limits: ModelLimits, spec: PlanSpec) -> lis
     tests/test_cp_moe.py, tests/test_cp_router_loss.py; a spec's cp with ep > 1 runs, tests/test_cp_ep.py)."""
     if spec.cp is not None:
         return [spec.cp] if world_size % spec.cp == 0 else []
-    if limits.num_experts and not limits.splits_loss:
-        return [1]
+    if limits.num_experts and (not limits.splits_loss or limits.capacity_limited or spec.capacity is not None):
+        return [1]  # a capacity counts the whole micro-batch's tokens (`resolve.check_experts` refuses cp with it)
     return [1] + [cp for cp in divisors(world_size)[1:]
                   if limits.seq_len % (2 * cp) == 0 and limits.seq_len // (2 * cp) >= MIN_CONTEXT_CHUNK]
 

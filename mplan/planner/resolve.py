@@ -289,7 +289,7 @@ def _check(plan: Plan, graph: Graph) -> None:
         stage_of_units(graph, [s.units for s in plan.stages])
     except StageCutError as exc:
         raise PlanError(f"plan {plan.spec()} cannot run on {graph.model_name}: {exc}") from None
-    _check_experts(plan.spec(), plan.mesh.ep, plan.capacity_factor, graph)
+    _check_experts(plan.spec(), plan.mesh.ep, plan.capacity_factor, graph, cp=plan.mesh.cp)
     try:
         check_sharding(at, choice)
         _check_divisible(at, choice, plan.mesh.tp)
@@ -307,9 +307,19 @@ def _check_heads(plan: str, tp: int, heads: int, graph: Graph) -> None:
                             f"{graph.model_name} ({heads} % {tp} = {heads % tp}): use a tp that divides {heads}")
 
 
-def _check_experts(plan: str, ep: int, capacity: float | None, graph: Graph) -> None:
-    """Expert parallelism and a capacity factor need MoE layers, and ep must divide their experts."""
+def _check_experts(plan: str, ep: int, capacity: float | None, graph: Graph, *, cp: int = 1) -> None:
+    """Expert parallelism and a capacity factor need MoE layers, and ep must divide their experts.
+    A capacity (the plan's, or a layer's own) counts the tokens of one micro-batch
+    (docs/execution.md, routing semantics), which context parallelism splits over its ranks: each
+    would keep ceil(factor * k * T / E) choices of its own T / cp tokens, dropping other tokens
+    than one process does, so cp > 1 with a capacity is refused."""
     layers = experts_nodes(graph)
+    own = next((e.capacity_factor for e in layers if e.capacity_factor is not None), None)
+    if cp > 1 and (capacity is not None or own is not None):
+        what = f"capacity={capacity:g}" if capacity is not None else f"its MoE layers' own capacity factor {own:g}"
+        raise PlanError(f"plan {plan}: cp={cp} with {what}: a capacity counts the tokens of a whole micro-batch, "
+                        f"which cp splits over its ranks (each would drop tokens by its own share alone): use cp=1 "
+                        f"or a dropless plan")
     if (ep > 1 or capacity is not None) and not layers:
         what = f"ep={ep}" if ep > 1 else f"capacity={capacity:g}"
         raise PlanError(f"plan {plan} asks for {what} but {graph.model_name} has no MoE layer (no "

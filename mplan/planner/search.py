@@ -42,7 +42,7 @@ from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.dtypes import canonical_dtype
 from mplan.ir.graph import Graph, OpNode
 from mplan.ir.mesh import GroupShape
-from mplan.ir.moe import num_experts
+from mplan.ir.moe import experts_nodes, num_experts
 from mplan.ir.rebatch import rebatch
 from mplan.planner.context_pricing import (AttentionOp, ContextEstimate, Exchange, LinearGemm, attention_ops,
                                            linear_gemms, method_price, rank_experts, rank_units, replica_config,
@@ -719,7 +719,8 @@ def _limits(graph: Graph) -> ModelLimits:
             break
     # experts from the graph's MoE layers (their `moe_experts` ops), never from parameter names
     return ModelLimits(num_layers=graph.num_layers, num_heads=heads, num_kv_heads=kv,
-                       num_experts=num_experts(graph), seq_len=graph.seq_len or 1, splits_loss=splits_loss(graph))
+                       num_experts=num_experts(graph), seq_len=graph.seq_len or 1, splits_loss=splits_loss(graph),
+                       capacity_limited=any(e.capacity_factor is not None for e in experts_nodes(graph)))
 
 
 def _param_dtype(graph: Graph) -> str:

@@ -110,7 +110,12 @@ def heads_refusal(spec: PlanSpec, asked: str, num_heads: int | None) -> str | No
 
 def experts_refusal(spec: PlanSpec, asked: str, model: str, num_experts: int | None) -> str | None:
     """Expert parallelism and a capacity factor need MoE layers, and ep must divide their experts;
-    `asked` quotes the request, `num_experts` None: the model does not say (nothing refused)."""
+    `asked` quotes the request, `num_experts` None: the model does not say (nothing refused). A
+    capacity with cp > 1 is refused whatever the model (`resolve._check_experts` says why)."""
+    if spec.capacity is not None and spec.cp is not None and spec.cp > 1:
+        return (f"{asked}: cp={spec.cp} with capacity={spec.capacity:g}: a capacity counts the tokens of a whole "
+                f"micro-batch, which cp splits over its ranks (each would drop tokens by its own share alone): use "
+                f"cp=1 or a dropless plan")
     if num_experts is None:
         return None
     wants = f"ep={spec.ep}" if spec.ep is not None and spec.ep > 1 else \
