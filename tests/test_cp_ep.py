@@ -9,7 +9,7 @@ dense parameters). Checked as tests/test_cp_moe.py checks cp with ep=1: 3 AdamW 
 clipping, every loss and every final parameter against one process trained on the plan's
 micro-batches, float64, relative error under 1e-9, on Hugging Face Mixtral and Qwen2-MoE (shared
 expert) without their router loss (with it, dp=2 x cp=2 x ep=2: tests/test_cp_router_loss.py),
-with and without ZeRO-1. The search does not try cp with ep > 1 yet: a spec or plan gives it.
+with and without ZeRO-1. The search prices these plans as it prices cp with ep=1 (tests/test_cp_moe.py).
 """
 from __future__ import annotations
 

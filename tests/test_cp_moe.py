@@ -184,3 +184,22 @@ def test_a_capacity_factor_keeps_cp_out_and_is_refused_with_it() -> None:
     assert not Planner(capture_for_planning(moe, seq_len=4096), cluster).limits.capacity_limited
     with pytest.raises(PlanError, match=r"cp=2 with its MoE layers' own capacity factor 1\.25"):
         resolve_plan("dp=4,cp=2", own, cluster=cluster, world_size=8, global_batch=8)
+
+
+def test_the_search_prices_cp_with_ep_over_the_replicas_the_runtime_carves(mixtral_graph: Any) -> None:
+    """cp with ep > 1 is searched (tests/test_cp_ep.py runs it exactly): a cp rank is priced as one
+    of the dp x cp replicas, its ep group carved from them as the runtime carves it, so at ep=2
+    each rank holds half the experts, pays an all-to-all of its own tokens and holds less than its
+    ep=1 twin; the search ranks such configs beside the others."""
+    from mplan.cost_models.cluster import ClusterSpec
+    from mplan.planner.parallel_config import parse_plan_spec
+    from mplan.planner.search import Planner
+
+    planner = Planner(mixtral_graph, ClusterSpec.preset("dgx-h100", nodes=1), kernels=True)
+    result = planner.search(2)
+    assert any(e.config.cp > 1 and e.config.ep > 1 for e in result.ranked), [e.config.short() for e in result.ranked]
+    carved = planner.search(2, parse_plan_spec("dp=2,cp=4,ep=2")).best
+    twin = planner.search(2, parse_plan_spec("dp=2,cp=4,ep=1")).best
+    assert (carved.config.cp, carved.config.ep, carved.experts_per_rank) == (4, 2, 4)
+    assert carved.a2a_s > 0 == twin.a2a_s
+    assert carved.peak_memory_bytes < twin.peak_memory_bytes

@@ -84,14 +84,17 @@ def test_llama3_8b_at_8192_tokens_on_64_h100s_keeps_data_parallelism() -> None:
     assert held.predicted.step_time_s > plan.predicted.step_time_s
 
 
-def test_moe_models_pair_cp_with_ep_1_only() -> None:
+def test_moe_models_pair_cp_with_every_ep_dividing_dp() -> None:
+    """ep groups are carved from the dp x cp replicas (ep still divides dp): at 8 ranks cp=2 pairs
+    with ep 1, 2, 4 (dp=4), cp=4 with ep 1, 2, cp=8 with ep=1 alone; a loss cp cannot make exact
+    keeps cp=1."""
     limits = ModelLimits(num_layers=4, num_heads=16, num_kv_heads=8, num_experts=8, seq_len=131072)
     assert context_degrees(8, limits, PlanSpec()) == [1, 2, 4, 8]
-    # a load-balancing loss beside the cross-entropy: split_context refuses it under cp
+    # a reduction over the tokens beside the cross-entropy that split_context cannot make exact
     assert context_degrees(8, dataclasses.replace(limits, splits_loss=False), PlanSpec()) == [1]
     configs = list(enumerate_configs(world_size=8, gpus_per_node=8, global_batch=8, limits=limits,
                                      spec=parse_plan_spec("tp=1,pp=1,zero=0,recompute=none,mbs=1")))
-    assert {(c.cp, c.ep) for c in configs if c.cp > 1} == {(2, 1), (4, 1), (8, 1)}
+    assert {(c.cp, c.ep) for c in configs if c.cp > 1} == {(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1)}
     assert {c.ep for c in configs if c.cp == 1} == {1, 2, 4, 8}
 
 

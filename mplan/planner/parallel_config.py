@@ -323,9 +323,10 @@ def context_degrees(world_size: int, limits: ModelLimits, spec: PlanSpec) -> lis
     splits each sequence into 2 cp head-tail chunks and leaves each chunk `MIN_CONTEXT_CHUNK`
     tokens or more. The search prices them in the order of a lower bound on their step and skips
     those a fitting plan beats (`search.Planner._context_bound`). MoE models too where cp can make
-    their loss exact, a load-balancing loss included (`ModelLimits.splits_loss`): with ep=1 a cp rank
-    routes its own tokens to every expert (`enumerate_configs` pairs cp > 1 with ep=1 only;
-    tests/test_cp_moe.py, tests/test_cp_router_loss.py; a spec's cp with ep > 1 runs, tests/test_cp_ep.py)."""
+    their loss exact, a load-balancing loss included (`ModelLimits.splits_loss`), and no capacity
+    counts their tokens: a cp rank routes its own tokens, to every expert at ep=1, over an ep group
+    carved from the dp x cp replicas at ep > 1 (tests/test_cp_moe.py, tests/test_cp_router_loss.py,
+    tests/test_cp_ep.py)."""
     if spec.cp is not None:
         return [spec.cp] if world_size % spec.cp == 0 else []
     if limits.num_experts and (not limits.splits_loss or limits.capacity_limited or spec.capacity is not None):
@@ -369,9 +370,9 @@ def _meshes(world_size: int, cp: int, gpus_per_node: int, global_batch: int, lim
             dp = world_size // (tp * pp)
             if global_batch % dp:
                 continue
-            # cp > 1 with ep=1 only: the runtime runs cp with ep > 1 where a spec or plan gives it
-            # (tests/test_cp_ep.py), but the experts' all-to-all under cp is not priced yet
-            for ep in divisors(dp) if limits.num_experts and cp == 1 else [1]:
+            # under cp, ep groups are carved from the dp x cp replicas as the runtime carves them
+            # (`Planner.evaluate` prices a cp rank as one of those replicas, its experts at its tokens)
+            for ep in divisors(dp) if limits.num_experts else [1]:
                 if limits.num_experts and limits.num_experts % ep:
                     continue
                 # every micro-batch that divides the replica's share, not only powers of two: a
