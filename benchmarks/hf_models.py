@@ -462,22 +462,33 @@ def serve_child(args: argparse.Namespace) -> None:
     clock = Clock()
     setting = Setting(device=torch.device(args.device), precision="bf16", lr_warmup=args.lr_warmup)
     model = next(m for m in _families(args.small) if m.name == args.model)
-    running: Running | None = None
     initial_model(model)  # the CPU build, while the main process builds its own systems
     clock.log(f"{args.system} child {model.name}: built on the CPU")
+    answer_commands(answers, setting,
+                    lambda: warm_up_hf(args.system, model, setting, token_batches(model, batch_count(args), setting.device),
+                                       args.warmup),
+                    lambda: fingerprint(initial_model(model)))
+
+
+def answer_commands(answers: Any, setting: Setting, warm: Callable[[], Running | dict[str, Any]],
+                    weights: Callable[[], str]) -> None:
+    """A child's side of `PipeChild`'s protocol, until `quit`: `warmup` (`warm()`: the system
+    built and warmed up, the row carrying `weights()`, its initial weights' fingerprint), `run N`
+    (N timed steps), `profile N`; one JSON line to `answers` per command, an error as its row.
+    Between answers the device's cached blocks are released for the parent's systems' turn."""
+    running: Running | None = None
     while line := sys.stdin.readline():
         command, *rest = line.split()
         try:
             if command == "warmup":
-                batches = token_batches(model, batch_count(args), setting.device)
-                result = warm_up_hf(args.system, model, setting, batches, args.warmup)
+                result = warm()
                 if isinstance(result, Running):
                     running = result
-                    result.row["weights_fingerprint"] = fingerprint(initial_model(model))
+                    result.row["weights_fingerprint"] = weights()
                 answer = result.row if isinstance(result, Running) else result
             elif command == "run":
                 assert running is not None, "run before a successful warmup"
-                timed_rounds({args.system: running}, setting, 1, int(rest[0]))
+                timed_rounds({"child": running}, setting, 1, int(rest[0]))
                 answer = running.row
             elif command == "profile":
                 assert running is not None, "profile before a successful warmup"
@@ -487,7 +498,7 @@ def serve_child(args: argparse.Namespace) -> None:
         except Exception:  # noqa: BLE001 - the parent records it as the system's error
             answer = {"error": traceback.format_exc()}
         if setting.device.type == "cuda":
-            torch.cuda.empty_cache()  # the main process's systems take the next turn
+            torch.cuda.empty_cache()  # the parent's systems take the next turn
         answers.write(json.dumps(answer) + "\n")
         if command == "quit":
             break

@@ -94,6 +94,7 @@ from benchmarks.hf_models import (  # noqa: E402
     Feed,
     PipeChild,
     _hf_step,
+    answer_commands,
     fingerprint,
     loss_agreement,
     profile_steps,
@@ -241,36 +242,13 @@ def serve_child(args: argparse.Namespace) -> None:
     os.dup2(2, 1)
     setting = Setting(device=torch.device(args.device), precision="bf16", lr_warmup=args.lr_warmup)
     fam = family(args.family, args.small)
-    running: Running | None = None
     initial_model(fam)  # the CPU build, while the parent builds its own systems
-    while line := sys.stdin.readline():
-        command, *rest = line.split()
-        try:
-            if command == "warmup":
-                batches = token_batches(fam, batch_count(args), setting.device)  # type: ignore[arg-type]
-                result = start_system(args.system, fam, setting, batches, args.warmup)
-                if isinstance(result, Running):
-                    running = result
-                    result.row["weights_fingerprint"] = fingerprint(initial_model(fam))
-                answer = result.row if isinstance(result, Running) else result
-            elif command == "run":
-                assert running is not None, "run before a successful warmup"
-                timed_rounds({args.system: running}, setting, 1, int(rest[0]))
-                answer = running.row
-            elif command == "profile":
-                assert running is not None, "profile before a successful warmup"
-                answer = profile_steps(running.step, int(rest[0]), setting.device)
-            else:
-                answer = {}
-        except Exception:  # noqa: BLE001 - the parent records it as the system's error
-            answer = {"error": traceback.format_exc()}
-        release_cache(setting)  # the parent's systems take the next turn
-        answers.write(json.dumps(answer) + "\n")
-        if command == "quit":
-            break
+    answer_commands(answers, setting,
+                    lambda: start_system(args.system, fam, setting,
+                                         token_batches(fam, batch_count(args), setting.device),  # type: ignore[arg-type]
+                                         args.warmup),
+                    lambda: fingerprint(initial_model(fam)))
 
-
-# ---- one family --------------------------------------------------------------------------------
 
 def liger_unavailable(fam: Family, device: torch.device) -> str | None:
     """Why the liger system cannot run this family here, or None."""
