@@ -99,7 +99,6 @@ from unittest import mock
 
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -116,15 +115,13 @@ from benchmarks.e2e import (  # noqa: E402
     _plain_step,
     compare,
     model_flops,
-    start_timer,
     timed_rounds,
     warm_up,
 )
 from benchmarks.e2e import FULL as FAMILIES_FULL  # noqa: E402
 from benchmarks.e2e import SMALL as FAMILIES_SMALL  # noqa: E402
-from benchmarks.gpu_time import host_table, kernel_table  # noqa: E402
 from benchmarks.report import Clock, run_header, write_report  # noqa: E402
-from benchmarks.step_profile import category as coarse_category  # noqa: E402
+from benchmarks.step_profile import category as coarse_category, profiled  # noqa: E402
 
 MODEL_SEED = 0
 BATCH_SEED = 1234
@@ -370,24 +367,9 @@ def kernel_category(name: str) -> str:
 
 
 def profile_steps(step: Step, steps: int, device: torch.device) -> dict[str, Any]:
-    """`steps` steps under torch.profiler: per step wall time, GPU kernel time, by category, top
-    kernels, and the host's side (`gpu_time.host_table`: launches, waits, the ops with most host time)."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        elapsed = start_timer(device)
-        for _ in range(steps):
-            step()
-        wall_s = elapsed()
-    kernels = kernel_table(prof)
-    by_category: dict[str, float] = {}
-    for kernel, ms in kernels.items():
-        label = kernel_category(kernel)
-        by_category[label] = by_category.get(label, 0.0) + ms / steps
-    return {"steps": steps, "wall_ms_per_step": round(wall_s * 1e3 / steps, 2),
-            "gpu_kernel_ms_per_step": round(sum(kernels.values()) / steps, 2),
-            "by_category_ms": {k: round(v, 2) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
-            "top_kernels_ms": {k[:160]: round(v / steps, 3) for k, v in list(kernels.items())[:25]},
-            "host": host_table(prof, steps)}
+    """`steps` steps under torch.profiler (`step_profile.profiled`), kernels by `kernel_category`,
+    the top 25."""
+    return profiled(step, steps, device, kernel_category, top=25)
 
 
 # ---- the liger child ---------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.report import run_header, write_report  # noqa: E402
 from benchmarks.e2e import FULL, SMALL, SYSTEMS, Setting, start_timer  # noqa: E402
-from benchmarks.gpu_time import kernel_table  # noqa: E402
+from benchmarks.gpu_time import host_table, kernel_table  # noqa: E402
 
 CATEGORIES: tuple[tuple[str, str], ...] = (
     # (category, regex on the kernel name), first match wins
@@ -51,28 +52,35 @@ def category(name: str) -> str:
     return "other"
 
 
-def profile_system(name: str, workload: Any, setting: Setting, warmup: int, steps: int) -> dict[str, Any]:
-    step, info = SYSTEMS[name](workload, setting)
-    for _ in range(warmup):
-        step()
-    cuda = setting.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+def profiled(step: Callable[[], Any], steps: int, device: torch.device, classify: Callable[[str], str],
+             *, top: int) -> dict[str, Any]:
+    """`steps` calls of `step` under torch.profiler: wall time and GPU kernel time per step, the
+    kernel time by `classify`'s category, the `top` kernels, and the host's side
+    (`gpu_time.host_table`: launches, waits, the ops with most host time)."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        elapsed = start_timer(setting.device)
+        elapsed = start_timer(device)
         for _ in range(steps):
             step()
         wall_s = elapsed()
     kernels = kernel_table(prof)
     by_category: dict[str, float] = {}
     for kernel, ms in kernels.items():
-        by_category[category(kernel)] = by_category.get(category(kernel), 0.0) + ms / steps
-    result = {
-        "wall_ms_per_step": round(wall_s * 1e3 / steps, 2),
-        "gpu_kernel_ms_per_step": round(sum(kernels.values()) / steps, 2),
-        "by_category_ms": {k: round(v, 2) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
-        "top_kernels_ms": {k[:160]: round(v / steps, 3) for k, v in list(kernels.items())[:40]},
-        "fused": info.get("fused"),
-    }
+        label = classify(kernel)
+        by_category[label] = by_category.get(label, 0.0) + ms / steps
+    return {"steps": steps, "wall_ms_per_step": round(wall_s * 1e3 / steps, 2),
+            "gpu_kernel_ms_per_step": round(sum(kernels.values()) / steps, 2),
+            "by_category_ms": {k: round(v, 2) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
+            "top_kernels_ms": {k[:160]: round(v / steps, 3) for k, v in list(kernels.items())[:top]},
+            "host": host_table(prof, steps)}
+
+
+def profile_system(name: str, workload: Any, setting: Setting, warmup: int, steps: int) -> dict[str, Any]:
+    step, info = SYSTEMS[name](workload, setting)
+    for _ in range(warmup):
+        step()
+    cuda = setting.device.type == "cuda"
+    result = {**profiled(step, steps, setting.device, category, top=40), "fused": info.get("fused")}
     del step
     gc.collect()
     if name == "compile":
