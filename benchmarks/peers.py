@@ -312,13 +312,10 @@ def compare(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"peers_timed": peers, "loss_agreement": {}}
     if "mplan" in ok and peers:
         mine = ok["mplan"]["round_s"]
-        for peer in peers:
-            ratios = [theirs / my for theirs, my in zip(ok[peer]["round_s"], mine)]
-            out[f"mplan_vs_{peer}"] = statistics.median(ratios)
-            out[f"mplan_vs_{peer}_per_round"] = ratios
-        if "mplan_eager" in ok:
-            out["mplan_vs_mplan_eager"] = statistics.median(
-                theirs / my for theirs, my in zip(ok["mplan_eager"]["round_s"], mine))
+        for other in peers + [name for name in ("mplan_eager",) if name in ok]:  # and mplan without its graphs
+            ratios = [theirs / my for theirs, my in zip(ok[other]["round_s"], mine)]
+            out[f"mplan_vs_{other}"] = statistics.median(ratios)
+            out[f"mplan_vs_{other}_per_round"] = ratios
         best = min(peers, key=lambda name: ok[name]["step_s"])
         out["best_peer"], out["mplan_vs_best_peer"] = best, out[f"mplan_vs_{best}"]
         peaks = {name: ok[name]["peak_gib"] for name in peers if ok[name].get("peak_gib")}
