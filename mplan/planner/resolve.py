@@ -52,7 +52,7 @@ from mplan.planner.parallel_config import (EXECUTABLE_ZERO, ZERO3_KEEPS_UNDER_PI
 from mplan.planner.plan import TP_LAYOUTS, Plan, PlanError
 from mplan.planner.plan_builder import build_plan
 from mplan.planner.search import Planner, SearchResult
-from mplan.planner.spec_check import experts_refusal, heads_refusal
+from mplan.planner.spec_check import context_capacity_refusal, experts_refusal, heads_refusal
 
 
 def resolve_plan(plan: Plan | str | None, graph: Graph, *, cluster: ClusterSpec, world_size: int,
@@ -317,9 +317,7 @@ def _check_experts(plan: str, ep: int, capacity: float | None, graph: Graph, *, 
     own = next((e.capacity_factor for e in layers if e.capacity_factor is not None), None)
     if cp > 1 and (capacity is not None or own is not None):
         what = f"capacity={capacity:g}" if capacity is not None else f"its MoE layers' own capacity factor {own:g}"
-        raise PlanError(f"plan {plan}: cp={cp} with {what}: a capacity counts the tokens of a whole micro-batch, "
-                        f"which cp splits over its ranks (each would drop tokens by its own share alone): use cp=1 "
-                        f"or a dropless plan")
+        raise PlanError(context_capacity_refusal(f"plan {plan}", cp, what))
     if (ep > 1 or capacity is not None) and not layers:
         what = f"ep={ep}" if ep > 1 else f"capacity={capacity:g}"
         raise PlanError(f"plan {plan} asks for {what} but {graph.model_name} has no MoE layer (no "

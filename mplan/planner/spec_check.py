@@ -113,9 +113,7 @@ def experts_refusal(spec: PlanSpec, asked: str, model: str, num_experts: int | N
     `asked` quotes the request, `num_experts` None: the model does not say (nothing refused). A
     capacity with cp > 1 is refused whatever the model (`resolve._check_experts` says why)."""
     if spec.capacity is not None and spec.cp is not None and spec.cp > 1:
-        return (f"{asked}: cp={spec.cp} with capacity={spec.capacity:g}: a capacity counts the tokens of a whole "
-                f"micro-batch, which cp splits over its ranks (each would drop tokens by its own share alone): use "
-                f"cp=1 or a dropless plan")
+        return context_capacity_refusal(asked, spec.cp, f"capacity={spec.capacity:g}")
     if num_experts is None:
         return None
     wants = f"ep={spec.ep}" if spec.ep is not None and spec.ep > 1 else \
@@ -127,6 +125,13 @@ def experts_refusal(spec: PlanSpec, asked: str, model: str, num_experts: int | N
         return (f"{asked}: ep={spec.ep} does not divide the {num_experts} experts of {model}'s MoE layers "
                 f"({num_experts} % {spec.ep} = {num_experts % spec.ep}): use an ep that divides {num_experts}")
     return None
+
+
+def context_capacity_refusal(asked: str, cp: int, capacity: str) -> str:
+    """Why cp > 1 cannot run with a capacity factor (`capacity`: which one): the one line both the
+    spec check and `resolve` give."""
+    return (f"{asked}: cp={cp} with {capacity}: a capacity counts the tokens of a whole micro-batch, which cp "
+            f"splits over its ranks (each would drop tokens by its own share alone): use cp=1 or a dropless plan")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
