@@ -73,7 +73,7 @@ def runtime_host(cluster: ClusterSpec, runtime: str, factor: float | None = None
     graph (None: where autoparallel does by default, `replays_graphs`): its program's ops then cost
     the host nothing per step (factor 0; the optimizer's host time is priced apart, `evaluate`)."""
     host = host_timing(cluster)
-    if factor is None and (replays_graphs(cluster, runtime) if cuda_graphs is None else cuda_graphs):
+    if graph_priced(cluster, runtime, factor, cuda_graphs):
         return host.scaled(0.0, GRAPH_REPLAY)
     if factor is None:
         measured = host.runtime_factor if host.runtime_factor is not None else MPLAN_RUNTIME_HOST_FACTOR
@@ -87,6 +87,13 @@ GRAPH_REPLAY = ("the step's forwards and backwards replay as one CUDA graph (run
 benchmarks/results/peers_h100-2026-12-06-session14-b.json): a 12-layer Gemma-3's graphed step took
 38.1 ms against 35.9 ms of GPU kernels (the same model's profiled step), where its eager step took
 82.2 ms."""
+
+
+def graph_priced(cluster: ClusterSpec, runtime: str, factor: float | None, cuda_graphs: bool | None) -> bool:
+    """Whether `runtime_host` prices the program's ops as a CUDA graph's replay: asked for
+    (`cuda_graphs`; None: where autoparallel does by default, `replays_graphs`), and no host
+    factor given (a factor prices launches, as the calibration's eager steps pay them)."""
+    return factor is None and (replays_graphs(cluster, runtime) if cuda_graphs is None else cuda_graphs)
 
 
 def replays_graphs(cluster: ClusterSpec, runtime: str) -> bool:

@@ -51,7 +51,7 @@ from mplan.ir.strategy import Strategy
 from mplan.planner.evaluate import (NO_CUT_IN_MEMORY, ChunkMemo, Estimate, ModelFacts, SyncMemo, device_word,
                                     evaluate, gib_versus, state_floor_bytes)
 from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains, find_fused_saves
-from mplan.planner.host_cost import replays_graphs, runtime_host
+from mplan.planner.host_cost import graph_priced, runtime_host
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.parallel_config import (DEFAULT_RUNTIME, RUNTIMES, ZERO_LEVELS, ModelLimits, ParallelConfig,
                                            PlanSpec, PlanSpecError, context_methods, enumerate_configs, outer_refusal,
@@ -157,7 +157,7 @@ class Planner:
         self.graph = rebatch(graph, 1) if self.dynamic else graph
         self._at_batch: dict[int, Graph] = {1: self.graph}
         self.cluster = cluster
-        self.graphed = host_factor is None and (replays_graphs(cluster, runtime) if cuda_graphs is None else cuda_graphs)
+        self.graphed = graph_priced(cluster, runtime, host_factor, cuda_graphs)
         """whether the program's ops are priced as a CUDA graph's replay (no host time per op)"""
         self.host = runtime_host(cluster, runtime, host_factor, cuda_graphs=self.graphed)
         self.allow = allow
