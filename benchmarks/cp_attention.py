@@ -13,8 +13,11 @@ same work, and the counted pairs say how far from equal it is.
 Predicted: what `planner/context_pricing.rank_units` charges a rank for its attention, the whole
 sequence's causal attention (`ComputeCostModel.attention_time`, from the card's profile) over cp.
 
-On CUDA the fused path first checks itself (`fused_attention._cuda_checked`); if the check fails
-the row records why and nothing is timed (the reference path would hold [S/cp, S] scores).
+On CUDA each backend of the fused path (cuDNN's attention, torch's flash kernel: `--backends`) is
+checked, pinned and timed in turn in the same run, each row naming its backend; a backend that fails
+its check gets rows that say why and time nothing (the reference path would hold [S/cp, S] scores).
+The first run (2026-12-06) timed flash alone, then the only backend: 46-63% slower than the price,
+which is the profile's SDPA rate, cuDNN's on an H100.
 
 Run (GPU; from the repository root):
     PYTHONPATH=. python3 benchmarks/cp_attention.py --out $OUT/cp_attention.json
@@ -68,12 +71,14 @@ def _timed(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int)
 
 
 def rank_row(seq: int, cp: int, rank: int, args: argparse.Namespace, device: torch.device,
-             compute: ComputeCostModel) -> dict[str, Any]:
+             compute: ComputeCostModel, backend: str) -> dict[str, Any]:
+    """One rank's row, timed on `backend` ("cpu" on the CPU; on CUDA the one `main` pinned)."""
     layout = head_tail(seq, cp)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kernel = fused_attention.kernel_dtype(device, dtype, dtype, args.head_dim)
     pairs = num_visible_pairs(layout)
-    row: dict[str, Any] = {"seq": seq, "cp": cp, "rank": rank, "spans": [list(s) for s in layout.spans[rank]],
+    row: dict[str, Any] = {"backend": backend, "seq": seq, "cp": cp, "rank": rank,
+                           "spans": [list(s) for s in layout.spans[rank]],
                            "visible_pairs": pairs[rank], "pairs_imbalance": imbalance(pairs)}
     forward_s = compute.attention_time(args.batch, args.heads, seq, seq, args.head_dim, "bfloat16", True, False) / cp
     backward_s = compute.attention_time(args.batch, args.heads, seq, seq, args.head_dim, "bfloat16", True, True) / cp
@@ -108,6 +113,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--small", action="store_true", help="short sequences (the CPU smoke test)")
     parser.add_argument("--seqs", default=None, help="comma-separated sequence lengths (default 32768,65536,131072)")
     parser.add_argument("--cps", default="2,4,8", help="comma-separated cp sizes")
+    parser.add_argument("--backends", default="cudnn,flash", help="CUDA backends to time, in turn (CUDA only)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=32, help="query heads (default: Llama-3 8B's 32)")
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -127,8 +133,18 @@ def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
     compute = ComputeCostModel(ClusterSpec.from_json(args.profile))
-    rows = [rank_row(seq, cp, rank, args, device, compute)
-            for seq in map(int, args.seqs.split(",")) for cp in map(int, args.cps.split(",")) for rank in (0, cp - 1)]
+    rows = []
+    for backend in args.backends.split(",") if device.type == "cuda" else ("cpu",):
+        why = None
+        if device.type == "cuda":
+            why = fused_attention.use_cuda_backend(device, torch.bfloat16, args.head_dim, backend)
+        for seq in map(int, args.seqs.split(",")):
+            for cp in map(int, args.cps.split(",")):
+                for rank in (0, cp - 1):
+                    row = rank_row(seq, cp, rank, args, device, compute, backend)
+                    if why is not None:
+                        row["skipped"] = f"{backend} failed its check: {why}"
+                    rows.append(row)
     report = {**run_header(device), "what": "one cp rank's local attention (all_gather method), causal, head-tail",
               "dtype": "bfloat16" if device.type == "cuda" else "float32 (CPU smoke test)",
               "shape": {"batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim},
@@ -136,7 +152,7 @@ def main() -> None:
     write_report(args.out, report)
     for row in rows:
         measured = row.get("measured_ms")
-        print(f"S={row['seq']} cp={row['cp']} rank {row['rank']}: pairs imbalance {row['pairs_imbalance']:.4f}; "
+        print(f"{row['backend']} S={row['seq']} cp={row['cp']} rank {row['rank']}: pairs imbalance {row['pairs_imbalance']:.4f}; "
               + (f"forward {measured['forward']:.2f} ms (predicted {row['predicted_ms']['forward']:.2f}), backward "
                  f"{measured['backward']:.2f} ms (predicted {row['predicted_ms']['backward']:.2f})"
                  if measured else row["skipped"]), file=sys.stderr)

@@ -27,17 +27,26 @@ GQA: the kernels' ops want as many kv heads as q heads, so k and v are repeated 
 (Hugging Face's repeat_kv: [S, D] per head, never [S, S]) and their gradients summed back.
 
 Kernels: CPU `_scaled_dot_product_flash_attention_for_cpu` (float32, float64, bfloat16, float16)
-and its backward, which take out and lse, in the compute dtype (the caller's upcast). CUDA:
-`_scaled_dot_product_flash_attention` and its backward, in bfloat16 or float16 only: the
-inputs' own dtype, in which the single-device model's SDPA runs the same kernel (it accumulates
-in float32); the caller's float32 upcast of bf16 inputs is cast back, exactly. Pieces merge in
-the compute dtype. The backward op's cum_seq tensors are None (a dense batch, as the forward
-returns them), its max lengths the pieces' own, and its philox tensors unread at dropout 0.
+and its backward, which take out and lse, in the compute dtype (the caller's upcast). CUDA, in
+bfloat16 or float16 only (the inputs' own dtype, in which the single-device model's SDPA runs the
+same kernels, accumulating in float32; the caller's float32 upcast of bf16 inputs is cast back,
+exactly), two backends tried in this order:
+  - cuDNN's attention (`_scaled_dot_product_cudnn_attention` and its backward): what torch's SDPA
+    picks on Hopper, and the rate the device profile prices attention at. Measured on an H100
+    (2026-12-06, `benchmarks/cp_attention.py`): torch's flash kernel below ran one cp rank's
+    attention at 46-63% of the profile's price, so a cp plan paid ~2x for its attention against
+    the price that chose it. Its log-sum-exp comes as [B, H, S, 1]; its backward takes no bias and
+    no cum_seq tensors (None: a dense batch).
+  - torch's flash kernel (`_scaled_dot_product_flash_attention` and its backward): where cuDNN's
+    is missing or fails (older cards, head sizes it does not take). The backward op's cum_seq
+    tensors are None (a dense batch, as the forward returns them), its max lengths the pieces'
+    own, and its philox tensors unread at dropout 0.
 Those conventions are torch's private op schema, so the first CUDA call per device, dtype and
-head size checks them (`_cuda_checked`: a small block of a causal and a full piece against plain
-float32 math, outputs, log-sum-exp and gradients); where the check fails or raises, a warning
-says why and that device runs the caller's reference path (never a wrong result). Written without
-a GPU in reach (2026-12-06): the check is what first tells whether it holds.
+head size checks each backend in turn (`_cuda_checked`: a small block of a causal and a full
+piece against plain float32 math, outputs, log-sum-exp and gradients) and runs the first that
+passes; where none does, a warning says why and that device runs the caller's reference path
+(never a wrong result). `cuda_backend` says which runs; `use_cuda_backend` pins one (a benchmark
+comparing them).
 """
 from __future__ import annotations
 
@@ -47,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Piece", "attend", "attend_backward", "kernel_dtype", "merge", "pieces"]
+__all__ = ["Piece", "attend", "attend_backward", "cuda_backend", "kernel_dtype", "merge", "pieces", "use_cuda_backend"]
 
 Span = tuple[int, int]
 aten = torch.ops.aten
@@ -122,22 +131,35 @@ def _repeat(x: torch.Tensor, heads: int) -> torch.Tensor:
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     if q.device.type == "cuda":
-        result = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-        _PHILOX.setdefault(q.device, (result[6], result[7]))
-        return result[0], result[1]
+        backend = _BACKEND[_key(q.device, q.dtype, q.shape[-1])]
+        if backend == "cudnn":
+            result = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+            out, lse = result[0], result[1].squeeze(-1)
+        else:
+            result = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+            out, lse = result[0], result[1]
+        _PHILOX.setdefault((q.device, backend), (result[6], result[7]))
+        return out, lse
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=None, scale=scale)
     return out, lse
 
 
-_PHILOX: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-"""A CUDA forward's philox seed and offset per device: the backward op takes them; at dropout 0
-it reads neither (module docstring), and a ring's backward has no forward of its own at hand."""
+_PHILOX: dict[tuple[torch.device, str | None], tuple[torch.Tensor, torch.Tensor]] = {}
+"""A CUDA forward's philox seed and offset per device and backend: the backward ops take them; at
+dropout 0 they read neither (module docstring), and a ring's backward has no forward of its own at
+hand."""
 
 
 def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if q.device.type == "cuda":
-        seed, offset = _PHILOX[q.device]
+        backend = _BACKEND[_key(q.device, q.dtype, q.shape[-1])]
+        seed, offset = _PHILOX[(q.device, backend)]
+        if backend == "cudnn":
+            dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+                grad, q, k, v, out, lse.unsqueeze(-1).contiguous(), seed, offset, None, None, None, q.shape[2],
+                k.shape[2], 0.0, causal, scale=scale)
+            return dq, dk, dv
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             grad, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
         return dq, dk, dv
@@ -146,28 +168,69 @@ def _backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return dq, dk, dv
 
 
-_CHECKED: dict[tuple[torch.device, torch.dtype, int], bool] = {}
+_CUDA_BACKENDS = ("cudnn", "flash")
+"""Tried in this order (module docstring: cuDNN's is the faster on Hopper and the one priced)."""
+
+_BACKEND: dict[tuple[torch.device, torch.dtype, int], str | None] = {}
+"""The CUDA backend each device, dtype and head size runs, once checked (None: none passed, the
+reference path runs); while a check runs, the backend under trial."""
+
+
+def _key(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[torch.device, torch.dtype, int]:
+    """`device` with its index (`cuda` and `cuda:0` are one key), dtype and head size."""
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device, dtype, head_dim
+
+
+def _backend_failure(device: torch.device, dtype: torch.dtype, head_dim: int, backend: str) -> str | None:
+    """Why `backend` fails the check for this key (None: it passes); leaves it as the key's."""
+    key = _key(device, dtype, head_dim)
+    _BACKEND[key] = backend
+    try:
+        # whatever the caller's context: an inference call (no grad) or autocast would change the check
+        with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            return None if _check_block(device, dtype, head_dim) else "its results differ from float32 math beyond rounding"
+    except Exception as error:  # noqa: BLE001 - any failure means: the next backend, or the reference path
+        return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
 
 
 def _cuda_checked(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the CUDA kernels' calls (module docstring) compute a small block right: a full
-    piece and a causal one of 2 heads, against float32 math, forward and backward; once per
-    device, dtype and head size. A failure warns once and returns False."""
-    key = (device, dtype, head_dim)
-    if key not in _CHECKED:
-        try:
-            # whatever the caller's context: an inference call (no grad) or autocast would change the check
-            with torch.enable_grad(), torch.autocast(device.type, enabled=False):
-                _CHECKED[key] = _check_block(device, dtype, head_dim)
-            why = "its results differ from float32 math beyond rounding"
-        except Exception as error:  # noqa: BLE001 - any failure means: the reference path runs
-            _CHECKED[key] = False
-            why = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
-        if not _CHECKED[key]:
-            warnings.warn(f"mplan: context attention's CUDA flash path failed its check on {device} ({dtype}, head "
-                          f"size {head_dim}): {why}; the reference path runs there (scores materialised)",
-                          stacklevel=3)
-    return _CHECKED[key]
+    """Whether a CUDA backend (cuDNN's, then flash) computes a small block right: a full piece and a
+    causal one of 2 heads, against float32 math, forward and backward; the first that does is the
+    one this device, dtype and head size run, decided once. None passing warns once and returns
+    False (the caller's reference path runs)."""
+    key = _key(device, dtype, head_dim)
+    if key not in _BACKEND:
+        failures = []
+        for backend in _CUDA_BACKENDS:
+            why = _backend_failure(device, dtype, head_dim, backend)
+            if why is None:
+                break
+            failures.append(f"{backend}: {why}")
+        else:
+            _BACKEND[key] = None
+            warnings.warn(f"mplan: context attention's CUDA kernels failed their check on {device} ({dtype}, head "
+                          f"size {head_dim}): {'; '.join(failures)}; the reference path runs there (scores "
+                          f"materialised)", stacklevel=3)
+    return _BACKEND[key] is not None
+
+
+def cuda_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """The CUDA kernels context attention runs for this device, dtype and head size ("cudnn" or
+    "flash"), checked on first use; None: the reference path."""
+    return _BACKEND[_key(device, dtype, head_dim)] if _cuda_checked(device, dtype, head_dim) else None
+
+
+def use_cuda_backend(device: torch.device, dtype: torch.dtype, head_dim: int, backend: str) -> str | None:
+    """Pin `backend` for this key after checking it; returns why it fails (then the key is left to
+    the reference path) or None."""
+    if backend not in _CUDA_BACKENDS:
+        raise ValueError(f"unknown CUDA attention backend {backend!r}; known: {', '.join(_CUDA_BACKENDS)}")
+    why = _backend_failure(device, dtype, head_dim, backend)
+    if why is not None:
+        _BACKEND[_key(device, dtype, head_dim)] = None
+    return why
 
 
 def _check_block(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
