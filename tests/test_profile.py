@@ -169,6 +169,7 @@ def test_profile_device_quick_on_cpu() -> None:
     assert {(g.m, g.n, g.k) for g in profile.gemm} == {(m, n, k) for m in (32, 64) for n in (32, 64) for k in (32, 64)}
     assert all(g.seconds > 0 and g.dtype == "fp32" for g in profile.gemm)
     assert all(a.forward_backward_s > a.forward_s > 0 for a in profile.attention)
+    assert (profile.timing, profile.eager_fallbacks) == ("wall_clock", ())  # no launch to hide on a CPU
     assert ClusterProfile.from_dict(ClusterProfile(device=profile).to_dict()).device == profile
 
 

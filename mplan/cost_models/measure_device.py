@@ -7,13 +7,19 @@ the dtypes to time GEMMs in, and a ``ProfileGrid`` (by default ``ProfileGrid.tra
 GEMM shapes of transformer training for hidden 1024-8192 and 2k-16k tokens per microbatch, or a
 tiny grid with ``quick``).
 Output: ``DeviceProfile``.
-Method: random data, a few warm-up calls, then the median of repeated timed calls (CUDA events
-around each call on GPU, ``time.perf_counter`` on CPU); repetitions adapt so each shape takes
-roughly ``target_s``. GEMM grids are full products of their m, n and k lists so the table
-interpolates multilinearly. Attention is ``scaled_dot_product_attention`` on [batch, heads, seq,
-head_dim] with seq_q == seq_kv; its backward is timed as forward-then-backward. Copies time
-``dst.copy_(src)`` and count bytes read plus written, COPY_BATCH copies back to back between two
-events: a memory-bound kernel in a training step runs among others, and events around one copy
+Method: random data, a few warm-up calls, then the median of repeated timed calls; repetitions adapt
+so each shape takes roughly ``target_s``. On a GPU each GEMM and attention entry is timed as the
+device runs it in a CUDA graph (``MedianTimer``, ``CudaGraphCapture``): CUDA events around one eager
+call time a kernel shorter than its launch at the host's launch (15-40 us of Python and dispatch
+while the GPU idles), so the H100 profile of 2026-12-05 priced no GEMM under ~36 us, and steps
+replayed as graphs were over-priced (Gemma-3: +67% predicted against measured,
+benchmarks/graph_price.py). An entry whose capture fails is timed per call with events and listed in
+the profile's ``eager_fallbacks``; the profile's ``timing`` names the method. On a CPU,
+``time.perf_counter`` around each call. GEMM grids are full products of their m, n and k lists so
+the table interpolates multilinearly. Attention is ``scaled_dot_product_attention`` on [batch,
+heads, seq, head_dim] with seq_q == seq_kv; its backward is timed as forward-then-backward. Copies
+time ``dst.copy_(src)`` and count bytes read plus written, COPY_BATCH copies back to back between
+two events: a memory-bound kernel in a training step runs among others, and events around one copy
 add a launch (about 7 us on the H200: 3.4 TB/s at 134 MB against 4.2 back to back,
 benchmarks/copy_table.py).
 Host time per launch (``measure_host``): streams of tiny eager ops (one element of work each) timed
@@ -26,15 +32,18 @@ the device after return.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 from mplan.cost_models.dtypes import canonical_dtype
-from mplan.cost_models.profile import AttentionTiming, CopyTiming, DeviceProfile, GemmTiming, HostTiming
+from mplan.cost_models.profile import AttentionTiming, CopyTiming, DeviceProfile, EagerFallback, GemmTiming, HostTiming
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "tf32": "float32", "fp64": "float64"}
 COPY_BATCH = 20
@@ -75,22 +84,128 @@ class ProfileGrid:
                    copy_bytes=tuple(1 << p for p in range(16, 33, 2)), target_s=0.03)
 
 
-class MedianTimer:
-    """Median seconds of a callable on one device."""
+GRAPH_REPLAY_S = 1e-3
+"""Seconds one timed graph replay should last: long beside the host's ~10 us to launch it and the
+events' resolution (~0.5 us), short enough for tens of replays per entry."""
+MAX_GRAPH_CALLS = 64
+"""Most calls captured in one graph (a kernel of a few us then replays for a few hundred us)."""
+CAPTURE_WARMUP = 2
+"""Eager calls on the capture stream before capture: cuBLAS takes a workspace per stream on first
+use, and allocating it inside the capture would fail or land in the graph's pool."""
 
-    def __init__(self, torch: Any, device: Any, target_s: float) -> None:
-        self.torch, self.device, self.target_s = torch, device, target_s
+ReplayTimes = Callable[[int], list[float]]
+"""``replays(count)``: seconds of each of `count` replays of a captured graph."""
+Capture = Callable[[Callable[[], object], int], AbstractContextManager[ReplayTimes]]
+"""``capture(fn, calls)``: a graph of `calls` back-to-back calls of fn, entered as its ``ReplayTimes``
+and released on exit; raises RuntimeError where fn cannot be captured."""
+
+
+def graph_calls(eager_s: float) -> int:
+    """Calls of fn to capture in one graph, from one eager call's seconds: enough for a replay of
+    about GRAPH_REPLAY_S, between 1 and MAX_GRAPH_CALLS. The eager time holds the launch floor, so
+    it is at least the device's: a replay of tiny kernels falls short of the target, and none
+    overshoots it by more than one call, which bounds what one graph's pool can hold (a call of
+    GRAPH_REPLAY_S or more is captured alone)."""
+    return max(1, min(MAX_GRAPH_CALLS, math.ceil(GRAPH_REPLAY_S / max(eager_s, 1e-9))))
+
+
+def _repetitions(target_s: float, sample_s: float, min_reps: int, max_reps: int) -> int:
+    return int(min(max(target_s / max(sample_s, 1e-7), min_reps), max_reps))
+
+
+def _short_reason(err: BaseException) -> str:
+    """The error's type and the first line of its message, at most ~160 characters."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0][:140]}" if lines else type(err).__name__
+
+
+class CudaGraphCapture:
+    """``Capture`` on one CUDA device: fn is warmed up on a side stream, captured there
+    (``torch.cuda.graph``, calls back to back) and replayed. The side stream lives as long as this
+    object, so cuBLAS's per-stream workspace is taken once, not once per entry."""
+
+    def __init__(self, torch: Any, device: Any) -> None:
+        self.torch, self.device = torch, device
+        self._stream: Any = None
+
+    @contextlib.contextmanager
+    def __call__(self, fn: Callable[[], object], calls: int) -> Iterator[ReplayTimes]:
+        torch = self.torch
+        with torch.cuda.device(self.device):
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            caller = torch.cuda.current_stream()
+            try:
+                torch.cuda.synchronize()
+                self._stream.wait_stream(caller)
+                with torch.cuda.stream(self._stream):
+                    for _ in range(CAPTURE_WARMUP):
+                        fn()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=self._stream):
+                    for _ in range(calls):
+                        fn()
+                torch.cuda.synchronize()
+                try:
+                    yield lambda count: self._replay_seconds(graph, count)
+                finally:
+                    graph.reset()  # frees its pool: entries never pile up on the device
+            finally:
+                # a failed capture_end leaves torch.cuda.graph's stream current
+                torch.cuda.set_stream(caller)
+
+    def _replay_seconds(self, graph: Any, count: int) -> list[float]:
+        """Seconds of `count` replays, each between its own events, queued behind one untimed
+        replay: the host launches each next replay while the device runs the one before, so no
+        replay waits on its launch."""
+        torch = self.torch
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(count)]
+        graph.replay()
+        for begin, end in events:
+            begin.record()
+            graph.replay()
+            end.record()
+        events[-1][1].synchronize()
+        return [begin.elapsed_time(end) / 1e3 for begin, end in events]
+
+
+class MedianTimer:
+    """Median seconds of a callable on one device. With a ``capture`` (``profile_device`` gives a
+    GPU one) a call's seconds are those of a replay of `n` captured calls over `n`: the device's
+    time, without the host's launch (module docstring, Method); an entry that cannot be captured
+    is timed per call as without one, and listed in ``eager_fallbacks``. Without: CUDA events
+    around each call on a GPU (launch included, as ``benchmarks/copy_table.py`` wants), the host's
+    clock on a CPU."""
+
+    def __init__(self, torch: Any, device: Any, target_s: float, *, capture: Capture | None = None) -> None:
+        self.torch, self.device, self.target_s, self.capture = torch, device, target_s, capture
         self.cuda = device.type == "cuda"
+        self.eager_fallbacks: list[EagerFallback] = []
 
     def __call__(self, fn: Callable[[], Any], *, warmup: int = 2, min_reps: int = 3, max_reps: int = 50,
-                 timed: bool = True) -> float:
-        """Median seconds of fn(); `timed=False`: fn times itself and returns its seconds."""
+                 timed: bool = True, entry: str = "an entry") -> float:
+        """Median seconds of fn(); `timed=False`: fn times itself and returns its seconds (never
+        captured). `entry` names the call in ``eager_fallbacks`` should its capture fail."""
         once = self._once if timed else (lambda f: float(f()))
         for _ in range(warmup):
             fn()
         first = once(fn)
-        reps = int(min(max(self.target_s / max(first, 1e-7), min_reps), max_reps))
+        if timed and self.capture is not None:
+            try:
+                return self._replayed(self.capture, fn, first, min_reps, max_reps)
+            except RuntimeError as err:  # a syncing or uncapturable op, out of memory: CUDA errors are RuntimeErrors
+                self.eager_fallbacks.append(EagerFallback(entry=entry, reason=_short_reason(err)))
+        reps = _repetitions(self.target_s, first, min_reps, max_reps)
         return statistics.median([first] + [once(fn) for _ in range(reps - 1)])
+
+    def _replayed(self, capture: Capture, fn: Callable[[], Any], eager_s: float, min_reps: int,
+                  max_reps: int) -> float:
+        """Median seconds per call over replays of a graph of ``graph_calls(eager_s)`` calls."""
+        calls = graph_calls(eager_s)
+        with capture(fn, calls) as replays:
+            reps = _repetitions(self.target_s, replays(1)[0], min_reps, max_reps)
+            return statistics.median(replays(reps)) / calls
 
     def _once(self, fn: Callable[[], object]) -> float:
         if not self.cuda:
@@ -114,7 +229,7 @@ def _time_gemms(torch: Any, device: Any, dtype: str, grid: ProfileGrid, timer: M
             a = torch.randn(m, k, device=device, dtype=torch_dtype)
             for n in grid.gemm_n:
                 b = torch.randn(k, n, device=device, dtype=torch_dtype)
-                seconds = timer(lambda: torch.matmul(a, b))
+                seconds = timer(lambda: torch.matmul(a, b), entry=f"gemm m={m} n={n} k={k} {dtype}")
                 out.append(GemmTiming(m=m, n=n, k=k, dtype=dtype, seconds=seconds))
                 del b
             del a
@@ -143,9 +258,12 @@ def _time_attention(torch: Any, device: Any, dtype: str, grid: ProfileGrid,
                     sdpa(q, k, v, is_causal=causal).backward(grad)
                     return None
 
+                shape = f"b={batch} h={heads} s={seq} d={head_dim} {dtype}"
                 out.append(AttentionTiming(batch=batch, heads=heads, seq_q=seq, seq_kv=seq, head_dim=head_dim,
-                                           dtype=dtype, causal=causal, forward_s=timer(forward),
-                                           forward_backward_s=timer(forward_backward)))
+                                           dtype=dtype, causal=causal,
+                                           forward_s=timer(forward, entry=f"attention forward {shape}"),
+                                           forward_backward_s=timer(forward_backward,
+                                                                    entry=f"attention forward+backward {shape}")))
                 del q, k, v, grad
     return out
 
@@ -291,6 +409,12 @@ def measure_host(device: str = "cuda", quick: bool = False) -> HostTiming:
                + (f"; not measurable here, taken equal to the ATen op's or foreach's: {', '.join(gaps)}" if gaps else ""))
 
 
+def _graph_capture(torch: Any, device: Any) -> Capture | None:
+    """How ``profile_device`` captures calls on `device`: CUDA graphs on a GPU, none on a CPU
+    (the host runs the kernels, there is no launch to hide)."""
+    return CudaGraphCapture(torch, device) if device.type == "cuda" else None
+
+
 def profile_device(device: str = "cuda", dtypes: tuple[str, ...] | None = None, quick: bool = False,
                    grid: ProfileGrid | None = None,
                    progress: Callable[[str], None] | None = None) -> DeviceProfile:
@@ -305,7 +429,8 @@ def profile_device(device: str = "cuda", dtypes: tuple[str, ...] | None = None, 
     if "fp8" in names:
         raise ValueError("profile_device: fp8 GEMMs need scaled matmul and are not profiled yet")
     grid = grid or ProfileGrid.transformer(quick=quick, on_gpu=on_gpu)
-    timer = MedianTimer(torch, dev, grid.target_s)
+    capture = _graph_capture(torch, dev)
+    timer = MedianTimer(torch, dev, grid.target_s, capture=capture)
     say = progress or (lambda _msg: None)
     previous_tf32 = torch.backends.cuda.matmul.allow_tf32
     gemm: list[GemmTiming] = []
@@ -319,6 +444,10 @@ def profile_device(device: str = "cuda", dtypes: tuple[str, ...] | None = None, 
     attention_dtype = next((d for d in names if d != "tf32"), "fp32")
     say(f"attention {attention_dtype}")
     attention = _time_attention(torch, dev, attention_dtype, grid, timer)
+    if timer.eager_fallbacks:
+        first = timer.eager_fallbacks[0]
+        say(f"{len(timer.eager_fallbacks)} entries timed per call, their graph capture failed "
+            f"(first: {first.entry}: {first.reason})")
     say("copies")
     copy = _time_copies(torch, dev, grid, timer)
     say("host time per launch")
@@ -327,4 +456,6 @@ def profile_device(device: str = "cuda", dtypes: tuple[str, ...] | None = None, 
     if on_gpu:
         torch.cuda.empty_cache()
     return DeviceProfile(name=name, torch_version=torch.__version__, measured_on=datetime.date.today().isoformat(),
-                         gemm=tuple(gemm), attention=tuple(attention), copy=tuple(copy), host=host)
+                         gemm=tuple(gemm), attention=tuple(attention), copy=tuple(copy), host=host,
+                         timing="wall_clock" if capture is None else "cuda_graph_replay",
+                         eager_fallbacks=tuple(timer.eager_fallbacks))

@@ -8,7 +8,9 @@ Input/output: ``ClusterProfile.to_json(path)`` / ``ClusterProfile.from_json(path
 File format (``"format": "mplan.profile"``, ``"version": 1``)::
 
     {"format": "mplan.profile", "version": 1, "note": "...",
-     "device": null | {"name", "torch_version", "measured_on", "gemm": [{m, n, k, dtype, seconds}],
+     "device": null | {"name", "torch_version", "measured_on", "timing" (optional),
+                       "eager_fallbacks" (optional): [{entry, reason}],
+                       "gemm": [{m, n, k, dtype, seconds}],
                        "attention": [{batch, heads, seq_q, seq_kv, head_dim, dtype, causal,
                                       forward_s, forward_backward_s}],
                        "copy": [{bytes_moved, seconds}],
@@ -23,6 +25,9 @@ File format (``"format": "mplan.profile"``, ``"version": 1``)::
 ``host`` (host seconds per launch kind, ``HostTiming``) may be absent: profiles written before it
 was measured load with ``NOMINAL_HOST`` (or ``NOMINAL_CPU_HOST`` for a "cpu" device), whose
 ``source`` says "nominal, not measured" (``DeviceProfile.host_timing``).
+``timing`` (how the GEMM and attention tables were timed, ``TIMINGS``) may be absent: profiles
+written before 2026-12-06 load as "events_per_call" (a GPU's, the launch floor included) or
+"wall_clock" (a "cpu" device's), which is how they were timed.
 
 Invariants: every field is validated on load and the first wrong one raises one ``ProfileError``
 naming the file and the field; nothing is unpickled. A ``ClusterSpec`` file may hold a profile
@@ -44,6 +49,14 @@ PROFILE_FORMAT = "mplan.profile"
 PROFILE_VERSION = 1
 TIMING_LEVELS: tuple[str, ...] = (*LEVELS, "hierarchical")
 """Levels a timing may be taken on: one node, one rank per node, or several ranks on several nodes."""
+
+
+TIMINGS: tuple[str, ...] = ("cuda_graph_replay", "events_per_call", "wall_clock")
+"""How a profile's GEMM and attention tables were timed (``measure_device.MedianTimer``):
+"cuda_graph_replay": CUDA events around replays of a graph of back-to-back calls, per call: the
+device's time. "events_per_call": CUDA events around one eager call, so a kernel shorter than its
+launch is timed at the host's launch (the H100 profile of 2026-12-05 priced no GEMM under ~36 us).
+"wall_clock": the host's clock around each call (a CPU, where the host runs the kernels)."""
 
 
 class ProfileError(ValueError):
@@ -141,6 +154,15 @@ NOMINAL_CPU_HOST = HostTiming(
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class EagerFallback:
+    """An entry of a "cuda_graph_replay" profile timed eagerly (events per call) because its graph
+    capture failed: its time carries the launch floor."""
+
+    entry: str  # e.g. "gemm m=512 n=256 k=256 bf16"
+    reason: str  # the capture's error, one short line
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DeviceProfile:
     """Kernel timings of one device."""
 
@@ -151,6 +173,8 @@ class DeviceProfile:
     attention: tuple[AttentionTiming, ...] = ()
     copy: tuple[CopyTiming, ...] = ()
     host: HostTiming | None = None  # None: not measured (`host_timing` gives the nominal figures)
+    timing: str = "events_per_call"  # TIMINGS: how `gemm` and `attention` were timed
+    eager_fallbacks: tuple[EagerFallback, ...] = ()  # entries timed per call where `timing` is graph replay
 
     @property
     def host_timing(self) -> HostTiming:
@@ -276,6 +300,7 @@ def _record_dict(record: Any) -> dict[str, Any]:
 
 def _device_to_dict(device: DeviceProfile) -> dict[str, Any]:
     return {"name": device.name, "torch_version": device.torch_version, "measured_on": device.measured_on,
+            "timing": device.timing, "eager_fallbacks": [_record_dict(f) for f in device.eager_fallbacks],
             "gemm": [_record_dict(t) for t in device.gemm],
             "attention": [_record_dict(t) for t in device.attention],
             "copy": [_record_dict(t) for t in device.copy],
@@ -324,8 +349,13 @@ def _read_attention(a: FieldReader) -> AttentionTiming:
 
 
 def _read_device(r: FieldReader) -> DeviceProfile:
+    name = r.string("name")
     return _finished(r, DeviceProfile(
-        name=r.string("name"), torch_version=r.string("torch_version"), measured_on=r.string("measured_on"),
+        name=name, torch_version=r.string("torch_version"), measured_on=r.string("measured_on"),
+        timing=r.string("timing", choices=TIMINGS) if r.has("timing") else
+        "wall_clock" if name == "cpu" else "events_per_call",
+        eager_fallbacks=tuple(_finished(f, EagerFallback(entry=f.string("entry"), reason=f.string("reason")))
+                              for f in r.objects("eager_fallbacks")) if r.has("eager_fallbacks") else (),
         gemm=tuple(_read_gemm(g) for g in r.objects("gemm")),
         attention=tuple(_read_attention(a) for a in r.objects("attention")),
         copy=tuple(_finished(c, CopyTiming(bytes_moved=c.integer("bytes_moved"), seconds=c.number("seconds")))
