@@ -9,7 +9,10 @@ loss and every final parameter (routers and experts included) against one proces
 the plan's micro-batches (test_expert_parallel.accumulated), float64, relative error under 1e-9:
 Hugging Face Mixtral and Qwen2-MoE (shared expert) without their router loss. With it (a
 load-balancing loss, products of token means over the whole sequence), tests/test_cp_router_loss.py;
-the search tries cp for both (`ModelLimits.splits_loss`).
+the search tries cp for both (`ModelLimits.splits_loss`). With no data parallelism at all, dp=1 x
+cp=2 x ep=2 (the experts sharded over the two cp ranks, `MeshShape`'s replica coordinate) trains
+as exactly (more carvings on 4 ranks: tests/test_cp_ep.py), and the search offers such plans to a
+long-context Mixtral on one node.
 """
 from __future__ import annotations
 
@@ -26,13 +29,15 @@ from test_expert_parallel import accumulated, hf_moe
 STEPS = 3
 
 
-def _compare(make: Callable[[], nn.Module], global_batch: int = 2, micro_batch: int = 1) -> dict[str, Any]:
+def _compare(make: Callable[[], nn.Module], plan: str = "cp=2", global_batch: int = 2,
+             micro_batch: int = 1) -> dict[str, Any]:
     data = batches(global_batch, steps=STEPS)
-    pm, losses, norms = trained(make, "cp=2", data, micro_batch_size=micro_batch)
+    pm, losses, norms = trained(make, plan, data, micro_batch_size=micro_batch)
     kinds = [type(m).__name__ for m in pm.program.modules()]
-    return {**errors(pm, losses, norms, accumulated(make, data, micro_batch)), "cp": pm.plan.mesh.cp,
-            "ep": pm.plan.mesh.ep, "attention": kinds.count("ContextAttention"),
-            "experts": kinds.count("RoutedExperts")}
+    halves = [name for name in pm.params if "experts" in name and pm.params[name].shape[0] == 2]
+    return {**errors(pm, losses, norms, accumulated(make, data, micro_batch)), "dp": pm.plan.mesh.dp,
+            "cp": pm.plan.mesh.cp, "ep": pm.plan.mesh.ep, "attention": kinds.count("ContextAttention"),
+            "experts": kinds.count("RoutedExperts"), "experts_halved": len(halves)}
 
 
 def without_router_loss(make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
@@ -53,7 +58,37 @@ def cp2_qwen2_moe() -> dict[str, Any]:
     return _compare(without_router_loss(hf_moe("qwen2_moe")))
 
 
-CHECKS = [cp2_mixtral, cp2_qwen2_moe]
+def dp1_cp2_ep2_mixtral() -> dict[str, Any]:
+    return _compare(without_router_loss(hf_moe("mixtral")), "dp=1,cp=2,ep=2")
+
+
+def dp1_cp2_ep2_checkpoint_reshards_to_ep1() -> dict[str, Any]:
+    """A checkpoint of dp1 x cp2 x ep2 (each cp rank its half of the experts) loaded under cp=2
+    with ep=1 (every expert on both): the next step's loss and the parameters after it agree."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from distributed import rel_err
+    from test_equivalence import MAX_NORM, OPTIMIZER
+
+    import mplan
+
+    make, data = without_router_loss(hf_moe("mixtral")), batches(2, steps=STEPS)
+    pm, _, _ = trained(make, "dp=1,cp=2,ep=2", data[:2], micro_batch_size=1)
+    where = [tempfile.mkdtemp(prefix="mplan_cp_ep_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where)
+    pm.save(where[0])
+    other = mplan.autoparallel(make(), example_inputs=(data[0][0],), optimizer=OPTIMIZER, global_batch=2,
+                               plan="cp=2", micro_batch_size=1, max_grad_norm=MAX_NORM)
+    other.load(where[0])
+    ids, labels = data[2]
+    loss = abs(pm.train_step(ids, labels) - other.train_step(ids, labels))
+    a, b = pm.full_state_dict(), other.full_state_dict()
+    return {"loss": loss, "param": max(rel_err(b[k], a[k]) for k in a), "ep": (pm.plan.mesh.ep, other.plan.mesh.ep)}
+
+
+CHECKS = [cp2_mixtral, cp2_qwen2_moe, dp1_cp2_ep2_mixtral, dp1_cp2_ep2_checkpoint_reshards_to_ep1]
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +106,21 @@ def test_cp2_with_ep1_trains_moe_models_exactly(world2: Any, check: Any) -> None
         assert result["loss"] < TOL and result["param"] < TOL, f"rank {rank}: {result}"
         assert result["clipped"], f"rank {rank}: clipping never engaged: {result}"
     assert all(v["loss"] == values[0]["loss"] for v in values), "ranks report different losses"
+
+
+def test_dp1_cp2_ep2_shards_the_experts_over_the_cp_ranks_exactly(world2: Any) -> None:
+    """No data parallelism: the two cp ranks are the ep group, each holding 2 of the 4 experts
+    of both layers (gate_up and down: 4 tensors), each expert on one rank (expert_dp = 1)."""
+    values = world2.assert_passed(dp1_cp2_ep2_mixtral)
+    for rank, result in enumerate(values):
+        assert (result["dp"], result["cp"], result["ep"], result["attention"]) == (1, 2, 2, 2), result
+        assert result["experts_halved"] == 4, f"rank {rank}: experts not split over the cp ranks: {result}"
+        assert result["loss"] < TOL and result["param"] < TOL and result["clipped"], f"rank {rank}: {result}"
+
+
+def test_a_dp1_cp2_ep2_checkpoint_loads_under_ep1(world2: Any) -> None:
+    for result in world2.assert_passed(dp1_cp2_ep2_checkpoint_reshards_to_ep1):
+        assert result["ep"] == (2, 1) and result["loss"] < 1e-12 and result["param"] < 1e-12, result
 
 
 # -- the search (one process) -------------------------------------------------------------------------
@@ -203,3 +253,22 @@ def test_the_search_prices_cp_with_ep_over_the_replicas_the_runtime_carves(mixtr
     assert (carved.config.cp, carved.config.ep, carved.experts_per_rank) == (4, 2, 4)
     assert carved.a2a_s > 0 == twin.a2a_s
     assert carved.peak_memory_bytes < twin.peak_memory_bytes
+
+
+def test_one_long_sequence_on_one_node_is_offered_experts_carved_from_cp(mixtral_graph: Any) -> None:
+    """One sequence of 131072 tokens a step on 8 H100s: dp is 1, so ep > 1 exists only carved from
+    the cp ranks (ep | dp x cp). The search ranks such plans; dp=1 x cp=8 x ep=8 holds one expert
+    a rank and pays an all-to-all, for less memory than its ep=1 twin."""
+    from mplan.cost_models.cluster import ClusterSpec
+    from mplan.planner.parallel_config import parse_plan_spec
+    from mplan.planner.search import Planner
+
+    planner = Planner(mixtral_graph, ClusterSpec.preset("dgx-h100", nodes=1), kernels=True)
+    ranked = planner.search(1).ranked
+    carved = {(e.config.cp, e.config.ep) for e in ranked if e.config.dp == 1 and e.config.cp > 1 and e.config.ep > 1}
+    assert carved, [e.config.short() for e in ranked]
+    one = planner.search(1, parse_plan_spec("dp=1,cp=8,ep=8")).best
+    twin = planner.search(1, parse_plan_spec("dp=1,cp=8,ep=1")).best
+    assert (one.config.dp, one.config.cp, one.config.ep, one.experts_per_rank) == (1, 8, 8, 1)
+    assert one.a2a_s > 0 == twin.a2a_s
+    assert one.peak_memory_bytes < twin.peak_memory_bytes

@@ -73,11 +73,13 @@ def test_a_dense_model_is_planned_with_ep_1_only():
 def test_ep_is_enumerated_where_it_divides_both_the_experts_and_dp():
     graph = capture_for_planning(MOE.replace("experts=8", "experts=6"))
     limits = Planner(graph, ONE_NODE).limits
-    pairs = {(c.dp, c.ep) for c in enumerate_configs(world_size=8, gpus_per_node=8, global_batch=8, limits=limits,
-                                                     spec=PlanSpec())}
-    # ep=4 and 8 divide dp=8 but not 6 experts; ep=3 and 6 divide the experts but no dp
-    assert {ep for _, ep in pairs} == {1, 2}
-    assert {dp for dp, ep in pairs if ep == 2} == {2, 4, 8}
+    meshes = {(c.dp, c.cp, c.ep) for c in enumerate_configs(world_size=8, gpus_per_node=8, global_batch=8,
+                                                            limits=limits, spec=PlanSpec())}
+    # ep=4 and 8 divide dp=8 but not 6 experts; ep=3 and 6 divide the experts but no dp x cp
+    assert {ep for _, _, ep in meshes} == {1, 2}
+    assert {dp for dp, cp, ep in meshes if ep == 2 and cp == 1} == {2, 4, 8}
+    # at dp=1 an ep group is carved from the cp ranks (ep | dp x cp, tests/test_cp_ep_carving.py)
+    assert {cp for dp, cp, ep in meshes if ep == 2 and dp == 1} == {2, 4, 8}
 
 
 # --- the cost model ------------------------------------------------------------------------------

@@ -16,10 +16,15 @@ from mplan.runtime.launch import init_distributed_from_env
 from mplan.ir.mesh import AXES, MeshShape, mesh_for_world
 from mplan.runtime.process_groups import init_process_groups
 
-meshes = st.builds(
-    lambda edp, tp, pp, ep, cp: MeshShape(dp=edp * ep, tp=tp, pp=pp, ep=ep if cp == 1 else 1, cp=cp),
-    st.integers(1, 4), st.integers(1, 4), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3),
-)
+def _mesh(dp: int, tp: int, pp: int, cp: int, sites: int, pick: int) -> MeshShape:
+    """A mesh whose ep is some divisor of a site's dp x cp replicas (`pick` chooses which)."""
+    sites = sites if dp % sites == 0 else 1
+    choices = [ep for ep in range(1, dp * cp + 1) if (dp * cp // sites) % ep == 0]
+    return MeshShape(dp=dp, tp=tp, pp=pp, cp=cp, sites=sites, ep=choices[pick % len(choices)])
+
+
+meshes = st.builds(_mesh, st.integers(1, 4), st.integers(1, 3), st.integers(1, 3), st.integers(1, 4),
+                   st.integers(1, 2), st.integers(0, 7))
 
 
 @settings(deadline=None)  # a loaded 2-core machine took 450 ms over one example once
@@ -30,10 +35,17 @@ def test_coordinates_round_trip_and_groups_partition_the_world(mesh: MeshShape) 
         assert mesh.rank(tp=coord.tp, dp=coord.dp, pp=coord.pp, cp=coord.cp) == rank
         # the replica mesh (dp x cp) is the same layout: its dp coordinate is cp + cp * dp
         assert mesh.replicas().coord(rank).dp == coord.cp + mesh.cp * coord.dp
-        assert coord.dp == coord.ep + mesh.ep * coord.expert_dp
+        # ep and expert_dp split that replica coordinate, as the runtime's groups (built on replicas()) do
+        assert coord.cp + mesh.cp * coord.dp == coord.ep + mesh.ep * coord.expert_dp
+        assert (coord.ep, coord.expert_dp) == (mesh.replicas().coord(rank).ep, mesh.replicas().coord(rank).expert_dp)
+    for axis in ("ep", "expert_dp"):
+        assert mesh.groups(axis) == mesh.replicas().groups(axis)
+        assert mesh.stride(axis) == mesh.replicas().stride(axis)
     for axis in AXES:
         groups = mesh.groups(axis)
         assert sorted(r for g in groups for r in g) == list(range(mesh.size))
+        if mesh.sites == 1 or axis not in ("dp", "expert_dp"):  # those two jump from site to site
+            assert all(b - a == mesh.stride(axis) for g in groups for a, b in zip(g, g[1:])), axis
         assert all(len(g) == mesh.degree(axis) for g in groups)
         # Along a group only the axis' own coordinate changes, increasing with the rank.
         for group in groups:
@@ -68,6 +80,24 @@ def test_context_parallel_ranks_sit_next_to_tp() -> None:
     # of one dp replica, and an expert's replicas are the other replica's (tests/test_cp_ep.py)
     moe = MeshShape(dp=2, ep=2, cp=2).replicas()
     assert (moe.dp, moe.ep, moe.expert_dp) == (4, 2, 2) and moe.groups("ep") == [[0, 1], [2, 3]]
+    assert MeshShape(dp=2, ep=2, cp=2).groups("ep") == [[0, 1], [2, 3]]  # the plan's mesh says the same
+
+
+def test_expert_parallelism_needs_only_to_divide_dp_x_cp() -> None:
+    """ep | dp * cp: with no data parallelism the ep groups are carved from the cp ranks (an MoE at
+    long context on one node), or span dp replicas and cp ranks alike; each expert is replicated on
+    dp * cp / ep ranks. An ep dividing neither is one line with the arithmetic."""
+    long_context = MeshShape(dp=1, cp=4, ep=2)
+    assert long_context.groups("ep") == [[0, 1], [2, 3]] and long_context.groups("expert_dp") == [[0, 2], [1, 3]]
+    assert long_context.expert_dp == 2 and long_context.group_shape("ep", gpus_per_node=8).level == "intra_node"
+    node = MeshShape(dp=1, cp=8, ep=8)
+    assert node.groups("ep") == [list(range(8))] and node.groups("cp") == node.groups("ep") and node.expert_dp == 1
+    across = MeshShape(dp=2, cp=2, ep=4, tp=2)
+    assert across.groups("ep") == [[0, 2, 4, 6], [1, 3, 5, 7]] and across.stride("ep") == 2
+    with pytest.raises(ValueError, match=r"ep must divide dp\*cp .*: dp\*cp % ep = 1\*6 % 4 = 2"):
+        MeshShape(dp=1, cp=6, ep=4)
+    with pytest.raises(ValueError, match=r"ep must divide dp\*cp / sites .*: 2\*2 / 2 = 2, not a multiple of ep=4"):
+        MeshShape(dp=2, cp=2, ep=4, sites=2)
 
 
 def test_bad_meshes_show_the_arithmetic() -> None:
@@ -160,6 +190,17 @@ def check_groups_dp2_tp2_pp2() -> None:
     _check_groups(MeshShape(dp=2, tp=2, pp=2))
 
 
+def check_groups_dp1_cp4_ep2() -> None:
+    """Under cp the runtime builds its groups on the replicas; its ep and expert_dp groups are the
+    plan's mesh's (ep carved from the cp ranks), and its cp group too."""
+    mesh = MeshShape(dp=1, cp=4, ep=2)
+    groups, rank = init_process_groups(mesh), dist.get_rank()
+    for axis in ("ep", "expert_dp"):
+        assert dist.get_process_group_ranks(groups.group(axis)) == _expected_ranks(mesh, axis, rank), axis
+    assert dist.get_process_group_ranks(groups.cp) == _expected_ranks(mesh, "cp", rank)
+    assert (groups.ep_rank, groups.expert_dp_rank) == (mesh.coord(rank).ep, mesh.coord(rank).expert_dp)
+
+
 def check_launch_reuses_the_existing_group() -> None:
     assert init_distributed_from_env() is dist.group.WORLD
 
@@ -191,7 +232,7 @@ def check_wrong_world_size_is_refused() -> None:
         init_process_groups(MeshShape(dp=3))
 
 
-CHECKS_AT_4 = [check_groups_dp2_tp2, check_groups_dp2_tp2_ep2,
+CHECKS_AT_4 = [check_groups_dp2_tp2, check_groups_dp2_tp2_ep2, check_groups_dp1_cp4_ep2,
                check_launch_reuses_the_existing_group, check_wrong_world_size_is_refused,
                check_launch_joins_a_torchrun_environment]  # last: it replaces the group
 

@@ -9,7 +9,8 @@ Pure arithmetic, no torch.distributed: the planner and `explain` use it without 
 
 Axis order (fastest-varying first), as Megatron-LM's default `tp-cp-ep-dp-pp`:
 
-    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)),   dp_rank = ep_rank + ep * expert_dp_rank
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+    replica = cp_rank + cp * dp_rank = ep_rank + ep * expert_dp_rank
 
 - `tp` innermost: tensor parallelism all-reduces inside every layer on the critical path,
   so a TP group must be consecutive ranks, i.e. on one node's NVLink domain.
@@ -18,9 +19,13 @@ Axis order (fastest-varying first), as Megatron-LM's default `tp-cp-ep-dp-pp`:
   next consecutive ranks, inside a node as long as tp * cp fits one. Putting it just inside
   `dp` also makes `replicas()` (dp * cp ranks holding the same parameters) a plain mesh: the
   runtime reduces gradients and shards optimizer state over dp x cp as over data parallelism.
-- `ep` inside `dp`: expert parallelism borrows data-parallel ranks (each EP rank still
-  reads its own micro-batch); its all-to-all runs in every MoE layer, so it sits next to TP.
-  The remaining data-parallel factor, `expert_dp = dp / ep`, replicates each expert.
+- `ep` inside the replicas: expert parallelism borrows ranks that hold the same parameters,
+  the dp x cp replicas (each EP rank still routes its own tokens: its micro-batch, or its slice
+  of the sequences under cp); its all-to-all runs in every MoE layer, so it sits next to TP.
+  The replica coordinate `cp_rank + cp * dp_rank` advances by tp ranks whatever splits it, so
+  ep may divide dp (with cp = 1, or groups of whole cp groups), cp (dp=1, cp=4, ep=2: an MoE
+  at long context on one node), or neither alone (dp=2, cp=2, ep=4): only `ep | dp * cp`.
+  The remaining factor, `expert_dp = dp * cp / ep`, replicates each expert.
 - `dp` next: one gradient all-reduce per step, overlappable with backward.
 - `pp` outermost: pipeline stages exchange only activations point-to-point, the least
   traffic, so they are the axis that crosses nodes first.
@@ -44,9 +49,9 @@ price depends on how the schedule hides a 10 ms hop per micro-batch, which the s
 model per link; a plan with `sites=1` whose pipelines would cross the sites of its cluster is
 refused (`check_sites`).
 
-Invariants: every degree is positive, `dp * tp * pp * cp == world_size`, `ep` divides `dp`,
-`sites` divides `dp` and `ep` divides `dp / sites`; with `cp > 1` the runtime carves the ep
-groups out of `replicas()` (dp x cp ranks), and `ep` still divides `dp` (not yet `dp x cp`).
+Invariants: every degree is positive, `dp * tp * pp * cp == world_size`, `ep` divides
+`dp * cp`, `sites` divides `dp` and `ep` divides `dp * cp / sites`; the ep and expert_dp groups
+are those of `replicas()` (dp x cp ranks), the mesh the runtime builds its groups on.
 Ranks fill nodes in order (rank r on node r // gpus_per_node).
 Every rank appears in exactly one group per axis; groups along an axis are listed in
 increasing order of their smallest rank, and ranks inside a group in increasing order
@@ -66,7 +71,8 @@ AXES: tuple[Axis, ...] = ("tp", "dp", "pp", "ep", "expert_dp", "cp")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MeshCoord:
-    """One rank's position on the mesh; `ep` and `expert_dp` split the `dp` coordinate."""
+    """One rank's position on the mesh; `ep` and `expert_dp` split the replica coordinate
+    `cp + cp_degree * dp` (the `dp` coordinate where cp = 1)."""
 
     tp: int
     dp: int
@@ -81,7 +87,8 @@ class MeshCoord:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MeshShape:
-    """Parallel degrees of a plan. `ep` is a factor of `dp`, not a separate axis of the world."""
+    """Parallel degrees of a plan. `ep` is a factor of `dp * cp` (the replicas), not a separate
+    axis of the world."""
 
     dp: int = 1
     tp: int = 1
@@ -97,17 +104,18 @@ class MeshShape:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"mesh degree {name} must be a positive int, got {value!r}")
-        if self.dp % self.ep:
+        replicas, names = self.dp * self.cp, ("dp*cp", f"{self.dp}*{self.cp}") if self.cp > 1 else ("dp", f"{self.dp}")
+        if replicas % self.ep:
             raise ValueError(
-                f"ep must divide dp (experts are sharded over data-parallel ranks): "
-                f"dp % ep = {self.dp} % {self.ep} = {self.dp % self.ep}"
+                f"ep must divide {names[0]} (experts are sharded over the ranks holding the same parameters): "
+                f"{names[0]} % ep = {names[1]} % {self.ep} = {replicas % self.ep}"
             )
         if self.dp % self.sites:
             raise ValueError(f"sites must divide dp (data parallelism is what spans sites): "
                              f"dp % sites = {self.dp} % {self.sites} = {self.dp % self.sites}")
-        if self.dp_local % self.ep:
-            raise ValueError(f"ep must divide dp / sites (expert groups stay inside a site): "
-                             f"{self.dp} / {self.sites} = {self.dp_local}, not a multiple of ep={self.ep}")
+        if (replicas // self.sites) % self.ep:
+            raise ValueError(f"ep must divide {names[0]} / sites (expert groups stay inside a site): "
+                             f"{names[1]} / {self.sites} = {replicas // self.sites}, not a multiple of ep={self.ep}")
 
     @property
     def size(self) -> int:
@@ -123,8 +131,8 @@ class MeshShape:
 
     @property
     def expert_dp(self) -> int:
-        """Replicas of each expert: the data-parallel factor left after expert parallelism."""
-        return self.dp // self.ep
+        """Replicas of each expert: the dp x cp replicas left after expert parallelism."""
+        return self.dp * self.cp // self.ep
 
     @property
     def dp_local(self) -> int:
@@ -134,7 +142,7 @@ class MeshShape:
     @property
     def expert_dp_local(self) -> int:
         """Replicas of each expert inside one site."""
-        return self.dp_local // self.ep
+        return self.dp_local * self.cp // self.ep
 
     def check_world_size(self, world_size: int) -> None:
         """Raise, showing the arithmetic, unless the mesh spans exactly `world_size` ranks."""
@@ -155,13 +163,14 @@ class MeshShape:
         dp_local, rest = rest % self.dp_local, rest // self.dp_local
         pp_rank, site = rest % self.pp, rest // self.pp
         dp_rank = dp_local + self.dp_local * site
+        replica = cp_rank + self.cp * dp_rank  # replicas()'s dp coordinate (ep divides a site's share)
         return MeshCoord(
             tp=tp_rank, dp=dp_rank, pp=pp_rank,
-            ep=dp_rank % self.ep, expert_dp=dp_rank // self.ep, cp=cp_rank, site=site,
+            ep=replica % self.ep, expert_dp=replica // self.ep, cp=cp_rank, site=site,
         )
 
     def rank(self, *, tp: int = 0, dp: int = 0, pp: int = 0, cp: int = 0) -> int:
-        """Inverse of `coord` (the dp coordinate already encodes ep and expert_dp)."""
+        """Inverse of `coord` (the dp and cp coordinates already encode ep and expert_dp)."""
         for name, value, degree in (("tp", tp, self.tp), ("dp", dp, self.dp), ("pp", pp, self.pp),
                                     ("cp", cp, self.cp)):
             if not 0 <= value < degree:
@@ -200,9 +209,10 @@ class MeshShape:
 
     def stride(self, axis: Axis) -> int:
         """Rank distance between consecutive members of a group along `axis` inside one site (dp and
-        expert_dp groups also jump from site to site, `size // sites` ranks apart)."""
+        expert_dp groups also jump from site to site, `size // sites` ranks apart). The replica
+        coordinate (cp inside dp) advances by tp ranks, so ep and expert_dp are tp-strided."""
         inner = self.tp * self.cp
-        return {"tp": 1, "cp": self.tp, "ep": inner, "dp": inner, "expert_dp": inner * self.ep,
+        return {"tp": 1, "cp": self.tp, "ep": self.tp, "dp": inner, "expert_dp": self.tp * self.ep,
                 "pp": inner * self.dp_local}[axis]
 
     def group_shape(self, axis: Axis, gpus_per_node: int, cluster_sites: int = 1) -> GroupShape:
@@ -360,9 +370,9 @@ def _fixed_coords(coord: MeshCoord, axis: Axis) -> tuple[int, ...]:
         return (coord.tp, coord.pp, coord.cp)
     if axis == "pp":
         return (coord.tp, coord.dp, coord.cp)
-    if axis == "ep":
-        return (coord.tp, coord.pp, coord.cp, coord.expert_dp)
-    return (coord.tp, coord.pp, coord.cp, coord.ep)
+    if axis == "ep":  # expert_dp holds the site and the replica coordinate beyond ep
+        return (coord.tp, coord.pp, coord.expert_dp)
+    return (coord.tp, coord.pp, coord.ep)
 
 
 def mesh_for_world(world_size: int, *, tp: int = 1, pp: int = 1, ep: int = 1) -> MeshShape:

@@ -380,7 +380,7 @@ def _experts(plan: Plan) -> dict[str, Any] | None:
     if not p.experts_per_rank:
         return None
     return {"ep": plan.mesh.ep, "experts_per_rank": p.experts_per_rank,
-            "num_experts": p.experts_per_rank * plan.mesh.ep, "expert_dp": plan.mesh.dp // plan.mesh.ep,
+            "num_experts": p.experts_per_rank * plan.mesh.ep, "expert_dp": plan.mesh.dp * plan.mesh.cp // plan.mesh.ep,
             "imbalance": p.moe_imbalance, "capacity_factor": plan.capacity_factor,
             "all_to_all_ms": p.a2a_s * 1e3, "all_to_all_share": p.a2a_s / p.step_time_s}
 

@@ -238,6 +238,19 @@ def parse_plan_spec(text: str) -> PlanSpec:
     return PlanSpec(**values)  # type: ignore[arg-type]
 
 
+def carving_refusal(ep: int, dp: int, cp: int) -> str | None:
+    """Why `ep` cannot be carved from the dp x cp replicas (one line, without the plan's name), or
+    None: an ep group is any `ep` consecutive replicas (`MeshShape`'s replica coordinate
+    `cp_rank + cp * dp_rank`), so ep must divide dp * cp, not dp alone (dp=1, cp=4, ep=2 runs)."""
+    replicas = dp * cp
+    if not replicas % ep:
+        return None
+    if cp == 1:
+        return f"ep={ep} does not divide the dp={dp} data-parallel ranks it is carved from ({dp} % {ep} = {dp % ep})"
+    return (f"ep={ep} divides neither dp={dp} nor the dp x cp = {dp} x {cp} = {replicas} replicas its groups are "
+            f"carved from ({replicas} % {ep} = {replicas % ep})")
+
+
 def outer_refusal(config: ParallelConfig) -> str | None:
     """Why `config` cannot run its outer loop (one line), or None: it needs sites to average over,
     whole parameters (zero=0) and no expert parallelism (experts' replicas span sites flat)."""
@@ -370,9 +383,10 @@ def _meshes(world_size: int, cp: int, gpus_per_node: int, global_batch: int, lim
             dp = world_size // (tp * pp)
             if global_batch % dp:
                 continue
-            # under cp, ep groups are carved from the dp x cp replicas as the runtime carves them
-            # (`Planner.evaluate` prices a cp rank as one of those replicas, its experts at its tokens)
-            for ep in divisors(dp) if limits.num_experts else [1]:
+            # ep groups are carved from the dp x cp replicas (`MeshShape`), as the runtime carves them
+            # (`Planner.evaluate` prices a cp rank as one of those replicas, its experts at its tokens):
+            # dp=1 with cp > 1 still shards experts (a long-context MoE on one node)
+            for ep in divisors(dp * cp) if limits.num_experts else [1]:
                 if limits.num_experts and limits.num_experts % ep:
                     continue
                 # every micro-batch that divides the replica's share, not only powers of two: a

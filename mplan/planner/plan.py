@@ -40,7 +40,7 @@ from mplan.ir.mesh import MeshShape
 from mplan.ir.schedule import SCHEDULES
 from mplan.ir.strategy import Strategy, StrategyParseError, parse_strategy
 from mplan.planner.parallel_config import (CP_METHODS, DEFAULT_RUNTIME, RUNTIMES, ParallelConfig,
-                                           outer_refusal)
+                                           carving_refusal, outer_refusal)
 
 LEGACY_RUNTIME = "megatron"
 """A Plan file without a `runtime` field was written before plans recorded it, when `mplan plan`
@@ -577,8 +577,9 @@ def _check_consistent(plan: Plan, file: str) -> None:
                         f"{m.dp}*{plan.micro_batch_size}*{plan.num_micro_batches}")
     if len(plan.stages) != m.pp * m.vpp:
         raise PlanError(f"{file}: stages has {len(plan.stages)} entries but pp*vpp = {m.pp * m.vpp}")
-    if m.ep > 1 and m.dp % m.ep:
-        raise PlanError(f"{file}: mesh.ep={m.ep} must divide mesh.dp={m.dp}")
+    carving = carving_refusal(m.ep, m.dp, m.cp)
+    if carving:
+        raise PlanError(f"{file}: mesh.{carving}")
     if m.sites > 1 and m.sites != plan.cluster.sites:
         raise PlanError(f"{file}: mesh.sites={m.sites} but cluster.sites={plan.cluster.sites}: a plan's sites are 1 "
                         f"(flat) or its cluster's")

@@ -48,7 +48,7 @@ from mplan.ir.stage_cut import StageCutError, stage_of_units
 from mplan.ir.strategy import Strategy, parse_strategy
 from mplan.planner.op_registry import replicated
 from mplan.planner.parallel_config import (EXECUTABLE_ZERO, ZERO3_KEEPS_UNDER_PIPELINES, ParallelConfig, PlanSpec,
-                                           PlanSpecError, outer_refusal, parse_plan_spec)
+                                           PlanSpecError, carving_refusal, outer_refusal, parse_plan_spec)
 from mplan.planner.plan import TP_LAYOUTS, Plan, PlanError
 from mplan.planner.plan_builder import build_plan
 from mplan.planner.search import Planner, SearchResult
@@ -179,10 +179,10 @@ def _degrees_of(text: str, world_size: int, global_batch: int,
     if dp * tp * pp * cp != world_size:
         raise PlanSpecError(f"plan {text!r}: dp*tp*pp{names} = {dp}*{tp}*{pp}{values} = {dp * tp * pp * cp} ranks "
                             f"but the world has {world_size}")
-    if spec.ep is not None and dp % spec.ep:
-        raise PlanSpecError(f"plan {text!r}: ep={spec.ep} does not divide the dp={dp} data-parallel ranks it is "
-                            f"carved from ({dp} % {spec.ep} = {dp % spec.ep})")
-    if spec.sites is not None and (dp % spec.sites or (dp // spec.sites) % (spec.ep or 1)):
+    carving = carving_refusal(spec.ep or 1, dp, cp)
+    if carving:
+        raise PlanSpecError(f"plan {text!r}: {carving}")
+    if spec.sites is not None and (dp % spec.sites or (dp * cp // spec.sites) % (spec.ep or 1)):
         raise PlanSpecError(f"plan {text!r}: sites={spec.sites} must divide dp={dp} and leave ep={spec.ep or 1} "
                             f"inside a site (data parallelism is what spans sites)")
     refused = outer_refusal(ParallelConfig(dp=dp, tp=tp, pp=pp, ep=spec.ep or 1, sites=spec.sites or 1,

@@ -15,7 +15,7 @@ config passes, so a refusal reads the same whichever finds it.
 Invariant: it refuses only what `parallel_config.enumerate_configs` would admit no config for
 (a superset of its checks would refuse plans that run): dp x tp x pp fills the world, tp divides
 the heads and stays in a node (unless allowed), pp at most the layers, dp divides the global
-batch, ep needs experts and divides them and dp, mbs divides each replica's share, zero among the
+batch, ep needs experts and divides them and dp x cp, mbs divides each replica's share, zero among the
 levels searched (at dp=1 only when the spec names it: the search itself tries zero > 0 only
 where dp > 1), sites 1 or the cluster's and dividing dp, and a flat plan (sites=1) on a cluster of
 several sites without pipeline stages (its pipelines would cross sites, `MeshShape.check_sites`).
@@ -29,7 +29,8 @@ from torch import nn
 
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.planner.evaluate import device_word
-from mplan.planner.parallel_config import (ZERO_LEVELS, ParallelConfig, PlanSpec, PlanSpecError, outer_refusal,
+from mplan.planner.parallel_config import (ZERO_LEVELS, ParallelConfig, PlanSpec, PlanSpecError, carving_refusal,
+                                           outer_refusal,
                                            parse_plan_spec)
 
 
@@ -76,14 +77,28 @@ def spec_refusal(spec: PlanSpec, *, world_size: int, gpus_per_node: int, global_
     outer = outer_steps_refusal(spec, asked, num_sites)
     if outer:
         return outer
-    if dp is not None and spec.ep is not None and dp % spec.ep:
-        return (f"{asked}: ep={spec.ep} does not divide the dp={dp} data-parallel ranks it is carved from "
-                f"({dp} % {spec.ep} = {dp % spec.ep})")
+    carving = ep_refusal(spec, world_size, dp)
+    if carving:
+        return f"{asked}: {carving}"
     if dp is not None and spec.mbs is not None and (global_batch // dp) % spec.mbs:
         replica = global_batch // dp
         return (f"{asked}: each of dp={dp} replicas gets {replica} sequences, not a multiple of mbs={spec.mbs} "
                 f"({replica} % {spec.mbs} = {replica % spec.mbs})")
     return None
+
+
+def ep_refusal(spec: PlanSpec, world_size: int, dp: int | None) -> str | None:
+    """Why the spec's ep cannot be carved from its dp x cp replicas (`carving_refusal`), or None;
+    `dp` as `spec_refusal` reads it (world / (tp x pp) where the spec leaves dp out: the replicas).
+    A cp the spec leaves out is the largest the other degrees leave: an ep that does not divide
+    dp x that cp divides no dp x cp the search could try (each divides it)."""
+    if spec.ep is None or dp is None:
+        return None
+    if spec.dp is None:  # dp is the replicas already
+        cp = spec.cp if spec.cp is not None and dp % spec.cp == 0 else 1
+        return carving_refusal(spec.ep, dp // cp, cp)
+    cp = spec.cp if spec.cp is not None else max(1, world_size // (dp * (spec.tp or 1) * (spec.pp or 1)))
+    return carving_refusal(spec.ep, dp, cp)
 
 
 def sites_refusal(spec: PlanSpec, asked: str, dp: int | None, num_sites: int) -> str | None:

@@ -14,7 +14,9 @@ Context parallelism (cp > 1): the groups are those of `mesh.replicas()`, whose "
 dp x cp (the ranks holding the same parameters: gradients reduce and optimizer state shards over
 them, as Megatron's distributed optimizer does over its dp-cp group), plus `cp`, this rank's
 context-parallel group (attention's exchanges), and `data_rank`, the true data-parallel
-coordinate that picks the batch rows.
+coordinate that picks the batch rows. Its "ep" and "expert_dp" axes split those replicas, so ep
+divides dp x cp, not necessarily dp (dp=1, cp=4, ep=2: each ep group two ranks of one cp group):
+the plan's mesh lays them out alike (`MeshShape.coord`).
 
 Sites (`sites > 1`, hierarchical data parallelism, `hierarchical_reduce.py`): the site is the
 outermost factor of dp, and the mesh (`MeshShape.site_dp_groups`, `cross_site_dp_groups`) lays
@@ -150,6 +152,7 @@ def init_process_groups(mesh: MeshShape) -> ProcessGroups:
             mine = group
     coord = mesh.coord(made.rank)
     assert made.coord.dp == coord.cp + mesh.cp * coord.dp, "cp must sit just inside dp (ir/mesh.py)"
+    assert (made.coord.ep, made.coord.expert_dp) == (coord.ep, coord.expert_dp), "ep splits the replicas (ir/mesh.py)"
     return dataclasses.replace(made, cp=mine, cp_size=mesh.cp, cp_rank=coord.cp)
 
 
