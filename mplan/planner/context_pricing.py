@@ -52,6 +52,18 @@ while tp * cp <= gpus per node):
                 divide the rank's kv heads (`_ulysses`), so their traffic and saved bytes grow
                 by that factor: holds (copies - 1) kv. Needs cp | the rank's query heads.
 
+The loss's token statistics (an MoE load-balancing loss's token means, `ir.token_statistics`):
+each is all-reduced over the cp group once per micro-batch (`passes/split_context.ContextStatistic`),
+and its gradient once more backward where one flows into it (a mean of router probabilities; not a
+histogram of the routed choices, integers cast):
+
+    statistics  forward  sum_s t(all_reduce, bytes_s), backward  sum over those with a gradient,
+                exposed (the loss waits for them), added to the device seconds of the unit that
+                computes them (hidden behind the host where that unit is host-bound, as any)
+
+a few [experts] vectors, so latency alone in practice (`token_statistic_ops`;
+tests/test_cp_statistics_pricing.py).
+
 A fully recomputed forward exchanges again (`evaluate` re-runs a unit's forward seconds, the
 exchange is in them); selective recomputation keeps the attention and what it gathered.
 
@@ -78,7 +90,7 @@ from mplan.ir.op_table import LOSS_CASTS, op_packet
 from mplan.ir.placement import Shard, local_shape
 from mplan.ir.sharding import UnexecutableStrategy
 from mplan.ir.strategy import Strategy
-from mplan.ir.token_statistics import token_statistics
+from mplan.ir.token_statistics import TokenStatistics, token_statistics
 from mplan.planner.evaluate import Estimate, ModelFacts
 from mplan.planner.host_cost import host_timing
 from mplan.planner.op_cost import OpCoster
@@ -102,6 +114,16 @@ class AttentionOp:
     num_kv_heads: int
     forward_s: float
     backward_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenStatistic:
+    """One token statistic of the loss (`ir.token_statistics`: a mean or partial sum over a rank's
+    tokens) that the runtime all-reduces over the cp group once per micro-batch."""
+
+    node: str  # the graph node computing it (its unit holds the exchange)
+    nbytes: float
+    grad: bool  # a gradient flows into it: its backward all-reduces that too
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -233,27 +255,58 @@ def rank_experts(experts: Sequence[UnitExperts | None], share: float) -> tuple[U
 def splits_loss(graph: Graph) -> bool:
     """Whether `passes/split_context` can make the graph's loss exact over the cp ranks: a token-mean
     cross-entropy, alone or beside terms computed from token means (an MoE load-balancing loss),
-    as `ir.token_statistics` reads them off the captured program. Not priced: the all-reduce over
-    the cp group of each statistic per micro-batch (a few [experts] vectors, latency alone). A graph
-    without its program (read from a file) is asked the narrower question: its last op, casts
-    aside, a cross-entropy."""
+    as `ir.token_statistics` reads them off the captured program (their all-reduces are priced,
+    `token_statistic_ops`). A graph without its program (read from a file) is asked the narrower
+    question: its last op, casts aside, a cross-entropy."""
     program = getattr(graph, "program", None)
     if program is None:
         for node in reversed(graph.nodes):
             if node.op not in LOSS_CASTS:
                 return node.op == "aten.cross_entropy_loss.default"
         return False
+    return _statistics(program) is not None
+
+
+def token_statistic_ops(graph: Graph) -> tuple[TokenStatistic, ...]:
+    """The loss's token statistics that cp all-reduces (module docstring): each one's bytes, and
+    whether a gradient flows into it (dataflow from a parameter through floating-point values: a
+    histogram of routed choices, integer indices cast, carries none). Empty for a graph without its
+    program or a loss cp cannot split (`splits_loss`)."""
+    program = getattr(graph, "program", None)
+    found = _statistics(program) if program is not None else None
+    if found is None:
+        return ()
+    params = {spec.arg.name for spec in program.graph_signature.input_specs if spec.kind.name == "PARAMETER"}
+    carries: dict[torch.fx.Node, bool] = {}
+    for node in program.graph.nodes:  # topological: inputs first
+        val = node.meta.get("val")
+        floating = isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+        carries[node] = floating and (node.name in params or any(carries.get(i, False) for i in node.all_input_nodes))
+    return tuple(TokenStatistic(node=n.name, nbytes=float(n.meta["val"].numel() * n.meta["val"].element_size()),
+                                grad=carries[n]) for n in (*found.means, *found.sums))
+
+
+def statistics_exchange(ops: Sequence[TokenStatistic], cluster: ClusterSpec, group: GroupShape) -> Exchange:
+    """The all-reduces of `ops` over the cp group for one micro-batch (module docstring), exposed."""
+    forward = sum(collective_time(cluster, "all_reduce", op.nbytes, group) for op in ops)
+    backward = sum(collective_time(cluster, "all_reduce", op.nbytes, group) for op in ops if op.grad)
+    return Exchange(forward_s=forward, backward_s=backward, link_forward_s=forward, link_backward_s=backward,
+                    saved_bytes=0.0, transient_bytes=0.0)
+
+
+def _statistics(program: torch.export.ExportedProgram) -> TokenStatistics | None:
+    """`ir.token_statistics` of the program's one token-mean cross-entropy, or None where there is
+    none or a term beside it that cp cannot make exact."""
     nodes = program.graph.nodes
     losses = [n for n in nodes if n.target is torch.ops.aten.cross_entropy_loss.default and _token_mean(n)]
     inputs = {spec.arg.name for spec in program.graph_signature.input_specs if spec.kind.name == "USER_INPUT"}
     tokens = [n for n in nodes if n.op == "placeholder" and n.name in inputs]
     if len(losses) != 1 or not tokens:
-        return False
+        return None
     try:
-        token_statistics(program.graph, loss=losses[0], tokens=tokens, cp=2)
+        return token_statistics(program.graph, loss=losses[0], tokens=tokens, cp=2)
     except UnexecutableStrategy:
-        return False
-    return True
+        return None
 
 
 def _token_mean(node: torch.fx.Node) -> bool:
@@ -296,11 +349,13 @@ def whole_batch(mbs: int, cp: int) -> int:
 
 def rank_units(config: ParallelConfig, units: Sequence[UnitCost], attention: Sequence[tuple[AttentionOp, ...]],
                cluster: ClusterSpec, *, whole: bool, batch: int,
-               gemms: Sequence[tuple[LinearGemm, ...]] = ()) -> tuple[list[UnitCost], list[tuple[Exchange, ...]]]:
+               gemms: Sequence[tuple[LinearGemm, ...]] = (), statistics: Sequence[tuple[TokenStatistic, ...]] = (),
+               ) -> tuple[list[UnitCost], list[tuple[Exchange, ...]]]:
     """The units of one cp rank under `config.cp_method`, and each unit's exchanges per micro-batch.
     `attention[u]`: unit u's attention ops as the graph holds them; `whole`: the graph holds whole
     sequences, `batch` of them per micro-batch (`whole_batch`; else one rank's slice at
-    `config.mbs`, module docstring), `gemms[u]` unit u's linears (re-priced at the rank's rows)."""
+    `config.mbs`, module docstring), `gemms[u]` unit u's linears (re-priced at the rank's rows),
+    `statistics[u]` the loss's token statistics unit u computes (`token_statistic_ops`)."""
     cp = config.cp
     share = config.mbs / (cp * batch) if whole else 1.0
     compute = ComputeCostModel(cluster)
@@ -332,6 +387,9 @@ def rank_units(config: ParallelConfig, units: Sequence[UnitCost], attention: Seq
         if ops not in by_ops:  # a block type's instances hold equal ops: exchanged once
             by_ops[ops] = exchanged(ops)
         ex, ex_f, ex_b, saved = by_ops[ops]
+        if statistics and statistics[u]:
+            reduced = statistics_exchange(statistics[u], cluster, group)
+            ex, ex_f, ex_b = (*ex, reduced), ex_f + reduced.forward_s, ex_b + reduced.backward_s
         forward = unit.forward_s * share + added_f + ex_f
         backward = unit.backward_s * share + added_b + ex_b
         out.append(dataclasses.replace(

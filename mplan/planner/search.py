@@ -44,9 +44,10 @@ from mplan.ir.graph import Graph, OpNode
 from mplan.ir.mesh import GroupShape
 from mplan.ir.moe import experts_nodes, num_experts
 from mplan.ir.rebatch import rebatch
-from mplan.planner.context_pricing import (AttentionOp, ContextEstimate, Exchange, LinearGemm, attention_ops,
-                                           linear_gemms, method_price, rank_experts, rank_units, replica_config,
-                                           replica_facts, splits_loss, whole_batch, with_context)
+from mplan.planner.context_pricing import (AttentionOp, ContextEstimate, Exchange, LinearGemm, TokenStatistic,
+                                           attention_ops, linear_gemms, method_price, rank_experts, rank_units,
+                                           replica_config, replica_facts, splits_loss, token_statistic_ops,
+                                           whole_batch, with_context)
 from mplan.ir.strategy import Strategy
 from mplan.planner.evaluate import (NO_CUT_IN_MEMORY, ChunkMemo, Estimate, ModelFacts, SyncMemo, device_word,
                                     evaluate, gib_versus, state_floor_bytes)
@@ -170,6 +171,7 @@ class Planner:
         self._context: dict[tuple[int, bool, int, int, str], tuple[list[UnitCost], list[tuple[Exchange, ...]]]] = {}
         self._attention_ops: dict[tuple[int, bool, int], list[tuple[AttentionOp, ...]]] = {}
         self._linear_gemms: dict[tuple[int, bool, int], list[tuple[LinearGemm, ...]]] = {}
+        self._token_statistics: tuple[TokenStatistic, ...] | None = None
         self._dominated_methods: dict[tuple[int, bool, int, int, str], bool] = {}
         self._context_sums: dict[tuple[int, bool, int, int, str], tuple[float, float, float]] = {}
         self._syncs: SyncMemo = {}  # `evaluate`'s gradient syncs and optimizer steps, on this cluster
@@ -262,7 +264,8 @@ class Planner:
             units = self.units(config.tp, config.sp, batch)
             self._context[key] = rank_units(config, units, self._attention(config.tp, config.sp, batch),
                                             self.cluster, whole=whole, batch=batch,
-                                            gemms=self._linears(config.tp, config.sp, batch) if whole else ())
+                                            gemms=self._linears(config.tp, config.sp, batch) if whole else (),
+                                            statistics=self._statistics(config.tp, config.sp, batch))
         return self._context[key]
 
     def _attention(self, tp: int, sp: bool, mbs: int) -> list[tuple[AttentionOp, ...]]:
@@ -279,6 +282,18 @@ class Planner:
         if key not in self._linear_gemms:
             self._linear_gemms[key] = self._per_unit(tp, sp, mbs, linear_gemms)
         return self._linear_gemms[key]
+
+    def _statistics(self, tp: int, sp: bool, mbs: int) -> list[tuple[TokenStatistic, ...]]:
+        """The loss's token statistics each unit computes (`context_pricing.token_statistic_ops`: their
+        bytes do not depend on tp or the micro-batch; the units' order does)."""
+        if self._token_statistics is None:
+            self._token_statistics = token_statistic_ops(self.graph)
+        held = self._token_statistics
+
+        def computed(nodes: Sequence[OpNode], *_: object) -> tuple[TokenStatistic, ...]:
+            names = {n.name for n in nodes}
+            return tuple(s for s in held if s.node in names)
+        return self._per_unit(tp, sp, mbs, computed)
 
     def _per_unit(self, tp: int, sp: bool, mbs: int,
                   find: Callable[..., tuple[_Found, ...]]) -> list[tuple[_Found, ...]]:
