@@ -335,6 +335,8 @@ def timed_rounds(running: dict[str, Running], setting: Setting, rounds: int, ste
         for name in names[r % len(names):] + names[:r % len(names)]:
             system = running[name]
             for _ in range(per_round):
+                # wall clock of each step's start: lines the steps up with a GPU clock trace (peers.py --gpu-trace)
+                system.row.setdefault("step_began_unix", []).append(round(time.time(), 3))
                 elapsed = start_timer(setting.device)
                 loss, norm = system.step()
                 system.row["step_s_all"].append(round(elapsed(), 5))

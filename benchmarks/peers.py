@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import functools
 import importlib
@@ -68,6 +69,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
@@ -486,6 +488,10 @@ def parse_args() -> argparse.Namespace:
                              "Python every step; on CUDA the race runs mplan with them by default)")
     parser.add_argument("--profile", action="store_true",
                         help=f"after timing, profile {PROFILE_STEPS} steps of each system by kernel category")
+    parser.add_argument("--gpu-trace", default=None,
+                        help="CSV the card's SM clock, power, temperature and clock-event reasons go to every "
+                             f"{GPU_TRACE_MS} ms while the families run (nvidia-smi; steps carry step_began_unix to "
+                             "line up with it)")
     parser.add_argument("--smoke-child", action="store_true",
                         help="CPU smoke test: run the liger slot's child process with the plain HF model "
                              "(tests the child protocol; its row says stand_in)")
@@ -509,6 +515,27 @@ def parse_args() -> argparse.Namespace:
     if unknown:
         parser.error(f"--own: unknown {', '.join(sorted(unknown))}; known: {', '.join(OWN_KINDS)}")
     return args
+
+
+GPU_TRACE_MS = 100
+GPU_TRACE_FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+
+
+@contextlib.contextmanager
+def gpu_trace(path: str | None) -> Iterator[None]:
+    """nvidia-smi sampling the card into `path` (CSV, GPU_TRACE_FIELDS) while the block runs: whether
+    a system's steps slow as the card's power management lowers its clock (session 15's question:
+    mplan's graphed steps ran 2-6% slower after the first of each round)."""
+    if path is None:
+        yield
+        return
+    sampler = subprocess.Popen(["nvidia-smi", f"--query-gpu={GPU_TRACE_FIELDS}", "--format=csv,nounits",
+                                f"--loop-ms={GPU_TRACE_MS}", "-f", path])
+    try:
+        yield
+    finally:
+        sampler.terminate()
+        sampler.wait()
 
 
 def main() -> None:
@@ -546,7 +573,7 @@ def main() -> None:
                     "loss_step_rtol": LOSS_STEP_RTOL, "loss_mean_rtol": LOSS_MEAN_RTOL},
         "families": {}, "own": {},
     }
-    with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as scratch, gpu_trace(args.gpu_trace):
         for name in [n for n in args.families.split(",") if n] + [OWN + kind for kind in args.own.split(",") if kind]:
             table, key = (report["own"], name.removeprefix(OWN)) if name.startswith(OWN) else (report["families"], name)
             if clock.elapsed() > args.budget_s:
