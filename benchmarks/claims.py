@@ -141,19 +141,30 @@ def _graphed(family: str) -> Callable[[dict], tuple[str, ...]]:
 
 
 def _cp_attention(data: dict) -> tuple[str, ...]:
-    """One cp rank's local attention: the 131072-token cp=2 rank 0's measured and predicted forward
-    and backward (ms), the span of the prediction errors (%, as under-measurement), the largest
-    forward gap between a layout's two ranks (%)."""
-    rows = data["rows"]
-    first = next(r for r in rows if r["seq"] == 131072 and r["cp"] == 2 and r["rank"] == 0)
-    errors = [-r["prediction_error"][k] * 100 for r in rows for k in ("forward", "backward")]
-    pairs: dict[tuple[int, int], list[float]] = {}
-    for r in rows:
-        pairs.setdefault((r["seq"], r["cp"]), []).append(r["measured_ms"]["forward"])
+    """One cp rank's local attention on cuDNN's and flash's kernels (one run): cuDNN's 131072-token
+    cp=2 rank 0's measured and predicted forward and backward (ms), the span of its prediction
+    errors (%, as under-measurement) at 64k-128k tokens and its worst at 32k, flash's step over
+    cuDNN's (range), flash's span of errors, the largest forward gap between a layout's two ranks
+    (%, either backend)."""
+    def rows(backend: str, smallest: int = 0) -> list[dict]:
+        return [r for r in data["rows"] if r["backend"] == backend and r["seq"] >= smallest]
+
+    def errors(backend: str, smallest: int = 0) -> list[float]:
+        return [-r["prediction_error"][k] * 100 for r in rows(backend, smallest) for k in ("forward", "backward")]
+
+    def step(r: dict) -> float:
+        return r["measured_ms"]["forward"] + r["measured_ms"]["backward"]
+    first = next(r for r in rows("cudnn") if r["seq"] == 131072 and r["cp"] == 2 and r["rank"] == 0)
+    slower = [step(f) / step(c) for c, f in zip(rows("cudnn"), rows("flash"), strict=True)]
+    pairs: dict[tuple[str, int, int], list[float]] = {}
+    for r in data["rows"]:
+        pairs.setdefault((r["backend"], r["seq"], r["cp"]), []).append(r["measured_ms"]["forward"])
     gap = max(max(v) / min(v) - 1 for v in pairs.values()) * 100
     return (fixed(first["measured_ms"]["forward"], 0), fixed(first["measured_ms"]["backward"], 0),
             fixed(first["predicted_ms"]["forward"], 0), fixed(first["predicted_ms"]["backward"], 0),
-            f"{min(errors):.0f}-{max(errors):.0f}", fixed(gap, 0))
+            f"{min(errors('cudnn', 65536)):.0f}-{max(errors('cudnn', 65536)):.0f}", fixed(max(errors("cudnn")), 0),
+            f"{min(slower):.2f}-{max(slower):.2f}", f"{min(errors('flash')):.0f}-{max(errors('flash')):.0f}",
+            fixed(gap, 0))
 
 
 def _graph_price(data: dict) -> tuple[str, ...]:
@@ -166,6 +177,17 @@ def _graph_price(data: dict) -> tuple[str, ...]:
         row = data["families"][name]["mplan"]
         out += [fixed(row["predicted_ms"]), fixed(row["measured_ms"]), signed(row["error"])]
     return (*out, *(signed(data["families"][name]["mplan_eager"]["error"]) for name in families))
+
+
+def _hf_measure(model: str, specs: tuple[str, ...]) -> Callable[[dict], tuple[str, ...]]:
+    """`mplan bench --measure` rows of one model (hf_bench.py): each spec's measured step (ms), then
+    each one's step-time error (%), then each one's peak-memory error (%)."""
+    def figures(data: dict) -> tuple[str, ...]:
+        plans = {p["spec"]: p for p in data["models"][model]["rows"]["plans"]}
+        error = lambda spec, key: f"{plans[spec]['measured']['prediction_error'][key] * 100:+.1f}"  # noqa: E731
+        return (*(fixed(plans[spec]["measured"]["step_time_s"] * 1e3, 0) for spec in specs),
+                *(error(spec, "step_time") for spec in specs), *(error(spec, "peak_memory") for spec in specs))
+    return figures
 
 
 def _peer_profile(family: str) -> Callable[[dict], tuple[str, ...]]:
@@ -772,15 +794,51 @@ CLAIMS: tuple[Claim, ...] = (
     Claim(doc="README.md", source="peers_h100-2026-12-06-session14-c.json", figures=_graphed("gemma2"),
           pattern=r"Gemma-2 (\S+)x compile \((\S+) against (\S+) ms; (\S+)x mplan without graphs; steps vary by (\S+)%, "
                   r"compile's by (\S+)%, without graphs (\S+)%\)\. "),
-    Claim(doc="README.md", source="cp_attention_h100-2026-12-06.json", figures=_cp_attention,
-          pattern=r"at 131072 tokens and cp=2 (\S+) \+ (\S+) ms against (\S+) \+ (\S+)\s+ms predicted, and (\S+)% under the "
-                  r"measurement at every size.*?differ by\s+at most (\S+)% in forward time"),
+    Claim(doc="README.md", source="cp_attention_h100-2026-12-06-backends.json", figures=_cp_attention,
+          pattern=r"at 131072 tokens\s+and cp=2 (\S+) \+ (\S+) ms against (\S+) \+ (\S+) ms predicted, (\S+)% under the "
+                  r"measurement at 64k-128k\s+tokens and at most (\S+)% at 32k.*?flash kernel, the only\s+backend of the "
+                  r"first run \(`cp_attention_h100-2026-12-06.json`\), (\S+)x slower than cuDNN's and\s+(\S+)% under "
+                  r"the price.*?differ by at most (\S+)% in forward time"),
     Claim(doc="README.md", source="graph_price-cpu-2026-12-06.json", figures=_graph_price,
-          pattern=r"graphed: Gemma-3 (\S+) ms predicted against (\S+) ms measured \((\S+)%\), Gemma-2 (\S+) against (\S+) "
+          pattern=r"beside the race's measured steps \| graphed: Gemma-3 (\S+) ms predicted against (\S+) ms measured \((\S+)%\), Gemma-2 (\S+) against (\S+) "
                   r"\((\S+)%\), Qwen3-MoE (\S+) against (\S+) \((\S+)%\), Granite (\S+) against (\S+) \((\S+)%\); eager "
                   r"\(host priced per op\): (\S+)%, (\S+)%, (\S+)%, (\S+)%"),
     Claim(doc="docs/claims.md", source="capture-cpu-2026-11-29.json", figures=_capture,
           pattern=r"capture of gpt3-175b / llama3-405b: (\S+) s, (\S+) GiB / (\S+) s, (\S+) GiB"),
+    Claim(doc="README.md", source="graph_price-cpu-2026-12-06-graphed-profile.json", figures=_graph_price,
+          pattern=r"kernels timed as CUDA-graph replays.*?graphed: Gemma-3 (\S+) ms predicted against (\S+) ms measured "
+                  r"\((\S+)%\), Gemma-2 (\S+) against (\S+) \((\S+)%\), Qwen3-MoE (\S+) against (\S+) \((\S+)%\), Granite "
+                  r"(\S+) against (\S+) \((\S+)%\); eager \(host priced per op\): (\S+)%, (\S+)%, (\S+)%, (\S+)%"),
+    Claim(doc="README.md", source="hf_measure_h100-2026-12-06-qwen3.json",
+          figures=lambda data: tuple(f.lstrip("+") if i >= 3 else f
+                                     for i, f in enumerate(_hf_measure("qwen3", ("mbs=1", "mbs=2", "mbs=8"))(data))),
+          pattern=r"Qwen3-1.7B: micro-batch 1 / 2 / 8 measured (\S+) / (\S+) / (\S+) ms .*?predicted (\S+)% / (\S+)% / "
+                  r"(\S+)%, peak memory (\S+)% / (\S+)% / (\S+)%"),
+    Claim(doc="README.md", source="hf_measure_h100-2026-12-06-smollm2.json",
+          figures=lambda data: tuple(f.lstrip("+") if i >= 3 else f
+                                     for i, f in enumerate(_hf_measure("smollm2", ("mbs=1", "mbs=2", "mbs=8"))(data))),
+          pattern=r"SmolLM2-1.7B: (\S+) / (\S+) / (\S+) ms, (\S+)% / (\S+)% / (\S+)%, peak (\S+)% / (\S+)% / (\S+)%"),
+    Claim(doc="README.md", source="peers_h100-2026-12-06-session15-a.json", figures=_graphed("olmo2"),
+          pattern=r"OLMo-2 (\S+)x compile \((\S+) against (\S+) ms; (\S+)x mplan without graphs; steps vary by (\S+)%, "
+                  r"compile's by (\S+)%, without graphs (\S+)%\)"),
+    Claim(doc="README.md", source="peers_h100-2026-12-06-session15-a.json", figures=_graphed("qwen3"),
+          pattern=r"Qwen3 (\S+)x compile \((\S+) against (\S+) ms; (\S+)x mplan without graphs; steps vary by (\S+)%, "
+                  r"compile's by (\S+)%, without graphs (\S+)%\)"),
+    Claim(doc="README.md", source="peers_h100-2026-12-06-session15-b.json", figures=_graphed("stablelm"),
+          pattern=r"StableLM (\S+)x compile \((\S+) against (\S+) ms; (\S+)x mplan without graphs; steps vary by (\S+)%, "
+                  r"compile's by (\S+)%, without graphs (\S+)%\)"),
+    Claim(doc="README.md", source="peers_h100-2026-12-06-session15-b.json", figures=_graphed("llama"),
+          pattern=r"Llama (\S+)x Liger \((\S+) against (\S+) ms; (\S+)x mplan without graphs; steps vary by (\S+)%, "
+                  r"compile's by (\S+)%, without graphs (\S+)%\)"),
+    Claim(doc="README.md", source="peers_h100-2026-12-06-session15-b.json", figures=_graphed("cohere"),
+          pattern=r"Cohere (\S+)x compile \((\S+) against (\S+) ms; (\S+)x mplan without graphs; steps vary by (\S+)%, "
+                  r"compile's by (\S+)%, without graphs (\S+)%\)"),
+    Claim(doc="README.md", source="peers_h100-2026-12-06-session15-b.json", figures=_graphed("phi3"),
+          pattern=r"Phi-3 (\S+)x Liger \((\S+) against (\S+) ms; (\S+)x mplan without graphs; steps vary by (\S+)%, "
+                  r"compile's by (\S+)%, without graphs (\S+)%\)"),
+    Claim(doc="README.md", source="peers_h100-2026-12-06-session15-own.json",
+          figures=lambda data: tuple(fixed(data["own"]["llama"][key], 3) for key in ("mplan_vs_eager", "mplan_vs_compile")),
+          pattern=r"mplan's own Llama-1.1B with graphs: (\S+)x eager, (\S+)x compile"),
 )
 
 

@@ -121,13 +121,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--families", default=",".join(RACES))
+    parser.add_argument("--profile", default=str(PROFILE),
+                        help="the card's profile to price on (default: the one of the races' day, kernels timed one "
+                             "eager call at a time; profile_h100-2026-12-06-graphed.json times them as graph replays)")
     args = parser.parse_args()
     import transformers
 
-    cluster = ClusterSpec.from_json(str(PROFILE))
+    cluster = ClusterSpec.from_json(args.profile)
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "machine": "cpu (prices only)",
                               "torch": torch.__version__, "transformers": transformers.__version__,
-                              "profile": PROFILE.name, "plan": PLAN, "families": {}}
+                              "profile": os.path.basename(args.profile), "plan": PLAN, "families": {}}
     for name in args.families.split(","):
         report["families"][name] = price(name, cluster)
         row = report["families"][name]
