@@ -1,64 +1,79 @@
-"""Dynamic context parallelism (issue 34, item 4), predicted: what a CP size chosen per unit of
-work from its documents' lengths would save over one fixed CP size, on stated length mixes.
-Every figure is a prediction, nothing is measured. The runtime builds the two-size case
-(`runtime.lowering.document_layout`: a micro-batch whose documents deal whole onto the cp
-ranks with equal work runs each at cp=1, with no exchange; else over the whole group, exact
-either way: tests/test_context_documents.py); this prices every power-of-two size.
+"""Dynamic context parallelism (issue 34, item 4), predicted: what a CP size chosen per packed
+sequence or per document from its documents' lengths would save over one fixed CP size, on a
+published length distribution and on synthetic ones. Every figure is a prediction of mplan's own
+cost models (`mplan.planner.dynamic_context`), nothing here is measured.
 
-    python benchmarks/dynamic_cp.py [--seq-len 131072] [--cp 8] [--sequences 64]
+    python benchmarks/dynamic_cp.py [--seq-len 131072] [--cp 8,16,32] [--sequences 16]
+                                    [--profile benchmarks/results/profile_h100-2026-12-06-graphed.json]
+                                    [--data DIR] [--output benchmarks/results/dynamic_cp-predicted-2026-12-06.json]
 
-The job: a Llama-3-8B shape (32 layers, hidden 4096, 32 heads, 8 KV heads of 128, FFN 14336) in
-bf16, one cp group of `cp` H100s of DGX nodes (`ClusterSpec.preset("dgx-h100")`: NVLink within a
-node of 8, InfiniBand beyond), packed
-sequences of `seq_len` tokens, so each rank holds M = seq_len / cp tokens (its memory budget).
+What is predicted, from what: for a Llama-3-8B layer stack (`dynamic_context.LLAMA3_8B`, bf16,
+tp = 1) and packed sequences of `seq_len` tokens cut from each mix's document stream as mplan's
+loader cuts them, the step seconds per packed sequence under
+    fixed      every sequence over all cp ranks, the runtime's balanced layout, ring exchange
+    two_size   the runtime's rule today (`runtime.lowering.document_layout`): cp=1 where whole
+               documents deal onto the ranks, else fixed
+    dynamic    each document on the smallest power-of-two group holding it (Megatron-LM's hybrid
+               CP), in rank-seconds: an upper bound (every rank kept busy)
+GEMMs and attention are priced by `ComputeCostModel` on the measured H100 profile `--profile`
+(its GEMM and attention tables, timed as CUDA graph replays on 2026-12-06), the K, V hops by
+`collective_time` on `ClusterSpec.preset("dgx-h100", nodes=cp / 8)` (NVLink within a node of 8,
+InfiniBand beyond; the profile's device tables attached to it).
 
-    fixed CP    every packed sequence over all cp ranks (ring attention, the document-aware layout
-                of `context_layout.balance_attention`, so compute is balanced)
-    dynamic CP  each document gets the smallest power-of-two c with length <= c * M; documents of
-                one c are packed into units of c * M tokens run on c ranks (c = 1: one rank, no
-                exchange), as Megatron-LM's hybrid CP does per sub-sequence
+Length mixes:
+    wikipedia   PUBLISHED: English Wikipedia's documents per token-length bin, from the dataset
+                card of seonglae/wikipedia_token on Hugging Face (README, commit b7a46d0:
+        https://huggingface.co/datasets/seonglae/wikipedia_token/commit/b7a46d0ace1f21f656b158f611420a22bd4b509b),
+                6,458,670 documents in bins [?, 1024), [1024, 2048), ..., [65536, 128000),
+                WIKIPEDIA_HISTOGRAM below. The card gives counts per bin only (its tokenizer is
+                not stated): lengths are drawn log-uniform inside each bin, and the first bin's
+                lower edge, not published, is taken as 32 tokens: both assumptions.
+    web         SYNTHETIC: log-normal lengths, median 600 tokens, sigma 1.2, cut to [16, seq_len]
+    long-mix    SYNTHETIC: half the tokens from `web`, half from documents log-uniform in
+                [16k, seq_len]
+    data        with --data DIR: the lengths between EOS ids of prepared token shards
+                (`mplan.data.document_lengths`), documents longer than seq_len cut
+The result is written as JSON to --output, one row per (mix, cp).
 
-Per layer and unit of T tokens on c ranks (per rank): linear work 6 * P * T / c flops (P: the
-layer's weights), attention 3.5 * 4 * heads * head_dim flops per visible (query, key) pair
-(FlashAttention's backward is 2.5 forwards), K/V exchange (3c - 2) ring hops of K and V of T / c
-tokens (c - 1 forward, c - 1 of K/V and c of dK/dV backward), each priced by mplan's
-`collective_time("send_recv")` on the NVLink profile. The ring hides its hops behind attention
-only: exposed = max(0, hops - attention time). Rates: 989 TFLOP/s bf16 dense at 55% for linear
-work and 45% for attention (assumed, not measured). Both schedules are compared in rank-seconds
-(work / cp), i.e. assuming the scheduler keeps every rank busy: an upper bound on dynamic CP's
-gain (Megatron reports up to 1.48x on its real variable-length data).
-
-Printed on 2026-12-06 (predictions, 8 packed sequences' worth of documents of 131072 tokens):
-within one node (cp=8, NVLink) the exchange hides behind compute and dynamic CP gains 1.04x
-(web) and 1.01x (long-mix); once the group crosses nodes (cp=16, 32 over InfiniBand) fixed CP
-exposes its hops for every packed sequence of short documents, and dynamic CP, which runs them
-on one or two ranks, is predicted 2.46x / 1.52x (cp=16) and 4.15x / 2.12x (cp=32) faster.
-
-Length mixes (synthetic, stated as such; no corpus was measured here):
-    web         log-normal lengths, median 600 tokens, sigma 1.2, cut to [16, seq_len]
-    long-mix    half the tokens from `web`, half from documents log-uniform in [16k, seq_len]
+Printed on 2026-12-06 (predictions; 16 packed sequences of 131072 tokens per mix): within one
+node (cp=8, NVLink) the ring's hops mostly hide behind attention and dynamic CP is predicted
+1.05x faster on Wikipedia's published mix (1.04x web, 1.02x long-mix); once the group crosses
+nodes fixed CP exposes its InfiniBand hops for every sequence of short documents, and dynamic CP,
+which runs most of Wikipedia's documents on one rank, is predicted 2.87x (cp=16) and 4.96x
+(cp=32) faster (web 2.82x / 4.86x, long-mix 1.64x / 2.17x). Fixed cp=16 is itself predicted
+slower per sequence than cp=8 on these mixes (1.55 s against 1.14 s on Wikipedia's): a fixed
+size would stay in the node. The runtime's two-size rule deals none of these windows whole (0%
+at cp=1: `whole_documents` needs whole documents filling every rank exactly, and the loader's
+windows cut documents at their edges), so today it prices as fixed CP on them. Moving the
+assumed lower edge of Wikipedia's first bin from 32 to 16 or 128 tokens moves no speed-up by
+more than 0.01x.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import math
+import os
 
 import numpy as np
 import torch
 
 from mplan.cost_models.cluster import ClusterSpec
-from mplan.cost_models.collective_cost import collective_time
-from mplan.ir.attention_mask import CAUSAL, doc_ids_from_lengths, keys_per_query
-from mplan.ir.mesh import GroupShape
+from mplan.planner.dynamic_context import LLAMA3_8B, LengthMix, cut_documents, price_dynamic_context
 
-LAYER = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336)
-PEAK_FLOPS = 989e12  # H100 SXM bf16 dense, datasheet
-LINEAR_EFFICIENCY, ATTENTION_EFFICIENCY = 0.55, 0.45  # assumed
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_PROFILE = os.path.join(ROOT, "benchmarks", "results", "profile_h100-2026-12-06-graphed.json")
+DEFAULT_OUTPUT = os.path.join(ROOT, "benchmarks", "results", "dynamic_cp-predicted-2026-12-06.json")
 
-
-def layer_weights() -> int:
-    h, kv = LAYER["hidden"], LAYER["kv_heads"] * LAYER["head_dim"]
-    return 2 * h * h + 2 * h * kv + 3 * h * LAYER["ffn"]
+WIKIPEDIA_SOURCE = ("English Wikipedia, documents per token-length bin, dataset card of seonglae/wikipedia_token "
+                    "(Hugging Face, README commit b7a46d0); log-uniform inside bins, first bin's lower edge 32 assumed")
+WIKIPEDIA_HISTOGRAM = (
+    (32, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 128000),
+    (5320881, 693911, 300935, 106221, 30611, 4812, 1253, 46),
+)
+"""Bin edges (tokens) and documents per bin as the card publishes them ("Token count"), but the
+first edge, 32, which the card leaves out ("~1024")."""
 
 
 def web_lengths(rng: np.random.RandomState, tokens: int, seq_len: int) -> list[int]:
@@ -73,68 +88,84 @@ def long_mix_lengths(rng: np.random.RandomState, tokens: int, seq_len: int) -> l
     long: list[int] = []
     while sum(long) < tokens // 2:
         long.append(int(math.exp(rng.uniform(math.log(16384), math.log(seq_len)))))
-    return out + long
+    mixed = out + long
+    rng.shuffle(mixed)  # the loader's stream interleaves them
+    return mixed
 
 
-def pack(lengths: list[int], capacity: int) -> list[list[int]]:
-    """First-fit decreasing into units of `capacity` tokens (a document longer is cut)."""
-    units: list[list[int]] = []
-    room: list[int] = []
-    for n in sorted(lengths, reverse=True):
-        n = min(n, capacity)
-        for i, free in enumerate(room):
-            if n <= free:
-                units[i].append(n)
-                room[i] -= n
-                break
-        else:
-            units.append([n])
-            room.append(capacity - n)
-    return units
+def wikipedia_lengths(tokens: int, seq_len: int) -> list[int]:
+    """Documents drawn from the published histogram until they fill `tokens`."""
+    edges, counts = WIKIPEDIA_HISTOGRAM
+    mean = sum(c * math.sqrt(a * b) for a, b, c in zip(edges, edges[1:], counts)) / sum(counts)
+    drawn = LengthMix.from_histogram(edges, counts, num_documents=int(2 * tokens / mean) + 64, seed=0,
+                                     source=WIKIPEDIA_SOURCE).lengths
+    out, total = [], 0
+    for n in cut_documents(drawn, seq_len):
+        if total >= tokens:
+            break
+        out.append(n)
+        total += n
+    return out
 
 
-def unit_seconds(lengths: list[int], c: int, cluster: ClusterSpec) -> float:
-    """Rank-seconds of one unit (documents `lengths`) on c ranks: c x its per-rank time."""
-    tokens = sum(lengths)
-    pairs = int(keys_per_query(CAUSAL, tokens, doc_ids_from_lengths(lengths)).sum())
-    linear = 6 * layer_weights() * tokens / c / (PEAK_FLOPS * LINEAR_EFFICIENCY)
-    attention = 3.5 * 4 * LAYER["heads"] * LAYER["head_dim"] * pairs / c / (PEAK_FLOPS * ATTENTION_EFFICIENCY)
-    exposed = 0.0
-    if c > 1:
-        block = 2 * (tokens // c) * LAYER["kv_heads"] * LAYER["head_dim"] * 2  # K and V, bf16
-        shape = GroupShape(size=c, ranks_per_node=min(c, cluster.gpus_per_node))  # beyond a node: InfiniBand
-        hop = collective_time(cluster, "send_recv", block, shape)
-        exposed = max(0.0, (3 * c - 2) * hop - attention)
-    return c * (linear + attention + exposed)
+def mixes(args: argparse.Namespace) -> list[LengthMix]:
+    tokens = args.sequences * args.seq_len
+    found = [LengthMix(lengths=tuple(wikipedia_lengths(tokens, args.seq_len)), source="published: " + WIKIPEDIA_SOURCE),
+             LengthMix(lengths=tuple(web_lengths(np.random.RandomState(0), tokens, args.seq_len)),
+                       source="synthetic: log-normal, median 600, sigma 1.2, cut to [16, seq_len]"),
+             LengthMix(lengths=tuple(long_mix_lengths(np.random.RandomState(0), tokens, args.seq_len)),
+                       source="synthetic: half web, half log-uniform in [16k, seq_len]")]
+    if args.data:
+        from mplan.data.document_lengths import document_lengths
 
-
-def compare(lengths: list[int], seq_len: int, cp: int, cluster: ClusterSpec) -> dict[str, float]:
-    per_rank = seq_len // cp
-    fixed = sum(unit_seconds(unit, cp, cluster) for unit in pack(lengths, seq_len))
-    dynamic, shares = 0.0, {}
-    for c in (2 ** i for i in range(int(math.log2(cp)) + 1)):
-        mine = [n for n in lengths if (c == 1 or n > c // 2 * per_rank) and (n <= c * per_rank or c == cp)]
-        shares[c] = sum(mine) / sum(lengths)
-        dynamic += sum(unit_seconds(unit, c, cluster) for unit in pack(mine, c * per_rank))
-    return {"fixed_s": fixed / cp, "dynamic_s": dynamic / cp, "speedup": fixed / dynamic,
-            **{f"tokens_at_cp{c}": share for c, share in shares.items()}}
+        lengths = cut_documents(document_lengths(args.data).tolist(), args.seq_len)
+        found.append(LengthMix(lengths=tuple(lengths), source=f"data: lengths between EOS ids of {args.data}"))
+    return found
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=131072, help="tokens per packed sequence")
-    parser.add_argument("--cp", type=int, default=8, help="the fixed CP size (ranks of the group)")
-    parser.add_argument("--sequences", type=int, default=16, help="packed sequences' worth of documents")
+    parser.add_argument("--cp", default="8,16,32", help="fixed CP sizes, comma-separated (8 per DGX node)")
+    parser.add_argument("--sequences", type=int, default=16, help="packed sequences' worth of documents per mix")
+    parser.add_argument("--profile", default=DEFAULT_PROFILE,
+                        help="cluster file whose measured device tables price compute")
+    parser.add_argument("--data", default=None, help="prepared token shards to read a length mix from")
+    parser.add_argument("--output", default=DEFAULT_OUTPUT, help="where to write the JSON result")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    cluster = ClusterSpec.preset("dgx-h100", nodes=max(1, args.cp // 8))
-    for name, draw in (("web", web_lengths), ("long-mix", long_mix_lengths)):
-        lengths = draw(np.random.RandomState(0), args.sequences * args.seq_len, args.seq_len)
-        result = compare(lengths, args.seq_len, args.cp, cluster)
-        shares = ", ".join(f"cp{k[len('tokens_at_cp'):]} {v:.0%}" for k, v in result.items() if k.startswith("tokens_at"))
-        print(f"{name:9s} seq {args.seq_len} x {args.sequences}, {len(lengths)} documents: per layer, fixed cp={args.cp} "
-              f"{result['fixed_s'] * 1e3:.0f} ms, dynamic {result['dynamic_s'] * 1e3:.0f} ms: predicted speed-up "
-              f"{result['speedup']:.2f}x (tokens at {shares})")
+    profile = ClusterSpec.from_json(args.profile).profile
+    names = ["wikipedia", "web", "long-mix", "data"]
+    rows = []
+    for name, mix in zip(names, mixes(args)):
+        for cp in (int(c) for c in args.cp.split(",")):
+            cluster = ClusterSpec.preset("dgx-h100", nodes=max(1, cp // 8)).with_profile(profile)
+            price = price_dynamic_context(mix, LLAMA3_8B, cluster, seq_len=args.seq_len, cp=cp)
+            shares = ", ".join(f"cp{c} {share:.0%}" for c, share in price.tokens_at)
+            print(f"{name:9s} cp={cp:<2d} {price.num_sequences} x {args.seq_len} tokens, "
+                  f"{price.num_documents} documents: "
+                  f"predicted per packed sequence fixed {price.fixed_s * 1e3:.0f} ms, runtime two-size "
+                  f"{price.two_size_s * 1e3:.0f} ms ({price.two_size_whole:.0%} at cp=1), dynamic "
+                  f"{price.dynamic_s * 1e3:.0f} ms: predicted speed-up {price.speedup:.2f}x (tokens at {shares})")
+            rows.append({"mix": name, "source": mix.source, "cp": cp, "seq_len": args.seq_len,
+                         "num_sequences": price.num_sequences, "num_documents": price.num_documents,
+                         "median_document": int(np.median(mix.lengths)),
+                         "mean_document": round(float(np.mean(mix.lengths)), 1),
+                         "fixed_s": round(price.fixed_s, 5), "two_size_s": round(price.two_size_s, 5),
+                         "dynamic_s": round(price.dynamic_s, 5), "speedup": round(price.speedup, 3),
+                         "two_size_speedup": round(price.two_size_speedup, 3),
+                         "two_size_whole": round(price.two_size_whole, 3),
+                         "tokens_at": {str(c): round(s, 4) for c, s in price.tokens_at}})
+    result = {"what": "PREDICTED step seconds per packed sequence (all 32 layers, forward + backward, busiest "
+                      "rank) of a Llama-3-8B layer stack at fixed, the runtime's two-size and power-of-two dynamic "
+                      "context parallelism (mplan.planner.dynamic_context); nothing measured",
+              "date": datetime.date.today().isoformat(), "profile": os.path.relpath(args.profile, ROOT),
+              "cluster": "dgx-h100 preset (NVLink in a node of 8, InfiniBand beyond) with the profile's device tables",
+              "method": "ring", "rows": rows}
+    with open(args.output, "w") as handle:
+        json.dump(result, handle, indent=1)
+        handle.write("\n")
+    print(f"wrote {os.path.relpath(args.output, ROOT)} (predictions)")
 
 
 if __name__ == "__main__":
