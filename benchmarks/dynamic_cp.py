@@ -30,7 +30,7 @@ Length mixes:
                 lower edge, not published, is taken as 32 tokens: both assumptions.
     web         SYNTHETIC: log-normal lengths, median 600 tokens, sigma 1.2, cut to [16, seq_len]
     long-mix    SYNTHETIC: half the tokens from `web`, half from documents log-uniform in
-                [16k, seq_len]
+                [16k, seq_len] (16k cut to seq_len where that is shorter)
     data        with --data DIR: the lengths between EOS ids of prepared token shards
                 (`mplan.data.document_lengths`), documents longer than seq_len cut
 The result is written as JSON to --output, one row per (mix, cp).
@@ -87,7 +87,7 @@ def long_mix_lengths(rng: np.random.RandomState, tokens: int, seq_len: int) -> l
     out = web_lengths(rng, tokens // 2, seq_len)
     long: list[int] = []
     while sum(long) < tokens // 2:
-        long.append(int(math.exp(rng.uniform(math.log(16384), math.log(seq_len)))))
+        long.append(int(math.exp(rng.uniform(math.log(min(16384, seq_len)), math.log(seq_len)))))
     mixed = out + long
     rng.shuffle(mixed)  # the loader's stream interleaves them
     return mixed
