@@ -285,6 +285,14 @@ def _context_plans(data: dict) -> tuple[str, ...]:
             fixed(large["cp_speedup"]), percent(big_without["bubble_fraction"], 0))
 
 
+def _dynamic_cp(data: dict) -> tuple[str, ...]:
+    """Dynamic CP's predicted speed-up over fixed CP on Wikipedia's published mix at cp=8, 16, 32,
+    and the share of its packed sequences the runtime's two-size rule deals whole (%, the most)."""
+    wiki = {r["cp"]: r for r in data["rows"] if r["mix"] == "wikipedia"}
+    return (*(fixed(wiki[cp]["speedup"], 2) for cp in (8, 16, 32)),
+            percent(max(r["two_size_whole"] for r in wiki.values()), 0))
+
+
 def _megatron(data: dict) -> tuple[str, ...]:
     rows, spread = _rows(data), data["candidate_spread"]
     return (percent(data["max_abs_error"]), percent(data["mean_abs_error"]),
@@ -794,6 +802,10 @@ CLAIMS: tuple[Claim, ...] = (
     Claim(doc="README.md", source="peers_h100-2026-12-06-session14-c.json", figures=_graphed("gemma2"),
           pattern=r"Gemma-2 (\S+)x compile \((\S+) against (\S+) ms; (\S+)x mplan without graphs; steps vary by (\S+)%, "
                   r"compile's by (\S+)%, without graphs (\S+)%\)\. "),
+    Claim(doc="README.md", source="dynamic_cp-predicted-2026-12-06.json", figures=_dynamic_cp,
+          pattern=r"Wikipedia's published length mix \(`dynamic_cp-predicted-2026-12-06\.json`: (\S+)x over fixed "
+                  r"cp=8 within a node, (\S+)x at cp=16 and (\S+)x at cp=32 across nodes.*?deals (\S+) of those "
+                  r"packed sequences whole"),
     Claim(doc="README.md", source="cp_attention_h100-2026-12-06-backends.json", figures=_cp_attention,
           pattern=r"at 131072 tokens\s+and cp=2 (\S+) \+ (\S+) ms against (\S+) \+ (\S+) ms predicted, (\S+)% under the "
                   r"measurement at 64k-128k\s+tokens and at most (\S+)% at 32k.*?flash kernel, the only\s+backend of the "
