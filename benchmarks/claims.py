@@ -190,6 +190,14 @@ def _hf_measure(model: str, specs: tuple[str, ...]) -> Callable[[dict], tuple[st
     return figures
 
 
+def _repriced(model: str, specs: tuple[str, ...]) -> Callable[[dict], tuple[str, ...]]:
+    """`hf_bench.py --reprice` rows of one model: each spec's error now (%)."""
+    def figures(data: dict) -> tuple[str, ...]:
+        rows = {r["spec"]: r for r in data["models"][model]}
+        return tuple(f"{rows[spec]['error_now'] * 100:.1f}" for spec in specs)
+    return figures
+
+
 def _peer_profile(family: str) -> Callable[[dict], tuple[str, ...]]:
     """One family's profiled mplan step: GPU kernel time and wall time (ms)."""
     def figures(data: dict) -> tuple[str, ...]:
@@ -851,6 +859,13 @@ CLAIMS: tuple[Claim, ...] = (
     Claim(doc="README.md", source="peers_h100-2026-12-06-session15-own.json",
           figures=lambda data: tuple(fixed(data["own"]["llama"][key], 3) for key in ("mplan_vs_eager", "mplan_vs_compile")),
           pattern=r"mplan's own Llama-1.1B with graphs: (\S+)x eager, (\S+)x compile"),
+    Claim(doc="README.md", source="hf_reprice-cpu-2026-12-06-accumulation-qwen3.json",
+          figures=_repriced("qwen3", ("mbs=1", "mbs=2", "mbs=8", "mbs=1,recompute=selective")),
+          pattern=r"Qwen3 (\S+)% / (\S+)% / (\S+)% and (\S+)% with selective recomputation"),
+    Claim(doc="README.md", source="hf_reprice-cpu-2026-12-06-accumulation-smollm2.json",
+          figures=_repriced("smollm2", ("mbs=1", "mbs=2", "mbs=8", "mbs=1,recompute=selective",
+                                        "mbs=2,recompute=selective")),
+          pattern=r"SmolLM2 (\S+)% / (\S+)% / (\S+)%, selective (\S+)% / (\S+)%: every"),
 )
 
 

@@ -36,6 +36,9 @@ Run on the GPU (about a minute per model, most of it the CPU-side capture and th
 A model whose process outlived --timeout-s after writing its rows (they are rewritten after each
 plan) is judged on them; `--rejudge` re-reads an earlier run's rows files from the folder beside
 --out (`<stem>_work/`) and rewrites its judgements, running nothing.
+Priced again on a CPU after a cost-model change, beside an earlier run's measurements:
+    PYTHONPATH=. python3 benchmarks/hf_bench.py --reprice benchmarks/results/hf_measure_h100-2026-12-06-qwen3.json \
+        --cluster benchmarks/results/profile_h100-2026-12-06-graphed.json --out /tmp/repriced.json
 Smoke test on a CPU (tiny configs, one gloo rank, the cpu cluster preset; nothing is judged):
     PYTHONPATH=. python3 benchmarks/hf_bench.py --device cpu --small --out /tmp/hf_bench.json
     PYTHONPATH=. python3 benchmarks/hf_bench.py --configs unseen --device cpu --small --out /tmp/hf_measure.json
@@ -48,6 +51,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -211,6 +215,49 @@ def rejudge(out: Path) -> int:
     return 0
 
 
+def reprice(measured: Path, out: Path, cluster: str) -> int:
+    """Price an earlier run's configs and plans again with this checkout's cost model (`mplan bench`
+    without --measure, on `cluster`) and set each price beside that run's measured step: how a cost
+    model change moves the error on steps already measured, with no GPU. The configs are the ones the
+    run wrote (kept in its report), the plans the ones it measured."""
+    import torch
+    import transformers
+
+    then = json.loads(measured.read_text())
+    work = Path(tempfile.mkdtemp(prefix="hf_reprice_"))
+    report: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"), "machine": "cpu (prices only)", "torch": torch.__version__,
+        "transformers": transformers.__version__, "measured_in": measured.name, "measured_on": then.get("gpu"),
+        "cluster": os.path.basename(cluster), "global_batch": then["global_batch"], "seq_len": then["seq_len"],
+        "method": "`mplan bench CONFIG` (no --measure) on this checkout; error is predicted / measured - 1 against "
+                  "the measured run's step", "models": {}}
+    for name, result in then["models"].items():
+        rows = [r for r in result.get("rows", {}).get("plans", []) if (r.get("measured") or {}).get("step_time_s")]
+        if not rows:
+            continue
+        config = work / f"{name}.json"
+        config.write_text(json.dumps(result["config"]))
+        priced = work / f"{name}_rows.json"
+        command = [sys.executable, "-m", "mplan", "bench", str(config), "--cluster", cluster, "--global-batch",
+                   str(then["global_batch"]), "--seq-len", str(then["seq_len"]), "--plans",
+                   *(r["spec"] for r in rows), "--out", str(priced)]
+        done = subprocess.run(command, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", ".")})
+        if done.returncode != 0:
+            raise SystemExit(f"mplan bench failed on {name}:\n{done.stderr[-3000:]}")
+        now = {r["spec"]: r["predicted"]["step_time_s"] for r in json.loads(priced.read_text())["plans"]}
+        report["models"][name] = [
+            {"spec": r["spec"], "measured_step_s": r["measured"]["step_time_s"],
+             "predicted_then_s": r["predicted"]["step_time_s"], "predicted_now_s": now[r["spec"]],
+             "error_then": r["predicted"]["step_time_s"] / r["measured"]["step_time_s"] - 1,
+             "error_now": now[r["spec"]] / r["measured"]["step_time_s"] - 1} for r in rows]
+        for row in report["models"][name]:
+            print(f"{name} {row['spec']}: {row['error_then']:+.1%} -> {row['error_now']:+.1%}", flush=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="where to write the JSON results")
@@ -224,9 +271,16 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=None, help="per model (default: the set's)")
     parser.add_argument("--rejudge", action="store_true",
                         help="run nothing: judge --out's models again on the rows files of its run")
+    parser.add_argument("--reprice", default=None, metavar="MEASURED_JSON",
+                        help="measure nothing: price an earlier run's configs and plans again on this machine "
+                             "(--cluster: the profile that run priced on) beside its measurements")
     args = parser.parse_args()
     if args.rejudge:
         return rejudge(Path(args.out))
+    if args.reprice:
+        if not args.cluster:
+            parser.error("--reprice needs --cluster: the profile the measured run priced on")
+        return reprice(Path(args.reprice), Path(args.out), args.cluster)
     chosen = SETS[args.configs]
     models = args.models.split(",") if args.models else list(chosen.models)
     if unknown := [m for m in models if m not in chosen.models]:

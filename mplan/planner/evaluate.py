@@ -214,6 +214,9 @@ class Estimate:
     chunk_forward_s: tuple[float, ...]
     chunk_backward_s: tuple[float, ...]  # recomputation included
     chunk_weight_s: tuple[float, ...]  # the weight-gradient (W) part of chunk_backward_s
+    # the gradient-accumulation part of chunk_backward_s and chunk_weight_s, per micro-batch
+    # (`_accumulation_s`; zeros where none is priced)
+    chunk_accumulate_s: tuple[float, ...] = ()
     p2p_s: float
     grad_sync_s: tuple[float, ...]  # per pipeline rank
     optimizer_s: float
@@ -325,9 +328,10 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
             memo[key] = seconds
         return memo[key]
     seconds = [chunk_seconds(bounds) for bounds in cut.bounds]
+    accumulate = _accumulation_s(config, facts, compute, per, moe, cut.bounds)
     chunk_f = tuple(f for f, _ in seconds)
-    chunk_b = tuple(b for _, b in seconds)
-    chunk_w = tuple(sum(wgt[a:b]) for a, b in cut.bounds)
+    chunk_b = tuple(b + a for (_, b), a in zip(seconds, accumulate))
+    chunk_w = tuple(sum(wgt[lo:hi]) + a for (lo, hi), a in zip(cut.bounds, accumulate))
     if config.schedule == "zb-h1" and config.pp > 1:  # W as long as its host work at least
         host = tuple(SPLIT_W_HOST_S * sum(u.num_weight_ops for u in units[a:b]) for a, b in cut.bounds)
         chunk_b = tuple(b - w + max(w, h) for b, w, h in zip(chunk_b, chunk_w, host))
@@ -465,11 +469,33 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
                     tokens_per_s=sequences * facts.seq_len / step, bubble_fraction=bubble,
                     compute_s=busy, comm_s=tp_comm + a2a + zero_comm + 2 * (config.pp - 1) * p2p + exposed,
                     memory=tuple(memory), stage_bounds=cut.bounds, chunk_forward_s=chunk_f, chunk_backward_s=chunk_b,
-                    chunk_weight_s=chunk_w, p2p_s=p2p, grad_sync_s=tuple(syncs), optimizer_s=opt, a2a_s=a2a,
+                    chunk_weight_s=chunk_w, chunk_accumulate_s=accumulate, p2p_s=p2p, grad_sync_s=tuple(syncs), optimizer_s=opt, a2a_s=a2a,
                     zero_comm_s=zero_comm, dp_links=links,
                     experts_per_rank=moe.experts_per_rank,
                     moe_imbalance=facts.moe_imbalance if moe.experts_per_rank else 0.0, reason=reason,
                     short_of_memory=short_of_memory, head_chunk_rows=head_rows, simulation=sim)
+
+
+def _accumulation_s(config: ParallelConfig, facts: ModelFacts, compute: ComputeCostModel, per: BytesPerParam,
+                    moe: _UnitFigures, bounds: tuple[tuple[int, int], ...]) -> tuple[float, ...]:
+    """Seconds per micro-batch (averaged over the step's) each chunk's backward spends adding its
+    gradients into those already held, under mplan's runtime: autograd's AccumulateGrad reads the
+    held gradient and the new one and writes the sum, a memory-bound pass over every parameter of
+    the chunk at each micro-batch where a gradient is already there: all but the first at dp=1
+    (the first backward creates them), every one at dp > 1 (the buckets hold zeroed gradients from
+    the step's start, `runtime/data_parallel.py`). Megatron's wgrad GEMMs accumulate into the fp32
+    main gradient in place (gradient-accumulation fusion): no pass, none priced. Priced alike at
+    every ZeRO level: zero 2/3's backward also lands in the bucket its reduce-scatter reads (and
+    the search's ZeRO pruning, `search._zero1_bound`, holds because no level escapes it). On one H100 (2026-12-06,
+    `hf_measure_h100-2026-12-06-qwen3.json`) a Qwen3-1.7B step replayed as a CUDA graph took 6.6 ms
+    more per micro-batch beyond the first than the price without this term, at micro-batch 1 and 2
+    alike: this term is 3 x 2 bytes x 1.72e9 parameters, about 3.5 ms of it."""
+    m = config.num_micro_batches
+    accumulations = m - 1 if config.dp == 1 else m
+    if facts.runtime != "mplan" or accumulations <= 0:
+        return (0.0,) * len(bounds)
+    return tuple(compute.memory_bound_time(3 * per.grad * sum(moe.dense_params[lo:hi]) + 3 * per.grad
+                                           * sum(moe.expert_params[lo:hi])) * accumulations / m for lo, hi in bounds)
 
 
 def _lean_head_chunk(units: Sequence[UnitCost], bounds: tuple[tuple[int, int], ...], chunk_f: tuple[float, ...],
