@@ -69,8 +69,6 @@ from mplan.planner.context_pricing import AttentionOp, exchange
 from mplan.planner.host_cost import host_timing
 from mplan.planner.parallel_config import CP_METHODS
 
-SCHEMES = ("fixed", "two_size", "dynamic")
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LayerShape:
