@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -36,14 +36,15 @@ class FakeGraphs:
     released: int = 0
 
     @contextlib.contextmanager
-    def __call__(self, fn: Callable[[], object], calls: int) -> Iterator[Callable[[int], list[float]]]:
-        self.captured.append(calls)
+    def __call__(self, calls: Sequence[Callable[[], object]]) -> Iterator[Callable[[int], list[float]]]:
+        self.captured.append(len(calls))
         if len(self.captured) - 1 in self.fail_at:
             raise self.error
-        for _ in range(calls):
-            fn()
+        for call in calls:
+            call()
+        n = len(calls)
         try:
-            yield lambda count: [10 * calls * PER_CALL_S] + [calls * PER_CALL_S] * (count - 1)
+            yield lambda count: [10 * n * PER_CALL_S] + [n * PER_CALL_S] * (count - 1)
         finally:
             self.released += 1
 
@@ -203,7 +204,7 @@ def test_the_cuda_capture_warms_up_on_its_stream_then_captures_replays_and_relea
     cuda = FakeCuda()
     capture = CudaGraphCapture(SimpleNamespace(cuda=cuda), "cuda:0")
     fn = lambda: cuda.log.append(f"fn on {cuda.current}")  # noqa: E731
-    with capture(fn, 3) as replays:
+    with capture([fn] * 3) as replays:
         assert cuda.log == ["sync", "side waits caller", *["fn on side"] * CAPTURE_WARMUP, "sync",
                             "capture begin", *["fn on side"] * 3, "capture end", "sync"]
         del cuda.log[:]
@@ -211,15 +212,24 @@ def test_the_cuda_capture_warms_up_on_its_stream_then_captures_replays_and_relea
         assert cuda.log == ["replay", "event on caller", "replay", "event on caller",  # one untimed replay first
                             "event on caller", "replay", "event on caller"]
     assert cuda.log[-1] == "reset" and cuda.current == "caller"
-    with capture(fn, 1):
+    with capture([fn]):
         pass
     assert cuda.streams == 1  # one side stream for every entry: cuBLAS's workspace is taken once
+
+
+def test_the_cuda_capture_warms_up_on_the_first_calls_and_captures_each_in_order() -> None:
+    cuda = FakeCuda()
+    capture = CudaGraphCapture(SimpleNamespace(cuda=cuda), "cuda:0")
+    calls = [lambda i=i: cuda.log.append(f"copy {i}") for i in (0, 1, 2, 0, 1)]  # operand copies in rotation
+    with capture(calls):
+        assert cuda.log == ["sync", "side waits caller", *[f"copy {i}" for i in range(CAPTURE_WARMUP)], "sync",
+                            "capture begin", "copy 0", "copy 1", "copy 2", "copy 0", "copy 1", "capture end", "sync"]
 
 
 def test_a_failed_cuda_capture_raises_and_gives_the_caller_its_stream_back() -> None:
     cuda = FakeCuda(fail=True)
     capture = CudaGraphCapture(SimpleNamespace(cuda=cuda), "cuda:0")
     with pytest.raises(RuntimeError, match="during capture"):
-        with capture(lambda: None, 2):
+        with capture([lambda: None] * 2):
             pass
     assert cuda.current == "caller" and "reset" not in cuda.log

@@ -14,8 +14,16 @@ call time a kernel shorter than its launch at the host's launch (15-40 us of Pyt
 while the GPU idles), so the H100 profile of 2026-12-05 priced no GEMM under ~36 us, and steps
 replayed as graphs were over-priced (Gemma-3: +67% predicted against measured,
 benchmarks/graph_price.py). An entry whose capture fails is timed per call with events and listed in
-the profile's ``eager_fallbacks``; the profile's ``timing`` names the method. On a CPU,
-``time.perf_counter`` around each call. GEMM grids are full products of their m, n and k lists so
+the profile's ``eager_fallbacks``; the profile's ``timing`` names the method (the smallest H100 GEMM
+entry went from 39 us to 2.6 us, benchmarks/results/profile_h100-2026-12-06-graphed.json). The calls
+of one graph read rotated copies of their operands (``OperandCopies``, ``operand_copies``), call i
+copy i % k, k copies together at least twice the device's L2: with one set of operands a mid-sized
+GEMM (2048 tokens x 2048 hidden bf16, 8 MB, against a 2048 x 6144 weight, 24 MB) finds them in the
+H100's 50 MB L2 from the call before, which no GEMM of a training step does (each weight is read
+once per pass, activations come mostly from HBM); steps of 1.7B models at micro-batch 1 replayed
+as graphs ran 12-17% slower than priced from that graph-timed profile, at micro-batch 8 (operands
+far above L2) within 1.3%. The profile's ``l2_flush`` says how. On a CPU, ``time.perf_counter``
+around each call, no graph and no copies. GEMM grids are full products of their m, n and k lists so
 the table interpolates multilinearly. Attention is ``scaled_dot_product_attention`` on [batch,
 heads, seq, head_dim] with seq_q == seq_kv; its backward is timed as forward-then-backward. Copies
 time ``dst.copy_(src)`` and count bytes read plus written, COPY_BATCH copies back to back between
@@ -37,13 +45,14 @@ import datetime
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 from mplan.cost_models.dtypes import canonical_dtype
-from mplan.cost_models.profile import AttentionTiming, CopyTiming, DeviceProfile, EagerFallback, GemmTiming, HostTiming
+from mplan.cost_models.profile import (NO_L2_FLUSH, AttentionTiming, CopyTiming, DeviceProfile, EagerFallback,
+                                      GemmTiming, HostTiming)
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "tf32": "float32", "fp64": "float64"}
 COPY_BATCH = 20
@@ -93,11 +102,68 @@ CAPTURE_WARMUP = 2
 """Eager calls on the capture stream before capture: cuBLAS takes a workspace per stream on first
 use, and allocating it inside the capture would fail or land in the graph's pool."""
 
+DEFAULT_L2_BYTES = 50 * 2**20
+"""L2 bytes assumed where the device reports none (``l2_cache_bytes``): the H100's 50 MiB."""
+L2_FLUSH_FACTOR = 2
+"""The copies one graph rotates through hold at least this many times the L2's bytes, so a copy is
+evicted (by the others' reads and the outputs' writes) before its next call reads it again."""
+MAX_COPY_BYTES = 1 << 30
+"""Most bytes of operand copies beyond the original one entry allocates (1 GiB): binds only for an
+L2 of hundreds of MB, since the copies stop at about L2_FLUSH_FACTOR x L2 plus one call's bytes."""
+
 ReplayTimes = Callable[[int], list[float]]
 """``replays(count)``: seconds of each of `count` replays of a captured graph."""
-Capture = Callable[[Callable[[], object], int], AbstractContextManager[ReplayTimes]]
-"""``capture(fn, calls)``: a graph of `calls` back-to-back calls of fn, entered as its ``ReplayTimes``
-and released on exit; raises RuntimeError where fn cannot be captured."""
+Capture = Callable[[Sequence[Callable[[], object]]], AbstractContextManager[ReplayTimes]]
+"""``capture(calls)``: a graph of the callables of `calls` run back to back in order, entered as its
+``ReplayTimes`` and released on exit; raises RuntimeError where a call cannot be captured."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OperandCopies:
+    """A call to time, built from its operands so that the calls of one graph can each read their
+    own copy of them (module docstring, Method: a graph of calls on one set of operands times
+    mid-sized GEMMs L2-warm)."""
+
+    call_on: Callable[[int], Callable[[], object]]
+    """``call_on(i)``: the call reading copy i of the operands; copy 0 is the original set, each
+    other a fresh one this allocates, held by the callable returned (freed with it)."""
+    bytes_read: int  # bytes of one set of operands, what one call reads; 0: unknown (never copied)
+
+    @classmethod
+    def shared(cls, fn: Callable[[], object]) -> OperandCopies:
+        """A call whose operands cannot be copied: every call of its graph is fn."""
+        return cls(call_on=lambda _copy: fn, bytes_read=0)
+
+
+def operand_copies(bytes_read: int, l2_bytes: int, calls: int) -> int:
+    """Copies of one call's operands a graph of `calls` calls cycles through (call i reads copy
+    i % k): the fewest whose bytes together reach L2_FLUSH_FACTOR x `l2_bytes`, so each copy is
+    read again only after that much other data went through the L2; 1 where one call already
+    reads that much (or `bytes_read` is unknown, 0). At most `calls` (a copy past them would
+    never be read) and 1 + MAX_COPY_BYTES // bytes_read. Under those caps a small entry's copies
+    fall short of the L2 (on the H100, below 100 MiB / 64 calls = 1.6 MiB a call): such a kernel
+    is bound by its latency more than by its reads, and stays partly L2-warm."""
+    if bytes_read <= 0:
+        return 1
+    wanted = math.ceil(L2_FLUSH_FACTOR * l2_bytes / bytes_read)
+    return max(1, min(wanted, calls, 1 + MAX_COPY_BYTES // bytes_read))
+
+
+def l2_cache_bytes(torch: Any, device: Any) -> tuple[int, str]:
+    """The L2 bytes of `device` and where the figure comes from: the CUDA device's properties,
+    else DEFAULT_L2_BYTES (a CPU, or a torch whose properties lack ``L2_cache_size``)."""
+    if device.type == "cuda":
+        reported = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+        if reported > 0:
+            return reported, "reported by the device"
+    return DEFAULT_L2_BYTES, "default, the device reports none"
+
+
+def l2_flush_note(l2_bytes: int, source: str) -> str:
+    """The profile's ``l2_flush`` for graph-timed tables whose calls rotate operand copies."""
+    return (f"rotated operands: call i of a graph reads copy i % k, k copies >= {L2_FLUSH_FACTOR} x L2 "
+            f"({l2_bytes / 2**20:g} MiB, {source}); k at most the graph's calls and "
+            f"{MAX_COPY_BYTES / 2**30:g} GiB of copies")
 
 
 def graph_calls(eager_s: float) -> int:
@@ -129,7 +195,7 @@ class CudaGraphCapture:
         self._stream: Any = None
 
     @contextlib.contextmanager
-    def __call__(self, fn: Callable[[], object], calls: int) -> Iterator[ReplayTimes]:
+    def __call__(self, calls: Sequence[Callable[[], object]]) -> Iterator[ReplayTimes]:
         torch = self.torch
         with torch.cuda.device(self.device):
             if self._stream is None:
@@ -139,13 +205,13 @@ class CudaGraphCapture:
                 torch.cuda.synchronize()
                 self._stream.wait_stream(caller)
                 with torch.cuda.stream(self._stream):
-                    for _ in range(CAPTURE_WARMUP):
-                        fn()
+                    for i in range(CAPTURE_WARMUP):
+                        calls[i % len(calls)]()
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, stream=self._stream):
-                    for _ in range(calls):
-                        fn()
+                    for call in calls:
+                        call()
                 torch.cuda.synchronize()
                 try:
                     yield lambda count: self._replay_seconds(graph, count)
@@ -173,37 +239,46 @@ class CudaGraphCapture:
 class MedianTimer:
     """Median seconds of a callable on one device. With a ``capture`` (``profile_device`` gives a
     GPU one) a call's seconds are those of a replay of `n` captured calls over `n`: the device's
-    time, without the host's launch (module docstring, Method); an entry that cannot be captured
-    is timed per call as without one, and listed in ``eager_fallbacks``. Without: CUDA events
-    around each call on a GPU (launch included, as ``benchmarks/copy_table.py`` wants), the host's
-    clock on a CPU."""
+    time, without the host's launch, each call on its copy of the operands where the callable is
+    an ``OperandCopies`` (module docstring, Method); an entry that cannot be captured is timed per
+    call as without one, on the original operands, and listed in ``eager_fallbacks``. Without:
+    CUDA events around each call on a GPU (launch included, as ``benchmarks/copy_table.py``
+    wants), the host's clock on a CPU. `l2_bytes` sizes the copies (``operand_copies``)."""
 
-    def __init__(self, torch: Any, device: Any, target_s: float, *, capture: Capture | None = None) -> None:
+    def __init__(self, torch: Any, device: Any, target_s: float, *, capture: Capture | None = None,
+                 l2_bytes: int = DEFAULT_L2_BYTES) -> None:
         self.torch, self.device, self.target_s, self.capture = torch, device, target_s, capture
+        self.l2_bytes = l2_bytes
         self.cuda = device.type == "cuda"
         self.eager_fallbacks: list[EagerFallback] = []
 
-    def __call__(self, fn: Callable[[], Any], *, warmup: int = 2, min_reps: int = 3, max_reps: int = 50,
-                 timed: bool = True, entry: str = "an entry") -> float:
-        """Median seconds of fn(); `timed=False`: fn times itself and returns its seconds (never
-        captured). `entry` names the call in ``eager_fallbacks`` should its capture fail."""
+    def __call__(self, fn: Callable[[], Any] | OperandCopies, *, warmup: int = 2, min_reps: int = 3,
+                 max_reps: int = 50, timed: bool = True, entry: str = "an entry") -> float:
+        """Median seconds of fn() (an ``OperandCopies``: of its call on the original operands);
+        `timed=False`: fn times itself and returns its seconds (never captured). `entry` names the
+        call in ``eager_fallbacks`` should its capture fail."""
+        copies = fn if isinstance(fn, OperandCopies) else OperandCopies.shared(fn)
+        call = copies.call_on(0)
         once = self._once if timed else (lambda f: float(f()))
         for _ in range(warmup):
-            fn()
-        first = once(fn)
+            call()
+        first = once(call)
         if timed and self.capture is not None:
             try:
-                return self._replayed(self.capture, fn, first, min_reps, max_reps)
+                return self._replayed(self.capture, copies, first, min_reps, max_reps)
             except RuntimeError as err:  # a syncing or uncapturable op, out of memory: CUDA errors are RuntimeErrors
                 self.eager_fallbacks.append(EagerFallback(entry=entry, reason=_short_reason(err)))
         reps = _repetitions(self.target_s, first, min_reps, max_reps)
-        return statistics.median([first] + [once(fn) for _ in range(reps - 1)])
+        return statistics.median([first] + [once(call) for _ in range(reps - 1)])
 
-    def _replayed(self, capture: Capture, fn: Callable[[], Any], eager_s: float, min_reps: int,
+    def _replayed(self, capture: Capture, copies: OperandCopies, eager_s: float, min_reps: int,
                   max_reps: int) -> float:
-        """Median seconds per call over replays of a graph of ``graph_calls(eager_s)`` calls."""
+        """Median seconds per call over replays of a graph of ``graph_calls(eager_s)`` calls,
+        call i on operand copy i % k (``operand_copies``); the copies are freed on return, after
+        the graph that reads them."""
         calls = graph_calls(eager_s)
-        with capture(fn, calls) as replays:
+        on_copy = [copies.call_on(i) for i in range(operand_copies(copies.bytes_read, self.l2_bytes, calls))]
+        with capture([on_copy[i % len(on_copy)] for i in range(calls)]) as replays:
             reps = _repetitions(self.target_s, replays(1)[0], min_reps, max_reps)
             return statistics.median(replays(reps)) / calls
 
@@ -221,6 +296,27 @@ class MedianTimer:
         return begin.elapsed_time(end) / 1e3
 
 
+def _operand_copy(torch: Any, originals: tuple[Any, ...], copy: int) -> tuple[Any, ...]:
+    """Copy `copy` of a call's operands: the originals for 0, else fresh random tensors of their
+    shapes, dtypes and ``requires_grad`` (random, not empty: a GEMM's power and clock depend on
+    its data)."""
+    if copy == 0:
+        return originals
+    return tuple(torch.randn_like(t).requires_grad_(t.requires_grad) for t in originals)
+
+
+def _bytes_of(*tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _gemm_copies(torch: Any, a: Any, b: Any) -> OperandCopies:
+    """``a @ b`` on copies of both operands."""
+    def call_on(copy: int) -> Callable[[], object]:
+        x, w = _operand_copy(torch, (a, b), copy)
+        return lambda: torch.matmul(x, w)
+    return OperandCopies(call_on=call_on, bytes_read=_bytes_of(a, b))
+
+
 def _time_gemms(torch: Any, device: Any, dtype: str, grid: ProfileGrid, timer: MedianTimer) -> list[GemmTiming]:
     torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
     out = []
@@ -229,16 +325,41 @@ def _time_gemms(torch: Any, device: Any, dtype: str, grid: ProfileGrid, timer: M
             a = torch.randn(m, k, device=device, dtype=torch_dtype)
             for n in grid.gemm_n:
                 b = torch.randn(k, n, device=device, dtype=torch_dtype)
-                seconds = timer(lambda: torch.matmul(a, b), entry=f"gemm m={m} n={n} k={k} {dtype}")
+                seconds = timer(_gemm_copies(torch, a, b), entry=f"gemm m={m} n={n} k={k} {dtype}")
                 out.append(GemmTiming(m=m, n=n, k=k, dtype=dtype, seconds=seconds))
                 del b
             del a
     return out
 
 
+def _attention_copies(torch: Any, q: Any, k: Any, v: Any, grad: Any,
+                      causal: bool) -> tuple[OperandCopies, OperandCopies]:
+    """SDPA's forward (no grad) and its forward then backward of `grad`, on copies of their
+    operands (q, k, v; and grad)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def forward_on(copy: int) -> Callable[[], object]:
+        cq, ck, cv = _operand_copy(torch, (q, k, v), copy)
+
+        def forward() -> object:
+            with torch.no_grad():
+                return sdpa(cq, ck, cv, is_causal=causal)
+        return forward
+
+    def forward_backward_on(copy: int) -> Callable[[], object]:
+        cq, ck, cv, cgrad = _operand_copy(torch, (q, k, v, grad), copy)
+
+        def forward_backward() -> object:
+            cq.grad = ck.grad = cv.grad = None
+            sdpa(cq, ck, cv, is_causal=causal).backward(cgrad)
+            return None
+        return forward_backward
+    return (OperandCopies(call_on=forward_on, bytes_read=_bytes_of(q, k, v)),
+            OperandCopies(call_on=forward_backward_on, bytes_read=_bytes_of(q, k, v, grad)))
+
+
 def _time_attention(torch: Any, device: Any, dtype: str, grid: ProfileGrid,
                     timer: MedianTimer) -> list[AttentionTiming]:
-    sdpa = torch.nn.functional.scaled_dot_product_attention
     torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
     out = []
     for batch, heads in grid.attention_batch_heads:
@@ -248,16 +369,7 @@ def _time_attention(torch: Any, device: Any, dtype: str, grid: ProfileGrid,
                                        requires_grad=True) for _ in range(3))
                 grad = torch.randn(batch, heads, seq, head_dim, device=device, dtype=torch_dtype)
                 causal = grid.attention_causal
-
-                def forward() -> object:
-                    with torch.no_grad():
-                        return sdpa(q, k, v, is_causal=causal)
-
-                def forward_backward() -> object:
-                    q.grad = k.grad = v.grad = None
-                    sdpa(q, k, v, is_causal=causal).backward(grad)
-                    return None
-
+                forward, forward_backward = _attention_copies(torch, q, k, v, grad, causal)
                 shape = f"b={batch} h={heads} s={seq} d={head_dim} {dtype}"
                 out.append(AttentionTiming(batch=batch, heads=heads, seq_q=seq, seq_kv=seq, head_dim=head_dim,
                                            dtype=dtype, causal=causal,
@@ -430,7 +542,8 @@ def profile_device(device: str = "cuda", dtypes: tuple[str, ...] | None = None, 
         raise ValueError("profile_device: fp8 GEMMs need scaled matmul and are not profiled yet")
     grid = grid or ProfileGrid.transformer(quick=quick, on_gpu=on_gpu)
     capture = _graph_capture(torch, dev)
-    timer = MedianTimer(torch, dev, grid.target_s, capture=capture)
+    l2_bytes, l2_source = l2_cache_bytes(torch, dev)
+    timer = MedianTimer(torch, dev, grid.target_s, capture=capture, l2_bytes=l2_bytes)
     say = progress or (lambda _msg: None)
     previous_tf32 = torch.backends.cuda.matmul.allow_tf32
     gemm: list[GemmTiming] = []
@@ -458,4 +571,5 @@ def profile_device(device: str = "cuda", dtypes: tuple[str, ...] | None = None, 
     return DeviceProfile(name=name, torch_version=torch.__version__, measured_on=datetime.date.today().isoformat(),
                          gemm=tuple(gemm), attention=tuple(attention), copy=tuple(copy), host=host,
                          timing="wall_clock" if capture is None else "cuda_graph_replay",
-                         eager_fallbacks=tuple(timer.eager_fallbacks))
+                         eager_fallbacks=tuple(timer.eager_fallbacks),
+                         l2_flush=NO_L2_FLUSH if capture is None else l2_flush_note(l2_bytes, l2_source))

@@ -9,7 +9,7 @@ File format (``"format": "mplan.profile"``, ``"version": 1``)::
 
     {"format": "mplan.profile", "version": 1, "note": "...",
      "device": null | {"name", "torch_version", "measured_on", "timing" (optional),
-                       "eager_fallbacks" (optional): [{entry, reason}],
+                       "eager_fallbacks" (optional): [{entry, reason}], "l2_flush" (optional),
                        "gemm": [{m, n, k, dtype, seconds}],
                        "attention": [{batch, heads, seq_q, seq_kv, head_dim, dtype, causal,
                                       forward_s, forward_backward_s}],
@@ -28,6 +28,9 @@ was measured load with ``NOMINAL_HOST`` (or ``NOMINAL_CPU_HOST`` for a "cpu" dev
 ``timing`` (how the GEMM and attention tables were timed, ``TIMINGS``) may be absent: profiles
 written before 2026-12-06 load as "events_per_call" (a GPU's, the launch floor included) or
 "wall_clock" (a "cpu" device's), which is how they were timed.
+``l2_flush`` (how the calls timed together avoid reading operands that the call before left in L2)
+may be absent: profiles written before 2026-12-06's rotation load as "none" (every call read the
+same operands, so a mid-sized GEMM's were L2-warm), which is how they were timed.
 
 Invariants: every field is validated on load and the first wrong one raises one ``ProfileError``
 naming the file and the field; nothing is unpickled. A ``ClusterSpec`` file may hold a profile
@@ -153,6 +156,11 @@ NOMINAL_CPU_HOST = HostTiming(
 """Host figures of a "cpu" device without a measured host table."""
 
 
+NO_L2_FLUSH = "none"
+"""``DeviceProfile.l2_flush`` of tables whose timed calls all read the same operands: those that fit
+the L2 were read from it (profiles before 2026-12-06, CPU profiles)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EagerFallback:
     """An entry of a "cuda_graph_replay" profile timed eagerly (events per call) because its graph
@@ -175,6 +183,9 @@ class DeviceProfile:
     host: HostTiming | None = None  # None: not measured (`host_timing` gives the nominal figures)
     timing: str = "events_per_call"  # TIMINGS: how `gemm` and `attention` were timed
     eager_fallbacks: tuple[EagerFallback, ...] = ()  # entries timed per call where `timing` is graph replay
+    l2_flush: str = NO_L2_FLUSH
+    """How the GEMM and attention calls timed together avoided operands the call before left in L2:
+    NO_L2_FLUSH, or ``measure_device``'s rotation of operand copies (``l2_flush_note``)."""
 
     @property
     def host_timing(self) -> HostTiming:
@@ -301,6 +312,7 @@ def _record_dict(record: Any) -> dict[str, Any]:
 def _device_to_dict(device: DeviceProfile) -> dict[str, Any]:
     return {"name": device.name, "torch_version": device.torch_version, "measured_on": device.measured_on,
             "timing": device.timing, "eager_fallbacks": [_record_dict(f) for f in device.eager_fallbacks],
+            "l2_flush": device.l2_flush,
             "gemm": [_record_dict(t) for t in device.gemm],
             "attention": [_record_dict(t) for t in device.attention],
             "copy": [_record_dict(t) for t in device.copy],
@@ -356,6 +368,7 @@ def _read_device(r: FieldReader) -> DeviceProfile:
         "wall_clock" if name == "cpu" else "events_per_call",
         eager_fallbacks=tuple(_finished(f, EagerFallback(entry=f.string("entry"), reason=f.string("reason")))
                               for f in r.objects("eager_fallbacks")) if r.has("eager_fallbacks") else (),
+        l2_flush=r.string("l2_flush") if r.has("l2_flush") else NO_L2_FLUSH,
         gemm=tuple(_read_gemm(g) for g in r.objects("gemm")),
         attention=tuple(_read_attention(a) for a in r.objects("attention")),
         copy=tuple(_finished(c, CopyTiming(bytes_moved=c.integer("bytes_moved"), seconds=c.number("seconds")))
