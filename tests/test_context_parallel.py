@@ -1,7 +1,7 @@
 """Context parallelism (issue 34, stage 1): a plan with `cp` trains exactly as one device.
 
 Each check trains with `mplan.autoparallel(..., plan="cp=2")` (and cp x tp with sp, cp x dp with
-ZeRO-1) for 3 AdamW steps with active global-norm clipping and compares every step's loss and every
+ZeRO-1 and ZeRO-3, cp with full and selective recomputation, cp with the fused kernels) for 3 AdamW steps with active global-norm clipping and compares every step's loss and every
 final parameter with one process, in float64: relative error under 1e-9. The sequence is split in
 head-tail chunks over the cp ranks; attention all-gathers keys and values (`split_context`).
 Refusals: a sequence that does not split into 2*cp chunks. Models that build their own mask
@@ -79,6 +79,25 @@ def cp2_dp2_zero1_llama() -> dict[str, Any]:
     return _compare(family(LLAMA), "cp=2,dp=2,zero=1", 4)
 
 
+def cp2_recompute_full_llama() -> dict[str, Any]:
+    """Every block re-run in backward: the re-run forward gathers K/V again and reads the same positions."""
+    return _compare(family(LLAMA), "cp=2,recompute=full", 2, ignored=5)
+
+
+def cp2_recompute_selective_llama() -> dict[str, Any]:
+    return _compare(family(LLAMA), "cp=2,recompute=selective", 2, ignored=5)
+
+
+def cp2_kernels_llama() -> dict[str, Any]:
+    """mplan's fused program (norms, RoPE, SwiGLU, the head + loss as fused ops; on a CPU their torch
+    paths, Triton's on a GPU) around context attention."""
+    return _compare(family(LLAMA), "cp=2", 2, ignored=5, kernels=True)
+
+
+def cp2_dp2_zero3_llama() -> dict[str, Any]:
+    return _compare(family(LLAMA), "cp=2,dp=2,zero=3", 4)
+
+
 def _refusal(make: Any, plan: str, seq: int) -> str:
     import mplan
 
@@ -107,11 +126,13 @@ def _check(values: list[dict[str, Any]], cp: int, *, positions: int = 2) -> None
 @pytest.fixture(scope="module")
 def world2() -> Any:
     return run_checks(2, [cp2_llama, cp2_llama_ring, cp2_llama_all_to_all, cp2_llama_planned, cp2_gpt,
+                          cp2_recompute_full_llama, cp2_recompute_selective_llama, cp2_kernels_llama,
                           refuses_uneven_sequence], timeout_s=300)
 
 
 @pytest.mark.parametrize("check,positions", [(cp2_llama, 2), (cp2_llama_ring, 2), (cp2_llama_all_to_all, 2),
-                                             (cp2_llama_planned, 2), (cp2_gpt, 1)])
+                                             (cp2_llama_planned, 2), (cp2_gpt, 1), (cp2_recompute_full_llama, 2),
+                                             (cp2_recompute_selective_llama, 2), (cp2_kernels_llama, 2)])
 def test_cp2(world2: Any, check: Any, positions: int) -> None:
     _check(world2.assert_passed(check), 2, positions=positions)
 
@@ -122,14 +143,15 @@ def test_sequence_must_split_into_2cp_chunks(world2: Any) -> None:
 
 
 @pytest.mark.parametrize("check,cp", [(cp4_llama, 4), (cp2_tp2_sp_llama, 2), (cp2_dp2_zero1_llama, 2),
-                                      (cp2_pp2_llama, 2)])
+                                      (cp2_pp2_llama, 2), (cp2_dp2_zero3_llama, 2)])
 def test_world4(world4: Any, check: Any, cp: int) -> None:
     _check(world4.assert_passed(check), cp)
 
 
 @pytest.fixture(scope="module")
 def world4() -> Any:
-    return run_checks(4, [cp4_llama, cp2_tp2_sp_llama, cp2_dp2_zero1_llama, cp2_pp2_llama], timeout_s=400)
+    return run_checks(4, [cp4_llama, cp2_tp2_sp_llama, cp2_dp2_zero1_llama, cp2_pp2_llama, cp2_dp2_zero3_llama],
+                      timeout_s=400)
 
 
 # -- the plan: grammar, JSON, explain (one process) --------------------------------------------------
