@@ -154,3 +154,21 @@ def test_skipping_cp_configs_that_cannot_fit_changes_nothing_the_search_returns(
                  for k, v in result.zero_levels.items()})
     assert fast.best.config == full.best.config and fast.best.step_time_s == full.best.step_time_s
     assert seen(fast) == seen(full)
+
+
+def test_a_spec_fixing_dp_tp_and_pp_leaves_the_rest_of_the_world_to_cp() -> None:
+    """dp=1,tp=1,pp=1 on 8 GPUs is a cp=8 plan, not a spec that misses 7 GPUs: the spec check reads
+    dp x cp x tp x pp against the world, a cp left out taking what the others leave; all four fixed
+    must multiply to the world, and their product must divide it."""
+    from mplan.planner.spec_check import spec_refusal
+
+    def refusal(spec: str) -> str | None:
+        return spec_refusal(parse_plan_spec(spec), world_size=8, gpus_per_node=8, global_batch=8)
+    assert refusal("dp=1,tp=1,pp=1") is None
+    assert refusal("dp=1,cp=4,tp=1,pp=1") == ("plan spec 'dp=1,tp=1,pp=1,cp=4': dp x cp x tp x pp = 1 x 4 x 1 x 1 = 4 "
+                                              "ranks, but the cluster has 8 GPUs (dp x cp x tp x pp must equal 8)")
+    assert "dp x cp x tp = 1 x 3 x 2 = 6 does not divide the cluster's 8 GPUs" in refusal("dp=1,cp=3,tp=2")
+    graph = capture_for_planning(WIDE_4_LAYERS, seq_len=32768)
+    best = Planner(graph, ClusterSpec.preset("dgx-h100", nodes=1), kernels=True).search(
+        1, parse_plan_spec("dp=1,tp=1,pp=1")).best
+    assert (best.config.dp, best.config.cp, best.config.tp, best.config.pp) == (1, 8, 1, 1) and best.fits

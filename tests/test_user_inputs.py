@@ -89,7 +89,7 @@ def test_autoparallel_records_the_example_inputs_as_the_source() -> None:
     ("tp=16", r"plan spec 'tp=16': tp = 16 > 8 GPUs, the whole cluster"),
     ("zero=5", r"zero must be 0, 1, 2 or 3 .*, got '5'"),
     ("tp=3", r"tp=3 does not divide the model's 32 attention heads"),
-    ("pp=4,dp=2,tp=2", r"pp=4 exceeds the model's 2 layers|dp x tp x pp = 2 x 2 x 4 = 16 ranks"),
+    ("pp=4,dp=2,tp=2", r"pp=4 exceeds the model's 2 layers|dp x tp x pp = 2 x 2 x 4 = 16 > 8 GPUs"),
     ("dp=8", r"global batch 12 is not divisible by dp=8"),
 ])
 def test_plan_refuses_what_needs_no_graph_before_capturing(spec: str, match: str,

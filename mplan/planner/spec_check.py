@@ -47,19 +47,23 @@ def spec_refusal(spec: PlanSpec, *, world_size: int, gpus_per_node: int, global_
     moe = experts_refusal(spec, asked, model, num_experts)
     if moe:
         return moe
-    fixed = {k: getattr(spec, k) for k in ("dp", "tp", "pp") if getattr(spec, k) is not None}
+    # cp left out is searched: it takes what dp x tp x pp leave of the world, so those three fixed
+    # need only divide it
+    fixed = {k: getattr(spec, k) for k in ("dp", "cp", "tp", "pp") if getattr(spec, k) is not None}
     product = math.prod(fixed.values())
     degrees = f" = {' x '.join(map(str, fixed.values()))}" if len(fixed) > 1 else ""
     expr = f"{' x '.join(fixed)}{degrees} = {product}"
-    if len(fixed) == 3 and product != world_size:
-        return f"{asked}: {expr} ranks, but the cluster has {world_size} {ranks} (dp x tp x pp must equal {world_size})"
+    if len(fixed) == 4 and product != world_size:
+        return (f"{asked}: {expr} ranks, but the cluster has {world_size} {ranks} (dp x cp x tp x pp must equal "
+                f"{world_size})")
     if fixed and product > world_size:
         return f"{asked}: {expr} > {world_size} {ranks}, the whole cluster; fix fewer or smaller degrees, or add --nodes"
     heads = heads_refusal(spec, asked, num_heads)
     if heads:
         return heads
     if fixed and world_size % product:
-        return f"{asked}: {expr} does not divide the cluster's {world_size} {ranks} (dp x tp x pp must equal {world_size})"
+        return (f"{asked}: {expr} does not divide the cluster's {world_size} {ranks} (dp x cp x tp x pp must equal "
+                f"{world_size})")
     if spec.tp is not None and not allow_cross_node_tp and spec.tp > gpus_per_node:
         return f"{asked}: tp={spec.tp} would cross nodes ({gpus_per_node} {ranks} per node)"
     if spec.tp is not None and not allow_cross_node_tp and gpus_per_node % spec.tp:
