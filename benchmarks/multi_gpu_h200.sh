@@ -2,8 +2,9 @@
 # Issues 7, 18, 31, 33 and 34 on one host of N H200s, in one device call: the NCCL link profile, bf16
 # equivalence of plans against one GPU (ZeRO-2/3 and context parallelism included), the planner's auto
 # plan against hand-written Megatron-style plans on a Llama-3-8B, expert parallelism on a Mixtral-shaped
-# MoE, checkpoint save/load times, ZeRO-1 against ZeRO-3 over N GPUs and context parallelism at 32k
-# tokens, each run for real. Prepared on 2026-11-29, 2026-12-02 and 2026-12-06 (the equivalence plans
+# MoE, checkpoint save/load times, ZeRO-1 against ZeRO-3 over N GPUs, context parallelism at 32k
+# tokens (all-gather and ring, cuDNN's attention) and experts carved from cp, each run for real. Prepared on
+# 2026-11-29, 2026-12-02 and 2026-12-06 (the equivalence plans
 # smoke-tested on 2 gloo CPU ranks: `equivalence_gpus.py --device cpu --small --dtype float64`); run as
 #     run(kind="nvidia-h200-x8", carry=[".device_wheels"],
 #         command="bash benchmarks/multi_gpu_h200.sh 8")
@@ -67,6 +68,13 @@ tail -c 1500 "$out/bench-zero-x$n.json"
 # 7. context parallelism at 32k tokens (issue 34): a 4-layer Llama-3-8B-wide model on one sequence,
 #    cp over every GPU against tp with SP and the planner's choice, measured beside the predictions
 run -m mplan bench "llama:layers=4,hidden=4096,heads=32,kv_heads=8,ffn=14336,seq=32768,vocab=32000" \
-    --cluster "$out/profile-x$n.json" --global-batch 1 --plans "cp=$n" "tp=$n,sp=1" auto \
+    --cluster "$out/profile-x$n.json" --global-batch 1 --plans "cp=$n" "cp=$n,cp_method=ring" "tp=$n,sp=1" auto \
     --measure --out "$out/bench-cp-x$n.json" > /dev/null
 tail -c 1500 "$out/bench-cp-x$n.json"
+
+# 8. experts carved from cp alone (issue 34, session 15): the Mixtral-shaped MoE at 16k tokens on one
+#    sequence, cp over every GPU with its experts over all of them (dp=1) against the experts whole
+run -m mplan bench "moe:layers=2,hidden=4096,heads=32,kv_heads=8,ffn=14336,experts=8,topk=2,seq=16384,vocab=32000" \
+    --cluster "$out/profile-x$n.json" --global-batch 1 --plans "dp=1,cp=$n,ep=$n" "dp=1,cp=$n,ep=1" auto \
+    --measure --out "$out/bench-cp-moe-x$n.json" > /dev/null
+tail -c 1500 "$out/bench-cp-moe-x$n.json"
