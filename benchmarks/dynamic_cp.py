@@ -6,6 +6,8 @@ cost models (`mplan.planner.dynamic_context`), nothing here is measured.
     python benchmarks/dynamic_cp.py [--seq-len 131072] [--cp 8,16,32] [--sequences 16]
                                     [--profile benchmarks/results/profile_h100-2026-12-06-graphed.json]
                                     [--data DIR] [--output benchmarks/results/dynamic_cp-predicted-2026-12-06.json]
+    python benchmarks/dynamic_cp.py --packing cp_aligned --sequences 64
+                                    [--output benchmarks/results/dynamic_cp_aligned-predicted-2026-12-06.json]
 
 What is predicted, from what: for a Llama-3-8B layer stack (`dynamic_context.LLAMA3_8B`, bf16,
 tp = 1) and packed sequences of `seq_len` tokens cut from each mix's document stream as mplan's
@@ -19,6 +21,14 @@ GEMMs and attention are priced by `ComputeCostModel` on the measured H100 profil
 (its GEMM and attention tables, timed as CUDA graph replays on 2026-12-06), the K, V hops by
 `collective_time` on `ClusterSpec.preset("dgx-h100", nodes=cp / 8)` (NVLink within a node of 8,
 InfiniBand beyond; the profile's device tables attached to it).
+
+With --packing cp_aligned the same mixes are also packed as `mplan train`'s `data.packing =
+"cp_aligned"` packs them (`mplan.data.cp_packing.pack_for_shares`, shares = cp: documents of at
+most S / cp tokens dealt whole onto the ranks with balanced work, padding where they do not fill,
+longer or unbalanceable documents cut into plain windows), and each row adds, per REAL token
+(padding costs compute and trains nothing): the runtime's two-size rule on the cp-aligned windows
+against fixed CP on the plain loader's windows, the fraction of windows the rule runs at cp=1, the
+padding fraction, and dynamic CP's upper bound for reference.
 
 Length mixes:
     wikipedia   PUBLISHED: English Wikipedia's documents per token-length bin, from the dataset
@@ -60,11 +70,13 @@ import numpy as np
 import torch
 
 from mplan.cost_models.cluster import ClusterSpec
-from mplan.planner.dynamic_context import LLAMA3_8B, LengthMix, cut_documents, price_dynamic_context
+from mplan.data.cp_packing import pack_for_shares
+from mplan.planner.dynamic_context import LLAMA3_8B, LengthMix, cut_documents, price_dynamic_context, price_windows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_PROFILE = os.path.join(ROOT, "benchmarks", "results", "profile_h100-2026-12-06-graphed.json")
 DEFAULT_OUTPUT = os.path.join(ROOT, "benchmarks", "results", "dynamic_cp-predicted-2026-12-06.json")
+ALIGNED_OUTPUT = os.path.join(ROOT, "benchmarks", "results", "dynamic_cp_aligned-predicted-2026-12-06.json")
 
 WIKIPEDIA_SOURCE = ("English Wikipedia, documents per token-length bin, dataset card of seonglae/wikipedia_token "
                     "(Hugging Face, README commit b7a46d0); log-uniform inside bins, first bin's lower edge 32 assumed")
@@ -131,8 +143,11 @@ def main() -> None:
     parser.add_argument("--profile", default=DEFAULT_PROFILE,
                         help="cluster file whose measured device tables price compute")
     parser.add_argument("--data", default=None, help="prepared token shards to read a length mix from")
-    parser.add_argument("--output", default=DEFAULT_OUTPUT, help="where to write the JSON result")
+    parser.add_argument("--packing", choices=("loader", "cp_aligned"), default="loader",
+                        help="cp_aligned: also price the cp-aligned packing (module docstring)")
+    parser.add_argument("--output", default=None, help="where to write the JSON result")
     args = parser.parse_args()
+    args.output = args.output or (ALIGNED_OUTPUT if args.packing == "cp_aligned" else DEFAULT_OUTPUT)
     torch.set_num_threads(1)
     profile = ClusterSpec.from_json(args.profile).profile
     names = ["wikipedia", "web", "long-mix", "data"]
@@ -156,12 +171,57 @@ def main() -> None:
                          "two_size_speedup": round(price.two_size_speedup, 3),
                          "two_size_whole": round(price.two_size_whole, 3),
                          "tokens_at": {str(c): round(s, 4) for c, s in price.tokens_at}})
+            if args.packing == "cp_aligned":
+                rows[-1].update(aligned_row(mix, cluster, args.seq_len, cp, price.fixed_s))
+                r = rows[-1]
+                print(f"{'':9s}   cp-aligned packing: {r['aligned_windows']} windows, {r['aligned_whole']:.0%} at cp=1, "
+                      f"padding {r['aligned_padding']:.1%}: predicted per real token two-size "
+                      f"{r['aligned_speedup']:.2f}x fixed CP on the loader's windows (dynamic bound {price.speedup:.2f}x)")
+    if args.packing == "cp_aligned":
+        write_aligned(args, profile, rows)
+        return
     result = {"what": "PREDICTED step seconds per packed sequence (all 32 layers, forward + backward, busiest "
                       "rank) of a Llama-3-8B layer stack at fixed, the runtime's two-size and power-of-two dynamic "
                       "context parallelism (mplan.planner.dynamic_context); nothing measured",
               "date": datetime.date.today().isoformat(), "profile": os.path.relpath(args.profile, ROOT),
               "cluster": "dgx-h100 preset (NVLink in a node of 8, InfiniBand beyond) with the profile's device tables",
               "method": "ring", "rows": rows}
+    with open(args.output, "w") as handle:
+        json.dump(result, handle, indent=1)
+        handle.write("\n")
+    print(f"wrote {os.path.relpath(args.output, ROOT)} (predictions)")
+
+
+def aligned_row(mix: LengthMix, cluster: ClusterSpec, seq_len: int, cp: int, loader_fixed_s: float) -> dict:
+    """The cp-aligned packing of `mix` priced per real token against fixed CP on the loader's
+    windows (`loader_fixed_s` seconds per window of `seq_len` real tokens)."""
+    packing = pack_for_shares(mix.lengths, seq_len, cp)
+    price = price_windows([w.lengths(seq_len) for w in packing.windows], LLAMA3_8B, cluster, seq_len=seq_len, cp=cp)
+    real = sum(n for w in packing.windows for _, _, n in w.segments)
+    two_size, fixed = sum(price.two_size_s) / real, sum(price.fixed_s) / real
+    baseline = loader_fixed_s / seq_len
+    return {"aligned_windows": len(packing.windows), "aligned_packed": round(packing.aligned, 3),
+            "aligned_whole": round(sum(price.whole) / len(price.whole), 3),
+            "aligned_padding": round(packing.padding, 4),
+            "loader_fixed_us_per_token": round(baseline * 1e6, 4),
+            "aligned_fixed_us_per_token": round(fixed * 1e6, 4),
+            "aligned_two_size_us_per_token": round(two_size * 1e6, 4),
+            "aligned_speedup": round(baseline / two_size, 3)}
+
+
+def write_aligned(args: argparse.Namespace, profile: object, rows: list[dict]) -> None:
+    result = {"what": "PREDICTED seconds per REAL token (all 32 layers, forward + backward, busiest rank) of a "
+                      "Llama-3-8B layer stack: the runtime's two-size rule on cp-aligned packed windows "
+                      "(mplan.data.cp_packing, padding priced as tokens that train nothing) against fixed CP on "
+                      "the plain loader's windows, with power-of-two dynamic CP's upper bound; nothing measured",
+              "date": datetime.date.today().isoformat(), "profile": os.path.relpath(args.profile, ROOT),
+              "cluster": "dgx-h100 preset (NVLink in a node of 8, InfiniBand beyond) with the profile's device tables",
+              "method": "ring", "packing": "cp_aligned: pack_for_shares(tolerance=0.05, lookahead=4, patience=16)",
+              "fields": {"aligned_whole": "fraction of cp-aligned windows the runtime's rule runs at cp=1",
+                         "aligned_padding": "fraction of the cp-aligned windows' tokens that are padding",
+                         "aligned_speedup": "loader_fixed_us_per_token / aligned_two_size_us_per_token",
+                         "speedup": "dynamic CP's upper bound over fixed CP (loader's windows)"},
+              "rows": rows}
     with open(args.output, "w") as handle:
         json.dump(result, handle, indent=1)
         handle.write("\n")

@@ -31,6 +31,17 @@ loader})` / `pm.load`. `load_state_dict` refuses, in one line, a state from anot
 (fingerprint), another seq_len (other windows) or another seed (another order): each would
 silently repeat or skip samples.
 
+Packing for dynamic context parallelism (`packing="cp_aligned"`, `shares` = the plan's cp): the
+windows are `mplan.data.cp_packing.pack_for_shares` of the stream's documents instead of fixed
+cuts, so most windows' documents deal whole onto the cp ranks with balanced work and the runtime
+runs them at cp=1 with no K/V exchange. A window's padding is EOS ids (each its own document under
+`packed_document_ids`) with label -100; every real token's label is still the token after it in
+the stream. Sample `s` is still window `perm_e[s % num_sequences]`, `num_sequences` now the pack's
+windows, so `consumed_samples` keeps its meaning; the state also holds "packing" and "shares",
+and a resume under another packing or another share count (other windows) is refused in one line.
+The pack reads every document's length at open (`document_lengths`: one scan of the stream) and
+every token is in exactly one window of an epoch.
+
 Megatron's GPTDataset is the model (samples of seq_len + 1 tokens from a shuffled index, the
 position as consumed samples in the checkpoint). What differs: windows are fixed cuts of the
 stream and only their order is shuffled, where Megatron also shuffles documents before packing
@@ -47,6 +58,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mplan.data.cp_packing import Packing, pack_for_shares
+from mplan.data.document_lengths import document_lengths
 from mplan.data.errors import DataError
 from mplan.data.shards import TokenShards
 from mplan.json_fields import FieldReader
@@ -54,19 +67,36 @@ from mplan.json_fields import FieldReader
 MAX_SEED = (1 << 32) - 1
 """`RandomState` seeds are 32-bit words; the epoch is a second word."""
 
+PACKINGS = ("stream", "cp_aligned")
+"""stream: fixed cuts of the token stream; cp_aligned: windows packed for the cp ranks (module docstring)."""
+IGNORED = -100
+"""The label of a padding token (cross entropy's ignore index)."""
+
 
 class PackedLoader:
     """Packed, shuffled samples of a token-shard directory (module docstring)."""
 
-    def __init__(self, shards: TokenShards | str, *, seq_len: int, global_batch: int, seed: int = 0) -> None:
+    def __init__(self, shards: TokenShards | str, *, seq_len: int, global_batch: int, seed: int = 0,
+                 packing: str = "stream", shares: int = 1) -> None:
         self.shards = shards if isinstance(shards, TokenShards) else TokenShards.open(shards)
         self.seq_len = _whole(seq_len, "seq_len", 1)
         self.global_batch_size = _whole(global_batch, "global_batch", 1)
         self.seed = _whole(seed, "seed", 0)
         if self.seed > MAX_SEED:
             raise DataError(f"seed must be below 2**32 (NumPy's RandomState), got {seed}")
-        self.num_sequences = (self.shards.num_tokens - 1) // self.seq_len
-        """Windows of seq_len + 1 tokens in one epoch."""
+        if packing not in PACKINGS:
+            raise DataError(f"packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
+        self.packing, self.shares = packing, _whole(shares, "shares", 1)
+        if packing == "cp_aligned" and self.seq_len % self.shares:
+            raise DataError(f"cp_aligned packing: seq_len {self.seq_len} does not split into {self.shares} shares")
+        self.pack: Packing | None = None
+        """The cp-aligned windows (None: fixed cuts of the stream)."""
+        if packing == "cp_aligned":
+            self.pack = pack_for_shares(document_lengths(self.shards.directory), self.seq_len, self.shares)
+            self.num_sequences = len(self.pack.windows)
+        else:
+            self.num_sequences = (self.shards.num_tokens - 1) // self.seq_len
+        """Windows in one epoch (of seq_len + 1 stream tokens, or the pack's)."""
         if self.num_sequences < 1:
             raise DataError(f"{self.shards.directory}: holds {self.shards.num_tokens} tokens, too few for one "
                             f"sample of seq_len + 1 = {self.seq_len + 1}")
@@ -96,11 +126,25 @@ class PackedLoader:
         """Samples [first, first + count) as (inputs, labels), int64 [count, seq_len] each."""
         if first < 0 or count < 0:
             raise ValueError(f"samples [{first}, {first + count}) must not be negative")
+        if self.pack is not None:
+            return self._packed_samples(first, count)
         windows = np.empty((count, self.seq_len + 1), dtype=np.int64)
         for row in range(count):
             start = self.sequence_index(first + row) * self.seq_len
             windows[row] = self.shards.read(start, start + self.seq_len + 1)
         return torch.from_numpy(windows[:, :-1].copy()), torch.from_numpy(windows[:, 1:].copy())
+
+    def _packed_samples(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`samples` of the cp-aligned pack: each segment's tokens and their stream successors,
+        padding (EOS, label IGNORED) elsewhere."""
+        inputs = np.full((count, self.seq_len), self.shards.eos_id, dtype=np.int64)
+        labels = np.full((count, self.seq_len), IGNORED, dtype=np.int64)
+        for row in range(count):
+            for offset, start, n in self.pack.windows[self.sequence_index(first + row)].segments:
+                tokens = self.shards.read(start, min(start + n + 1, self.shards.num_tokens))
+                inputs[row, offset:offset + n] = tokens[:n]
+                labels[row, offset:offset + len(tokens) - 1] = tokens[1:]  # the stream's last token: no label
+        return torch.from_numpy(inputs), torch.from_numpy(labels)
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Optimizer step `step`'s whole batch: samples [step*B, (step+1)*B)."""
@@ -128,8 +172,11 @@ class PackedLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The position (the next step's first sample) and what it means, as JSON values."""
-        return {"consumed_samples": self.consumed_samples, "seed": self.seed, "seq_len": self.seq_len,
-                "global_batch": self.global_batch_size, "data_fingerprint": self.data_fingerprint}
+        state = {"consumed_samples": self.consumed_samples, "seed": self.seed, "seq_len": self.seq_len,
+                 "global_batch": self.global_batch_size, "data_fingerprint": self.data_fingerprint}
+        if self.pack is not None:  # a stream loader's state is as it was before packings existed
+            state.update(packing=self.packing, shares=self.shares)
+        return state
 
     def load_state_dict(self, state: Any) -> None:
         """Resume at `state`'s sample. Refused (one line) when saved on other data, another seq_len
@@ -139,6 +186,8 @@ class PackedLoader:
         seq_len, seed = r.integer("seq_len"), r.integer("seed", minimum=0)
         r.integer("global_batch")
         fingerprint = r.string("data_fingerprint")
+        packing = r.string("packing", choices=PACKINGS) if r.has("packing") else "stream"
+        shares = r.integer("shares") if r.has("shares") else 1
         r.finish()
         if fingerprint != self.data_fingerprint:
             raise DataError(f"data loader state: saved on dataset {fingerprint[:12]}, but {self.shards.directory} "
@@ -148,6 +197,11 @@ class PackedLoader:
                 raise DataError(f"data loader state: saved with {name} {saved}, this loader has {mine}: the samples "
                                 f"would be another {'cut' if name == 'seq_len' else 'order'} of the data, "
                                 f"repeating or skipping some")
+        if (packing, shares if packing == "cp_aligned" else 1) != (self.packing, self.shares if self.pack else 1):
+            raise DataError(f"data loader state: saved with packing {packing}" + (f" for {shares} shares" if packing
+                            == "cp_aligned" else "") + f", this loader packs {self.packing}" + (
+                            f" for {self.shares} shares" if self.pack else "") + ": other windows, repeating or "
+                            f"skipping samples")
         self.consumed_samples = consumed
 
 

@@ -48,6 +48,11 @@ Per layer, one rank of a group of c holding T tokens:
                kv_heads x head_dim x 2 x dtype bytes) and attention seconds, on the group
                `GroupShape(c, min(c, gpus_per_node))`: cp innermost, tp = 1
 
+Windows packed another way (`price_windows`, e.g. `mplan.data.cp_packing`'s windows for the
+cp ranks, padding given as one-token documents): the seconds of each window under `fixed` and under
+`two_size`, and whether the rule runs it at cp=1; padding is priced as the tokens it is (GEMM rows
+and their own attention), so a caller comparing packings divides by the real tokens.
+
 Not priced (equal per token in every scheme, so they dilute the speed-up a little): norms,
 activations and residual adds, the embedding and the head, the gradient reduction.
 """
@@ -316,3 +321,32 @@ def price_dynamic_context(mix: LengthMix, layer: LayerShape, cluster: ClusterSpe
         fixed_s=layers * fixed / count, two_size_s=layers * two_size / count,
         dynamic_s=layers * rank_seconds / cp / count, two_size_whole=whole / count,
         tokens_at=tuple((c, sum(by_size[c]) / tokens) for c in sorted(by_size)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WindowsPrice:
+    """Seconds of each given window (all layers, forward and backward, busiest rank)."""
+
+    fixed_s: tuple[float, ...]
+    two_size_s: tuple[float, ...]
+    whole: tuple[bool, ...]  # the runtime's rule runs the window at cp=1
+
+
+def price_windows(windows: Sequence[Sequence[int]], layer: LayerShape, cluster: ClusterSpec, *, seq_len: int,
+                  cp: int, method: str = "ring") -> WindowsPrice:
+    """`fixed` and `two_size` (module docstring) of windows given as their documents' lengths in
+    window order, each summing to `seq_len`."""
+    if cp < 2 or seq_len % (2 * cp):
+        raise ValueError(f"dynamic CP: cp must be >= 2 dividing seq_len / 2, got cp={cp}, seq_len={seq_len}")
+    pricer = _Pricer(layer, cluster, method)
+    fixed, two_size, whole = [], [], []
+    for pieces in windows:
+        pieces = list(pieces)
+        if sum(pieces) != seq_len or min(pieces) < 1:
+            raise ValueError(f"price_windows: a window's documents must be >= 1 token and sum to {seq_len}")
+        spread = layer.num_layers * pricer.fixed_s(pieces, seq_len, cp)
+        alone = pricer.whole_s(pieces, seq_len, cp)
+        fixed.append(spread)
+        two_size.append(spread if alone is None else layer.num_layers * alone)
+        whole.append(alone is not None)
+    return WindowsPrice(fixed_s=tuple(fixed), two_size_s=tuple(two_size), whole=tuple(whole))
