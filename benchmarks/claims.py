@@ -181,10 +181,10 @@ def _graph_price(data: dict) -> tuple[str, ...]:
 
 def _hf_measure(model: str, specs: tuple[str, ...]) -> Callable[[dict], tuple[str, ...]]:
     """`mplan bench --measure` rows of one model (hf_bench.py): each spec's measured step (ms), then
-    each one's step-time error (%), then each one's peak-memory error (%)."""
+    each one's step-time error (%), then each one's peak-memory error (%); a positive error unsigned."""
     def figures(data: dict) -> tuple[str, ...]:
         plans = {p["spec"]: p for p in data["models"][model]["rows"]["plans"]}
-        error = lambda spec, key: f"{plans[spec]['measured']['prediction_error'][key] * 100:+.1f}"  # noqa: E731
+        error = lambda spec, key: f"{plans[spec]['measured']['prediction_error'][key] * 100:.1f}"  # noqa: E731
         return (*(fixed(plans[spec]["measured"]["step_time_s"] * 1e3, 0) for spec in specs),
                 *(error(spec, "step_time") for spec in specs), *(error(spec, "peak_memory") for spec in specs))
     return figures
@@ -830,32 +830,18 @@ CLAIMS: tuple[Claim, ...] = (
                   r"\((\S+)%\), Gemma-2 (\S+) against (\S+) \((\S+)%\), Qwen3-MoE (\S+) against (\S+) \((\S+)%\), Granite "
                   r"(\S+) against (\S+) \((\S+)%\); eager \(host priced per op\): (\S+)%, (\S+)%, (\S+)%, (\S+)%"),
     Claim(doc="README.md", source="hf_measure_h100-2026-12-06-qwen3.json",
-          figures=lambda data: tuple(f.lstrip("+") if i >= 3 else f
-                                     for i, f in enumerate(_hf_measure("qwen3", ("mbs=1", "mbs=2", "mbs=8"))(data))),
+          figures=_hf_measure("qwen3", ("mbs=1", "mbs=2", "mbs=8")),
           pattern=r"Qwen3-1.7B: micro-batch 1 / 2 / 8 measured (\S+) / (\S+) / (\S+) ms .*?predicted (\S+)% / (\S+)% / "
                   r"(\S+)%, peak memory (\S+)% / (\S+)% / (\S+)%"),
     Claim(doc="README.md", source="hf_measure_h100-2026-12-06-smollm2.json",
-          figures=lambda data: tuple(f.lstrip("+") if i >= 3 else f
-                                     for i, f in enumerate(_hf_measure("smollm2", ("mbs=1", "mbs=2", "mbs=8"))(data))),
+          figures=_hf_measure("smollm2", ("mbs=1", "mbs=2", "mbs=8")),
           pattern=r"SmolLM2-1.7B: (\S+) / (\S+) / (\S+) ms, (\S+)% / (\S+)% / (\S+)%, peak (\S+)% / (\S+)% / (\S+)%"),
-    Claim(doc="README.md", source="peers_h100-2026-12-06-session15-a.json", figures=_graphed("olmo2"),
-          pattern=r"OLMo-2 (\S+)x compile \((\S+) against (\S+) ms; (\S+)x mplan without graphs; steps vary by (\S+)%, "
-                  r"compile's by (\S+)%, without graphs (\S+)%\)"),
-    Claim(doc="README.md", source="peers_h100-2026-12-06-session15-a.json", figures=_graphed("qwen3"),
-          pattern=r"Qwen3 (\S+)x compile \((\S+) against (\S+) ms; (\S+)x mplan without graphs; steps vary by (\S+)%, "
-                  r"compile's by (\S+)%, without graphs (\S+)%\)"),
-    Claim(doc="README.md", source="peers_h100-2026-12-06-session15-b.json", figures=_graphed("stablelm"),
-          pattern=r"StableLM (\S+)x compile \((\S+) against (\S+) ms; (\S+)x mplan without graphs; steps vary by (\S+)%, "
-                  r"compile's by (\S+)%, without graphs (\S+)%\)"),
-    Claim(doc="README.md", source="peers_h100-2026-12-06-session15-b.json", figures=_graphed("llama"),
-          pattern=r"Llama (\S+)x Liger \((\S+) against (\S+) ms; (\S+)x mplan without graphs; steps vary by (\S+)%, "
-                  r"compile's by (\S+)%, without graphs (\S+)%\)"),
-    Claim(doc="README.md", source="peers_h100-2026-12-06-session15-b.json", figures=_graphed("cohere"),
-          pattern=r"Cohere (\S+)x compile \((\S+) against (\S+) ms; (\S+)x mplan without graphs; steps vary by (\S+)%, "
-                  r"compile's by (\S+)%, without graphs (\S+)%\)"),
-    Claim(doc="README.md", source="peers_h100-2026-12-06-session15-b.json", figures=_graphed("phi3"),
-          pattern=r"Phi-3 (\S+)x Liger \((\S+) against (\S+) ms; (\S+)x mplan without graphs; steps vary by (\S+)%, "
-                  r"compile's by (\S+)%, without graphs (\S+)%\)"),
+    *(Claim(doc="README.md", source=f"peers_h100-2026-12-06-session15-{call}.json", figures=_graphed(family),
+            pattern=rf"{name} (\S+)x {peer} \((\S+) against (\S+) ms; (\S+)x mplan without graphs; steps vary by "
+                    r"(\S+)%, compile's by (\S+)%, without graphs (\S+)%\)")
+      for call, family, name, peer in (("a", "olmo2", "OLMo-2", "compile"), ("a", "qwen3", "Qwen3", "compile"),
+                                       ("b", "stablelm", "StableLM", "compile"), ("b", "llama", "Llama", "Liger"),
+                                       ("b", "cohere", "Cohere", "compile"), ("b", "phi3", "Phi-3", "Liger"))),
     Claim(doc="README.md", source="peers_h100-2026-12-06-session15-own.json",
           figures=lambda data: tuple(fixed(data["own"]["llama"][key], 3) for key in ("mplan_vs_eager", "mplan_vs_compile")),
           pattern=r"mplan's own Llama-1.1B with graphs: (\S+)x eager, (\S+)x compile"),
