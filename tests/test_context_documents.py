@@ -14,6 +14,12 @@ differences only, so a document at positions a..b of a packed row computes what 
 absolute positions (nanoGPT's wpe) would train its documents at shifted positions: refused, one
 line on every rank, at cp=2 and at cp=1.
 
+Packing for the rule (`data.packing = "cp_aligned"`, `mplan.data.cp_packing`): the loader's
+cp-aligned windows, padding included (EOS ids labelled -100, one document per token), trained under
+cp=2 one row per micro-batch: every window packed aligned runs at cp=1, the rest at cp=2, exact
+against each document alone (the reference weighs micro-batches alike, as the runtime's loss
+scaling does: padded windows hold fewer labelled tokens). `mplan train` runs with the key under cp=2.
+
 Balance: a synthetic packed mix (document lengths log-normal, median 600 tokens, sigma 1.2, cut to
 [16, S]: a heavy tail like web-text corpora's, stated as synthetic) at 32k tokens over cp=4 and
 128k over cp=8; the attention pairs per rank counted under head-tail chunks and under the
@@ -51,24 +57,32 @@ def _data(lengths: list[list[int]] = LENGTHS) -> tuple[list[tuple[torch.Tensor, 
     return data, doc_ids_from_lengths(lengths)
 
 
-def _separately(make: Any, data: list, lengths: list[list[int]]) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, each document its own sequence: the token-mean loss over all documents."""
+def _separately(make: Any, data: list, steps_lengths: list[list[list[int]]], *,
+                rows_per_micro: int | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, each document its own sequence: the token-mean loss over all documents
+    (`steps_lengths`: each step's documents per row), or, with `rows_per_micro`, the mean over
+    micro-batches of each one's token mean (the runtime scales each micro-batch's loss by
+    1 / micro-batches: micro-batches with other counts of labelled tokens weigh alike)."""
     model = make()
     optimizer = OPTIMIZER(model.parameters())
     losses = []
-    for ids, labels in data:
+    for (ids, labels), lengths in zip(data, steps_lengths):
         optimizer.zero_grad()
-        total, count = 0.0, 0
-        for row, row_lengths in enumerate(lengths):
-            start = 0
-            for n in row_lengths:
-                kept = int((labels[row, start:start + n] != -100).sum())
-                if kept:
-                    loss = model(ids[row:row + 1, start:start + n], labels=labels[row:row + 1, start:start + n])
-                    total = total + loss * kept
-                    count += kept
-                start += n
-        loss = total / count
+        group = rows_per_micro or len(lengths)
+        parts = []
+        for first in range(0, len(lengths), group):
+            total, count = 0.0, 0
+            for row in range(first, first + group):
+                start = 0
+                for n in lengths[row]:
+                    kept = int((labels[row, start:start + n] != -100).sum())
+                    if kept:
+                        loss = model(ids[row:row + 1, start:start + n], labels=labels[row:row + 1, start:start + n])
+                        total = total + loss * kept
+                        count += kept
+                    start += n
+            parts.append(total / count)
+        loss = sum(parts) / len(parts)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         optimizer.step()
@@ -88,7 +102,7 @@ def _packed(plan: str, *, micro_batch_size: int | None = None, lengths: list[lis
     for ids, labels in data:
         losses.append(pm.train_step(ids, labels, doc_ids=doc_ids))
         norms.append(pm.last_grad_norm)
-    return {**errors(pm, losses, norms, _separately(make, data, lengths)), "cp": pm.plan.mesh.cp,
+    return {**errors(pm, losses, norms, _separately(make, data, [lengths] * len(data))), "cp": pm.plan.mesh.cp,
             "sizes": pm.last_context_sizes}
 
 
@@ -118,6 +132,68 @@ def documents_pp2_recompute() -> dict[str, Any]:
     """The same with every block recomputed: the first stage runs F0 F1 B0 B1, so B0's forward
     re-run reads micro-batch 0's documents, not those of F1 before it."""
     return _packed("pp=2,recompute=full", micro_batch_size=2)
+
+
+def _tiny_documents(directory: str) -> str:
+    """Token shards of 150 documents of 1-6 words: most fit whole in a cp rank's 8 tokens."""
+    import json
+    import os
+    import random
+
+    from mplan.data.shards import prepare
+
+    words = "the of and to in is was for on that with as by at from his her an be are".split()
+    chooser = random.Random(1)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "docs.jsonl"), "w", encoding="utf-8") as handle:
+        for _ in range(150):
+            handle.write(json.dumps({"text": " ".join(chooser.choices(words, k=chooser.randint(1, 6)))}) + "\n")
+    return prepare(os.path.join(directory, "docs.jsonl"), os.path.join(directory, "tokens"), vocab_size=300,
+                   progress=None)["directory"]
+
+
+def documents_cp_aligned() -> dict[str, Any]:
+    """The loader's cp-aligned windows (`data.packing = "cp_aligned"`, shares = cp = 2): padding
+    (EOS, label -100, one document per token) and whole documents per rank. Under cp=2, one row per
+    micro-batch, every aligned window runs at cp=1 and the others over both ranks; the same as each
+    document trained alone in one process."""
+    import os
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    import mplan
+    from mplan.data import PackedLoader, TokenShards
+    from mplan.data.loader import packed_document_ids
+
+    directory = os.path.join(tempfile.gettempdir(), f"mplan-cp-aligned-{os.getppid()}")
+    if dist.get_rank() == 0:
+        _tiny_documents(directory)
+    dist.barrier()
+    tokens = os.path.join(directory, "tokens")
+    shards = TokenShards.open(tokens)
+    loader = PackedLoader(shards, seq_len=SEQ, global_batch=4, seed=0, packing="cp_aligned", shares=2)
+    data = [loader.global_batch(step) for step in range(STEPS)]
+    aligned = [loader.pack.windows[loader.sequence_index(s)].aligned for s in range(4 * STEPS)]
+    steps_lengths = []
+    for ids, _ in data:
+        docs = packed_document_ids(ids, shards.eos_id)
+        steps_lengths.append([torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in docs])
+    make = family(LLAMA.replace("vocab=64", f"vocab={shards.vocab_size}"))
+    pm = mplan.autoparallel(make(), example_inputs=(data[0][0],), optimizer=OPTIMIZER, global_batch=4,
+                            plan="cp=2,cp_method=ring", max_grad_norm=MAX_NORM, document_mask=True, micro_batch_size=1)
+    losses, norms, sizes = [], [], []
+    for ids, labels in data:
+        losses.append(pm.train_step(ids, labels, doc_ids=packed_document_ids(ids, shards.eos_id)))
+        norms.append(pm.last_grad_norm)
+        sizes += pm.last_context_sizes
+    padding = sum(int((labels == -100).sum()) for _, labels in data) / (4 * STEPS * SEQ)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory)
+    return {**errors(pm, losses, norms, _separately(make, data, steps_lengths, rows_per_micro=1)), "cp": pm.plan.mesh.cp,
+            "sizes": sizes, "aligned": aligned, "padding": padding}
 
 
 def refuses_doc_ids_without_document_mask() -> str:
@@ -173,6 +249,7 @@ def train_with_documents() -> dict[str, Any]:
     common = ["train.seq_len=32", "train.steps=3", "schedule.warmup_steps=0", "checkpoint.dir="]
     losses = {}
     for name, overrides in (("cp2", ["plan.spec=cp=2", "data.document_mask=true"]),
+                            ("cp2_aligned", ["plan.spec=cp=2", "data.document_mask=true", "data.packing=cp_aligned"]),
                             ("dp2", ["plan.spec=dp=2", "data.document_mask=true"]),
                             ("unmasked", ["plan.spec=dp=2"])):
         run(_config(directory, tokens, name), common + overrides)
@@ -205,7 +282,8 @@ def refuses_learned_positions_with_documents() -> list[str]:
     return messages
 
 
-CHECKS = [documents_cp1, documents_cp2, documents_cp2_ring, documents_dynamic_cp, documents_pp2, documents_pp2_recompute,
+CHECKS = [documents_cp1, documents_cp2, documents_cp2_ring, documents_dynamic_cp, documents_cp_aligned, documents_pp2,
+          documents_pp2_recompute,
           refuses_doc_ids_without_document_mask, train_with_documents, refuses_learned_positions_with_documents]
 
 
@@ -225,10 +303,21 @@ def test_packed_documents_train_as_separate_documents(world2: Any, check: Any, c
         assert result["clipped"] and result["sizes"] == sizes, result
 
 
+def test_cp_aligned_windows_run_at_cp1_and_train_exactly(world2: Any) -> None:
+    """Packing for the ranks makes the two-size rule fire (the loader's plain windows never do):
+    each aligned window ran at cp=1, the rest at cp=2, and training is exact with its padding."""
+    for rank, result in enumerate(world2.assert_passed(documents_cp_aligned)):
+        assert result["loss"] < TOL and result["param"] < TOL and result["clipped"], f"rank {rank}: {result}"
+        assert result["sizes"] == [1 if whole else 2 for whole in result["aligned"]], result
+        assert result["sizes"].count(1) >= len(result["sizes"]) // 2, result
+        assert 0 < result["padding"] < 0.5, result
+
+
 def test_mplan_train_masks_documents_under_cp2(world2: Any) -> None:
     result = world2.assert_passed(train_with_documents)[0]
     assert max(result["documents_per_row"]) >= 2, result
-    assert len(result["cp2"]) == 3 and len(result["dp2"]) == 3, result
+    assert len(result["cp2"]) == 3 and len(result["dp2"]) == 3 and len(result["cp2_aligned"]) == 3, result
+    assert all(loss == loss for loss in result["cp2_aligned"]), result  # the cp-aligned windows train
     for cp2, dp2, unmasked in zip(result["cp2"], result["dp2"], result["unmasked"]):
         assert abs(cp2 - dp2) <= TOL * abs(dp2), result
     assert max(abs(a - b) for a, b in zip(result["dp2"], result["unmasked"])) > 1e-6, result

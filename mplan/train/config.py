@@ -113,6 +113,11 @@ class DataSection:
     """Token shards written by `mplan data prepare` (required)."""
     document_mask: bool = False
     """No token attends across packed documents (each ends at its EOS); under cp each micro-batch is split so ranks get equal attention work."""
+    packing: str = "stream"
+    """stream: windows cut from the token stream wherever they end; cp_aligned: windows packed so
+    their documents deal whole onto the plan's cp ranks with balanced work, which the runtime then
+    runs at cp=1 with no K/V exchange (`mplan.data.cp_packing`; a few % padding, label -100; needs
+    document_mask, and a resume under another cp is refused: other windows)."""
 
 
 @dataclass(frozen=True)
@@ -273,6 +278,11 @@ def _check(config: TrainConfig, file: str) -> None:
     need(t.seed >= 0, "train.seed", "must be >= 0", t.seed)
     need(t.log_every >= 1, "train.log_every", "must be at least 1", t.log_every)
     need(t.stop_at >= 0, "train.stop_at", "must be >= 0 (0: run to train.steps)", t.stop_at)
+    need(config.data.packing in ("stream", "cp_aligned"), "data.packing", "must be stream or cp_aligned",
+         config.data.packing)
+    need(config.data.packing == "stream" or config.data.document_mask, "data.packing",
+         "cp_aligned needs data.document_mask = true (padding and documents must not attend across)",
+         config.data.packing)
     need(bool(config.data.path), "data.path", "must name token shards written by `mplan data prepare`", config.data.path)
     need(c.interval >= 0, "checkpoint.interval", "must be >= 0 (0: only at the end)", c.interval)
     need(c.keep_latest >= 1, "checkpoint.keep_latest", "must be at least 1", c.keep_latest)

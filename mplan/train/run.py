@@ -7,7 +7,8 @@ Hugging Face export, profiler traces (`observe.py`).
 
 In order, every rank alike:
 1. the data (`mplan.data.TokenShards` + `PackedLoader`: packed, shuffled from `train.seed`,
-   each DP rank reading its own rows) and the model, built from its spec with the data's
+   each DP rank reading its own rows; `data.packing = "cp_aligned"` packs the windows for the
+   plan's cp ranks once the plan is known) and the model, built from its spec with the data's
    vocabulary and `train.seq_len` (a family spec's own are replaced; a Hugging Face or factory
    model must already hold the data's vocabulary);
 2. `mplan.autoparallel` under `plan.spec` (`auto`: the planner searches on the graph that runs);
@@ -76,6 +77,9 @@ def train(config: TrainConfig, *, progress: Any = None) -> RunSummary:
                             hang_timeout_s=config.plan.hang_timeout_s or None, cuda_graphs=config.plan.cuda_graphs,
                             document_mask=config.data.document_mask)
     del model
+    if config.data.packing != "stream":  # windows packed for the plan's cp ranks
+        loader = PackedLoader(shards, seq_len=t.seq_len, global_batch=t.global_batch, seed=t.seed,
+                              packing=config.data.packing, shares=pm.plan.mesh.cp)
     s = config.schedule
     schedule = make_schedule(pm.optimizer.optimizer, warmup=s.warmup_steps, total=t.steps, decay=s.decay,
                              min_ratio=s.min_lr_ratio)
