@@ -31,16 +31,16 @@ against fixed CP on the plain loader's windows, the fraction of windows the rule
 padding fraction, and dynamic CP's upper bound for reference.
 
 Printed on 2026-12-06 with --packing cp_aligned --sequences 64 (predictions; 64 packed sequences'
-worth of documents per mix, 65 cp-aligned windows): the runtime's rule runs 83% / 74% / 62% of
-the cp-aligned windows at cp=1 on Wikipedia's published mix at cp=8 / 16 / 32 (web 85/74/55%,
-long-mix 35/31/22%; the rest hold documents longer than S / cp or ones the balance set aside),
-against 0% of the loader's windows; padding is 1.5% of the tokens (0.8% long-mix), most of it the
-last, partly filled window of so short a stream (0.9-1.8% inside Wikipedia's aligned windows). Per real
-token, against fixed CP on the loader's windows: Wikipedia 0.99x at cp=8 (in a node the exchange
-hides and cp=1 pays the 5% work imbalance the rule allows and the padding), 1.92x at cp=16,
-1.96x at cp=32 (web 1.00x / 1.90x / 1.78x, long-mix 1.02x / 1.23x / 1.20x), where dynamic CP's
-upper bound on the same documents is 2.79x / 4.74x at cp=16 / 32: two sizes leave every window
-with a document longer than S / cp over the whole group.
+worth of documents per mix, 65 cp-aligned windows): the runtime's rule runs 83% / 74% / 62% of the
+cp-aligned windows at cp=1 on Wikipedia's published mix at cp=8 / 16 / 32 (web 85/74/55%, long-mix
+35/31/22%; the rest hold documents longer than S / cp or ones the balance set aside), against 0% of
+the loader's windows; padding is 1.5% of the tokens (0.8% long-mix), most of it the last, partly
+filled window of so short a stream (0.9-1.8% inside Wikipedia's aligned windows). Per real token,
+against fixed CP on the loader's windows: Wikipedia 0.99x at cp=8 (in a node the exchange hides and
+cp=1 pays the 5% work imbalance the rule allows and the padding), 1.92x at cp=16, 1.96x at cp=32
+(web 1.00x / 1.90x / 1.78x, long-mix 1.02x / 1.23x / 1.20x), where dynamic CP's upper bound on the
+same documents is 2.79x / 4.74x at cp=16 / 32: two sizes leave every window with a document longer
+than S / cp over the whole group.
 
 Length mixes:
     wikipedia   PUBLISHED: English Wikipedia's documents per token-length bin, from the dataset
@@ -186,9 +186,10 @@ def main() -> None:
             if args.packing == "cp_aligned":
                 rows[-1].update(aligned_row(mix, cluster, args.seq_len, cp, price.fixed_s))
                 r = rows[-1]
-                print(f"{'':9s}   cp-aligned packing: {r['aligned_windows']} windows, {r['aligned_whole']:.0%} at cp=1, "
-                      f"padding {r['aligned_padding']:.1%}: predicted per real token two-size "
-                      f"{r['aligned_speedup']:.2f}x fixed CP on the loader's windows (dynamic bound {price.speedup:.2f}x)")
+                print(f"{'':9s}   cp-aligned packing: {r['aligned_windows']} windows, {r['aligned_whole']:.0%} "
+                      f"at cp=1, padding {r['aligned_padding']:.1%}: predicted per real token two-size "
+                      f"{r['aligned_speedup']:.2f}x fixed CP on the loader's windows "
+                      f"(dynamic bound {price.speedup:.2f}x)")
     if args.packing == "cp_aligned":
         write_aligned(args, profile, rows)
         return

@@ -192,7 +192,8 @@ def documents_cp_aligned() -> dict[str, Any]:
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(directory)
-    return {**errors(pm, losses, norms, _separately(make, data, steps_lengths, rows_per_micro=1)), "cp": pm.plan.mesh.cp,
+    reference = _separately(make, data, steps_lengths, rows_per_micro=1)
+    return {**errors(pm, losses, norms, reference), "cp": pm.plan.mesh.cp,
             "sizes": sizes, "aligned": aligned, "padding": padding}
 
 

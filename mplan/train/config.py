@@ -116,8 +116,8 @@ class DataSection:
     packing: str = "stream"
     """stream: windows cut from the token stream wherever they end; cp_aligned: windows packed so
     their documents deal whole onto the plan's cp ranks with balanced work, which the runtime then
-    runs at cp=1 with no K/V exchange (`mplan.data.cp_packing`; a few % padding, label -100; needs
-    document_mask, and a resume under another cp is refused: other windows)."""
+    runs at cp=1 with no K/V exchange where a micro-batch is one row (`mplan.data.cp_packing`; about
+    1.5% padding, label -100; needs document_mask; a resume under another cp is refused: other windows)."""
 
 
 @dataclass(frozen=True)
