@@ -291,13 +291,18 @@ def test_a_split_backward_gets_both_gradients_and_then_frees_them() -> None:
 
 # -- memory model -----------------------------------------------------------------------------------
 def test_default_chunks_and_the_memory_formula_at_llama_shapes() -> None:
-    """bf16 chunks of 4096 rows at a 32000 vocabulary (256 MiB of logits), 2048 at 128256 (the
-    fewest rows whose d_W traffic stays near 5% of the GEMMs). At 16384 tokens, hidden 4096,
-    vocabulary 128256: the op keeps d_x and d_W (1.1 GiB) and peaks 501 MiB above that, where the
-    unfused logits alone are 3.9 GiB."""
-    assert default_chunk_rows(32000, 2) == 4096 and default_chunk_rows(128256, 2) == 2048
-    assert default_chunk_rows(151936, 2) == 2048  # at least MIN_CHUNK_ROWS, whatever the vocabulary
-    assert default_chunk_rows(50, 8) == 1 << 19  # small vocabularies: 256 MiB of logits a chunk
+    """bf16 chunks of 4096 rows at a 32000 vocabulary (256 MiB of logits) on a 4096-wide head, 2048
+    at 128256 (the fewest rows whose d_W traffic stays near 5% of the GEMMs). A narrower head caps
+    the rows at its width, down to 1024: a chunk's logits never outgrow the d_W the op keeps (a
+    Gemma-3's 1152-wide head at 262144 tokens of vocabulary: 1024 rows, 512 MiB, not 1 GiB). At
+    16384 tokens, hidden 4096, vocabulary 128256: the op keeps d_x and d_W (1.1 GiB) and peaks 501
+    MiB above that, where the unfused logits alone are 3.9 GiB."""
+    assert default_chunk_rows(32000, 2, 4096) == 4096 and default_chunk_rows(128256, 2, 4096) == 2048
+    assert default_chunk_rows(151936, 2, 2048) == 2048  # at least MIN_CHUNK_ROWS on a head as wide
+    assert default_chunk_rows(32000, 2, 2048) == 2048  # 4096 rows of logits would outgrow d_W
+    assert default_chunk_rows(262144, 2, 1152) == 1024 and default_chunk_rows(151936, 2, 1024) == 1024
+    assert default_chunk_rows(50, 8, 64) == 1024  # a tiny head: the width floor
+    assert default_chunk_rows(50, 8, 1 << 20) == 1 << 19  # small vocabularies: 256 MiB of logits a chunk
     tokens, hidden, vocab, bf16 = 16384, 4096, 128256, 2
     saved = (tokens * hidden + vocab * hidden) * bf16
     got = linear_cross_entropy_bytes(tokens, hidden, vocab, bf16)

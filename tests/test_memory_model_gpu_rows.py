@@ -71,10 +71,12 @@ def test_what_the_tensors_hold_is_predicted_within_2_percent_of_the_measured_pea
 
 
 def test_the_plans_memory_is_that_prediction_with_the_allocator_margin_on_top(rows) -> None:
-    """The 9.4-10.5% over the measured peaks is the margin, nothing the tensors hold."""
+    """The 9.4-10.5% over the measured peaks is the margin, nothing the tensors hold. (The run's own
+    predictions were made with the fused head's 4096-row chunks at this 2048-wide head; the
+    default is 2048 rows since session 15, 128 MiB less, so today's prediction is not the run's.)"""
     for row, _, allocated, planned in rows:
         assert planned.peak_memory_bytes == pytest.approx(allocated.peak_memory_bytes * (1 + FRAGMENTATION_FRACTION))
-        assert planned.peak_memory_bytes / GiB == pytest.approx(row["predicted"]["memory_gib"], rel=1e-6)
+        assert 0 < row["predicted"]["memory_gib"] - planned.peak_memory_bytes / GiB < 0.15
 
 
 def test_the_optimizer_state_is_the_runtimes_bytes_per_parameter(rows) -> None:

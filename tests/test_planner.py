@@ -325,7 +325,7 @@ def test_a_model_that_cannot_fit_names_the_cause_and_what_would():
 def test_a_mesh_that_does_not_divide_the_world_is_one_clear_error():
     graph = planning_graph(gpt(4, 1024, 16))
     planner = Planner(graph, ClusterSpec.preset("dgx-a100", nodes=1))
-    with pytest.raises(PlanningError, match=r"'dp=3,tp=2,pp=1': dp x tp x pp = 3 x 2 x 1 = 6 ranks, but the cluster has 8 GPUs"):
+    with pytest.raises(PlanningError, match=r"'dp=3,tp=2,pp=1': dp x tp x pp = 3 x 2 x 1 = 6 does not divide the cluster's 8 GPUs"):
         planner.search(48, parse_plan_spec("dp=3,tp=2,pp=1"))
     with pytest.raises(PlanningError, match="does not divide the model's 16 attention heads"):
         planner.search(48, parse_plan_spec("tp=3"))

@@ -56,7 +56,13 @@ Liger does. Measured on the H200 (bf16, errors against float64 unfused ops, norm
 gradient is computed in fp32 from the logits and rounded once).
 
 Chunk (`default_chunk_rows`): the largest power of two whose logits fit CHUNK_LOGIT_BYTES (256
-MiB), but at least MIN_CHUNK_ROWS (2048). Hidden and vocabulary do not enter the speed: each
+MiB), but at least MIN_CHUNK_ROWS (2048); and no more rows than the head's width (a power of two,
+at least WIDTH_FLOOR_ROWS, 1024), so a chunk's logits (rows x V) are never larger than the d_W
+(V x H) the op keeps anyway. The width bound binds on narrow models with large vocabularies: a
+Gemma-3 of hidden 1152 (262k vocabulary) held 1 GiB of logits in a 2048-row chunk and peaked 1.158x
+Liger Kernel's memory on an H100 (peers_h100-2026-12-06-session14-b.json; Liger's chunks hold
+about as many logits as x has elements); at 1024 rows it holds half that, for one more d_W pass
+per 2048 rows (~0.4 ms there). Hidden and vocabulary do not enter the speed: each
 chunk's fixed cost is reading and writing d_W (2 V H s bytes), against GEMM work of 6 rows V H
 flops, so the share of that fixed cost is F s / (3 rows BW) on a device of F flop/s and BW
 bytes/s, rows alone: about 5% at 2048 rows on the H200, 23% at 512. Measured forward + backward
@@ -170,8 +176,11 @@ CHUNK_LOGIT_BYTES = 256 << 20
 """A chunk's logits fit this (256 MiB) unless MIN_CHUNK_ROWS rows are more (vocabularies over
 64k tokens in bf16)."""
 MIN_CHUNK_ROWS = 2048
-"""Fewest rows of a default chunk: below it the per-chunk d_W read and write costs over 5% of
-the GEMMs on the H200 (module docstring, Chunk)."""
+"""Fewest rows of a default chunk on a head at least that wide: below it the per-chunk d_W read
+and write costs over 5% of the GEMMs on the H200 (module docstring, Chunk)."""
+WIDTH_FLOOR_ROWS = 1024
+"""Fewest rows of a default chunk on a narrower head (module docstring, Chunk): about 10% of the
+GEMMs in d_W traffic on the H200 (23% at 512)."""
 
 # One vocabulary block of one row per program (the shape of cross_entropy_loss's gradient
 # kernel, whose autotuner measured 98-100% of copy bandwidth on the H200). In place, so the
@@ -241,11 +250,13 @@ def _scale_in_place(grad: torch.Tensor, d_loss: torch.Tensor) -> None:
         grad.mul_(d_loss)
 
 
-def default_chunk_rows(vocab: int, itemsize: int) -> int:
+def default_chunk_rows(vocab: int, itemsize: int, hidden: int) -> int:
     """Rows per chunk when the caller names none: the largest power of two whose [rows, vocab]
-    logits fit CHUNK_LOGIT_BYTES, at least MIN_CHUNK_ROWS."""
+    logits fit CHUNK_LOGIT_BYTES, at least MIN_CHUNK_ROWS, but no more than the largest power of
+    two within the head's width `hidden`, at least WIDTH_FLOOR_ROWS (module docstring, Chunk)."""
     fitting = max(1, CHUNK_LOGIT_BYTES // max(1, vocab * itemsize))
-    return max(MIN_CHUNK_ROWS, 1 << (fitting.bit_length() - 1))
+    budget = max(MIN_CHUNK_ROWS, 1 << (fitting.bit_length() - 1))
+    return min(budget, max(WIDTH_FLOOR_ROWS, 1 << (max(1, hidden).bit_length() - 1)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,14 +280,15 @@ def linear_cross_entropy_bytes(rows: int, hidden: int, vocab: int, itemsize: int
 
 
 def chunk_bytes(rows: int, vocab: int, itemsize: int, chunk_rows: int | None = None, *, bias: bool = False,
-                hidden: int | None = None) -> int:
+                hidden: int, x_grad: bool = True) -> int:
     """The forward's working memory beyond what the op saves: one chunk's logits (their gradient
     is written in place), its row statistics and, with a bias, its rows of the bias gradient.
-    `hidden`: x's width when x wants a gradient, whose rows of d_x hold the block-stats partials
-    if they fit (module docstring, Memory); None: they take memory of their own."""
-    chunk = min(rows, chunk_rows or default_chunk_rows(vocab, itemsize))
+    `hidden`: the head's width (the default chunk reads it); where x wants a gradient (`x_grad`)
+    its rows of d_x hold the block-stats partials if they fit (module docstring, Memory), else
+    they take memory of their own."""
+    chunk = min(rows, chunk_rows or default_chunk_rows(vocab, itemsize, hidden))
     partials = 8 * -(-vocab // _MIN_PART_V)
-    stats_per_row = 64 + (0 if hidden is not None and partials <= hidden * itemsize else partials)
+    stats_per_row = 64 + (0 if x_grad and partials <= hidden * itemsize else partials)
     return chunk * (logits_row_bytes(vocab, itemsize) + stats_per_row + (itemsize if bias else 0))
 
 
@@ -529,7 +541,7 @@ def _apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lab
         loss_dtype = torch.float32
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     wanted = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad for t in (x, weight, bias))
-    chunk = chunk_rows or default_chunk_rows(weight.shape[0], rows.element_size())
+    chunk = chunk_rows or default_chunk_rows(weight.shape[0], rows.element_size(), weight.shape[1])
     with no_autocast:
         return LinearCrossEntropyFunction.apply(rows, weight, bias, labels.reshape(-1).contiguous(), vocab_start,
                                                 ignore_index, reductions, chunk, loss_dtype, wanted, upcast, transform)

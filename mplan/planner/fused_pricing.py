@@ -127,7 +127,7 @@ class HeadChunking:
         """Rows per chunk the op takes when the plan names none."""
         from mplan.kernels.head_loss import default_chunk_rows  # loads Triton: only graphs with the fused head pay
 
-        return min(self.rows, default_chunk_rows(self.vocab, dtype_bytes(self.dtype)))
+        return min(self.rows, default_chunk_rows(self.vocab, dtype_bytes(self.dtype), self.hidden))
 
     def working_bytes(self, chunk_rows: int | None = None) -> int:
         """One chunk's logits and row statistics (`kernels.head_loss.chunk_bytes`); None: the default chunk."""
