@@ -301,6 +301,14 @@ def _dynamic_cp(data: dict) -> tuple[str, ...]:
             percent(max(r["two_size_whole"] for r in wiki.values()), 0))
 
 
+def _cp_aligned(data: dict) -> tuple[str, ...]:
+    """The cp-aligned packing on Wikipedia's mix at cp=8, 16, 32: the windows the runtime's rule runs
+    at cp=1 (%), the padding (%, one figure: the same at every cp), the speed-up per real token."""
+    wiki = {r["cp"]: r for r in data["rows"] if r["mix"] == "wikipedia"}
+    return (*(str(round(wiki[cp]["aligned_whole"] * 100)) for cp in (8, 16, 32)),
+            fixed(wiki[8]["aligned_padding"] * 100, 1), *(fixed(wiki[cp]["aligned_speedup"], 2) for cp in (8, 16, 32)))
+
+
 def _megatron(data: dict) -> tuple[str, ...]:
     rows, spread = _rows(data), data["candidate_spread"]
     return (percent(data["max_abs_error"]), percent(data["mean_abs_error"]),
@@ -852,6 +860,9 @@ CLAIMS: tuple[Claim, ...] = (
           figures=_repriced("smollm2", ("mbs=1", "mbs=2", "mbs=8", "mbs=1,recompute=selective",
                                         "mbs=2,recompute=selective")),
           pattern=r"SmolLM2 (\S+)% / (\S+)% / (\S+)%, selective (\S+)% / (\S+)%: every"),
+    Claim(doc="README.md", source="dynamic_cp_aligned-predicted-2026-12-06.json", figures=_cp_aligned,
+          pattern=r"it runs (\S+) / (\S+) / (\S+)% of Wikipedia's windows at cp=1 for cp = 8 / 16 / 32, (\S+)% padding,\s+"
+                  r"predicted (\S+)x / (\S+)x / (\S+)x fixed CP per real token"),
 )
 
 
