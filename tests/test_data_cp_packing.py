@@ -134,6 +134,38 @@ def test_the_position_resumes_and_other_windows_are_refused(tokens: str) -> None
         loader(packing="aligned")
 
 
+def test_the_pack_is_kept_beside_the_shards_and_checked_when_read(tokens: str, monkeypatch) -> None:
+    """A corpus's pack takes minutes to hours of host time: the loader packs once per dataset,
+    window length and share count and reads the kept file after; a file that does not check out
+    (truncated, or of other shares) is packed again, never trusted."""
+    import os
+
+    from mplan.data import cp_packing, loader as loader_module
+
+    def opened(shares: int = 2) -> PackedLoader:
+        return PackedLoader(tokens, seq_len=SEQ, global_batch=4, seed=1, packing="cp_aligned", shares=shares)
+    path = cp_packing.pack_file(tokens, TokenShards.open(tokens).fingerprint, SEQ, 2)
+    if os.path.exists(path):
+        os.remove(path)
+    first = opened()
+    assert os.path.exists(path)
+    calls = []
+    packer = loader_module.pack_for_shares
+    monkeypatch.setattr(loader_module, "pack_for_shares", lambda *a, **k: calls.append(a) or packer(*a, **k))
+    again = opened()
+    assert calls == [] and again.pack == first.pack  # read back, the same windows
+    with open(path, "r+b") as f:  # half a file: packed again
+        f.truncate(os.path.getsize(path) // 2)
+    assert cp_packing.load_packing(path, SEQ, 2) is None
+    assert opened().pack == first.pack and len(calls) == 1
+    assert cp_packing.load_packing(path, SEQ, 4) is None  # kept for 2 shares: not a pack for 4
+    other = cp_packing.Packing(seq_len=SEQ, shares=2, windows=(cp_packing.Window(segments=((0, 0, 20), (10, 20, 4)),
+                                                                                     aligned=True),))
+    cp_packing.save_packing(other, path)  # overlapping segments: refused on load
+    assert cp_packing.load_packing(path, SEQ, 2) is None
+    assert opened().pack == first.pack and len(calls) == 2
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["data.packing=aligned"], "data.packing must be stream or cp_aligned, got 'aligned'"),
     (["data.packing=cp_aligned"], "data.packing cp_aligned needs data.document_mask = true"),

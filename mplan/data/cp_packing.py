@@ -33,9 +33,12 @@ Cost, stated: padding computes (GEMMs and its own one-token attention) but train
 fraction is `Packing.padding` (about 1.5% on 64 windows of 128k tokens of Wikipedia's published
 length mix, most of it the stream's last window: benchmarks/dynamic_cp.py --packing cp_aligned).
 The pack is a pure function of the lengths, S and k (no seed): the loader shuffles the windows'
-order from its seed as it shuffles plain windows. Host time is pure Python, computed once when the
-loader opens: 0.3 s at 8 shares to 2.4 s at 32 for those 11,663 documents, so hours for a corpus
-of ten million; a large corpus needs the deal vectorized or the pack cached beside the shards.
+order from its seed as it shuffles plain windows. Host time is pure Python: 0.3 s at 8 shares to
+2.4 s at 32 for those 11,663 documents, so hours for a corpus of ten million, besides one scan of
+the whole stream for the lengths. So the loader packs once per dataset, window length and share
+count and keeps the pack beside the shards (`save_packing` / `load_packing`: plain arrays, no
+pickle, checked on load; a file that does not check out is packed again, a directory it cannot
+write to packs at every open).
 
 Where it pays: the runtime asks `whole_documents` once per micro-batch and needs every row of it
 to hold the same documents, so windows run at cp=1 only with one row per micro-batch
@@ -43,6 +46,8 @@ to hold the same documents, so windows run at cp=1 only with one row per micro-b
 """
 from __future__ import annotations
 
+import os
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -190,3 +195,48 @@ class _Cutter:
 
     def flush(self) -> list[Window]:
         return [Window(segments=tuple(self.segments), aligned=False)] if self.segments else []
+
+
+PACK_VERSION = 1
+"""Bumped when `pack_for_shares` or its defaults change: a kept pack of another version is packed again."""
+
+
+def pack_file(directory: str, fingerprint: str, seq_len: int, shares: int) -> str:
+    """Where the pack of the dataset with `fingerprint` for these windows and shares is kept."""
+    return os.path.join(directory, f"cp_pack-v{PACK_VERSION}-{fingerprint[:16]}-{seq_len}x{shares}.npz")
+
+
+def save_packing(packing: Packing, path: str) -> None:
+    """Write `packing` to `path` as plain arrays (atomically: a reader never sees half a file)."""
+    counts = np.array([len(w.segments) for w in packing.windows], dtype=np.int64)
+    segments = np.array([seg for w in packing.windows for seg in w.segments], dtype=np.int64).reshape(-1, 3)
+    partial = f"{path}.{os.getpid()}.partial"
+    with open(partial, "wb") as f:
+        np.savez(f, meta=np.array([PACK_VERSION, packing.seq_len, packing.shares], dtype=np.int64),
+                 counts=counts, segments=segments, aligned=np.array([w.aligned for w in packing.windows]))
+    os.replace(partial, path)
+
+
+def load_packing(path: str, seq_len: int, shares: int) -> Packing | None:
+    """The pack kept at `path` for these windows and shares, or None where there is none or it does
+    not check out (another version, shape or shares; segments outside their window or overlapping)."""
+    try:
+        with np.load(path, allow_pickle=False) as kept:
+            meta, counts, segments, aligned = (kept[k] for k in ("meta", "counts", "segments", "aligned"))
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):  # absent, truncated, not ours
+        return None
+    if (meta.tolist() != [PACK_VERSION, seq_len, shares] or counts.ndim != 1 or segments.ndim != 2
+            or segments.shape[1] != 3 or aligned.shape != counts.shape or aligned.dtype != np.bool_
+            or int(counts.sum()) != len(segments) or (counts < 1).any()):
+        return None
+    windows, at = [], 0
+    for count, flag in zip(counts.tolist(), aligned.tolist()):
+        window = tuple(tuple(seg) for seg in segments[at:at + count].tolist())
+        at += count
+        edge = 0
+        for offset, start, tokens in window:
+            if offset < edge or tokens < 1 or start < 0 or offset + tokens > seq_len:
+                return None
+            edge = offset + tokens
+        windows.append(Window(segments=window, aligned=flag))
+    return Packing(seq_len=seq_len, shares=shares, windows=tuple(windows))

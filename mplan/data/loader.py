@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mplan.data.cp_packing import Packing, pack_for_shares
+from mplan.data.cp_packing import Packing, load_packing, pack_file, pack_for_shares, save_packing
 from mplan.data.document_lengths import document_lengths
 from mplan.data.errors import DataError
 from mplan.data.shards import TokenShards
@@ -92,7 +92,7 @@ class PackedLoader:
         self.pack: Packing | None = None
         """The cp-aligned windows (None: fixed cuts of the stream)."""
         if packing == "cp_aligned":
-            self.pack = pack_for_shares(document_lengths(self.shards.directory), self.seq_len, self.shares)
+            self.pack = self._cp_pack()
             self.num_sequences = len(self.pack.windows)
         else:
             self.num_sequences = (self.shards.num_tokens - 1) // self.seq_len
@@ -103,6 +103,20 @@ class PackedLoader:
         self.consumed_samples = 0
         """The first sample of the next step `next_batch` serves (the checkpointed position)."""
         self._permutations: dict[int, np.ndarray] = {}
+
+    def _cp_pack(self) -> Packing:
+        """The cp-aligned windows: the pack kept beside the shards, else packed now and kept there
+        (`cp_packing`: a corpus's pack takes minutes to hours of host time)."""
+        path = pack_file(self.shards.directory, self.data_fingerprint, self.seq_len, self.shares)
+        kept = load_packing(path, self.seq_len, self.shares)
+        if kept is not None:
+            return kept
+        packing = pack_for_shares(document_lengths(self.shards.directory), self.seq_len, self.shares)
+        try:
+            save_packing(packing, path)
+        except OSError:  # a read-only dataset: packed again at the next open, never wrong
+            pass
+        return packing
 
     @property
     def data_fingerprint(self) -> str:
