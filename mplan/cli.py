@@ -160,7 +160,12 @@ def _plan(args: argparse.Namespace) -> int:
     from mplan.planner.planning import plan
 
     _check_vocab(args)
-    made = plan(args.model, cluster=_cluster(args), global_batch=args.global_batch, spec=args.spec,
+    if args.documents is not None:  # a directory that is no prepared shards: refused before the capture
+        from mplan.train.packing_advice import check_documents
+
+        check_documents(args.documents)
+    cluster = _cluster(args)
+    made = plan(args.model, cluster=cluster, global_batch=args.global_batch, spec=args.spec,
                 seq_len=args.seq_len, allow_cross_node_tp=args.allow_cross_node_tp, kernels=args.kernels,
                 fp8=args.fp8, runtime=args.runtime, moe_imbalance=args.moe_imbalance, progress=_progress(args),
                 inexact_ok=args.allow_inexact)
@@ -168,6 +173,7 @@ def _plan(args: argparse.Namespace) -> int:
         made.save(args.output)
     if args.json:
         print(made.to_json())
+        _print_documents(args, made, cluster, file=sys.stderr)  # stdout holds the Plan JSON alone
         return 0
 
     from mplan.planner.explain import render
@@ -175,7 +181,19 @@ def _plan(args: argparse.Namespace) -> int:
     render(made, _console())
     if args.output:
         print(f"plan written to {args.output}; planning took {made.planner.get('total_seconds', 0):.2f} s")
+    _print_documents(args, made, cluster, file=sys.stdout)
     return 0
+
+
+def _print_documents(args: argparse.Namespace, made: Any, cluster: Any, *, file: Any) -> None:
+    """`--documents TOKENS`: the data's mix of lengths priced for the plan's cp (`mplan.train.packing_advice`)."""
+    if args.documents is None:
+        return
+    from mplan.models.spec import resolve_model
+    from mplan.train.packing_advice import documents_section
+
+    source = resolve_model(args.model, seq_len=args.seq_len, vocab=args.vocab)
+    print("\n".join(documents_section(args.documents, made, source, cluster)), file=file)
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -556,6 +574,8 @@ def _parser() -> argparse.ArgumentParser:
                         "zero=1) or Megatron-LM's (fp32 masters, gradients and moments at any zero)")
     p.add_argument("--moe-imbalance", type=at_least_one, default=1.0,
                    help="MoE models: the busiest expert-parallel rank's token load over the mean (1.0: uniform)")
+    p.add_argument("--documents", default=None, metavar="TOKENS",
+                   help="prepared token shards: price their mix of lengths under the plan's cp (predicted)")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--json", action="store_true", help="print the plan JSON and nothing else")
     quiet_arg(p)

@@ -60,7 +60,7 @@ RUN = {
     "mplan inspect MODEL [--batch B] [--seq-len S] [--shallow] [--json]": FULL,
     "mplan plan MODEL --global-batch B [--cluster C] [--nodes N] [--gpus-per-node G] [--seq-len S] [--vocab V] "
     "[--spec SPEC] [--allow-cross-node-tp] [--kernels | --no-kernels] [--fp8] [--runtime mplan|megatron] "
-    "[--moe-imbalance X] [-o plan.json] [--json] [-q]": FULL,
+    "[--moe-imbalance X] [--documents TOKENS] [-o plan.json] [--json] [-q]": FULL,
     "mplan explain plan.json [--gantt schedule.png] [--json]": BARE,
     "mplan bench MODEL --global-batch B [--cluster C] [--nodes N] [--gpus-per-node G] [--seq-len S] [--vocab V] "
     "[--plans SPEC [SPEC ...]] [--measure [--profile]] [--moe-imbalance X] [--csv out.csv] [--out rows.json] [--json] "
@@ -125,7 +125,7 @@ PLACEHOLDERS = {
     "B": "16", "S": "32", "V": "128", "N": "1", "G": "8", "X": "1.1", "C": "dgx-h100",
     "SPEC": "tp=2", "SPEC_OR_PLAN_JSON": "tp=2,dp=2",
     "DIR": "ckpt", "SRC": "ckpt", "DST": "out", "INPUTS...": "texts/a.txt", "FILE": "data.jsonl", "PATTERN": "*/tests/*",
-    "KEY=VALUE": "train.steps=3", "A:B": "1:2",
+    "KEY=VALUE": "train.steps=3", "A:B": "1:2", "TOKENS": "tokens",
 }
 """Placeholder word of a command line -> the small real value the check gives it. File names
 (plan.json, cluster.json, schedule.png, ...) stay as written: the run's directory holds a real
@@ -632,11 +632,14 @@ def test_every_variant_of_every_command_line_parses(text: str) -> None:
 @pytest.fixture(scope="module")
 def files_commands_read(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory holding what documented commands read: plan.json (a plan of PLACEHOLDERS'
-    MODEL on one DGX H100, its layout given rather than searched: it only has to be a real plan)
-    and cluster.json (the dgx-h100 preset)."""
+    MODEL on one DGX H100, its layout given rather than searched: it only has to be a real plan),
+    cluster.json (the dgx-h100 preset) and tokens (token shards of a few lines)."""
     import mplan
+    from mplan.data import prepare
 
     folder = tmp_path_factory.mktemp("doc-files")
+    (folder / "text.txt").write_text("".join(f"line {i} of a tiny corpus\n" for i in range(40)), encoding="utf-8")
+    prepare(str(folder / "text.txt"), str(folder / "tokens"), vocab_size=300, progress=None)
     cluster = mplan.ClusterSpec.preset("dgx-h100")
     cluster.to_json(str(folder / "cluster.json"))
     mplan.plan(PLACEHOLDERS["MODEL"], cluster=cluster, global_batch=16,
@@ -652,6 +655,7 @@ def test_the_cheap_command_lines_run(command: DocCommand, files_commands_read: P
                                      monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     for name in ("plan.json", "cluster.json"):
         shutil.copy(files_commands_read / name, tmp_path / name)
+    shutil.copytree(files_commands_read / "tokens", tmp_path / "tokens")
     monkeypatch.chdir(tmp_path)
     argv = mplan_argv(fill(variants(command.text)[RUN[command.text]]))
     assert argv is not None
