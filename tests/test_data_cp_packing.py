@@ -12,17 +12,17 @@ Exactness of training on such windows under cp=2 is in tests/test_context_docume
 from __future__ import annotations
 
 import json
-import random
 
 import numpy as np
 import pytest
 import torch
 
-from mplan.data import DataError, PackedLoader, TokenShards, prepare
+from mplan.data import DataError, PackedLoader, TokenShards
 from mplan.data.cp_packing import pack_for_shares
 from mplan.data.loader import packed_document_ids
 from mplan.ir.attention_mask import doc_ids_from_lengths
 from mplan.ir.context_layout import whole_documents
+from short_documents import short_documents
 
 SEQ = 32
 
@@ -78,12 +78,7 @@ def test_packing_refuses_shares_that_do_not_divide_the_window() -> None:
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory) -> str:
     """Shards of 120 short documents (1-14 words), so a share of 16 tokens holds whole ones."""
-    root = tmp_path_factory.mktemp("cp_packing")
-    words = "the of and to in is was for on that with as by at from his her an be are".split()
-    chooser = random.Random(0)
-    lines = [" ".join(chooser.choice(words) for _ in range(chooser.randint(1, 14))) for _ in range(120)]
-    (root / "docs.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in lines) + "\n", encoding="utf-8")
-    return prepare(str(root / "docs.jsonl"), str(root / "tokens"), vocab_size=300, progress=None)["directory"]
+    return short_documents(tmp_path_factory.mktemp("cp_packing"), 120)
 
 
 def test_an_epoch_trains_every_token_once_and_padding_trains_nothing(tokens: str) -> None:

@@ -5,17 +5,16 @@ from __future__ import annotations
 import glob
 import json
 import os
-import random
 import re
 import time
 
 import pytest
 
 from mplan.cli import main
-from mplan.data import prepare
 from mplan.models.spec import resolve_model
 from mplan.planner.dynamic_context import LayerShape
 from mplan.planner.model_shape import ShapeUnknown, layer_shape
+from short_documents import short_documents
 
 LLAMA = "llama:layers=2,hidden=64,heads=4,kv_heads=2,seq=64,vocab=300,ffn=128"
 GPT = "gpt:layers=2,hidden=64,heads=4,seq=64,vocab=300"
@@ -24,12 +23,7 @@ GPT = "gpt:layers=2,hidden=64,heads=4,seq=64,vocab=300"
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory) -> str:  # noqa: ANN001
     """Shards of 400 short documents (1-14 words), so a share of 32 tokens holds whole ones."""
-    root = tmp_path_factory.mktemp("plan_documents")
-    words = "the of and to in is was for on that with as by at from his her an be are".split()
-    chooser = random.Random(0)
-    lines = [" ".join(chooser.choice(words) for _ in range(chooser.randint(1, 14))) for _ in range(400)]
-    (root / "docs.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in lines) + "\n", encoding="utf-8")
-    return prepare(str(root / "docs.jsonl"), str(root / "tokens"), vocab_size=300, progress=None)["directory"]
+    return short_documents(tmp_path_factory.mktemp("plan_documents"), 400)
 
 
 def _plan(capsys, *args: str) -> tuple[int, str, str]:  # noqa: ANN001
