@@ -135,7 +135,7 @@ def test_the_pack_is_kept_beside_the_shards_and_checked_when_read(tokens: str, m
     (truncated, or of other shares) is packed again, never trusted."""
     import os
 
-    from mplan.data import cp_packing, loader as loader_module
+    from mplan.data import cp_packing
 
     def opened(shares: int = 2) -> PackedLoader:
         return PackedLoader(tokens, seq_len=SEQ, global_batch=4, seed=1, packing="cp_aligned", shares=shares)
@@ -145,8 +145,8 @@ def test_the_pack_is_kept_beside_the_shards_and_checked_when_read(tokens: str, m
     first = opened()
     assert os.path.exists(path)
     calls = []
-    packer = loader_module.pack_for_shares
-    monkeypatch.setattr(loader_module, "pack_for_shares", lambda *a, **k: calls.append(a) or packer(*a, **k))
+    packer = cp_packing.pack_for_shares
+    monkeypatch.setattr(cp_packing, "pack_for_shares", lambda *a, **k: calls.append(a) or packer(*a, **k))
     again = opened()
     assert calls == [] and again.pack == first.pack  # read back, the same windows
     with open(path, "r+b") as f:  # half a file: packed again

@@ -35,10 +35,10 @@ length mix, most of it the stream's last window: benchmarks/dynamic_cp.py --pack
 The pack is a pure function of the lengths, S and k (no seed): the loader shuffles the windows'
 order from its seed as it shuffles plain windows. Host time is pure Python: 0.3 s at 8 shares to
 2.4 s at 32 for those 11,663 documents, so hours for a corpus of ten million, besides one scan of
-the whole stream for the lengths. So the loader packs once per dataset, window length and share
-count and keeps the pack beside the shards (`save_packing` / `load_packing`: plain arrays, no
-pickle, checked on load; a file that does not check out is packed again, a directory it cannot
-write to packs at every open).
+the whole stream for the lengths. So a pack is made once per dataset, window length and share
+count and kept beside the shards (`kept_packing`, which the loader and `mplan plan --documents`
+share; `save_packing` / `load_packing`: plain arrays, no pickle, checked on load; a file that does
+not check out is packed again, a directory it cannot write to packs at every open).
 
 Where it pays: the runtime asks `whole_documents` once per micro-batch and needs every row of it
 to hold the same documents, so windows run at cp=1 only with one row per micro-batch
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import os
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -204,6 +204,24 @@ PACK_VERSION = 1
 def pack_file(directory: str, fingerprint: str, seq_len: int, shares: int) -> str:
     """Where the pack of the dataset with `fingerprint` for these windows and shares is kept."""
     return os.path.join(directory, f"cp_pack-v{PACK_VERSION}-{fingerprint[:16]}-{seq_len}x{shares}.npz")
+
+
+def kept_packing(directory: str, fingerprint: str, lengths: Callable[[], Sequence[int]], seq_len: int,
+                 shares: int) -> Packing:
+    """The pack of the shards in `directory` (of `fingerprint`) for these windows and shares: the one
+    kept beside them, else `pack_for_shares` of `lengths()` (the stream's document lengths, read only
+    then: a scan of the whole stream), kept there for the next open. A directory it cannot write to
+    (a read-only dataset) packs again at every open, never wrongly."""
+    path = pack_file(directory, fingerprint, seq_len, shares)
+    kept = load_packing(path, seq_len, shares)
+    if kept is not None:
+        return kept
+    packing = pack_for_shares(lengths(), seq_len, shares)
+    try:
+        save_packing(packing, path)
+    except OSError:
+        pass
+    return packing
 
 
 def save_packing(packing: Packing, path: str) -> None:

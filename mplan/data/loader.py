@@ -39,8 +39,9 @@ runs them at cp=1 with no K/V exchange. A window's padding is EOS ids (each its 
 the stream. Sample `s` is still window `perm_e[s % num_sequences]`, `num_sequences` now the pack's
 windows, so `consumed_samples` keeps its meaning; the state also holds "packing" and "shares",
 and a resume under another packing or another share count (other windows) is refused in one line.
-The pack reads every document's length at open (`document_lengths`: one scan of the stream) and
-every token is in exactly one window of an epoch.
+The pack is the one kept beside the shards (`cp_packing.kept_packing`), else made at open from
+every document's length (`document_lengths`: one scan of the stream) and kept; every token is in
+exactly one window of an epoch.
 
 Megatron's GPTDataset is the model (samples of seq_len + 1 tokens from a shuffled index, the
 position as consumed samples in the checkpoint). What differs: windows are fixed cuts of the
@@ -58,7 +59,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mplan.data.cp_packing import Packing, load_packing, pack_file, pack_for_shares, save_packing
+from mplan.data.cp_packing import Packing, kept_packing
 from mplan.data.document_lengths import document_lengths
 from mplan.data.errors import DataError
 from mplan.data.shards import TokenShards
@@ -92,7 +93,8 @@ class PackedLoader:
         self.pack: Packing | None = None
         """The cp-aligned windows (None: fixed cuts of the stream)."""
         if packing == "cp_aligned":
-            self.pack = self._cp_pack()
+            self.pack = kept_packing(self.shards.directory, self.shards.fingerprint,
+                                     lambda: document_lengths(self.shards.directory), self.seq_len, self.shares)
             self.num_sequences = len(self.pack.windows)
         else:
             self.num_sequences = (self.shards.num_tokens - 1) // self.seq_len
@@ -103,20 +105,6 @@ class PackedLoader:
         self.consumed_samples = 0
         """The first sample of the next step `next_batch` serves (the checkpointed position)."""
         self._permutations: dict[int, np.ndarray] = {}
-
-    def _cp_pack(self) -> Packing:
-        """The cp-aligned windows: the pack kept beside the shards, else packed now and kept there
-        (`cp_packing`: a corpus's pack takes minutes to hours of host time)."""
-        path = pack_file(self.shards.directory, self.data_fingerprint, self.seq_len, self.shares)
-        kept = load_packing(path, self.seq_len, self.shares)
-        if kept is not None:
-            return kept
-        packing = pack_for_shares(document_lengths(self.shards.directory), self.seq_len, self.shares)
-        try:
-            save_packing(packing, path)
-        except OSError:  # a read-only dataset: packed again at the next open, never wrong
-            pass
-        return packing
 
     @property
     def data_fingerprint(self) -> str:

@@ -11,8 +11,9 @@ windows deal, at some padding. Whether that buys time depends on the data's mix 
 the cp, so it is priced on the data itself, for the plan's own cp:
 
     loader      the plain loader's windows (the stream cut every seq_len tokens), fixed CP
-    cp-aligned  the loader's `packing="cp_aligned"` windows for shares = cp (the pack kept beside
-                the shards, so `mplan train` reuses it), under the runtime's two-size rule
+    cp-aligned  the loader's `packing="cp_aligned"` windows for shares = cp (`cp_packing.kept_packing`:
+                the pack kept beside the shards, which `mplan train` reuses, made from the lengths
+                already read where there is none), under the runtime's two-size rule
     dynamic     power-of-two dynamic CP on the loader's windows' documents: an upper bound
 
 compared per REAL token (padding computes but trains nothing). At most `MAX_WINDOWS` windows of
@@ -28,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mplan.cost_models.cluster import ClusterSpec
+from mplan.data.cp_packing import kept_packing
 from mplan.data.document_lengths import document_lengths
-from mplan.data.loader import PackedLoader
 from mplan.data.shards import TokenShards
 from mplan.models.spec import ModelSource
 from mplan.planner.dynamic_context import (LayerShape, LengthMix, cut_documents, price_dynamic_context,
@@ -77,7 +78,7 @@ def price_documents(directory: str, lengths: np.ndarray, plan: Plan, layer: Laye
     cp, seq_len, method = plan.mesh.cp, plan.model.seq_len, plan.mesh.cp_method
     loader_windows = _spaced(LengthMix(lengths=tuple(cut_documents(lengths.tolist(), seq_len)),
                                        source=directory).windows(seq_len))
-    pack = PackedLoader(directory, seq_len=seq_len, global_batch=1, packing="cp_aligned", shares=cp).pack
+    pack = kept_packing(directory, TokenShards.open(directory).fingerprint, lambda: lengths.tolist(), seq_len, cp)
     aligned = _spaced(pack.windows)
     if cp & (cp - 1) == 0:
         mix = LengthMix(lengths=tuple(n for w in loader_windows for n in w), source=directory)
