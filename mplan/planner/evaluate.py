@@ -469,7 +469,8 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
                     tokens_per_s=sequences * facts.seq_len / step, bubble_fraction=bubble,
                     compute_s=busy, comm_s=tp_comm + a2a + zero_comm + 2 * (config.pp - 1) * p2p + exposed,
                     memory=tuple(memory), stage_bounds=cut.bounds, chunk_forward_s=chunk_f, chunk_backward_s=chunk_b,
-                    chunk_weight_s=chunk_w, chunk_accumulate_s=accumulate, p2p_s=p2p, grad_sync_s=tuple(syncs), optimizer_s=opt, a2a_s=a2a,
+                    chunk_weight_s=chunk_w, chunk_accumulate_s=accumulate, p2p_s=p2p, grad_sync_s=tuple(syncs),
+                    optimizer_s=opt, a2a_s=a2a,
                     zero_comm_s=zero_comm, dp_links=links,
                     experts_per_rank=moe.experts_per_rank,
                     moe_imbalance=facts.moe_imbalance if moe.experts_per_rank else 0.0, reason=reason,
@@ -494,8 +495,8 @@ def _accumulation_s(config: ParallelConfig, facts: ModelFacts, compute: ComputeC
     accumulations = m - 1 if config.dp == 1 else m
     if facts.runtime != "mplan" or accumulations <= 0:
         return (0.0,) * len(bounds)
-    return tuple(compute.memory_bound_time(3 * per.grad * sum(moe.dense_params[lo:hi]) + 3 * per.grad
-                                           * sum(moe.expert_params[lo:hi])) * accumulations / m for lo, hi in bounds)
+    params = [sum(moe.dense_params[lo:hi]) + sum(moe.expert_params[lo:hi]) for lo, hi in bounds]
+    return tuple(compute.memory_bound_time(3 * per.grad * n) * accumulations / m for n in params)
 
 
 def _lean_head_chunk(units: Sequence[UnitCost], bounds: tuple[tuple[int, int], ...], chunk_f: tuple[float, ...],

@@ -13,11 +13,11 @@ search (`search.Planner.search`) runs the same function on the captured graph's 
 config passes, so a refusal reads the same whichever finds it.
 
 Invariant: it refuses only what `parallel_config.enumerate_configs` would admit no config for
-(a superset of its checks would refuse plans that run): dp x tp x pp fills the world, tp divides
-the heads and stays in a node (unless allowed), pp at most the layers, dp divides the global
-batch, ep needs experts and divides them and dp x cp, mbs divides each replica's share, zero among the
-levels searched (at dp=1 only when the spec names it: the search itself tries zero > 0 only
-where dp > 1), sites 1 or the cluster's and dividing dp, and a flat plan (sites=1) on a cluster of
+(a superset of its checks would refuse plans that run): dp x cp x tp x pp fills the world (a cp
+left out takes what the others leave), tp divides the heads and stays in a node (unless allowed),
+pp at most the layers, dp divides the global batch, ep needs experts and divides them and dp x cp,
+mbs divides each replica's share, zero among the levels searched (at dp=1 only when the spec names
+it: the search itself tries zero > 0 only where dp > 1), sites 1 or the cluster's and dividing dp, and a flat plan (sites=1) on a cluster of
 several sites without pipeline stages (its pipelines would cross sites, `MeshShape.check_sites`).
 """
 from __future__ import annotations
