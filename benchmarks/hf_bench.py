@@ -36,7 +36,8 @@ Run on the GPU (about a minute per model, most of it the CPU-side capture and th
 A model whose process outlived --timeout-s after writing its rows (they are rewritten after each
 plan) is judged on them; `--rejudge` re-reads an earlier run's rows files from the folder beside
 --out (`<stem>_work/`) and rewrites its judgements, running nothing.
-Priced again on a CPU after a cost-model change, beside an earlier run's measurements:
+Priced again on a CPU after a cost-model change, beside earlier runs' measurements (several runs of
+one config join, e.g. a later call that measured the rows an earlier one's budget cut):
     PYTHONPATH=. python3 benchmarks/hf_bench.py --reprice benchmarks/results/hf_measure_h100-2026-12-06-qwen3.json \
         --cluster benchmarks/results/profile_h100-2026-12-06-graphed.json --out /tmp/repriced.json
 Smoke test on a CPU (tiny configs, one gloo rank, the cpu cluster preset; nothing is judged):
@@ -161,19 +162,20 @@ def bench_one(config: Path, rows_path: Path, *, cluster: str, global_batch: int,
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "mplan", "bench",
                str(config), "--cluster", cluster, "--global-batch", str(global_batch), "--seq-len", str(seq_len),
                "--plans", *plans, "--measure", "--out", str(rows_path)]
+    # the output goes to a file as it comes, so a process killed at the timeout still leaves its
+    # progress lines (each phase's and each row's seconds): where the time went
+    log = rows_path.with_suffix(".log")
     started = time.perf_counter()
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
-                              env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", ".")})
-    except subprocess.TimeoutExpired:  # the rows are rewritten after each plan: a late exit may still have them
-        result = {"error": f"no exit within {timeout_s:.0f} s", "wall_s": round(time.perf_counter() - started, 1)}
-        if rows_path.exists():
-            result["rows"] = json.loads(rows_path.read_text())
-        return result
-    result: dict[str, Any] = {"command": " ".join(command[1:]), "returncode": done.returncode,
-                              "wall_s": round(time.perf_counter() - started, 1), "stdout": done.stdout[-4000:]}
-    if done.returncode != 0:
-        result["stderr"] = done.stderr[-4000:]
+    result: dict[str, Any] = {"command": " ".join(command[1:]), "log": log.name}
+    with log.open("w", encoding="utf-8") as sink:
+        try:
+            result["returncode"] = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, text=True,
+                                                  timeout=timeout_s, env={**os.environ, "PYTHONPATH":
+                                                                          os.environ.get("PYTHONPATH", ".")}).returncode
+        except subprocess.TimeoutExpired:  # the rows are rewritten after each plan: a late exit may still have them
+            result["error"] = f"no exit within {timeout_s:.0f} s"
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    result["output_tail"] = log.read_text(encoding="utf-8", errors="replace")[-4000:]
     if rows_path.exists():
         result["rows"] = json.loads(rows_path.read_text())
     return result
@@ -215,42 +217,63 @@ def rejudge(out: Path) -> int:
     return 0
 
 
-def reprice(measured: Path, out: Path, cluster: str) -> int:
-    """Price an earlier run's configs and plans again with this checkout's cost model (`mplan bench`
-    without --measure, on `cluster`) and set each price beside that run's measured step: how a cost
+def reprice(measured: list[Path], out: Path, cluster: str) -> int:
+    """Price earlier runs' configs and plans again with this checkout's cost model (`mplan bench`
+    without --measure, on `cluster`) and set each price beside its run's measured step: how a cost
     model change moves the error on steps already measured, with no GPU. The configs are the ones the
-    run wrote (kept in its report), the plans the ones it measured."""
+    runs wrote (kept in their reports), the plans the ones they measured. Several runs of one model
+    (a later call measuring the rows an earlier one's budget cut) join when their config, batch and
+    sequence agree; each row names the run it was measured in."""
     import torch
     import transformers
 
-    then = json.loads(measured.read_text())
+    runs = [(path, json.loads(path.read_text())) for path in measured]
+    first = runs[0][1]
     work = Path(tempfile.mkdtemp(prefix="hf_reprice_"))
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "machine": "cpu (prices only)", "torch": torch.__version__,
-        "transformers": transformers.__version__, "measured_in": measured.name, "measured_on": then.get("gpu"),
-        "cluster": os.path.basename(cluster), "global_batch": then["global_batch"], "seq_len": then["seq_len"],
+        "transformers": transformers.__version__, "measured_in": [path.name for path, _ in runs],
+        "measured_on": sorted({then.get("gpu") for _, then in runs if then.get("gpu")}),
+        "cluster": os.path.basename(cluster), "global_batch": first["global_batch"], "seq_len": first["seq_len"],
         "method": "`mplan bench CONFIG` (no --measure) on this checkout; error is predicted / measured - 1 against "
                   "the measured run's step", "models": {}}
-    for name, result in then["models"].items():
-        rows = [r for r in result.get("rows", {}).get("plans", []) if (r.get("measured") or {}).get("step_time_s")]
+    measured_rows: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    configs: dict[str, dict[str, Any]] = {}
+    for path, then in runs:
+        if (then["global_batch"], then["seq_len"]) != (first["global_batch"], first["seq_len"]):
+            raise SystemExit(f"{path.name}: global batch {then['global_batch']} and sequence {then['seq_len']}, "
+                             f"where {runs[0][0].name} has {first['global_batch']} and {first['seq_len']}")
+        for name, result in then["models"].items():
+            if configs.setdefault(name, result["config"]) != result["config"]:
+                raise SystemExit(f"{path.name}: model {name}'s config differs from an earlier run's")
+            measured_rows.setdefault(name, []).extend(
+                (path.name, r) for r in result.get("rows", {}).get("plans", [])
+                if (r.get("measured") or {}).get("step_time_s"))
+    for name, rows in measured_rows.items():
         if not rows:
             continue
         config = work / f"{name}.json"
-        config.write_text(json.dumps(result["config"]))
+        config.write_text(json.dumps(configs[name]))
         priced = work / f"{name}_rows.json"
         command = [sys.executable, "-m", "mplan", "bench", str(config), "--cluster", cluster, "--global-batch",
-                   str(then["global_batch"]), "--seq-len", str(then["seq_len"]), "--plans",
-                   *(r["spec"] for r in rows), "--out", str(priced)]
+                   str(first["global_batch"]), "--seq-len", str(first["seq_len"]), "--plans",
+                   *dict.fromkeys(r["spec"] for _, r in rows), "--out", str(priced)]
         done = subprocess.run(command, capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", ".")})
         if done.returncode != 0:
             raise SystemExit(f"mplan bench failed on {name}:\n{done.stderr[-3000:]}")
-        now = {r["spec"]: r["predicted"]["step_time_s"] for r in json.loads(priced.read_text())["plans"]}
+        now = {r["spec"]: r for r in json.loads(priced.read_text())["plans"]}
+        for source, r in rows:  # a spec leaves keys to the search: the price must be of the plan that ran
+            if now[r["spec"]]["resolved_spec"] != r["resolved_spec"]:
+                raise SystemExit(f"{name} {r['spec']}: {source} measured {r['resolved_spec']}, this checkout "
+                                 f"resolves {now[r['spec']]['resolved_spec']}")
         report["models"][name] = [
-            {"spec": r["spec"], "measured_step_s": r["measured"]["step_time_s"],
-             "predicted_then_s": r["predicted"]["step_time_s"], "predicted_now_s": now[r["spec"]],
+            {"spec": r["spec"], "measured_in": source, "measured_step_s": r["measured"]["step_time_s"],
+             "predicted_then_s": r["predicted"]["step_time_s"],
+             "predicted_now_s": now[r["spec"]]["predicted"]["step_time_s"],
              "error_then": r["predicted"]["step_time_s"] / r["measured"]["step_time_s"] - 1,
-             "error_now": now[r["spec"]] / r["measured"]["step_time_s"] - 1} for r in rows]
+             "error_now": now[r["spec"]]["predicted"]["step_time_s"] / r["measured"]["step_time_s"] - 1}
+            for source, r in rows]
         for row in report["models"][name]:
             print(f"{name} {row['spec']}: {row['error_then']:+.1%} -> {row['error_now']:+.1%}", flush=True)
     out.write_text(json.dumps(report, indent=1))
@@ -271,16 +294,16 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=None, help="per model (default: the set's)")
     parser.add_argument("--rejudge", action="store_true",
                         help="run nothing: judge --out's models again on the rows files of its run")
-    parser.add_argument("--reprice", default=None, metavar="MEASURED_JSON",
-                        help="measure nothing: price an earlier run's configs and plans again on this machine "
-                             "(--cluster: the profile that run priced on) beside its measurements")
+    parser.add_argument("--reprice", nargs="+", default=None, metavar="MEASURED_JSON",
+                        help="measure nothing: price earlier runs' configs and plans again on this machine "
+                             "(--cluster: the profile to price on) beside their measurements")
     args = parser.parse_args()
     if args.rejudge:
         return rejudge(Path(args.out))
     if args.reprice:
         if not args.cluster:
-            parser.error("--reprice needs --cluster: the profile the measured run priced on")
-        return reprice(Path(args.reprice), Path(args.out), args.cluster)
+            parser.error("--reprice needs --cluster: the profile to price on")
+        return reprice([Path(p) for p in args.reprice], Path(args.out), args.cluster)
     chosen = SETS[args.configs]
     models = args.models.split(",") if args.models else list(chosen.models)
     if unknown := [m for m in models if m not in chosen.models]:

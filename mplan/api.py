@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from mplan.cost_models.cluster import ClusterSpec
+from mplan.cost_models.cluster import ClusterSpec, require_cluster
 from mplan.ir.graph import Graph
 from mplan.ir.trace import capture_for_training
 from mplan.models.config import GPTConfig, LlamaConfig, MoEConfig
@@ -111,7 +111,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
     world = init_distributed_from_env()
     world_size = world.size() if world is not None else 1
     run_on = torch.device(device) if device is not None else _default_device()
-    cluster = cluster or _local_cluster(world_size)
+    cluster = _local_cluster(world_size) if cluster is None else require_cluster(cluster, "autoparallel(cluster=...)")
     inputs = tuple(example_inputs)
     use_kernels = run_on.type == "cuda" if kernels is None else kernels
     if cuda_graphs:

@@ -130,6 +130,21 @@ def test_one_device_without_a_process_group() -> None:
     assert max(rel_err(state[k], v) for k, v in ref_state.items() if k not in key_bias) < 1e-12
 
 
+def test_a_cluster_given_by_name_or_path_is_refused_in_one_line() -> None:
+    """The Python API takes a ClusterSpec; a preset's name or a profile's path given instead is one
+    line naming the three ways to make one, before the capture, not an AttributeError from the planner."""
+    import mplan
+    from mplan.cost_models.cluster import ClusterSpecError
+
+    data = batches(4, steps=1)
+    with pytest.raises(ClusterSpecError, match=r"autoparallel\(cluster=...\): expected a mplan\.ClusterSpec .*"
+                                               r"got str 'profile\.json'"):
+        mplan.autoparallel(family("tiny-gpt")(), example_inputs=(data[0][0],), optimizer=OPTIMIZER, global_batch=4,
+                           plan="dp=1", cluster="profile.json")
+    with pytest.raises(ClusterSpecError, match=r"mplan\.plan\(cluster=...\): .*got str 'h200'"):
+        mplan.plan(family("tiny-gpt")(), (data[0][0],), cluster="h200", global_batch=4)
+
+
 def test_fp8_on_a_cpu_is_refused_naming_why() -> None:
     """FP8 GEMMs need CUDA capability >= 8.9: asking for them elsewhere is one clear error
     before anything trains, never a silent bf16 fallback."""

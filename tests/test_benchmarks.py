@@ -234,6 +234,9 @@ def test_hf_measure_benchmark_measures_every_row_of_every_config(tmp_path: Path)
     report = json.loads(out.read_text())
     assert set(report["models"]) == {"qwen3", "smollm2", "gemma"}
     assert report["summary"]["rows"] == report["summary"]["measured"] == 6, report["summary"]
+    # each bench's output is kept as it comes (a process killed at its timeout still says where its time went)
+    log = tmp_path / "hf_measure_work" / report["models"]["gemma"]["log"]
+    assert "mplan: capture" in log.read_text(), log.read_text()[-2000:]
 
 
 @pytest.mark.script_smoke

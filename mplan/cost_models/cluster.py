@@ -360,3 +360,13 @@ def _read_sites(r: FieldReader, num_nodes: int) -> Sites:
                  source=sites.string("source") if sites.has("source") else "")
     sites.finish()
     return spec
+
+
+def require_cluster(value: Any, where: str) -> ClusterSpec:
+    """`value` if it is a ClusterSpec; otherwise one line naming what came and how to make one.
+    A preset's name or a file's path handed to the Python API would else fail deep inside the
+    planner with an AttributeError, after the capture's seconds."""
+    if isinstance(value, ClusterSpec):
+        return value
+    raise ClusterSpecError(f"{where}: expected a mplan.ClusterSpec (ClusterSpec.preset(name), ClusterSpec."
+                           f"from_json(path) or ClusterSpec.local()), got {type(value).__name__} {value!r:.80}")

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from mplan.cost_models.cluster import ClusterSpec
+from mplan.cost_models.cluster import ClusterSpec, require_cluster
 from mplan.ir.graph import Graph
 from mplan.ir.trace import capture, capture_for_training
 from mplan.planner.parallel_config import DEFAULT_RUNTIME, PlanSpec, parse_plan_spec
@@ -107,6 +107,7 @@ def plan(model: nn.Module | str, example_inputs: Sequence[Any] | None = None, *,
     Progress, a mode name such as "quiet", a callback, or None for a live line on a terminal and
     one line per phase in a log)."""
     check_batch(global_batch, seq_len)  # before the capture: a bad number costs nothing
+    cluster = require_cluster(cluster, "mplan.plan(cluster=...)")
     if fp8 and not cluster.device.peak_fp8:
         raise PlanError(f"fp8=True: {cluster.device.name} has no FP8 tensor cores (no fp8 peak in its cluster spec)")
     start = time.perf_counter()
