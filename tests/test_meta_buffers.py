@@ -145,15 +145,36 @@ def test_mplan_rope_tables_and_hf_inv_freq_are_recomputed_exactly() -> None:
 
 def test_a_complex_parameter_the_rule_leaves_unset_is_refused() -> None:
     """The NaN sentinel of parameters covers complex dtypes too."""
-    from mplan.passes.shard_parameters import _init_module_copy
+    from mplan.passes.shard_parameters import _ModuleInitializer
 
     with torch.device("meta"):
         model = HFStyle(torch.float64, "fills")
     model.tables.register_parameter("phase", nn.Parameter(torch.empty(4, dtype=torch.complex128, device="meta")))
     with pytest.raises(TypeError, match=r"parameter tables\.phase \(complex128\) is on the meta device and "
                                         r"HFStyle's _init_weights leaves it uninitialized"):
-        _init_module_copy(model, "tables.phase", 0, model._init_weights)
-    assert torch.isfinite(_init_module_copy(model, "tables.proj.weight", 0, model._init_weights)).all()
+        _ModuleInitializer(model, 0, model._init_weights, None)("tables.phase")
+    assert torch.isfinite(_ModuleInitializer(model, 0, model._init_weights, None)("tables.proj.weight")).all()
+
+
+def test_a_module_is_initialized_once_for_all_its_parameters() -> None:
+    """A weight and its bias come from one run of the rule on one copy of their module (a module's
+    init ran once per parameter, and a 2.5B model spent minutes there), each still checked."""
+    from mplan.passes.shard_parameters import _ModuleInitializer
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
+    calls: list[str] = []
+
+    def rule(module: nn.Module) -> None:
+        calls.append(type(module).__name__)
+        module.reset_parameters()
+
+    read = _ModuleInitializer(model, 0, rule, None)
+    values = {name: read(name) for name in ("0.weight", "0.bias", "1.weight", "1.bias")}
+    assert calls == ["Linear", "Linear"], calls
+    assert all(torch.isfinite(v).all() for v in values.values())
+    other_rank = _ModuleInitializer(model, 0, rule, None)  # every rank draws the same full parameter
+    assert all(torch.equal(other_rank(name), value) for name, value in values.items())
 
 
 # -- end to end: the issue's model, tp=2 on two gloo ranks --------------------------------------------
