@@ -101,8 +101,7 @@ def _run_row(row: Row, text: str, *, early: str | None, planner: Planner | None,
             row["measured"] = _measure(model, cluster, best, global_batch=global_batch, seq_len=seq_len,
                                        vocab=vocab, profile=profile, built=agreement.point)
             if row["measured"].get("step_time_s"):
-                allocated = planner.evaluate(best.config, fast=True, fragmentation=0.0)
-                row["measured"]["prediction_error"] = _prediction_error(row["measured"], best, allocated)
+                row["measured"]["prediction_error"] = _prediction_error(row["measured"], row["predicted"])
         errors = agreement.finish(None)
     except Exception as exc:  # noqa: BLE001 - any failure is this row's, reported in it; the next row runs
         errors = agreement.finish(None if isinstance(exc, _FailedElsewhere) else _failure(exc))
@@ -149,6 +148,8 @@ def _plan_row(planner: Planner | None, row: Row, text: str, early: str | None, g
     row.update(spec=text, resolved_spec=c.spec(), fits=best.fits,
                mesh={"dp": c.dp, "tp": c.tp, "pp": c.pp, "ep": c.ep, "vpp": c.vpp, "cp": c.cp, "sites": c.sites},
                predicted=_predicted_dict(best))
+    # the peak without the planner's fragmentation margin: what torch.cuda.max_memory_allocated counts
+    row["predicted"]["allocated_gib"] = planner.evaluate(c, fast=True, fragmentation=0.0).peak_memory_bytes / 2**30
     if c.ep > 1:
         progress(f"planning {text} without expert parallelism")
         row["without_ep"] = _without_ep(planner, global_batch, spec, best)
@@ -259,13 +260,13 @@ def rankings(rows: Sequence[Row]) -> dict[str, list[str]]:
             "measured": [r["spec"] for r in sorted(timed, key=lambda r: r["measured"]["step_time_s"])]}
 
 
-def _prediction_error(measured: dict[str, Any], predicted: Any, allocated: Any) -> dict[str, Any]:
+def _prediction_error(measured: dict[str, Any], predicted: dict[str, Any]) -> dict[str, Any]:
     """Predicted over measured, minus one (below zero: the planner was low): the step time, and the
-    peak memory as the prediction without the planner's fragmentation margin (`allocated`), the
+    peak memory as the prediction without the planner's fragmentation margin (`allocated_gib`), the
     like of what torch.cuda.max_memory_allocated counts (None off CUDA, where no peak is measured)."""
     peak = measured.get("peak_memory_gib")
-    allocated_gib = allocated.peak_memory_bytes / 2**30
-    return {"step_time": predicted.step_time_s / measured["step_time_s"] - 1,
+    allocated_gib = predicted["allocated_gib"]
+    return {"step_time": predicted["step_time_s"] / measured["step_time_s"] - 1,
             "predicted_allocated_gib": allocated_gib,
             "peak_memory": allocated_gib / peak - 1 if peak else None}
 

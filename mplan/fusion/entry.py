@@ -99,6 +99,11 @@ class FusedSave:
     made_in_chunks: tuple[str, ...] = ()
     """on a chain's anchor: chain values the kernel makes one chunk of rows at a time (the head's
     logits); each is `chunked` (MADE_IN_CHUNKS) rather than merely inside"""
+    gradients_in_forward: bool = False
+    """the kernel makes its inputs' gradients in forward and holds them on its autograd context,
+    saving no tensor for autograd (the fused head + loss): torch's non-reentrant checkpoint stops
+    re-running a region once every tensor it saved is back, so a recomputation that ends at such
+    a kernel never re-runs it, and its `extra` (the gradients) stays whatever is recomputed"""
 
 
 INSIDE_A_KERNEL = FusedSave(inside=True)

@@ -159,7 +159,7 @@ def _keeps_linear_cross_entropy(m: PatternMatch) -> FusedSave:
     """d_x, d_W (d_b): the head's inputs' sizes; no logits at all (the head's are made in chunks)."""
     head = m.chain[0].name
     return FusedSave((), tuple((head, f"input{i}") for i in range(3 if m.params["bias"] is not None else 2)),
-                     made_in_chunks=(head,))
+                     made_in_chunks=(head,), gradients_in_forward=True)
 
 
 _CE_PRICE = MeasuredPricing(

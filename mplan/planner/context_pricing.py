@@ -397,6 +397,9 @@ def rank_units(config: ParallelConfig, units: Sequence[UnitCost], attention: Seq
             comm_forward_s=unit.comm_forward_s * share + ex_f, comm_backward_s=unit.comm_backward_s * share + ex_b,
             saved_bytes=int(unit.saved_bytes * share + saved), selective_bytes=int(unit.selective_bytes * share + saved),
             selective_extra_s=unit.selective_extra_s * share, input_bytes=int(unit.input_bytes * share),
+            # the head + loss runs on the rank's share of tokens; the gradients it holds are mostly
+            # its weight's (held_bytes), whole on every cp rank, so they stay as they are
+            unrecomputed_forward_s=unit.unrecomputed_forward_s * share,
             largest_op_bytes=int(max([unit.largest_op_bytes * share, *(e.transient_bytes for e in ex)])),
             host_forward=unit.host_forward.with_device(unit.host_forward.device_s * share + added_f + ex_f),
             host_backward=unit.host_backward.with_device(unit.host_backward.device_s * share + added_b + ex_b)))

@@ -268,7 +268,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     has_experts = any(held is not None for held in experts)
     moe = _price_experts(config, units, experts, cluster, compute, facts.moe_imbalance)
     per = _bytes_per_param(config, facts)
-    bwd = [b + {"none": 0.0, "selective": u.selective_extra_s, "full": f}[config.recompute]
+    bwd = [b + {"none": 0.0, "selective": u.selective_extra_s, "full": f - u.unrecomputed_forward_s}[config.recompute]
            for u, f, b in zip(units, moe.forward_s, moe.backward_s)]
     issue = host_timing(cluster)  # each op's host time queued against the device (unit_costs.chunk_*_s)
     # zero 2/3's collectives of each unit, after recomputation: a re-run forward reads the weights
@@ -295,7 +295,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     in_flight = in_flight_of(config)
     # what a unit keeps of one micro-batch under the plan's recomputation, for the stage cut's memory
     kept = [activation_bytes_kept(recompute=config.recompute, activation_bytes=saved, num_in_flight=1,
-                                  selective_activation_bytes=selective, checkpoint_bytes=u.input_bytes)
+                                  selective_activation_bytes=selective, checkpoint_bytes=u.input_bytes + u.held_bytes)
             for u, saved, selective in zip(units, moe.saved_bytes, moe.selective_bytes)]
 
     def unit_memory(u: int, chunk: int) -> float:
@@ -387,7 +387,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     # every rank of thousands of configs): the largest working memory at the fused head's default
     # chunk, the inputs a checkpoint keeps, the TP gradient sync's bytes
     workspaces = [max(2 * u.largest_op_bytes, u.working_bytes(None)) for u in units]
-    input_bytes = [u.input_bytes for u in units]
+    input_bytes = [u.input_bytes + u.held_bytes for u in units]  # what a full recomputation keeps
     tp_sync_bytes = [u.tp_grad_sync_bytes for u in units]
     memory, syncs, opt = [], [], 0.0
     holdings: list[tuple[list[int], int, int]] = []  # per pipeline rank: its units, dense and expert parameters

@@ -101,10 +101,11 @@ def find_fused_saves(graph: Graph) -> dict[str, FusedSave]:
         return {}
     saves: dict[str, FusedSave] = {}
     for kernel, match in fused_chains(graph):
-        inside = replace(INSIDE_A_KERNEL, kernel=kernel)
-        saves.update({node.name: inside for node in match.chain if node.name in graph})
         kept = entry(kernel).keeps(match)
-        saves.update({name: MADE_IN_CHUNKS for name in kept.made_in_chunks if name in graph})
+        inside = replace(INSIDE_A_KERNEL, kernel=kernel, gradients_in_forward=kept.gradients_in_forward)
+        saves.update({node.name: inside for node in match.chain if node.name in graph})
+        chunked = replace(MADE_IN_CHUNKS, gradients_in_forward=kept.gradients_in_forward)
+        saves.update({name: chunked for name in kept.made_in_chunks if name in graph})
         saves[match.anchor.name] = replace(kept, kernel=kernel)
     return saves
 

@@ -39,7 +39,7 @@ from mplan.ir.op_table import persistent_inputs
 from mplan.ir.placement import R, Shard
 from mplan.ir.strategy import Strategy
 from mplan.cost_models.host_queue import HostQueue, queued_makespan
-from mplan.planner.fused_pricing import HeadChunking, head_chunking
+from mplan.planner.fused_pricing import HeadChunking, extra_saved_bytes, head_chunking
 from mplan.planner.host_cost import grad_values, op_host
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.op_registry import shard_bytes
@@ -71,6 +71,12 @@ class UnitCost:
     selective_bytes: int  # activations kept under selective recomputation (its inputs included)
     selective_extra_s: float  # forward seconds re-run in backward under selective recomputation (collectives included)
     input_bytes: int  # the unit's inputs (local) as it keeps them: what full recomputation keeps
+    # what a fused kernel's autograd context holds from forward to backward (the head + loss's
+    # gradients, `FusedSave.gradients_in_forward`): kept under every recomputation, in selective_bytes too
+    held_bytes: int = 0
+    # forward seconds of the unit's last ops that a recomputation never re-runs: a kernel that makes
+    # its gradients in forward saves no tensor, and torch's checkpoint stops once every saved one is back
+    unrecomputed_forward_s: float = 0.0
     largest_op_bytes: int  # largest single op's local output: a transient bound
     # the fused head + loss, when this unit runs it: its chunk of logits is the unit's working memory
     head: HeadChunking | None = None
@@ -112,17 +118,27 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
     seen_params: set[str] = set()
     num_params = largest_param = 0
     glue: list[tuple[str, int]] = []
+    held = 0
+    trailing = 0.0  # forward seconds since the last op that saves a tensor for autograd
     for node in graph.nodes_of(nodes):
         s = sharding.choice[node.name]
-        if node.kind in _KEEP_UNDER_SELECTIVE:
+        fused = coster.saves.get(node.name)
+        # the fused head's logits are never whole: one chunk at a time, inside its kernel, which saves none
+        if node.kind in _KEEP_UNDER_SELECTIVE and not (fused is not None and fused.chunked):
             selective_saved.add(graph.storage_root(node.name))
             kept_extra += node.saved_extra_bytes // (n if s.split else 1)  # attention's logsumexp
-        fused = coster.saves.get(node.name)
+        if fused is not None and fused.gradients_in_forward and not fused.inside:
+            held += extra_saved_bytes(graph, fused) // (n if s.split else 1)
         chunks = -(-head.rows // head.default_rows) if head is not None and fused is not None and \
             fused.kernel == "linear_cross_entropy" else 1
         op_cost, op_host_s = coster.op(node, s), op_host(node, host, fused=fused, needs_grad=needs_grad,
                                                           head_chunks=chunks)
         forward_ops.append(HostQueue.op(op_host_s.forward_s, op_cost.forward_s))
+        # nothing for autograd: a kernel that made its gradients in forward, a view, or an op no gradient
+        # flows through (the labels' shift between the head and the loss)
+        saves_nothing = (fused is not None and fused.gradients_in_forward) or node.kind in ("view", "getitem", "scalar") \
+            or not any(a in needs_grad for a in node.inputs)
+        trailing = trailing + op_cost.forward_s if saves_nothing else 0.0
         backward_ops.append(HostQueue.op(op_host_s.backward_s, op_cost.backward_s))
         if node.kind not in _KEEP_UNDER_SELECTIVE and node.kind not in ("view", "getitem", "scalar"):
             extra += op_cost.forward_s
@@ -144,7 +160,7 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
             num_params += numel
             largest_param = max(largest_param, numel)
             glue.append((param, numel))
-    selective_bytes = input_bytes + kept_extra + sum(
+    selective_bytes = input_bytes + held + kept_extra + sum(
         shard_bytes(meta, sharding.choice[r].output if r in sharding.choice else sharding.boundary, n)
         for r in selective_saved - read_outside if r not in graph.params and (meta := value_meta(graph, r)) is not None)
     return UnitCost(name=name, block_type=block_type, forward_s=sharding.forward_s, backward_s=sharding.backward_s,
@@ -156,6 +172,7 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
                     selective_bytes=selective_bytes,
                     # the reshards' collectives re-run too: the runtime's policy caches no collective
                     selective_extra_s=extra + sharding.comm_forward_s, input_bytes=input_bytes,
+                    held_bytes=held, unrecomputed_forward_s=trailing,
                     largest_op_bytes=largest, head=head,
                     host_forward=HostQueue.sequence(forward_ops), host_backward=HostQueue.sequence(reversed(backward_ops)),
                     selective_host_s=selective_host, num_param_tensors=len(seen_params))
