@@ -80,6 +80,9 @@ UNSEEN: dict[str, tuple[str, dict[str, Any]]] = {
                                   rope_theta=10000.0, hidden_activation="gelu_pytorch_tanh")),
 }
 """The unseen set: each config's transformers class and its published shape."""
+FULL_SHAPE = (8, 2048)
+"""global batch and sequence length of every run (SMALL_SHAPE: the smoke test's)"""
+SMALL_SHAPE = (2, 32)
 SMALL = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              intermediate_size=128, vocab_size=128, max_position_embeddings=64)
 """An unseen config's sizes in the smoke test (the seen set's tiny sizes are hf_models's)."""
@@ -201,20 +204,48 @@ def judge(rows: dict[str, Any], *, target: float) -> list[dict[str, Any]]:
     return judged
 
 
-def rejudge(out: Path) -> int:
-    """Judge an earlier report's models on the rows files its run left (module docstring)."""
-    report = json.loads(out.read_text())
-    target = SETS[report.get("configs", "seen")].target
+def rejudge(out: Path, configs: str, small: bool) -> int:
+    """Judge an earlier report's models on the rows files its run left (module docstring); a model
+    whose rows exist but whose report entry does not (the run was killed in it) is added, and so is
+    the report itself where the run was killed before writing one (then its versions are unknown)."""
     work = out.parent / (out.stem + "_work")
+    if out.exists():
+        report = json.loads(out.read_text())
+    else:
+        report = {"configs": configs, "recovered": "the run was killed before writing its report: rebuilt from the "
+                                                   "rows and configs in its work folder; versions not recorded",
+                  "models": {}}
+    target = SETS[report.get("configs", configs)].target
+    for rows in sorted(work.glob("*_rows.json")):
+        name = rows.name.removesuffix("_rows.json")
+        if name not in report["models"] and (work / f"{name}.json").exists():
+            report["models"][name] = {"config": json.loads((work / f"{name}.json").read_text()),
+                                      "error": "killed before its report entry was written"}
+        plans = json.loads(rows.read_text()).get("plans", [])
+        batch, seq = SMALL_SHAPE if small else FULL_SHAPE  # what main ran them at
+        report.setdefault("global_batch", batch)
+        report.setdefault("seq_len", seq)
+        report.setdefault("gpu", next((p["measured"]["device"] for p in plans if (p.get("measured") or {}).get("device")),
+                                      None))
     for name, result in report["models"].items():
         rows = work / f"{name}_rows.json"
-        if "rows" not in result and rows.exists():
-            result["rows"] = json.loads(rows.read_text())
+        on_disk = json.loads(rows.read_text()) if rows.exists() else {}
+        # the rows file is rewritten after each plan: a process that outlived its timeout may have added some
+        if len(on_disk.get("plans", [])) > len(result.get("rows", {}).get("plans", [])):
+            result["rows"] = on_disk
             result["rows_read_after_the_run"] = True
         result["judged"] = judge(result.get("rows", {}), target=target)
         print(f"{name}: {json.dumps(result['judged'])}")
+    judged = [row for result in report["models"].values() for row in result["judged"]]
+    report["summary"] = summary(judged)
     out.write_text(json.dumps(report, indent=1))
     return 0
+
+
+def summary(judged: list[dict[str, Any]]) -> dict[str, int]:
+    """How many rows ran, were measured and came within the target."""
+    return {"rows": len(judged), "measured": sum("not_measured" not in r for r in judged),
+            "within_target": sum(bool(r.get("within_target")) for r in judged)}
 
 
 def reprice(measured: list[Path], out: Path, cluster: str) -> int:
@@ -272,10 +303,16 @@ def reprice(measured: list[Path], out: Path, cluster: str) -> int:
              "predicted_then_s": r["predicted"]["step_time_s"],
              "predicted_now_s": now[r["spec"]]["predicted"]["step_time_s"],
              "error_then": r["predicted"]["step_time_s"] / r["measured"]["step_time_s"] - 1,
-             "error_now": now[r["spec"]]["predicted"]["step_time_s"] / r["measured"]["step_time_s"] - 1}
+             "error_now": now[r["spec"]]["predicted"]["step_time_s"] / r["measured"]["step_time_s"] - 1,
+             "measured_peak_gib": r["measured"].get("peak_memory_gib"),
+             "peak_error_then": r["measured"]["prediction_error"]["peak_memory"],
+             "peak_error_now": now[r["spec"]]["predicted"]["allocated_gib"] / r["measured"]["peak_memory_gib"] - 1
+             if r["measured"].get("peak_memory_gib") else None}
             for source, r in rows]
         for row in report["models"][name]:
-            print(f"{name} {row['spec']}: {row['error_then']:+.1%} -> {row['error_now']:+.1%}", flush=True)
+            peak = "" if row["peak_error_now"] is None else \
+                f"; peak {row['peak_error_then']:+.1%} -> {row['peak_error_now']:+.1%}"
+            print(f"{name} {row['spec']}: {row['error_then']:+.1%} -> {row['error_now']:+.1%}{peak}", flush=True)
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
     return 0
@@ -299,7 +336,7 @@ def main() -> int:
                              "(--cluster: the profile to price on) beside their measurements")
     args = parser.parse_args()
     if args.rejudge:
-        return rejudge(Path(args.out))
+        return rejudge(Path(args.out), args.configs, args.small)
     if args.reprice:
         if not args.cluster:
             parser.error("--reprice needs --cluster: the profile to price on")
@@ -319,7 +356,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     cluster, cluster_note = (args.cluster, {"source": "given"}) if args.cluster else \
         cluster_for(args.device, work, timeout_s)
-    batch, seq = (2, 32) if args.small else (8, 2048)
+    batch, seq = SMALL_SHAPE if args.small else FULL_SHAPE
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(),
@@ -331,6 +368,7 @@ def main() -> int:
                   "torch.cuda.max_memory_allocated)",
         "target": f"|step_time_error| and |peak_memory_error| <= {chosen.target:.0%} on every row ({chosen.why})",
         "models": {}}
+    out.write_text(json.dumps(report, indent=1))  # a run killed from outside still leaves its header
     for name in models:
         config = write_config(name, work, small=args.small)
         result = bench_one(config, work / f"{name}_rows.json", cluster=cluster, global_batch=batch, seq_len=seq,
@@ -340,9 +378,7 @@ def main() -> int:
         report["models"][name] = result
         print(f"{name}: {json.dumps(result['judged'])}", flush=True)
         out.write_text(json.dumps(report, indent=1))
-    rows = [row for result in report["models"].values() for row in result["judged"]]
-    report["summary"] = {"rows": len(rows), "measured": sum("not_measured" not in r for r in rows),
-                         "within_target": sum(bool(r.get("within_target")) for r in rows)}
+    report["summary"] = summary([row for result in report["models"].values() for row in result["judged"]])
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}: {json.dumps(report['summary'])}")
     return 0
