@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import copy
 import functools
 import importlib
@@ -69,7 +68,6 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
@@ -103,6 +101,7 @@ from benchmarks.hf_models import (  # noqa: E402
     token_batches,
 )
 from benchmarks.peer_families import Family, families, family  # noqa: E402
+from benchmarks import gpu_trace  # noqa: E402
 from benchmarks.report import Clock, run_header, write_report  # noqa: E402
 from mplan.fusion.coverage import fusion_coverage  # noqa: E402
 
@@ -490,8 +489,8 @@ def parse_args() -> argparse.Namespace:
                         help=f"after timing, profile {PROFILE_STEPS} steps of each system by kernel category")
     parser.add_argument("--gpu-trace", default=None,
                         help="CSV the card's SM clock, power, temperature and clock-event reasons go to every "
-                             f"{GPU_TRACE_MS} ms while the families run (nvidia-smi; steps carry step_began_unix to "
-                             "line up with it)")
+                             f"{gpu_trace.GPU_TRACE_MS} ms while the families run (nvidia-smi; benchmarks/gpu_trace.py "
+                             "lines it up with each system's steps into the JSON's gpu_trace)")
     parser.add_argument("--smoke-child", action="store_true",
                         help="CPU smoke test: run the liger slot's child process with the plain HF model "
                              "(tests the child protocol; its row says stand_in)")
@@ -515,27 +514,6 @@ def parse_args() -> argparse.Namespace:
     if unknown:
         parser.error(f"--own: unknown {', '.join(sorted(unknown))}; known: {', '.join(OWN_KINDS)}")
     return args
-
-
-GPU_TRACE_MS = 100
-GPU_TRACE_FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
-
-
-@contextlib.contextmanager
-def gpu_trace(path: str | None) -> Iterator[None]:
-    """nvidia-smi sampling the card into `path` (CSV, GPU_TRACE_FIELDS) while the block runs: whether
-    a system's steps slow as the card's power management lowers its clock (session 15's question:
-    mplan's graphed steps ran 2-6% slower after the first of each round)."""
-    if path is None:
-        yield
-        return
-    sampler = subprocess.Popen(["nvidia-smi", f"--query-gpu={GPU_TRACE_FIELDS}", "--format=csv,nounits",
-                                f"--loop-ms={GPU_TRACE_MS}", "-f", path])
-    try:
-        yield
-    finally:
-        sampler.terminate()
-        sampler.wait()
 
 
 def main() -> None:
@@ -573,7 +551,7 @@ def main() -> None:
                     "loss_step_rtol": LOSS_STEP_RTOL, "loss_mean_rtol": LOSS_MEAN_RTOL},
         "families": {}, "own": {},
     }
-    with tempfile.TemporaryDirectory() as scratch, gpu_trace(args.gpu_trace):
+    with tempfile.TemporaryDirectory() as scratch, gpu_trace.sampling(args.gpu_trace):
         for name in [n for n in args.families.split(",") if n] + [OWN + kind for kind in args.own.split(",") if kind]:
             table, key = (report["own"], name.removeprefix(OWN)) if name.startswith(OWN) else (report["families"], name)
             if clock.elapsed() > args.budget_s:
@@ -584,6 +562,8 @@ def main() -> None:
                 report["gpu"] = report["gpu"] or table[key].get("gpu")
             report["wall_s"] = round(clock.elapsed(), 1)
             write_report(args.out, report)  # after every family: a later one's failure loses nothing
+    if args.gpu_trace:  # the sampler has stopped: its file is whole
+        write_report(args.out, gpu_trace.annotate(report, args.gpu_trace))
     clock.log(f"wrote {args.out}")
 
 
