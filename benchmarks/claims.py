@@ -127,6 +127,24 @@ def _peers(names: tuple[str, ...]) -> Callable[[dict], tuple[str, ...]]:
     return figures
 
 
+def _traced(family: str) -> Callable[[dict], tuple[str, ...]]:
+    """One family raced beside a clock trace (benchmarks/gpu_trace.py): the ratio to compile, mplan's
+    and compile's step (ms), mplan's, compile's and eager's spread (%), the clock range over every
+    system's steps (MHz), then per system (mplan, compile, eager) its mean power (W) and clock (MHz),
+    then the same three's step-vs-clock correlations."""
+    def figures(data: dict) -> tuple[str, ...]:
+        f = data["families"][family]
+        trace, order = f["gpu_trace"], ("mplan", "compile", "eager")
+        low = min(trace[s]["sm_clock_mhz_range"][0] for s in trace)
+        high = max(trace[s]["sm_clock_mhz_range"][1] for s in trace)
+        return (fixed(f["mplan_vs_compile"], 3), fixed(f["systems"]["mplan"]["step_s"] * 1e3),
+                fixed(f["systems"]["compile"]["step_s"] * 1e3),
+                *(fixed(f["systems"][s]["step_cv"] * 100, 2) for s in order), fixed(low, 0), fixed(high, 0),
+                *(x for s in order for x in (fixed(trace[s]["power_w_mean"], 0), fixed(trace[s]["sm_clock_mhz_mean"], 0))),
+                *(fixed(trace[s]["step_vs_clock_correlation"], 2) for s in order))
+    return figures
+
+
 def _graphed(family: str) -> Callable[[dict], tuple[str, ...]]:
     """One family raced with mplan's CUDA graphs and without (`mplan_eager`): the ratio to the
     fastest peer, mplan's and that peer's step (ms), the ratio to mplan without graphs, then the
@@ -853,6 +871,26 @@ CLAIMS: tuple[Claim, ...] = (
     Claim(doc="README.md", source="peers_h100-2026-12-06-session15-own.json",
           figures=lambda data: tuple(fixed(data["own"]["llama"][key], 3) for key in ("mplan_vs_eager", "mplan_vs_compile")),
           pattern=r"mplan's own Llama-1.1B with graphs: (\S+)x eager, (\S+)x compile"),
+    Claim(doc="README.md", source="peers_h100-2026-12-06-session16-olmo2-trace.json", figures=_traced("olmo2"),
+          pattern=r"OLMo-2 (\S+)x compile \((\S+) against (\S+) ms\); steps vary by (\S+)%, compile's by (\S+)%, eager's by "
+                  r"(\S+)%\. .*?the SM clock swinging (\S+)-(\S+) MHz; mplan's graphed steps drew (\S+) W on average at "
+                  r"(\S+) MHz, compile's (\S+) W at (\S+) MHz, eager's (\S+) W at (\S+) MHz.*?\(correlation (\S+) mplan, "
+                  r"(\S+) compile, (\S+) eager\)"),
+    Claim(doc="README.md", source="hf_reprice-cpu-2026-12-06-l2.json",
+          figures=lambda data: tuple(f"{row['error_now'] * 100:+.1f}" for model in ("qwen3", "smollm2", "gemma")
+                                     for row in data["models"][model]),
+          pattern=r"Qwen3 (\S+)% / (\S+)% / (\S+)%, selective (\S+)% / (\S+)%; SmolLM2 (\S+)% / (\S+)% / (\S+)%, selective "
+                  r"(\S+)% / (\S+)% / (\S+)%;\s+Gemma-2B (\S+)% / (\S+)% / (\S+)%, selective (\S+)% / (\S+)% / (\S+)%, full "
+                  r"(\S+)%"),
+    Claim(doc="README.md", source="hf_measure_h100-2026-12-06-l2-gemma_rest.json",
+          figures=lambda data: tuple(fixed(_plan(data["models"]["gemma"]["rows"], spec)["measured"]["step_time_s"] * 1e3, 0)
+                                     for spec in ("mbs=2,recompute=selective", "mbs=8,recompute=selective",
+                                                  "mbs=8,recompute=full")),
+          pattern=r"580 / (\S+) / (\S+) ms with selective recomputation, (\S+) ms with full at 8"),
+    Claim(doc="README.md", source="hf_measure_h100-2026-12-06-l2-gemma.json",
+          figures=lambda data: tuple(fixed(_plan(data["models"]["gemma"]["rows"], spec)["measured"]["step_time_s"] * 1e3, 0)
+                                     for spec in ("mbs=1", "mbs=2", "mbs=8", "mbs=1,recompute=selective")),
+          pattern=r"all seven rows: (\S+) / (\S+) / (\S+) ms at micro-batch 1 / 2 / 8, (\S+) / "),
     Claim(doc="README.md", source="hf_reprice-cpu-2026-12-06-accumulation-qwen3.json",
           figures=_repriced("qwen3", ("mbs=1", "mbs=2", "mbs=8", "mbs=1,recompute=selective")),
           pattern=r"Qwen3 (\S+)% / (\S+)% / (\S+)% and (\S+)% with selective recomputation"),
