@@ -4,8 +4,11 @@
 # on the unseen HF configs (hf_bench.py --configs unseen). On an H200 the configs are priced on the
 # packaged H200 kernel tables carrying the host figures just measured; on any other GPU the machine is
 # profiled once first (`mplan profile`, host figures included, $OUT/profile.json), as a user would.
-# Give each model a call of its own at first (a 256k-vocabulary model's rows take minutes).
+# Give each model a call of its own at first (a 256k-vocabulary model's rows took ~2 minutes each
+# before models on meta were initialized on the GPU; 1.7B ones ~75 s). PLANS (space-separated specs)
+# measures only those rows, e.g. the ones an earlier call's budget cut; hf_bench.py --reprice joins the runs.
 #     bash benchmarks/hf_measure_gpu.sh [MODELS] [--skip-host]     (MODELS: qwen3,smollm2,gemma)
+#     PLANS="mbs=8,recompute=selective mbs=8,recompute=full" bash benchmarks/hf_measure_gpu.sh qwen3 --skip-host
 # Results (JSON, the GPU's name and versions) go to $OUT; work files stay in /tmp/r.
 set -u
 cd "$(dirname "$0")/.."
@@ -29,8 +32,11 @@ case "$gpu" in
             --no-links -q 2>&1 | tail -3
         [ -f /tmp/r/cluster.json ] && cluster=(--cluster /tmp/r/cluster.json) && cp /tmp/r/cluster.json "$OUT/profile.json" ;;
 esac
+plans=()
+if [ -n "${PLANS:-}" ]; then read -ra plans <<< "$PLANS"; plans=(--plans "${plans[@]}"); fi
 for m in ${models//,/ }; do
-    timeout 330 python3 benchmarks/hf_bench.py --configs unseen --models "$m" "${cluster[@]}" --timeout-s 300 \
-        --out "/tmp/r/hf_measure_$m.json" 2>&1 | tail -3
-    cp "/tmp/r/hf_measure_$m.json" "$OUT/" 2>/dev/null
+    # the outer limit leaves hf_bench.py time to write its report after its own per-model one
+    timeout 330 python3 benchmarks/hf_bench.py --configs unseen --models "$m" "${cluster[@]}" "${plans[@]}" \
+        --timeout-s 300 --out "/tmp/r/hf_measure_$m.json" 2>&1 | tail -3
+    cp -r "/tmp/r/hf_measure_$m.json" "/tmp/r/hf_measure_${m}_work" "$OUT/" 2>/dev/null
 done

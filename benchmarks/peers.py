@@ -44,6 +44,8 @@ about 1.5-2 minutes a family with its cold torch.compile, so a few families a ca
     pip install --no-index --find-links .device_wheels --no-deps liger-kernel pulp highspy
     PYTHONPATH=. python3 benchmarks/peers.py --families gemma2,phi3,qwen3 --out $OUT/peers_a.json
     PYTHONPATH=. python3 benchmarks/peers.py --families "" --own gpt,llama --out $OUT/peers_own.json
+    PYTHONPATH=. python3 benchmarks/peers.py --families "" --own gpt --own-pairs --systems eager,compile,mplan \
+        --out $OUT/peers_own_pairs.json      # GPT-1.3B with graphs: a pair at a time fits
 Smoke test of the same code paths on a CPU (tiny configs; compile only if named in --systems; liger
 skipped, or with --smoke-child its slot run by the plain HF model in the child process):
     PYTHONPATH=. python3 benchmarks/peers.py --device cpu --small --out /tmp/peers.json
@@ -415,11 +417,11 @@ def _forward_stderr(stream: Any, tail: collections.deque[str]) -> None:
         tail.append(line)
 
 
-def run_family_process(name: str, args: argparse.Namespace, part: str) -> dict[str, Any]:
+def run_family_process(name: str, args: argparse.Namespace, part: str, systems: str | None = None) -> dict[str, Any]:
     """Runs `name` in a process of its own (a new session: on a timeout it and its liger child are
-    killed together); its entry, or what is known of its failure."""
+    killed together), racing `systems` (default: --systems); its entry, or what is known of its failure."""
     command = [sys.executable, os.path.abspath(__file__), "--family", name, "--part", part,
-               "--parent", str(os.getpid()), "--device", args.device, "--systems", args.systems,
+               "--parent", str(os.getpid()), "--device", args.device, "--systems", systems or args.systems,
                "--warmup", str(args.warmup), "--steps", str(args.steps), "--rounds", str(args.rounds),
                "--lr-warmup", str(args.lr_warmup)]
     command += [flag for flag, on in (("--small", args.small), ("--profile", args.profile),
@@ -441,6 +443,26 @@ def run_family_process(name: str, args: argparse.Namespace, part: str) -> dict[s
         with open(part, encoding="utf-8") as handle:
             return json.load(handle)
     return {"error": failure, "stderr_tail": "".join(tail)}
+
+
+def run_own_pairs(name: str, args: argparse.Namespace, scratch: str) -> dict[str, Any]:
+    """One of mplan's own models raced as mplan against each peer of --systems in turn, a process per
+    pair (--own-pairs): each pair's entry under "pairs", and its mplan_vs_<peer>, targets and losses'
+    agreement lifted to the model's entry."""
+    peers = [system for system in args.systems.split(",") if system in ("eager", "compile")]
+    entry: dict[str, Any] = {"method": "mplan raced against one peer at a time, both resident, in a process per pair",
+                             "pairs": {}, "targets": {}}
+    for peer in peers:
+        pair = run_family_process(name, args, os.path.join(scratch, f"{name.replace(':', '_')}_{peer}.json"),
+                                  systems=f"{peer},mplan")
+        entry["pairs"][peer] = pair
+        if f"mplan_vs_{peer}" in pair:
+            entry[f"mplan_vs_{peer}"] = pair[f"mplan_vs_{peer}"]
+        for target, met in pair.get("targets", {}).items():  # a pair judges only its own peer, and agreement
+            if f"_vs_{peer}" in target or "_vs_" not in target:
+                entry["targets"][target] = entry["targets"].get(target, True) and met
+        entry.setdefault("gpu", pair.get("gpu"))
+    return entry
 
 
 def exit_with_parent(parent: int) -> None:
@@ -467,6 +489,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--own", default="",
                         help="also mplan's own models, of gpt,llama (e2e's GPT-1.3B and Llama-1.1B on its "
                              "memorized batch; eager, compile and mplan), after the families")
+    parser.add_argument("--own-pairs", action="store_true",
+                        help="race each of --own's models as mplan against one peer at a time, a process per pair "
+                             "(GPT-1.3B with CUDA graphs does not fit beside two resident peers: the graph's pool "
+                             "keeps a step's activations); each ratio then comes from its own pair's rounds")
     parser.add_argument("--systems", default=None,
                         help="comma-separated, of eager,compile,mplan,liger,mplan_eager (default: the first four on CUDA; "
                              "eager,mplan,liger on a CPU, where torch.compile is slow)")
@@ -558,7 +584,8 @@ def main() -> None:
                 table[key] = {"error": f"skipped: past the {args.budget_s:.0f} s budget"}
             else:
                 clock.log(f"{name}: starting")
-                table[key] = run_family_process(name, args, os.path.join(scratch, f"{name.replace(':', '_')}.json"))
+                table[key] = (run_own_pairs(name, args, scratch) if args.own_pairs and name.startswith(OWN) else
+                              run_family_process(name, args, os.path.join(scratch, f"{name.replace(':', '_')}.json")))
                 report["gpu"] = report["gpu"] or table[key].get("gpu")
             report["wall_s"] = round(clock.elapsed(), 1)
             write_report(args.out, report)  # after every family: a later one's failure loses nothing

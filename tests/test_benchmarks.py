@@ -240,6 +240,19 @@ def test_hf_measure_benchmark_measures_every_row_of_every_config(tmp_path: Path)
 
 
 @pytest.mark.script_smoke
+def test_peers_races_an_own_model_one_peer_at_a_time(tmp_path: Path) -> None:
+    """--own-pairs: mplan's own GPT raced against each peer in a process of its own (a model whose
+    graphed pool does not fit beside two resident peers); each pair judges only its own peer."""
+    out = tmp_path / "pairs.json"
+    _run("peers.py", "--device", "cpu", "--small", "--families", "", "--own", "gpt", "--own-pairs",
+         "--systems", "eager,mplan", "--out", str(out), timeout=600)
+    entry = json.loads(out.read_text())["own"]["gpt"]
+    assert set(entry["pairs"]) == {"eager"} and set(entry["pairs"]["eager"]["systems"]) == {"eager", "mplan"}
+    assert entry["mplan_vs_eager"] == entry["pairs"]["eager"]["mplan_vs_eager"] > 0
+    assert set(entry["targets"]) == {"mplan_vs_eager>=1.05", "losses_agree"} and entry["targets"]["losses_agree"]
+
+
+@pytest.mark.script_smoke
 def test_peers_benchmark_races_every_system_on_tiny_families(tmp_path: Path) -> None:
     """The soft-capped, packed-projection and MoE families and one Liger does not patch: mplan's
     losses agree with eager's, its fusion report says what fused, the liger slot's child protocol
