@@ -21,11 +21,13 @@ Meta-device models, how each parameter is made:
   `reset_parameters()`. Every rank then builds the same full parameter before slicing, so shards
   are consistent; the values are the model's init distribution, not the weights of some other
   single-device instance. A module neither rule initializes is an error. On a GPU the rule runs
-  there: on the CPU a 2.5B-parameter bf16 model took 100 s of `autoparallel` (one init and two
-  full passes of the unset check per parameter, bf16 arithmetic emulated), on the GPU it takes
-  well under a second. Ranks agree because each seeds its device's generator alike and CUDA's
-  generator is deterministic for a given seed, kernel and card, the assumption Megatron's and
-  torchtitan's on-device init make too (a job mixing card types would draw differently).
+  there: with it on the CPU, `autoparallel`'s lowering of a 2.5B-parameter bf16 model took 98-107 s
+  on an H100's host and of a 1.7B one 47-51 s (on a 2-core CPU, the fill, init and NaN check of
+  the CPU path were 22 s of a 1.7B fp32 model's 24 s of lowering); on the device the same work is
+  a few passes over the weights at memory bandwidth (not yet measured there). Ranks agree because
+  each seeds its device's generator alike and CUDA's generator is deterministic for a given seed,
+  kernel and card, the assumption Megatron's and torchtitan's on-device init make too (a job
+  mixing card types would draw differently).
 Buffers are never sharded (`materialize_buffers`): a real model's own (moved if on another
 device; the local program only reads them); for a model on meta, the state dict's where it holds
 the buffer, else recomputed by the owner's `reset_tables()` (mplan's RoPE) or a Hugging Face
