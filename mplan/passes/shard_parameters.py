@@ -219,7 +219,8 @@ def _run_rule(owner: nn.Module, rule: Callable[[nn.Module], None], *, seed: int,
             tensor.fill_(float("nan") if _has_nan(tensor) else fill)
         torch.random.default_generator.manual_seed(seed)
         if on_gpu:
-            torch.cuda.default_generators[device.index].manual_seed(seed)
+            with torch.cuda.device(device):  # that GPU's generator alone (manual_seed seeds the current one)
+                torch.cuda.manual_seed(seed)
         rule(fresh)
     return {leaf: tensor.detach() for leaf, tensor in (*fresh.named_parameters(recurse=False),
                                                       *fresh.named_buffers(recurse=False))}
