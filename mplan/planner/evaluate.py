@@ -52,11 +52,12 @@ Model (each term from the cost models, nothing fitted here):
   then one multi-tensor AdamW, mplan's kernel or torch's fused one (`optimizer_time`), and under
   ZeRO-1 the copies between parameters, flat gradients and master shard (`zero1_copy_time`; under
   mplan's runtime zero 2/3's, whose reductions copy in every micro-batch: `zero23_copy_time`);
-- MoE layers (`unit_experts.py`) are priced per config, not by the TP solve: on the busiest rank of
-  the expert-parallel group, E/ep experts a layer, their GEMMs at that rank's load (the
-  `moe_imbalance` over the mean, capped by a capacity factor), a dispatch and a combine all-to-all
-  per pass over the EP group (`cost_models/moe_cost.py`); expert weights count E/ep a layer, their
-  gradients sync and ZeRO shards their optimizer state over `expert_dp = dp / ep` (`ir/mesh.py`);
+- MoE layers (`unit_experts.py`) are priced per config (`expert_pricing.py`), not by the TP solve:
+  on the busiest rank of the expert-parallel group, E/ep experts a layer, their GEMMs at that
+  rank's load (the `moe_imbalance` over the mean, capped by a capacity factor), a dispatch and a
+  combine all-to-all per pass over the EP group (`cost_models/moe_cost.py`); expert weights count
+  E/ep a layer, their gradients sync and ZeRO shards their optimizer state over
+  `expert_dp = dp / ep` (`ir/mesh.py`);
 - `fast=True` uses the closed form of the schedule, `fast=False` runs the event simulator on the
   same per-stage numbers (what the final ranking and `explain` use).
 """
@@ -74,13 +75,13 @@ from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.cost_models.memory_model import (FRAGMENTATION_FRACTION, BytesPerParam, MemoryBreakdown, ReductionPeak,
                                             activation_bytes_kept, bytes_per_param, estimate_memory,
                                             mplan_bytes_per_param)
-from mplan.cost_models.moe_cost import all_to_all_time, experts_time, load_factor
 from mplan.cost_models.simulator import PipelineCosts, SimResult, simulate
 from mplan.ir.schedule import Schedule, build_schedule, check_schedule, max_in_flight_by_rank
 from mplan.planner.parallel_config import DEFAULT_RUNTIME, ParallelConfig
 from mplan.planner.stage_partition import Partition, partition
 from mplan.planner.host_cost import host_timing
 from mplan.planner.unit_costs import UnitCost, chunk_backward_s, chunk_forward_s, param_tensors
+from mplan.planner.expert_pricing import UnitFigures, price_experts, rank_params
 from mplan.planner.dp_sync import NOTHING, LinkUse, cross_site_all_reduce, dp_collective
 from mplan.planner.outer_pricing import OUTER_STATE_COPIES, outer_loop_sync
 from mplan.planner.unit_experts import UnitExperts
@@ -258,15 +259,16 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
              experts: Sequence[UnitExperts | None] = (), fast: bool = True,
              fragmentation: float = FRAGMENTATION_FRACTION, sync_memo: SyncMemo | None = None,
              chunk_memo: ChunkMemo | None = None) -> Estimate:
-    """Predict `config`. `experts`: the MoE layers of each unit (`unit_experts`), priced here at the
-    config's expert parallelism (`_price_experts`). `fragmentation` is the allocator's share on top
-    of allocated bytes (0 to compare with `torch.cuda.max_memory_allocated`, which does not see it).
-    `sync_memo`: a pipeline rank's gradient sync and optimizer step kept across calls on `cluster`
-    (a search asks for the same ones of thousands of configs); `chunk_memo`: the pipeline chunks'
-    forward and backward seconds kept across calls on `cluster` with these same `units`."""
+    """Predict `config`. `experts`: the MoE layers of each unit (`unit_experts`), priced at the
+    config's expert parallelism (`expert_pricing.price_experts`). `fragmentation` is the allocator's
+    share on top of allocated bytes (0 to compare with `torch.cuda.max_memory_allocated`, which does
+    not see it). `sync_memo`: a pipeline rank's gradient sync and optimizer step kept across calls
+    on `cluster` (a search asks for the same ones of thousands of configs); `chunk_memo`: the
+    pipeline chunks' forward and backward seconds kept across calls on `cluster` with these same
+    `units`."""
     compute = ComputeCostModel(cluster)
     has_experts = any(held is not None for held in experts)
-    moe = _price_experts(config, units, experts, cluster, compute, facts.moe_imbalance)
+    moe = price_experts(config, units, experts, cluster, compute, facts.moe_imbalance)
     per = _bytes_per_param(config, facts)
     bwd = [b + {"none": 0.0, "selective": u.selective_extra_s, "full": f - u.unrecomputed_forward_s}[config.recompute]
            for u, f, b in zip(units, moe.forward_s, moe.backward_s)]
@@ -399,7 +401,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     for rank in range(config.pp):
         chunks = range(rank, k, config.pp)
         rank_units = [u for c in chunks for u in range(*cut.bounds[c])]
-        dense, expert_params = _rank_params(units, moe, rank_units)
+        dense, expert_params = rank_params(units, moe, rank_units)
         tp_sync = sum(map(tp_sync_bytes.__getitem__, rank_units))
         last_backward = sum(chunk_b[c] for c in chunks) if overlapped else None
         # the step waits for the reduce-scatters still in flight: the last unit's at most
@@ -478,7 +480,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
 
 
 def _accumulation_s(config: ParallelConfig, facts: ModelFacts, compute: ComputeCostModel, per: BytesPerParam,
-                    moe: _UnitFigures, bounds: tuple[tuple[int, int], ...]) -> tuple[float, ...]:
+                    moe: UnitFigures, bounds: tuple[tuple[int, int], ...]) -> tuple[float, ...]:
     """Seconds per micro-batch (averaged over the step's) each chunk's backward spends adding its
     gradients into those already held, under mplan's runtime: autograd's AccumulateGrad reads the
     held gradient and the new one and writes the sum, a memory-bound pass over every parameter of
@@ -532,9 +534,10 @@ def state_floor_bytes(config: ParallelConfig, units: Sequence[UnitCost], facts: 
     """A lower bound on the parameters, gradients and optimizer state `evaluate` counts on the
     fullest pipeline rank of `config` over `units` (a model without MoE layers; the first three
     figures of a rank's `MemoryBreakdown`, so on its peak too): the mean rank's, each block's
-    parameters once and each glue parameter once by name (`_rank_params` counts one a rank), at the
-    bytes a parameter holds through the step at the config's ZeRO level (`BytesPerParam.total`;
-    zero=3's gathered weights, an outer loop's state and the reductions' transients come on top).
+    parameters once and each glue parameter once by name (`expert_pricing.rank_params` counts one a
+    rank), at the bytes a parameter holds through the step at the config's ZeRO level
+    (`BytesPerParam.total`; zero=3's gathered weights, an outer loop's state and the reductions'
+    transients come on top).
     It holds at any stage cut, micro-batching and recomputation: a config whose floor exceeds the
     device does not fit, which the search knows without pricing it."""
     glue: dict[str, int] = {}
@@ -646,85 +649,6 @@ def _outer_sync_and_step(config: ParallelConfig, cluster: ClusterSpec, compute: 
     return sync, optimizer_time(compute, params, per.param, mplan_adamw=facts.mplan_adamw), price.links
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _UnitFigures:
-    """Per unit, in order, what a config's expert parallelism changes of its `UnitCost` (`_price_experts`)."""
-
-    forward_s: list[float]
-    backward_s: list[float]  # before recomputation
-    weight_s: list[float]  # the weight-gradient part of backward_s
-    saved_bytes: list[float]
-    selective_bytes: list[float]
-    dense_params: list[int]  # the parameters but the experts'
-    expert_params: list[int]  # the expert parameters a rank holds (E/ep of each layer)
-    glue_params: list[tuple[tuple[str, int], ...]]  # `UnitCost.glue_params`, expert weights E/ep
-    a2a_pass_s: list[float]  # one pass's dispatches and combines (forward, or backward), one micro-batch
-    experts_per_rank: int  # the fewest experts a layer puts on a rank; 0 without MoE layers
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _LayersPrice:
-    """One unit's MoE layers at a config: their seconds per micro-batch, and what they keep."""
-
-    forward_s: float  # expert GEMMs and one pass's all-to-all
-    backward_s: float
-    weight_s: float  # the weight-gradient part of backward_s
-    a2a_pass_s: float
-    extra_saved_bytes: float  # routed activations above the dropless balanced load's (negative below it)
-
-
-def _layers_price(held: UnitExperts, config: ParallelConfig, cluster: ClusterSpec, compute: ComputeCostModel,
-                  imbalance: float) -> _LayersPrice:
-    ep_group = config.mesh.group_shape("ep", cluster.gpus_per_node)
-    forward = backward = weight = a2a = extra = 0.0
-    for layer, routed in zip(held.layers, held.routed_saved_bytes):
-        capacity = config.capacity_factor if config.capacity_factor is not None else layer.capacity_factor
-        load = load_factor(ep=config.ep, imbalance=imbalance, capacity_factor=capacity)
-        gemms = experts_time(compute, layer, ep=config.ep, load=load)
-        forward, backward, weight = forward + gemms.forward_s, backward + gemms.backward_s, weight + gemms.weight_s
-        a2a += 2 * all_to_all_time(cluster, layer, ep_group, load=load)  # a dispatch and a combine
-        extra += (load - 1.0) * routed
-    return _LayersPrice(forward_s=forward + a2a, backward_s=backward + a2a, weight_s=weight, a2a_pass_s=a2a,
-                        extra_saved_bytes=extra)
-
-
-def _price_experts(config: ParallelConfig, units: Sequence[UnitCost], experts: Sequence[UnitExperts | None],
-                   cluster: ClusterSpec, compute: ComputeCostModel, imbalance: float) -> _UnitFigures:
-    """The units' figures with what their times hold for their MoE layers (priced by the TP solve
-    for a rank that holds every expert) swapped for `cost_models.moe_cost`'s price at `config.ep`:
-    the busiest EP rank's expert GEMMs under its load (`load_factor`: the imbalance, capped by the
-    plan's capacity factor, else the layer's), and a dispatch and a combine per pass over the EP
-    group. That rank holds E/ep experts a layer and keeps its load's share of the routed activations."""
-    if experts and len(experts) != len(units):
-        raise ValueError(f"experts must list one record (or None) per unit: {len(experts)} for {len(units)} units")
-    figures = _UnitFigures(
-        forward_s=[u.forward_s for u in units], backward_s=[u.backward_s for u in units],
-        weight_s=[u.weight_backward_s for u in units], saved_bytes=[u.saved_bytes for u in units],
-        selective_bytes=[u.selective_bytes for u in units], dense_params=[u.num_params for u in units],
-        expert_params=[0] * len(units), glue_params=[u.glue_params for u in units], a2a_pass_s=[0.0] * len(units),
-        experts_per_rank=min((layer.num_experts for held in experts if held is not None for layer in held.layers),
-                             default=0) // config.ep)
-    prices: dict[int, _LayersPrice] = {}  # by the record's id: a block type's instances share one
-    for i, (unit, held) in enumerate(zip(units, experts)):
-        if held is None:
-            continue
-        if id(held) not in prices:
-            prices[id(held)] = _layers_price(held, config, cluster, compute, imbalance)
-        price = prices[id(held)]
-        figures.forward_s[i] += price.forward_s - held.held_forward_s
-        figures.backward_s[i] += price.backward_s - held.held_backward_s
-        figures.weight_s[i] = min(figures.backward_s[i], max(0.0, unit.weight_backward_s - held.held_weight_s
-                                                             + price.weight_s))
-        figures.saved_bytes[i] = max(0.0, unit.saved_bytes + price.extra_saved_bytes)
-        figures.selective_bytes[i] = max(0.0, unit.selective_bytes + price.extra_saved_bytes)
-        figures.dense_params[i] -= held.expert_params
-        figures.expert_params[i] = held.expert_params // config.ep
-        figures.glue_params[i] = tuple((name, n // config.ep if name in held.expert_weights else n)
-                                       for name, n in unit.glue_params)
-        figures.a2a_pass_s[i] = price.a2a_pass_s
-    return figures
-
-
 def schedule_of(config: ParallelConfig) -> Schedule:
     """The schedule IR (per-rank action lists) a config runs: the simulator, `explain` and the
     runtime all read this one definition. Built and deadlock-checked once per shape."""
@@ -754,21 +678,6 @@ def _checked_schedule(name: str, pp: int, m: int, vpp: int) -> Schedule:
 @functools.lru_cache(maxsize=4096)
 def _in_flight_table(name: str, pp: int, m: int, vpp: int) -> tuple[int, ...]:
     return max_in_flight_by_rank(name, pp, m, vpp)
-
-
-def _rank_params(units: Sequence[UnitCost], figures: _UnitFigures, indices: Sequence[int]) -> tuple[int, int]:
-    """Local parameters of one rank, (dense, experts'): blocks add up, glue parameters count once
-    (a tied embedding used by the prologue and the epilogue on the same rank is one tensor)."""
-    glue: dict[str, int] = {}
-    dense = experts = 0
-    for u in indices:
-        experts += figures.expert_params[u]
-        if units[u].glue_params:
-            glue.update(figures.glue_params[u])
-            dense -= figures.expert_params[u]  # listed by name with the glue
-        else:
-            dense += figures.dense_params[u]
-    return dense + sum(glue.values()), experts
 
 
 NO_REDUCTION = ReductionPeak(transient_bytes=0.0, activations_bytes=None)
