@@ -6,7 +6,7 @@ priced there for one rank holding every expert. How a layer runs also depends on
 takes, which the TP solve does not know. So for each unit this records its layers' shapes on one
 TP rank (local under the solved strategy: Megatron's expert tensor parallelism splits each
 expert's FFN dim), what the unit's times hold for them, their expert parameters and the
-activations that grow with the tokens a rank receives; `planner/evaluate.py` swaps the held
+activations that grow with the tokens a rank receives; `planner/expert_pricing.py` swaps the held
 price for `cost_models.moe_cost`'s at the config's ep and load.
 
 Input: the graph at one micro-batch size, its `GraphSharding` and the `OpCoster` that priced it.
