@@ -225,8 +225,10 @@ def test_head_and_loss_run_as_one_chunked_op(outcomes, check, x_gradient, upcast
 
 
 def test_hugging_face_head_trains_as_the_unfused_one(outcomes) -> None:
-    """Parameters bit for bit; losses to an fp32 rounding (the chunks' partial sums add in
-    another order)."""
+    """Parameters to float64's rounding (a few ulp: the fused and the unfused head reach their
+    weight gradient through different BLAS calls, which some CPUs' libraries round alike and others,
+    as this machine's since 2026-12-06, 2.6e-16 apart); losses to an fp32 rounding (the chunks'
+    partial sums add in another order)."""
     for result in outcomes.assert_passed(hf_llama_tp2_sp):
         loss, param = result["vs_unfused_head"]
-        assert loss < HF_LOSS_TOL and param == 0.0, result["vs_unfused_head"]
+        assert loss < HF_LOSS_TOL and param < 4 * torch.finfo(torch.float64).eps, result["vs_unfused_head"]
