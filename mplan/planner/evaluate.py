@@ -297,7 +297,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
     in_flight = in_flight_of(config)
     # what a unit keeps of one micro-batch under the plan's recomputation, for the stage cut's memory
     kept = [activation_bytes_kept(recompute=config.recompute, activation_bytes=saved, num_in_flight=1,
-                                  selective_activation_bytes=selective, checkpoint_bytes=u.input_bytes + u.held_bytes)
+                                  selective_activation_bytes=selective, checkpoint_bytes=u.checkpoint_bytes)
             for u, saved, selective in zip(units, moe.saved_bytes, moe.selective_bytes)]
 
     def unit_memory(u: int, chunk: int) -> float:
@@ -372,7 +372,7 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
             recompute=config.recompute,
             activation_bytes=sum(map(moe.saved_bytes.__getitem__, rank_units)) / config.vpp,
             selective_activation_bytes=sum(map(moe.selective_bytes.__getitem__, rank_units)) / config.vpp,
-            checkpoint_bytes=sum(map(input_bytes.__getitem__, rank_units)) / config.vpp,
+            checkpoint_bytes=sum(map(checkpointed.__getitem__, rank_units)) / config.vpp,
             # full recomputation re-runs one unit at a time: the largest one's activations on top
             layer_activation_bytes=max(map(moe.saved_bytes.__getitem__, rank_units), default=0),
             num_in_flight=in_flight[rank], largest_workspace_bytes=workspace, fragmentation=fragmentation,
@@ -387,9 +387,9 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
 
     # per unit, what each rank adds up (with `map`, in the units' order: a search does it for
     # every rank of thousands of configs): the largest working memory at the fused head's default
-    # chunk, the inputs a checkpoint keeps, the TP gradient sync's bytes
+    # chunk, what a full recomputation keeps, the TP gradient sync's bytes
     workspaces = [max(2 * u.largest_op_bytes, u.working_bytes(None)) for u in units]
-    input_bytes = [u.input_bytes + u.held_bytes for u in units]  # what a full recomputation keeps
+    checkpointed = [u.checkpoint_bytes for u in units]
     tp_sync_bytes = [u.tp_grad_sync_bytes for u in units]
     memory, syncs, opt = [], [], 0.0
     holdings: list[tuple[list[int], int, int]] = []  # per pipeline rank: its units, dense and expert parameters

@@ -46,6 +46,7 @@ from mplan.planner.op_registry import shard_bytes
 from mplan.planner.sharding_ilp import GraphSharding, SegmentSharding, stream_meta, value_meta
 
 _KEEP_UNDER_SELECTIVE = ("matmul", "attention", "embedding", "loss")
+_NO_DATA = ("view", "getitem", "scalar")  # kinds that compute nothing: no seconds to re-run, no tensor saved
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,6 +87,12 @@ class UnitCost:
     host_backward: HostQueue = HostQueue()
     selective_host_s: float = 0.0  # host seconds of the forward ops selective recomputation re-runs
     num_param_tensors: int = 0  # parameter tensors the unit reads first (the optimizer's per-tensor work)
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """What the unit keeps of a micro-batch under full recomputation: its inputs, and what a
+        fused kernel's context holds whatever is recomputed (`held_bytes`)."""
+        return self.input_bytes + self.held_bytes
 
     def working_bytes(self, head_rows: int | None = None) -> int:
         """The most a fused kernel holds while it runs beyond its saves: the head + loss's chunk of
@@ -136,11 +143,11 @@ def segment_unit(graph: Graph, name: str, block_type: str | None, nodes: tuple[s
         forward_ops.append(HostQueue.op(op_host_s.forward_s, op_cost.forward_s))
         # nothing for autograd: a kernel that made its gradients in forward, a view, or an op no gradient
         # flows through (the labels' shift between the head and the loss)
-        saves_nothing = (fused is not None and fused.gradients_in_forward) or node.kind in ("view", "getitem", "scalar") \
+        saves_nothing = (fused is not None and fused.gradients_in_forward) or node.kind in _NO_DATA \
             or not any(a in needs_grad for a in node.inputs)
         trailing = trailing + op_cost.forward_s if saves_nothing else 0.0
         backward_ops.append(HostQueue.op(op_host_s.backward_s, op_cost.backward_s))
-        if node.kind not in _KEEP_UNDER_SELECTIVE and node.kind not in ("view", "getitem", "scalar"):
+        if node.kind not in _KEEP_UNDER_SELECTIVE and node.kind not in _NO_DATA:
             extra += op_cost.forward_s
             selective_host += op_host_s.forward_s
         if node.outputs and not (fused is not None and fused.inside):  # a fused chain's inside is never made
