@@ -163,16 +163,17 @@ class _ModuleInitializer:
     def __call__(self, name: str) -> torch.Tensor:
         owner_name, _, leaf = name.rpartition(".")
         if self._owner is None or self._owner[0] != owner_name:
-            self._owner = owner_name, self._initialized(owner_name)
+            self._owner = owner_name, self._initialized(owner_name, name)
         return self._owner[1][leaf]
 
-    def _initialized(self, owner_name: str) -> dict[str, torch.Tensor]:
+    def _initialized(self, owner_name: str, name: str) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer of module `owner_name`, initialized and checked; `name`: the
+        parameter asked for, which a refusal names."""
         owner = self.model.get_submodule(owner_name)
         if self.init is None and not hasattr(owner, "reset_parameters"):
-            first = next(n for n, _ in owner.named_parameters(recurse=False))
-            raise TypeError(f"parameter {'.'.join(filter(None, (owner_name, first)))} is on the meta device and "
-                            f"{type(owner).__name__} ({owner_name or 'the root'}) has no reset_parameters(); build "
-                            f"the model on a real device or pass a state dict")
+            raise TypeError(f"parameter {name} is on the meta device and {type(owner).__name__} "
+                            f"({owner_name or 'the root'}) has no reset_parameters(); build the model on a real "
+                            f"device or pass a state dict")
         init = self.init
         rule: Callable[[nn.Module], None] = init if init is not None else (lambda module: module.reset_parameters())
         seeded = parameter_seed(self.seed, owner_name)
