@@ -216,17 +216,14 @@ def rejudge(out: Path, configs: str, small: bool) -> int:
                                                    "rows and configs in its work folder; versions not recorded",
                   "models": {}}
     target = SETS[report.get("configs", configs)].target
-    for rows in sorted(work.glob("*_rows.json")):
+    batch, seq = SMALL_SHAPE if small else FULL_SHAPE  # what main ran them at
+    report.setdefault("global_batch", batch)
+    report.setdefault("seq_len", seq)
+    for rows in sorted(work.glob("*_rows.json")):  # a model the run was killed in has rows, no entry
         name = rows.name.removesuffix("_rows.json")
         if name not in report["models"] and (work / f"{name}.json").exists():
             report["models"][name] = {"config": json.loads((work / f"{name}.json").read_text()),
                                       "error": "killed before its report entry was written"}
-        plans = json.loads(rows.read_text()).get("plans", [])
-        batch, seq = SMALL_SHAPE if small else FULL_SHAPE  # what main ran them at
-        report.setdefault("global_batch", batch)
-        report.setdefault("seq_len", seq)
-        report.setdefault("gpu", next((p["measured"]["device"] for p in plans if (p.get("measured") or {}).get("device")),
-                                      None))
     for name, result in report["models"].items():
         rows = work / f"{name}_rows.json"
         on_disk = json.loads(rows.read_text()) if rows.exists() else {}
@@ -234,6 +231,9 @@ def rejudge(out: Path, configs: str, small: bool) -> int:
         if len(on_disk.get("plans", [])) > len(result.get("rows", {}).get("plans", [])):
             result["rows"] = on_disk
             result["rows_read_after_the_run"] = True
+        if not report.get("gpu"):  # a rebuilt report: the card its rows were measured on
+            report["gpu"] = next((p["measured"]["device"] for p in result.get("rows", {}).get("plans", [])
+                                  if (p.get("measured") or {}).get("device")), None)
         result["judged"] = judge(result.get("rows", {}), target=target)
         print(f"{name}: {json.dumps(result['judged'])}")
     judged = [row for result in report["models"].values() for row in result["judged"]]

@@ -417,7 +417,8 @@ def _forward_stderr(stream: Any, tail: collections.deque[str]) -> None:
         tail.append(line)
 
 
-def run_family_process(name: str, args: argparse.Namespace, part: str, systems: str | None = None) -> dict[str, Any]:
+def run_family_process(name: str, args: argparse.Namespace, part: str,
+                       systems: str | None = None) -> dict[str, Any]:
     """Runs `name` in a process of its own (a new session: on a timeout it and its liger child are
     killed together), racing `systems` (default: --systems); its entry, or what is known of its failure."""
     command = [sys.executable, os.path.abspath(__file__), "--family", name, "--part", part,
