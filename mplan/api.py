@@ -28,6 +28,7 @@ not use.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import json
@@ -140,7 +141,7 @@ def autoparallel(model: nn.Module, *, cluster: ClusterSpec | None = None,
                                     f"{'s' if resolved.mesh.pp > 1 else ''}, {'fused kernels' if use_kernels else 'ATen ops'}"):
         # a model that returns only its loss when given labels leaves no logits in the training graph
         forward_only = len(graph.program.graph_signature.output_specs) < 2
-        inference = _forward_graph(model, inputs, resolved, cluster, world_size) if forward_only else None
+        inference = _forward_capture(model, inputs, resolved, cluster, world_size) if forward_only else None
         pm = parallelize(graph=graph, plan=resolved, source=state_dict if state_dict is not None else model,
                          model=model, optimizer=optimizer, device=run_on, dtype=dtype, seed=seed,
                          max_grad_norm=max_grad_norm, autocast=_autocast_dtype(autocast), kernels=use_kernels,
@@ -227,13 +228,37 @@ def _check_numbers(*, global_batch: int, micro_batch_size: int | None, max_grad_
         raise ArgumentError(f"max_grad_norm must be positive (or None: no clipping), got {max_grad_norm!r}")
 
 
-def _forward_graph(model: nn.Module, inputs: tuple[torch.Tensor, ...], plan: Plan, cluster: ClusterSpec,
-                   world_size: int) -> tuple[Graph, Plan]:
-    """For a model whose training capture holds only its loss: its forward, captured now (so that
-    the runtime never captures) and the Plan bound to it by node keys (nothing solved)."""
-    graph = capture_for_training(model, inputs, with_loss=False)
-    return graph, resolve_plan(plan, graph, cluster=cluster, world_size=world_size, global_batch=plan.global_batch,
-                               fp8=plan.fp8)
+def _forward_capture(model: nn.Module, inputs: tuple[torch.Tensor, ...], plan: Plan, cluster: ClusterSpec,
+                     world_size: int) -> Callable[[], tuple[Graph, Plan]]:
+    """For a model whose training capture holds only its loss: what captures its forward and binds
+    the Plan to it by node keys (nothing solved), which the runtime calls at the first inference
+    call. A job that only trains never pays that second capture (about a second of a tiny model's
+    two-and-a-half-second `autoparallel`). It captures a meta twin of the model (`_meta_twin`), so
+    the closure holds none of the model's memory, which the caller may free; a model that cannot be
+    copied is captured now, as before."""
+    def capture(source: nn.Module) -> tuple[Graph, Plan]:
+        graph = capture_for_training(source, inputs, with_loss=False)
+        return graph, resolve_plan(plan, graph, cluster=cluster, world_size=world_size,
+                                   global_batch=plan.global_batch, fp8=plan.fp8)
+
+    try:
+        twin = _meta_twin(model)
+    except Exception:  # noqa: BLE001 - whatever deepcopy raises on an object it cannot copy
+        captured = capture(model)
+        return lambda: captured
+    return functools.partial(capture, twin)
+
+
+def _meta_twin(model: nn.Module) -> nn.Module:
+    """A copy of the module tree whose parameters and buffers are meta tensors of their shapes,
+    dtypes and ties: all a capture reads of them (the training capture of a model built on meta
+    traces the same way), holding none of their memory."""
+    memo: dict[int, Any] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        empty = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(empty, requires_grad=tensor.requires_grad) \
+            if isinstance(tensor, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
 
 
 def _hf_config(model: nn.Module) -> dict[str, Any] | None:

@@ -51,7 +51,11 @@ DEADLINE_SCALE = 3.0 if os.environ.get("PYTEST_XDIST_WORKER") else 1.0
 only guards against hangs (a 240 s group timed out at 2 workers while running in ~140 s alone)."""
 
 _CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "pytest"])
+# Imported once in the forkserver, not in every rank: torch.export and dynamo, which a rank's
+# first capture imports, mplan, and transformers' base with one model family (about 3.4 s of a
+# rank's start on the 2-core CI machine otherwise; imports only, no torch op, so no thread pool).
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "pytest", "torch.export", "torch._dynamo", "networkx",
+                                 "mplan.api", "mplan.planner.explain", "transformers.models.llama.modeling_llama"])
 
 
 class RankFailed(RuntimeError):

@@ -391,21 +391,27 @@ class _DryRun:
         seen: dict[tuple[str, int, int], int] = {}  # (kind, stage, mb) -> its index on its rank
         for rank, acts in enumerate(s.actions):
             for index, a in enumerate(acts):
-                where = f"schedule {s.name}: rank {rank}, action #{index} ({a})"
+                # the place is written only for a refusal: a large schedule has millions of actions
                 if not 0 <= a.stage < s.num_stages:
-                    raise ScheduleError(f"{where}: stage out of range 0..{s.num_stages - 1}")
-                if s.rank_of(a.stage) != rank:
-                    raise ScheduleError(f"{where}: stage {a.stage} belongs to rank {s.rank_of(a.stage)}")
+                    raise ScheduleError(f"{self._where(rank, index)}: stage out of range 0..{s.num_stages - 1}")
+                if a.stage % s.pp != rank:
+                    raise ScheduleError(f"{self._where(rank, index)}: stage {a.stage} belongs to rank "
+                                        f"{s.rank_of(a.stage)}")
                 if a.microbatch is not None and not 0 <= a.microbatch < s.num_microbatches:
-                    raise ScheduleError(f"{where}: microbatch out of range 0..{s.num_microbatches - 1}")
+                    raise ScheduleError(f"{self._where(rank, index)}: microbatch out of range "
+                                        f"0..{s.num_microbatches - 1}")
                 if a.kind in COMPUTE_KINDS:
                     key = (a.kind, a.stage, a.microbatch or 0)
                     if key in seen:
-                        raise ScheduleError(f"{where}: duplicate; {a} already ran as action #{seen[key]}")
+                        raise ScheduleError(f"{self._where(rank, index)}: duplicate; {a} already ran as "
+                                            f"action #{seen[key]}")
                     seen[key] = index
         for stage in range(s.num_stages):
             for mb in range(s.num_microbatches):
                 self.backward_kind[(stage, mb)] = self._static_backward(stage, mb, seen)
+
+    def _where(self, rank: int, index: int) -> str:
+        return f"schedule {self.s.name}: rank {rank}, action #{index} ({self.s.actions[rank][index]})"
 
     def _static_backward(self, stage: int, mb: int, seen: dict[tuple[str, int, int], int]) -> str:
         """Check that (stage, mb) has one F and one B, or one I and one W; return "B" or "I"."""

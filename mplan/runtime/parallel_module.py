@@ -54,7 +54,7 @@ momentum are not in the checkpoint format).
 Inference (`pm(inputs)`) runs the training graph's own program up to the model's output (the
 logits the capture keeps beside the loss), rebuilt for the inputs' batch under the same Plan;
 a model that returns only its loss when given labels gets its inference graph from the caller
-(`inference`: its forward captured and bound to the Plan by node keys before the runtime is built,
+(`inference`: its forward captured and bound to the Plan by node keys at the first inference call,
 never solved, and kept without the model's weights).
 
 Overhead against a plain PyTorch loop on the same model (the trivial plan must cost nothing):
@@ -122,9 +122,10 @@ from mplan.runtime.unit_gathers import insert_unit_gathers, unit_parameters
 from mplan.runtime.watchdog import Position, Watchdog, watch
 
 Batch = torch.Tensor | Sequence[torch.Tensor]
-Inference = tuple[Graph, Plan]
-"""The model's forward (captured without labels, symbolic batch) and the Plan bound to it, for
-models whose training graph holds only their loss."""
+Inference = Callable[[], tuple[Graph, Plan]]
+"""Makes the model's forward (captured without labels, symbolic batch) and the Plan bound to it,
+for models whose training graph holds only their loss; called at the first inference call, so a
+job that only trains never pays the capture (about as long as the training capture's)."""
 
 
 class PlanMismatch(RuntimeError):
@@ -225,8 +226,6 @@ def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.
     # The exported program holds the model's parameters (its state_dict): the module keeps the
     # graph's records (and the program's graph, without its weights) but not the program itself,
     # so deleting the model frees them.
-    if inference is not None:
-        inference = (dataclasses.replace(inference[0], program=weightless_program(inference[0])), inference[1])
     keep = graph.program is not None and len(graph.program.graph_signature.output_specs) > 1
     return ParallelModule(graph=dataclasses.replace(program_graph, program=weightless_program(graph) if keep else None),
                           plan=plan,
@@ -257,7 +256,7 @@ class ParallelModule:
         self.context = context  # its `batch` is set per micro-batch of packed documents
         self.last_context_sizes: list[int] = []  # the cp size each micro-batch of the last document step ran at
         self.pipeline = pipeline  # None: one stage, the flat program runs each micro-batch
-        self._forward = inference
+        self._forward: Inference | tuple[Graph, Plan] | None = inference  # called once, by the first inference call (`_forward_graph`)
         # by rows: the local program, or under a pipeline plan the stages of it
         self._inference: dict[int, fx.GraphModule | tuple[StageProgram, ...]] = {}
         shared = pipeline.copies if pipeline is not None else None
@@ -598,7 +597,7 @@ class ParallelModule:
         if self.graph.program is not None:
             graph, plan, output = self.graph, self.plan, 1  # the training capture kept the model's output
         elif self._forward is not None:
-            (graph, plan), output = self._forward, 0
+            (graph, plan), output = self._forward_graph(), 0
         else:
             raise RuntimeError("this ParallelModule has no graph of the model's forward to run inference with")
         graph = at_batch(graph, rows)
@@ -614,6 +613,14 @@ class ParallelModule:
         if self.plan.zero == 3:
             insert_unit_gathers(program, graph, self.params, self.optimizer, keep=False)  # type: ignore[arg-type]
         return program
+
+    def _forward_graph(self) -> tuple[Graph, Plan]:
+        """The loss-only model's forward graph and its Plan, made at the first call and kept
+        without the exported program's weights."""
+        if callable(self._forward):
+            graph, plan = self._forward()
+            self._forward = (dataclasses.replace(graph, program=weightless_program(graph)), plan)
+        return self._forward  # type: ignore[return-value]
 
     def _pipeline_forward(self, stages: tuple[StageProgram, ...], tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Forward through the stages: each rank runs its own in order, receiving from the stage
