@@ -9,7 +9,8 @@ spec string such as "tp=2,dp=2,sp=1,zero=1"). Output: a `ParallelModule` (`pm.tr
 Steps, the same on every rank (under torchrun; alone when there is no torchrun environment):
 1. join or create the world group (`runtime.launch`);
 2. capture the model once (`ir.trace.capture_for_training`): the graph that is planned is the
-   graph that runs;
+   graph that runs (a model that returns only its loss given labels has its forward captured
+   too, at the first `pm(inputs)`, from a copy of it on the meta device);
 3. resolve the plan argument into one complete Plan for that graph (`planner.resolve`): local
    work only, so a wrong world size, batch split or stale plan fails here, on every rank alike,
    before any collective; a search covers every mesh the runtime executes (dp, tp, sp, pp, ep);

@@ -67,6 +67,28 @@ def test_parameters_are_the_models_own() -> None:
     assert pm.optimizer.grad_sync.num_buckets == 0
 
 
+def test_a_job_that_only_trains_captures_once(monkeypatch) -> None:
+    """mplan's GPT returns only its loss given labels, so inference needs its forward captured
+    apart: that second torch.export (as long as the first) waits for the first `pm(inputs)`,
+    which then matches the model's own forward; training never pays it."""
+    import mplan.api
+
+    captures = []
+    capture = mplan.api.capture_for_training
+    monkeypatch.setattr(mplan.api, "capture_for_training",
+                        lambda *args, **kwargs: captures.append(kwargs.get("with_loss", True)) or capture(*args, **kwargs))
+    model = _model()
+    ids, labels = example_inputs(model, 2, device="cpu")
+    expected = model(ids).detach()
+    pm = _trivial(model, ids)
+    pm.train_step(ids, labels)
+    assert captures == [True]
+    torch.testing.assert_close(pm(ids), model(ids).detach())  # the model's weights are pm's, trained in place
+    assert captures == [True, False]
+    pm(ids)
+    assert captures == [True, False] and not torch.equal(pm(ids), expected)  # kept; after a step, new weights
+
+
 @contextlib.contextmanager
 def _no_automatic_gc() -> Iterator[None]:
     gc.disable()
