@@ -158,6 +158,21 @@ def _graphed(family: str) -> Callable[[dict], tuple[str, ...]]:
     return figures
 
 
+def _own_pairs(model: str) -> Callable[[dict], tuple[str, ...]]:
+    """One of mplan's own models raced against one peer at a time (`peers.py --own-pairs`): per
+    peer (eager, compile) the ratio, mplan's and the peer's step (ms); then per peer mplan's and
+    the peer's spread (%), each from that pair's rounds."""
+    def figures(data: dict) -> tuple[str, ...]:
+        own = data["own"][model]
+        pairs = own["pairs"]
+        step = lambda peer, system: fixed(pairs[peer]["systems"][system]["step_s"] * 1e3)  # noqa: E731
+        cv = lambda peer, system: fixed(pairs[peer]["systems"][system]["step_cv"] * 100, 2)  # noqa: E731
+        return (*(x for peer in ("eager", "compile")
+                  for x in (fixed(own[f"mplan_vs_{peer}"], 3), step(peer, "mplan"), step(peer, peer))),
+                *(x for peer in ("eager", "compile") for x in (cv(peer, "mplan"), cv(peer, peer))))
+    return figures
+
+
 def _cp_attention(data: dict) -> tuple[str, ...]:
     """One cp rank's local attention on cuDNN's and flash's kernels (one run): cuDNN's 131072-token
     cp=2 rank 0's measured and predicted forward and backward (ms), the span of its prediction
@@ -876,6 +891,19 @@ CLAIMS: tuple[Claim, ...] = (
                   r"(\S+)%\. .*?the SM clock swinging (\S+)-(\S+) MHz; mplan's graphed steps drew (\S+) W on average at "
                   r"(\S+) MHz, compile's (\S+) W at (\S+) MHz, eager's (\S+) W at (\S+) MHz.*?\(correlation (\S+) mplan, "
                   r"(\S+) compile, (\S+) eager\)"),
+    *(Claim(doc="README.md", source="peers-2026-12-06-session17-gemma3-granite-trace.json", figures=_traced(family),
+            pattern=rf"{name} (\S+)x compile \((\S+) against (\S+) ms\); steps vary by (\S+)%, compile's by (\S+)%, "
+                    r"eager's by (\S+)%[.;].*?the SM clock swinging (\S+)-(\S+) MHz; mplan's graphed steps drew (\S+) W on "
+                    r"average at (\S+) MHz, compile's (\S+) W at (\S+) MHz, eager's (\S+) W at (\S+) MHz.*?correlation (\S+) "
+                    r"mplan, (\S+) compile, (\S+) eager\)")
+      for family, name in (("gemma3", "Gemma-3"), ("granite", "Granite, now with graphs,"))),
+    Claim(doc="README.md", source="peers-2026-12-06-session17-gemma3-granite-trace.json",
+          figures=lambda data: tuple(fixed(data["families"][family]["mplan_peak_vs_lowest_peer"], 3)
+                                     for family in ("gemma3", "granite")),
+          pattern=r"Its peak is now (\S+)x the lowest peer's .*?; peak (\S+)x the lowest peer's\. "),
+    Claim(doc="README.md", source="peers-2026-12-06-session17-own-gpt.json", figures=_own_pairs("gpt"),
+          pattern=r"process per pair\): (\S+)x eager \((\S+) against (\S+) ms\), (\S+)x compile \((\S+) against (\S+) "
+                  r"ms\).*?\((\S+)% against eager's (\S+)%, (\S+)% against compile's (\S+)%\)"),
     Claim(doc="README.md", source="hf_reprice-cpu-2026-12-06-l2.json",
           figures=lambda data: tuple(f"{row['error_now'] * 100:+.1f}" for model in ("qwen3", "smollm2", "gemma")
                                      for row in data["models"][model]),
