@@ -30,6 +30,7 @@ not use.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import gc
 import json
@@ -48,6 +49,7 @@ from mplan.planner.plan import Plan
 from mplan.planner.resolve import check_before_capture, resolve_plan
 from mplan.progress import Progress
 from mplan.runtime.launch import init_distributed_from_env
+from mplan.runtime.lowering import weightless_program
 from mplan.runtime.outer_loop import OuterOptimizer
 from mplan.runtime.parallel_module import ParallelModule, check_executable, parallelize
 from mplan.runtime.replicated_optimizer import OptimizerFactory
@@ -245,8 +247,9 @@ def _forward_capture(model: nn.Module, inputs: tuple[torch.Tensor, ...], plan: P
     try:
         twin = _meta_twin(model)
     except Exception:  # noqa: BLE001 - whatever deepcopy raises on an object it cannot copy
-        captured = capture(model)
-        return lambda: captured
+        graph, bound = capture(model)
+        kept = dataclasses.replace(graph, program=weightless_program(graph)), bound  # not the model's weights
+        return lambda: kept
     return functools.partial(capture, twin)
 
 

@@ -89,6 +89,26 @@ def test_a_job_that_only_trains_captures_once(monkeypatch) -> None:
     assert captures == [True, False] and not torch.equal(pm(ids), expected)  # kept; after a step, new weights
 
 
+def test_a_model_that_cannot_be_copied_has_its_forward_captured_at_once(monkeypatch) -> None:
+    """The inference capture reads a meta copy of the model; a model deepcopy refuses (here it
+    holds a lock) is captured when pm is built instead, kept without its weights, and runs alike."""
+    import threading
+
+    import mplan.api
+
+    captures = []
+    capture = mplan.api.capture_for_training
+    monkeypatch.setattr(mplan.api, "capture_for_training",
+                        lambda *args, **kwargs: captures.append(kwargs.get("with_loss", True)) or capture(*args, **kwargs))
+    model = _model()
+    model.lock = threading.Lock()
+    ids, _ = example_inputs(model, 2, device="cpu")
+    pm = _trivial(model, ids)
+    assert captures == [True, False]
+    torch.testing.assert_close(pm(ids), model(ids).detach())
+    assert captures == [True, False]
+
+
 @contextlib.contextmanager
 def _no_automatic_gc() -> Iterator[None]:
     gc.disable()
