@@ -241,14 +241,14 @@ def _forward_capture(model: nn.Module, inputs: tuple[torch.Tensor, ...], plan: P
     copied is captured now, as before."""
     def capture(source: nn.Module) -> tuple[Graph, Plan]:
         graph = capture_for_training(source, inputs, with_loss=False)
-        return graph, resolve_plan(plan, graph, cluster=cluster, world_size=world_size,
-                                   global_batch=plan.global_batch, fp8=plan.fp8)
+        bound = resolve_plan(plan, graph, cluster=cluster, world_size=world_size,
+                             global_batch=plan.global_batch, fp8=plan.fp8)
+        return dataclasses.replace(graph, program=weightless_program(graph)), bound  # not the model's weights
 
     try:
         twin = _meta_twin(model)
     except Exception:  # noqa: BLE001 - whatever deepcopy raises on an object it cannot copy
-        graph, bound = capture(model)
-        kept = dataclasses.replace(graph, program=weightless_program(graph)), bound  # not the model's weights
+        kept = capture(model)
         return lambda: kept
     return functools.partial(capture, twin)
 

@@ -67,16 +67,23 @@ def test_parameters_are_the_models_own() -> None:
     assert pm.optimizer.grad_sync.num_buckets == 0
 
 
-def test_a_job_that_only_trains_captures_once(monkeypatch) -> None:
+@pytest.fixture
+def captures(monkeypatch) -> list[bool]:
+    """Each capture `autoparallel` makes, in order: True for the training capture (with the loss),
+    False for the forward's."""
+    import mplan.api
+
+    made: list[bool] = []
+    capture = mplan.api.capture_for_training
+    monkeypatch.setattr(mplan.api, "capture_for_training",
+                        lambda *args, **kwargs: made.append(kwargs.get("with_loss", True)) or capture(*args, **kwargs))
+    return made
+
+
+def test_a_job_that_only_trains_captures_once(captures: list[bool]) -> None:
     """mplan's GPT returns only its loss given labels, so inference needs its forward captured
     apart: that second torch.export (as long as the first) waits for the first `pm(inputs)`,
     which then matches the model's own forward; training never pays it."""
-    import mplan.api
-
-    captures = []
-    capture = mplan.api.capture_for_training
-    monkeypatch.setattr(mplan.api, "capture_for_training",
-                        lambda *args, **kwargs: captures.append(kwargs.get("with_loss", True)) or capture(*args, **kwargs))
     model = _model()
     ids, labels = example_inputs(model, 2, device="cpu")
     expected = model(ids).detach()
@@ -89,17 +96,11 @@ def test_a_job_that_only_trains_captures_once(monkeypatch) -> None:
     assert captures == [True, False] and not torch.equal(pm(ids), expected)  # kept; after a step, new weights
 
 
-def test_a_model_that_cannot_be_copied_has_its_forward_captured_at_once(monkeypatch) -> None:
+def test_a_model_that_cannot_be_copied_has_its_forward_captured_at_once(captures: list[bool]) -> None:
     """The inference capture reads a meta copy of the model; a model deepcopy refuses (here it
     holds a lock) is captured when pm is built instead, kept without its weights, and runs alike."""
     import threading
 
-    import mplan.api
-
-    captures = []
-    capture = mplan.api.capture_for_training
-    monkeypatch.setattr(mplan.api, "capture_for_training",
-                        lambda *args, **kwargs: captures.append(kwargs.get("with_loss", True)) or capture(*args, **kwargs))
     model = _model()
     model.lock = threading.Lock()
     ids, _ = example_inputs(model, 2, device="cpu")

@@ -123,9 +123,10 @@ from mplan.runtime.watchdog import Position, Watchdog, watch
 
 Batch = torch.Tensor | Sequence[torch.Tensor]
 Inference = Callable[[], tuple[Graph, Plan]]
-"""Makes the model's forward (captured without labels, symbolic batch) and the Plan bound to it,
-for models whose training graph holds only their loss; called at the first inference call, so a
-job that only trains never pays the capture (about as long as the training capture's)."""
+"""Makes the model's forward (captured without labels, symbolic batch; its program without the
+model's weights) and the Plan bound to it, for models whose training graph holds only their loss;
+called at the first inference call, so a job that only trains never pays the capture (about as long
+as the training capture's)."""
 
 
 class PlanMismatch(RuntimeError):
@@ -256,7 +257,7 @@ class ParallelModule:
         self.context = context  # its `batch` is set per micro-batch of packed documents
         self.last_context_sizes: list[int] = []  # the cp size each micro-batch of the last document step ran at
         self.pipeline = pipeline  # None: one stage, the flat program runs each micro-batch
-        self._forward: Inference | tuple[Graph, Plan] | None = inference  # called once, by the first inference call (`_forward_graph`)
+        self._capture_forward = inference  # called once, by the first inference call (`_forward_graph`)
         # by rows: the local program, or under a pipeline plan the stages of it
         self._inference: dict[int, fx.GraphModule | tuple[StageProgram, ...]] = {}
         shared = pipeline.copies if pipeline is not None else None
@@ -596,8 +597,8 @@ class ParallelModule:
         pipeline plan its stages (run by `_pipeline_forward`)."""
         if self.graph.program is not None:
             graph, plan, output = self.graph, self.plan, 1  # the training capture kept the model's output
-        elif self._forward is not None:
-            (graph, plan), output = self._forward_graph(), 0
+        elif self._forward_graph is not None:
+            (graph, plan), output = self._forward_graph, 0
         else:
             raise RuntimeError("this ParallelModule has no graph of the model's forward to run inference with")
         graph = at_batch(graph, rows)
@@ -614,13 +615,11 @@ class ParallelModule:
             insert_unit_gathers(program, graph, self.params, self.optimizer, keep=False)  # type: ignore[arg-type]
         return program
 
-    def _forward_graph(self) -> tuple[Graph, Plan]:
-        """The loss-only model's forward graph and its Plan, made at the first call and kept
-        without the exported program's weights."""
-        if callable(self._forward):
-            graph, plan = self._forward()
-            self._forward = (dataclasses.replace(graph, program=weightless_program(graph)), plan)
-        return self._forward  # type: ignore[return-value]
+    @functools.cached_property
+    def _forward_graph(self) -> tuple[Graph, Plan] | None:
+        """The loss-only model's forward graph and its Plan, captured at the first inference call
+        (None for a model whose training graph keeps its output)."""
+        return None if self._capture_forward is None else self._capture_forward()
 
     def _pipeline_forward(self, stages: tuple[StageProgram, ...], tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Forward through the stages: each rank runs its own in order, receiving from the stage
