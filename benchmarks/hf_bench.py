@@ -33,6 +33,8 @@ Run on the GPU (about a minute per model, most of it the CPU-side capture and th
 256k-vocabulary model's rows take minutes):
     PYTHONPATH=. python3 benchmarks/hf_bench.py --out $OUT/hf_bench.json
     PYTHONPATH=. python3 benchmarks/hf_bench.py --configs unseen --models qwen3 --out $OUT/hf_measure.json
+`--profile` adds one step per row under torch.profiler (its kernel time by kind and largest kernels,
+in the rows): the evidence where a price misses, e.g. what micro-batch 1 runs beyond 8's kernels.
 A model whose process outlived --timeout-s after writing its rows (they are rewritten after each
 plan) is judged on them; `--rejudge` re-reads an earlier run's rows files from the folder beside
 --out (`<stem>_work/`) and rewrites its judgements, running nothing.
@@ -160,11 +162,11 @@ def cluster_for(device: str, work: Path, timeout_s: float) -> tuple[str, dict[st
 
 
 def bench_one(config: Path, rows_path: Path, *, cluster: str, global_batch: int, seq_len: int,
-              plans: list[str], timeout_s: float) -> dict[str, Any]:
-    """One `mplan bench --measure` under torchrun; its rows, or why there are none."""
+              plans: list[str], timeout_s: float, profile: bool = False) -> dict[str, Any]:
+    """One `mplan bench --measure` under torchrun (`profile`: with `--profile`); its rows, or why there are none."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "mplan", "bench",
                str(config), "--cluster", cluster, "--global-batch", str(global_batch), "--seq-len", str(seq_len),
-               "--plans", *plans, "--measure", "--out", str(rows_path)]
+               "--plans", *plans, "--measure", *(["--profile"] if profile else []), "--out", str(rows_path)]
     # the output goes to a file as it comes, so a process killed at the timeout still leaves its
     # progress lines (each phase's and each row's seconds): where the time went
     log = rows_path.with_suffix(".log")
@@ -329,6 +331,9 @@ def main() -> int:
                         help="plan specs handed to mplan bench (default: the set's)")
     parser.add_argument("--cluster", default=None, help="a cluster file or preset (default: see the docstring)")
     parser.add_argument("--timeout-s", type=float, default=None, help="per model (default: the set's)")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more step per row under torch.profiler: its kernel time by kind and its largest "
+                             "kernels (`mplan bench --profile`)")
     parser.add_argument("--rejudge", action="store_true",
                         help="run nothing: judge --out's models again on the rows files of its run")
     parser.add_argument("--reprice", nargs="+", default=None, metavar="MEASURED_JSON",
@@ -372,7 +377,7 @@ def main() -> int:
     for name in models:
         config = write_config(name, work, small=args.small)
         result = bench_one(config, work / f"{name}_rows.json", cluster=cluster, global_batch=batch, seq_len=seq,
-                           plans=plans, timeout_s=timeout_s)
+                           plans=plans, timeout_s=timeout_s, profile=args.profile)
         result["config"] = json.loads(config.read_text())
         result["judged"] = judge(result.get("rows", {}), target=chosen.target)
         report["models"][name] = result

@@ -8,7 +8,7 @@ slowest rank's, all-reduced), the tokens per second and the peak device memory (
 With `profile=True` one more step runs under torch.profiler and this rank's GPU kernel time is
 reported by kind (`step_kernel_split`): NCCL, GEMM, attention and the rest, beside the step's
 wall time, so that a step slower than predicted shows whether its links, its kernels or its host
-(wall time the kernels do not fill) took the difference.
+(wall time the kernels do not fill) took the difference, and its largest kernels by name.
 A plan whose world size differs from the job's fails with the plan's own clear error.
 `cluster` is the one the plan is resolved on, the bench's (`--cluster`), so that the plan run is the
 plan predicted; None: the job's own (`ClusterSpec.local()`, the device's datasheet preset).
@@ -39,8 +39,10 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KERNEL_KINDS if any(key in lowered for key in keys)), "other")
 
 
-def step_kernel_split(step: Callable[[], Any]) -> dict[str, float]:
-    """Wall seconds of one `step()` and this rank's GPU kernel seconds by kind (CUDA)."""
+def step_kernel_split(step: Callable[[], Any], *, largest: int = 25) -> dict[str, Any]:
+    """Wall seconds of one `step()`, this rank's GPU kernel seconds by kind (CUDA) and its `largest`
+    kernels by summed seconds (name, seconds, launches): what to compare kernel by kernel between two
+    plans, e.g. micro-batch 1 against 8, when their difference is not the one priced."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -49,11 +51,17 @@ def step_kernel_split(step: Callable[[], Any]) -> dict[str, float]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    split = {"wall_s": time.perf_counter() - start, **{kind: 0.0 for kind, _ in KERNEL_KINDS}, "other": 0.0}
+    split: dict[str, Any] = {"wall_s": time.perf_counter() - start, **{kind: 0.0 for kind, _ in KERNEL_KINDS},
+                             "other": 0.0}
+    by_name: dict[str, list[float]] = {}
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA or event.is_user_annotation:
             continue
         split[kernel_kind(event.name)] += event.device_time / 1e6
+        total = by_name.setdefault(event.name, [0.0, 0])
+        total[0], total[1] = total[0] + event.device_time / 1e6, total[1] + 1
+    split["kernels"] = [[name, seconds, int(count)] for name, (seconds, count)
+                        in sorted(by_name.items(), key=lambda item: -item[1][0])[:largest]]
     return split
 
 
