@@ -497,19 +497,17 @@ def _margin() -> float:
     return load_source(ROOT, "mplan/cost_models/memory_model.py")["FRAGMENTATION_FRACTION"]
 
 
-def _hf_price(data: dict) -> tuple[str, ...]:
-    """The planner's HF Llama and Mistral prices against the H200 run: step, peak with and without the margin."""
-    llama, mistral = data["rows"]["llama"], data["rows"]["mistral"]
-
-    def peak(row: dict, margin: bool) -> float:
-        return row["predicted"]["memory_gib"] / (1.0 if margin else 1.0 + _margin())
-    return (fixed(llama["predicted"]["step_time_s"] * 1e3), percent(llama["step_time_error"], sign=True),
-            fixed(llama["measured_step_s"] * 1e3), fixed(peak(llama, True)), percent(_margin(), 0),
-            percent(peak(llama, True) / llama["measured_peak_gib"] - 1, sign=True), fixed(llama["measured_peak_gib"]),
-            fixed(peak(llama, False)), percent(peak(llama, False) / llama["measured_peak_gib"] - 1, sign=True),
-            fixed(mistral["predicted"]["step_time_s"] * 1e3), percent(mistral["step_time_error"], sign=True),
-            fixed(peak(mistral, True)), percent(peak(mistral, True) / mistral["measured_peak_gib"] - 1, sign=True),
-            percent(peak(mistral, False) / mistral["measured_peak_gib"] - 1, sign=True))
+def _hf_reprice_seen(data: dict) -> tuple[str, ...]:
+    """HF Llama and Mistral priced again by `hf_bench.py --reprice` beside the H200 run: Llama's step
+    now, its error, the measured step, the price then and its error, its allocated peak now and error,
+    the measured peak, the allocator margin; Mistral's step now, its error and its peak error."""
+    (llama,), (mistral,) = data["models"]["llama"], data["models"]["mistral"]
+    return (".".join(data["transformers"].split(".")[:2]), fixed(llama["predicted_now_s"] * 1e3),
+            percent(llama["error_now"], sign=True), fixed(llama["measured_step_s"] * 1e3),
+            fixed(llama["predicted_then_s"] * 1e3), percent(llama["error_then"], sign=True),
+            fixed(llama["predicted_allocated_gib_now"]), percent(llama["peak_error_now"], sign=True),
+            fixed(llama["measured_peak_gib"]), percent(_margin(), 0), fixed(mistral["predicted_now_s"] * 1e3),
+            percent(mistral["error_now"], sign=True), percent(mistral["peak_error_now"], sign=True))
 
 
 def _fp8(data: dict) -> tuple[str, ...]:
@@ -698,13 +696,11 @@ CLAIMS: tuple[Claim, ...] = (
     Claim(doc="README.md", source="hf_bench_h200-2026-12-02.json",
           figures=lambda data: (_hf_bench("llama")(data)[1], _hf_bench("mistral")(data)[1]),
           pattern=r"the peak was predicted (\S+) \(Llama\) / (\S+) \(Mistral\)"),
-    Claim(doc="README.md", source="hf_price_h200-cpu-2026-12-02.json",
-          figures=lambda data: (".".join(data["transformers"].split(".")[:2]),),
-          pattern=r"\(transformers (\d+\.\d+) here"),
-    Claim(doc="README.md", source="hf_price_h200-cpu-2026-12-02.json", figures=_hf_price,
-          pattern=r"step (\S+) ms \((\S+) of the (\S+) ms `mplan bench --measure` measured\); peak (\S+) GiB with the (\S+) "
-                  r"allocator margin \((\S+) of that run's (\S+) GiB `max_memory_allocated`\), (\S+) GiB without it \((\S+), what "
-                  r"`bench --measure` compares\); Mistral (\S+) ms \((\S+)\), (\S+) GiB \((\S+); (\S+) without the margin\)"),
+    Claim(doc="README.md", source="hf_reprice-cpu-2026-12-06-seen.json", figures=_hf_reprice_seen,
+          pattern=r"\(transformers (\d+\.\d+) here, \S+ there\): step (\S+) ms \((\S+) of the (\S+) ms `mplan bench --measure` "
+                  r"measured; (\S+) ms, (\S+), priced then\); peak (\S+) GiB allocated \((\S+) of that run's (\S+) GiB "
+                  r"`max_memory_allocated`; the plan's `memory_gib` adds the (\S+) allocator margin\); Mistral (\S+) ms "
+                  r"\((\S+)\), peak (\S+)"),
     Claim(doc="README.md", source="optimizer_h200-2026-11-29.json",
           figures=lambda data: tuple({str(r["num_tensors"]) for r in _rows(data) if r["model"] == "gpt-1.3b"}),
           pattern=r"AdamW on GPT-1\.3B's (\d+) tensors"),

@@ -38,8 +38,10 @@ in the rows): the evidence where a price misses, e.g. what micro-batch 1 runs be
 A model whose process outlived --timeout-s after writing its rows (they are rewritten after each
 plan) is judged on them; `--rejudge` re-reads an earlier run's rows files from the folder beside
 --out (`<stem>_work/`) and rewrites its judgements, running nothing.
-Priced again on a CPU after a cost-model change, beside earlier runs' measurements (several runs of
-one config join, e.g. a later call that measured the rows an earlier one's budget cut):
+Priced again on a CPU after a cost-model change, beside earlier runs' measurements, each row as the
+plan that ran (its resolved spec: an `auto` row is not searched again), several runs of one config
+joining (e.g. a later call that measured the rows an earlier one's budget cut); the seen set's H200 run
+with `--reprice benchmarks/results/hf_bench_h200-2026-12-02.json --cluster h200`:
     PYTHONPATH=. python3 benchmarks/hf_bench.py --reprice benchmarks/results/hf_measure_h100-2026-12-06-qwen3.json \
         --cluster benchmarks/results/profile_h100-2026-12-06-graphed.json --out /tmp/repriced.json
 Smoke test on a CPU (tiny configs, one gloo rank, the cpu cluster preset; nothing is judged):
@@ -261,6 +263,9 @@ def reprice(measured: list[Path], out: Path, cluster: str) -> int:
     import transformers
 
     runs = [(path, json.loads(path.read_text())) for path in measured]
+    for _, then in runs:  # runs before 2026-12-05 ran at FULL_SHAPE and did not record it
+        then.setdefault("global_batch", FULL_SHAPE[0])
+        then.setdefault("seq_len", FULL_SHAPE[1])
     first = runs[0][1]
     work = Path(tempfile.mkdtemp(prefix="hf_reprice_"))
     report: dict[str, Any] = {
@@ -290,25 +295,24 @@ def reprice(measured: list[Path], out: Path, cluster: str) -> int:
         priced = work / f"{name}_rows.json"
         command = [sys.executable, "-m", "mplan", "bench", str(config), "--cluster", cluster, "--global-batch",
                    str(first["global_batch"]), "--seq-len", str(first["seq_len"]), "--plans",
-                   *dict.fromkeys(r["spec"] for _, r in rows), "--out", str(priced)]
+                   *dict.fromkeys(r["resolved_spec"] for _, r in rows), "--out", str(priced)]
         done = subprocess.run(command, capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", ".")})
         if done.returncode != 0:
             raise SystemExit(f"mplan bench failed on {name}:\n{done.stderr[-3000:]}")
-        now = {r["spec"]: r for r in json.loads(priced.read_text())["plans"]}
-        for source, r in rows:  # a spec leaves keys to the search: the price must be of the plan that ran
-            if now[r["spec"]]["resolved_spec"] != r["resolved_spec"]:
-                raise SystemExit(f"{name} {r['spec']}: {source} measured {r['resolved_spec']}, this checkout "
-                                 f"resolves {now[r['spec']]['resolved_spec']}")
+        # priced as the plan that ran (a spec such as `auto` leaves keys to the search, which this
+        # checkout may settle otherwise)
+        now = {r["spec"]: r["predicted"] for r in json.loads(priced.read_text())["plans"]}
         report["models"][name] = [
-            {"spec": r["spec"], "measured_in": source, "measured_step_s": r["measured"]["step_time_s"],
-             "predicted_then_s": r["predicted"]["step_time_s"],
-             "predicted_now_s": now[r["spec"]]["predicted"]["step_time_s"],
+            {"spec": r["spec"], "resolved_spec": r["resolved_spec"], "measured_in": source,
+             "measured_step_s": r["measured"]["step_time_s"], "predicted_then_s": r["predicted"]["step_time_s"],
+             "predicted_now_s": now[r["resolved_spec"]]["step_time_s"],
              "error_then": r["predicted"]["step_time_s"] / r["measured"]["step_time_s"] - 1,
-             "error_now": now[r["spec"]]["predicted"]["step_time_s"] / r["measured"]["step_time_s"] - 1,
+             "error_now": now[r["resolved_spec"]]["step_time_s"] / r["measured"]["step_time_s"] - 1,
              "measured_peak_gib": r["measured"].get("peak_memory_gib"),
+             "predicted_allocated_gib_now": now[r["resolved_spec"]]["allocated_gib"],
              "peak_error_then": r["measured"]["prediction_error"]["peak_memory"],
-             "peak_error_now": now[r["spec"]]["predicted"]["allocated_gib"] / r["measured"]["peak_memory_gib"] - 1
+             "peak_error_now": now[r["resolved_spec"]]["allocated_gib"] / r["measured"]["peak_memory_gib"] - 1
              if r["measured"].get("peak_memory_gib") else None}
             for source, r in rows]
         for row in report["models"][name]:
