@@ -39,10 +39,11 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KERNEL_KINDS if any(key in lowered for key in keys)), "other")
 
 
-def step_kernel_split(step: Callable[[], Any], *, largest: int = 25) -> dict[str, Any]:
-    """Wall seconds of one `step()`, this rank's GPU kernel seconds by kind (CUDA) and its `largest`
-    kernels by summed seconds (name, seconds, launches): what to compare kernel by kernel between two
-    plans, e.g. micro-batch 1 against 8, when their difference is not the one priced."""
+def step_kernel_split(step: Callable[[], Any], *, largest: int = 40) -> dict[str, Any]:
+    """Wall seconds of one `step()`, this rank's GPU kernel seconds by kind (CUDA), its kernel count
+    and its `largest` kernels by summed seconds (name, seconds, launches): what to compare kernel
+    by kernel between two plans, e.g. micro-batch 1 against 8, when their difference is not the
+    one priced."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -60,6 +61,7 @@ def step_kernel_split(step: Callable[[], Any], *, largest: int = 25) -> dict[str
         split[kernel_kind(event.name)] += event.device_time / 1e6
         total = by_name.setdefault(event.name, [0.0, 0])
         total[0], total[1] = total[0] + event.device_time / 1e6, total[1] + 1
+    split["launches"] = int(sum(count for _, count in by_name.values()))
     split["kernels"] = [[name, seconds, int(count)] for name, (seconds, count)
                         in sorted(by_name.items(), key=lambda item: -item[1][0])[:largest]]
     return split
