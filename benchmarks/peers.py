@@ -417,10 +417,12 @@ def _forward_stderr(stream: Any, tail: collections.deque[str]) -> None:
         tail.append(line)
 
 
-def run_family_process(name: str, args: argparse.Namespace, part: str,
-                       systems: str | None = None) -> dict[str, Any]:
+def run_family_process(name: str, args: argparse.Namespace, scratch: str, systems: str | None = None,
+                       tag: str = "") -> dict[str, Any]:
     """Runs `name` in a process of its own (a new session: on a timeout it and its liger child are
-    killed together), racing `systems` (default: --systems); its entry, or what is known of its failure."""
+    killed together), racing `systems` (default: --systems); its entry, which it writes under
+    `scratch` (`tag` tells apart several processes of one family), or what is known of its failure."""
+    part = os.path.join(scratch, f"{name.replace(':', '_')}{tag}.json")
     command = [sys.executable, os.path.abspath(__file__), "--family", name, "--part", part,
                "--parent", str(os.getpid()), "--device", args.device, "--systems", systems or args.systems,
                "--warmup", str(args.warmup), "--steps", str(args.steps), "--rounds", str(args.rounds),
@@ -454,8 +456,7 @@ def run_own_pairs(name: str, args: argparse.Namespace, scratch: str) -> dict[str
     entry: dict[str, Any] = {"method": "mplan raced against one peer at a time, both resident, in a process per pair",
                              "pairs": {}, "targets": {}}
     for peer in peers:
-        pair = run_family_process(name, args, os.path.join(scratch, f"{name.replace(':', '_')}_{peer}.json"),
-                                  systems=f"{peer},mplan")
+        pair = run_family_process(name, args, scratch, systems=f"{peer},mplan", tag=f"_{peer}")
         entry["pairs"][peer] = pair
         if f"mplan_vs_{peer}" in pair:
             entry[f"mplan_vs_{peer}"] = pair[f"mplan_vs_{peer}"]
@@ -586,7 +587,7 @@ def main() -> None:
             else:
                 clock.log(f"{name}: starting")
                 table[key] = (run_own_pairs(name, args, scratch) if args.own_pairs and name.startswith(OWN) else
-                              run_family_process(name, args, os.path.join(scratch, f"{name.replace(':', '_')}.json")))
+                              run_family_process(name, args, scratch))
                 report["gpu"] = report["gpu"] or table[key].get("gpu")
             report["wall_s"] = round(clock.elapsed(), 1)
             write_report(args.out, report)  # after every family: a later one's failure loses nothing
