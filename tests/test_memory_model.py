@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mplan.cost_models.cluster import ClusterSpec
-from mplan.cost_models.memory_model import (FRAGMENTATION_FRACTION, activation_bytes_kept, bytes_per_param,
-                                            estimate_memory, mplan_bytes_per_param)
+from mplan.cost_models.memory_model import (FRAGMENTATION_FRACTION, activation_bytes_kept, backward_peak,
+                                            bytes_per_param, estimate_memory, mplan_bytes_per_param)
 from mplan.ir.schedule import max_in_flight, one_f_one_b
 from mplan.planner.evaluate import ModelFacts, evaluate, schedule_of
 from mplan.planner.parallel_config import ParallelConfig
@@ -95,7 +95,27 @@ def test_gradients_made_during_backward_take_the_place_of_the_activations_it_fre
     assert wide.total_bytes == 1e9 * (per.param + per.optimizer) + 5e9  # activations exceed the grads
 
 
+def test_the_backward_walk_finds_the_moment_activations_and_gradients_peak_together() -> None:
+    """Three units in forward order, walked in reverse: an embedding (tied to the head), a layer,
+    a head. Under full recomputation the layer keeps only its input (1), works with all its
+    activations (10) when it re-runs, and the peak comes late: the layer's activations with the
+    head's and its own gradients (5 + 4), not at the forward's end (all kept: 1 + 1 + 3)."""
+    kept, working = [1.0, 1.0, 3.0], [1.0, 10.0, 3.0]
+    grads, again = [5.0, 4.0, 5.0], [5.0, 0.0, 0.0]  # the embedding's is the head's tied weight, again
+    # head: 1 + 1 kept + 3 working + 5 made = 10; layer: 1 kept + 10 + 5 + 4 = 20; embedding: 1 + 9 + 5 = 15
+    assert backward_peak(kept, working, grads, again) == 20.0
+    # nothing re-run, activations outweighing the gradients: the last unit's gradients beside them all
+    assert backward_peak([30.0, 30.0], [30.0, 30.0], [1.0, 1.0], [0.0, 0.0]) == 61.0
+    # the tied weight's second gradient is what the embedding's moment adds on top of all the others
+    assert backward_peak([0.0, 0.0], [0.0, 0.0], [5.0, 5.0], [5.0, 0.0]) == 10.0
+    with pytest.raises(ValueError, match="one kept, working, grads and again figure per unit"):
+        backward_peak([1.0], [1.0, 2.0], [1.0], [0.0])
+
+
 def test_evaluate_overlaps_gradients_and_activations_only_where_the_runtime_does() -> None:
+    """One micro-batch, dp=1: the peak is the backward walk's, between the larger of all the
+    activations and all the gradients and their sum; two micro-batches accumulate into gradients
+    held throughout, on top of the activations."""
     from mplan.planner.search import Planner
 
     graph = capture_for_planning("tiny-llama")
@@ -103,8 +123,9 @@ def test_evaluate_overlaps_gradients_and_activations_only_where_the_runtime_does
     one = planner.evaluate(ParallelConfig(dp=1, tp=1, pp=1, mbs=1, num_micro_batches=1), fragmentation=0.0)
     two = planner.evaluate(ParallelConfig(dp=1, tp=1, pp=1, mbs=1, num_micro_batches=2), fragmentation=0.0)
     (m1,), (m2,) = one.memory, two.memory
-    assert m1.total_bytes == pytest.approx(m1.params_bytes + m1.optimizer_bytes + max(m1.grads_bytes, m2.activations_bytes)
-                                           + m1.transient_bytes)
+    held_together = m1.grads_bytes + m1.activations_bytes
+    assert max(m1.grads_bytes, m2.activations_bytes) <= held_together < m1.grads_bytes + m2.activations_bytes
+    assert m1.total_bytes == pytest.approx(m1.params_bytes + m1.optimizer_bytes + held_together + m1.transient_bytes)
     assert m2.total_bytes > m1.total_bytes  # accumulating over micro-batches holds the gradients throughout
 
 

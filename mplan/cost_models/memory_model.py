@@ -213,6 +213,33 @@ def activation_bytes_kept(*, recompute: str, activation_bytes: float, num_in_fli
     return num_in_flight * checkpoint_bytes + (layer_activation_bytes if num_in_flight else 0.0)
 
 
+def backward_peak(kept: Sequence[float], working: Sequence[float], grads: Sequence[float],
+                  again: Sequence[float]) -> float:
+    """The most activations and gradients one micro-batch's backward holds at once, walked unit by
+    unit in reverse (``grads_during_backward``: no gradient buffer, each unit's gradients appear as
+    its backward runs and its activations go). While unit u's backward runs, the units before it
+    keep what they keep (``kept``: all, selective or their checkpointed inputs), u holds its working
+    set (``working``: all its activations, recomputed where it was checkpointed), the gradients the
+    units after it made are held, and u's own appear (``grads[u]``, of which ``again[u]`` are of a
+    tied parameter whose gradient a later unit made: a second gradient, added into the first and
+    dropped). The first moment is the end of the forward, every unit's ``kept`` held.
+
+    Why a walk: under full recomputation the units keep little (a layer's input), and the peak
+    comes late, nearly every gradient made while the first layer re-runs and the embedding's
+    backward makes its tied weight's gradient again; the larger of all the activations and all
+    the gradients missed it by 9.5-11% of the peak on an H100 (Gemma-2B, Qwen3-1.7B and
+    SmolLM2-1.7B shapes at micro-batch 8: 1.4-2.1 GiB, benchmarks/hf_bench.py)."""
+    if not len(kept) == len(working) == len(grads) == len(again):
+        raise ValueError("backward_peak: one kept, working, grads and again figure per unit")
+    before = sum(kept)
+    peak, made = before, 0.0
+    for u in reversed(range(len(kept))):
+        before -= kept[u]
+        peak = max(peak, before + working[u] + made + grads[u])
+        made += grads[u] - again[u]
+    return peak
+
+
 def estimate_memory(*, num_params: float, per_param: BytesPerParam, zero: int = 0, dp: int = 1,
                     expert_params: float = 0.0, expert_dp: int = 1, keep_weights: bool = False,
                     gathered_params: float = 0.0, grad_transient_bytes: float = 0.0,
@@ -222,7 +249,8 @@ def estimate_memory(*, num_params: float, per_param: BytesPerParam, zero: int = 
                     selective_activation_bytes: float | None = None, checkpoint_bytes: float | None = None,
                     layer_activation_bytes: float = 0.0, largest_workspace_bytes: float = 0.0,
                     fragmentation: float = FRAGMENTATION_FRACTION,
-                    grads_during_backward: bool = False, grads_whole: bool = False) -> MemoryBreakdown:
+                    grads_during_backward: bool = False, backward_peak_bytes: float | None = None,
+                    grads_whole: bool = False) -> MemoryBreakdown:
     """Peak memory of one rank whose parameters cost `per_param` each (before ZeRO sharding).
 
     ``activation_bytes`` (and ``selective_activation_bytes``, ``checkpoint_bytes``) are per
@@ -272,8 +300,8 @@ def estimate_memory(*, num_params: float, per_param: BytesPerParam, zero: int = 
     acts = activation_bytes_kept(recompute=recompute, activation_bytes=activation_bytes, num_in_flight=num_in_flight,
                                  selective_activation_bytes=selective_activation_bytes,
                                  checkpoint_bytes=checkpoint_bytes, layer_activation_bytes=layer_activation_bytes)
-    if grads_during_backward:
-        acts = max(0.0, acts - grads)
+    if grads_during_backward:  # the activations above the gradients at the backward's peak
+        acts = max(0.0, (acts if backward_peak_bytes is None else backward_peak_bytes) - grads)
     beside = acts if activations_beside_transient is None else min(acts, activations_beside_transient)
     if grad_transient_bytes and beside + grad_transient_bytes >= acts:  # the peak is the reductions'
         grads, acts = grads + grad_transient_bytes, beside

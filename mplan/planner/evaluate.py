@@ -73,7 +73,7 @@ from mplan.cost_models.collective_cost import DEFAULT_BUCKET_BYTES, collective_t
 from mplan.ir.mesh import GroupShape
 from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.cost_models.memory_model import (FRAGMENTATION_FRACTION, BytesPerParam, MemoryBreakdown, ReductionPeak,
-                                            activation_bytes_kept, bytes_per_param, estimate_memory,
+                                            activation_bytes_kept, backward_peak, bytes_per_param, estimate_memory,
                                             mplan_bytes_per_param)
 from mplan.cost_models.simulator import PipelineCosts, SimResult, simulate
 from mplan.ir.schedule import Schedule, build_schedule, check_schedule, max_in_flight_by_rank
@@ -364,6 +364,10 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
         reductions = gradient_reductions(config, per, [units[u] for u in rank_units], sizes,
                                          [kept[u] for u in rank_units], runtime=facts.runtime,
                                          copies_inputs=not issue.overlaps) if config.zero else NO_REDUCTION
+        # mplan's runtime keeps no gradient buffer at dp=1: one micro-batch's gradients replace
+        # its activations as backward runs (data_parallel.py)
+        during_backward = facts.runtime == "mplan" and config.dp == 1 and config.num_micro_batches == 1 \
+            and config.zero <= 1
         breakdown = estimate_memory(
             num_params=dense, per_param=per, zero=config.zero, dp=mesh.dp_local, expert_params=expert_params,
             expert_dp=mesh.expert_dp_local, keep_weights=config.keep_weights,
@@ -376,10 +380,8 @@ def evaluate(config: ParallelConfig, units: Sequence[UnitCost], cluster: Cluster
             # full recomputation re-runs one unit at a time: the largest one's activations on top
             layer_activation_bytes=max(map(moe.saved_bytes.__getitem__, rank_units), default=0),
             num_in_flight=in_flight[rank], largest_workspace_bytes=workspace, fragmentation=fragmentation,
-            # mplan's runtime keeps no gradient buffer at dp=1: one micro-batch's gradients replace
-            # its activations as backward runs (data_parallel.py)
-            grads_during_backward=facts.runtime == "mplan" and config.dp == 1 and config.num_micro_batches == 1
-            and config.zero <= 1, grads_whole=grads_whole)
+            grads_during_backward=during_backward, grads_whole=grads_whole,
+            backward_peak_bytes=_backward_peak(units, moe, kept, rank_units, per) if during_backward else None)
         if not config.outer_steps:
             return breakdown
         outer_state = OUTER_STATE_COPIES * (dense + expert_params) * per.param  # the anchor and momentum
@@ -528,6 +530,27 @@ def _lean_head_chunk(units: Sequence[UnitCost], bounds: tuple[tuple[int, int], .
             extra = max(0.0, head.seconds(compute, rows) - head.seconds(compute, head.default_rows))
             return rows, tuple(f + extra * (c == stage) for c, f in enumerate(chunk_f))
     return None, chunk_f
+
+
+def _backward_peak(units: Sequence[UnitCost], moe: UnitFigures, kept: Sequence[float], rank_units: Sequence[int],
+                   per: BytesPerParam) -> float:
+    """`backward_peak` of one micro-batch over a rank's units: each keeps `kept`, works with all its
+    activations but the gradients a fused kernel made in forward (those are its parameters' and
+    input's gradients, counted as gradients), and makes its parameters' gradients; a glue
+    parameter a later unit read too (a tied embedding) gets a second, transient gradient."""
+    grads, again, made = [], [], set()
+    for u in reversed(rank_units):
+        if units[u].glue_params:
+            names = moe.glue_params[u]
+            grads.append(sum(n for _, n in names) * per.grad)
+            again.append(sum(n for name, n in names if name in made) * per.grad)
+            made.update(name for name, _ in names)
+        else:
+            grads.append((moe.dense_params[u] + moe.expert_params[u]) * per.grad)
+            again.append(0.0)
+    return backward_peak([kept[u] for u in rank_units],
+                         [max(0.0, moe.saved_bytes[u] - units[u].held_bytes) for u in rank_units],
+                         grads[::-1], again[::-1])
 
 
 def state_floor_bytes(config: ParallelConfig, units: Sequence[UnitCost], facts: ModelFacts) -> float:

@@ -196,6 +196,22 @@ def find_fp8_linears(graph: Graph) -> frozenset[str]:
                      and node.name in graph and not feeds_the_loss(node))
 
 
+def find_concatenated_weights(graph: Graph) -> frozenset[str]:
+    """The linears whose weight the fused program concatenates with the rest of its group every
+    micro-batch, in the forward and again in the backward (`kernels.grouped_linear`, which keeps
+    the weights rather than their concatenation: q/k/v, gate/up). `OpCoster` charges each such
+    linear the copy of its weight, twice a micro-batch: on an H100 a SmolLM2-1.7B shape's 96
+    concatenations a micro-batch took 3.2 ms of kernel time, at micro-batch 1 (eight of them a
+    step) 25.6 ms of a 390 ms step that no price had (benchmarks/results/
+    hf_measure-2026-12-06-session18-smollm2.json, its profiled rows)."""
+    from mplan.fusion.coverage import fused_chains
+
+    if graph.program is None:
+        return frozenset()
+    return frozenset(node.name for _, match in fused_chains(graph) if len(match.params.get("weights") or ()) > 1
+                     for node in match.chain if node.name in graph and graph.node(node.name).kind == "matmul")
+
+
 FP8_CAST_COPY_FRACTION = 0.84
 """Share of copy bandwidth the FP8 cast kernel reached on the H200 at 16384 x 2048-8192
 (benchmarks/results/fp8_h200-2026-11-29.json: 82-86%): `fit_fp8_cast_fraction` on its three

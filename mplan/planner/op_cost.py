@@ -23,7 +23,7 @@ from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.cost_models.dtypes import canonical_dtype
 from mplan.cost_models.moe_cost import experts_layer, experts_time
 from mplan.cost_models.profile import HostTiming
-from mplan.ir.graph import OpNode, TensorMeta
+from mplan.ir.graph import OpNode, TensorMeta, dtype_bytes
 from mplan.ir.op_table import op_packet
 from mplan.ir.placement import Partial, Placement, R, can_transition, local_shape, transition
 from mplan.ir.strategy import Strategy
@@ -46,7 +46,8 @@ class OpCoster:
 
     def __init__(self, cluster: ClusterSpec, axis_size: int, group: GroupShape,
                  fused: Mapping[str, FusedChain] | None = None, fp8_linears: frozenset[str] = frozenset(),
-                 saves: Mapping[str, FusedSave] | None = None, host: HostTiming | None = None) -> None:
+                 saves: Mapping[str, FusedSave] | None = None, host: HostTiming | None = None,
+                 concatenated: frozenset[str] = frozenset()) -> None:
         self.cluster = cluster
         self.host = host if host is not None else host_timing(cluster)
         """host seconds per launch the program pays (`host_cost.runtime_host`; default: the bare ops')"""
@@ -60,6 +61,8 @@ class OpCoster:
         """attention nodes that run causally though captured with a mask (proven causal)"""
         self.fp8_linears = fp8_linears
         """linears that run as FP8 GEMMs (fused_pricing.find_fp8_linears)"""
+        self.concatenated = concatenated
+        """linears whose weight a grouped GEMM concatenates every pass (fused_pricing.find_concatenated_weights)"""
         self.compute = ComputeCostModel(cluster)
         self._collective = lru_cache(maxsize=None)(self._collective_uncached)
 
@@ -137,7 +140,10 @@ class OpCoster:
             fwd = self.compute.matmul_time(m, cols, k, dtype, batch=batch)
             weight_grad = self.compute.matmul_time(cols, k, m, dtype, batch=batch) if node.params or \
                 packet != "linear" else 0.0
-            return fwd, self.compute.matmul_time(m, k, cols, dtype, batch=batch) + weight_grad
+            # the grouped GEMM's copy of this weight into the group's, in each pass: read, written in the GEMM's dtype
+            copied = math.prod(b) * (dtype_bytes(node.input_metas[1].dtype) + dtype_bytes(dtype))
+            concat = self.compute.memory_bound_time(copied) if node.name in self.concatenated else 0.0
+            return fwd + concat, self.compute.matmul_time(m, k, cols, dtype, batch=batch) + weight_grad + concat
         if node.kind == "attention":
             q, kv = locals_[0], locals_[1]
             causal = bool(node.args[5]) if len(node.args) > 5 else bool(dict(node.kwargs).get("is_causal"))
