@@ -223,6 +223,27 @@ def _hf_measure(model: str, specs: tuple[str, ...]) -> Callable[[dict], tuple[st
     return figures
 
 
+UNSEEN_SPECS = ("mbs=1", "mbs=2", "mbs=8", "mbs=1,recompute=selective", "mbs=2,recompute=selective",
+                "mbs=8,recompute=selective", "mbs=8,recompute=full")
+"""The unseen set's seven plans (benchmarks/hf_bench.py), in the README's order."""
+
+
+def _unseen_latest(data: dict) -> tuple[str, ...]:
+    """`hf_bench.py --reprice` of the whole unseen set: each model's seven step errors on the latest
+    run that measured the plan (runs are given oldest first), the largest peak error over every
+    measurement, the three full-recomputation peak errors, and how many of how many plans have every
+    measurement within 10% on step and peak."""
+    latest = {model: {row["spec"]: row for row in rows} for model, rows in data["models"].items()}
+    models = ("qwen3", "smollm2", "gemma")
+    every = [row for model in models for row in data["models"][model]]
+    within = sum(all(abs(r["error_now"]) <= 0.10 and abs(r["peak_error_now"]) <= 0.10
+                     for r in data["models"][model] if r["spec"] == spec) for model in models for spec in UNSEEN_SPECS)
+    return (*(f"{latest[model][spec]['error_now'] * 100:+.1f}" for model in models for spec in UNSEEN_SPECS),
+            f"{max(abs(r['peak_error_now']) for r in every) * 100:.1f}",
+            *(f"{latest[model]['mbs=8,recompute=full']['peak_error_now'] * 100:+.1f}" for model in models),
+            str(within), str(len(models) * len(UNSEEN_SPECS)))
+
+
 def _repriced(model: str, specs: tuple[str, ...]) -> Callable[[dict], tuple[str, ...]]:
     """`hf_bench.py --reprice` rows of one model: each spec's error now (%)."""
     def figures(data: dict) -> tuple[str, ...]:
@@ -915,6 +936,11 @@ CLAIMS: tuple[Claim, ...] = (
           figures=lambda data: tuple(fixed(_plan(data["models"]["gemma"]["rows"], spec)["measured"]["step_time_s"] * 1e3, 0)
                                      for spec in ("mbs=1", "mbs=2", "mbs=8", "mbs=1,recompute=selective")),
           pattern=r"all seven rows: (\S+) / (\S+) / (\S+) ms at micro-batch 1 / 2 / 8, (\S+) / "),
+    Claim(doc="README.md", source="hf_reprice-cpu-2026-12-06-session18.json", figures=_unseen_latest,
+          pattern=r"Every row re-priced on its latest measurement: Qwen3 (\S+)% / (\S+)% / (\S+)%, selective (\S+)% / (\S+)% / "
+                  r"(\S+)%, full (\S+)%; SmolLM2 (\S+)% / (\S+)% / (\S+)%, selective (\S+)% / (\S+)% / (\S+)%, full (\S+)%; "
+                  r"Gemma-2B (\S+)% / (\S+)% / (\S+)%, selective (\S+)% / (\S+)% / (\S+)%, full (\S+)%; peaks within (\S+)% "
+                  r"\(full recomputation (\S+)% / (\S+)% / (\S+)%\)\. (\d+) of (\d+) within 10%"),
     Claim(doc="README.md", source="hf_reprice-cpu-2026-12-06-accumulation-qwen3.json",
           figures=_repriced("qwen3", ("mbs=1", "mbs=2", "mbs=8", "mbs=1,recompute=selective")),
           pattern=r"Qwen3 (\S+)% / (\S+)% / (\S+)% and (\S+)% with selective recomputation"),
