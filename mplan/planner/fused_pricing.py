@@ -7,7 +7,8 @@ fraction of copy bandwidth the H200 measured for it. `find_fused_chains` finds t
 the fusion registry's entries (mplan.fusion, in the pass's order), matched on the captured
 program (nothing is rewritten); `OpCoster` then charges a chain's anchor the fused
 kernel and its other ops nothing. GEMMs and attention keep their prices (the grouped q/k/v
-GEMM is priced as its parts; bias+GELU's GEMM stays a GEMM), except under FP8
+GEMM is priced as its parts plus the copy of their weights into one, made in each pass:
+`find_concatenated_weights`; bias+GELU's GEMM stays a GEMM), except under FP8
 (`find_fp8_linears`, `fp8_linear_time`): the block linears as FP8 GEMMs plus their casts.
 
 Memory and attention: `find_fused_saves` gives, for every chain the pass fuses (GEMM groups,
