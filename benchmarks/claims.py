@@ -936,6 +936,24 @@ CLAIMS: tuple[Claim, ...] = (
           figures=lambda data: tuple(fixed(_plan(data["models"]["gemma"]["rows"], spec)["measured"]["step_time_s"] * 1e3, 0)
                                      for spec in ("mbs=1", "mbs=2", "mbs=8", "mbs=1,recompute=selective")),
           pattern=r"all seven rows: (\S+) / (\S+) / (\S+) ms at micro-batch 1 / 2 / 8, (\S+) / "),
+    Claim(doc="README.md", source="hf_measure-2026-12-06-session18-qwen3.json",
+          figures=lambda data: (*(fixed(_plan(data["models"]["qwen3"]["rows"], spec)["measured"]["step_time_s"] * 1e3)
+                                  for spec in ("mbs=8,recompute=selective", "mbs=8,recompute=full")),
+                                percent(_plan(data["models"]["qwen3"]["rows"], "mbs=8,recompute=full")["measured"]
+                                        ["prediction_error"]["peak_memory"], sign=True)),
+          pattern=r"selective and full recomputation (\S+) / (\S+) ms \(peak (\S+) with full\)"),
+    Claim(doc="README.md", source="hf_measure-2026-12-06-session18-smollm2.json",
+          figures=lambda data: (*(fixed(_plan(data["models"]["smollm2"]["rows"], spec)["measured"]["step_time_s"] * 1e3)
+                                  for spec in ("mbs=8,recompute=full", "mbs=1", "mbs=2")),),
+          pattern=r"SmolLM2-1\.7B with full (\S+) ms \(peak \S+\); re-measured: SmolLM2 at micro-batch 1 / 2 (\S+) / (\S+) ms"),
+    Claim(doc="README.md", source="hf_measure-2026-12-06-session18-smollm2-b.json",
+          figures=lambda data: tuple(fixed(_plan(data["models"]["smollm2"]["rows"], spec)["measured"]["step_time_s"] * 1e3)
+                                     for spec in ("mbs=1,recompute=selective", "mbs=2,recompute=selective")),
+          pattern=r"re-measured: SmolLM2 at micro-batch 1 / 2 \S+ / \S+ ms, selective (\S+) / (\S+) ms"),
+    Claim(doc="README.md", source="hf_measure-2026-12-06-session18-gemma.json",
+          figures=lambda data: tuple(fixed(_plan(data["models"]["gemma"]["rows"], spec)["measured"]["step_time_s"] * 1e3)
+                                     for spec in ("mbs=1", "mbs=2")),
+          pattern=r"selective \S+ / \S+ ms, Gemma-2B (\S+) / (\S+) ms\. The profiled"),
     Claim(doc="README.md", source="hf_reprice-cpu-2026-12-06-session18.json", figures=_unseen_latest,
           pattern=r"Every row re-priced on its latest measurement: Qwen3 (\S+)% / (\S+)% / (\S+)%, selective (\S+)% / (\S+)% / "
                   r"(\S+)%, full (\S+)%; SmolLM2 (\S+)% / (\S+)% / (\S+)%, selective (\S+)% / (\S+)% / (\S+)%, full (\S+)%; "
