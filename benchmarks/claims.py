@@ -244,6 +244,16 @@ def _unseen_latest(data: dict) -> tuple[str, ...]:
             str(within), str(len(models) * len(UNSEEN_SPECS)))
 
 
+def _unseen_run(model: str) -> Callable[[dict], tuple[str, ...]]:
+    """One `hf_bench.py --configs unseen` run of `model`: its seven step errors against the run's
+    own prices and the full recomputation's peak error."""
+    def figures(data: dict) -> tuple[str, ...]:
+        judged = {row["spec"]: row for row in data["models"][model]["judged"]}
+        return (*(f"{judged[spec]['step_time_error'] * 100:+.1f}" for spec in UNSEEN_SPECS),
+                f"{judged['mbs=8,recompute=full']['peak_memory_error'] * 100:+.1f}")
+    return figures
+
+
 def _repriced(model: str, specs: tuple[str, ...]) -> Callable[[dict], tuple[str, ...]]:
     """`hf_bench.py --reprice` rows of one model: each spec's error now (%)."""
     def figures(data: dict) -> tuple[str, ...]:
@@ -936,6 +946,10 @@ CLAIMS: tuple[Claim, ...] = (
           figures=lambda data: tuple(fixed(_plan(data["models"]["gemma"]["rows"], spec)["measured"]["step_time_s"] * 1e3, 0)
                                      for spec in ("mbs=1", "mbs=2", "mbs=8", "mbs=1,recompute=selective")),
           pattern=r"all seven rows: (\S+) / (\S+) / (\S+) ms at micro-batch 1 / 2 / 8, (\S+) / "),
+    *(Claim(doc="README.md", source=f"hf_measure-2026-12-06-session18-all-{model}.json", figures=_unseen_run(model),
+            pattern=rf"gave it there with this checkout: .*?{name} (\S+)% / (\S+)% / (\S+)%, selective (\S+)% / (\S+)% / "
+                    rf"(\S+)%, full (\S+)% \(peak (\S+)%\)")
+      for model, name in (("qwen3", "Qwen3"), ("smollm2", "SmolLM2"), ("gemma", "Gemma-2B"))),
     Claim(doc="README.md", source="hf_measure-2026-12-06-session18-qwen3.json",
           figures=lambda data: (*(fixed(_plan(data["models"]["qwen3"]["rows"], spec)["measured"]["step_time_s"] * 1e3)
                                   for spec in ("mbs=8,recompute=selective", "mbs=8,recompute=full")),
@@ -955,7 +969,7 @@ CLAIMS: tuple[Claim, ...] = (
                                      for spec in ("mbs=1", "mbs=2")),
           pattern=r"selective \S+ / \S+ ms, Gemma-2B (\S+) / (\S+) ms\. The profiled"),
     Claim(doc="README.md", source="hf_reprice-cpu-2026-12-06-session18.json", figures=_unseen_latest,
-          pattern=r"Every row re-priced on its latest measurement: Qwen3 (\S+)% / (\S+)% / (\S+)%, selective (\S+)% / (\S+)% / "
+          pattern=r"each row on its latest measurement: Qwen3 (\S+)% / (\S+)% / (\S+)%, selective (\S+)% / (\S+)% / "
                   r"(\S+)%, full (\S+)%; SmolLM2 (\S+)% / (\S+)% / (\S+)%, selective (\S+)% / (\S+)% / (\S+)%, full (\S+)%; "
                   r"Gemma-2B (\S+)% / (\S+)% / (\S+)%, selective (\S+)% / (\S+)% / (\S+)%, full (\S+)%; peaks within (\S+)% "
                   r"\(full recomputation (\S+)% / (\S+)% / (\S+)%\)\. (\d+) of (\d+) within 10%"),
