@@ -223,9 +223,17 @@ def _hf_measure(model: str, specs: tuple[str, ...]) -> Callable[[dict], tuple[st
     return figures
 
 
-UNSEEN_SPECS = ("mbs=1", "mbs=2", "mbs=8", "mbs=1,recompute=selective", "mbs=2,recompute=selective",
-                "mbs=8,recompute=selective", "mbs=8,recompute=full")
-"""The unseen set's seven plans (benchmarks/hf_bench.py), in the README's order."""
+def _measured_steps(model: str, specs: tuple[str, ...], digits: int = 1) -> Callable[[dict], tuple[str, ...]]:
+    """`mplan bench --measure` rows of one model (hf_bench.py): each spec's measured step (ms)."""
+    def figures(data: dict) -> tuple[str, ...]:
+        rows = data["models"][model]["rows"]
+        return tuple(fixed(_plan(rows, spec)["measured"]["step_time_s"] * 1e3, digits) for spec in specs)
+    return figures
+
+
+def _unseen_specs() -> tuple[str, ...]:
+    """The unseen set's seven plans, hf_bench.py's own (UNSEEN_PLANS), in the README's order."""
+    return tuple(load_source(ROOT, "benchmarks/hf_bench.py")["UNSEEN_PLANS"])
 
 
 def _unseen_latest(data: dict) -> tuple[str, ...]:
@@ -234,14 +242,14 @@ def _unseen_latest(data: dict) -> tuple[str, ...]:
     measurement, the three full-recomputation peak errors, and how many of how many plans have every
     measurement within 10% on step and peak."""
     latest = {model: {row["spec"]: row for row in rows} for model, rows in data["models"].items()}
-    models = ("qwen3", "smollm2", "gemma")
+    models, specs = ("qwen3", "smollm2", "gemma"), _unseen_specs()
     every = [row for model in models for row in data["models"][model]]
     within = sum(all(abs(r["error_now"]) <= 0.10 and abs(r["peak_error_now"]) <= 0.10
-                     for r in data["models"][model] if r["spec"] == spec) for model in models for spec in UNSEEN_SPECS)
-    return (*(f"{latest[model][spec]['error_now'] * 100:+.1f}" for model in models for spec in UNSEEN_SPECS),
+                     for r in data["models"][model] if r["spec"] == spec) for model in models for spec in specs)
+    return (*(f"{latest[model][spec]['error_now'] * 100:+.1f}" for model in models for spec in specs),
             f"{max(abs(r['peak_error_now']) for r in every) * 100:.1f}",
             *(f"{latest[model]['mbs=8,recompute=full']['peak_error_now'] * 100:+.1f}" for model in models),
-            str(within), str(len(models) * len(UNSEEN_SPECS)))
+            str(within), str(len(models) * len(specs)))
 
 
 def _unseen_run(model: str) -> Callable[[dict], tuple[str, ...]]:
@@ -249,7 +257,7 @@ def _unseen_run(model: str) -> Callable[[dict], tuple[str, ...]]:
     own prices and the full recomputation's peak error."""
     def figures(data: dict) -> tuple[str, ...]:
         judged = {row["spec"]: row for row in data["models"][model]["judged"]}
-        return (*(f"{judged[spec]['step_time_error'] * 100:+.1f}" for spec in UNSEEN_SPECS),
+        return (*(f"{judged[spec]['step_time_error'] * 100:+.1f}" for spec in _unseen_specs()),
                 f"{judged['mbs=8,recompute=full']['peak_memory_error'] * 100:+.1f}")
     return figures
 
@@ -938,35 +946,29 @@ CLAIMS: tuple[Claim, ...] = (
                   r"(\S+)% / (\S+)% / (\S+)%;\s+Gemma-2B (\S+)% / (\S+)% / (\S+)%, selective (\S+)% / (\S+)% / (\S+)%, full "
                   r"(\S+)%"),
     Claim(doc="README.md", source="hf_measure_h100-2026-12-06-l2-gemma_rest.json",
-          figures=lambda data: tuple(fixed(_plan(data["models"]["gemma"]["rows"], spec)["measured"]["step_time_s"] * 1e3, 0)
-                                     for spec in ("mbs=2,recompute=selective", "mbs=8,recompute=selective",
-                                                  "mbs=8,recompute=full")),
+          figures=_measured_steps("gemma", ("mbs=2,recompute=selective", "mbs=8,recompute=selective",
+                                            "mbs=8,recompute=full"), digits=0),
           pattern=r"580 / (\S+) / (\S+) ms with selective recomputation, (\S+) ms with full at 8"),
     Claim(doc="README.md", source="hf_measure_h100-2026-12-06-l2-gemma.json",
-          figures=lambda data: tuple(fixed(_plan(data["models"]["gemma"]["rows"], spec)["measured"]["step_time_s"] * 1e3, 0)
-                                     for spec in ("mbs=1", "mbs=2", "mbs=8", "mbs=1,recompute=selective")),
+          figures=_measured_steps("gemma", ("mbs=1", "mbs=2", "mbs=8", "mbs=1,recompute=selective"), digits=0),
           pattern=r"all seven rows: (\S+) / (\S+) / (\S+) ms at micro-batch 1 / 2 / 8, (\S+) / "),
     *(Claim(doc="README.md", source=f"hf_measure-2026-12-06-session18-all-{model}.json", figures=_unseen_run(model),
             pattern=rf"gave it there with this checkout: .*?{name} (\S+)% / (\S+)% / (\S+)%, selective (\S+)% / (\S+)% / "
                     rf"(\S+)%, full (\S+)% \(peak (\S+)%\)")
       for model, name in (("qwen3", "Qwen3"), ("smollm2", "SmolLM2"), ("gemma", "Gemma-2B"))),
     Claim(doc="README.md", source="hf_measure-2026-12-06-session18-qwen3.json",
-          figures=lambda data: (*(fixed(_plan(data["models"]["qwen3"]["rows"], spec)["measured"]["step_time_s"] * 1e3)
-                                  for spec in ("mbs=8,recompute=selective", "mbs=8,recompute=full")),
+          figures=lambda data: (*_measured_steps("qwen3", ("mbs=8,recompute=selective", "mbs=8,recompute=full"))(data),
                                 percent(_plan(data["models"]["qwen3"]["rows"], "mbs=8,recompute=full")["measured"]
                                         ["prediction_error"]["peak_memory"], sign=True)),
           pattern=r"selective and full recomputation (\S+) / (\S+) ms \(peak (\S+) with full\)"),
     Claim(doc="README.md", source="hf_measure-2026-12-06-session18-smollm2.json",
-          figures=lambda data: (*(fixed(_plan(data["models"]["smollm2"]["rows"], spec)["measured"]["step_time_s"] * 1e3)
-                                  for spec in ("mbs=8,recompute=full", "mbs=1", "mbs=2")),),
+          figures=_measured_steps("smollm2", ("mbs=8,recompute=full", "mbs=1", "mbs=2")),
           pattern=r"SmolLM2-1\.7B with full (\S+) ms \(peak \S+\); re-measured: SmolLM2 at micro-batch 1 / 2 (\S+) / (\S+) ms"),
     Claim(doc="README.md", source="hf_measure-2026-12-06-session18-smollm2-b.json",
-          figures=lambda data: tuple(fixed(_plan(data["models"]["smollm2"]["rows"], spec)["measured"]["step_time_s"] * 1e3)
-                                     for spec in ("mbs=1,recompute=selective", "mbs=2,recompute=selective")),
+          figures=_measured_steps("smollm2", ("mbs=1,recompute=selective", "mbs=2,recompute=selective")),
           pattern=r"re-measured: SmolLM2 at micro-batch 1 / 2 \S+ / \S+ ms, selective (\S+) / (\S+) ms"),
     Claim(doc="README.md", source="hf_measure-2026-12-06-session18-gemma.json",
-          figures=lambda data: tuple(fixed(_plan(data["models"]["gemma"]["rows"], spec)["measured"]["step_time_s"] * 1e3)
-                                     for spec in ("mbs=1", "mbs=2")),
+          figures=_measured_steps("gemma", ("mbs=1", "mbs=2")),
           pattern=r"selective \S+ / \S+ ms, Gemma-2B (\S+) / (\S+) ms\. The profiled"),
     Claim(doc="README.md", source="hf_reprice-cpu-2026-12-06-session18.json", figures=_unseen_latest,
           pattern=r"each row on its latest measurement: Qwen3 (\S+)% / (\S+)% / (\S+)%, selective (\S+)% / (\S+)% / "

@@ -303,18 +303,7 @@ def reprice(measured: list[Path], out: Path, cluster: str) -> int:
         # priced as the plan that ran (a spec such as `auto` leaves keys to the search, which this
         # checkout may settle otherwise)
         now = {r["spec"]: r["predicted"] for r in json.loads(priced.read_text())["plans"]}
-        report["models"][name] = [
-            {"spec": r["spec"], "resolved_spec": r["resolved_spec"], "measured_in": source,
-             "measured_step_s": r["measured"]["step_time_s"], "predicted_then_s": r["predicted"]["step_time_s"],
-             "predicted_now_s": now[r["resolved_spec"]]["step_time_s"],
-             "error_then": r["predicted"]["step_time_s"] / r["measured"]["step_time_s"] - 1,
-             "error_now": now[r["resolved_spec"]]["step_time_s"] / r["measured"]["step_time_s"] - 1,
-             "measured_peak_gib": r["measured"].get("peak_memory_gib"),
-             "predicted_allocated_gib_now": now[r["resolved_spec"]]["allocated_gib"],
-             "peak_error_then": r["measured"]["prediction_error"]["peak_memory"],
-             "peak_error_now": now[r["resolved_spec"]]["allocated_gib"] / r["measured"]["peak_memory_gib"] - 1
-             if r["measured"].get("peak_memory_gib") else None}
-            for source, r in rows]
+        report["models"][name] = [_repriced_row(source, r, now[r["resolved_spec"]]) for source, r in rows]
         for row in report["models"][name]:
             peak = "" if row["peak_error_now"] is None else \
                 f"; peak {row['peak_error_then']:+.1%} -> {row['peak_error_now']:+.1%}"
@@ -322,6 +311,20 @@ def reprice(measured: list[Path], out: Path, cluster: str) -> int:
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
     return 0
+
+
+def _repriced_row(source: str, row: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    """A measured row of run `source` beside its price then and `now` (this checkout's prediction of
+    the plan it ran): step and peak errors, predicted / measured - 1."""
+    measured, peak = row["measured"], row["measured"].get("peak_memory_gib")
+    return {"spec": row["spec"], "resolved_spec": row["resolved_spec"], "measured_in": source,
+            "measured_step_s": measured["step_time_s"], "predicted_then_s": row["predicted"]["step_time_s"],
+            "predicted_now_s": now["step_time_s"],
+            "error_then": row["predicted"]["step_time_s"] / measured["step_time_s"] - 1,
+            "error_now": now["step_time_s"] / measured["step_time_s"] - 1,
+            "measured_peak_gib": peak, "predicted_allocated_gib_now": now["allocated_gib"],
+            "peak_error_then": measured["prediction_error"]["peak_memory"],
+            "peak_error_now": now["allocated_gib"] / peak - 1 if peak else None}
 
 
 def main() -> int:

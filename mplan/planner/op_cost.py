@@ -141,8 +141,9 @@ class OpCoster:
             weight_grad = self.compute.matmul_time(cols, k, m, dtype, batch=batch) if node.params or \
                 packet != "linear" else 0.0
             # the grouped GEMM's copy of this weight into the group's, in each pass: read, written in the GEMM's dtype
-            copied = math.prod(b) * (dtype_bytes(node.input_metas[1].dtype) + dtype_bytes(dtype))
-            concat = self.compute.memory_bound_time(copied) if node.name in self.concatenated else 0.0
+            concat = self.compute.memory_bound_time(math.prod(b) * (dtype_bytes(node.input_metas[1].dtype)
+                                                                    + dtype_bytes(dtype))) \
+                if node.name in self.concatenated else 0.0
             return fwd + concat, self.compute.matmul_time(m, k, cols, dtype, batch=batch) + weight_grad + concat
         if node.kind == "attention":
             q, kv = locals_[0], locals_[1]
