@@ -3,6 +3,7 @@
     write_report(path, report)   the report as indented JSON with a final newline (folders made)
     triton_version()             Triton's version for the report, or None where it is not installed
     run_header(device)           a report's first keys: date, GPU (or the CPU smoke test), versions
+    machine_header()             the same for a CPU run that is not a smoke test: the machine and the commit
     Clock()                      seconds since the script began: time-stamped log lines and budgets
 
 Run as a script, it checks the docs' figures against these reports (benchmarks/claims.py):
@@ -15,6 +16,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from typing import Any
@@ -41,6 +43,16 @@ def run_header(device: torch.device) -> dict[str, Any]:
     return {"date": datetime.date.today().isoformat(),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke test)",
             "torch": torch.__version__, "python": platform.python_version(), "triton": triton_version()}
+
+
+def machine_header() -> dict[str, Any]:
+    """Date, machine, versions and commit of a run measured or predicted on this CPU (planning
+    time, a re-pricing): what a reader needs to know which checkout gave the figures."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    return {"date": datetime.date.today().isoformat(),
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+            "torch": torch.__version__, "python": platform.python_version(), "mplan_commit": commit or None}
 
 
 class Clock:

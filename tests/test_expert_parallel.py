@@ -323,7 +323,7 @@ WORLD4 = {4: [ep4_top2_e8, ep4_top1_e4_shared, ep4_mixtral],
           2: [ep2_tp2_top2_e4_shared, ep2_tp2_sp_top1_e8, ep2_dp2_zero1_top2_e8, ep2_pp2_top1_e8_shared,
               ep2_tp2_mixtral, ep2_pp2_qwen2_moe]}
 TABLE_ONLY_WORLD4 = {2: [ep2_dp2_zero1_qwen2_moe, ep2_pp2_mixtral]}
-"""Run by benchmarks/equivalence_tables.py experts (docs/execution.md's table), not by CI, whose 25 minutes they
+"""Run by python -m benchmarks.equivalence experts (docs/execution.md's table), not by CI, whose 25 minutes they
 would cost about a minute: ZeRO-1 and pipelines under EP with a Hugging Face MoE layer, which
 ep2_dp2_zero1_top2_e8 with ep4_mixtral and ep2_pp2_qwen2_moe cover piece by piece."""
 

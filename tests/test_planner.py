@@ -322,7 +322,7 @@ def yardstick_s() -> float:
 def test_planning_the_issue_jobs_is_fast(yardstick_s, model, cluster, nodes, seq_len, global_batch, bound):
     """The jobs of the planning-time issue, as `mplan plan ... --runtime mplan` plans them, pipelines
     (zb-h1 included) and context parallelism in the search. The CLI must finish each in 10 s,
-    start-up included, on an idle machine (benchmarks/planning_time.py measures that). Here each
+    start-up included, on an idle machine (python -m benchmarks.planning time measures that). Here each
     job's CPU seconds (the process's threads, the ILP's included: other processes stretch wall
     time, CPU time far less) are counted in yardsticks (`_yardstick_cpu_s`), so a slower host moves
     both alike and a slower search still shows.

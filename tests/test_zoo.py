@@ -1,7 +1,7 @@
 """The outside-model zoo (tests/zoo_models.py: ten Hugging Face families from their shipped
 configs, sizes shrunk, and two models written the way researchers write them) trains under mplan
 as in the plain one-process loop: tp=2 with SP and pp=2 (1F1B over 4 micro-batches) on 2 gloo
-ranks (`zoo_models.TESTED`; benchmarks/equivalence_tables.py zoo adds tp=2 without SP, dp=2, ZeRO-1, the
+ranks (`zoo_models.TESTED`; python -m benchmarks.equivalence zoo adds tp=2 without SP, dp=2, ZeRO-1, the
 planner's own choice, and tp2 x dp2, tp2 x pp2 and plan=None on 4 ranks). Every model, every
 plan, losses and every parameter after 3 AdamW steps, float64: relative error under 1e-9, or, for a
 model whose own code computes in float32 (every Hugging Face loss does `logits.float()`),

@@ -477,7 +477,7 @@ PLANS: dict[int, tuple[str | None, ...]] = {
     4: ("tp=2,dp=2", "tp=2,pp=2,mbs=2", None),
 }
 """The plans every zoo model trains under, by world size (None: the planner's own search): the
-table benchmarks/equivalence_tables.py zoo measures (the README's)."""
+table python -m benchmarks.equivalence zoo measures (the README's)."""
 TESTED: dict[int, tuple[str | None, ...]] = {
     2: ("tp=2,sp=1", "pp=2,mbs=1"),
 }
@@ -491,7 +491,7 @@ results/zoo-cpu-2026-12-02.json; test_planner_layouts.py trains the planner's ow
 zoo's nanoGPT), and the 4-rank meshes, tp2 x dp2 and tp2 x pp2, which
 compose the per-model tp=2 and pp=2 checks as test_equivalence_world4.py and test_pipeline.py
 (TP2xPP2 with SP, HF Llama and Mistral among its models) hold for any model; the table's run
-(benchmarks/equivalence_tables.py zoo) keeps them all."""
+(python -m benchmarks.equivalence zoo) keeps them all."""
 TOLERANCE = 1e-9
 """Relative error allowed where the model computes in float64 throughout."""
 FLOAT32_FACTOR = 200

@@ -31,7 +31,7 @@ trains on every token once (the plain loader drops the stream's last partial win
 
 Cost, stated: padding computes (GEMMs and its own one-token attention) but trains nothing; the
 fraction is `Packing.padding` (about 1.5% on 64 windows of 128k tokens of Wikipedia's published
-length mix, most of it the stream's last window: benchmarks/dynamic_cp.py --packing cp_aligned).
+length mix, most of it the stream's last window: `python -m benchmarks.planning dynamic-cp --packing cp_aligned`).
 The pack is a pure function of the lengths, S and k (no seed): the loader shuffles the windows'
 order from its seed as it shuffles plain windows. Host time is pure Python: 0.3 s at 8 shares to
 2.4 s at 32 for those 11,663 documents, so hours for a corpus of ten million, besides one scan of

@@ -29,7 +29,7 @@ a window is dropped. The same pieces go to every scheme. M = S / cp tokens per r
                runs each rank's documents alone (cp=1, no exchange, the busiest rank paces);
                any other window as `fixed`
     dynamic    each piece on the smallest power-of-two c <= cp with length <= c M (as Megatron-LM's
-               hybrid CP and benchmarks/dynamic_cp.py define it); pieces at c = 1 packed first-fit
+               hybrid CP and benchmarks/planning/dynamic_cp.py define it); pieces at c = 1 packed first-fit
                decreasing into units of M tokens on one rank, each piece at c > 1 (longer than
                c M / 2, so alone in its unit) over c ranks, head-tail balanced, with the ring's
                exchange on a group of c. Priced in rank-seconds / cp: the scheduler is assumed

@@ -3,11 +3,12 @@ sequence or per document from its documents' lengths would save over one fixed C
 published length distribution and on synthetic ones. Every figure is a prediction of mplan's own
 cost models (`mplan.planner.dynamic_context`), nothing here is measured.
 
-    python benchmarks/dynamic_cp.py [--seq-len 131072] [--cp 8,16,32] [--sequences 16]
-                                    [--profile benchmarks/results/profile_h100-2026-12-06-graphed.json]
-                                    [--data DIR] [--output benchmarks/results/dynamic_cp-predicted-2026-12-06.json]
-    python benchmarks/dynamic_cp.py --packing cp_aligned --sequences 64
-                                    [--output benchmarks/results/dynamic_cp_aligned-predicted-2026-12-06.json]
+    python -m benchmarks.planning dynamic-cp [--seq-len 131072] [--cp 8,16,32] [--sequences 16]
+        [--profile benchmarks/results/profile_h100-2026-12-06-graphed.json] [--data DIR]
+        -o benchmarks/results/dynamic_cp-predicted-2026-12-06.json
+    python -m benchmarks.planning dynamic-cp --packing cp_aligned --sequences 64
+        -o benchmarks/results/dynamic_cp_aligned-predicted-2026-12-06.json
+(those results made before the harness, by `python benchmarks/dynamic_cp.py` with the same flags)
 
 What is predicted, from what: for a Llama-3-8B layer stack (`dynamic_context.LLAMA3_8B`, bf16,
 tp = 1) and packed sequences of `seq_len` tokens cut from each mix's document stream as mplan's
@@ -55,7 +56,7 @@ Length mixes:
                 [16k, seq_len] (16k cut to seq_len where that is shorter)
     data        with --data DIR: the lengths between EOS ids of prepared token shards
                 (`mplan.data.document_lengths`), documents longer than seq_len cut
-The result is written as JSON to --output, one row per (mix, cp).
+The report has one row per (mix, cp).
 
 Printed on 2026-12-06 (predictions; 16 packed sequences of 131072 tokens per mix): within one
 node (cp=8, NVLink) the ring's hops mostly hide behind attention and dynamic CP is predicted
@@ -73,22 +74,20 @@ more than 0.01x.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
+from typing import Any
 
 import numpy as np
 import torch
 
+from benchmarks.report import machine_header
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.data.cp_packing import pack_for_shares
 from mplan.planner.dynamic_context import LLAMA3_8B, LengthMix, cut_documents, price_dynamic_context, price_windows
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_PROFILE = os.path.join(ROOT, "benchmarks", "results", "profile_h100-2026-12-06-graphed.json")
-DEFAULT_OUTPUT = os.path.join(ROOT, "benchmarks", "results", "dynamic_cp-predicted-2026-12-06.json")
-ALIGNED_OUTPUT = os.path.join(ROOT, "benchmarks", "results", "dynamic_cp_aligned-predicted-2026-12-06.json")
 
 WIKIPEDIA_SOURCE = ("English Wikipedia, documents per token-length bin, dataset card of seonglae/wikipedia_token "
                     "(Hugging Face, README commit b7a46d0); log-uniform inside bins, first bin's lower edge 32 assumed")
@@ -147,8 +146,7 @@ def mixes(args: argparse.Namespace) -> list[LengthMix]:
     return found
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=131072, help="tokens per packed sequence")
     parser.add_argument("--cp", default="8,16,32", help="fixed CP sizes, comma-separated (8 per DGX node)")
     parser.add_argument("--sequences", type=int, default=16, help="packed sequences' worth of documents per mix")
@@ -157,9 +155,9 @@ def main() -> None:
     parser.add_argument("--data", default=None, help="prepared token shards to read a length mix from")
     parser.add_argument("--packing", choices=("loader", "cp_aligned"), default="loader",
                         help="cp_aligned: also price the cp-aligned packing (module docstring)")
-    parser.add_argument("--output", default=None, help="where to write the JSON result")
-    args = parser.parse_args()
-    args.output = args.output or (ALIGNED_OUTPUT if args.packing == "cp_aligned" else DEFAULT_OUTPUT)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     profile = ClusterSpec.from_json(args.profile).profile
     names = ["wikipedia", "web", "long-mix", "data"]
@@ -190,19 +188,24 @@ def main() -> None:
                       f"at cp=1, padding {r['aligned_padding']:.1%}: predicted per real token two-size "
                       f"{r['aligned_speedup']:.2f}x fixed CP on the loader's windows "
                       f"(dynamic bound {price.speedup:.2f}x)")
-    if args.packing == "cp_aligned":
-        write_aligned(args, profile, rows)
-        return
-    result = {"what": "PREDICTED step seconds per packed sequence (all 32 layers, forward + backward, busiest "
-                      "rank) of a Llama-3-8B layer stack at fixed, the runtime's two-size and power-of-two dynamic "
-                      "context parallelism (mplan.planner.dynamic_context); nothing measured",
-              "date": datetime.date.today().isoformat(), "profile": os.path.relpath(args.profile, ROOT),
-              "cluster": "dgx-h100 preset (NVLink in a node of 8, InfiniBand beyond) with the profile's device tables",
-              "method": "ring", "rows": rows}
-    with open(args.output, "w") as handle:
-        json.dump(result, handle, indent=1)
-        handle.write("\n")
-    print(f"wrote {os.path.relpath(args.output, ROOT)} (predictions)")
+    header = {**machine_header(), "profile": os.path.relpath(args.profile, ROOT),
+              "cluster": "dgx-h100 preset (NVLink in a node of 8, InfiniBand beyond) with the profile's device "
+                         "tables", "method": "ring"}
+    if args.packing != "cp_aligned":
+        return {"what": "PREDICTED step seconds per packed sequence (all 32 layers, forward + backward, busiest "
+                        "rank) of a Llama-3-8B layer stack at fixed, the runtime's two-size and power-of-two "
+                        "dynamic context parallelism (mplan.planner.dynamic_context); nothing measured",
+                **header, "rows": rows}
+    return {"what": "PREDICTED seconds per REAL token (all 32 layers, forward + backward, busiest rank) of a "
+                    "Llama-3-8B layer stack: the runtime's two-size rule on cp-aligned packed windows "
+                    "(mplan.data.cp_packing, padding priced as tokens that train nothing) against fixed CP on "
+                    "the plain loader's windows, with power-of-two dynamic CP's upper bound; nothing measured",
+            **header, "packing": "cp_aligned: pack_for_shares(tolerance=0.05, lookahead=4, patience=16)",
+            "fields": {"aligned_whole": "fraction of cp-aligned windows the runtime's rule runs at cp=1",
+                       "aligned_padding": "fraction of the cp-aligned windows' tokens that are padding",
+                       "aligned_speedup": "loader_fixed_us_per_token / aligned_two_size_us_per_token",
+                       "speedup": "dynamic CP's upper bound over fixed CP (loader's windows)"},
+            "rows": rows}
 
 
 def aligned_row(mix: LengthMix, cluster: ClusterSpec, seq_len: int, cp: int, loader_fixed_s: float) -> dict:
@@ -220,26 +223,3 @@ def aligned_row(mix: LengthMix, cluster: ClusterSpec, seq_len: int, cp: int, loa
             "aligned_fixed_us_per_token": round(fixed * 1e6, 4),
             "aligned_two_size_us_per_token": round(two_size * 1e6, 4),
             "aligned_speedup": round(baseline / two_size, 3)}
-
-
-def write_aligned(args: argparse.Namespace, profile: object, rows: list[dict]) -> None:
-    result = {"what": "PREDICTED seconds per REAL token (all 32 layers, forward + backward, busiest rank) of a "
-                      "Llama-3-8B layer stack: the runtime's two-size rule on cp-aligned packed windows "
-                      "(mplan.data.cp_packing, padding priced as tokens that train nothing) against fixed CP on "
-                      "the plain loader's windows, with power-of-two dynamic CP's upper bound; nothing measured",
-              "date": datetime.date.today().isoformat(), "profile": os.path.relpath(args.profile, ROOT),
-              "cluster": "dgx-h100 preset (NVLink in a node of 8, InfiniBand beyond) with the profile's device tables",
-              "method": "ring", "packing": "cp_aligned: pack_for_shares(tolerance=0.05, lookahead=4, patience=16)",
-              "fields": {"aligned_whole": "fraction of cp-aligned windows the runtime's rule runs at cp=1",
-                         "aligned_padding": "fraction of the cp-aligned windows' tokens that are padding",
-                         "aligned_speedup": "loader_fixed_us_per_token / aligned_two_size_us_per_token",
-                         "speedup": "dynamic CP's upper bound over fixed CP (loader's windows)"},
-              "rows": rows}
-    with open(args.output, "w") as handle:
-        json.dump(result, handle, indent=1)
-        handle.write("\n")
-    print(f"wrote {os.path.relpath(args.output, ROOT)} (predictions)")
-
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,8 @@
 an 8B Llama-3 shape at 131072 tokens on 8 DGX H100 nodes (64 GPUs), and a 405B-class shape at
 131072 tokens on 2048 nodes (16384 GPUs).
 
-    python benchmarks/context_plans.py -o benchmarks/results/context_plans-predicted-2026-12-06.json
+    python -m benchmarks.planning context -o benchmarks/results/context_plans-predicted-2026-12-06.json
+(that result made before the harness, by `python benchmarks/context_plans.py` with the same flags)
 
 For each job: the plan the search chooses (`mplan.plan`, mplan's runtime, fused kernels priced),
 its mesh, predicted step, memory and MFU per GPU, each cp method's exchange at its layout (the
@@ -18,12 +19,11 @@ Global batches: 32 sequences of 131072 tokens (4M tokens) for the 8B; 128 (16M t
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
 from typing import Any
 
 import mplan
+from benchmarks.report import machine_header
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.planner.explain import explain_data
 from mplan.planner.search import PlanningError
@@ -59,11 +59,11 @@ def _figures(plan: mplan.Plan, cpu_s: float, wall_s: float) -> dict[str, Any]:
             "planning_wall_s": round(wall_s, 2)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-o", "--output", required=True)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", choices=sorted(JOBS))
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     jobs: dict[str, Any] = {}
     for name, (model, nodes, batch) in JOBS.items():
         if args.only and name != args.only:
@@ -82,16 +82,5 @@ def main() -> None:
                       "cp_speedup": without["step_time_s"] / chosen["step_time_s"]}
         print(f"{name}: {chosen['spec']} {chosen['step_time_s']:.2f} s, {chosen['memory_gib']:.1f} GiB; "
               f"without cp {without['spec']} {without['step_time_s']:.2f} s")
-    doc = {"what": "predicted plans at 131072 tokens (issue 34): datasheet H100 figures, nothing measured",
-           "machine": platform.node(), "mplan_commit": _commit(), "jobs": jobs}
-    with open(args.output, "w") as f:
-        json.dump(doc, f, indent=2)
-
-
-def _commit() -> str:
-    import subprocess
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-
-
-if __name__ == "__main__":
-    main()
+    return {"what": "predicted plans at 131072 tokens (issue 34): datasheet H100 figures, nothing measured",
+            **machine_header(), "jobs": jobs}

@@ -26,19 +26,18 @@ that leaves zero to the search is held to the plain reference.
 
 On the GPUs (NVLink multicast off, as the device README requires):
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-    torchrun --nproc-per-node 8 benchmarks/equivalence_gpus.py \\
+    torchrun --nproc-per-node 8 -m benchmarks.equivalence gpus \\
         --plans "tp=8;tp=4,dp=2,sp=1,zero=1;dp=8,zero=1" --out $OUT/equivalence-x8.json
 Smoke test on CPU ranks (gloo, float64, a tiny model; --dtype bfloat16 exercises the
 fp32_masters reference on the CPU):
-    torchrun --nproc-per-node 4 benchmarks/equivalence_gpus.py --device cpu --small \\
+    torchrun --nproc-per-node 4 -m benchmarks.equivalence gpus --device cpu --small \\
         --plans "tp=2,dp=2,sp=1,zero=1;dp=4,zero=1" --out /tmp/equivalence.json
+(the committed results made before the harness, by `torchrun ... benchmarks/equivalence_gpus.py` with the same flags)
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import os
 import sys
 import time
 from typing import Any
@@ -46,13 +45,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import mplan  # noqa: E402
-from benchmarks.report import write_report  # noqa: E402
-from mplan.models import LlamaConfig, build_model  # noqa: E402
-from mplan.planner.parallel_config import parse_plan_spec  # noqa: E402
-from mplan.runtime.launch import init_distributed_from_env  # noqa: E402
+import mplan
+from benchmarks.report import run_header
+from mplan.models import LlamaConfig, build_model
+from mplan.planner.parallel_config import parse_plan_spec
+from mplan.runtime.launch import init_distributed_from_env
 
 LR = 1e-4
 MAX_GRAD_NORM = 1.0
@@ -130,9 +127,7 @@ def reference_for(plan: str, dtype: torch.dtype) -> str:
     return "fp32_masters" if parse_plan_spec(plan).zero == 1 and torch.finfo(dtype).bits < 32 else "plain"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plans", required=True, help="plan specs separated by ';'")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dtype", choices=["bfloat16", "float64"], default=None,
@@ -140,7 +135,10 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="the tiny model (with --device cpu: the smoke test)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--global-batch", type=int, default=16)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Rank 0's report; None on the other ranks."""
     world = init_distributed_from_env()
     if world is None:
         raise SystemExit("run under torchrun: the plans need the job's ranks")
@@ -163,9 +161,8 @@ def main() -> None:
                   file=sys.stderr, flush=True)
     dist.broadcast_object_list(shared, src=0)  # rank 0's references, to every rank (only rank 0 reports)
     references: dict[str, tuple[list[float], dict[str, torch.Tensor]]] = shared[0]
-    report: dict[str, Any] = {"date": datetime.date.today().isoformat(), "world_size": dist.get_world_size(),
-                              "device": torch.cuda.get_device_name() if cuda else "cpu (gloo, smoke test)",
-                              "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
+    report: dict[str, Any] = {**run_header(device), "world_size": dist.get_world_size(),
+                              "dtype": str(dtype).removeprefix("torch."),
                               "model": config.name, "global_batch": args.global_batch, "steps": args.steps,
                               "reference_losses": {kind: losses for kind, (losses, _) in references.items()},
                               "plans": {}}
@@ -178,10 +175,5 @@ def main() -> None:
                   f"{row['max_loss_diff_over_first_loss']:.2e} of the first loss, worst parameter "
                   f"{row['worst_param']} {row['max_param_rel_diff']:.2e}, passed {row['passed']}",
                   file=sys.stderr, flush=True)
-    if rank == 0:
-        write_report(args.out, report)
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+    return report if rank == 0 else None
