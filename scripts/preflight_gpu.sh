@@ -6,4 +6,4 @@
 # benchmark script's CPU smoke test runs. About 30 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/python -m pytest -q -x tests/test_kernels_compile.py tests/test_kernels.py tests/test_benchmarks.py
+.venv/bin/python -m pytest -q -x tests/test_kernels_compile.py tests/test_kernels.py tests/test_benchmarks.py tests/test_bench_*.py

@@ -193,7 +193,7 @@ def test_the_gemm_curve_refitted_on_16_gemms_predicts_the_17th(monkeypatch) -> N
 
 KERNELS = {"rms_norm_residual": "rmsnorm+residual", "layer_norm_residual": "layernorm+residual",
            "bias_gelu": "bias+gelu", "swiglu": "swiglu", "rope": "rope", "cross_entropy": "cross_entropy"}
-"""Fusion entries measured -> their kernels in benchmarks/fused_kernels.py's results."""
+"""Fusion entries measured -> their kernels in the results of `python -m benchmarks.kernel_peers fused`."""
 
 
 def _fraction(op: str) -> tuple[float, float]:

@@ -586,13 +586,16 @@ def test_runtime_steps_masters_from_their_compute_copies(max_grad_norm: float | 
 
 @pytest.mark.skipif(INTERPRET, reason="the CPU smoke test needs the reference dispatch")
 def test_optimizer_benchmark_smoke_on_the_cpu(tmp_path: Path) -> None:
-    """benchmarks/optimizer_step.py on tiny models on the CPU: its correctness check passes."""
+    """The kernels harness's optimizer case (benchmarks/kernel_peers/optimizer.py) on tiny models on the
+    CPU: its correctness check passes."""
     out = tmp_path / "optimizer.json"
-    run = subprocess.run([sys.executable, "benchmarks/optimizer_step.py", "--device", "cpu", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    run = subprocess.run([sys.executable, "-m", "benchmarks.kernel_peers", "optimizer", "--device", "cpu", "--small",
+                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    rows = json.loads(out.read_text())["rows"]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert report["harness"] == "benchmarks.kernel_peers optimizer" and report["check_failed"] == []
     assert {(r["model"], r["dtype"]) for r in rows} == {(m, d) for m in ("gpt-tiny", "llama-tiny")
                                                        for d in ("bf16", "fp32")}
     assert all(r["check"]["passed"] for r in rows), rows

@@ -8,7 +8,7 @@ suite must keep the fast reference dispatch); skipped otherwise. On its own:
 Shapes are tiny and not powers of two, so every mask and loop tail runs. In fp32 the outputs
 and the gradients must match the fp32 reference within 1e-6 (relative, in norm); in fp16 the
 float64 reference within 2e-3. bf16 is not checked here (the interpreter computes it wrongly);
-benchmarks/fused_kernels.py checks it on the GPU.
+`python -m benchmarks.kernel_peers fused` checks it on the GPU.
 """
 from __future__ import annotations
 
@@ -445,7 +445,7 @@ def test_fused_model_matches_unfused_under_the_interpreter(model: torch.nn.Modul
 def test_fp8_cast_writes_both_layouts_and_the_amax(dtype: torch.dtype, transpose: bool) -> None:
     """The cast kernel's tiling, masks, transposed store and atomic amax, on values both fp8
     formats hold exactly (2^k and 1.5 * 2^k, scaled by 2): the interpreter's own fp8 rounding
-    is wrong, so rounding itself is checked on the GPU (benchmarks/fp8_kernels.py)."""
+    is wrong, so rounding itself is checked on the GPU (`python -m benchmarks.kernel_peers fp8`)."""
     torch.manual_seed(0)
     exact = torch.tensor([0.0, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # 2^k and 1.5 * 2^k
     x = exact[torch.randint(0, len(exact), (37, 53))] * torch.randint(0, 2, (37, 53)).mul(2).sub(1)

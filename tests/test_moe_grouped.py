@@ -5,7 +5,7 @@ GEMMs, the in-place backward, the combine, with its elementwise steps as torch o
 checks with those steps as Triton kernels run in a subprocess under TRITON_INTERPRET=1
 (`test_interpreter_suite`; Triton fixes interpret-vs-compile at import), and the kernels are
 compiled for sm_90 as the H200 runs them (`test_kernels_compile_for_sm90_without_spills`). bf16
-on the GPU: benchmarks/moe_block.py.
+on the GPU: `python -m benchmarks.kernel_peers moe`.
 
 Shapes are tiny and ragged (13 tokens, hidden 24, width 40, so every tile mask runs), and the
 last expert is never chosen: its weights' gradients must be exactly zero. Float32 against the

@@ -47,7 +47,7 @@ max in the log-sum-exp, the rounding lse = m + log(s) has in fp32 anyway (measur
 1e-7, relative, of float64 on bf16 logits, -inf runs included); flushing terms below 2^-126
 of the max changes no sum (the max's own term is 1).
 Timed on the H200 (profiler kernel time, bf16, a scratch script, not yet
-benchmarks/fused_kernels.py), block stats kernel, best configuration at 16384 x 128256, as a
+benchmarks/kernel_peers/fused.py), block stats kernel, best configuration at 16384 x 128256, as a
 share of copy bandwidth: CHUNK=1 with exp 86%, the CHUNK loop with exp 90%, CHUNK=1 with
 exp2 98%, the CHUNK loop with exp2 109% (a read-only kernel outruns a copy). Whole forward,
 three launches, autotuned, before -> after:

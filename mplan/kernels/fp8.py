@@ -20,7 +20,7 @@ backward needs x^T, W^T and dy^T; one pass makes both layouts (a max is idempote
 autotuner's repeated launches leave the amax right). Elsewhere (the CPU, float64) the cast is
 `_cast_reference`, the same arithmetic in torch ops; Triton's interpreter rounds fp8 wrongly
 (as it does bf16), so the kernel is checked against the reference on the GPU
-(benchmarks/fp8_kernels.py) and its layout logic on exactly representable values under the
+(benchmarks/kernel_peers/fp8.py) and its layout logic on exactly representable values under the
 interpreter.
 
 Where it runs: CUDA devices of compute capability >= 8.9 (Ada, Hopper and later) with GEMM

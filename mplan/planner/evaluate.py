@@ -97,7 +97,7 @@ ADAMW_STREAMS = 8
 """Elements an AdamW step with a grad_scale (the clip coefficient folded in, as the runtime clips)
 moves per parameter: reads param, grad, exp_avg, exp_avg_sq; writes param, exp_avg, exp_avg_sq and
 the gradient so divided, all in the dtype it steps (mplan/kernels/adamw.py, Cost; the "fewest
-bytes" of benchmarks/optimizer_step.py, which counts the same for torch's fused AdamW)."""
+bytes" of benchmarks/kernel_peers/optimizer.py, which counts the same for torch's fused AdamW)."""
 
 MPLAN_ADAMW_COPY_FRACTION: dict[int, float] = {2: 0.945, 4: 0.961}
 """Share of copy bandwidth mplan's AdamW kernel reached on the H200 with a grad_scale, by bytes per

@@ -50,7 +50,7 @@ from mplan.ir.placement import Placement, local_shape
 
 def fit_kernel_copy_fraction(timing: dict[str, Any]) -> tuple[float, float]:
     """The rule the entries' measured copy fractions were fitted by, on one kernel's timing of
-    benchmarks/fused_kernels.py (a `timing` or `timing_more` entry): the Triton kernel's forward and
+    benchmarks/kernel_peers/fused.py (a `timing` or `timing_more` entry): the Triton kernel's forward and
     backward shares of copy bandwidth (fewest bytes over GPU kernel time at the run's copy rate),
     each capped at 1.0."""
     triton = timing["triton"]

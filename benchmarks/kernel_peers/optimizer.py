@@ -22,29 +22,28 @@ from the models built on the meta device), in bf16 and in fp32, AdamW(lr=1e-3, w
    warps), each checked for one step and timed with a grad_scale, fastest first: the data for
    `adamw.default_config`.
 
+A check that fails is listed in the report's `check_failed`.
+
 Run on the GPU (from the repository root; a few minutes, most of it Triton compiling the sweep):
-    PYTHONPATH=. python3 benchmarks/optimizer_step.py --out $OUT/optimizer.json
-CPU smoke test (tiny models, the PyTorch reference path, no timing):
-    PYTHONPATH=. python3 benchmarks/optimizer_step.py --device cpu --out /tmp/optimizer.json
+    PYTHONPATH=. python -m benchmarks.kernel_peers optimizer --out $OUT/optimizer.json
+Smoke mode on a CPU (tiny models, the PyTorch reference path, no timing):
+    PYTHONPATH=. python -m benchmarks.kernel_peers optimizer --device cpu --small --out /tmp/optimizer.json
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.e2e import FULL, SMALL, Workload  # noqa: E402
-from benchmarks.gpu_time import copy_tbps, kernel_ms  # noqa: E402
-from benchmarks.report import Clock, run_header, write_report  # noqa: E402
-from mplan.kernels import adamw  # noqa: E402
-from mplan.models import build_model  # noqa: E402
+from benchmarks.e2e import FULL, SMALL, Workload
+from benchmarks.gpu_time import kernel_ms
+from benchmarks.kernel_peers import engine
+from benchmarks.report import Clock
+from mplan.kernels import adamw
+from mplan.models import build_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 LR, WEIGHT_DECAY = 1e-3, 0.1
@@ -214,20 +213,18 @@ def sweep(shapes: list[torch.Size], dtype: torch.dtype, device: torch.device, nu
     return sorted(rows, key=lambda row: row["ms"])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, help="where to write the JSON results")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                        help="cpu: smoke test on tiny models by the PyTorch reference, no timing")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    engine.add_device_flags(parser)
     parser.add_argument("--models", help="comma-separated workload names (default: all)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the launch-shape sweep")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     clock = Clock()
-    workloads = [w for w in (FULL if device.type == "cuda" else SMALL)
-                 if not args.models or w.name in args.models.split(",")]
-    copy = copy_tbps() if device.type == "cuda" else None
-    report: dict[str, Any] = {**run_header(device), "copy_TBps": copy and round(copy, 3),
+    workloads = [w for w in (SMALL if args.small else FULL) if not args.models or w.name in args.models.split(",")]
+    copy = engine.copy_bandwidth_tbps(device) if device.type == "cuda" else None
+    report: dict[str, Any] = {**engine.header(device), "copy_TBps": copy and round(copy, 3),
                               "lr": LR, "weight_decay": WEIGHT_DECAY, "rows": [], "sweep": {}}
     for workload in workloads:
         shapes = parameter_shapes(workload)
@@ -252,12 +249,8 @@ def main() -> None:
                 if not args.no_sweep and workload is FULL[0]:
                     report["sweep"][dtype_name] = sweep(shapes, dtype, device, num_bytes, copy, clock)
                     torch.cuda.empty_cache()
-            write_report(args.out, report)
-    write_report(args.out, report)
-    failed = [(r["model"], r["dtype"]) for r in report["rows"] if not r["check"]["passed"]]
-    if failed:
-        sys.exit(f"mplan's AdamW differs from torch's beyond the tolerance: {failed}")
-
-
-if __name__ == "__main__":
-    main()
+            engine.save_partial(args, report)
+    report["check_failed"] = [(r["model"], r["dtype"]) for r in report["rows"] if not r["check"]["passed"]]
+    if report["check_failed"]:
+        clock.log(f"mplan's AdamW differs from torch's beyond the tolerance: {report['check_failed']}")
+    return report

@@ -45,10 +45,10 @@ than theirs. Reference figures of 2026-12-01: hf 57.4 ms, hf_compile 56.1 ms, ~6
 
 Run on the GPU (from the repository root; about 3-4 minutes, most of it torch.compile and the
 fp32 reference; mplan_runtime needs PuLP and HiGHS: scripts/device_wheels.sh):
-    PYTHONPATH=. python3 benchmarks/moe_block.py -o $OUT/moe_block.json
-Smoke test of the same code paths on a CPU (float32, a tiny block, float64 reference; the
-profile, the sync check and torch.compile are left out; ~20 s):
-    PYTHONPATH=. python3 benchmarks/moe_block.py --smoke -o /tmp/moe_block.json
+    PYTHONPATH=. python -m benchmarks.kernel_peers moe -o $OUT/moe_block.json
+Smoke mode on a CPU (float32, a tiny block, float64 reference; the profile, the sync check and
+torch.compile are left out; ~20 s):
+    PYTHONPATH=. python -m benchmarks.kernel_peers moe --device cpu --small -o /tmp/moe_block.json
 """
 from __future__ import annotations
 
@@ -56,7 +56,6 @@ import argparse
 import dataclasses
 import os
 import statistics
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -66,11 +65,11 @@ from typing import Any
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.report import Clock, run_header, write_report  # noqa: E402
-from mplan.kernels.moe import expert_mlp, moe_experts_reference, route  # noqa: E402
-from mplan.kernels.moe_grouped import grouped_available, grouped_expert_mlp, moe_experts_grouped  # noqa: E402
+from benchmarks.gpu_time import kernel_table
+from benchmarks.kernel_peers import engine
+from benchmarks.report import Clock
+from mplan.kernels.moe import expert_mlp, moe_experts_reference, route
+from mplan.kernels.moe_grouped import grouped_available, grouped_expert_mlp, moe_experts_grouped
 
 GiB = 2**30
 REFERENCE_2026_12_01 = {"hf_ms": 57.4, "hf_compile_ms": 56.1, "tflops": 600, "peak_gib_above_inputs": 3.25}
@@ -249,20 +248,14 @@ def time_step(step: Callable[[], torch.Tensor], s: Settings) -> tuple[float, flo
 
 
 def peak_gib(variant: Variant, x: torch.Tensor, s: Settings) -> dict[str, float] | None:
-    if s.device.type != "cuda":
+    """engine.memory_during of one step from no gradients, in GiB above what was allocated before it."""
+    clear_grads(x, variant.params)
+    memory = engine.memory_during(variant.step, s.device)
+    clear_grads(x, variant.params)
+    if memory is None:
         return None
-    clear_grads(x, variant.params)
-    sync(s)
-    baseline = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = variant.step()
-    sync(s)
-    peak = torch.cuda.max_memory_allocated()
-    del out
-    left = torch.cuda.memory_allocated()
-    clear_grads(x, variant.params)
-    return {"peak_gib": (peak - baseline) / GiB, "baseline_gib": baseline / GiB,
-            "held_after_gib": (left - baseline) / GiB}
+    return {"peak_gib": (memory["peak"] - memory["before"]) / GiB, "baseline_gib": memory["before"] / GiB,
+            "held_after_gib": (memory["after"] - memory["before"]) / GiB}
 
 
 GEMM_KERNELS = ("cutlass", "gemm", "nvjet", "xmma")
@@ -283,15 +276,11 @@ def kernel_profile(variant: Variant, s: Settings, trace: str | None) -> dict[str
         prof.export_chrome_trace(trace)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not e.is_user_annotation]
-    table: dict[str, float] = {}
-    for event in kernels:
-        name = event.name[:100]
-        table[name] = table.get(name, 0.0) + event.device_time / 1e3
-    top = dict(sorted(table.items(), key=lambda item: -item[1])[:12])
+    table = kernel_table(prof)
     span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / 1e3
     return {"kernel_ms_total": sum(table.values()), "gpu_span_ms": span,
             "gemm_ms": sum(ms for name, ms in table.items() if any(k in name.lower() for k in GEMM_KERNELS)),
-            "top": top}
+            "top": {name[:100]: ms for name, ms in list(table.items())[:12]}}
 
 
 def gemm_breakdown(block: nn.Module, x: torch.Tensor, s: Settings) -> dict[str, Any]:
@@ -477,17 +466,15 @@ def unit_checks(s: Settings) -> dict[str, Any]:
     return report
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-o", "--out", required=True)
-    parser.add_argument("--smoke", action="store_true", help="tiny float32 block on the CPU")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    engine.add_device_flags(parser)
     parser.add_argument("--trace-dir", help="write each variant's profiled step as a Chrome trace here")
-    args = parser.parse_args()
-    s = SMOKE if args.smoke else FULL
-    clock = Clock()
-    import transformers
 
-    report: dict[str, Any] = {**run_header(s.device), "transformers": transformers.__version__,
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    s = dataclasses.replace(SMOKE if args.small else FULL, device=torch.device(args.device))
+    clock = Clock()
+    report: dict[str, Any] = {**engine.header(s.device, "transformers"),
                               "settings": {k: str(v) for k, v in dataclasses.asdict(s).items()},
                               "reference_2026_12_01": REFERENCE_2026_12_01}
     tokens = s.batch * s.seq
@@ -535,21 +522,11 @@ def main() -> None:
     report["variants"] = rows
     report["bar"] = bar(rows)
     report["gemms"] = gemm_breakdown(block, x, s)
-    write_report(args.out, report)
-    print(f"{'variant':<22}{'ms':>9}{'host ms':>9}{'TFLOP/s':>9}{'peak GiB':>10}{'kernels':>9}{'GEMMs':>8}{'span':>8}")
     for name, row in rows.items():
-        memory = row["memory"]["peak_gib"] if row["memory"] else float("nan")
-        prof = row["profile"] or {}
-        print(f"{name:<22}{row['ms']:>9.2f}{row['host_ms']:>9.2f}{row['tflops']:>9.0f}{memory:>10.2f}"
-              f"{prof.get('kernel_ms_total', 0):>9.2f}{prof.get('gemm_ms', 0):>8.2f}{prof.get('gpu_span_ms', 0):>8.2f}")
-    if report["gemms"]:
-        for name, times in report["gemms"].items():
-            if name != "counts":
-                print(f"{name:<28}" + "  ".join(f"{k} {v['ms']:.2f} ms {v['tflops']:.0f} TF/s"
-                                                for k, v in times.items()))
-    print("bar:", report["bar"])
-    print("correctness passed:", {k: v.get("passed") for k, v in report["correctness"].items() if isinstance(v, dict)
-                                  and "vs_fp32" in v})
+        clock.log(f"{name}: {row['ms']:.2f} ms (host {row['host_ms']:.2f}), {row['tflops']:.0f} TFLOP/s, "
+                  f"peak {row['memory'] and row['memory']['peak_gib']} GiB")
+    clock.log(f"bar: {report['bar']}")
+    return report
 
 
 def bar(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -566,6 +543,3 @@ def bar(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     result["passed"] = result["faster"] and result.get("memory_ok", True)
     return result
 
-
-if __name__ == "__main__":
-    main()
