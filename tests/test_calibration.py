@@ -14,8 +14,8 @@ from mplan.cost_models.megatron_reference import ReferenceError, default_referen
 from mplan.cost_models.reference_data import REFERENCE_FILES, load_h200_gemm_points, reference_path
 from mplan.ir.mesh import GroupShape
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from megatron_calibration import calibrate, own_configs, planner_for  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.reprice.megatron import calibrate, own_configs, planner_for  # noqa: E402
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """Two causes of the H100 race's overpriced Gemma and Qwen3-MoE steps (issue 30/35,
-benchmarks/graph_price.py): a kernel table read with its timer's glitches, and attention written out
+`python -m benchmarks.reprice races`): a kernel table read with its timer's glitches, and attention written out
 as ATen ops priced op by op though it runs as one SDPA call."""
 from __future__ import annotations
 

@@ -211,7 +211,7 @@ def test_mplans_runtime_pays_the_fitted_host_factor_on_gpus_only() -> None:
 
 
 def test_the_host_factor_is_its_fit_and_holds_out_within_ten_percent() -> None:
-    """MPLAN_RUNTIME_HOST_FACTOR is what benchmarks/host_factor_fit.py fitted on one H100 step, and
+    """MPLAN_RUNTIME_HOST_FACTOR is what `benchmarks.reprice host-fit` fitted on one H100 step, and
     the six steps it was not fitted on are predicted within 10% with it, not without it."""
     from mplan.planner.host_cost import MPLAN_RUNTIME_HOST_FACTOR
 

@@ -13,7 +13,7 @@ device runs it in a CUDA graph (``MedianTimer``, ``CudaGraphCapture``): CUDA eve
 call time a kernel shorter than its launch at the host's launch (15-40 us of Python and dispatch
 while the GPU idles), so the H100 profile of 2026-12-05 priced no GEMM under ~36 us, and steps
 replayed as graphs were over-priced (Gemma-3: +67% predicted against measured,
-benchmarks/graph_price.py). An entry whose capture fails is timed per call with events and listed in
+benchmarks/reprice/races.py). An entry whose capture fails is timed per call with events and listed in
 the profile's ``eager_fallbacks``; the profile's ``timing`` names the method (the smallest H100 GEMM
 entry went from 39 us to 2.6 us, benchmarks/results/profile_h100-2026-12-06-graphed.json). The calls
 of one graph read rotated copies of their operands (``OperandCopies``, ``operand_copies``), call i

@@ -50,7 +50,7 @@ step measured on an H100 (Qwen2-0.5B shape, 8 x 1024 tokens at micro-batch 1, th
 938 ms, 117 ms a micro-batch) with that session's measured host figures and kernel tables; held
 out on six other steps of the same session (the same model at micro-batch 2 and 8, Qwen3-1.7B and
 SmolLM2-1.7B shapes at 8 x 2048 tokens at micro-batch 1 and 8): within 7.9% with the factor,
-up to 57% low without it on the host-bound rows (benchmarks/host_factor_fit.py,
+up to 57% low without it on the host-bound rows (benchmarks/reprice/host_fit.py,
 results/host_factor_fit-cpu-2026-12-05.json).
 It scales the program's ops only: the optimizer's per-tensor host time (`evaluate`) stays at the
 bare figures, as it was in the fit. A constant of mplan's runtime on a GPU host, not of a

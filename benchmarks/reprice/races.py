@@ -10,43 +10,44 @@ and sets each price beside its measurement: predicted / measured - 1. Beside the
 planner's device milliseconds by kernel category (`device_categories`) and the race's torch.profiler
 kernel breakdown of the same step (`KERNEL_PROFILES`): where a family's price goes wrong.
 
-    python benchmarks/graph_price.py --out benchmarks/results/graph_price-cpu-2026-12-06.json
+    PYTHONPATH=. python -m benchmarks.reprice races --out benchmarks/results/graph_price-cpu-2026-12-06.json
+    PYTHONPATH=. python -m benchmarks.reprice races --profile profile_h100-2026-12-06-graphed.json \\
+        --out benchmarks/results/graph_price-cpu-2026-12-06-graphed-profile.json
 
 Captures with this machine's transformers (the race's: 5.17); a family's capture takes 10-60 s.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.peer_families import family
+from benchmarks.reprice.pricing import Committed, capture, cluster, error, print_table
+from mplan.cost_models.cluster import ClusterSpec
+from mplan.planner.parallel_config import parse_plan_spec
+from mplan.planner.search import Planner
 
-from benchmarks.peer_families import family  # noqa: E402
-from benchmarks.report import write_report  # noqa: E402
-from mplan.cost_models.cluster import ClusterSpec  # noqa: E402
-from mplan.planner.parallel_config import parse_plan_spec  # noqa: E402
-from mplan.planner.planning import capture_for_planning  # noqa: E402
-from mplan.planner.search import Planner  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
-PROFILE = RESULTS / "profile_h100-2026-12-05.json"
+PROFILE = "profile_h100-2026-12-05.json"
 RACES = {"gemma3": "peers_h100-2026-12-06-session14-b.json", "qwen3_moe": "peers_h100-2026-12-06-session14-c.json",
          "gemma2": "peers_h100-2026-12-06-session14-c.json", "granite": "peers_h100-2026-12-06-session14-a.json"}
 """Each family's race file: the graphed and eager steps were timed in the same rounds there (granite's
 graphs were refused in that call, so its two rows are both eager steps)."""
-_PROFILED = "peers_h100-2026-12-06-session14-a.json"
-KERNEL_PROFILES = {"gemma3": _PROFILED, "qwen3_moe": "peers_h100-2026-12-06-session13-c.json", "gemma2": _PROFILED,
-                   "granite": _PROFILED}
+KERNEL_PROFILES = {**dict.fromkeys(("gemma3", "gemma2", "granite"), "peers_h100-2026-12-06-session14-a.json"),
+                   "qwen3_moe": "peers_h100-2026-12-06-session13-c.json"}
 """Where each family's graphed step was profiled by kernel on the same card (torch.profiler, peers.py):
 qwen3_moe's only in session 13 (older code than session 14's: compare its categories, not its total)."""
 PLAN = "dp=1,tp=1,pp=1"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--families", default=",".join(RACES))
+    parser.add_argument("--profile", default=PROFILE,
+                        help="the card's profile to price on (default: the one of the races' day, kernels timed one "
+                             "eager call at a time; profile_h100-2026-12-06-graphed.json times them as graph replays)")
 
 
 def _category(node: Any, coster: Any) -> str:
@@ -87,58 +88,42 @@ def device_categories(planner: Planner, best: Any, global_batch: int) -> dict[st
     return {k: round(v, 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
-def price(name: str, cluster: ClusterSpec) -> dict[str, Any]:
+def price(name: str, card: ClusterSpec) -> dict[str, Any]:
     """The planner's step for one family, graphed and eager, beside the race's measurements."""
     import transformers
 
     fam = family(name, small=False)
-    race = json.loads((RESULTS / RACES[name]).read_text())["families"][name]
+    race, profiled = Committed(RACES[name]), Committed(KERNEL_PROFILES[name])
     with torch.device("meta"):
         model = getattr(transformers, fam.model_class)(fam.config()).to(torch.bfloat16)
-    ids = torch.zeros(fam.batch, fam.seq, dtype=torch.long)
     start = time.perf_counter()
-    graph = capture_for_planning(model, example_inputs=(ids,))
-    captured_s = time.perf_counter() - start
-    row: dict[str, Any] = {"batch": fam.batch, "seq": fam.seq, "capture_s": round(captured_s, 1), "race": RACES[name]}
+    graph = capture(model, fam.seq, fam.batch)
+    row: dict[str, Any] = {"batch": fam.batch, "seq": fam.seq, "capture_s": round(time.perf_counter() - start, 1),
+                           "race": RACES[name]}
     for system, graphs in (("mplan", True), ("mplan_eager", False)):
-        planner = Planner(graph, cluster, kernels=True, runtime="mplan", cuda_graphs=graphs)
-        best = planner.search(fam.batch, parse_plan_spec(PLAN)).best
+        planner = Planner(graph, card, kernels=True, runtime="mplan", cuda_graphs=graphs)
+        estimate = planner.search(fam.batch, parse_plan_spec(PLAN)).best
         if graphs:
-            kernels = json.loads((RESULTS / KERNEL_PROFILES[name]).read_text())["families"][name]["profile"]["mplan"]
-            row["device_ms"] = {"predicted": device_categories(planner, best, fam.batch),
+            kernels = profiled.at("families", name, "profile", "mplan")
+            row["device_ms"] = {"predicted": device_categories(planner, estimate, fam.batch),
                                 "measured": kernels["by_category_ms"],
                                 "measured_total": kernels["gpu_kernel_ms_per_step"],
                                 "measured_in": KERNEL_PROFILES[name]}
-        measured = race["systems"][system]
-        row[system] = {"cuda_graphs": graphs, "mbs": best.config.mbs, "predicted_ms": best.step_time_s * 1e3,
-                       "measured_ms": measured["step_s"] * 1e3,
-                       "replayed": measured.get("cuda_graphs"),
-                       "error": best.step_time_s / measured["step_s"] - 1}
+        measured = race.at("families", name, "systems", system)
+        row[system] = {"cuda_graphs": graphs, "mbs": estimate.config.mbs, "predicted_ms": estimate.step_time_s * 1e3,
+                       "measured_ms": measured["step_s"] * 1e3, "replayed": measured.get("cuda_graphs"),
+                       "error": error(estimate.step_time_s, measured["step_s"])}
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--families", default=",".join(RACES))
-    parser.add_argument("--profile", default=str(PROFILE),
-                        help="the card's profile to price on (default: the one of the races' day, kernels timed one "
-                             "eager call at a time; profile_h100-2026-12-06-graphed.json times them as graph replays)")
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> dict[str, Any]:
     import transformers
 
-    cluster = ClusterSpec.from_json(args.profile)
-    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "machine": "cpu (prices only)",
-                              "torch": torch.__version__, "transformers": transformers.__version__,
-                              "profile": os.path.basename(args.profile), "plan": PLAN, "families": {}}
-    for name in args.families.split(","):
-        report["families"][name] = price(name, cluster)
-        row = report["families"][name]
-        print(f"{name}: graphed {row['mplan']['predicted_ms']:.1f} ms predicted, {row['mplan']['measured_ms']:.1f} "
-              f"measured ({row['mplan']['error']:+.1%}); eager {row['mplan_eager']['predicted_ms']:.1f} predicted, "
-              f"{row['mplan_eager']['measured_ms']:.1f} measured ({row['mplan_eager']['error']:+.1%})", flush=True)
-        write_report(args.out, report)
-
-
-if __name__ == "__main__":
-    main()
+    card = cluster(args.profile)
+    families = {name: price(name, card) for name in args.families.split(",")}
+    print_table([{"family": name, "system": system, **row[system]} for name, row in families.items()
+                 for system in ("mplan", "mplan_eager")],
+                {"family": "", "system": "", "mbs": "", "predicted_ms": ".1f", "measured_ms": ".1f", "error": "+.1%"})
+    return {"date": time.strftime("%Y-%m-%d"), "machine": "cpu (prices only)", "torch": torch.__version__,
+            "transformers": transformers.__version__, "profile": Path(args.profile).name, "plan": PLAN,
+            "families": families}

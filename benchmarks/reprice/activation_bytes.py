@@ -1,8 +1,8 @@
-"""What the fused kernels keep for backward, against their references and the planner's count (CPU).
+"""What the fused kernels keep for backward, against their references and the planner's count.
 
 The planner counts the activations an op keeps for backward from the captured (unfused) graph;
 mplan's fused kernels keep other tensors than their references (a fused norm keeps its input and
-rstd, not the normalized tensor; a fused SwiGLU keeps gate and up, not silu(gate)). This script
+rstd, not the normalized tensor; a fused SwiGLU keeps gate and up, not silu(gate)). This case
 measures one block of a small Llama and GPT trained through `mplan.autoparallel(kernels=True)` in
 fp32 at tp=1: the bytes the forward leaves allocated for backward with the Triton kernels (run by
 the Triton interpreter, in a child process started with TRITON_INTERPRET=1) and with their
@@ -11,15 +11,15 @@ the difference between 4 and 2 layers, so the embedding, head and loss cancel.
 
 Why: on 2 H200s Llama-3-8B at tp=2 with SP and no recomputation peaked 18% under the planner's
 prediction (benchmarks/results/bench_llama3-8b_h200x2-2026-11-29-session7.json); this tells
-whether the planner's count of a block is off for the fused kernels already at tp=1.
+whether the planner's count of a block is off for the fused kernels already at tp=1
+(fused_activation_bytes-cpu-2026-11-29.json, by the command below).
 
-    PYTHONPATH=. python3 benchmarks/fused_activation_bytes.py --out /tmp/fused_activation_bytes.json
+    PYTHONPATH=. python -m benchmarks.reprice activation-bytes --out /tmp/fused_activation_bytes.json
 """
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import subprocess
 import sys
@@ -27,21 +27,26 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import mplan  # noqa: E402
-from mplan.cost_models.cluster import ClusterSpec  # noqa: E402
-from mplan.cost_models.collective_cost import GroupShape  # noqa: E402
-from mplan.models import build_model  # noqa: E402
-from mplan.planner.op_cost import OpCoster  # noqa: E402
-from mplan.ir.placement import R  # noqa: E402
-from mplan.planner.sharding_ilp import solve_graph_sharding  # noqa: E402
-from mplan.planner.unit_costs import unit_costs  # noqa: E402
+import mplan
+from benchmarks.reprice.pricing import cluster, error, print_table
+from mplan.cost_models.collective_cost import GroupShape
+from mplan.ir.placement import R
+from mplan.models import build_model
+from mplan.planner.op_cost import OpCoster
+from mplan.planner.sharding_ilp import solve_graph_sharding
+from mplan.planner.unit_costs import unit_costs
 
 MODELS = {"llama": "llama:layers={layers},hidden=128,heads=4,kv_heads=2,ffn=352,seq=64,vocab=64",
           "gpt": "gpt:layers={layers},hidden=128,heads=4,seq=64,vocab=64"}
 """each at 2 and 4 layers: half the difference is one block's bytes (embedding, head and loss cancel)"""
 BATCH = 4
+CHILD = ("import sys; from benchmarks.reprice.activation_bytes import _program, kept_after_forward; "
+         "print(kept_after_forward(*_program(sys.argv[1])))")
+"""what the child process under the Triton interpreter runs, on one model spec (PYTHONPATH=. as the harness runs)"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """No flags: the models are the two small ones above."""
 
 
 def _program(spec: str) -> Any:
@@ -63,39 +68,28 @@ def kept_after_forward(pm: Any, feed: Any) -> int:
 
 
 def planner_saved_bytes(graph: Any) -> int:
-    """The planner's count of what the forward keeps (`unit_costs`, recompute none), on the graph
-    the runtime runs."""
-    coster = OpCoster(ClusterSpec.preset("cpu"), 1, GroupShape(size=1, ranks_per_node=1))
+    """The planner's count of what the forward keeps (`unit_costs`, recompute none) on the graph the runtime runs."""
+    coster = OpCoster(cluster("cpu"), 1, GroupShape(size=1, ranks_per_node=1))
     return sum(u.saved_bytes for u in unit_costs(graph, solve_graph_sharding(graph, coster, R), coster))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--measure-only", help=argparse.SUPPRESS)  # the child's job: one model spec
-    args = parser.parse_args()
-    if args.measure_only:
-        print(kept_after_forward(*_program(args.measure_only)))
-        return
+def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"torch": torch.__version__, "dtype": "float32", "batch": BATCH,
                               "per_block": "half the difference between 4 and 2 layers", "models": {}}
     for name, template in MODELS.items():
         figures: dict[int, dict[str, int]] = {}
         for layers in (2, 4):
             spec = template.format(layers=layers)
-            child = subprocess.run([sys.executable, __file__, "--out", "-", "--measure-only", spec], check=True,
-                                   capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"})
+            child = subprocess.run([sys.executable, "-c", CHILD, spec], check=True, capture_output=True, text=True,
+                                   env={**os.environ, "TRITON_INTERPRET": "1"})
             pm, feed = _program(spec)
             figures[layers] = {"kept_with_kernels_bytes": int(child.stdout.split()[-1]),
                                "kept_with_references_bytes": kept_after_forward(pm, feed),
                                "planner_saved_bytes": planner_saved_bytes(pm.graph)}
         row = {key: (figures[4][key] - figures[2][key]) // 2 for key in figures[2]}
-        row["planner_vs_kernels"] = row["planner_saved_bytes"] / row["kept_with_kernels_bytes"] - 1
+        row["planner_vs_kernels"] = error(row["planner_saved_bytes"], row["kept_with_kernels_bytes"])
         report["models"][name] = {"spec": template, "per_block": row}
-        print(name, row, file=sys.stderr)
-    with open(args.out, "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+    print_table([{"model": name, **entry["per_block"]} for name, entry in report["models"].items()],
+                {"model": "", "kept_with_kernels_bytes": "", "kept_with_references_bytes": "",
+                 "planner_saved_bytes": "", "planner_vs_kernels": "+.1%"})
+    return report
