@@ -5,7 +5,7 @@
 # MoE, checkpoint save/load times, ZeRO-1 against ZeRO-3 over N GPUs, context parallelism at 32k
 # tokens (all-gather and ring, cuDNN's attention) and experts carved from cp, each run for real. Prepared on
 # 2026-11-29, 2026-12-02 and 2026-12-06 (the equivalence plans
-# smoke-tested on 2 gloo CPU ranks: `equivalence_gpus.py --device cpu --small --dtype float64`); run as
+# smoke-tested on 2 gloo CPU ranks: `-m benchmarks.equivalence gpus --device cpu --small --dtype float64`); run as
 #     run(kind="nvidia-h200-x8", carry=[".device_wheels"],
 #         command="bash benchmarks/multi_gpu_h200.sh 8")
 # after `bash scripts/device_wheels.sh` here (the image lacks PuLP and HiGHS). Writes $OUT/*-xN.*
@@ -36,7 +36,7 @@ else
     hand=("tp=$n,sp=1" "dp=$n,zero=1" "tp=$n" "dp=$n,zero=1,recompute=full" "pp=$n,mbs=1" "pp=$n,mbs=1,schedule=zb-h1")
     batch=16 seq=2048  # two GPUs: a few steps of seconds each, not tens
 fi
-run benchmarks/equivalence_gpus.py --out "$out/equivalence-x$n.json" --plans "$plans" 2>&1 | grep '^\[' || true
+run -m benchmarks.equivalence gpus --out "$out/equivalence-x$n.json" --plans "$plans" 2>&1 | grep '^\[' || true
 
 # 3. auto against hand-written plans on a Llama-3-8B, measured and predicted side by side
 run -m mplan bench llama3-8b --cluster "$out/profile-x$n.json" --global-batch $batch --seq-len $seq \
@@ -53,7 +53,7 @@ tail -c 2000 "$out/bench-moe-x$n.json"
 # 5. checkpoints on NCCL ranks (issue 31): a 1.3B Llama saved under tp=N with ZeRO-1 ranks, blocking and
 #    in the background (the stall: the call's return), loaded under the same plan and resharded to
 #    another; times between barriers on every rank
-run benchmarks/checkpoint_time.py --model "llama:layers=24,hidden=2048,heads=16,kv_heads=8,seq=2048,vocab=32000,ffn=5632" \
+run -m benchmarks.ranks checkpoint --model "llama:layers=24,hidden=2048,heads=16,kv_heads=8,seq=2048,vocab=32000,ffn=5632" \
     --plan "tp=$half,dp=2,zero=1" --other "dp=$n,zero=1" --dtype bfloat16 --batch $((2 * n)) \
     --dir /tmp/mplan_ckpt -o "$out/checkpoint_time-x$n.json" 2>&1 | tail -3
 

@@ -6,7 +6,7 @@
 #   3. `mplan train examples/train_gpu.toml`: a 1.1B Llama, bf16, the planner's plan, 120 steps with a
 #      background checkpoint at step 60, TensorBoard, the loss PNG and a Hugging Face export; every
 #      step's measured time and peak memory beside the plan's predictions in the JSONL;
-#   4. `benchmarks/checkpoint_time.py`: blocking and background saves and loads of a 1.3B Llama;
+#   4. `python -m benchmarks.ranks checkpoint`: blocking and background saves and loads of a 1.3B Llama;
 #   5. issue 33: `mplan bench --measure` of the same 1.3B Llama at dp=1 under zero=0, 1 and 3 (zero=3
 #      still gathers each unit and frees it, over one rank): step time and peak memory beside the
 #      predictions.
@@ -46,7 +46,7 @@ echo "train: $(( $(date +%s) - start )) s"
 summary() { python3 benchmarks/train_gpu_summary.py "$out" -o "$out/train_gpu.json" 2>&1 | tail -3; }
 summary
 [ "$quick" = quick ] && exit 0
-timeout 200 python3 benchmarks/checkpoint_time.py --plan dp=1 --other dp=1,recompute=full --dtype bfloat16 \
+timeout 200 python3 -m benchmarks.ranks checkpoint --plan dp=1 --other dp=1,recompute=full --dtype bfloat16 \
     --model "llama:layers=24,hidden=2048,heads=16,kv_heads=8,ffn=5632,seq=2048,vocab=32000" --batch 4 \
     --dir /tmp/g/ckpt-time -o "$out/checkpoint_time.json" 2>&1 | tail -30
 echo "checkpoint_time: $(( $(date +%s) - start )) s"

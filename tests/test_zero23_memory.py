@@ -1,7 +1,7 @@
 """ZeRO's memory (issue 33): a rank's peak against the memory model, and zero=3's parameters
 between steps, released storage that refuses to be read.
 
-Peak (one gloo group of 4 ranks): benchmarks/zero_memory_cpu.py's `measure_level` on every rank,
+Peak (one gloo group of 4 ranks): benchmarks/ranks/zero_memory.py's `measure_level` on every rank,
 a 4-layer Llama in bf16 under dp=4 at zero 1, 2 and 3 built on the planner's plan for each spec:
 the CPU allocator's peak during a training step (profiled, added to what the module holds) beside
 the Plan's predicted peak without its fragmentation margin. Every rank within `TOLERANCE` (10%).
@@ -28,23 +28,23 @@ import torch
 from distributed import rel_err, run_checks
 from test_equivalence import batches, family
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import zero_memory_cpu  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.ranks import zero_memory  # noqa: E402
 
 LEVELS = (1, 2, 3)
 
 
 # -- the peak against the memory model (4 ranks) ---------------------------------------------------
 def zero1_peak() -> dict[str, Any]:
-    return zero_memory_cpu.measure_level(1)
+    return zero_memory.measure_level(1)
 
 
 def zero2_peak() -> dict[str, Any]:
-    return zero_memory_cpu.measure_level(2)
+    return zero_memory.measure_level(2)
 
 
 def zero3_peak() -> dict[str, Any]:
-    return zero_memory_cpu.measure_level(3)
+    return zero_memory.measure_level(3)
 
 
 CHECKS = [zero1_peak, zero2_peak, zero3_peak]
@@ -68,7 +68,7 @@ def zero1_reductions_in_flight() -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(8)])
     optimizer = build_optimizer(model.parameters(), functools.partial(torch.optim.AdamW, lr=1e-3),
-                                init_process_groups(mesh_for_world(zero_memory_cpu.WORLD)), zero=1,
+                                init_process_groups(mesh_for_world(zero_memory.WORLD)), zero=1,
                                 bucket_bytes=(128 * 128 + 128) * 4)
     inputs = torch.randn(16, 128)
 
@@ -76,7 +76,7 @@ def zero1_reductions_in_flight() -> dict[str, Any]:
         optimizer.zero_grad()
         optimizer.before_last_backward()
         loss = model(inputs).square().mean()
-        with record_function(zero_memory_cpu._MEASURED):
+        with record_function(zero_memory.MEASURED):
             loss.backward()
         optimizer.step()
 
@@ -85,7 +85,7 @@ def zero1_reductions_in_flight() -> dict[str, Any]:
     for _ in range(3):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             step()
-        events, (first, last) = zero_memory_cpu._allocations(prof)
+        events, (first, last) = zero_memory.allocations(prof)
         live: dict[int, tuple[int, str]] = {}
         peak = 0
         for time_ns, size, address, op in events:
@@ -98,14 +98,14 @@ def zero1_reductions_in_flight() -> dict[str, Any]:
         peaks.append(peak)
     sizes = [bucket.numel for _, bucket in optimizer._slots]
     walk = reduction_peak(sizes, [0.0] * len(sizes), zero=1, per_param=mplan_bytes_per_param("fp32", zero=1),
-                          copy_bytes=4, replicas=zero_memory_cpu.WORLD, outstanding=2, backend_copies=True)
+                          copy_bytes=4, replicas=zero_memory.WORLD, outstanding=2, backend_copies=True)
     return {"buckets": len(sizes), "started_in_backward": optimizer.started_in_backward,
             "measured": min(peaks), "predicted": walk.transient_bytes, "every_bucket": 4 * sum(sizes)}
 
 
 @pytest.fixture(scope="module")
 def world4():
-    return run_checks(zero_memory_cpu.WORLD, [*CHECKS, zero1_reductions_in_flight, released_parameters],
+    return run_checks(zero_memory.WORLD, [*CHECKS, zero1_reductions_in_flight, released_parameters],
                       timeout_s=300)
 
 
@@ -113,7 +113,7 @@ def world4():
 def test_the_predicted_peak_is_within_10_percent_of_the_measured_one(world4, check) -> None:
     for rank, row in enumerate(world4.assert_passed(check)):
         measured, predicted = row["peak_bytes"], row["predicted"]["total"]
-        assert abs(predicted / measured - 1) < zero_memory_cpu.TOLERANCE, (rank, row)
+        assert abs(predicted / measured - 1) < zero_memory.TOLERANCE, (rank, row)
         assert row["plan"].startswith("dp=4,") and f"zero={row['zero']}" in row["plan"], row
 
 
@@ -130,7 +130,7 @@ def test_zero1_holds_at_most_three_buckets_reducing_and_the_walk_counts_them(wor
     for 16 buckets of 0.53 MB here); now at most MAX_IN_FLIGHT + 1 reduce-scatters hold theirs.
     The walk (0.197 MB) reads one layer's copy below the allocator's profile (0.263 MB): the copy
     of the reduction waited for last may be freed on gloo's thread, unrecorded (see
-    zero_memory_cpu.peak_of_step), or stay until that thread lets it go; not resolved. On a quiet
+    zero_memory.peak_of_step), or stay until that thread lets it go; not resolved. On a quiet
     machine (2026-12-06) most runs measured 1 KiB more than one layer's copy above the walk (0.264
     MB: two bias buckets' copies more), where loaded CI runs had measured 0.263; so the walk is held
     to within two layers' copies (0.33 MB, against 1.06 MB uncapped), not 2%."""
@@ -154,7 +154,7 @@ def released_parameters() -> dict[str, Any]:
     parameter raised, its metadata, the whole-parameter accessors, and the step after a refused read."""
     import mplan
 
-    world = zero_memory_cpu.WORLD
+    world = zero_memory.WORLD
     data = batches(world, steps=2)
     built = {zero: mplan.autoparallel(family("tiny-llama")(), example_inputs=(data[0][0],), global_batch=world,
                                       plan=f"dp={world},zero={zero}", progress="quiet") for zero in (1, 3)}

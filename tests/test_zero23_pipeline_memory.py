@@ -10,7 +10,7 @@ step (`fully_sharded.py`: `keep_gathered` under a pipeline). The memory model co
 (`memory_model.estimate_memory`'s `grads_whole`, `reduction_peak`'s walk at the step).
 
 Measured (one gloo group of 4 ranks, pp=2 x dp=2 as the planner lays it out: interleaved, a layer
-a chunk, 8 chunks a rank; 4 micro-batches a replica; `MODEL` in bf16): benchmarks/zero_memory_cpu.py's `peak_of_step` (the CPU allocator's
+a chunk, 8 chunks a rank; 4 micro-batches a replica; `MODEL` in bf16): benchmarks/ranks/zero_memory.py's `peak_of_step` (the CPU allocator's
 profile of a step added to what the module holds) on every rank, beside its stage's predicted peak
 without the fragmentation margin. On 2026-12-06 (first stage / second, MB measured, error):
   zero=1  158.70 / 158.70   +0.2% / +0.2%
@@ -33,8 +33,8 @@ import torch
 
 from distributed import run_checks
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import zero_memory_cpu  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.ranks import zero_memory  # noqa: E402
 
 WORLD = 4
 MODEL = "llama:layers=16,hidden=256,heads=4,kv_heads=2,ffn=1024,seq=64,vocab=256"
@@ -64,12 +64,12 @@ def measure(zero: int) -> dict[str, Any]:
 
     generator = torch.Generator().manual_seed(0)
     data = [tuple(torch.randint(0, 256, (GLOBAL_BATCH, 64), generator=generator) for _ in range(2)) for _ in range(2)]
-    pm = mplan.autoparallel(build_model(MODEL, device="cpu", dtype=zero_memory_cpu.DTYPE, seed=0),
+    pm = mplan.autoparallel(build_model(MODEL, device="cpu", dtype=zero_memory.DTYPE, seed=0),
                             example_inputs=(data[0][0],), optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
                             global_batch=GLOBAL_BATCH, plan=PLAN.format(zero=zero), max_grad_norm=1.0,
                             progress="quiet")
     steps = itertools.cycle(data)
-    measured = zero_memory_cpu.peak_of_step(pm, lambda: pm.train_step(*next(steps)))
+    measured = zero_memory.peak_of_step(pm, lambda: pm.train_step(*next(steps)))
     expected = _stage_prediction(pm.plan, pm.groups.pp_rank)
     return {"zero": zero, "plan": pm.plan.spec(), "stage": pm.groups.pp_rank, **measured, "predicted": expected,
             "error": expected["total"] / measured["peak_bytes"] - 1}

@@ -48,7 +48,7 @@ copies a step's reductions hold rise as backward frees the activations, so the c
 activations still held then (``activations_beside_transient``); the peak holds the larger of all
 the activations and the two together. On 4 gloo CPU ranks (a 4-layer Llama in bf16, dp=4) the
 predicted peak came within 2% of the allocator's at zero 0-3 (zero=1 had been 38% low without
-its copies; benchmarks/zero_memory_cpu.py, results/zero_memory-cpu-2026-12-06.json).
+its copies; benchmarks/ranks/zero_memory.py, results/zero_memory-cpu-2026-12-06.json).
 Activations: ``none`` keeps every in-flight microbatch's activations; ``selective`` keeps
 ``selective_activation_bytes`` per microbatch (Korthikanti et al. 2022: attention's softmax/dropout
 recomputed, 34sbh instead of 34sbh + 5as^2b per layer); ``full`` keeps only each layer's input
@@ -181,7 +181,7 @@ def mplan_bytes_per_param(param_dtype: object = "bf16", *, zero: int) -> BytesPe
     moments (bf16 2 + 16/d); zero=3 keeps the parameters' shard in their own dtype for the gathers to
     read, where that is narrower than the master (bf16 (2 + 16)/d; fp32 gathers the master itself,
     16/d). Read off the runtime's layout; held, with the reductions' copies (`reduction_peak`), to
-    the allocator's peak on 4 gloo CPU ranks at zero 0-3 (benchmarks/zero_memory_cpu.py), not yet
+    the allocator's peak on 4 gloo CPU ranks at zero 0-3 (benchmarks/ranks/zero_memory.py), not yet
     on a GPU."""
     check_zero(zero)
     param = dtype_bytes(param_dtype)

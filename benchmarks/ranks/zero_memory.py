@@ -19,28 +19,27 @@ Predicted: the Plan's peak of its one stage (`plan.predicted.memory_by_stage`) w
 planner's fragmentation margin (`memory_model.FRAGMENTATION_FRACTION`): what it says the tensors
 hold, which is what is measured.
 
-Run (about 25 s on the 2-core CPU machine):
-    .venv/bin/python benchmarks/zero_memory_cpu.py -o benchmarks/results/zero_memory-cpu-2026-12-06.json
+Run (about 25 s on the 2-core CPU machine; the ranks keep `run_ranks`' float64 default dtype, as
+the tests that run `measure_level` do):
+    PYTHONPATH=. python -m benchmarks.ranks zero-memory -o benchmarks/results/zero_memory-cpu-2026-12-06.json
+(that result made before the harness, by `python benchmarks/zero_memory_cpu.py` with the same flags)
 tests/test_zero23_memory.py runs the same `measure_level` on every rank and holds each level to
-`TOLERANCE`.
+`TOLERANCE`; tests/test_zero23_pipeline_memory.py runs `peak_of_step` under a pipeline.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import gc
 import itertools
-import json
-import os
-import platform
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from benchmarks.ranks.launch import header, start_ranks
 
 MODEL = "llama:layers=4,hidden=128,heads=4,kv_heads=2,ffn=256,seq=64,vocab=256"
 WORLD = 4
@@ -55,7 +54,8 @@ TOLERANCE = 0.10
 AT_PEAK_OPS = 10
 """The ops whose allocations made during the step and alive at its peak are reported (largest first)."""
 GiB = float(1 << 30)
-_MEASURED = "zero_memory_cpu.measured_step"
+MEASURED = "zero_memory.measured_step"
+"""The profiler range around the measured step (its allocations are the ones counted)."""
 
 
 # -- what the module holds -------------------------------------------------------------------------
@@ -94,7 +94,7 @@ def held_bytes(root: object) -> int:
 
 
 # -- the allocator's timeline ----------------------------------------------------------------------
-def _allocations(prof: Any) -> tuple[list[tuple[int, int, int, str]], tuple[int, int]]:
+def allocations(prof: Any) -> tuple[list[tuple[int, int, int, str]], tuple[int, int]]:
     """(time ns, bytes: + allocated / - freed, address, the op that did it) of every CPU allocation
     event, in time order, and the measured step's (start, end)."""
     from torch._C._profiler import _EventType
@@ -104,7 +104,7 @@ def _allocations(prof: Any) -> tuple[list[tuple[int, int, int, str]], tuple[int,
     while stack:
         event = stack.pop()
         stack.extend(event.children)
-        if event.name == _MEASURED:
+        if event.name == MEASURED:
             window = (event.start_time_ns, event.end_time_ns)
         elif event.typed[0] == _EventType.Allocation and event.typed[1].device.type == "cpu":
             events.append((event.start_time_ns, event.typed[1].alloc_size, event.typed[1].ptr, _op_of(event)))
@@ -136,10 +136,10 @@ def _profiled_peak(module: object, step: Callable[[], object]) -> dict[str, Any]
     gc.collect()
     start = held_bytes(module)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with record_function(_MEASURED):
+        with record_function(MEASURED):
             step()
     end = held_bytes(module)
-    events, (first, last) = _allocations(prof)
+    events, (first, last) = allocations(prof)
     total, peak, live, at_peak = start, start, {}, {}
     for time_ns, size, address, op in events:
         if size > 0:
@@ -213,29 +213,21 @@ def measure_levels(levels: tuple[int, ...]) -> list[dict[str, Any]]:
     return [measure_level(zero) for zero in levels]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-o", "--out", required=True, help="JSON file to write")
-    args = parser.parse_args()
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    from distributed import run_ranks
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """No flags: the levels, model and world are the tests' own."""
 
-    per_rank = run_ranks(WORLD, measure_levels, LEVELS, timeout_s=900)
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    per_rank = start_ranks(WORLD, measure_levels, LEVELS, timeout_s=900, default_dtype=torch.float64)
     rows = []
     for ranks in zip(*per_rank):
         worst = max(ranks, key=lambda row: row["peak_bytes"])  # the peak per rank is the largest rank's
         rows.append({**worst, "peak_bytes_by_rank": [row["peak_bytes"] for row in ranks]})
-    doc = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-           "torch": torch.__version__, "model": MODEL, "dtype": str(DTYPE).removeprefix("torch."), "world": WORLD,
-           "global_batch": GLOBAL_BATCH, "micro_batch": MICRO_BATCH, "tolerance": TOLERANCE, "levels": rows}
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
     print("| zero | measured peak (MB) | predicted (MB) | predicted / measured - 1 |")
     print("|---|---|---|---|")
     for row in rows:
         print(f"| {row['zero']} | {row['peak_bytes'] / 1e6:.2f} | {row['predicted']['total'] / 1e6:.2f} | "
               f"{row['error']:+.1%} |")
-
-
-if __name__ == "__main__":
-    main()
+    return {**header(torch.device("cpu")), "model": MODEL, "dtype": str(DTYPE).removeprefix("torch."),
+            "world": WORLD, "global_batch": GLOBAL_BATCH, "micro_batch": MICRO_BATCH, "tolerance": TOLERANCE,
+            "levels": rows}
