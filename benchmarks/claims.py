@@ -622,6 +622,14 @@ def _fused_activation_bytes(data: dict) -> tuple[str, ...]:
     return tuple(percent(-data["models"][m]["per_block"]["planner_vs_kernels"]) for m in ("llama", "gpt"))
 
 
+def _fused_activation_bytes_exact(data: dict) -> tuple[str, ...]:
+    """One block's bytes the fused runtime keeps, Llama then GPT, where the planner's count is the
+    same to the byte (otherwise "planner differs", which no document says)."""
+    rows = [data["models"][m]["per_block"] for m in ("llama", "gpt")]
+    return tuple(f"{r['kept_with_kernels_bytes']:,}" if r["planner_saved_bytes"] == r["kept_with_kernels_bytes"]
+                 else "planner differs" for r in rows)
+
+
 def _fp8_convergence(data: dict) -> tuple[str, ...]:
     """Steps, the chain's best loss; each model's final FP8-over-bf16 difference with its FP8 and bf16
     final losses (GPT, then Llama); the smoothed curves' largest gap, as a range over the two."""
@@ -759,6 +767,8 @@ CLAIMS: tuple[Claim, ...] = (
                   r"it; the (\S+) \(tp=2 with SP, no recomputation\)"),
     Claim(doc="README.md", source="fused_activation_bytes-cpu-2026-11-29.json", figures=_fused_activation_bytes,
           pattern=r"the planner's count of one block is (\S+) \(Llama\) and (\S+) \(GPT\) under what the fused runtime keeps"),
+    Claim(doc="README.md", source="fused_activation_bytes-cpu-2026-12-07.json", figures=_fused_activation_bytes_exact,
+          pattern=r"one block is what the fused runtime keeps, to the byte \((\S+) bytes a Llama block, (\S+) a GPT block"),
     Claim(doc="README.md", source="bench_llama3-8b_h200x2-2026-11-29.json", figures=_llama3_h200x2_first,
           pattern=r"(\S+) s measured against the (\S+) s predicted before the run \(the prediction (\S+) low;"),
     Claim(doc="README.md", source="fp8_convergence_h200-2026-11-29.json", figures=_fp8_convergence,
@@ -812,6 +822,8 @@ CLAIMS: tuple[Claim, ...] = (
           pattern=r"Llama-3-8B on 2 H200s, session 7: (\S+) / (\S+) / (\S+) s, predicted (\S+) / (\S+) / (\S+), memory \|"),
     Claim(doc="docs/claims.md", source="fused_activation_bytes-cpu-2026-11-29.json", figures=_fused_activation_bytes,
           pattern=r"planner's count (\S+) \(Llama\) / (\S+) \(GPT\) under the fused runtime's"),
+    Claim(doc="docs/claims.md", source="fused_activation_bytes-cpu-2026-12-07.json", figures=_fused_activation_bytes_exact,
+          pattern=r"equals what the fused runtime keeps, (\S+) \(Llama\) / (\S+) \(GPT\) bytes"),
     Claim(doc="docs/claims.md", source="bench_llama3-8b_h200x2-2026-11-29.json",
           figures=lambda data: _llama3_h200x2_first(data)[:2],
           pattern=r"the first 2-H200 run: (\S+) s measured, (\S+) s predicted before the run"),

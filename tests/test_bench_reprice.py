@@ -113,13 +113,27 @@ def test_a_race_family_is_priced_graphed_and_eager_beside_its_measured_steps(tmp
     assert family["device_ms"]["measured_in"] == "peers_h100-2026-12-06-session14-a.json"
 
 
-@pytest.mark.slow
-def test_the_planner_counts_what_a_blocks_references_keep_and_the_fused_kernels_keep_no_more(tmp_path: Path) -> None:
-    """Two small models' blocks, the kernels run by the Triton interpreter (5 minutes on 2 cores): the
-    planner's count of a block's saved activations is what the PyTorch references keep, within 1%;
-    the fused kernels keep no more (Llama's fused norm and SwiGLU 24% less, GPT's the same)."""
+def test_the_planner_counts_what_the_fused_kernels_of_a_block_keep() -> None:
+    """The planner's count of one block's saved activations (tp=1, fused kernels priced) is what the
+    kernels kept when measured (`fused_activation_bytes-cpu-2026-12-07.json`, the Triton
+    interpreter's run): byte for byte on both models. Counting the ATen ops' saves instead gives
+    the references' bytes, 31% more on Llama (a fused norm keeps its input and rstd, a fused SwiGLU
+    gate and up)."""
+    from benchmarks.reprice.activation_bytes import MODELS, planner_saved_bytes
+
+    measured = json.loads((RESULTS / "fused_activation_bytes-cpu-2026-12-07.json").read_text())["models"]
+    for name, template in MODELS.items():
+        two, four = (planner_saved_bytes(template.format(layers=layers)) for layers in (2, 4))
+        assert (four - two) // 2 == measured[name]["per_block"]["kept_with_kernels_bytes"], name
+
+
+@pytest.mark.script_smoke
+def test_the_fused_kernels_of_a_block_keep_no_more_than_their_references(tmp_path: Path) -> None:
+    """The whole case (the kernels run by the Triton interpreter: 4-5 minutes on 2 cores, so out of
+    CI): the planner's count is what the kernels keep, and they keep no more than the references
+    (Llama's fused norm and SwiGLU 24% less, GPT's the same)."""
     report = _reprice(tmp_path, "activation-bytes")
     for name, entry in report["models"].items():
         row = entry["per_block"]
-        assert row["planner_saved_bytes"] == pytest.approx(row["kept_with_references_bytes"], rel=0.01), (name, row)
+        assert row["planner_saved_bytes"] == row["kept_with_kernels_bytes"], (name, row)
         assert row["kept_with_kernels_bytes"] <= row["kept_with_references_bytes"], (name, row)

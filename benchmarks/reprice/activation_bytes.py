@@ -6,13 +6,16 @@ rstd, not the normalized tensor; a fused SwiGLU keeps gate and up, not silu(gate
 measures one block of a small Llama and GPT trained through `mplan.autoparallel(kernels=True)` in
 fp32 at tp=1: the bytes the forward leaves allocated for backward with the Triton kernels (run by
 the Triton interpreter, in a child process started with TRITON_INTERPRET=1) and with their
-PyTorch references, beside the planner's count (`unit_costs`, recompute none). One block is half
-the difference between 4 and 2 layers, so the embedding, head and loss cancel.
+PyTorch references, beside the planner's count (its units at tp=1 and this batch, recompute none,
+priced as the search prices them: each chain the pass fuses counted by what its kernel keeps,
+`fused_pricing.find_fused_saves`). One block is half the difference between 4 and 2 layers, so
+the embedding, head and loss cancel.
 
 Why: on 2 H200s Llama-3-8B at tp=2 with SP and no recomputation peaked 18% under the planner's
 prediction (benchmarks/results/bench_llama3-8b_h200x2-2026-11-29-session7.json); this tells
 whether the planner's count of a block is off for the fused kernels already at tp=1
-(fused_activation_bytes-cpu-2026-11-29.json, by the command below).
+(fused_activation_bytes-cpu-2026-11-29.json, by the command below, when the planner counted the
+ATen ops' saves; fused_activation_bytes-cpu-2026-12-07.json with the fused saves).
 
     PYTHONPATH=. python -m benchmarks.reprice activation-bytes --out /tmp/fused_activation_bytes.json
 """
@@ -29,12 +32,9 @@ import torch
 
 import mplan
 from benchmarks.reprice.pricing import cluster, error, print_table
-from mplan.cost_models.collective_cost import GroupShape
-from mplan.ir.placement import R
+from mplan.ir.trace import capture_for_training
 from mplan.models import build_model
-from mplan.planner.op_cost import OpCoster
-from mplan.planner.sharding_ilp import solve_graph_sharding
-from mplan.planner.unit_costs import unit_costs
+from mplan.planner.search import Planner
 
 MODELS = {"llama": "llama:layers={layers},hidden=128,heads=4,kv_heads=2,ffn=352,seq=64,vocab=64",
           "gpt": "gpt:layers={layers},hidden=128,heads=4,seq=64,vocab=64"}
@@ -67,10 +67,13 @@ def kept_after_forward(pm: Any, feed: Any) -> int:
     return sum(event.self_cpu_memory_usage for event in prof.events())
 
 
-def planner_saved_bytes(graph: Any) -> int:
-    """The planner's count of what the forward keeps (`unit_costs`, recompute none) on the graph the runtime runs."""
-    coster = OpCoster(cluster("cpu"), 1, GroupShape(size=1, ranks_per_node=1))
-    return sum(u.saved_bytes for u in unit_costs(graph, solve_graph_sharding(graph, coster, R), coster))
+def planner_saved_bytes(spec: str) -> int:
+    """The planner's count of what the forward keeps at tp=1 and `BATCH` sequences (recompute none),
+    on the capture `autoparallel` plans, fused kernels priced (`Planner(kernels=True)`)."""
+    model = build_model(spec, device="cpu", dtype=torch.float32, seed=0)
+    graph = capture_for_training(model, (torch.zeros(BATCH, model.config.seq_len, dtype=torch.long),))
+    planner = Planner(graph, cluster("cpu"), kernels=True, runtime="mplan")
+    return sum(u.saved_bytes for u in planner.units(1, False, BATCH))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -85,7 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             pm, feed = _program(spec)
             figures[layers] = {"kept_with_kernels_bytes": int(child.stdout.split()[-1]),
                                "kept_with_references_bytes": kept_after_forward(pm, feed),
-                               "planner_saved_bytes": planner_saved_bytes(pm.graph)}
+                               "planner_saved_bytes": planner_saved_bytes(spec)}
         row = {key: (figures[4][key] - figures[2][key]) // 2 for key in figures[2]}
         row["planner_vs_kernels"] = error(row["planner_saved_bytes"], row["kept_with_kernels_bytes"])
         report["models"][name] = {"spec": template, "per_block": row}
