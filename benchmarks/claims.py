@@ -775,11 +775,14 @@ CLAIMS: tuple[Claim, ...] = (
           pattern=r"FP8 against bf16 training, (\d+) fresh batches of a synthetic Markov-chain language \(best loss (\S+)\) \| "
                   r"final loss (\S+) \(GPT, (\S+) vs (\S+)\), (\S+) \(Llama, (\S+) vs (\S+)\); FP8 runs a few steps behind "
                   r"mid-descent \(curves up to (\S+) apart"),
-    Claim(doc="README.md", source="fused_pricing_check-2026-11-29-session7.json", figures=_fused_pricing,
+    Claim(doc="README.md", source="fused_pricing_check-cpu-2026-12-07-session7.json", figures=_fused_pricing,
           pattern=r"one H200 step predicted (\S+)/(\S+) of eager, (\S+)/(\S+) of mplan bf16, (\S+)/(\S+) of mplan FP8 \(GPT/Llama\), "
                   r"each optimizer priced as the AdamW that runs; the kernels' gain predicted (\S+)x/(\S+)x, measured (\S+)x/(\S+)x"),
-    Claim(doc="README.md", source="fused_pricing_check-2026-11-29-session7.json", figures=lambda data: _fused_pricing(data)[2:4],
-          pattern=r"not on this one, which misses it \((\S+)/(\S+)\)"),
+    Claim(doc="README.md", source="fused_pricing_check-2026-11-29-session7.json",
+          figures=lambda data: (*_fused_pricing(data)[2:4], *_fused_pricing(data)[6:8]),
+          pattern=r"session 5's planner: (\S+)/(\S+) of mplan bf16, gains (\S+)x/(\S+)x\)"),
+    Claim(doc="README.md", source="fused_pricing_check-cpu-2026-12-07-session7.json", figures=lambda data: _fused_pricing(data)[2:3],
+          pattern=r"not on this one, which GPT misses \((\S+)\)"),
     # docs/claims.md: the same figures in the table of sources
     Claim(doc="docs/claims.md", source="h200_calibration-2026-11-29-session5.json",
           figures=lambda data: (_h200_step(data)[0], _h200_memory(data)[0], _h200_step(data)[1]),
@@ -830,8 +833,10 @@ CLAIMS: tuple[Claim, ...] = (
     Claim(doc="docs/claims.md", source="fp8_convergence_h200-2026-11-29.json",
           figures=lambda data: tuple(_fp8_convergence(data)[i] for i in (2, 5, 8)),
           pattern=r"FP8 against bf16 training: (\S+) / (\S+), (\S+) apart mid-descent"),
-    Claim(doc="docs/claims.md", source="fused_pricing_check-2026-11-29-session7.json", figures=_fused_pricing,
-          pattern=r"vs the session-7 run \((\S+)/(\S+), (\S+)/(\S+), (\S+)/(\S+), gains (\S+)x/(\S+)x vs (\S+)x/(\S+)x\)"),
+    Claim(doc="docs/claims.md", source="fused_pricing_check-cpu-2026-12-07-session7.json", figures=_fused_pricing,
+          pattern=r"vs the session-7 run, this checkout \((\S+)/(\S+), (\S+)/(\S+), (\S+)/(\S+), gains (\S+)x/(\S+)x vs (\S+)x/(\S+)x\)"),
+    Claim(doc="docs/claims.md", source="fused_pricing_check-2026-11-29-session7.json", figures=lambda data: _fused_pricing(data)[2:4],
+          pattern=r"session 5's planner on it (\S+)/(\S+) of mplan bf16"),
     Claim(doc="README.md", source="checkpoint_time-cpu-2026-12-05.json", figures=_checkpoint_time,
           pattern=r"blocking save (\S+) s \((\S+) GB/s\); a background save stalls (\S+) s, and the step beside it "
                   r"takes (\S+) s against (\S+) s .*; load (\S+) s under the same plan, (\S+) s resharded"),

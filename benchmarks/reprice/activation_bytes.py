@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 import mplan
+from benchmarks.report import machine_header
 from benchmarks.reprice.pricing import cluster, error, print_table
 from mplan.ir.trace import capture_for_training
 from mplan.models import build_model
@@ -77,7 +78,7 @@ def planner_saved_bytes(spec: str) -> int:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    report: dict[str, Any] = {"torch": torch.__version__, "dtype": "float32", "batch": BATCH,
+    report: dict[str, Any] = {"priced_by": machine_header(), "torch": torch.__version__, "dtype": "float32", "batch": BATCH,
                               "per_block": "half the difference between 4 and 2 layers", "models": {}}
     for name, template in MODELS.items():
         figures: dict[int, dict[str, int]] = {}

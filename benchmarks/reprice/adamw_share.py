@@ -15,6 +15,7 @@ import argparse
 import time
 from typing import Any
 
+from benchmarks.report import machine_header
 from benchmarks.reprice.pricing import Committed, print_table
 
 RUNS = ("e2e_h200-2026-11-29-session7.json", "e2e_h200-2026-12-01.json")
@@ -47,5 +48,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          "share_of_lead_from_adamw": (compile_s - mplan_s) and gap_s / (compile_s - mplan_s)})
     print_table(rows, {"run": "", "model": "", "mplan_vs_compile_with_torch_adamw": ".3f",
                        "share_of_lead_from_adamw": ".0%"})
-    return {"date": time.strftime("%Y-%m-%d"), "kind": "derived from measured results, not measured",
+    return {"priced_by": machine_header(), "date": time.strftime("%Y-%m-%d"), "kind": "derived from measured results, not measured",
             "optimizer_file": f"benchmarks/results/{OPTIMIZER}", "rows": rows}

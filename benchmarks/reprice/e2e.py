@@ -19,6 +19,7 @@ import argparse
 from typing import Any
 
 from benchmarks.e2e import FULL
+from benchmarks.report import machine_header
 from benchmarks.reprice.pricing import Committed, capture, cluster, error, print_table
 from mplan.planner.parallel_config import ParallelConfig
 from mplan.planner.search import Planner
@@ -54,5 +55,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print_table([{"model": name, **row} for name, row in rows.items()],
                 {"model": "", "unfused_error": "+.1%", "fused_error": "+.1%", "fp8_error": "+.1%",
                  "measured_gain": ".3f", "predicted_gain": ".3f"})
-    return {"measured_file": args.measured, "gpu": measured.at("gpu"), "date": measured.at("date"),
+    return {"priced_by": machine_header(), "measured_file": args.measured, "gpu": measured.at("gpu"), "date": measured.at("date"),
             "cluster": "h200 preset (profile measured on the H200)", "rows": rows}

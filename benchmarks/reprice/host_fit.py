@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from benchmarks.report import machine_header
 from benchmarks.reprice.pricing import RESULTS, Committed, capture, cluster, error, print_table
 from mplan.planner.parallel_config import parse_plan_spec
 from mplan.planner.search import Planner
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "error_fitted": "+.1%", "fitted_on": ""})
     held = [t for t in table if not t["fitted_on"]]
     print(f"factor {factor:.3f}")
-    return {"date": time.strftime("%Y-%m-%d"), "device": "NVIDIA H100 80GB HBM3 (measured 2026-12-05)",
+    return {"priced_by": machine_header(), "date": time.strftime("%Y-%m-%d"), "device": "NVIDIA H100 80GB HBM3 (measured 2026-12-05)",
             "profile": PROFILE, "fitted_on": f"{FIT[0]} at micro-batch {FIT[1]}", "factor": round(factor, 4),
             "rows": table, "held_out_worst_error_fitted": max(abs(t["error_fitted"]) for t in held),
             "held_out_worst_error_as_measured": max(abs(t["error_as_measured"]) for t in held)}

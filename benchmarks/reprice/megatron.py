@@ -45,6 +45,7 @@ import argparse
 import time
 from typing import Any
 
+from benchmarks.report import machine_header
 from benchmarks.reprice.pricing import Committed, capture, cluster, error, print_table
 from mplan.cost_models.megatron_reference import MegatronRun, load_megatron_runs
 from mplan.models import GPTConfig
@@ -127,7 +128,7 @@ def set_beside(rows: list[dict[str, Any]], path: str, note: str) -> dict[str, An
     by_id = {row["id"]: row for row in earlier.at("rows")}
     for row in rows:
         row["before"] = {key: value for key, value in by_id.get(row["id"], {}).items() if key in BEFORE_KEYS}
-    return {"note": note, "date": earlier.at("date"), "max_abs_error": earlier.at("max_abs_error"),
+    return {"priced_by": machine_header(), "note": note, "date": earlier.at("date"), "max_abs_error": earlier.at("max_abs_error"),
             "mean_abs_error": earlier.at("mean_abs_error"), "candidate_spread": earlier.data.get("candidate_spread")}
 
 

@@ -1,4 +1,5 @@
-"""What the cases share: read a committed result (`Committed`: a missing file or field is one
+"""What the cases share (and `report.machine_header`, which each report records as `priced_by`: the
+checkout and machine that priced it): read a committed result (`Committed`: a missing file or field is one
 `ResultError` naming both), capture the model as the planner sees it (`capture`), price it on a
 preset or a committed profile (`cluster`), set the price beside the measurement
 (`error`) and print the rows (`print_table`)."""

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from benchmarks.peer_families import family
+from benchmarks.report import machine_header
 from benchmarks.reprice.pricing import Committed, capture, cluster, error, print_table
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.planner.parallel_config import parse_plan_spec
@@ -124,6 +125,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print_table([{"family": name, "system": system, **row[system]} for name, row in families.items()
                  for system in ("mplan", "mplan_eager")],
                 {"family": "", "system": "", "mbs": "", "predicted_ms": ".1f", "measured_ms": ".1f", "error": "+.1%"})
-    return {"date": time.strftime("%Y-%m-%d"), "machine": "cpu (prices only)", "torch": torch.__version__,
+    return {"priced_by": machine_header(), "date": time.strftime("%Y-%m-%d"), "machine": "cpu (prices only)", "torch": torch.__version__,
             "transformers": transformers.__version__, "profile": Path(args.profile).name, "plan": PLAN,
             "families": families}
