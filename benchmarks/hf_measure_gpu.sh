@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 30 on one GPU, in one device call: host time per launch measured (host_overhead.py,
+# Issue 30 on one GPU, in one device call: host time per launch measured (benchmarks.calibration host,
 # which also benches a Qwen2-0.5B config at micro-batch 1, 2 and 8), then `mplan bench --measure`
 # on the unseen HF configs (hf_bench.py --configs unseen). On an H200 the configs are priced on the
 # packaged H200 kernel tables carrying the host figures just measured; on any other GPU the machine is
@@ -20,7 +20,7 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 { echo "$gpu"; python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"; } > "$OUT/gpu.txt"
 cat "$OUT/gpu.txt"
 if [ "${2:-}" != "--skip-host" ]; then
-    timeout 240 python3 benchmarks/host_overhead.py --out /tmp/r/host_overhead.json 2>&1 | tail -20
+    timeout 240 python3 -m benchmarks.calibration host --out /tmp/r/host_overhead.json 2>&1 | tail -20
     cp /tmp/r/host_overhead.json "$OUT/" 2>/dev/null
 fi
 cluster=()

@@ -12,5 +12,5 @@ with this checkout, on a CPU, each price beside what was measured (predicted / m
 
 Each case's docstring (`-h`) says how it prices, what it reads and the command that made each
 result the docs cite; `pricing` is what the cases share. `hf_bench.py --reprice` and
-`step_calibration.py check` price runs again too, beside the GPU harnesses that make them.
+`python -m benchmarks.calibration steps-check` price runs again too, beside the GPU harnesses that make them.
 """

@@ -47,11 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def measured_rows(hf_rows: list[Path]) -> list[dict[str, Any]]:
     """(model, config path, seq, mbs, measured step s), from the results files."""
-    from benchmarks import hf_bench, host_overhead
+    from benchmarks import hf_bench
+    from benchmarks.calibration import host
 
     work, overhead = Path(tempfile.mkdtemp(prefix="host_fit")), Committed(OVERHEAD)
     qwen2 = work / "qwen2-0.5b.json"
-    host_overhead.write_config(overhead.at("config"), qwen2)
+    host.write_config(overhead.at("config"), qwen2)
     rows = [{"model": "qwen2-0.5b", "config": qwen2, "seq": overhead.at("seq_len"), "mbs": r["mbs"],
              "measured_step_s": r["measured_step_s"], "source": OVERHEAD}
             for r in overhead.at("comparison", "rows") if r["measured_step_s"]]

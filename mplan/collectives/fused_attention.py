@@ -33,7 +33,7 @@ same kernels, accumulating in float32; the caller's float32 upcast of bf16 input
 exactly), two backends tried in this order:
   - cuDNN's attention (`_scaled_dot_product_cudnn_attention` and its backward): what torch's SDPA
     picks on Hopper, and the rate the device profile prices attention at. Measured on an H100
-    (2026-12-06, `benchmarks/cp_attention.py`): torch's flash kernel below ran one cp rank's
+    (2026-12-06, `benchmarks/calibration/cp_attention.py`): torch's flash kernel below ran one cp rank's
     attention at 46-63% of the profile's price, so a cp plan paid ~2x for its attention against
     the price that chose it. Its log-sum-exp comes as [B, H, S, 1]; its backward takes no bias and
     no cum_seq tensors (None: a dense batch).

@@ -29,7 +29,7 @@ heads, seq, head_dim] with seq_q == seq_kv; its backward is timed as forward-the
 time ``dst.copy_(src)`` and count bytes read plus written, COPY_BATCH copies back to back between
 two events: a memory-bound kernel in a training step runs among others, and events around one copy
 add a launch (about 7 us on the H200: 3.4 TB/s at 134 MB against 4.2 back to back,
-benchmarks/copy_table.py).
+benchmarks/calibration/copy_table.py).
 Host time per launch (``measure_host``): streams of tiny eager ops (one element of work each) timed
 on the host's clock with the device idle, so the host binds: an ATen op with autograd recording, a
 view, the same two without autograd (their difference is one kernel launch), one autograd backward
@@ -242,7 +242,7 @@ class MedianTimer:
     time, without the host's launch, each call on its copy of the operands where the callable is
     an ``OperandCopies`` (module docstring, Method); an entry that cannot be captured is timed per
     call as without one, on the original operands, and listed in ``eager_fallbacks``. Without:
-    CUDA events around each call on a GPU (launch included, as ``benchmarks/copy_table.py``
+    CUDA events around each call on a GPU (launch included, as ``python -m benchmarks.calibration copy-table``
     wants), the host's clock on a CPU. `l2_bytes` sizes the copies (``operand_copies``)."""
 
     def __init__(self, torch: Any, device: Any, target_s: float, *, capture: Capture | None = None,

@@ -20,10 +20,11 @@ The first run (2026-12-06) timed flash alone, then the only backend: 46-63% slow
 which is the profile's SDPA rate, cuDNN's on an H100.
 
 Run (GPU; from the repository root):
-    PYTHONPATH=. python3 benchmarks/cp_attention.py --out $OUT/cp_attention.json
+    PYTHONPATH=. python -m benchmarks.calibration cp-attention --out $OUT/cp_attention.json
 Smoke test on the CPU (small sequences, the CPU's flash kernels, the committed H100 profile's
 prices; no claim rests on its times):
-    PYTHONPATH=. python3 benchmarks/cp_attention.py --device cpu --small --out /tmp/cp_attention.json
+    PYTHONPATH=. python -m benchmarks.calibration cp-attention --device cpu --small --out /tmp/cp_attention.json
+(cp_attention_h100-2026-12-06*.json were made by the old `benchmarks/cp_attention.py` with the same flags.)
 """
 from __future__ import annotations
 
@@ -31,48 +32,40 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.calibration.gpu import add_device_flags, device_of, event_seconds
+from benchmarks.report import run_header
+from mplan.collectives import fused_attention
+from mplan.cost_models.cluster import ClusterSpec
+from mplan.cost_models.compute_cost import ComputeCostModel
+from mplan.ir.context_layout import head_tail, imbalance, num_visible_pairs
 
-from benchmarks.report import run_header, write_report  # noqa: E402
-from mplan.collectives import fused_attention  # noqa: E402
-from mplan.cost_models.cluster import ClusterSpec  # noqa: E402
-from mplan.cost_models.compute_cost import ComputeCostModel  # noqa: E402
-from mplan.ir.context_layout import head_tail, imbalance, num_visible_pairs  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 PROFILE = RESULTS / "profile_h100-2026-12-05.json"
 """The card's measured profile the prediction prices from (the H100's: the card the device lends most)."""
 
 
-def _timed(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> float:
-    """Median seconds of `fn` over `iters` runs after `warmup`."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            began = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - began)
-    return statistics.median(times)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_device_flags(parser)
+    parser.add_argument("--seqs", default=None, help="comma-separated sequence lengths (default 32768,65536,131072)")
+    parser.add_argument("--cps", default="2,4,8", help="comma-separated cp sizes")
+    parser.add_argument("--backends", default="cudnn,flash", help="CUDA backends to time, in turn (CUDA only)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=32, help="query heads (default: Llama-3 8B's 32)")
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--profile", default=str(PROFILE), help="the cluster profile JSON the prediction prices from")
 
 
 def rank_row(seq: int, cp: int, rank: int, args: argparse.Namespace, device: torch.device,
              compute: ComputeCostModel, backend: str) -> dict[str, Any]:
-    """One rank's row, timed on `backend` ("cpu" on the CPU; on CUDA the one `main` pinned)."""
+    """One rank's row, timed on `backend` ("cpu" on the CPU; on CUDA the one `run` pinned)."""
     layout = head_tail(seq, cp)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kernel = fused_attention.kernel_dtype(device, dtype, dtype, args.head_dim)
@@ -97,41 +90,23 @@ def rank_row(seq: int, cp: int, rank: int, args: argparse.Namespace, device: tor
     grad = torch.randn(shape, device=device, dtype=dtype, generator=generator)
     scale = args.head_dim ** -0.5
     out, lse = fused_attention.attend(q, k, v, calls, scale, kernel)
-    forward = _timed(lambda: fused_attention.attend(q, k, v, calls, scale, kernel), device, args.warmup, args.iters)
-    backward = _timed(lambda: fused_attention.attend_backward(q, k, v, calls, scale, grad, out, lse, kernel),
-                      device, args.warmup, args.iters)
+    forward = statistics.median(event_seconds(lambda: fused_attention.attend(q, k, v, calls, scale, kernel), device,
+                                               args.warmup, args.iters))
+    backward = statistics.median(event_seconds(
+        lambda: fused_attention.attend_backward(q, k, v, calls, scale, grad, out, lse, kernel), device, args.warmup,
+        args.iters))
     row["kernel_calls"] = len(calls)
     row["measured_ms"] = {"forward": forward * 1e3, "backward": backward * 1e3}
     row["prediction_error"] = {"forward": forward_s / forward - 1, "backward": backward_s / backward - 1}
     return row
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, help="where to write the JSON results")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--small", action="store_true", help="short sequences (the CPU smoke test)")
-    parser.add_argument("--seqs", default=None, help="comma-separated sequence lengths (default 32768,65536,131072)")
-    parser.add_argument("--cps", default="2,4,8", help="comma-separated cp sizes")
-    parser.add_argument("--backends", default="cudnn,flash", help="CUDA backends to time, in turn (CUDA only)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=32, help="query heads (default: Llama-3 8B's 32)")
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--profile", default=str(PROFILE), help="the cluster profile JSON the prediction prices from")
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = device_of(args, "cp-attention")
     if args.seqs is None:
         args.seqs = "256,512" if args.small else "32768,65536,131072"
     if args.small:
         args.heads, args.kv_heads, args.head_dim, args.iters, args.warmup = 4, 2, 16, 2, 1
-    return args
-
-
-def main() -> None:
-    args = parse_args()
-    device = torch.device(args.device)
     compute = ComputeCostModel(ClusterSpec.from_json(args.profile))
     rows = []
     for backend in args.backends.split(",") if device.type == "cuda" else ("cpu",):
@@ -149,14 +124,11 @@ def main() -> None:
               "dtype": "bfloat16" if device.type == "cuda" else "float32 (CPU smoke test)",
               "shape": {"batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim},
               "priced_from": os.path.basename(args.profile), "rows": rows}
-    write_report(args.out, report)
     for row in rows:
         measured = row.get("measured_ms")
-        print(f"{row['backend']} S={row['seq']} cp={row['cp']} rank {row['rank']}: pairs imbalance {row['pairs_imbalance']:.4f}; "
+        print(f"{row['backend']} S={row['seq']} cp={row['cp']} rank {row['rank']}: "
+              f"pairs imbalance {row['pairs_imbalance']:.4f}; "
               + (f"forward {measured['forward']:.2f} ms (predicted {row['predicted_ms']['forward']:.2f}), backward "
                  f"{measured['backward']:.2f} ms (predicted {row['predicted_ms']['backward']:.2f})"
                  if measured else row["skipped"]), file=sys.stderr)
-
-
-if __name__ == "__main__":
-    main()
+    return report

@@ -2,7 +2,7 @@
 
 Small micro-batches leave the GPU waiting on the host: an H100 step of a 1.7B Qwen-style config at
 micro-batch 1 measured 1015 ms against 493 ms predicted, 2.96x its micro-batch-8 step for the same
-tokens. This script checks the cost model's host term against a measurement, in three steps:
+tokens. This case checks the cost model's host term against a measurement, in three steps:
   1. `measure_device.measure_host` on this GPU: host seconds per ATen op, view, extra launch,
      backward node, Triton launch and AdamW tensor (streams of tiny ops, the device idle);
   2. a Qwen2-style Hugging Face config.json (transformers writes it; 0.5B shape, 8 x 1024 tokens a
@@ -14,12 +14,14 @@ tokens. This script checks the cost model's host term against a measurement, in 
 Per micro-batch it reports the measured step, both predictions and their errors (predicted /
 measured - 1), and the micro-batch-1 over micro-batch-8 ratio measured and predicted.
 `--apply PROFILE` writes the measured host figures into a profile file (its kernel tables kept),
-as copy_table.py --apply does for copies.
+as `copy-table --apply` does for copies.
 
 Run on the GPU (a few minutes, most of it capture and the first steps):
-    PYTHONPATH=. python3 benchmarks/host_overhead.py --out $OUT/host_overhead.json
+    PYTHONPATH=. python -m benchmarks.calibration host --out $OUT/host_overhead.json
 Smoke test on a CPU (tiny config, gloo, the cpu preset; nothing is judged):
-    PYTHONPATH=. python3 benchmarks/host_overhead.py --device cpu --small --out /tmp/host.json
+    PYTHONPATH=. python -m benchmarks.calibration host --device cpu --small --out /tmp/host.json
+The cluster file and config it benches sit beside --out, in <out stem>_work/. (host_overhead_h100-2026-12-05.json
+was made by the old `benchmarks/host_overhead.py` with the same flags, from hf_measure_gpu.sh.)
 """
 from __future__ import annotations
 
@@ -27,19 +29,21 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
 
-from mplan.cost_models.cluster import ClusterSpec  # noqa: E402
-from mplan.cost_models.measure_device import measure_host  # noqa: E402
-from mplan.cost_models.profile import ClusterProfile, DeviceProfile, HostTiming  # noqa: E402
+from benchmarks.calibration.gpu import add_device_flags, device_of
+from benchmarks.report import run_header
+from mplan.cost_models.cluster import ClusterSpec
+from mplan.cost_models.measure_device import measure_host
+from mplan.cost_models.profile import ClusterProfile, DeviceProfile, HostTiming
+
+ROOT = Path(__file__).resolve().parents[2]
 
 MICRO_BATCHES = (1, 2, 8)
 GLOBAL_BATCH = 8
@@ -77,7 +81,8 @@ def cluster_with(host: HostTiming, device_name: str) -> ClusterSpec:
     else:
         base = ClusterSpec.preset("dgx-h100", gpus_per_node=1)
     profile = base.profile or ClusterProfile(note="host figures only (issue 30)")
-    device = profile.device or DeviceProfile(name=device_name, torch_version=host.source, measured_on=time.strftime("%Y-%m-%d"))
+    device = profile.device or DeviceProfile(name=device_name, torch_version=host.source,
+                                             measured_on=time.strftime("%Y-%m-%d"))
     return base.with_profile(dataclasses.replace(profile, device=dataclasses.replace(device, host=host)))
 
 
@@ -139,20 +144,18 @@ def compare(rows: dict[str, Any], free: list[float | None]) -> dict[str, Any]:
     return {"rows": table, "ratios": ratios}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="where to write the JSON results")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the smoke test")
-    parser.add_argument("--small", action="store_true", help="a tiny config (the smoke test)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_device_flags(parser)
     parser.add_argument("--timeout-s", type=float, default=420.0, help="for the measured bench")
     parser.add_argument("--apply", default=None, help="also write the measured host figures into this profile file")
-    args = parser.parse_args()
 
-    import torch
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The host figures, the measured bench and both predictions; a report without measured rows says why
+    in `bench` (its return code and stderr)."""
     import transformers
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("host_overhead: no CUDA device here; use --device cpu for the smoke test")
+    device = device_of(args, "host")
     out = Path(args.out)
     work = out.parent / (out.stem + "_work")
     work.mkdir(parents=True, exist_ok=True)
@@ -168,24 +171,19 @@ def main() -> int:
     measured = bench_measured(config, cluster_path, seq, work / "rows.json", args.timeout_s)
     free = predicted_free(config, cluster_with(free_host(host), device_name), seq)
     report = {
-        "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "device": device_name, "config": sizes, "seq_len": seq,
-        "global_batch": GLOBAL_BATCH, "host": dataclasses.asdict(host),
+        **run_header(device), "transformers": transformers.__version__, "device": device_name, "config": sizes,
+        "seq_len": seq, "global_batch": GLOBAL_BATCH, "host": dataclasses.asdict(host),
         "method": "host figures by measure_device.measure_host; step times by `mplan bench --measure` under "
                   "torchrun (one rank) on a cluster file carrying them; the free-host prediction is the same "
                   "plan with every host figure 0; errors are predicted / measured - 1",
         "bench": measured, "comparison": compare(measured.get("rows", {}), free)}
-    out.write_text(json.dumps(report, indent=1))
     print(json.dumps(report["comparison"], indent=1))
+    if not measured.get("rows"):
+        print("host: the measured bench wrote no rows (see the report's bench)", file=sys.stderr)
     if args.apply:
         profile = ClusterProfile.from_json(args.apply)
         if profile.device is None:
-            raise SystemExit(f"host_overhead: {args.apply} has no device tables to add host figures to")
+            raise SystemExit(f"host: {args.apply} has no device tables to add host figures to")
         dataclasses.replace(profile, device=dataclasses.replace(profile.device, host=host)).to_json(args.apply)
         print(f"wrote the host figures into {args.apply}")
-    print(f"wrote {out}")
-    return 0 if measured.get("rows") else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return report

@@ -3,7 +3,7 @@
 mplan's pipeline executor runs a stage's backward whole (`B`, `split_backward.backward_full`) or
 split (`I` = `backward_input`, then `W` = its `WeightGradients.run()`), and the planner prices
 ZB-H1 assuming that I + W costs what B costs and that W's share of B is the units'
-`weight_backward_s / backward_s` (planner/unit_costs.py). This script measures both assumptions.
+`weight_backward_s / backward_s` (planner/unit_costs.py). This case measures both assumptions.
 
 A stage is every decoder block of a 4-layer model (Llama: hidden 2048, 16 heads, 8 key/value
 heads, SwiGLU 5632; GPT: hidden 2048, 16 heads, MLP 8192), bf16, run as the executor runs a
@@ -48,20 +48,20 @@ and its W share; the correctness figures; with the GPU name, torch and Triton ve
 Run on the GPU (from the repository root; estimated at 2-3 minutes before its first run, most
 of it CUDA start-up, the models' CPU-side initialization and the profiler's passes; no shape is
 started after --budget-s, so the report is written within the device tool's 600 s):
-    PYTHONPATH=. python3 benchmarks/split_backward_time.py -o $OUT/split_backward.json
+    PYTHONPATH=. python -m benchmarks.calibration split-backward --out $OUT/split_backward.json
 Smoke test of the same code paths on a CPU (float32, a 2-layer Llama and GPT of hidden 64, no
 CUDA events or profiler; a few seconds):
-    PYTHONPATH=. python3 benchmarks/split_backward_time.py --smoke -o /tmp/split_backward.json
+    PYTHONPATH=. python -m benchmarks.calibration split-backward --device cpu --out /tmp/split_backward.json
+(split_backward_h200-2026-12-02.json was made by the old `benchmarks/split_backward_time.py -o FILE`; its
+smoke flag `--smoke` is now `--device cpu`. The report is written after each shape, so a run cut short
+keeps the shapes it finished, without the harness's `harness` and `command` keys until the end.)
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
-import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -70,18 +70,16 @@ from typing import Any
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.calibration.gpu import add_device_flags, device_of
+from benchmarks.e2e import start_timer
+from benchmarks.gpu_time import interleaved_kernel_ms
+from benchmarks.report import Clock, run_header, write_report
+from mplan.cost_models.cluster import ClusterSpec
+from mplan.models import build_model, resolve_model
+from mplan.planner.planning import capture_for_planning
+from mplan.planner.search import Planner
+from mplan.runtime.split_backward import WeightGradients, backward_full, backward_input
 
-from benchmarks.e2e import start_timer  # noqa: E402
-from benchmarks.gpu_time import interleaved_kernel_ms  # noqa: E402
-from benchmarks.report import Clock, run_header, write_report  # noqa: E402
-from mplan.cost_models.cluster import ClusterSpec  # noqa: E402
-from mplan.models import build_model, resolve_model  # noqa: E402
-from mplan.planner.planning import capture_for_planning  # noqa: E402
-from mplan.planner.search import Planner  # noqa: E402
-from mplan.runtime.split_backward import WeightGradients, backward_full, backward_input  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 2**20
 CLUSTER = "h200"
 """--cluster's default, the preset the W share is predicted on (mplan/cost_models/presets.py: one
@@ -395,39 +393,28 @@ def table(shapes: Mapping[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-o", "--out", default=None,
-                        help="JSON report path (default benchmarks/results/split_backward-<date>.json, "
-                             "or split_backward_cpu_smoke-<date>.json with --smoke)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_device_flags(parser, small=False)
     parser.add_argument("--cluster", default=CLUSTER,
                         help="the cluster preset the planner's W share is predicted on (default: %(default)s)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="the same code paths on the CPU in float32 at tiny sizes, in a few seconds")
     parser.add_argument("--rounds", type=int, default=None, help="wall-clock samples per phase (default 9; smoke 3)")
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="start no further shape after this many seconds, so that the report is written "
                              "within the device tool's 600 s per command; the report names what it skipped")
-    return parser.parse_args()
 
 
-def main() -> None:
-    args = parse_args()
+def run(args: argparse.Namespace) -> dict[str, Any]:
     clock = Clock()
-    if not args.smoke and not torch.cuda.is_available():
-        raise SystemExit("split_backward_time.py measures a GPU; no CUDA device here (use --smoke on a CPU)")
-    settings = SMOKE if args.smoke else FULL
-    if args.smoke:
+    smoke = device_of(args, "split-backward").type == "cpu"
+    settings = SMOKE if smoke else FULL
+    if smoke:
         # tiny tensors gain nothing from threads, and on a busy 2-core runner OpenMP's threads
         # wait on each other: the smoke run took minutes instead of seconds
         torch.set_num_threads(1)
     if args.rounds:
         settings = dataclasses.replace(settings, rounds=args.rounds)
-    date = datetime.date.today().isoformat()
-    out = args.out or os.path.join(ROOT, "benchmarks", "results",
-                                   f"split_backward{'_cpu_smoke' if args.smoke else ''}-{date}.json")
     report: dict[str, Any] = {
-        **run_header(settings.device), "smoke": args.smoke, "dtype": str(settings.dtype).removeprefix("torch."),
+        **run_header(settings.device), "smoke": smoke, "dtype": str(settings.dtype).removeprefix("torch."),
         "planner_cluster": args.cluster,
         "kernel_clock": "cuda profiler kernel time (benchmarks/gpu_time.py)" if settings.device.type == "cuda"
         else "perf_counter wall time (CPU smoke run: no CUDA kernels to profile)",
@@ -450,12 +437,11 @@ def main() -> None:
                 planner = Planner(capture_for_planning(spec), ClusterSpec.preset(args.cluster))
                 model = build_model(spec, device=settings.device, dtype=settings.dtype)
             report["shapes"][key] = measure_shape(model, spec, micro_batch, planner, settings, clock)
-            write_report(out, report)  # a run cut short by the time limit keeps the shapes it finished
+            write_report(args.out, report)  # a run cut short by the time limit keeps the shapes it finished
         del model
         gc.collect()
         if settings.device.type == "cuda":
             torch.cuda.empty_cache()
-    write_report(out, report)
     print(f"{report['gpu']}, torch {report['torch']}, triton {report['triton']}, {report['date']}, {report['dtype']}")
     print(table(report["shapes"]))
     failed = [f"{key}: {method} {check['max_rel_error']:.2e} > {row['correctness']['tolerance']}"
@@ -464,8 +450,5 @@ def main() -> None:
     print("gradients: " + ("; ".join(failed) if failed else "every split equals the whole backward"))
     for line in report["skipped"]:
         print(f"skipped: {line}")
-    clock.log(f"wrote {out}")
+    return report
 
-
-if __name__ == "__main__":
-    main()

@@ -13,20 +13,22 @@ events around ONE copy, so a launch's fixed cost (about 7 us) sits in every entr
     kernel       the profiler's device time of the copy kernel itself (gpu_time.kernel_ms)
 and, under "profile_copy", the batched table in the profile's format. `--apply RESULT --profile
 PROFILE` writes a result's batched table into a profile file as its copy table and says so in its
-note (the kernel tables stay).
+note (the kernel tables stay); its report says what it wrote where.
 
 The packaged h200 profile keeps its one-copy table. Applied to a copy of it (2026-12-03), the
 batched table of benchmarks/results/copy_table_h200-2026-12-02-session6.json brings the fused
 kernels' prices (tests/test_held_out.py, 30 timings) from +0..+25% (RMS 9.4%) to -2.7..+10.6% (RMS
-3.8%), but the unfused eager steps of benchmarks/results/h200_step-2026-11-29.json (step_calibration.py check)
-from -2.5..-7.4% to -3.4..-10.3%: an eager step's hundreds of small ATen ops pay a launch each,
-which the one-copy timings happen to include. Switching needs a per-launch cost in the compute
-model first, so that neither regime is priced by the other's error.
+3.8%), but the unfused eager steps of benchmarks/results/h200_step-2026-11-29.json (`python -m
+benchmarks.calibration steps-check`) from -2.5..-7.4% to -3.4..-10.3%: an eager step's hundreds of
+small ATen ops pay a launch each, which the one-copy timings happen to include. Switching needs a
+per-launch cost in the compute model first, so that neither regime is priced by the other's error.
 
-Run on the GPU:   PYTHONPATH=. python3 benchmarks/copy_table.py --out $OUT/copy_table.json
-CPU smoke test:   PYTHONPATH=. python3 benchmarks/copy_table.py --device cpu --out /tmp/copy.json
-Into the profile: PYTHONPATH=. python3 benchmarks/copy_table.py --apply RESULT.json \
-                      --profile mplan/cost_models/profiles/h200.json
+Run on the GPU:   PYTHONPATH=. python -m benchmarks.calibration copy-table --out $OUT/copy_table.json
+CPU smoke test:   PYTHONPATH=. python -m benchmarks.calibration copy-table --device cpu --out /tmp/copy.json
+Into the profile: PYTHONPATH=. python -m benchmarks.calibration copy-table --apply RESULT.json \
+                      --profile mplan/cost_models/profiles/h200.json --out /tmp/applied.json
+(copy_table_h200-2026-12-02-session6.json was made by the old `benchmarks/copy_table.py` with the
+same flags.)
 """
 from __future__ import annotations
 
@@ -35,15 +37,24 @@ import json
 import platform
 import statistics
 from dataclasses import replace
-from datetime import date
 from typing import Any
 
 import torch
 
+from benchmarks.calibration.gpu import add_device_flags, device_of
+from benchmarks.report import run_header
 from mplan.cost_models.measure_device import MedianTimer, ProfileGrid, batched_seconds
 from mplan.cost_models.profile import ClusterProfile, CopyTiming
 
 SMALL_SIZES = (1 << 12, 1 << 16, 1 << 20)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_device_flags(parser, small=False)
+    parser.add_argument("--apply", metavar="RESULT", help="write RESULT's batched copy table into --profile")
+    parser.add_argument("--profile", help="the profile file --apply rewrites")
+    parser.add_argument("--batch", type=int, default=50, help="copies between the events of one batched sample")
+    parser.add_argument("--rounds", type=int, default=5, help="batched samples per size (the median is kept)")
 
 
 def measure(nbytes: int, device: torch.device, batch: int, rounds: int) -> dict[str, Any]:
@@ -70,7 +81,7 @@ def measure(nbytes: int, device: torch.device, batch: int, rounds: int) -> dict[
     return row
 
 
-def apply(result_path: str, profile_path: str) -> None:
+def apply(result_path: str, profile_path: str) -> dict[str, Any]:
     """Replace the profile's copy table with the result's batched one; the note names the result."""
     with open(result_path, encoding="utf-8") as f:
         result = json.load(f)
@@ -87,41 +98,23 @@ def apply(result_path: str, profile_path: str) -> None:
     ClusterProfile(version=profile.version, note=note, device=replace(profile.device, copy=rows),
                    links=profile.links).to_json(profile_path)
     print(f"wrote {len(rows)} copy rows into {profile_path}")
+    return {"applied": result_path, "profile": profile_path, "copy_rows": len(rows), "note": note}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out")
-    parser.add_argument("--apply", metavar="RESULT", help="write RESULT's batched copy table into --profile")
-    parser.add_argument("--profile", help="the profile file --apply rewrites")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--batch", type=int, default=50, help="copies between the events of one batched sample")
-    parser.add_argument("--rounds", type=int, default=5, help="batched samples per size (the median is kept)")
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.apply or args.profile:
         if not (args.apply and args.profile):
-            parser.error("--apply and --profile go together")
-        apply(args.apply, args.profile)
-        return
-    if not args.out:
-        parser.error("--out is required to measure")
-    device = torch.device(args.device)
+            raise SystemExit("copy-table: --apply and --profile go together")
+        return apply(args.apply, args.profile)
+    device = device_of(args, "copy-table")
     sizes = ProfileGrid.transformer(quick=False, on_gpu=True).copy_bytes if device.type == "cuda" else SMALL_SIZES
     rows = [measure(n, device, args.batch, args.rounds) for n in sizes]
-    doc = {
-        "date": date.today().isoformat(), "script": "benchmarks/copy_table.py",
+    return {
+        **run_header(device), "script": "benchmarks.calibration copy-table",
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
         "method": f"per size: one_copy = median of 20 CUDA-event samples around one copy; batched = median of "
                   f"{args.rounds} samples of events around {args.batch} back-to-back copies / {args.batch}; "
                   f"kernel = profiler device time of the copy kernel, mean of {args.batch}",
         "copies": rows,
         "profile_copy": [{"bytes_moved": r["bytes_moved"], "seconds": r["batched_s"]} for r in rows],
     }
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 
 `mplan bench CONFIG --measure` on Hugging Face Llama (TinyLlama-1.1B shape, batch 8 x 2048)
 measured a peak 6.6% above the prediction for mplan's runtime (hf_bench_h200-2026-12-02.json):
-about one model's gradients. This script finds what the difference is. It trains the model under
+about one model's gradients. This case finds what the difference is. It trains the model under
 `mplan.autoparallel(plan="dp=1,tp=1,pp=1")` (fused kernels, fused AdamW, clipping), records the
 CUDA allocator's history over one step after warm-up, replays the allocations to find the moment
 of the peak, and groups the blocks alive then by the innermost frame of mplan, transformers or
@@ -11,9 +11,11 @@ boundaries (before forward, after forward, after backward, after the optimizer) 
 predicted breakdown (params, grads, optimizer, activations, transient).
 
 Run on the GPU:
-    PYTHONPATH=. python3 benchmarks/memory_timeline.py --out $OUT/memory_timeline.json
+    PYTHONPATH=. python -m benchmarks.calibration memory-timeline --out $OUT/memory_timeline.json
 CPU smoke test (tiny model, no allocator history):
-    PYTHONPATH=. python3 benchmarks/memory_timeline.py --device cpu --small --out /tmp/mt.json
+    PYTHONPATH=. python -m benchmarks.calibration memory-timeline --device cpu --small --out /tmp/mt.json
+(memory_timeline_h200-2026-12-02*.json were made by the old `benchmarks/memory_timeline.py` with the
+same flags.)
 """
 from __future__ import annotations
 
@@ -23,12 +25,16 @@ import importlib.metadata
 import json
 from collections import defaultdict
 from dataclasses import asdict
-from datetime import date
 from typing import Any
 
 import torch
 
-GIB = 2**30
+from benchmarks.calibration.gpu import GiB, add_device_flags, device_of
+from benchmarks.report import run_header
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_device_flags(parser)
 
 
 def build(small: bool, device: torch.device) -> tuple[torch.nn.Module, int, int, int]:
@@ -76,17 +82,12 @@ def live_at_peak(snapshot: dict[str, Any]) -> dict[str, Any]:
     for size, frame in peak_blocks.values():
         groups[frame] += size
     top = sorted(groups.items(), key=lambda kv: -kv[1])[:40]
-    return {"peak_above_start_gib": peak / GIB,
-            "by_frame_gib": {k: v / GIB for k, v in top}}
+    return {"peak_above_start_gib": peak / GiB,
+            "by_frame_gib": {k: v / GiB for k, v in top}}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--small", action="store_true")
-    args = p.parse_args()
-    device = torch.device(args.device)
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = device_of(args, "memory-timeline")
     import mplan
 
     model, batch, seq, vocab = build(args.small, device)
@@ -96,9 +97,8 @@ def main() -> None:
                             kernels=cuda, optimizer=functools.partial(torch.optim.AdamW, lr=1e-4, fused=cuda),
                             max_grad_norm=1.0, dtype=model.dtype, device=device)
     del model
-    doc: dict[str, Any] = {"date": date.today().isoformat(), "script": "benchmarks/memory_timeline.py",
-                           "torch": torch.__version__, "transformers": importlib.metadata.version("transformers"),
-                           "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+    doc: dict[str, Any] = {**run_header(device), "script": "benchmarks.calibration memory-timeline",
+                           "transformers": importlib.metadata.version("transformers"),
                            "plan": pm.plan.spec(), "micro_batch_size": pm.plan.micro_batch_size,
                            "predicted_gib": [asdict(m) for m in pm.plan.predicted.memory_by_stage],
                            "fused": str(pm.program.meta.get("fuse_kernels"))}
@@ -106,26 +106,22 @@ def main() -> None:
         pm.train_step(ids, ids)
     if cuda:
         torch.cuda.synchronize()
-        phases: dict[str, float] = {"before_step": torch.cuda.memory_allocated() / GIB}
+        phases: dict[str, float] = {"before_step": torch.cuda.memory_allocated() / GiB}
         params = sum(t.numel() * t.element_size() for t in pm.params.values())
         opt = sum(v.numel() * v.element_size() for s in pm.optimizer.optimizer.state.values()
                   for v in s.values() if torch.is_tensor(v))
-        doc["held_gib"] = {"params": params / GIB, "optimizer_state": opt / GIB}
+        doc["held_gib"] = {"params": params / GiB, "optimizer_state": opt / GiB}
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.memory._record_memory_history(max_entries=2_000_000)
         pm.train_step(ids, ids)
         torch.cuda.synchronize()
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
-        phases["peak_step"] = torch.cuda.max_memory_allocated() / GIB
-        phases["after_step"] = torch.cuda.memory_allocated() / GIB
+        phases["peak_step"] = torch.cuda.max_memory_allocated() / GiB
+        phases["after_step"] = torch.cuda.memory_allocated() / GiB
         doc["phases_gib"] = phases
         doc["at_peak"] = live_at_peak(snapshot)
         doc["at_peak"]["peak_including_held_gib"] = phases["before_step"] + doc["at_peak"]["peak_above_start_gib"]
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-    print(json.dumps(doc, indent=1, default=str)[:6000])
-
-
-if __name__ == "__main__":
-    main()
+    doc = json.loads(json.dumps(doc, default=str))  # the plan's fields as the old script wrote them (str)
+    print(json.dumps(doc, indent=1)[:6000])
+    return doc

@@ -1,25 +1,26 @@
-"""Measure the activations one transformer block keeps for backward, to check the IR's saved bytes.
+"""The activations one transformer block keeps for backward, measured, against the IR's saved bytes.
 
 For each model, a bf16 copy with 2 and with 4 layers runs one forward pass (with the loss) on the
 device; the allocated bytes still held after forward, minus those before it, are the activations
 kept for backward; the per-layer figure is the difference between the two depths divided by two
 (the embedding, head and loss cancel out). The IR's count for the same block is computed by the
-same script (capture on the meta device), so the comparison needs one run on the GPU:
+same case (capture on the meta device), so the comparison needs one run on the GPU:
 
-    PYTHONPATH=. python3 benchmarks/activation_probe.py --out $OUT/activation_probe.json
+    PYTHONPATH=. python -m benchmarks.calibration activation-probe --out $OUT/activation_probe.json
 
-On a CPU machine it measures nothing and only prints the IR's figures (`--device cpu` is refused:
-CPU allocations are not counted by torch).
+On a CPU machine it measures nothing and only reports the IR's figures (CPU allocations are not
+counted by torch). (activation_probe_h*-*.json were made by the old `benchmarks/activation_probe.py`
+with the same flags; its `gpu` was null on a CPU, now "cpu (smoke test)".)
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import time
+from typing import Any
 
 import torch
 
+from benchmarks.report import run_header
 from mplan.ir.trace import capture
 from mplan.models import GPTConfig, LlamaConfig, build_model, example_inputs
 
@@ -33,7 +34,11 @@ MODELS = [
 ]
 
 
-def kept_after_forward(config, batch: int) -> int:  # noqa: ANN001
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """No flags: the GPU is measured where there is one."""
+
+
+def kept_after_forward(config: Any, batch: int) -> int:
     model = build_model(config, device="cuda", dtype=torch.bfloat16, seed=0)
     ids, labels = example_inputs(model, batch, config.seq_len, device="cuda")
     torch.cuda.synchronize()
@@ -46,17 +51,14 @@ def kept_after_forward(config, batch: int) -> int:  # noqa: ANN001
     return kept
 
 
-def predicted_block_bytes(config, batch: int) -> int:  # noqa: ANN001
+def predicted_block_bytes(config: Any, batch: int) -> int:
     model = build_model(config, device="meta")
     ids, labels = example_inputs(model, batch, config.seq_len, device="meta")
     graph = capture(model, (ids,), labels=labels, dtype=torch.bfloat16)
     return graph.block_types[0].saved_bytes
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for name, config, batch in MODELS:
         row = {"name": name, "batch": batch, "predicted_block_mib": predicted_block_bytes(config, batch) / 2**20}
@@ -67,12 +69,4 @@ def main() -> None:
             row["error"] = row["predicted_block_mib"] / row["measured_block_mib"] - 1
         rows.append(row)
         print(row, flush=True)
-    if args.out:
-        doc = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "rows": rows}
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+    return {**run_header(torch.device("cuda" if torch.cuda.is_available() else "cpu")), "rows": rows}
