@@ -11,7 +11,9 @@ than their peers, does the price of a committed run still hold, ...). Its `__mai
 
 and a docstring that says what it measures, how, and the command that made its cited results.
 The harness writes the report where `--out` says and records the command that made it, so a
-result names the harness and case that wrote it whatever the file is called:
+result names the harness and case that wrote it whatever the file is called; a case that refuses
+its input (ValueError, OSError: a missing or malformed file, a bad value) ends in one line naming
+the cause and exit status 2, writing nothing:
 
     PYTHONPATH=. python -m benchmarks.<question> <case> --out FILE [flags]
     PYTHONPATH=. python -m benchmarks.<question> <case> -h
@@ -42,7 +44,11 @@ def main(question: str, doc: str, cases: dict[str, ModuleType], argv: list[str] 
         module.add_arguments(case_parser)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    report: dict[str, Any] | None = cases[args.case].run(args)
+    try:
+        report: dict[str, Any] | None = cases[args.case].run(args)
+    except (ValueError, OSError) as bad:  # a missing or malformed input file, a bad flag value: one line
+        print(f"{parser.prog} {args.case}: {bad}", file=sys.stderr)
+        return 2
     if report is not None:
         write_report(args.out, {"harness": f"benchmarks.{question} {args.case}", "command": argv, **report})
     return 0

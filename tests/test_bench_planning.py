@@ -36,3 +36,11 @@ def test_an_unknown_case_or_a_missing_out_is_refused_naming_the_cause() -> None:
     assert unknown.returncode == 2 and "invalid choice: 'no-such-case'" in unknown.stderr
     missing = _harness("context")
     assert missing.returncode == 2 and "--out" in missing.stderr
+
+
+def test_a_missing_input_file_is_one_line_naming_it_and_nothing_is_written(tmp_path: Path) -> None:
+    out = tmp_path / "never.json"
+    done = _harness("dynamic-cp", "--profile", str(tmp_path / "no-such-profile.json"), "-o", str(out))
+    assert done.returncode == 2 and not out.exists()
+    (line,) = [line for line in done.stderr.splitlines() if line and not line.startswith("USDT")]
+    assert line.startswith("python -m benchmarks.planning dynamic-cp: ") and "no-such-profile.json" in line, line
