@@ -39,8 +39,9 @@ def test_a_committed_file_without_a_field_a_case_reads_is_one_error_naming_both(
         Committed(path).at("models", "gpt-1.3b", "systems", "mplan")
     with pytest.raises(ResultError, match="cannot be read"):
         Committed(tmp_path / "absent.json")
-    run = _command(tmp_path, "e2e", str(path))  # refused before any capture
-    assert run.returncode != 0 and "ResultError: e2e.json: no ['models']['gpt-1.3b']['systems']['mplan']" in run.stderr
+    run = _command(tmp_path, "e2e", str(path))  # refused before any capture, in one line
+    refusal = "python -m benchmarks.reprice e2e: e2e.json: no ['models']['gpt-1.3b']['systems']['mplan']"
+    assert run.returncode == 2 and refusal in run.stderr and "Traceback" not in run.stderr
 
 
 def test_adamw_share_derives_its_committed_result(tmp_path: Path) -> None:
