@@ -28,6 +28,14 @@ from typing import Any
 from benchmarks.report import write_report
 
 
+def add_device_flags(parser: argparse.ArgumentParser, small: bool = True) -> None:
+    """The flags of a case that runs on a GPU: `--device` (cpu: its smoke mode) and, where the case
+    has tiny shapes, `--small`."""
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the smoke mode")
+    if small:
+        parser.add_argument("--small", action="store_true", help="tiny shapes (with --device cpu: the smoke mode)")
+
+
 def _summary(module: ModuleType) -> str:
     return (module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else ""
 

@@ -4,6 +4,7 @@
     triton_version()             Triton's version for the report, or None where it is not installed
     run_header(device)           a report's first keys: date, GPU (or the CPU smoke test), versions
     machine_header()             the same for a CPU run that is not a smoke test: the machine and the commit
+    package_versions(*names)     {name: installed version or None}, for the packages a run times or loads
     Clock()                      seconds since the script began: time-stamped log lines and budgets
 
 Run as a script, it checks the docs' figures against these reports (benchmarks/claims.py):
@@ -13,6 +14,7 @@ Run as a script, it checks the docs' figures against these reports (benchmarks/c
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -43,6 +45,18 @@ def run_header(device: torch.device) -> dict[str, Any]:
     return {"date": datetime.date.today().isoformat(),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke test)",
             "torch": torch.__version__, "python": platform.python_version(), "triton": triton_version()}
+
+
+def package_versions(*names: str) -> dict[str, str | None]:
+    """Each installed distribution's version (None where it is not installed): the peers a run
+    times (liger-kernel) or the models it loads (transformers)."""
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {name: version(name) for name in names}
 
 
 def machine_header() -> dict[str, Any]:

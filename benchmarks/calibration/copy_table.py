@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.calibration.gpu import add_device_flags, device_of
+from benchmarks import harness
+from benchmarks.calibration.gpu import device_of
 from benchmarks.report import run_header
 from mplan.cost_models.measure_device import MedianTimer, ProfileGrid, batched_seconds
 from mplan.cost_models.profile import ClusterProfile, CopyTiming
@@ -50,7 +51,7 @@ SMALL_SIZES = (1 << 12, 1 << 16, 1 << 20)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_device_flags(parser, small=False)
+    harness.add_device_flags(parser, small=False)
     parser.add_argument("--apply", metavar="RESULT", help="write RESULT's batched copy table into --profile")
     parser.add_argument("--profile", help="the profile file --apply rewrites")
     parser.add_argument("--batch", type=int, default=50, help="copies between the events of one batched sample")

@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.calibration.gpu import add_device_flags, device_of, event_seconds
+from benchmarks import harness
+from benchmarks.calibration.gpu import device_of, event_seconds
 from benchmarks.report import run_header
 from mplan.collectives import fused_attention
 from mplan.cost_models.cluster import ClusterSpec
@@ -50,7 +51,7 @@ PROFILE = RESULTS / "profile_h100-2026-12-05.json"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_device_flags(parser)
+    harness.add_device_flags(parser)
     parser.add_argument("--seqs", default=None, help="comma-separated sequence lengths (default 32768,65536,131072)")
     parser.add_argument("--cps", default="2,4,8", help="comma-separated cp sizes")
     parser.add_argument("--backends", default="cudnn,flash", help="CUDA backends to time, in turn (CUDA only)")

@@ -1,6 +1,5 @@
-"""What the cases that measure one GPU share: the device flags and the CUDA-event timer.
+"""What the cases that measure one GPU share beyond the device flags (`harness.add_device_flags`):
 
-    add_device_flags(parser)   --device {cuda,cpu} (cpu: the smoke test) and, where the case has one, --small
     device_of(args, case)      the device, refused where CUDA is asked for and missing
     event_seconds(fn, ...)     seconds of each call after warm-up: CUDA events around the call alone on a GPU,
                                perf_counter on the CPU
@@ -14,12 +13,6 @@ from typing import Any, Callable
 import torch
 
 GiB = 2**30
-
-
-def add_device_flags(parser: argparse.ArgumentParser, small: bool = True) -> None:
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the smoke test")
-    if small:
-        parser.add_argument("--small", action="store_true", help="tiny shapes (the smoke test)")
 
 
 def device_of(args: argparse.Namespace, case: str) -> torch.device:

@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.calibration.gpu import add_device_flags, device_of
+from benchmarks import harness
+from benchmarks.calibration.gpu import device_of
 from benchmarks.report import run_header
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.cost_models.measure_device import measure_host
@@ -145,7 +146,7 @@ def compare(rows: dict[str, Any], free: list[float | None]) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_device_flags(parser)
+    harness.add_device_flags(parser)
     parser.add_argument("--timeout-s", type=float, default=420.0, help="for the measured bench")
     parser.add_argument("--apply", default=None, help="also write the measured host figures into this profile file")
 

@@ -29,12 +29,13 @@ from typing import Any
 
 import torch
 
-from benchmarks.calibration.gpu import GiB, add_device_flags, device_of
+from benchmarks import harness
+from benchmarks.calibration.gpu import GiB, device_of
 from benchmarks.report import run_header
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_device_flags(parser)
+    harness.add_device_flags(parser)
 
 
 def build(small: bool, device: torch.device) -> tuple[torch.nn.Module, int, int, int]:

@@ -70,7 +70,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.calibration.gpu import add_device_flags, device_of
+from benchmarks import harness
+from benchmarks.calibration.gpu import device_of
 from benchmarks.e2e import start_timer
 from benchmarks.gpu_time import interleaved_kernel_ms
 from benchmarks.report import Clock, run_header, write_report
@@ -394,7 +395,7 @@ def table(shapes: Mapping[str, dict[str, Any]]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_device_flags(parser, small=False)
+    harness.add_device_flags(parser, small=False)
     parser.add_argument("--cluster", default=CLUSTER,
                         help="the cluster preset the planner's W share is predicted on (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=None, help="wall-clock samples per phase (default 9; smoke 3)")

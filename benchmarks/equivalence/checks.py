@@ -2,7 +2,6 @@
 world size, one row per check with the worst rank's errors, and the versions beside them."""
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -12,7 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from distributed import run_checks, run_ranks  # noqa: E402,F401 (run_ranks: for zoo)
 
-from benchmarks.report import machine_header  # noqa: E402
+from benchmarks.report import machine_header, package_versions  # noqa: E402
 
 Check = Callable[[], dict[str, Any]]
 STEPS = 5
@@ -21,7 +20,7 @@ STEPS = 5
 
 def header() -> dict[str, Any]:
     """The machine, torch, transformers (the tables' outside models) and the commit."""
-    return {**machine_header(), "transformers": importlib.import_module("transformers").__version__}
+    return {**machine_header(), **package_versions("transformers")}
 
 
 def check_rows(groups: Sequence[tuple[int, Sequence[Check]]],

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.metadata
 import statistics
 import time
 import traceback
@@ -35,27 +34,16 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_time import copy_tbps, interleaved_kernel_ms, kernel_table
-from benchmarks.report import Clock, run_header, write_report
+from benchmarks.report import Clock, package_versions, run_header, write_report
 
 MB = 2**20
 Fn = Callable[..., Any]
 Clocks = tuple[str, ...]
 
 
-def add_device_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the smoke mode")
-    parser.add_argument("--small", action="store_true", help="tiny shapes (with --device cpu: the smoke mode)")
-
-
 def header(device: torch.device, *packages: str) -> dict[str, Any]:
     """`report.run_header` and the versions of `packages` (None where not installed)."""
-    def version(package: str) -> str | None:
-        try:
-            return importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {**run_header(device), **{package: version(package) for package in packages}}
+    return {**run_header(device), **package_versions(*packages)}
 
 
 def save_partial(args: argparse.Namespace, report: dict[str, Any]) -> None:

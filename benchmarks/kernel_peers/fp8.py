@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks import harness
 from benchmarks.gpu_time import kernel_ms
 from benchmarks.kernel_peers import engine
 from benchmarks.report import Clock
@@ -94,7 +95,7 @@ def time_linears(linears: dict[str, tuple[int, int]], tokens: int, device: torch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    engine.add_device_flags(parser)
+    harness.add_device_flags(parser)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 import mplan.kernels as mk
+from benchmarks import harness
 from benchmarks.kernel_peers import engine
 from benchmarks.report import Clock
 from mplan.fusion import fused_op_bytes
@@ -218,7 +219,7 @@ def _jit_name(kernel: Any) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    engine.add_device_flags(parser)
+    harness.add_device_flags(parser)
     parser.add_argument("--cases", default=",".join(k.name for k in KERNELS), help="comma-separated kernels to run")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the references")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S,

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks import harness
 from benchmarks.kernel_peers import engine
 
 GEMMA_2B = {"qkv": (2048, 2560, 2048), "o": (2048, 2048, 2048), "gate_up": (2048, 32768, 2048),
@@ -83,7 +84,7 @@ def _gemm_ms(step: Any, iters: int, warm_s: float, device: torch.device) -> tupl
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    engine.add_device_flags(parser)
+    harness.add_device_flags(parser)
     parser.add_argument("--shapes", default=None, help="comma-separated, of " + ",".join(GEMMA_2B) + " (default: all)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warm-s", type=float, default=2.0)

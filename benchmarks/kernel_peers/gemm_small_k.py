@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import harness
 from benchmarks.kernel_peers import engine
 
 SHAPES = [(128, 2048, 2048, 64), (128, 2048, 2048, 96), (128, 2048, 2048, 128), (64, 2048, 2048, 256),
@@ -27,7 +28,7 @@ SMALL_SHAPES = [(4, 32, 32, 8), (2, 32, 8, 32), (1, 64, 16, 16)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    engine.add_device_flags(parser)
+    harness.add_device_flags(parser)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks import harness
 from benchmarks.kernel_peers import engine
 from benchmarks.report import Clock
 
@@ -112,7 +113,7 @@ def measure(name: str, shape: tuple[int, int, int], rows: list[int], device: tor
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    engine.add_device_flags(parser)
+    harness.add_device_flags(parser)
     parser.add_argument("--rows", default="256,512,1024,2048,4096,8192", help=f"chunk rows ({SMALL_ROWS} with --small)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=5)

@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 import mplan.kernels as mk
+from benchmarks import harness
 from benchmarks.hf_models import HFModel, _families
 from benchmarks.kernel_peers import engine
 from benchmarks.kernel_peers.head_loss import liger_chunk_rows
@@ -261,7 +262,7 @@ def _round(value: float | None, digits: int = 4) -> float | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    engine.add_device_flags(parser)
+    harness.add_device_flags(parser)
     parser.add_argument("--models", default="llama,mistral,qwen2", help="comma-separated, of llama,mistral,qwen2")
     parser.add_argument("--ops", default=",".join(OPS), help="comma-separated")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,

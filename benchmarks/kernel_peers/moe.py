@@ -65,6 +65,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks import harness
 from benchmarks.gpu_time import kernel_table
 from benchmarks.kernel_peers import engine
 from benchmarks.report import Clock
@@ -467,7 +468,7 @@ def unit_checks(s: Settings) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    engine.add_device_flags(parser)
+    harness.add_device_flags(parser)
     parser.add_argument("--trace-dir", help="write each variant's profiled step as a Chrome trace here")
 
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import harness
 from benchmarks.e2e import FULL, SMALL, Workload
 from benchmarks.gpu_time import kernel_ms
 from benchmarks.kernel_peers import engine
@@ -214,7 +215,7 @@ def sweep(shapes: list[torch.Size], dtype: torch.dtype, device: torch.device, nu
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    engine.add_device_flags(parser)
+    harness.add_device_flags(parser)
     parser.add_argument("--models", help="comma-separated workload names (default: all)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the launch-shape sweep")
 
