@@ -15,7 +15,7 @@ from mplan.cost_models.compute_cost import ComputeCostModel
 from mplan.fusion import entry, fused_op_bytes
 from mplan.planner.evaluate import LOSS_BYTES, adamw_time, optimizer_time
 from mplan.planner.zero_pricing import zero1_copy_time
-from mplan.planner.fused_pricing import find_concatenated_weights, find_fp8_linears, find_fused_chains
+from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.parallel_config import ParallelConfig
 from mplan.planner.plan import Plan, PlanError
@@ -194,26 +194,6 @@ def test_a_plan_carries_fp8_and_refuses_a_device_without_it(tmp_path) -> None:
     assert Plan.from_dict(older).fp8 is False
     with pytest.raises(PlanError, match="A100-SXM4-80GB has no FP8 tensor cores"):
         plan("tiny-gpt", cluster=ClusterSpec.preset("dgx-a100", nodes=1, gpus_per_node=2), global_batch=4, fp8=True)
-
-
-def test_a_grouped_gemm_is_charged_the_copy_of_its_weights_in_each_pass() -> None:
-    """q/k/v and gate/up run as one GEMM on their weights' concatenation, made again in every
-    forward and backward (kernels.grouped_linear): each of those linears pays its weight's copy
-    (read, then written in the GEMM's dtype) in both passes; o, down and the head pay nothing."""
-    graph = _hf_llama_graph()
-    grouped = find_concatenated_weights(graph)
-    linears = [n for n in graph.nodes if n.op == "aten.linear.default"]
-    assert len(grouped) == 10 and len(linears) == 15  # q, k, v, gate, up of (q, k, v, o, gate, up, down) x 2, head
-    cluster = ClusterSpec.preset("h200")
-    plain = OpCoster(cluster, 1, GroupShape(size=1, ranks_per_node=1))
-    charged = OpCoster(cluster, 1, GroupShape(size=1, ranks_per_node=1), concatenated=grouped)
-    for node in linears:
-        strategy = replicated(node)
-        before, after = plain.op(node, strategy), charged.op(node, strategy)
-        weight = node.input_metas[1]
-        copy = plain.compute.memory_bound_time(2 * weight.nbytes) if node.name in grouped else 0.0
-        assert after.forward_s - before.forward_s == pytest.approx(copy, rel=1e-12, abs=1e-15)
-        assert after.backward_s - before.backward_s == pytest.approx(copy, rel=1e-12, abs=1e-15)
 
 
 # ---- what the fused kernels keep (memory) and how attention runs (time) ---------------------------

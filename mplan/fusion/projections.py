@@ -199,8 +199,8 @@ LINEAR_GROUP = FusionEntry(
            "q/k/v beside a parallel block's MLP projections of the same input (Cohere, Phi)",
            "q and k normed over all heads before the reshape to heads (OLMo-2's q_norm, k_norm)"),
     keeps=lambda m: FusedSave((m.params["x"].name,)),  # the input; the weights are parameters
-    pricing=AtenPricing(why="one GEMM of the summed width: priced as its parts' GEMMs, the same FLOPs, and the "
-                            "weights' concatenation in each pass (fused_pricing.find_concatenated_weights)"),
+    pricing=AtenPricing(why="one GEMM of the summed width: priced as its parts' GEMMs, the same FLOPs; the "
+                            "weights lie end to end in one storage, read in place (runtime/grouped_storage.py)"),
     # the weights' concatenation and one GEMM; backward: dX and dW GEMMs
     launches=Launches(forward_triton=0, forward_aten=2, backward_triton=0, backward_aten=2),
     emit=_emit_linear_group,

@@ -7,8 +7,8 @@ fraction of copy bandwidth the H200 measured for it. `find_fused_chains` finds t
 the fusion registry's entries (mplan.fusion, in the pass's order), matched on the captured
 program (nothing is rewritten); `OpCoster` then charges a chain's anchor the fused
 kernel and its other ops nothing. GEMMs and attention keep their prices (the grouped q/k/v
-GEMM is priced as its parts plus the copy of their weights into one, made in each pass:
-`find_concatenated_weights`; bias+GELU's GEMM stays a GEMM), except under FP8
+GEMM is priced as its parts: the runtime lays their weights end to end, so the GEMM reads
+them in place, `runtime/grouped_storage.py`; bias+GELU's GEMM stays a GEMM), except under FP8
 (`find_fp8_linears`, `fp8_linear_time`): the block linears as FP8 GEMMs plus their casts.
 
 Memory and attention: `find_fused_saves` gives, for every chain the pass fuses (GEMM groups,
@@ -195,22 +195,6 @@ def find_fp8_linears(graph: Graph) -> frozenset[str]:
     return frozenset(node.name for node in graph.program.graph.nodes
                      if node.op == "call_function" and str(node.target) == "aten.linear.default"
                      and node.name in graph and not feeds_the_loss(node))
-
-
-def find_concatenated_weights(graph: Graph) -> frozenset[str]:
-    """The linears whose weight the fused program concatenates with the rest of its group every
-    micro-batch, in the forward and again in the backward (`kernels.grouped_linear`, which keeps
-    the weights rather than their concatenation: q/k/v, gate/up). `OpCoster` charges each such
-    linear the copy of its weight, twice a micro-batch: on an H100 a SmolLM2-1.7B shape's 96
-    concatenations a micro-batch took 3.2 ms of kernel time, at micro-batch 1 (eight of them a
-    step) 25.6 ms of a 390 ms step that no price had (benchmarks/results/
-    hf_measure-2026-12-06-session18-smollm2.json, its profiled rows)."""
-    from mplan.fusion.coverage import fused_chains
-
-    if graph.program is None:
-        return frozenset()
-    return frozenset(node.name for _, match in fused_chains(graph) if len(match.params.get("weights") or ()) > 1
-                     for node in match.chain if node.name in graph and graph.node(node.name).kind == "matmul")
 
 
 FP8_CAST_COPY_FRACTION = 0.84

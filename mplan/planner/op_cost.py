@@ -46,8 +46,7 @@ class OpCoster:
 
     def __init__(self, cluster: ClusterSpec, axis_size: int, group: GroupShape,
                  fused: Mapping[str, FusedChain] | None = None, fp8_linears: frozenset[str] = frozenset(),
-                 saves: Mapping[str, FusedSave] | None = None, host: HostTiming | None = None,
-                 concatenated: frozenset[str] = frozenset()) -> None:
+                 saves: Mapping[str, FusedSave] | None = None, host: HostTiming | None = None) -> None:
         self.cluster = cluster
         self.host = host if host is not None else host_timing(cluster)
         """host seconds per launch the program pays (`host_cost.runtime_host`; default: the bare ops')"""
@@ -61,8 +60,6 @@ class OpCoster:
         """attention nodes that run causally though captured with a mask (proven causal)"""
         self.fp8_linears = fp8_linears
         """linears that run as FP8 GEMMs (fused_pricing.find_fp8_linears)"""
-        self.concatenated = concatenated
-        """linears whose weight a grouped GEMM concatenates every pass (fused_pricing.find_concatenated_weights)"""
         self.compute = ComputeCostModel(cluster)
         self._collective = lru_cache(maxsize=None)(self._collective_uncached)
 
@@ -140,11 +137,7 @@ class OpCoster:
             fwd = self.compute.matmul_time(m, cols, k, dtype, batch=batch)
             weight_grad = self.compute.matmul_time(cols, k, m, dtype, batch=batch) if node.params or \
                 packet != "linear" else 0.0
-            # the grouped GEMM's copy of this weight into the group's, in each pass: read, written in the GEMM's dtype
-            concat = self.compute.memory_bound_time(math.prod(b) * (dtype_bytes(node.input_metas[1].dtype)
-                                                                    + dtype_bytes(dtype))) \
-                if node.name in self.concatenated else 0.0
-            return fwd + concat, self.compute.matmul_time(m, k, cols, dtype, batch=batch) + weight_grad + concat
+            return fwd, self.compute.matmul_time(m, k, cols, dtype, batch=batch) + weight_grad
         if node.kind == "attention":
             q, kv = locals_[0], locals_[1]
             causal = bool(node.args[5]) if len(node.args) > 5 else bool(dict(node.kwargs).get("is_causal"))

@@ -51,7 +51,7 @@ from mplan.planner.context_pricing import (AttentionOp, ContextEstimate, Exchang
 from mplan.ir.strategy import Strategy
 from mplan.planner.evaluate import (NO_CUT_IN_MEMORY, ChunkMemo, Estimate, ModelFacts, SyncMemo, device_word,
                                     evaluate, gib_versus, state_floor_bytes)
-from mplan.planner.fused_pricing import find_concatenated_weights, find_fp8_linears, find_fused_chains, find_fused_saves
+from mplan.planner.fused_pricing import find_fp8_linears, find_fused_chains, find_fused_saves
 from mplan.planner.host_cost import graph_priced, runtime_host
 from mplan.planner.op_cost import OpCoster
 from mplan.planner.parallel_config import (DEFAULT_RUNTIME, RUNTIMES, ZERO_LEVELS, ModelLimits, ParallelConfig,
@@ -166,7 +166,6 @@ class Planner:
         self.fused = find_fused_chains(graph) if kernels else {}
         self.saves = find_fused_saves(graph) if kernels else {}
         self.fp8_linears = find_fp8_linears(graph) if fp8 else frozenset()
-        self.concatenated = find_concatenated_weights(graph) if kernels else frozenset()
         self.progress = progress or (lambda _: None)
         self._sharded: dict[tuple[int, bool], ShardedModel] = {}
         self._context: dict[tuple[int, bool, int, int, str], tuple[list[UnitCost], list[tuple[Exchange, ...]]]] = {}
@@ -186,7 +185,7 @@ class Planner:
         if key not in self._sharded:
             group = GroupShape.from_mesh_axis(size=tp, stride=1, gpus_per_node=self.cluster.gpus_per_node)
             coster = OpCoster(self.cluster, tp, group, fused=self.fused, fp8_linears=self.fp8_linears,
-                              saves=self.saves, host=self.host, concatenated=self.concatenated)
+                              saves=self.saves, host=self.host)
             self.progress(f"solving the sharding ILP for tp={tp}{' with SP' if sp else ''}")
             sharding = self._solve(self.graph, coster, sp)
             units = unit_costs(self.graph, sharding, coster)

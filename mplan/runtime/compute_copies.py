@@ -72,8 +72,17 @@ class ComputeCopies:
     """Each master parameter's copy in `dtype` (a leaf that requires grad), and its upkeep."""
 
     def __init__(self, masters: Iterable[nn.Parameter], dtype: torch.dtype) -> None:
-        self.copies: dict[nn.Parameter, torch.Tensor] = {
-            master: master.detach().to(dtype).requires_grad_() for master in masters}
+        self.copies: dict[nn.Parameter, torch.Tensor] = {}
+        for run in _end_to_end_runs(list(masters)):
+            # masters lying end to end in one storage (a grouped GEMM's, `grouped_storage.py`) get
+            # copies end to end in one storage too, so the GEMM reads its copies without concatenating
+            storage = torch.empty(sum(m.numel() for m in run), dtype=dtype, device=run[0].device)
+            at = 0
+            for master in run:
+                copy = storage[at:at + master.numel()].view(master.shape)
+                copy.copy_(master.detach())
+                self.copies[master] = copy.requires_grad_()
+                at += master.numel()
 
     def __len__(self) -> int:
         return len(self.copies)
@@ -109,3 +118,21 @@ class ComputeCopies:
         mplan's AdamW (it reads the copies' gradients itself)."""
         for master, copy in self.copies.items():
             master.grad = copy.grad.to(master.dtype)
+
+
+def _end_to_end_runs(masters: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """`masters` in runs of those lying end to end in one storage, contiguous and of one dtype
+    (the order within a run is the storage's); a master alone is a run of one."""
+    def place(m: nn.Parameter) -> tuple[str, int, int]:
+        return str(m.device), m.untyped_storage().data_ptr(), m.storage_offset()
+
+    runs: list[list[nn.Parameter]] = []
+    for master in sorted(masters, key=place):
+        last = runs[-1][-1] if runs else None
+        if (last is not None and master.is_contiguous() and last.is_contiguous() and master.dtype == last.dtype
+                and place(master)[:2] == place(last)[:2]
+                and master.storage_offset() == last.storage_offset() + last.numel()):
+            runs[-1].append(master)
+        else:
+            runs.append([master])
+    return runs

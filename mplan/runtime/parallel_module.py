@@ -99,6 +99,7 @@ from mplan.progress import Progress
 from mplan.runtime.checkpoint import Stateful, is_hf_directory, load_checkpoint, save_checkpoint
 from mplan.runtime.compute_copies import ComputeCopies, autocast_cast_parameters
 from mplan.runtime.data_parallel import inner_only, needs_reduction, unique_trainable
+from mplan.runtime.grouped_storage import place_end_to_end, weight_groups
 from mplan.runtime.launch import collective_device
 from mplan.runtime.lowering import (
     context_layout,
@@ -216,6 +217,9 @@ def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.
     shards = shard_parameters(graph, choice, axis.rank, axis.size, source, seed=seed, device=device, dtype=dtype,
                               names=pipeline.parameters if pipeline is not None else None,
                               experts=experts.parameters, ep_rank=experts.ep.rank, ep_size=experts.ep.size)
+    if kernels and plan.zero != 3:  # each grouped GEMM's weights in one storage (zero=3 gathers its own)
+        place_end_to_end(weight_groups(program), shards,
+                         dict(source.named_parameters(remove_duplicate=False)) if isinstance(source, nn.Module) else None)
     buffers = [spec.name for spec in inputs if spec.kind == "BUFFER"]
     statics = materialize_buffers(graph, model, buffers, device=device,
                                   state_dict=None if isinstance(source, nn.Module) else source)
