@@ -20,6 +20,8 @@ rounds (and CUDA events), peak memory measured, mplan's best against the best pe
                                                                                results/gemm_small_k_h200-*.json
     gemm-duty     GEMMs back to back (as a device profile times them) against GEMMs between memory-bound
                   kernels (as a step runs them), beside their price: the power cap's share of a GEMM
+    grouped-gemm  the grouped q/k/v and gate/up GEMMs with their weights apart (a copy a pass) against
+                  end to end in one storage (read in place), at three HF models' widths
 
 On the GPU, from the repository root (hf and head-loss time Liger, installed from the carried wheels):
     pip install --no-index --find-links .device_wheels --no-deps liger-kernel
