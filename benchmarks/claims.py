@@ -128,7 +128,7 @@ def _peers(names: tuple[str, ...]) -> Callable[[dict], tuple[str, ...]]:
 
 
 def _traced(family: str) -> Callable[[dict], tuple[str, ...]]:
-    """One family raced beside a clock trace (benchmarks/gpu_trace.py): the ratio to compile, mplan's
+    """One family raced beside a clock trace (benchmarks/models/trace.py): the ratio to compile, mplan's
     and compile's step (ms), mplan's, compile's and eager's spread (%), the clock range over every
     system's steps (MHz), then per system (mplan, compile, eager) its mean power (W) and clock (MHz),
     then the same three's step-vs-clock correlations."""
@@ -159,7 +159,7 @@ def _graphed(family: str) -> Callable[[dict], tuple[str, ...]]:
 
 
 def _own_pairs(model: str) -> Callable[[dict], tuple[str, ...]]:
-    """One of mplan's own models raced against one peer at a time (`peers.py --own-pairs`): per
+    """One of mplan's own models raced against one peer at a time (`models peers --own-pairs`): per
     peer (eager, compile) the ratio, mplan's and the peer's step (ms); then per peer mplan's and
     the peer's spread (%), each from that pair's rounds."""
     def figures(data: dict) -> tuple[str, ...]:
@@ -213,7 +213,7 @@ def _graph_price(data: dict) -> tuple[str, ...]:
 
 
 def _hf_measure(model: str, specs: tuple[str, ...]) -> Callable[[dict], tuple[str, ...]]:
-    """`mplan bench --measure` rows of one model (hf_bench.py): each spec's measured step (ms), then
+    """`mplan bench --measure` rows of one model (`calibration bench-cli`): each spec's measured step (ms), then
     each one's step-time error (%), then each one's peak-memory error (%); a positive error unsigned."""
     def figures(data: dict) -> tuple[str, ...]:
         plans = {p["spec"]: p for p in data["models"][model]["rows"]["plans"]}
@@ -224,7 +224,7 @@ def _hf_measure(model: str, specs: tuple[str, ...]) -> Callable[[dict], tuple[st
 
 
 def _measured_steps(model: str, specs: tuple[str, ...], digits: int = 1) -> Callable[[dict], tuple[str, ...]]:
-    """`mplan bench --measure` rows of one model (hf_bench.py): each spec's measured step (ms)."""
+    """`mplan bench --measure` rows of one model (`calibration bench-cli`): each spec's measured step (ms)."""
     def figures(data: dict) -> tuple[str, ...]:
         rows = data["models"][model]["rows"]
         return tuple(fixed(_plan(rows, spec)["measured"]["step_time_s"] * 1e3, digits) for spec in specs)
@@ -232,12 +232,12 @@ def _measured_steps(model: str, specs: tuple[str, ...], digits: int = 1) -> Call
 
 
 def _unseen_specs() -> tuple[str, ...]:
-    """The unseen set's seven plans, hf_bench.py's own (UNSEEN_PLANS), in the README's order."""
-    return tuple(load_source(ROOT, "benchmarks/hf_bench.py")["UNSEEN_PLANS"])
+    """The unseen set's seven plans, `calibration bench-cli`'s own (UNSEEN_PLANS), in the README's order."""
+    return tuple(load_source(ROOT, "benchmarks/calibration/bench_cli.py")["UNSEEN_PLANS"])
 
 
 def _unseen_latest(data: dict) -> tuple[str, ...]:
-    """`hf_bench.py --reprice` of the whole unseen set: each model's seven step errors on the latest
+    """`bench-cli --reprice` of the whole unseen set: each model's seven step errors on the latest
     run that measured the plan (runs are given oldest first), the largest peak error over every
     measurement, the three full-recomputation peak errors, and how many of how many plans have every
     measurement within 10% on step and peak."""
@@ -253,7 +253,7 @@ def _unseen_latest(data: dict) -> tuple[str, ...]:
 
 
 def _unseen_run(model: str) -> Callable[[dict], tuple[str, ...]]:
-    """One `hf_bench.py --configs unseen` run of `model`: its seven step errors against the run's
+    """One `bench-cli --configs unseen` run of `model`: its seven step errors against the run's
     own prices and the full recomputation's peak error."""
     def figures(data: dict) -> tuple[str, ...]:
         judged = {row["spec"]: row for row in data["models"][model]["judged"]}
@@ -263,7 +263,7 @@ def _unseen_run(model: str) -> Callable[[dict], tuple[str, ...]]:
 
 
 def _repriced(model: str, specs: tuple[str, ...]) -> Callable[[dict], tuple[str, ...]]:
-    """`hf_bench.py --reprice` rows of one model: each spec's error now (%)."""
+    """`bench-cli --reprice` rows of one model: each spec's error now (%)."""
     def figures(data: dict) -> tuple[str, ...]:
         rows = {r["spec"]: r for r in data["models"][model]}
         return tuple(f"{rows[spec]['error_now'] * 100:.1f}" for spec in specs)
@@ -537,7 +537,7 @@ def _margin() -> float:
 
 
 def _hf_reprice_seen(data: dict) -> tuple[str, ...]:
-    """HF Llama and Mistral priced again by `hf_bench.py --reprice` beside the H200 run: Llama's step
+    """HF Llama and Mistral priced again by `bench-cli --reprice` beside the H200 run: Llama's step
     now, its error, the measured step, the price then and its error, its allocated peak now and error,
     the measured peak, the allocator margin; Mistral's step now, its error and its peak error."""
     (llama,), (mistral,) = data["models"]["llama"], data["models"]["mistral"]

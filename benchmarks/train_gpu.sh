@@ -12,7 +12,7 @@
 #      predictions.
 #     bash benchmarks/train_gpu.sh [STEPS] [quick]     (quick: steps 1-3 only, for a short lease)
 # Results (JSON, the GPU's name and versions) go to $OUT, joined into $OUT/train_gpu.json by
-# benchmarks/train_gpu_summary.py (8 files: what the device returns); work files stay in /tmp/g.
+# `python -m benchmarks.calibration train-summary` (8 files: what the device returns); work files stay in /tmp/g.
 set -u
 cd "$(dirname "$0")/.."
 steps=${1:-120}
@@ -43,7 +43,7 @@ cp /tmp/g/out/metrics-gpu.jsonl "$out/train_gpu_metrics.jsonl" 2>/dev/null
 cp /tmp/g/out/loss-gpu.png "$out/train_gpu_loss.png" 2>/dev/null
 ls /tmp/g/out/tb-gpu /tmp/g/out/hf-gpu /tmp/g/out/ckpt-gpu 2>&1 | head -20
 echo "train: $(( $(date +%s) - start )) s"
-summary() { python3 benchmarks/train_gpu_summary.py "$out" -o "$out/train_gpu.json" 2>&1 | tail -3; }
+summary() { python3 -m benchmarks.calibration train-summary "$out" -o "$out/train_gpu.json" 2>&1 | tail -3; }
 summary
 [ "$quick" = quick ] && exit 0
 timeout 200 python3 -m benchmarks.ranks checkpoint --plan dp=1 --other dp=1,recompute=full --dtype bfloat16 \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The wheels the GPU machines' image lacks: for planning there (the sharding ILP: PuLP and HiGHS) and
-# Liger Kernel, the peer that benchmarks/hf_models.py and `python -m benchmarks.kernel_peers hf` time mplan against
+# Liger Kernel, the peer that benchmarks/models/hf_models.py and `python -m benchmarks.kernel_peers hf` time mplan against
 # (pure Python over the image's Triton; --no-deps: its torch and triton are the image's), downloaded
 # from this machine's package index into .device_wheels/ (git-ignored, ~20 MB) for the device tool
 # to carry. Then, in a device call with carry=[".device_wheels"]:

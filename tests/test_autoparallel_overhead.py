@@ -6,7 +6,7 @@ pinned here: a second copy of every parameter (plus the user's model kept alive 
 exported program and the inference closure), gradient buckets holding a model's gradients
 through the forward, backward adding into them, per-parameter clipping kernels, and reference
 cycles left by torch.export. The GPU figures are in benchmarks/results/autoparallel_h200-*.json
-(their script retired in issue 35's fold: benchmarks/peers.py races mplan against eager now).
+(their script retired in issue 35's fold: benchmarks/models/peers.py races mplan against eager now).
 
 Also here: `kernels=True` (fuse_kernels on the local program) trains exactly like
 `kernels=False` on the reference dispatch, in float64.

@@ -112,3 +112,54 @@ def test_cp_attention_benchmark_times_both_extreme_ranks_against_the_price(tmp_p
         assert row["measured_ms"]["forward"] > 0 and row["measured_ms"]["backward"] > 0, row
         assert 0 < row["predicted_ms"]["forward"] < row["predicted_ms"]["backward"], row
     assert rows[0]["visible_pairs"] == rows[1]["visible_pairs"] == 256 * 257 // 4
+
+
+def test_the_profile_case_writes_a_quick_profile_and_its_summary(tmp_path: Path) -> None:
+    """profile --device cpu --quick: the profile where --profile says (not the packaged one), the
+    summary beside it in the report."""
+    from mplan.cost_models.profile import ClusterProfile
+
+    written = tmp_path / "h200.json"
+    report = _calibration(tmp_path, "profile", "--device", "cpu", "--quick", "--profile", str(written), timeout=120)
+    profile = ClusterProfile.from_json(str(written))
+    assert profile.device is not None and profile.device.name == "cpu" and "QUICK" in profile.note
+    assert report["profile"] == profile.to_dict()
+    assert report["summary"]["num_gemms"] == 8 and len(report["summary"]["reference_gemms"]) == 5
+
+
+def test_train_summary_joins_the_committed_gpu_run_to_its_committed_figures(tmp_path: Path) -> None:
+    """train-summary on the files train_gpu.sh returned on 2026-12-06 (its metrics committed, its card,
+    versions and data report kept in the committed summary): every figure it computes is the committed one."""
+    committed = json.loads((RESULTS / "train_gpu-2026-12-06.json").read_text())
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "gpu.txt").write_text(f"{committed['gpu']}\n{committed['torch']} {committed['triton']} "
+                                 f"{committed['transformers']}\n")
+    (run / "data.json").write_text(json.dumps(committed["data"]))
+    (run / "train_gpu_metrics.jsonl").write_text((RESULTS / "train_gpu_metrics-2026-12-06.jsonl").read_text())
+    report = _calibration(tmp_path, "train-summary", str(run))
+    figures = set(report) - {"harness", "command", "date"}
+    assert "step_time_prediction_error" in figures and "memory_prediction_error" in figures
+    assert {key: report[key] for key in figures} == {key: committed[key] for key in figures}
+
+
+@pytest.mark.script_smoke
+def test_bench_cli_measures_every_row_of_every_unseen_config(tmp_path: Path) -> None:
+    """bench-cli --configs unseen: the three unseen HF configs, tiny, one gloo rank: a row without
+    and one with selective recomputation each get a prediction and a measurement (no row lost to
+    another's error)."""
+    report = _calibration(tmp_path, "bench-cli", "--configs", "unseen", "--device", "cpu", "--small", "--plans",
+                          "mbs=1", "mbs=2,recompute=selective", timeout=600)
+    assert set(report["models"]) == {"qwen3", "smollm2", "gemma"}
+    assert report["summary"]["rows"] == report["summary"]["measured"] == 6, report["summary"]
+    # each bench's output is kept as it comes (a process killed at its timeout still says where its time went)
+    log = tmp_path / "bench-cli_work" / report["models"]["gemma"]["log"]
+    assert "mplan: capture" in log.read_text(), log.read_text()[-2000:]
+
+
+def test_bench_cli_refuses_a_reprice_without_a_cluster(tmp_path: Path) -> None:
+    out = tmp_path / "repriced.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.calibration", "bench-cli", "--reprice",
+                          str(RESULTS / "hf_bench_h200-2026-12-02.json"), "--out", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 2 and "--reprice needs --cluster" in run.stderr and not out.exists(), run.stderr

@@ -22,7 +22,6 @@ CASE_KEY = re.compile(r'"([a-z0-9-]+)": ')
 CARD = re.compile(r"_(?:h100|h200|a100|b200)(?:x\d+)?\.(?:py|sh)$", re.IGNORECASE)
 
 NAMED_AFTER_A_CARD = {
-    "profile_h200.py": "writes the H200's packaged profile, mplan/cost_models/profiles/h200.json",
     "multi_gpu_h200.sh": "the multi-GPU run the team's run book names (whichever multi-GPU kind is lent)",
 }
 """Scripts still named after a card, each with why."""
@@ -81,7 +80,7 @@ def test_every_script_is_placed_under_a_question_in_the_benchmarks_readme() -> N
 
 
 def test_no_harness_hides_a_package_of_the_same_name() -> None:
-    """A script run from benchmarks/ (`python benchmarks/peers.py`) has that folder first on its
+    """A script run from benchmarks/ (`python benchmarks/report.py`) has that folder first on its
     path, so a harness named like an installed package would shadow it for everything the script
     imports (a harness named `kernels` broke transformers, which imports the `kernels` package)."""
     elsewhere = [p for p in sys.path if p and Path(p).resolve() != BENCHMARKS]

@@ -1,13 +1,11 @@
-"""benchmarks/gpu_trace.py: a clock trace lined up with each system's steps."""
+"""benchmarks/models/trace.py: a clock trace lined up with each system's steps."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import gpu_trace  # noqa: E402
+from benchmarks.models import trace
 
 HEADER = "timestamp, clocks.current.sm [MHz], power.draw [W], temperature.gpu, clocks_event_reasons.active\n"
 
@@ -21,14 +19,14 @@ def _trace(path: Path, samples: list[tuple[str, int, float, str]]) -> str:
 def test_steps_that_slow_with_the_clock_under_a_power_cap_say_so(tmp_path: Path) -> None:
     """Each step gets the samples taken while it ran; the steps slow where the clock is low, the
     cap is on at every sample, and a system whose steps have no sample says how many it had."""
-    samples = gpu_trace.read_trace(_trace(tmp_path / "t.csv", [
+    samples = trace.read_trace(_trace(tmp_path / "t.csv", [
         ("00.050", 1965, 650.0, "0x0000000000000004"), ("01.050", 1600, 699.0, "0x0000000000000004"),
         ("02.050", 1800, 690.0, "0x0000000000000004"), ("03.050", 1500, 700.0, "0x0000000000000044")]))
     assert len(samples) == 4
     start = samples[0][0] - 0.05  # 17:00:00.000 as the steps' clock counts it
     steps = {"mplan": {"step_began_unix": [start + k for k in range(4)], "step_s_all": [0.10, 0.12, 0.11, 0.13]},
              "idle": {"step_began_unix": [start + 5.0], "step_s_all": [0.1]}}
-    got = gpu_trace.by_system(steps, samples)
+    got = trace.by_system(steps, samples)
     mplan = got["mplan"]
     assert mplan["steps_with_samples"] == 4 and mplan["sm_clock_mhz_range"] == [1500, 1965]
     assert mplan["power_capped_share"] == 1.0 and mplan["other_reason_share"] == pytest.approx(0.25)

@@ -1,14 +1,12 @@
-"""benchmarks/train_gpu_summary.py: the GPU training run's files joined into one results file."""
+"""`python -m benchmarks.calibration train-summary`: the GPU training run's files joined into one results file."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from train_gpu_summary import summarize  # noqa: E402
+from benchmarks.calibration.train_summary import summarize
 
 
 def test_a_run_is_judged_on_its_median_step_with_the_checkpoint_stall_listed_apart(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""benchmarks/two_sites.py builds two network namespaces joined by a rate-limited veth pair, runs
+"""`python -m benchmarks.ranks two-sites` builds two network namespaces joined by a rate-limited veth pair, runs
 gloo ranks in them (the link measured against what was set, flat and hierarchical DP trained on a
 tiny Llama), and leaves nothing behind: not after a run, not after its ranks fail, not after
 Ctrl-C; killed outright, it leaves no rank running and the next run removes its namespaces.
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.ranks import two_sites
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import two_sites  # noqa: E402  (a benchmark script, not a package)
 
 UNAVAILABLE = two_sites.netns_unavailable()
 pytestmark = [pytest.mark.script_smoke, pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))]
@@ -25,19 +25,22 @@ pytestmark = [pytest.mark.script_smoke, pytest.mark.skipif(UNAVAILABLE is not No
 TINY = "llama:layers=1,hidden=64,heads=2,kv_heads=1,ffn=128,seq=16,vocab=256"
 
 
-def _start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "two_sites.py"), *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+def _start(out: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "benchmarks.ranks", "two-sites", *args, "--out", str(out)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-def test_a_run_measures_the_set_link_and_removes_its_namespaces() -> None:
-    run = _start("--settings", "100:5", "--model", TINY, "--warmup", "1", "--steps", "1", "--rounds", "1",
+def test_a_run_measures_the_set_link_and_removes_its_namespaces(tmp_path: Path) -> None:
+    out = tmp_path / "two_sites.json"
+    run = _start(out, "--settings", "100:5", "--model", TINY, "--warmup", "1", "--steps", "1", "--rounds", "1",
                  "--intra-mb", "4", "--layouts", "flat", "hierarchical", "--timeout", "100")
-    out, err = run.communicate(timeout=120)
+    _, err = run.communicate(timeout=120)
     assert run.returncode == 0, err[-3000:]
     assert two_sites.namespaces_of(run.pid) == []
-    (row,) = json.loads(out)["settings"]
+    report = json.loads(out.read_text())
+    assert report["harness"] == "benchmarks.ranks two-sites"
+    (row,) = report["settings"]
     probe = row["probe"]
     assert all("tbf" in line and "100Mbit" in line for line in row["qdiscs"]), row["qdiscs"]
     # the rate is the kernel's (tbf): within 10% of the payload rate it allows
@@ -61,15 +64,16 @@ def test_a_run_measures_the_set_link_and_removes_its_namespaces() -> None:
     assert measured["hierarchical"]["site_sent_bytes_median"] < 0.8 * measured["flat"]["site_sent_bytes_median"]
 
 
-def test_failing_ranks_leave_no_namespaces() -> None:
-    run = _start("--settings", "10:0", "--model", "nosuchfamily:layers=1", "--no-probe", "--timeout", "60")
+def test_failing_ranks_leave_no_namespaces(tmp_path: Path) -> None:
+    out = tmp_path / "two_sites.json"
+    run = _start(out, "--settings", "10:0", "--model", "nosuchfamily:layers=1", "--no-probe", "--timeout", "60")
     _, err = run.communicate(timeout=90)
-    assert run.returncode != 0 and "two_sites: rank" in err, err[-3000:]
-    assert two_sites.namespaces_of(run.pid) == []
+    assert run.returncode != 0 and "two-sites: rank" in err, err[-3000:]
+    assert two_sites.namespaces_of(run.pid) == [] and not out.exists()
 
 
-def test_ctrl_c_leaves_no_namespaces() -> None:
-    run = _start("--settings", "10:0", "--model", TINY, "--timeout", "60")
+def test_ctrl_c_leaves_no_namespaces(tmp_path: Path) -> None:
+    run = _start(tmp_path / "two_sites.json", "--settings", "10:0", "--model", TINY, "--timeout", "60")
     deadline = time.monotonic() + 20
     while not two_sites.namespaces_of(run.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -81,8 +85,8 @@ def test_ctrl_c_leaves_no_namespaces() -> None:
     assert two_sites.namespaces_of(run.pid) == []
 
 
-def test_a_run_killed_outright_takes_its_ranks_along_and_the_next_run_removes_its_namespaces() -> None:
-    run = _start("--settings", "10:0", "--probe-only", "--timeout", "60")
+def test_a_run_killed_outright_takes_its_ranks_along_and_the_next_run_removes_its_namespaces(tmp_path: Path) -> None:
+    run = _start(tmp_path / "two_sites.json", "--settings", "10:0", "--probe-only", "--timeout", "60")
     deadline = time.monotonic() + 20
     while not two_sites.namespaces_of(run.pid) and time.monotonic() < deadline:
         time.sleep(0.05)

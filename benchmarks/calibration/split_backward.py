@@ -72,8 +72,8 @@ from torch import nn
 
 from benchmarks import harness
 from benchmarks.calibration.gpu import device_of
-from benchmarks.e2e import start_timer
 from benchmarks.gpu_time import interleaved_kernel_ms
+from benchmarks.models.timing import start_timer
 from benchmarks.report import Clock, run_header, write_report
 from mplan.cost_models.cluster import ClusterSpec
 from mplan.models import build_model, resolve_model

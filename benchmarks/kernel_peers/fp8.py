@@ -6,7 +6,7 @@
    bandwidth (2 bytes read, 2 written per element) against the device-to-device copy measured
    in the same run.
 2. A linear's forward and forward+backward at the GPT and Llama block shapes of
-   benchmarks/e2e.py (16384 tokens): bf16 `F.linear` against `Fp8LinearFunction` (casts
+   benchmarks/models/e2e.py (16384 tokens): bf16 `F.linear` against `Fp8LinearFunction` (casts
    included), by the engine (engine.py) in one round: GPU kernel time (gpu_time.kernel_ms of 10
    calls), TFLOP/s, peak MB, and the relative errors against the fp32 product (fwd_rel_err: the
    output's; `errors`: the gradients' too).

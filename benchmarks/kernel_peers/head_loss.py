@@ -3,7 +3,7 @@
 `mplan.kernels.linear_cross_entropy` runs the head GEMM and the loss in chunks of rows. Every
 chunk reads and writes the whole d_W (vocab x hidden) once, so its fixed cost shrinks as chunks
 grow while the chunk's logits (rows x vocab) grow: the speed/memory trade this case measures.
-For each shape (16384 tokens, bf16; the Hugging Face models of hf_models.py, mplan's GPT-1.3B
+For each shape (16384 tokens, bf16; the Hugging Face models of models/hf_models.py, mplan's GPT-1.3B
 and a Llama-3-8B head), forward+backward of:
     mplan chunk=R    linear_cross_entropy(..., chunk_rows=R) for R in --rows, and its default
     mplan unfused    F.linear + mplan.kernels.cross_entropy (whole logits)

@@ -1,6 +1,6 @@
 """Kernel against kernel at the Hugging Face models' shapes: mplan, Liger Kernel, torch.compile, HF eager.
 
-For the shapes of benchmarks/hf_models.py's three models (Llama at TinyLlama-1.1B's shape,
+For the shapes of benchmarks/models/hf_step.py's three models (Llama at TinyLlama-1.1B's shape,
 Mistral ~1B, Qwen2-1.5B) at 16384 tokens (batch 8 x 2048), bf16, forward and forward+backward:
     rmsnorm        HF's RMSNorm (upcast to fp32, normalize, cast back, times the weight) on [16384, hidden]:
                    mplan.kernels.rms_norm in that form (upcast=True, norm_dtype=bf16, where this mplan
@@ -58,9 +58,9 @@ import torch.nn.functional as F
 
 import mplan.kernels as mk
 from benchmarks import harness
-from benchmarks.hf_models import HFModel, _families
 from benchmarks.kernel_peers import engine
 from benchmarks.kernel_peers.head_loss import liger_chunk_rows
+from benchmarks.models.hf_step import HFModel, _families
 from benchmarks.report import Clock
 
 ROUNDS, ITERS = 5, 10

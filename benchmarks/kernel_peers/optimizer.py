@@ -1,6 +1,6 @@
 """AdamW on one GPU: mplan's multi-tensor Triton step (mplan/kernels/adamw.py) against torch's fused AdamW.
 
-For the parameters of GPT-1.3B and Llama-1.1B (benchmarks/e2e.py's workloads, shapes taken
+For the parameters of GPT-1.3B and Llama-1.1B (benchmarks/models/workloads.py, shapes taken
 from the models built on the meta device), in bf16 and in fp32, AdamW(lr=1e-3, weight_decay=0.1):
 1. check: 3 steps, each from the same state (torch's params, moments and steps copied into an
    identical optimizer that `adamw.step` drives), the last with a grad_scale; per tensor the
@@ -39,9 +39,9 @@ from typing import Any
 import torch
 
 from benchmarks import harness
-from benchmarks.e2e import FULL, SMALL, Workload
 from benchmarks.gpu_time import kernel_ms
 from benchmarks.kernel_peers import engine
+from benchmarks.models.workloads import FULL, SMALL, Workload
 from benchmarks.report import Clock
 from mplan.kernels import adamw
 from mplan.models import build_model

@@ -6,7 +6,8 @@ import sys
 
 from benchmarks import harness
 from benchmarks.ranks import __doc__ as doc
-from benchmarks.ranks import checkpoint, outer_loop, zero3_prefetch, zero_memory
+from benchmarks.ranks import checkpoint, outer_loop, two_sites, zero3_prefetch, zero_memory
 
 sys.exit(harness.main("ranks", doc or "", {"zero-memory": zero_memory, "zero3-prefetch": zero3_prefetch,
-                                           "outer-loop": outer_loop, "checkpoint": checkpoint}))
+                                           "outer-loop": outer_loop, "checkpoint": checkpoint,
+                                           "two-sites": two_sites}))

@@ -1,6 +1,6 @@
-"""How much of mplan's lead over torch.compile in benchmarks/e2e.py is its AdamW kernel (derived, not measured).
+"""How much of mplan's lead over torch.compile in `python -m benchmarks.models e2e` is its AdamW kernel (derived, not measured).
 
-e2e.py's torch.compile baseline compiles the model only: its optimizer is torch's fused AdamW, run
+e2e's torch.compile baseline compiles the model only: its optimizer is torch's fused AdamW, run
 eagerly, while mplan steps with its own Triton AdamW. This case takes each bf16 run's measured step
 times (compile and mplan) and adds to mplan's step the gap between the two AdamWs' kernel times
 measured alone on the same GPU with a grad_scale (optimizer_h200-2026-11-29.json, the same bf16
@@ -21,7 +21,7 @@ from benchmarks.reprice.pricing import Committed, print_table
 RUNS = ("e2e_h200-2026-11-29-session7.json", "e2e_h200-2026-12-01.json")
 OPTIMIZER = "optimizer_h200-2026-11-29.json"
 MODELS = ("gpt-1.3b", "llama-1.1b")
-"""e2e.py's models, each timed under the same name in the optimizer benchmark"""
+"""e2e's models, each timed under the same name in the optimizer benchmark"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,6 +1,6 @@
-"""The planner's price of fused kernels against an e2e.py run on the H200 (mplan's own models).
+"""The planner's price of fused kernels against a `models e2e` run on the H200 (mplan's own models).
 
-For the two models of benchmarks/e2e.py, predicts one training step on one H200 (the `h200`
+For the two models of benchmarks/models/e2e.py, predicts one training step on one H200 (the `h200`
 preset, which carries the profile measured on that GPU) three ways: every op priced on its own and
 the optimizer as torch's fused AdamW (as eager runs them), with the memory-bound chains priced as
 mplan's fused kernels (mplan/planner/fused_pricing.py) and the optimizer as mplan's AdamW kernel
@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from benchmarks.e2e import FULL
+from benchmarks.models.workloads import FULL
 from benchmarks.report import machine_header
 from benchmarks.reprice.pricing import Committed, capture, cluster, error, print_table
 from mplan.planner.parallel_config import ParallelConfig
@@ -26,7 +26,7 @@ from mplan.planner.search import Planner
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("measured", help="an e2e.py result file (e2e_h200-*.json)")
+    parser.add_argument("measured", help="a `models e2e` result file (e2e_h200-*.json)")
 
 
 def predict_step_s(workload: Any, kernels: bool, fp8: bool = False) -> float:

@@ -42,12 +42,12 @@ FIT = ("qwen2-0.5b", 1)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-rows", nargs="*", type=Path,
                         default=sorted(RESULTS.glob("hf_measure_h100-2026-12-05_work/*_rows.json")),
-                        help="hf_bench.py's per-model rows files (default: those of the 2026-12-05 H100 run)")
+                        help="bench-cli's per-model rows files (default: those of the 2026-12-05 H100 run)")
 
 
 def measured_rows(hf_rows: list[Path]) -> list[dict[str, Any]]:
     """(model, config path, seq, mbs, measured step s), from the results files."""
-    from benchmarks import hf_bench
+    from benchmarks.calibration import bench_cli
     from benchmarks.calibration import host
 
     work, overhead = Path(tempfile.mkdtemp(prefix="host_fit")), Committed(OVERHEAD)
@@ -58,7 +58,7 @@ def measured_rows(hf_rows: list[Path]) -> list[dict[str, Any]]:
             for r in overhead.at("comparison", "rows") if r["measured_step_s"]]
     for path in hf_rows:
         name = path.name.split("_rows")[0]
-        config = hf_bench.write_config(name, work, small=False)
+        config = bench_cli.write_config(name, work, small=False)
         for r in Committed(path).at("plans"):
             step = (r.get("measured") or {}).get("step_time_s")
             if step:

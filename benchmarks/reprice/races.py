@@ -1,6 +1,6 @@
 """Does the planner price a step replayed as a CUDA graph, and the same step launched from Python?
 
-The race of 2026-12-06 on one H100 (benchmarks/peers.py, session 14) timed each family's mplan step
+The race of 2026-12-06 on one H100 (benchmarks/models/peers.py, session 14) timed each family's mplan step
 twice in the same rounds: with its CUDA graphs (`mplan`, autoparallel's default for one rank on a
 GPU) and without (`mplan_eager`). Here, on a CPU, the planner prices the same families, configs,
 batches and plan (dp=1, tp=1, pp=1, fused kernels, bf16) on the H100 profile committed beside them
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.peer_families import family
+from benchmarks.models.families import family
 from benchmarks.report import machine_header
 from benchmarks.reprice.pricing import Committed, capture, cluster, error, print_table
 from mplan.cost_models.cluster import ClusterSpec
@@ -39,7 +39,7 @@ RACES = {"gemma3": "peers_h100-2026-12-06-session14-b.json", "qwen3_moe": "peers
 graphs were refused in that call, so its two rows are both eager steps)."""
 KERNEL_PROFILES = {**dict.fromkeys(("gemma3", "gemma2", "granite"), "peers_h100-2026-12-06-session14-a.json"),
                    "qwen3_moe": "peers_h100-2026-12-06-session13-c.json"}
-"""Where each family's graphed step was profiled by kernel on the same card (torch.profiler, peers.py):
+"""Where each family's graphed step was profiled by kernel on the same card (torch.profiler, `models peers --profile`):
 qwen3_moe's only in session 13 (older code than session 14's: compare its categories, not its total)."""
 PLAN = "dp=1,tp=1,pp=1"
 

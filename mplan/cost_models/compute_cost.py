@@ -110,7 +110,7 @@ def gemm_shape_efficiency(m: float, n: float, k: float, curve: tuple[float, floa
 def achievable_gemm_rate(linears: Sequence[dict], min_dim: int = 2048) -> float:
     """The rule the presets' achievable bf16 GEMM rate is checked by: the median FLOP/s of the
     training GEMMs (forward, input and weight gradients) of linears whose weight is at least
-    `min_dim` on both sides, given as benchmarks/gemm_ceiling.py's `linears` rows."""
+    `min_dim` on both sides, given as benchmarks/models/gemm_ceiling.py's `linears` rows."""
     rates = [row["tflops"][phase] * 1e12 for row in linears if min(row["in"], row["out"]) >= min_dim
              for phase in ("forward", "input_grad", "weight_grad")]
     if not rates:

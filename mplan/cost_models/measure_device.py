@@ -1,7 +1,7 @@
 """Measure one device's kernels: GEMMs, SDPA attention and copies, into a ``DeviceProfile``.
 
 Role: produce the tables ``compute_cost`` interpolates. Run by ``mplan profile`` on each cluster and
-by ``benchmarks/profile_h200.py`` for the packaged H200 profile.
+by ``python -m benchmarks.calibration profile`` for the packaged H200 profile.
 Input: ``profile_device(device, dtypes, quick, grid)``: a torch device ("cuda", "cuda:1", "cpu"),
 the dtypes to time GEMMs in, and a ``ProfileGrid`` (by default ``ProfileGrid.transformer``: the
 GEMM shapes of transformer training for hidden 1024-8192 and 2k-16k tokens per microbatch, or a

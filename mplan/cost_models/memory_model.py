@@ -228,7 +228,7 @@ def backward_peak(kept: Sequence[float], working: Sequence[float], grads: Sequen
     comes late, nearly every gradient made while the first layer re-runs and the embedding's
     backward makes its tied weight's gradient again; the larger of all the activations and all
     the gradients missed it by 9.5-11% of the peak on an H100 (Gemma-2B, Qwen3-1.7B and
-    SmolLM2-1.7B shapes at micro-batch 8: 1.4-2.1 GiB, benchmarks/hf_bench.py)."""
+    SmolLM2-1.7B shapes at micro-batch 8: 1.4-2.1 GiB, benchmarks/calibration/bench_cli.py)."""
     if not len(kept) == len(working) == len(grads) == len(again):
         raise ValueError("backward_peak: one kept, working, grads and again figure per unit")
     before = sum(kept)

@@ -3,7 +3,7 @@
 Role: ``ClusterSpec.preset(name, nodes, gpus_per_node)`` and ``ClusterSpec.local()`` build from here.
 Input: a preset name (``PRESETS``), or the torchrun environment and the local device.
 Output: a ``ClusterSpec``; with ``measured=True`` the packaged measured profile of its device
-(``profiles/<device>.json``, written by ``benchmarks/profile_h200.py``) is attached when it exists.
+(``profiles/<device>.json``, written by ``python -m benchmarks.calibration profile``) is attached when it exists.
 Invariants: every number below says where it comes from: "datasheet" (NVIDIA's dense figures; its
 printed "with sparsity" values are 2x), "measured here on DATE", "published in X", or "nominal"
 (a placeholder to be replaced by a measurement). Published sources are abbreviated here (issue and

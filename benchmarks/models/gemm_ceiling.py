@@ -1,7 +1,7 @@
 """How fast can a training step of the end-to-end models get without faster GEMMs and attention?
 
-Every system in benchmarks/e2e.py (eager, torch.compile, mplan) runs the same cuBLAS GEMMs
-and the same cuDNN/flash attention; the fused kernels can only shrink the rest. This script
+Every system of the `e2e` case (eager, torch.compile, mplan) runs the same cuBLAS GEMMs
+and the same cuDNN/flash attention; the fused kernels can only shrink the rest. This case
 times, alone on the GPU, every GEMM one training step issues (per nn.Linear: the forward
 x W^T (+ bias), the input gradient dy W and the weight gradient dy^T x, as autograd issues
 them, the output head included) and causal attention's forward and backward at the model's
@@ -13,11 +13,12 @@ system built on these kernels. Given an e2e result (--e2e), it reports per model
     budget_ms         eager / 1.15 - fixed_ms: what everything else may take for the issue's
                       1.15x target
     rest_floor_ms     the rest's fewest bytes at the copy bandwidth measured here (norms,
-                      activations, residual adds, cross-entropy, AdamW), from the fusion registry's traffic (mplan.fusion)
-                      where it prices the op and counted in this docstring's terms otherwise
+                      activations, residual adds, cross-entropy, AdamW), from the fusion registry's
+                      traffic (mplan.fusion) where it prices the op and counted in this docstring's
+                      terms otherwise
 
 Run on the GPU (from the repository root; about half a minute):
-    PYTHONPATH=. python3 benchmarks/gemm_ceiling.py --e2e benchmarks/results/e2e_h200-2026-11-29.json \
+    PYTHONPATH=. python -m benchmarks.models gemm-ceiling --e2e benchmarks/results/e2e_h200-2026-11-29.json \
         --out $OUT/gemm_ceiling.json
 """
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 from collections import Counter
 from typing import Any
@@ -34,12 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.e2e import FULL, TARGET_VS_EAGER, Workload  # noqa: E402
-from benchmarks.gpu_time import copy_tbps, kernel_ms  # noqa: E402
-from benchmarks.report import write_report  # noqa: E402
-from mplan.models import GPTConfig, build_model  # noqa: E402
+from benchmarks.gpu_time import copy_tbps, kernel_ms
+from benchmarks.models.workloads import FULL, TARGET_VS_EAGER, Workload
+from mplan.models import GPTConfig, build_model
 
 DTYPE = torch.bfloat16
 ITEM = 2
@@ -103,11 +100,11 @@ def rest_bytes(workload: Workload, num_params: int) -> int:
     return c.num_layers * (norms + mlp) + 3 * logits + 7 * num_params * ITEM
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--e2e", help="an e2e result, for the bounds against its eager step")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda")
     e2e = json.load(open(args.e2e, encoding="utf-8"))["models"] if args.e2e else {}
     bandwidth = copy_tbps() * 1e9  # bytes per ms
@@ -138,8 +135,4 @@ def main() -> None:
                        budget_ms=round(eager / TARGET_VS_EAGER - fixed, 2))
         print(f"{workload.name}: {row}", file=sys.stderr, flush=True)
         report["models"][workload.name] = row
-    write_report(args.out, report)
-
-
-if __name__ == "__main__":
-    main()
+    return report

@@ -1,6 +1,6 @@
-"""The Hugging Face families benchmarks/peers.py races mplan on: one `Family` per transformers
-class, at a size that trains on one H100 beside its three peers (about 0.6-1.3B parameters), or
-tiny for the CPU smoke test.
+"""The Hugging Face families the `peers` case (benchmarks/models/peers.py) races mplan on: one
+`Family` per transformers class, at a size that trains on one H100 beside its three peers (about
+0.6-1.3B parameters), or tiny for the CPU smoke test.
 
 Chosen for the layer forms they bring, each captured by mplan (`python -m mplan inspect` on the
 tiny config; tests/test_fusion_hf.py and tests/test_fusion_forms.py test the forms):
@@ -16,7 +16,7 @@ tiny config; tests/test_fusion_hf.py and tests/test_fusion_forms.py test the for
     cohere     LayerNorm without a bias, a parallel attention + MLP block, interleaved RoPE,
                logits times logit_scale, 256k vocabulary (no Liger patch)
     stablelm   LayerNorm with a bias, RoPE on a quarter of each head (no Liger patch)
-    llama      TinyLlama-1.1B's shape: benchmarked before (benchmarks/hf_models.py), the anchor
+    llama      TinyLlama-1.1B's shape: benchmarked before (the `hf-models` case), the anchor
 Only llama was benchmarked before. Batches: 2 x 2048 tokens where the vocabulary is 256k (the
 eager peers materialize [tokens, vocab] logits in fp32), 4 x 2048 above 100k, 8 x 2048 below, but
 4 x 2048 for llama's 22 layers: four systems stay resident on one 80 GB card (about 8 bytes a

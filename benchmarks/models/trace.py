@@ -12,17 +12,14 @@ management, not the program: the densest program draws the most power and is thr
 
 Why it exists (issue 35): mplan's graphed steps spread 1.3-3.3% against torch.compile's 0.6-1.7%
 on the same models, and replays run the same kernels every step, so the question was whether the
-card or mplan moves the step. Run by `peers.py --gpu-trace TRACE.csv` (the JSON gains "gpu_trace"
-per family); on an earlier run's files:
-    PYTHONPATH=. python3 benchmarks/gpu_trace.py --report RESULT.json --trace TRACE.csv
+card or mplan moves the step. Run by the `peers` case's `--gpu-trace TRACE.csv` (the JSON gains
+"gpu_trace" per family); the `gpu-trace` case does the same on an earlier run's files.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
 import datetime
-import json
 import statistics
 import subprocess
 from collections.abc import Iterator, Sequence
@@ -95,7 +92,7 @@ def by_system(steps: dict[str, dict[str, Any]], samples: Sequence[tuple[float, f
 
 
 def annotate(report: dict[str, Any], trace: str) -> dict[str, Any]:
-    """`report` (peers.py's) with "gpu_trace" added to each family that ran, from the CSV `trace`."""
+    """`report` (the `peers` case's) with "gpu_trace" added to each family that ran, from the CSV `trace`."""
     samples = read_trace(trace)
     for table in (report.get("families", {}), report.get("own", {})):
         for entry in table.values():
@@ -103,20 +100,3 @@ def annotate(report: dict[str, Any], trace: str) -> dict[str, Any]:
                 entry["gpu_trace"] = by_system(entry["systems"], samples)
     return report
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--report", required=True, help="peers.py's JSON, rewritten with the trace's figures")
-    parser.add_argument("--trace", required=True, help="the CSV `peers.py --gpu-trace` wrote")
-    args = parser.parse_args()
-    with open(args.report, encoding="utf-8") as handle:
-        report = annotate(json.load(handle), args.trace)
-    with open(args.report, "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=1)
-    for family, entry in report.get("families", {}).items():
-        for system, figures in entry.get("gpu_trace", {}).items():
-            print(family, system, json.dumps(figures))
-
-
-if __name__ == "__main__":
-    main()

@@ -2,10 +2,10 @@
 Kernel (where Liger patches the family) and mplan, all in one run, family by family (issue 35's
 "must show"; the question "is mplan's training step the fastest on the models users bring?").
 
-The families (benchmarks/peer_families.py says which and why) are built from their configs (no
+The families (benchmarks/models/families.py says which and why) are built from their configs (no
 download), bf16 parameters, use_cache=False. Every system trains the same seed-0 weights on the
 same FRESH batches (step k of every system trains on batch k; Zipf-like tokens, as in
-benchmarks/hf_models.py) with fused AdamW (lr 1e-4 after --lr-warmup steps of linear warm-up),
+the `hf-models` case) with fused AdamW (lr 1e-4 after --lr-warmup steps of linear warm-up),
 global-norm clipping at 1.0, the loss read back every step:
     eager    the HF model, its loss from labels=
     compile  torch.compile(HF model) (default mode; its warm-up includes the compile)
@@ -15,13 +15,14 @@ global-norm clipping at 1.0, the loss read back every step:
     liger    the HF model patched by liger_kernel.transformers.apply_liger_kernel_to_<family>(model=...)
              with the patch's own defaults; recorded as not supported where Liger has no patch
 
-Isolation. Each family runs in its own process (this script with --family NAME), so one family's
+Isolation. Each family runs in its own process (this case with --family NAME), so one family's
 failure (an exception, an out-of-memory, a hang past --family-timeout-s) is recorded and the next
 family still runs; the JSON is rewritten after every family. Liger patches transformers' modules
-globally, so within a family the liger system runs in a child process of its own (this script with
+globally, so within a family the liger system runs in a child process of its own (this case with
 --system liger), driven over a pipe; all four systems stay resident and take turns in --rounds
 interleaved rounds whose order rotates, each process emptying its CUDA cache before the other's turn
-(benchmarks/hf_models.py's method, whose child protocol and loss checks this script shares).
+(the `hf-models` case's method, whose child protocol and loss checks this case shares:
+benchmarks/models/child.py, hf_step.py).
 
 Reported per family and system: median step time, the coefficient of variation of the timed steps
 (standard deviation / mean), peak memory above what was allocated before its build, first-step and
@@ -29,26 +30,26 @@ set-up times, every loss and gradient norm. Per family: mplan_vs_<peer> and mpla
 the MEDIAN OF PER-ROUND RATIOS (the peer's time in round r / mplan's time in round r; the best peer
 is the one with the lowest median step), so a slow round of one system does not decide the figure;
 mplan's peak memory over the lowest peer's; mplan's, compile's and liger's losses against eager's
-(hf_models.loss_agreement); mplan's fusion report (which kernels fired, which entries missed
+(hf_step.loss_agreement); mplan's fusion report (which kernels fired, which entries missed
 and why, and per block type the memory-bound ops left: `mplan inspect`'s coverage). The card,
 torch, triton, transformers and liger-kernel versions are in the JSON.
 Targets (issue 35): mplan_vs_best_peer >= 1.0, mplan's peak <= 1.10 x the lowest peer's, losses agree.
 
---own gpt,llama adds mplan's own GPT-1.3B and Llama-1.1B (benchmarks/e2e.py's workloads on its
-memorized batch, eager/compile/mplan, through hf_models.run_family) after the families, under
+--own gpt,llama adds mplan's own GPT-1.3B and Llama-1.1B (the `e2e` case's workloads on its
+memorized batch, eager/compile/mplan, through contest.race_own_model) after the families, under
 "own", with the targets issue 35 keeps (GPT >= 1.05x eager, Llama >= 1.3x eager, both >= compile)
-and this script's per-round ratios and step spread beside them ("per_round").
+and this case's per-round ratios and step spread beside them ("per_round").
 
 Run on the GPU (from the repository root, Liger from the carried wheels; a device call has 600 s,
 about 1.5-2 minutes a family with its cold torch.compile, so a few families a call):
     pip install --no-index --find-links .device_wheels --no-deps liger-kernel pulp highspy
-    PYTHONPATH=. python3 benchmarks/peers.py --families gemma2,phi3,qwen3 --out $OUT/peers_a.json
-    PYTHONPATH=. python3 benchmarks/peers.py --families "" --own gpt,llama --out $OUT/peers_own.json
-    PYTHONPATH=. python3 benchmarks/peers.py --families "" --own gpt --own-pairs --systems eager,compile,mplan \
+    PYTHONPATH=. python -m benchmarks.models peers --families gemma2,phi3,qwen3 --out $OUT/peers_a.json
+    PYTHONPATH=. python -m benchmarks.models peers --families "" --own gpt,llama --out $OUT/peers_own.json
+    PYTHONPATH=. python -m benchmarks.models peers --families "" --own gpt --own-pairs --systems eager,compile,mplan \
         --out $OUT/peers_own_pairs.json      # GPT-1.3B with graphs: a pair at a time fits
 Smoke test of the same code paths on a CPU (tiny configs; compile only if named in --systems; liger
 skipped, or with --smoke-child its slot run by the plain HF model in the child process):
-    PYTHONPATH=. python3 benchmarks/peers.py --device cpu --small --out /tmp/peers.json
+    PYTHONPATH=. python -m benchmarks.models peers --device cpu --small --out /tmp/peers.json
 """
 from __future__ import annotations
 
@@ -76,42 +77,33 @@ from unittest import mock
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import mplan  # noqa: E402
-from benchmarks.e2e import (  # noqa: E402
-    MAX_GRAD_NORM,
-    SYSTEMS,
-    Running,
-    Setting,
-    Step,
-    timed_rounds,
-    warm_up,
-)
-from benchmarks.hf_models import (  # noqa: E402
+import mplan
+from benchmarks.harness import add_device_flags
+from benchmarks.models import trace
+from benchmarks.models.child import PipeChild, answer_commands
+from benchmarks.models.contest import PROFILE_STEPS, race_own_model
+from benchmarks.models.families import Family, families, family
+from benchmarks.models.hf_step import (
     BATCH_SEED,
     LOSS_MEAN_RTOL,
     LOSS_STEP_RTOL,
     ZIPF_OFFSET,
     Feed,
-    PipeChild,
-    _hf_step,
-    answer_commands,
     fingerprint,
+    hf_step,
+    initial_model,
     loss_agreement,
-    profile_steps,
     token_batches,
 )
-from benchmarks.peer_families import Family, families, family  # noqa: E402
-from benchmarks import gpu_trace  # noqa: E402
-from benchmarks.report import Clock, run_header, write_report  # noqa: E402
-from mplan.fusion.coverage import fusion_coverage  # noqa: E402
+from benchmarks.models.kernel_profile import profile_steps
+from benchmarks.models.timing import Running, timed_rounds, warm_up
+from benchmarks.models.workloads import FULL, MAX_GRAD_NORM, SMALL, SYSTEMS, Setting, Step
+from benchmarks.report import Clock, run_header, write_report
+from mplan.fusion.coverage import fusion_coverage
 
-MODEL_SEED = 0
 PEERS = ("eager", "compile", "liger")
 TARGET_VS_BEST_PEER = 1.0
 TARGET_PEAK_VS_LOWEST_PEER = 1.10
-PROFILE_STEPS = 2
 STDERR_TAIL_LINES = 40
 """lines of a failed family process's stderr kept in its entry"""
 PACKAGES = ("torch", "triton", "transformers", "liger-kernel")
@@ -122,29 +114,18 @@ OWN_KINDS = ("gpt", "llama")
 
 # ---- model and systems -------------------------------------------------------------------------
 
-@functools.cache
-def initial_model(fam: Family) -> nn.Module:
-    """The seed-0 model on the CPU in bf16, built once per process and copied to the device for
-    each system; the liger child builds the same (fingerprints compared)."""
-    transformers = importlib.import_module("transformers")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(MODEL_SEED)
-        module = getattr(transformers, fam.model_class)(fam.config())
-    return module.to(torch.bfloat16).train()
-
-
 def _on_device(fam: Family, setting: Setting) -> nn.Module:
     return copy.deepcopy(initial_model(fam)).to(setting.device)
 
 
 def build_eager(fam: Family, setting: Setting, batches: list[torch.Tensor]) -> tuple[Step, dict[str, Any]]:
     module = _on_device(fam, setting)
-    return _hf_step(module, module, batches, setting), {"pipeline": f"{fam.model_class}, loss from labels="}
+    return hf_step(module, module, batches, setting), {"pipeline": f"{fam.model_class}, loss from labels="}
 
 
 def build_compile(fam: Family, setting: Setting, batches: list[torch.Tensor]) -> tuple[Step, dict[str, Any]]:
     module = _on_device(fam, setting)
-    return _hf_step(module, torch.compile(module), batches, setting), {"pipeline": "torch.compile(model)"}
+    return hf_step(module, torch.compile(module), batches, setting), {"pipeline": "torch.compile(model)"}
 
 
 def build_liger(fam: Family, setting: Setting, batches: list[torch.Tensor]) -> tuple[Step, dict[str, Any]]:
@@ -154,7 +135,7 @@ def build_liger(fam: Family, setting: Setting, batches: list[torch.Tensor]) -> t
     patch = getattr(importlib.import_module("liger_kernel.transformers"), fam.liger_patch)
     patch(model=module)
     defaults = {k: p.default for k, p in inspect.signature(patch).parameters.items() if k != "model"}
-    return _hf_step(module, module, batches, setting), {
+    return hf_step(module, module, batches, setting), {
         "pipeline": f"liger_kernel.transformers.{fam.liger_patch}(model=instance)", "liger_options": defaults}
 
 
@@ -207,7 +188,7 @@ rounds (--systems ...,mplan_eager), so that what the graphs buy is measured, not
 
 def start_system(name: str, fam: Family, setting: Setting, batches: list[torch.Tensor],
                  warmup: int) -> Running | dict[str, Any]:
-    """e2e.warm_up (build, first step, warm-up steps, peak memory) on this script's builder."""
+    """`timing.warm_up` (build, first step, warm-up steps, peak memory) on this case's builder."""
     with mock.patch.dict(SYSTEMS, {name: functools.partial(BUILDERS[name], batches=batches)}):
         return warm_up(name, fam, setting, warmup)  # type: ignore[arg-type]
 
@@ -232,7 +213,8 @@ class Child(PipeChild):
     docstring says why), driven over hf_models's pipe protocol."""
 
     def __init__(self, fam: Family, args: argparse.Namespace, system: str) -> None:
-        command = [sys.executable, os.path.abspath(__file__), "--system", system, "--family", fam.name,
+        command = [sys.executable, "-m", "benchmarks.models", "peers", "--out", os.devnull, "--system", system,
+                   "--family", fam.name,
                    "--device", args.device, "--warmup", str(args.warmup), "--steps", str(args.steps),
                    "--rounds", str(args.rounds), "--lr-warmup", str(args.lr_warmup)]
         super().__init__(command + (["--small"] if args.small else []) + (["--profile"] if args.profile else []))
@@ -248,7 +230,8 @@ def serve_child(args: argparse.Namespace) -> None:
     initial_model(fam)  # the CPU build, while the parent builds its own systems
     answer_commands(answers, setting,
                     lambda: start_system(args.system, fam, setting,
-                                         token_batches(fam, batch_count(args), setting.device),  # type: ignore[arg-type]
+                                         token_batches(fam, batch_count(args),  # type: ignore[arg-type]
+                                                       setting.device),
                                          args.warmup),
                     lambda: fingerprint(initial_model(fam)))
 
@@ -384,14 +367,11 @@ def run_family(fam: Family, names: list[str], args: argparse.Namespace) -> dict[
 
 def run_own(kind: str, names: list[str], args: argparse.Namespace) -> dict[str, Any]:
     """One of mplan's own models (e2e's GPT-1.3B or Llama-1.1B, on its memorized batch)
-    through hf_models.run_family, with issue 19's targets (which issue 35 keeps), plus this
-    script's per-round ratios and step spread."""
-    from benchmarks.e2e import FULL, SMALL
-    from benchmarks.hf_models import run_family as run_own_family
-
+    through contest.race_own_model, with issue 19's targets (which issue 35 keeps), plus this
+    case's per-round ratios and step spread."""
     setting = Setting(device=torch.device(args.device), precision="bf16", lr_warmup=args.lr_warmup)
     (workload,) = [w for w in (SMALL if args.small else FULL) if w.name.split("-")[0] == kind]
-    entry = run_own_family(workload, [name for name in names if name in ("eager", "compile", "mplan")], args,
+    entry = race_own_model(workload, [name for name in names if name in ("eager", "compile", "mplan")], args,
                            setting, Clock())
     for row in entry["systems"].values():
         summarize(row, steps_per_round(args))
@@ -423,7 +403,7 @@ def run_family_process(name: str, args: argparse.Namespace, scratch: str, system
     killed together), racing `systems` (default: --systems); its entry, which it writes under
     `scratch` (`tag` tells apart several processes of one family), or what is known of its failure."""
     part = os.path.join(scratch, f"{name.replace(':', '_')}{tag}.json")
-    command = [sys.executable, os.path.abspath(__file__), "--family", name, "--part", part,
+    command = [sys.executable, "-m", "benchmarks.models", "peers", "--family", name, "--out", part,
                "--parent", str(os.getpid()), "--device", args.device, "--systems", systems or args.systems,
                "--warmup", str(args.warmup), "--steps", str(args.steps), "--rounds", str(args.rounds),
                "--lr-warmup", str(args.lr_warmup)]
@@ -444,7 +424,10 @@ def run_family_process(name: str, args: argparse.Namespace, scratch: str, system
     reader.join(timeout=5)
     if os.path.exists(part):
         with open(part, encoding="utf-8") as handle:
-            return json.load(handle)
+            entry = json.load(handle)
+        for key in ("harness", "command"):  # the harness's record of the family's own command
+            entry.pop(key, None)
+        return entry
     return {"error": failure, "stderr_tail": "".join(tail)}
 
 
@@ -481,13 +464,10 @@ def exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", help="where to write the JSON results (rewritten after every family)")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the smoke test")
-    parser.add_argument("--small", action="store_true", help="tiny configs (with --device cpu: the smoke test)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_device_flags(parser)
     parser.add_argument("--families", default=",".join(f.name for f in families(small=True)),
-                        help="comma-separated families (default: all; benchmarks/peer_families.py lists them)")
+                        help="comma-separated families (default: all; benchmarks/models/families.py lists them)")
     parser.add_argument("--own", default="",
                         help="also mplan's own models, of gpt,llama (e2e's GPT-1.3B and Llama-1.1B on its "
                              "memorized batch; eager, compile and mplan), after the families")
@@ -496,8 +476,8 @@ def parse_args() -> argparse.Namespace:
                              "(GPT-1.3B with CUDA graphs does not fit beside two resident peers: the graph's pool "
                              "keeps a step's activations); each ratio then comes from its own pair's rounds")
     parser.add_argument("--systems", default=None,
-                        help="comma-separated, of eager,compile,mplan,liger,mplan_eager (default: the first four on CUDA; "
-                             "eager,mplan,liger on a CPU, where torch.compile is slow)")
+                        help="comma-separated, of eager,compile,mplan,liger,mplan_eager (default: the first four on "
+                             "CUDA; eager,mplan,liger on a CPU, where torch.compile is slow)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="steps before timing (their losses are checked; default 3, --small 2)")
     parser.add_argument("--steps", type=int, default=None,
@@ -517,18 +497,17 @@ def parse_args() -> argparse.Namespace:
                         help=f"after timing, profile {PROFILE_STEPS} steps of each system by kernel category")
     parser.add_argument("--gpu-trace", default=None,
                         help="CSV the card's SM clock, power, temperature and clock-event reasons go to every "
-                             f"{gpu_trace.GPU_TRACE_MS} ms while the families run (nvidia-smi; benchmarks/gpu_trace.py "
+                             f"{trace.GPU_TRACE_MS} ms while the families run (nvidia-smi; benchmarks/models/trace.py "
                              "lines it up with each system's steps into the JSON's gpu_trace)")
     parser.add_argument("--smoke-child", action="store_true",
                         help="CPU smoke test: run the liger slot's child process with the plain HF model "
                              "(tests the child protocol; its row says stand_in)")
     parser.add_argument("--family", help=argparse.SUPPRESS)  # one family's process, or the child's family
-    parser.add_argument("--part", help=argparse.SUPPRESS)  # where a family's process writes its entry
     parser.add_argument("--parent", type=int, help=argparse.SUPPRESS)  # the pid a family's process exits without
     parser.add_argument("--system", choices=["liger", "eager"], help=argparse.SUPPRESS)  # the child process
-    args = parser.parse_args()
-    if args.system is None and args.family is None and args.out is None:
-        parser.error("--out is required")
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Fills the defaults that depend on --device and --small; a ValueError names an unknown --own."""
     if args.systems is None:
         args.systems = "eager,compile,mplan,liger" if args.device == "cuda" else "eager,mplan,liger"
     for name, full, small in (("warmup", 3, 2), ("steps", 12, 2), ("rounds", 4, 2)):
@@ -540,16 +519,17 @@ def parse_args() -> argparse.Namespace:
         family(name, small=True)  # an unknown name fails here, naming the known ones
     unknown = set(args.own.split(",")) - set(OWN_KINDS) - {""}
     if unknown:
-        parser.error(f"--own: unknown {', '.join(sorted(unknown))}; known: {', '.join(OWN_KINDS)}")
-    return args
+        raise ValueError(f"--own: unknown {', '.join(sorted(unknown))}; known: {', '.join(OWN_KINDS)}")
 
 
-def main() -> None:
-    args = parse_args()
+def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The race; in a family's process (`--family NAME`) that family's entry, in the liger child
+    (`--system liger`) its side of the pipe (no report)."""
+    check_arguments(args)
     BUILDERS["mplan"] = functools.partial(build_mplan, cuda_graphs=not args.no_cuda_graphs)
     if args.system is not None:
         serve_child(args)
-        return
+        return None
     if args.family is not None:
         if args.parent is not None:
             exit_with_parent(args.parent)
@@ -559,8 +539,7 @@ def main() -> None:
                      else run_family(family(args.family, args.small), names, args))
         except Exception:  # noqa: BLE001 - recorded as the family's error; the run goes on
             entry = {"error": traceback.format_exc()}
-        write_report(args.part, entry)
-        return
+        return entry
     clock = Clock()
     per_round = steps_per_round(args)
     report: dict[str, Any] = {
@@ -579,7 +558,7 @@ def main() -> None:
                     "loss_step_rtol": LOSS_STEP_RTOL, "loss_mean_rtol": LOSS_MEAN_RTOL},
         "families": {}, "own": {},
     }
-    with tempfile.TemporaryDirectory() as scratch, gpu_trace.sampling(args.gpu_trace):
+    with tempfile.TemporaryDirectory() as scratch, trace.sampling(args.gpu_trace):
         for name in [n for n in args.families.split(",") if n] + [OWN + kind for kind in args.own.split(",") if kind]:
             table, key = (report["own"], name.removeprefix(OWN)) if name.startswith(OWN) else (report["families"], name)
             if clock.elapsed() > args.budget_s:
@@ -592,9 +571,5 @@ def main() -> None:
             report["wall_s"] = round(clock.elapsed(), 1)
             write_report(args.out, report)  # after every family: a later one's failure loses nothing
     if args.gpu_trace:  # the sampler has stopped: its file is whole
-        write_report(args.out, gpu_trace.annotate(report, args.gpu_trace))
-    clock.log(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+        return trace.annotate(report, args.gpu_trace)
+    return report

@@ -1,8 +1,8 @@
 """Does `mplan bench CONFIG.json --measure` predict the step and peak of the HF models users bring?
 
-One harness, two sets of Hugging Face configs (--configs):
+Two sets of Hugging Face configs (--configs):
 
-  seen     the three models of benchmarks/hf_models.py (Llama at TinyLlama-1.1B's shape, Mistral
+  seen     the three models of benchmarks/models/hf_models.py (Llama at TinyLlama-1.1B's shape, Mistral
            ~1B, Qwen2-1.5B), plan `auto`; target (issue 19, item 6): |error| <= 5% for both
   unseen   three configs never benchmarked here before (issue 30, "A GPU it never saw"), at
            micro-batch 1, 2 and 8 with and without recomputation; target |error| <= 10% on every row:
@@ -16,37 +16,42 @@ One harness, two sets of Hugging Face configs (--configs):
 For each config it writes the `config.json` a user would hand to mplan (transformers'
 `to_json_string`, `torch_dtype` bfloat16, `architectures` naming the class), then runs the CLI
 exactly as a user does, one process per config:
-    python3 -m torch.distributed.run --nproc-per-node 1 -m mplan bench CONFIG --cluster CLUSTER \
+    python3 -m torch.distributed.run --nproc-per-node 1 -m mplan bench CONFIG --cluster CLUSTER \\
         --global-batch 8 --seq-len 2048 --plans PLANS --measure --out ROWS.json
 and reads the rows back. CLUSTER is the packaged measured profile on an H200 (`h200`); on any other
-GPU the script first runs `mplan profile` (this machine's kernels, about 35 s) and benches on that
+GPU the case first runs `mplan profile` (this machine's kernels, about 35 s) and benches on that
 file, as a user of a GPU mplan never saw would; --cluster names another. Every measured row is
 judged: predicted against measured step time and peak memory (`mplan.bench`'s prediction_error,
 predicted / measured - 1, the memory against max_memory_allocated); a row that failed keeps its
 error and the others still run (`mplan bench` isolates rows). The report names the card, torch,
-transformers and Python, and the cluster the rows were priced on.
+transformers and Python, and the cluster the rows were priced on. The report is rewritten after
+each model (a run killed from outside keeps the models done), then once more by the harness.
 
-Until 2026-12-06 the unseen set was benchmarks/hf_measure_gpu.py (hf_measure_h100-2026-12-05.json)
-and this script priced the seen set on the h200 preset whatever the card.
+This case was benchmarks/hf_bench.py until 2026-12-07: the hf_bench_*, hf_measure* and hf_reprice-*
+results were made by `python3 benchmarks/hf_bench.py` with the same flags, but for
+hf_measure_h100-2026-12-05.json, made by benchmarks/hf_measure_gpu.py (the unseen set until
+2026-12-06, when hf_bench.py still priced the seen set on the h200 preset whatever the card).
 
 Run on the GPU (about a minute per model, most of it the CPU-side capture and the first steps; a
 256k-vocabulary model's rows take minutes):
-    PYTHONPATH=. python3 benchmarks/hf_bench.py --out $OUT/hf_bench.json
-    PYTHONPATH=. python3 benchmarks/hf_bench.py --configs unseen --models qwen3 --out $OUT/hf_measure.json
+    PYTHONPATH=. python3 -m benchmarks.calibration bench-cli --out $OUT/hf_bench.json
+    PYTHONPATH=. python3 -m benchmarks.calibration bench-cli --configs unseen --models qwen3 --out $OUT/hf_measure.json
 `--profile` adds one step per row under torch.profiler (its kernel time by kind and largest kernels,
 in the rows): the evidence where a price misses, e.g. what micro-batch 1 runs beyond 8's kernels.
 A model whose process outlived --timeout-s after writing its rows (they are rewritten after each
 plan) is judged on them; `--rejudge` re-reads an earlier run's rows files from the folder beside
---out (`<stem>_work/`) and rewrites its judgements, running nothing.
+--out (`<stem>_work/`) and rewrites its judgements into --out, running nothing.
 Priced again on a CPU after a cost-model change, beside earlier runs' measurements, each row as the
 plan that ran (its resolved spec: an `auto` row is not searched again), several runs of one config
 joining (e.g. a later call that measured the rows an earlier one's budget cut); the seen set's H200 run
 with `--reprice benchmarks/results/hf_bench_h200-2026-12-02.json --cluster h200`:
-    PYTHONPATH=. python3 benchmarks/hf_bench.py --reprice benchmarks/results/hf_measure_h100-2026-12-06-qwen3.json \
+    PYTHONPATH=. python3 -m benchmarks.calibration bench-cli \\
+        --reprice benchmarks/results/hf_measure_h100-2026-12-06-qwen3.json \\
         --cluster benchmarks/results/profile_h100-2026-12-06-graphed.json --out /tmp/repriced.json
 Smoke test on a CPU (tiny configs, one gloo rank, the cpu cluster preset; nothing is judged):
-    PYTHONPATH=. python3 benchmarks/hf_bench.py --device cpu --small --out /tmp/hf_bench.json
-    PYTHONPATH=. python3 benchmarks/hf_bench.py --configs unseen --device cpu --small --out /tmp/hf_measure.json
+    PYTHONPATH=. python3 -m benchmarks.calibration bench-cli --device cpu --small --out /tmp/hf_bench.json
+    PYTHONPATH=. python3 -m benchmarks.calibration bench-cli --configs unseen --device cpu --small \\
+        --out /tmp/hf_measure.json
 """
 from __future__ import annotations
 
@@ -61,9 +66,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import hf_models  # noqa: E402  (the seen set: the same three models, by the same definitions)
 
 UNSEEN_PLANS = ("mbs=1", "mbs=2", "mbs=8", "mbs=1,recompute=selective", "mbs=2,recompute=selective",
                 "mbs=8,recompute=selective", "mbs=8,recompute=full")
@@ -118,6 +120,9 @@ def write_config(name: str, directory: Path, *, small: bool) -> Path:
     """The named config's config.json as transformers writes it, in bf16, naming its class."""
     if name in UNSEEN:
         return _write_unseen(name, directory, small=small)
+    # the seen set: the same three models, by the same definitions (imported here: it loads mplan and the race)
+    from benchmarks.models import hf_step as hf_models
+
     model = {m.name: m for m in hf_models._families(small)}[name]
     config = model.config()
     config.architectures = [model.model_class]
@@ -208,8 +213,8 @@ def judge(rows: dict[str, Any], *, target: float) -> list[dict[str, Any]]:
     return judged
 
 
-def rejudge(out: Path, configs: str, small: bool) -> int:
-    """Judge an earlier report's models on the rows files its run left (module docstring); a model
+def rejudge(out: Path, configs: str, small: bool) -> dict[str, Any]:
+    """Judge again an earlier report's models on the rows files its run left (module docstring); a model
     whose rows exist but whose report entry does not (the run was killed in it) is added, and so is
     the report itself where the run was killed before writing one (then its versions are unknown)."""
     work = out.parent / (out.stem + "_work")
@@ -242,8 +247,7 @@ def rejudge(out: Path, configs: str, small: bool) -> int:
         print(f"{name}: {json.dumps(result['judged'])}")
     judged = [row for result in report["models"].values() for row in result["judged"]]
     report["summary"] = summary(judged)
-    out.write_text(json.dumps(report, indent=1))
-    return 0
+    return report
 
 
 def summary(judged: list[dict[str, Any]]) -> dict[str, int]:
@@ -252,7 +256,7 @@ def summary(judged: list[dict[str, Any]]) -> dict[str, int]:
             "within_target": sum(bool(r.get("within_target")) for r in judged)}
 
 
-def reprice(measured: list[Path], out: Path, cluster: str) -> int:
+def reprice(measured: list[Path], cluster: str) -> dict[str, Any]:
     """Price earlier runs' configs and plans again with this checkout's cost model (`mplan bench`
     without --measure, on `cluster`) and set each price beside its run's measured step: how a cost
     model change moves the error on steps already measured, with no GPU. The configs are the ones the
@@ -279,11 +283,11 @@ def reprice(measured: list[Path], out: Path, cluster: str) -> int:
     configs: dict[str, dict[str, Any]] = {}
     for path, then in runs:
         if (then["global_batch"], then["seq_len"]) != (first["global_batch"], first["seq_len"]):
-            raise SystemExit(f"{path.name}: global batch {then['global_batch']} and sequence {then['seq_len']}, "
+            raise ValueError(f"{path.name}: global batch {then['global_batch']} and sequence {then['seq_len']}, "
                              f"where {runs[0][0].name} has {first['global_batch']} and {first['seq_len']}")
         for name, result in then["models"].items():
             if configs.setdefault(name, result["config"]) != result["config"]:
-                raise SystemExit(f"{path.name}: model {name}'s config differs from an earlier run's")
+                raise ValueError(f"{path.name}: model {name}'s config differs from an earlier run's")
             measured_rows.setdefault(name, []).extend(
                 (path.name, r) for r in result.get("rows", {}).get("plans", [])
                 if (r.get("measured") or {}).get("step_time_s"))
@@ -308,9 +312,7 @@ def reprice(measured: list[Path], out: Path, cluster: str) -> int:
             peak = "" if row["peak_error_now"] is None else \
                 f"; peak {row['peak_error_then']:+.1%} -> {row['peak_error_now']:+.1%}"
             print(f"{name} {row['spec']}: {row['error_then']:+.1%} -> {row['error_now']:+.1%}{peak}", flush=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
-    return 0
+    return report
 
 
 def _repriced_row(source: str, row: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
@@ -327,9 +329,7 @@ def _repriced_row(source: str, row: dict[str, Any], now: dict[str, Any]) -> dict
             "peak_error_now": now["allocated_gib"] / peak - 1 if peak else None}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="where to write the JSON results")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default="seen", choices=sorted(SETS), help="which set (module docstring)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the smoke test")
     parser.add_argument("--small", action="store_true", help="tiny configs (the smoke test)")
@@ -346,17 +346,19 @@ def main() -> int:
     parser.add_argument("--reprice", nargs="+", default=None, metavar="MEASURED_JSON",
                         help="measure nothing: price earlier runs' configs and plans again on this machine "
                              "(--cluster: the profile to price on) beside their measurements")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.rejudge:
         return rejudge(Path(args.out), args.configs, args.small)
     if args.reprice:
         if not args.cluster:
-            parser.error("--reprice needs --cluster: the profile to price on")
-        return reprice([Path(p) for p in args.reprice], Path(args.out), args.cluster)
+            raise ValueError("--reprice needs --cluster: the profile to price on")
+        return reprice([Path(p) for p in args.reprice], args.cluster)
     chosen = SETS[args.configs]
     models = args.models.split(",") if args.models else list(chosen.models)
     if unknown := [m for m in models if m not in chosen.models]:
-        parser.error(f"--models {','.join(unknown)}: the {args.configs} set has {','.join(chosen.models)}")
+        raise ValueError(f"--models {','.join(unknown)}: the {args.configs} set has {','.join(chosen.models)}")
     plans = args.plans or list(chosen.plans)
     timeout_s = args.timeout_s or chosen.timeout_s
 
@@ -391,10 +393,5 @@ def main() -> int:
         print(f"{name}: {json.dumps(result['judged'])}", flush=True)
         out.write_text(json.dumps(report, indent=1))
     report["summary"] = summary([row for result in report["models"].values() for row in result["judged"]])
-    out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}: {json.dumps(report['summary'])}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    print(f"summary: {json.dumps(report['summary'])}")
+    return report

@@ -1,4 +1,5 @@
-"""Join what benchmarks/train_gpu.sh wrote into one results file (issues 31, 32, 33).
+"""Join what benchmarks/train_gpu.sh wrote into one results file (issues 31, 32, 33): the step times
+of `mplan train` on one GPU against the plan's prediction.
 
 Reads, from the folder given (the device call's $OUT): gpu.txt (the card; torch, triton and
 transformers versions), data.json (`mplan data prepare --json`), train_gpu_metrics.jsonl (one row
@@ -6,8 +7,13 @@ per step of `mplan train`, with the plan's predictions), checkpoint_time.json an
 where present. Writes one JSON with the run's step-time statistics against the prediction (median
 over every step after the first, the median without steps over SLOW x it, their spread), peak
 memory against the prediction, first and last losses, and the other two files as they are.
+Nothing is measured here; it runs on any machine.
 
-    python3 benchmarks/train_gpu_summary.py $OUT -o $OUT/train_gpu.json      (train_gpu.sh's last step)
+    PYTHONPATH=. python3 -m benchmarks.calibration train-summary $OUT -o $OUT/train_gpu.json  (train_gpu.sh's end)
+
+This case was benchmarks/train_gpu_summary.py until 2026-12-07 (train_gpu-2026-12-06.json's figures
+were joined by it, `python3 benchmarks/train_gpu_summary.py $OUT -o $OUT/train_gpu.json`, then
+assembled by hand).
 """
 from __future__ import annotations
 
@@ -56,14 +62,9 @@ def summarize(folder: Path) -> dict[str, Any]:
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("folder", type=Path, help="where train_gpu.sh wrote its files ($OUT)")
-    parser.add_argument("-o", "--out", required=True, help="the JSON to write")
-    args = parser.parse_args()
-    Path(args.out).write_text(json.dumps(summarize(args.folder), indent=1))
-    return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    return summarize(args.folder)

@@ -1,4 +1,4 @@
-"""Profile one CUDA GPU's kernels and write the packaged H200 profile.
+"""Profile one CUDA GPU's kernels and write the card's packaged profile, with a summary for review.
 
 Times a bf16 GEMM grid covering transformer training shapes (hidden 1024-8192 split by TP 1-8, MLP
 up to 32768 features, 512-16384 tokens per microbatch), SDPA attention (forward, forward+backward;
@@ -8,47 +8,50 @@ tensor; streams of tiny ops with the GPU idle), using
 ``mplan.cost_models.measure_device.profile_device``; about a minute on an H200 (budget: 3 minutes).
 
 Writes
-  * ``mplan/cost_models/profiles/h200.json``: a ClusterProfile (``"format": "mplan.profile"``) with the
-    device tables, which ``ClusterSpec.preset("h200" | "dgx-h200")`` attaches automatically;
-  * ``benchmarks/results/profile_h200-<date>.json``: the same profile plus a summary (achieved TFLOP/s
-    of a few reference GEMMs next to the figures of mplan/cost_models/reference/h200-measured-2026-11-29.json,
-    and the wall time), for review.
+  * ``--profile`` (default ``mplan/cost_models/profiles/<--card>.json``, the H200's by default): a
+    ClusterProfile (``"format": "mplan.profile"``) with the device tables, which
+    ``ClusterSpec.preset("h200" | "dgx-h200")`` attaches automatically for the H200;
+  * ``--out``: the same profile plus a summary (achieved TFLOP/s of a few reference GEMMs, interpolated
+    from the new table, next to the H200's figures of
+    mplan/cost_models/reference/h200-measured-2026-11-29.json whatever the card, and the wall time).
+
+This case was benchmarks/profile_h200.py until 2026-12-07 (profile_h200-*.json and the packaged
+h200.json were made by it: `python benchmarks/profile_h200.py`, results under
+benchmarks/results/profile_h200-DATE.json). `mplan profile` measures the same tables for any card.
 
 Run on the GPU (from the repository root):
-    python benchmarks/profile_h200.py
-    python benchmarks/profile_h200.py -o $OUT/h200.json --results $OUT/profile_h200.json   # device tool
+    PYTHONPATH=. python -m benchmarks.calibration profile --out benchmarks/results/profile_h200-DATE.json
+    PYTHONPATH=. python -m benchmarks.calibration profile --profile $OUT/h200.json --out $OUT/profile_h200.json
 Smoke test on a CPU (tiny grid, seconds):
-    python benchmarks/profile_h200.py --device cpu --quick -o /tmp/h200.json --results /tmp/r.json
+    PYTHONPATH=. python -m benchmarks.calibration profile --device cpu --quick --profile /tmp/h200.json \\
+        --out /tmp/r.json
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from mplan.cost_models.compute_cost import H200_GEMM_POINTS, ComputeCostModel
+from mplan.cost_models.measure_device import profile_device
+from mplan.cost_models.presets import make_preset
+from mplan.cost_models.profile import ClusterProfile
 
-from benchmarks.report import write_report  # noqa: E402
-from mplan.cost_models.compute_cost import H200_GEMM_POINTS, ComputeCostModel  # noqa: E402
-from mplan.cost_models.measure_device import profile_device  # noqa: E402
-from mplan.cost_models.presets import make_preset  # noqa: E402
-from mplan.cost_models.profile import ClusterProfile  # noqa: E402
+PROFILES = Path(__file__).resolve().parents[2] / "mplan" / "cost_models" / "profiles"
+"""Where the packaged profiles live (`<card>.json`)."""
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda", help="torch device to profile (cuda, cuda:1, cpu)")
-    parser.add_argument("--quick", action="store_true", help="tiny grid: a smoke test, not a profile")
+    parser.add_argument("--quick", "--small", dest="quick", action="store_true",
+                        help="tiny grid: a smoke test, not a profile")
     parser.add_argument("--dtypes", default="bf16", help="comma-separated GEMM dtypes (bf16,fp16,tf32,fp32)")
-    parser.add_argument("-o", "--output", default=os.path.join(ROOT, "mplan", "cost_models", "profiles", "h200.json"),
-                        help="where to write the profile")
-    parser.add_argument("--results", default=None,
-                        help="where to write the results copy (default benchmarks/results/profile_h200-DATE.json)")
-    return parser.parse_args()
+    parser.add_argument("--card", default="h200", help="the card's name: the packaged profile it writes by default")
+    parser.add_argument("--profile", default=None,
+                        help="where to write the profile (default mplan/cost_models/profiles/CARD.json)")
 
 
 def summary(profile: ClusterProfile, wall_s: float) -> dict[str, object]:
@@ -75,24 +78,18 @@ def summary(profile: ClusterProfile, wall_s: float) -> dict[str, object]:
             "reference_gemms": rows}
 
 
-def main() -> None:
-    args = parse_args()
+def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     device = profile_device(args.device, dtypes=tuple(args.dtypes.split(",")), quick=args.quick,
                             progress=lambda msg: print(f"[{time.perf_counter() - start:6.1f}s] {msg}", file=sys.stderr))
     wall = time.perf_counter() - start
-    note = (f"Measured by benchmarks/profile_h200.py on {device.name} on {device.measured_on}, torch "
+    note = (f"Measured by `python -m benchmarks.calibration profile` on {device.name} on {device.measured_on}, torch "
             f"{device.torch_version}; medians after warm-up (CUDA events on GPU). "
             + ("QUICK SMOKE-TEST GRID, not a real profile." if args.quick else ""))
     profile = ClusterProfile(note=note.strip(), device=device)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    profile.to_json(args.output)
-    results = args.results or os.path.join(ROOT, "benchmarks", "results",
-                                           f"profile_h200-{datetime.date.today().isoformat()}.json")
-    write_report(results, {"summary": summary(profile, wall), "profile": profile.to_dict()})
+    path = Path(args.profile) if args.profile else PROFILES / f"{args.card}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profile.to_json(str(path))
     print(json.dumps(summary(profile, wall), indent=1))
-    print(f"wrote {args.output} and {results} in {wall:.1f} s", file=sys.stderr)
-
-
-if __name__ == "__main__":
-    main()
+    print(f"wrote {path} in {wall:.1f} s", file=sys.stderr)
+    return {"summary": summary(profile, wall), "profile": profile.to_dict()}

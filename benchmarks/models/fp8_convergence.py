@@ -1,7 +1,7 @@
 """FP8 against bf16 training over a few hundred fresh batches on one GPU: do their losses converge alike?
 
-benchmarks/e2e.py compares mplan's FP8 losses with bf16's over 15 steps of one batch, which
-the models memorize: thin evidence (Llama's FP8 loss ran up to 7.2% of the first loss above
+The `e2e` case compares mplan's FP8 losses with bf16's over 15 steps of one batch, which the
+models memorize: thin evidence (Llama's FP8 loss ran up to 7.2% of the first loss above
 bf16's mid-descent in benchmarks/results/e2e_h200-2026-11-29.json). Here both train on data with
 learnable structure and a known best loss, a fresh batch every step, long enough to leave the
 steep part of the descent.
@@ -17,7 +17,7 @@ mean of -log P(label | input)). All --steps x batch sequences are drawn once, on
 weights. Why 8192 states and not the whole vocabulary: 300 steps of 8 x 2048 tokens see each of
 8192 x 8 transitions ~75 times, each of 50304 x 8 only ~12 times, too few to get near the floor.
 
-Systems (benchmarks/e2e.mplan_module, plan dp=1,tp=1,pp=1, kernels=True):
+Systems (benchmarks/models/workloads.mplan_module, plan dp=1,tp=1,pp=1, kernels=True):
     mplan      bf16 parameters and activations
     mplan_fp8  the same with fp8=True (the blocks' linears as FP8 GEMMs, delayed scaling)
 Training as e2e (fused AdamW, global-norm clipping at 1.0, the loss read back every step)
@@ -40,11 +40,11 @@ FINAL_LOSS_RTOL above bf16's (one-sided: FP8 ending lower is no failure).
 Run on the GPU (from the repository root; about 6 minutes: two CPU model builds, then per model
 and system its set-up and autotuning, ~20 s, and 300 steps at ~0.17-0.26 s; a system not started
 within --budget-s is skipped and says so; the report is rewritten after every system):
-    PYTHONPATH=. python3 benchmarks/fp8_convergence.py --out $OUT/fp8_convergence.json
+    PYTHONPATH=. python -m benchmarks.models fp8-convergence --out $OUT/fp8_convergence.json
 One model at a time: add --models gpt-1.3b (or llama-1.1b).
 Smoke test of the same code path on a CPU (tiny models on a 16-state chain, mplan's kernels on
 their references; FP8 needs a CUDA device of capability >= 8.9, so it is skipped with the reason):
-    PYTHONPATH=. python3 benchmarks/fp8_convergence.py --device cpu --small --out /tmp/fp8_convergence.json
+    PYTHONPATH=. python -m benchmarks.models fp8-convergence --device cpu --small --out /tmp/fp8_convergence.json
 """
 from __future__ import annotations
 
@@ -52,9 +52,7 @@ import argparse
 import dataclasses
 import gc
 import math
-import os
 import statistics
-import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -63,12 +61,12 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.e2e import MAX_GRAD_NORM, Setting, Workload, mplan_module, select_workloads, start_timer  # noqa: E402
-from benchmarks.report import Clock, run_header, write_report  # noqa: E402
-from mplan.kernels.fp8 import fp8_unavailable_reason  # noqa: E402
-from mplan.runtime.parallel_module import ParallelModule  # noqa: E402
+from benchmarks.harness import add_device_flags
+from benchmarks.models.timing import start_timer
+from benchmarks.models.workloads import MAX_GRAD_NORM, Setting, Workload, mplan_module, select_workloads
+from benchmarks.report import Clock, run_header, write_report
+from mplan.kernels.fp8 import fp8_unavailable_reason
+from mplan.runtime.parallel_module import ParallelModule
 
 FINAL_LOSS_RTOL = 0.01
 """FP8's final loss at most 1% above bf16's. Not measured by mplan: general knowledge of published
@@ -249,10 +247,8 @@ def run_system(workload: Workload, setting: Setting, fp8: bool, tokens: torch.Te
             torch.cuda.empty_cache()
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, help="where to write the JSON results")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the smoke test")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_device_flags(parser, small=False)
     parser.add_argument("--small", action="store_true", help="tiny models, 16 states (--device cpu: the smoke test)")
     parser.add_argument("--models", default=None, help="comma-separated workload names (default: all)")
     parser.add_argument("--steps", type=int, default=None,
@@ -265,11 +261,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="the chain's and the batches' seed")
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="start no system after this many seconds (a GPU command may run 600 s)")
-    return parser.parse_args()
 
 
-def main() -> None:
-    args = parse_args()
+def run(args: argparse.Namespace) -> dict[str, Any]:
     clock = Clock()
     log = clock.log
     default = SMOKE_RECIPE if args.small else GPU_RECIPE
@@ -337,9 +331,4 @@ def main() -> None:
             entry["comparison"] = {"skipped": f"needs both systems' losses; ran: {ran or 'none'}"}
             log(f"{workload.name}: no comparison ({entry['comparison']['skipped']})")
     report["wall_s"] = round(clock.elapsed(), 1)
-    write_report(args.out, report)
-    log(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+    return report

@@ -1,8 +1,12 @@
 """Two sites on one machine: gloo ranks in two network namespaces joined by a rate-limited veth
 pair, to measure data parallelism across a slow link (issue 36, item 4).
 
-    sudo .venv/bin/python benchmarks/two_sites.py -o benchmarks/results/two_sites-cpu-2026-12-06.json
-    sudo .venv/bin/python benchmarks/two_sites.py --settings 100:5 --steps 3 --probe-only   # the link alone
+    sudo PYTHONPATH=. .venv/bin/python -m benchmarks.ranks two-sites -o benchmarks/results/two_sites-cpu-2026-12-06.json
+    sudo PYTHONPATH=. .venv/bin/python -m benchmarks.ranks two-sites --settings 100:5 --steps 3 --probe-only \\
+        -o /tmp/link.json   # the link alone
+This case was benchmarks/two_sites.py until 2026-12-07: two_sites-cpu-2026-12-06.json
+was made by `sudo .venv/bin/python benchmarks/two_sites.py -o FILE`, the same flags; it printed the
+report as well.
 
 What is built (root only; everything named `mplan2s-<pid>-<tag>-*`, so concurrent runs never
 collide, and removed in a `finally` on success, failure, Ctrl-C, SIGTERM or `--timeout`):
@@ -19,7 +23,8 @@ qdiscs. A run killed with SIGKILL cannot clean up: its ranks die with it (`_die_
 the next run deletes namespaces whose creating process is gone (`_remove_stale`).
 
 Ranks: world 4, ranks 0-1 in site0 and 2-3 in site1, each started as `ip netns exec SITE python
-this-file --worker ...` with MASTER_ADDR the site0 veth address (rank 0's TCP store listens
+-m benchmarks.ranks two-sites --worker ...` (in the extracted tree, `--commit`'s mplan first on its
+path) with MASTER_ADDR the site0 veth address (rank 0's TCP store listens
 there) and GLOO_SOCKET_IFNAME the namespace's veth. Every rank of a namespace binds that one
 address, so two ranks of one site talk to their own namespace's address: the kernel delivers
 that through the namespace's loopback, never out of the veth (local routes win), and the tbf
@@ -94,7 +99,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PREFIX = "mplan2s"
 """Namespace names are `mplan2s-<creator pid>-<random tag>-site<i>`."""
 ADDRESSES = ("10.213.0.1", "10.213.0.2")
@@ -265,11 +270,14 @@ def run_ranks(sites: TwoSites, worker_args: Sequence[str], *, timeout_s: float, 
                    "MASTER_ADDR": ADDRESSES[0], "MASTER_PORT": str(MASTER_PORT),
                    "GLOO_SOCKET_IFNAME": sites.interfaces[site], "OMP_NUM_THREADS": "1",
                    "MPLAN_TWO_SITES_IFNAME": sites.interfaces[site],
-                   "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
+                   "PYTHONPATH": os.pathsep.join([str(tree), str(REPO), os.environ.get("PYTHONPATH", "")])}
+            # in `tree`, so that no other `mplan` comes before its own on the rank's path; rank 0 prints its
+            # result as a JSON line, the harness writes no report (--out is the harness's, unused)
             with open(logs / f"rank{rank}.out", "w") as out, open(logs / f"rank{rank}.err", "w") as err:
                 procs.append(subprocess.Popen(["ip", "netns", "exec", sites.namespaces[site], sys.executable,
-                                               __file__, "--worker", *worker_args],
-                                              env=env, stdout=out, stderr=err, cwd=REPO, start_new_session=True,
+                                               "-m", "benchmarks.ranks", "two-sites", "--worker", *worker_args,
+                                               "--out", os.devnull],
+                                              env=env, stdout=out, stderr=err, cwd=tree, start_new_session=True,
                                               preexec_fn=_die_with_parent))
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs):
@@ -585,7 +593,8 @@ def two_site_cluster(setting: LinkSetting) -> Any:
     rate_gbps = (setting.rate_mbit if setting.rate_mbit is not None else UNSHAPED_MBIT) * PAYLOAD_FRACTION / 1e3
     cluster = dataclasses.replace(base, name="two-sites-cpu", num_nodes=2, gpus_per_node=RANKS_PER_SITE,
                                   links=LinkHierarchy(intra_node=intra, inter_node=unused),
-                                  source=f"{base.source}; as 2 sites of {RANKS_PER_SITE} ranks (benchmarks/two_sites.py)")
+                                  source=f"{base.source}; as 2 sites of {RANKS_PER_SITE} ranks "
+                                         "(benchmarks.ranks two-sites)")
     return cluster.with_sites(2, inter_site_gbps=rate_gbps, inter_site_latency_ms=setting.delay_ms,
                               source=f"emulated: tbf {setting.rate_mbit or 'unshaped'} Mbit/s x {PAYLOAD_FRACTION:.3f} "
                                      f"(TCP payload), {setting.delay_ms:g} ms injected one way")
@@ -688,8 +697,7 @@ def _compare(row: dict[str, Any]) -> dict[str, Any]:
             "planner_choice_measured_fastest": measured[fastest]["plan"] == chosen}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS),
                         help="RATE_MBIT:DELAY_MS per setting (RATE 'none': the veth unshaped)")
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -711,19 +719,21 @@ def main() -> None:
     parser.add_argument("--commit", default="HEAD",
                         help="the commit whose mplan package the ranks import (extracted, so that edits to "
                              "the working tree meanwhile change nothing)")
-    parser.add_argument("-o", "--output", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=("probe", "train"), help=argparse.SUPPRESS)
     parser.add_argument("--plan", help=argparse.SUPPRESS)
     parser.add_argument("--cluster", help=argparse.SUPPRESS)
     parser.add_argument("--delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--rate-mbit", type=lambda s: None if s == "none" else float(s), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The driver (root): every setting's sites built, measured and removed; or, with `--worker`, one rank."""
     if args.worker:
         _worker(args)
-        return
+        return None
     if os.geteuid() != 0:
-        raise SystemExit("two_sites: network namespaces need root")
+        raise SystemExit("two-sites: network namespaces need root")
     stale = _remove_stale()
     if stale:
         print(f"removed namespaces left by dead runs: {', '.join(stale)}", file=sys.stderr)
@@ -741,26 +751,19 @@ def main() -> None:
             for setting in settings:
                 rows.append(_measure_setting(setting, args, Path(scratch), tree))
     except (Interrupted, KeyboardInterrupt) as exc:
-        raise SystemExit(f"two_sites: stopped ({exc or 'interrupted'}); its namespaces are removed") from None
+        raise SystemExit(f"two-sites: stopped ({exc or 'interrupted'}); its namespaces are removed") from None
     except RanksFailed as exc:
-        raise SystemExit(f"two_sites: {exc}") from None
-    doc = {"date": datetime.date.today().isoformat(),
-           "machine": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-           "kernel": platform.release(), "torch": torch.__version__, "python": platform.python_version(),
-           "iproute2": _ip("-V").stdout.strip(), "mplan_commit": commit, "backend": "gloo", "ranks": 2 * RANKS_PER_SITE,
-           "ranks_per_site": RANKS_PER_SITE, "threads_per_rank": 1, "dtype": args.dtype, "model": args.model,
-           "global_batch": args.batch, "mbs": args.mbs, "warmup": args.warmup, "steps": args.steps,
-           "rounds": args.rounds,
-           "link": "real: veth pair between two network namespaces, tbf rate limit on both ends' egress; "
-                   "injected: the one-way delay, each cross-site collective posted crossings x delay after it "
-                   "was asked for (the long-haul hops on its ring's chain of dependent messages: 3 for the "
-                   "4-rank all-reduce, 2 for the 2-rank one between sites, 1 for a send), the rank computing on",
-           "settings": rows}
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
-
-
-if __name__ == "__main__":
-    main()
+        raise SystemExit(f"two-sites: {exc}") from None
+    return {"date": datetime.date.today().isoformat(),
+            "machine": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+            "kernel": platform.release(), "torch": torch.__version__, "python": platform.python_version(),
+            "iproute2": _ip("-V").stdout.strip(), "mplan_commit": commit, "backend": "gloo",
+            "ranks": 2 * RANKS_PER_SITE,
+            "ranks_per_site": RANKS_PER_SITE, "threads_per_rank": 1, "dtype": args.dtype, "model": args.model,
+            "global_batch": args.batch, "mbs": args.mbs, "warmup": args.warmup, "steps": args.steps,
+            "rounds": args.rounds,
+            "link": "real: veth pair between two network namespaces, tbf rate limit on both ends' egress; "
+                    "injected: the one-way delay, each cross-site collective posted crossings x delay after it "
+                    "was asked for (the long-haul hops on its ring's chain of dependent messages: 3 for the "
+                    "4-rank all-reduce, 2 for the 2-rank one between sites, 1 for a send), the rank computing on",
+            "settings": rows}
