@@ -105,7 +105,8 @@ def test_peers_benchmark_races_every_system_on_tiny_families(tmp_path: Path) -> 
     and is compared with mplan."""
     out = tmp_path / "peers.json"
     _models("peers", "--device", "cpu", "--small", "--smoke-child", "--families", "gemma2,phi3,qwen3_moe,stablelm",
-         "--systems", "eager,mplan,mplan_eager,liger", "--own", "llama", "--out", str(out), timeout=600)
+         "--systems", "eager,mplan,mplan_eager,liger", "--own", "llama", "--steady-steps", "2", "--steady-settle", "1",
+         "--out", str(out), timeout=600)
     report = json.loads(out.read_text())
     assert report["gpu"] == "cpu (smoke test)" and {"torch", "triton", "transformers", "liger-kernel"} <= set(
         report["versions"])
@@ -117,6 +118,9 @@ def test_peers_benchmark_races_every_system_on_tiny_families(tmp_path: Path) -> 
         assert len(entry["mplan_vs_eager_per_round"]) == 2 and entry["mplan_vs_best_peer"] > 0, name
         assert "linear_cross_entropy" in systems["mplan"]["fusion"]["fused"], name
         assert entry["mplan_vs_mplan_eager"] > 0 and entry["loss_agreement"]["mplan_eager_vs_eager"]["passed"], name
+        assert set(entry["steady_cv"]) == set(systems) - {"liger"} | ({"liger"} if "stand_in" in systems["liger"]
+                                                                        else set()), name  # each system alone too
+        assert all(len(systems[s]["steady_step_s_all"]) == 2 for s in entry["steady_cv"]), name
     fused = {name: entry["systems"]["mplan"]["fusion"]["fused"] for name, entry in report["families"].items()}
     assert {"linear_group", "rope_qk", "linear_swiglu"} <= set(fused["phi3"])
     assert "linear_geglu" in fused["gemma2"]
@@ -127,6 +131,27 @@ def test_peers_benchmark_races_every_system_on_tiny_families(tmp_path: Path) -> 
     assert own["targets"]["losses_agree"] and own["per_round"]["mplan_vs_eager"] > 0, own["targets"]
     block = report["families"]["stablelm"]["systems"]["mplan"]["fusion"]["coverage"][0]  # inspect's report
     assert block["block_type"] == "StableLmDecoderLayer" and block["fused"] and {"skipped", "left"} <= set(block)
+
+
+def test_peers_judges_the_spread_of_each_system_run_alone_against_compiles() -> None:
+    """The steady block (each system alone, after the rounds): its spread and median per system, and
+    issue 35's target that mplan's spread is at most torch.compile's, judged on those blocks."""
+    from benchmarks.models.peers import compare, summarize
+
+    def row(steps: list[float], steady: list[float]) -> dict:
+        made = {"step_s_all": steps, "steady_step_s_all": steady, "peak_gib": 1.0, "losses": [1.0, 1.0],
+                "grad_norms": [1.0, 1.0]}
+        summarize(made, 2)
+        return made
+
+    rows = {"eager": row([2.0, 2.0], [2.0, 2.0]), "compile": row([1.2, 1.2], [1.2, 1.25, 1.15]),
+            "mplan": row([1.0, 1.1], [1.0, 1.02, 0.98])}
+    out = compare(rows)
+    assert out["steady_cv"]["mplan"] == pytest.approx(0.0163299, rel=1e-4)
+    assert out["steady_cv"]["mplan"] < out["steady_cv"]["compile"] and out["targets"]["steady_cv<=compile_steady_cv"]
+    assert out["mplan_vs_peers_steady"] == {"eager": 2.0, "compile": 1.2}
+    rows["mplan"] = row([1.0, 1.1], [1.0, 1.2, 0.8])
+    assert not compare(rows)["targets"]["steady_cv<=compile_steady_cv"]
 
 
 def test_peers_benchmark_records_a_family_that_fails_and_runs_the_next(tmp_path: Path) -> None:

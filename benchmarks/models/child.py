@@ -3,7 +3,7 @@
 
 Liger Kernel patches transformers' modules globally, so the `hf-models` and `peers` cases run it
 in a child process (each case's command with `--system liger`), which builds the same seed-0 model,
-waits for one command a line on stdin (`warmup`, `run K`, `profile K`, `quit`) and answers each
+waits for one command a line on stdin (`warmup`, `run K`, `steady S K`, `profile K`, `quit`) and answers each
 with one JSON line.
 """
 from __future__ import annotations
@@ -19,15 +19,15 @@ from typing import Any
 import torch
 
 from benchmarks.models.kernel_profile import profile_steps
-from benchmarks.models.timing import Running, timed_rounds
+from benchmarks.models.timing import Running, steady_block, timed_rounds
 from benchmarks.models.workloads import Setting
 
-CHILD_TIMEOUT_S = {"warmup": 400.0, "run": 180.0, "profile": 180.0, "quit": 60.0}
+CHILD_TIMEOUT_S = {"warmup": 400.0, "run": 180.0, "steady": 300.0, "profile": 180.0, "quit": 60.0}
 
 
 class PipeChild:
     """A system in its own process (the module docstring says why), driven over a pipe: one
-    command a line in (`warmup`, `run K`, `profile K`, `quit`), one JSON line out; `command`
+    command a line in (`warmup`, `run K`, `steady S K`, `profile K`, `quit`), one JSON line out; `command`
     starts it (the `hf-models` or the `peers` case in its child mode)."""
 
     def __init__(self, command: list[str]) -> None:
@@ -70,8 +70,8 @@ def answer_commands(answers: Any, setting: Setting, warm: Callable[[], Running |
                     weights: Callable[[], str]) -> None:
     """A child's side of `PipeChild`'s protocol, until `quit`: `warmup` (`warm()`: the system
     built and warmed up, the row carrying `weights()`, its initial weights' fingerprint), `run N`
-    (N timed steps), `profile N`; one JSON line to `answers` per command, an error as its row.
-    Between answers the device's cached blocks are released for the parent's systems' turn."""
+    (N timed steps), `steady S N` (S untimed steps, then N timed: `timing.steady_block`), `profile N`;
+    one JSON line to `answers` per command, an error as its row. Between answers the device's cached blocks are released for the parent's systems' turn."""
     running: Running | None = None
     while line := sys.stdin.readline():
         command, *rest = line.split()
@@ -85,6 +85,10 @@ def answer_commands(answers: Any, setting: Setting, warm: Callable[[], Running |
             elif command == "run":
                 assert running is not None, "run before a successful warmup"
                 timed_rounds({"child": running}, setting, 1, int(rest[0]))
+                answer = running.row
+            elif command == "steady":
+                assert running is not None, "steady before a successful warmup"
+                steady_block(running, setting, int(rest[0]), int(rest[1]))
                 answer = running.row
             elif command == "profile":
                 assert running is not None, "profile before a successful warmup"

@@ -96,7 +96,7 @@ from benchmarks.models.hf_step import (
     token_batches,
 )
 from benchmarks.models.kernel_profile import profile_steps
-from benchmarks.models.timing import Running, timed_rounds, warm_up
+from benchmarks.models.timing import Running, steady_block, timed_rounds, warm_up
 from benchmarks.models.workloads import FULL, MAX_GRAD_NORM, SMALL, SYSTEMS, Setting, Step
 from benchmarks.report import Clock, run_header, write_report
 from mplan.fusion.coverage import fusion_coverage
@@ -198,7 +198,8 @@ def steps_per_round(args: argparse.Namespace) -> int:
 
 
 def batch_count(args: argparse.Namespace) -> int:
-    return args.warmup + args.rounds * steps_per_round(args) + (PROFILE_STEPS if args.profile else 0)
+    return (args.warmup + args.rounds * steps_per_round(args) + args.steady_settle + args.steady_steps
+            + (PROFILE_STEPS if args.profile else 0))
 
 
 def release_cache(setting: Setting) -> None:
@@ -216,7 +217,8 @@ class Child(PipeChild):
         command = [sys.executable, "-m", "benchmarks.models", "peers", "--out", os.devnull, "--system", system,
                    "--family", fam.name,
                    "--device", args.device, "--warmup", str(args.warmup), "--steps", str(args.steps),
-                   "--rounds", str(args.rounds), "--lr-warmup", str(args.lr_warmup)]
+                   "--rounds", str(args.rounds), "--lr-warmup", str(args.lr_warmup),
+                   "--steady-steps", str(args.steady_steps), "--steady-settle", str(args.steady_settle)]
         super().__init__(command + (["--small"] if args.small else []) + (["--profile"] if args.profile else []))
 
 
@@ -278,6 +280,14 @@ def contest(fam: Family, names: list[str], child: Child | None, setting: Setting
                 rows["liger"] = answer if "error" in answer else {**answer, "process": "child"}
             else:
                 timed_rounds({name: running[name]}, setting, 1, steps_per_round(args))
+    for name in turns if args.steady_steps else ():  # each alone, after the rounds (timing.steady_block)
+        if name == "liger":
+            release_cache(setting)
+            answer = child.ask(f"steady {args.steady_settle} {args.steady_steps}")  # type: ignore[union-attr]
+            rows["liger"] = answer if "error" in answer else {**answer, "process": "child"}
+        else:
+            release_cache(setting)
+            steady_block(running[name], setting, args.steady_settle, args.steady_steps)
     return rows, running
 
 
@@ -289,6 +299,10 @@ def summarize(row: dict[str, Any], per_round: int) -> None:
     row["step_s"] = statistics.median(steps)
     row["step_cv"] = statistics.pstdev(steps) / statistics.fmean(steps)
     row["round_s"] = [sum(steps[i:i + per_round]) for i in range(0, len(steps) - per_round + 1, per_round)]
+    steady = row.get("steady_step_s_all") or []
+    if steady:
+        row["steady_step_s"] = statistics.median(steady)
+        row["steady_cv"] = statistics.pstdev(steady) / statistics.fmean(steady)
 
 
 def compare(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -308,6 +322,12 @@ def compare(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
         if peaks and ok["mplan"].get("peak_gib"):
             lowest = min(peaks, key=peaks.__getitem__)
             out["lowest_peak_peer"], out["mplan_peak_vs_lowest_peer"] = lowest, ok["mplan"]["peak_gib"] / peaks[lowest]
+    steady = {name: row["steady_cv"] for name, row in ok.items() if "steady_cv" in row}
+    if steady:  # the spread of each system alone (timing.steady_block), and its median step's ratio
+        out["steady_cv"] = steady
+        if "mplan" in steady:
+            out["mplan_vs_peers_steady"] = {other: ok[other]["steady_step_s"] / ok["mplan"]["steady_step_s"]
+                                            for other in steady if other != "mplan"}
     if "eager" in ok:
         for name in ("mplan", "mplan_eager", "compile", "liger"):
             if name in ok:
@@ -319,6 +339,8 @@ def compare(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
                                                              <= TARGET_PEAK_VS_LOWEST_PEER),
         "losses_agree_with_eager": out["loss_agreement"].get("mplan_vs_eager", {}).get("passed", False),
     }
+    if "mplan" in steady and "compile" in steady:  # issue 35: a spread at most torch.compile's
+        out["targets"]["steady_cv<=compile_steady_cv"] = steady["mplan"] <= steady["compile"]
     return out
 
 
@@ -406,7 +428,8 @@ def run_family_process(name: str, args: argparse.Namespace, scratch: str, system
     command = [sys.executable, "-m", "benchmarks.models", "peers", "--family", name, "--out", part,
                "--parent", str(os.getpid()), "--device", args.device, "--systems", systems or args.systems,
                "--warmup", str(args.warmup), "--steps", str(args.steps), "--rounds", str(args.rounds),
-               "--lr-warmup", str(args.lr_warmup)]
+               "--lr-warmup", str(args.lr_warmup), "--steady-steps", str(args.steady_steps),
+               "--steady-settle", str(args.steady_settle)]
     command += [flag for flag, on in (("--small", args.small), ("--profile", args.profile),
                                       ("--smoke-child", args.smoke_child), ("--no-cuda-graphs", args.no_cuda_graphs))
                 if on]
@@ -484,6 +507,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed steps per system (the median is reported; default 12, --small 2)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="interleaved rounds the timed steps are spread over (default 4, --small 2)")
+    parser.add_argument("--steady-steps", type=int, default=0,
+                        help="after the rounds, each system alone for this many timed steps in a row: its spread as "
+                             "a run of it sees it (timing.steady_block; default 0, none)")
+    parser.add_argument("--steady-settle", type=int, default=5,
+                        help="untimed steps before each system's steady block (the card settling on its power)")
     parser.add_argument("--lr-warmup", type=int, default=10, help="steps of linear learning-rate warm-up")
     parser.add_argument("--family-timeout-s", type=float, default=300.0,
                         help="kill a family's process (and its liger child) after this many seconds")
@@ -551,7 +579,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                    f"(offset {ZIPF_OFFSET}) over a fixed permutation of the vocabulary, labels = ids",
         "method": f"{args.warmup} warm-up steps per system, then {args.rounds} interleaved rounds of {per_round} "
                   "timed steps per system (rotating order), all systems of a family resident; median step; "
-                  "mplan_vs_<peer>: median over rounds of the peer's round time / mplan's",
+                  "mplan_vs_<peer>: median over rounds of the peer's round time / mplan's"
+                  + (f"; then each system alone: {args.steady_settle} untimed and {args.steady_steps} timed steps in "
+                     "a row (steady_cv: their spread)" if args.steady_steps else ""),
         "isolation": "one process per family; liger in a child process of its own (Liger patches transformers' "
                      "modules globally), taking its turn in the same rounds",
         "targets": {"mplan_vs_best_peer": TARGET_VS_BEST_PEER, "peak_vs_lowest_peer": TARGET_PEAK_VS_LOWEST_PEER,

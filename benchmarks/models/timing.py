@@ -81,3 +81,24 @@ def timed_rounds(running: dict[str, Running], setting: Setting, rounds: int, ste
                 system.row["losses"].append(loss)
                 system.row["grad_norms"].append(norm)
 
+
+
+def steady_block(system: Running, setting: Setting, settle: int, steps: int) -> None:
+    """`settle` untimed steps, then `steps` timed ones, one after another: the system alone, as a
+    user's run has it, into the row's `steady_step_s_all` (and `steady_began_unix`).
+
+    Why beside the interleaved rounds: the rounds judge systems against each other under the same
+    drift of the card, but each turn starts from whatever the system before it left: a card held
+    at its power cap grants a burst of clock to the first steps after a lighter program's turn and
+    takes it back over the next (the graphed steps of a round ran 1.4-6.3% slower after its first,
+    H100, 2026-12-06), so a spread taken over the rounds measures the turns as much as the program.
+    A block of consecutive steps after the card settled on this program's power is the spread a
+    run of it sees. Its losses are not checked (the rounds' are); they train on further batches."""
+    for _ in range(settle):
+        system.step()
+    timed = system.row.setdefault("steady_step_s_all", [])
+    for _ in range(steps):
+        system.row.setdefault("steady_began_unix", []).append(round(time.time(), 3))
+        elapsed = start_timer(setting.device)
+        system.step()
+        timed.append(round(elapsed(), 5))
