@@ -19,7 +19,7 @@ import torch
 
 from benchmarks.models.child import PipeChild
 from benchmarks.models.kernel_profile import profile_steps
-from benchmarks.models.timing import Running, timed_rounds, warm_up
+from benchmarks.models.timing import Running, steady_block, timed_rounds, warm_up
 from benchmarks.models.workloads import Setting, Workload, compare, initial_model, model_flops
 from benchmarks.report import Clock
 
@@ -47,7 +47,7 @@ def contest(starts: dict[str, Callable[[], Running | dict[str, Any]]], child: Pi
             clock.log(f"{label} {name}: skipped (time budget)")
             continue
         if name == "liger" and child is not None:
-            _release_cache(setting)
+            release_cache(setting)
             answer = child.ask("warmup")
             rows[name] = answer if "error" in answer else {**answer, "process": "child"}
         else:
@@ -59,18 +59,37 @@ def contest(starts: dict[str, Callable[[], Running | dict[str, Any]]], child: Pi
     turns = list(running)
     if child is not None and "step_s_all" in rows.get("liger", {}):
         turns.append("liger")
-    for r in range(args.rounds if turns else 0):
-        for name in turns[r % len(turns):] + turns[:r % len(turns)]:
-            if name == "liger":
-                _release_cache(setting)
-                answer = child.ask(f"run {per_round(args)}")  # type: ignore[union-attr]
-                rows["liger"] = answer if "error" in answer else {**answer, "process": "child"}
-            else:
-                timed_rounds({name: running[name]}, setting, 1, per_round(args))
+    rotating_rounds(turns, running, child, rows, setting, args.rounds, per_round(args))
     for name, row in rows.items():
         if row.get("step_s_all"):
             row["step_s"] = statistics.median(row["step_s_all"])
     return rows, running
+
+
+def rotating_rounds(turns: list[str], running: dict[str, Running], child: PipeChild | None,
+                    rows: dict[str, dict[str, Any]], setting: Setting, rounds: int, steps: int) -> None:
+    """`rounds` rounds of `steps` timed steps per system of `turns`, the order rotating each round;
+    "liger" is the child's turn (its row replaced by its answer)."""
+    for r in range(rounds if turns else 0):
+        for name in turns[r % len(turns):] + turns[:r % len(turns)]:
+            if name == "liger":
+                release_cache(setting)
+                answer = child.ask(f"run {steps}")  # type: ignore[union-attr]
+                rows["liger"] = answer if "error" in answer else {**answer, "process": "child"}
+            else:
+                timed_rounds({name: running[name]}, setting, 1, steps)
+
+
+def steady_blocks(turns: list[str], running: dict[str, Running], child: PipeChild | None,
+                  rows: dict[str, dict[str, Any]], setting: Setting, settle: int, steps: int) -> None:
+    """Each system of `turns` alone in turn: `timing.steady_block`, the child's through its pipe."""
+    for name in turns:
+        release_cache(setting)
+        if name == "liger":
+            answer = child.ask(f"steady {settle} {steps}")  # type: ignore[union-attr]
+            rows["liger"] = answer if "error" in answer else {**answer, "process": "child"}
+        else:
+            steady_block(running[name], setting, settle, steps)
 
 
 def _warmed(row: dict[str, Any]) -> str:
@@ -80,7 +99,8 @@ def _warmed(row: dict[str, Any]) -> str:
     return f"warmed up, setup {row['setup_s']} s, first step {row['first_step_s']} s, peak {peak}"
 
 
-def _release_cache(setting: Setting) -> None:
+def release_cache(setting: Setting) -> None:
+    """Frees what the last system left (collected, and the CUDA cache) before the next one's turn."""
     gc.collect()
     if setting.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -104,7 +124,7 @@ def profile_all(running: dict[str, Running], child: PipeChild | None, rows: dict
         except Exception:  # noqa: BLE001 - the timing already taken must not be lost
             out[name] = {"error": traceback.format_exc()}
     if child is not None and "step_s" in rows.get("liger", {}):
-        _release_cache(setting)
+        release_cache(setting)
         out["liger"] = child.ask(f"profile {PROFILE_STEPS}")
     return out
 

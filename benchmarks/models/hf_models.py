@@ -78,7 +78,6 @@ process, which tests the child's protocol: its losses must equal eager's bit for
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import gc
 import importlib
@@ -113,10 +112,13 @@ from benchmarks.models.hf_step import (
     Feed,
     HFModel,
     _families,
+    build_compile,
+    build_eager,
     fingerprint,
     hf_step,
     initial_model,
     loss_agreement,
+    on_device,
     token_batches,
 )
 from benchmarks.models.timing import Running, warm_up
@@ -153,23 +155,9 @@ def hf_flops(model: HFModel, module: nn.Module) -> float:
 Builder = Callable[..., tuple[Step, dict[str, Any]]]
 
 
-def _on_device(model: HFModel, setting: Setting) -> nn.Module:
-    return copy.deepcopy(initial_model(model)).to(setting.device)
-
-
-def build_eager(model: HFModel, setting: Setting, batches: list[torch.Tensor]) -> tuple[Step, dict[str, Any]]:
-    module = _on_device(model, setting)
-    return hf_step(module, module, batches, setting), {"pipeline": f"{model.model_class}, loss from labels="}
-
-
-def build_compile(model: HFModel, setting: Setting, batches: list[torch.Tensor]) -> tuple[Step, dict[str, Any]]:
-    module = _on_device(model, setting)
-    return hf_step(module, torch.compile(module), batches, setting), {"pipeline": "torch.compile(model)"}
-
-
 def build_liger(model: HFModel, setting: Setting, batches: list[torch.Tensor]) -> tuple[Step, dict[str, Any]]:
     """Only in the liger child process: the patch reaches every model of transformers' classes."""
-    module = _on_device(model, setting)
+    module = on_device(model, setting)
     patch = getattr(importlib.import_module("liger_kernel.transformers"), model.liger_patch)
     patch(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True, cross_entropy=False, model=module)
     info = {"pipeline": f"liger_kernel.transformers.{model.liger_patch}(rope, rms_norm, swiglu, "
@@ -178,7 +166,7 @@ def build_liger(model: HFModel, setting: Setting, batches: list[torch.Tensor]) -
 
 
 def build_mplan(model: HFModel, setting: Setting, batches: list[torch.Tensor]) -> tuple[Step, dict[str, Any]]:
-    module = _on_device(model, setting)
+    module = on_device(model, setting)
     pm = mplan.autoparallel(module, example_inputs=(batches[0],), global_batch=model.batch, plan="dp=1,tp=1,pp=1",
                             kernels=True, optimizer=setting.optimizer(), max_grad_norm=MAX_GRAD_NORM,
                             dtype=torch.bfloat16, device=setting.device)

@@ -8,6 +8,7 @@ for every system) through `hf_step`; `loss_agreement` holds a system's losses to
 """
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import statistics
@@ -170,3 +171,20 @@ def loss_agreement(mine: dict[str, Any], reference: dict[str, Any]) -> dict[str,
                      and out["last_mean_rel_diff"] <= LOSS_MEAN_RTOL
                      and max(diffs[0], out["first_grad_norm_rel_diff"] or 0.0) <= FIRST_STEP_RTOL)
     return out
+
+
+def on_device(model: FromConfig, setting: Setting) -> nn.Module:
+    """A copy of the seed-0 model on the setting's device, for one system."""
+    return copy.deepcopy(initial_model(model)).to(setting.device)
+
+
+def build_eager(model: FromConfig, setting: Setting, batches: list[torch.Tensor]) -> tuple[Step, dict[str, Any]]:
+    """The HF model as it is, its loss from labels=."""
+    module = on_device(model, setting)
+    return hf_step(module, module, batches, setting), {"pipeline": f"{model.model_class}, loss from labels="}
+
+
+def build_compile(model: FromConfig, setting: Setting, batches: list[torch.Tensor]) -> tuple[Step, dict[str, Any]]:
+    """torch.compile(HF model), default mode (its first step includes the compile)."""
+    module = on_device(model, setting)
+    return hf_step(module, torch.compile(module), batches, setting), {"pipeline": "torch.compile(model)"}

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import functools
 import importlib
 import importlib.metadata
@@ -75,13 +74,12 @@ from typing import Any
 from unittest import mock
 
 import torch
-from torch import nn
 
 import mplan
 from benchmarks.harness import add_device_flags
 from benchmarks.models import trace
 from benchmarks.models.child import PipeChild, answer_commands
-from benchmarks.models.contest import PROFILE_STEPS, race_own_model
+from benchmarks.models.contest import PROFILE_STEPS, race_own_model, release_cache, rotating_rounds, steady_blocks
 from benchmarks.models.families import Family, families, family
 from benchmarks.models.hf_step import (
     BATCH_SEED,
@@ -89,14 +87,17 @@ from benchmarks.models.hf_step import (
     LOSS_STEP_RTOL,
     ZIPF_OFFSET,
     Feed,
+    build_compile,
+    build_eager,
     fingerprint,
     hf_step,
     initial_model,
     loss_agreement,
+    on_device,
     token_batches,
 )
 from benchmarks.models.kernel_profile import profile_steps
-from benchmarks.models.timing import Running, steady_block, timed_rounds, warm_up
+from benchmarks.models.timing import Running, warm_up
 from benchmarks.models.workloads import FULL, MAX_GRAD_NORM, SMALL, SYSTEMS, Setting, Step
 from benchmarks.report import Clock, run_header, write_report
 from mplan.fusion.coverage import fusion_coverage
@@ -114,24 +115,10 @@ OWN_KINDS = ("gpt", "llama")
 
 # ---- model and systems -------------------------------------------------------------------------
 
-def _on_device(fam: Family, setting: Setting) -> nn.Module:
-    return copy.deepcopy(initial_model(fam)).to(setting.device)
-
-
-def build_eager(fam: Family, setting: Setting, batches: list[torch.Tensor]) -> tuple[Step, dict[str, Any]]:
-    module = _on_device(fam, setting)
-    return hf_step(module, module, batches, setting), {"pipeline": f"{fam.model_class}, loss from labels="}
-
-
-def build_compile(fam: Family, setting: Setting, batches: list[torch.Tensor]) -> tuple[Step, dict[str, Any]]:
-    module = _on_device(fam, setting)
-    return hf_step(module, torch.compile(module), batches, setting), {"pipeline": "torch.compile(model)"}
-
-
 def build_liger(fam: Family, setting: Setting, batches: list[torch.Tensor]) -> tuple[Step, dict[str, Any]]:
     """Only in the liger child process: the patch reaches every model of transformers' classes."""
     assert fam.liger_patch is not None
-    module = _on_device(fam, setting)
+    module = on_device(fam, setting)
     patch = getattr(importlib.import_module("liger_kernel.transformers"), fam.liger_patch)
     patch(model=module)
     defaults = {k: p.default for k, p in inspect.signature(patch).parameters.items() if k != "model"}
@@ -141,7 +128,7 @@ def build_liger(fam: Family, setting: Setting, batches: list[torch.Tensor]) -> t
 
 def build_mplan(fam: Family, setting: Setting, batches: list[torch.Tensor],
                 cuda_graphs: bool = True) -> tuple[Step, dict[str, Any]]:
-    module = _on_device(fam, setting)
+    module = on_device(fam, setting)
     graphs = cuda_graphs and setting.device.type == "cuda"
     pm = mplan.autoparallel(module, example_inputs=(batches[0],), global_batch=fam.batch, plan="dp=1,tp=1,pp=1",
                             kernels=True, optimizer=setting.optimizer(), max_grad_norm=MAX_GRAD_NORM,
@@ -200,11 +187,6 @@ def steps_per_round(args: argparse.Namespace) -> int:
 def batch_count(args: argparse.Namespace) -> int:
     return (args.warmup + args.rounds * steps_per_round(args) + args.steady_settle + args.steady_steps
             + (PROFILE_STEPS if args.profile else 0))
-
-
-def release_cache(setting: Setting) -> None:
-    if setting.device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # ---- the liger child ---------------------------------------------------------------------------
@@ -272,22 +254,9 @@ def contest(fam: Family, names: list[str], child: Child | None, setting: Setting
                                             if "error" in rows[name] else
                                             f"warmed up, first step {rows[name]['first_step_s']} s"))
     turns = list(running) + (["liger"] if child is not None and "error" not in rows.get("liger", {"error": ""}) else [])
-    for r in range(args.rounds if turns else 0):
-        for name in turns[r % len(turns):] + turns[:r % len(turns)]:
-            if name == "liger":
-                release_cache(setting)
-                answer = child.ask(f"run {steps_per_round(args)}")  # type: ignore[union-attr]
-                rows["liger"] = answer if "error" in answer else {**answer, "process": "child"}
-            else:
-                timed_rounds({name: running[name]}, setting, 1, steps_per_round(args))
-    for name in turns if args.steady_steps else ():  # each alone, after the rounds (timing.steady_block)
-        if name == "liger":
-            release_cache(setting)
-            answer = child.ask(f"steady {args.steady_settle} {args.steady_steps}")  # type: ignore[union-attr]
-            rows["liger"] = answer if "error" in answer else {**answer, "process": "child"}
-        else:
-            release_cache(setting)
-            steady_block(running[name], setting, args.steady_settle, args.steady_steps)
+    rotating_rounds(turns, running, child, rows, setting, args.rounds, steps_per_round(args))
+    if args.steady_steps:
+        steady_blocks(turns, running, child, rows, setting, args.steady_settle, args.steady_steps)
     return rows, running
 
 
