@@ -150,3 +150,24 @@ def test_zero3_gathers_each_group_end_to_end_in_its_own_storage() -> None:
     for i in range(HF.num_hidden_layers):
         for group in GROUPS:
             assert end_to_end([pm.params[f"model.layers.{i}.{n}"] for n in group])
+
+
+def test_a_hugging_face_export_holds_each_weight_alone_and_loads_back_in_place(tmp_path) -> None:  # noqa: ANN001
+    """save(format="hf") writes each grouped weight as its own tensor of its own shape (not the
+    group's storage), transformers reads the directory as the trained model, and load puts it back
+    into the group's storage."""
+    from safetensors import safe_open
+
+    pm = _pm(_hf(torch.float64))
+    _train(pm)
+    pm.save(str(tmp_path / "hf"), format="hf")
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        stored = {key: f.get_tensor(key) for key in f.keys()}
+    for name, param in pm.params.items():
+        assert stored[name].shape == param.shape and torch.equal(stored[name], param), name
+    trained = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float64)
+    assert all(torch.equal(p, pm.params[n]) for n, p in trained.named_parameters())
+    fresh = _pm(_hf(torch.float64))
+    fresh.load(str(tmp_path / "hf"))
+    assert all(torch.equal(fresh.params[n], p) for n, p in pm.params.items())
+    assert end_to_end([fresh.params[f"model.layers.0.{n}"] for n in GROUPS[0]])
