@@ -67,7 +67,9 @@ def _train(pm: parallel_module.ParallelModule) -> list[float]:
     return [float(pm.train_step(ids, ids)) for ids in _batches()]
 
 
-def test_each_group_lies_end_to_end_and_the_model_passed_in_still_trains() -> None:
+def test_each_group_lies_end_to_end_and_the_model_passed_in_still_trains(tmp_path) -> None:  # noqa: ANN001
+    """The model passed in holds the trained tensors (views of the groups' storage) and transformers
+    saves and reloads it as it is (it clones tensors that share a storage without overlapping)."""
     model = _hf(torch.float64)
     pm = _pm(model)
     for i in range(HF.num_hidden_layers):
@@ -77,6 +79,9 @@ def test_each_group_lies_end_to_end_and_the_model_passed_in_still_trains() -> No
     own = dict(model.named_parameters())
     assert all(torch.equal(own[name], param) and own[name].data_ptr() == param.data_ptr()
                for name, param in pm.params.items())
+    model.save_pretrained(str(tmp_path / "saved"))
+    saved = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"), torch_dtype=torch.float64)
+    assert all(torch.equal(p, pm.params[n]) for n, p in saved.named_parameters())
 
 
 def test_a_step_concatenates_no_group_and_trains_as_with_the_weights_apart(monkeypatch: pytest.MonkeyPatch) -> None:
