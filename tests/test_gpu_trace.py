@@ -32,3 +32,18 @@ def test_steps_that_slow_with_the_clock_under_a_power_cap_say_so(tmp_path: Path)
     assert mplan["power_capped_share"] == 1.0 and mplan["other_reason_share"] == pytest.approx(0.25)
     assert mplan["step_vs_clock_correlation"] < -0.9
     assert got["idle"] == {"steps_with_samples": 0}
+
+
+def test_a_races_steady_blocks_get_their_own_trace(tmp_path: Path) -> None:
+    """annotate: the rounds' steps and each system's steady block (`peers --steady-steps`) lined up
+    with the trace apart, the block's samples not mixed into the rounds'."""
+    path = _trace(tmp_path / "t.csv", [(f"0{k}.050", 1900 - 50 * k, 650.0 + k, "0x0000000000000004")
+                                       for k in range(8)])
+    start = trace.read_trace(path)[0][0] - 0.05
+    row = {"step_began_unix": [start + k for k in range(3)], "step_s_all": [0.1, 0.1, 0.1],
+           "steady_began_unix": [start + 4 + k for k in range(4)], "steady_step_s_all": [0.1, 0.11, 0.12, 0.13]}
+    report = trace.annotate({"families": {"olmo2": {"systems": {"mplan": row}}}}, path)
+    entry = report["families"]["olmo2"]
+    assert entry["gpu_trace"]["mplan"]["sm_clock_mhz_range"] == [1800, 1900]
+    assert entry["gpu_trace_steady"]["mplan"]["steps_with_samples"] == 4
+    assert entry["gpu_trace_steady"]["mplan"]["sm_clock_mhz_range"] == [1550, 1700]

@@ -92,11 +92,16 @@ def by_system(steps: dict[str, dict[str, Any]], samples: Sequence[tuple[float, f
 
 
 def annotate(report: dict[str, Any], trace: str) -> dict[str, Any]:
-    """`report` (the `peers` case's) with "gpu_trace" added to each family that ran, from the CSV `trace`."""
+    """`report` (the `peers` case's) with "gpu_trace" added to each family that ran, from the CSV
+    `trace`, and "gpu_trace_steady" for the systems' steady blocks (`--steady-steps`)."""
     samples = read_trace(trace)
     for table in (report.get("families", {}), report.get("own", {})):
         for entry in table.values():
             if "systems" in entry:
                 entry["gpu_trace"] = by_system(entry["systems"], samples)
+                steady = {name: {"step_began_unix": row["steady_began_unix"], "step_s_all": row["steady_step_s_all"]}
+                          for name, row in entry["systems"].items() if row.get("steady_step_s_all")}
+                if steady:
+                    entry["gpu_trace_steady"] = by_system(steady, samples)
     return report
 
