@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import mplan
+from distributed import run_ranks
 from mplan.kernels.grouped_linear import end_to_end, joined
 from mplan.models import LlamaConfig as OwnLlamaConfig, LlamaModel
 from mplan.runtime import parallel_module
@@ -176,3 +177,29 @@ def test_a_hugging_face_export_holds_each_weight_alone_and_loads_back_in_place(t
     fresh.load(str(tmp_path / "hf"))
     assert all(torch.equal(fresh.params[n], p) for n, p in pm.params.items())
     assert end_to_end([fresh.params[f"model.layers.0.{n}"] for n in GROUPS[0]])
+
+
+def _on_two_ranks(plan: str) -> dict[str, bool]:
+    """On each rank: whether every group this rank holds lies end to end after a step, and whether
+    the model passed in kept its own full tensors (a TP shard is no alias of them)."""
+    model = _hf(torch.float64)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    pm = _pm(model, plan=plan)
+    pm.train_step(_batches()[0], _batches()[0])
+    held = [[f"model.layers.{i}.{n}" for n in group] for i in range(HF.num_hidden_layers) for group in GROUPS]
+    held = [names for names in held if all(n in pm.params for n in names)]
+    own = dict(model.named_parameters())
+    return {"grouped": bool(held) and all(end_to_end([pm.params[n] for n in names]) for names in held),
+            "model_whole": all(own[n].shape == initial[n].shape for n in initial),
+            "model_untrained": all(torch.equal(own[n], initial[n]) for names in held for n in names)}
+
+
+@pytest.mark.parametrize("plan", ["dp=1,tp=2,pp=1", "dp=1,tp=1,pp=2", "dp=2,tp=1,pp=1,zero=1"])
+def test_every_rank_lays_its_groups_end_to_end_and_leaves_a_sharded_model_whole(plan: str) -> None:
+    """Under TP the model passed in is not what trains (its weights are sharded): it keeps its own
+    tensors, whole, rather than being pointed at a rank's shard; under a pipeline or data
+    parallelism each rank's groups lie end to end like one process's."""
+    for rank in run_ranks(2, _on_two_ranks, plan, timeout_s=300):
+        assert rank["grouped"] and rank["model_whole"], rank
+        if "tp=2" in plan:
+            assert rank["model_untrained"], rank

@@ -61,8 +61,8 @@ def weight_groups(program: fx.GraphModule) -> list[tuple[str, ...]]:
 def place_end_to_end(groups: list[tuple[str, ...]], tensors: Mapping[str, torch.Tensor],
                      model: Mapping[str, torch.Tensor] | None = None) -> int:
     """Moves each group's tensors (by name in `tensors`) into one new storage, end to end in the
-    group's order, and any of `model`'s parameters (by the same names) that are those tensors'
-    storage, so the model passed in keeps training; returns how many groups moved. A group that
+    group's order, and any of `model`'s parameters (by the same names) that those tensors alias
+    whole (not a TP shard's slice of it), so the model passed in keeps training; returns how many groups moved. A group that
     cannot be (the module docstring says which), one with a name this rank does not hold, or one
     with a tensor whose storage another name also uses (a tie), stays as it is."""
     holders: dict[tuple[torch.device, int], set[str]] = {}
@@ -87,7 +87,7 @@ def place_end_to_end(groups: list[tuple[str, ...]], tensors: Mapping[str, torch.
             piece = storage[row:row + t.shape[0]]
             piece.copy_(t.detach())
             own = (model or {}).get(name)
-            if own is not None and _storage(own) == _storage(t):
+            if own is not None and _same_tensor(own, t):  # not a TP shard of it: that one keeps its values
                 own.data = piece
             t.data = piece
             row += t.shape[0]
@@ -97,3 +97,9 @@ def place_end_to_end(groups: list[tuple[str, ...]], tensors: Mapping[str, torch.
 
 def _storage(t: torch.Tensor) -> tuple[torch.device, int]:
     return t.device, t.untyped_storage().data_ptr()
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`a` and `b` are the same elements of the same storage (one an alias of the other)."""
+    return (_storage(a) == _storage(b) and a.shape == b.shape and a.stride() == b.stride()
+            and a.storage_offset() == b.storage_offset() and a.dtype == b.dtype)
