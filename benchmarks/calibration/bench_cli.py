@@ -263,8 +263,9 @@ def reprice(measured: list[Path], cluster: str) -> dict[str, Any]:
     runs wrote (kept in their reports), the plans the ones they measured. Several runs of one model
     (a later call measuring the rows an earlier one's budget cut) join when their config, batch and
     sequence agree; each row names the run it was measured in."""
-    import torch
     import transformers
+
+    from benchmarks.report import machine_header
 
     runs = [(path, json.loads(path.read_text())) for path in measured]
     for _, then in runs:  # runs before 2026-12-05 ran at FULL_SHAPE and did not record it
@@ -273,7 +274,7 @@ def reprice(measured: list[Path], cluster: str) -> dict[str, Any]:
     first = runs[0][1]
     work = Path(tempfile.mkdtemp(prefix="hf_reprice_"))
     report: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"), "machine": "cpu (prices only)", "torch": torch.__version__,
+        **machine_header(), "machine": "cpu (prices only)",
         "transformers": transformers.__version__, "measured_in": [path.name for path, _ in runs],
         "measured_on": sorted({then.get("gpu") for _, then in runs if then.get("gpu")}),
         "cluster": os.path.basename(cluster), "global_batch": first["global_batch"], "seq_len": first["seq_len"],
