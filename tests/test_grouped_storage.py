@@ -39,7 +39,8 @@ def _pm(model: torch.nn.Module, plan: str = "dp=1,tp=1,pp=1", **options: object)
                               plan=plan, kernels=True, device="cpu", **options)
 
 
-def _apart(monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module, **options: object) -> parallel_module.ParallelModule:
+def _apart(monkeypatch: pytest.MonkeyPatch, model: torch.nn.Module,
+           **options: object) -> parallel_module.ParallelModule:
     with monkeypatch.context() as patch:
         patch.setattr(parallel_module, "place_end_to_end", lambda *args: 0)
         return _pm(model, **options)
@@ -118,8 +119,9 @@ def test_under_autocast_the_compute_copies_lie_end_to_end_too(monkeypatch: pytes
 
 def test_mplan_llama_groups_too_and_a_checkpoint_round_trips(tmp_path) -> None:  # noqa: ANN001 - pytest's path
     config = OwnLlamaConfig(num_layers=2, hidden=16, num_heads=2, num_kv_heads=1, seq_len=8, vocab=32, ffn_hidden=24)
-    pm = mplan.autoparallel(LlamaModel(config, device="cpu", seed=0), example_inputs=(torch.zeros(2, 8, dtype=torch.long),),
-                            optimizer=OPTIMIZER, global_batch=2, plan="dp=1,tp=1,pp=1", kernels=True, device="cpu")
+    pm = mplan.autoparallel(LlamaModel(config, device="cpu", seed=0),
+                            example_inputs=(torch.zeros(2, 8, dtype=torch.long),), optimizer=OPTIMIZER,
+                            global_batch=2, plan="dp=1,tp=1,pp=1", kernels=True, device="cpu")
     grouped = [p for p in pm.params.values() if p.untyped_storage().nbytes() > p.nbytes]
     assert grouped, "no parameter of mplan's Llama was placed in a group's storage"
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))

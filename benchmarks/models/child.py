@@ -71,7 +71,8 @@ def answer_commands(answers: Any, setting: Setting, warm: Callable[[], Running |
     """A child's side of `PipeChild`'s protocol, until `quit`: `warmup` (`warm()`: the system
     built and warmed up, the row carrying `weights()`, its initial weights' fingerprint), `run N`
     (N timed steps), `steady S N` (S untimed steps, then N timed: `timing.steady_block`), `profile N`;
-    one JSON line to `answers` per command, an error as its row. Between answers the device's cached blocks are released for the parent's systems' turn."""
+    one JSON line to `answers` per command, an error as its row. Between answers the device's
+    cached blocks are released for the parent's systems' turn."""
     running: Running | None = None
     while line := sys.stdin.readline():
         command, *rest = line.split()

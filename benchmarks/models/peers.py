@@ -79,7 +79,8 @@ import mplan
 from benchmarks.harness import add_device_flags
 from benchmarks.models import trace
 from benchmarks.models.child import PipeChild, answer_commands
-from benchmarks.models.contest import PROFILE_STEPS, race_own_model, release_cache, rotating_rounds, steady_blocks
+from benchmarks.models.contest import (PROFILE_STEPS, per_round, race_own_model, release_cache, rotating_rounds,
+                                       steady_blocks)
 from benchmarks.models.families import Family, families, family
 from benchmarks.models.hf_step import (
     BATCH_SEED,
@@ -180,12 +181,8 @@ def start_system(name: str, fam: Family, setting: Setting, batches: list[torch.T
         return warm_up(name, fam, setting, warmup)  # type: ignore[arg-type]
 
 
-def steps_per_round(args: argparse.Namespace) -> int:
-    return max(1, -(-args.steps // args.rounds))
-
-
 def batch_count(args: argparse.Namespace) -> int:
-    return (args.warmup + args.rounds * steps_per_round(args) + args.steady_settle + args.steady_steps
+    return (args.warmup + args.rounds * per_round(args) + args.steady_settle + args.steady_steps
             + (PROFILE_STEPS if args.profile else 0))
 
 
@@ -254,20 +251,20 @@ def contest(fam: Family, names: list[str], child: Child | None, setting: Setting
                                             if "error" in rows[name] else
                                             f"warmed up, first step {rows[name]['first_step_s']} s"))
     turns = list(running) + (["liger"] if child is not None and "error" not in rows.get("liger", {"error": ""}) else [])
-    rotating_rounds(turns, running, child, rows, setting, args.rounds, steps_per_round(args))
+    rotating_rounds(turns, running, child, rows, setting, args.rounds, per_round(args))
     if args.steady_steps:
         steady_blocks(turns, running, child, rows, setting, args.steady_settle, args.steady_steps)
     return rows, running
 
 
-def summarize(row: dict[str, Any], per_round: int) -> None:
+def summarize(row: dict[str, Any], in_round: int) -> None:
     """Adds the median step, the steps' coefficient of variation and the per-round times to `row`."""
     steps = row.get("step_s_all") or []
     if not steps:
         return
     row["step_s"] = statistics.median(steps)
     row["step_cv"] = statistics.pstdev(steps) / statistics.fmean(steps)
-    row["round_s"] = [sum(steps[i:i + per_round]) for i in range(0, len(steps) - per_round + 1, per_round)]
+    row["round_s"] = [sum(steps[i:i + in_round]) for i in range(0, len(steps) - in_round + 1, in_round)]
     steady = row.get("steady_step_s_all") or []
     if steady:
         row["steady_step_s"] = statistics.median(steady)
@@ -347,7 +344,7 @@ def run_family(fam: Family, names: list[str], args: argparse.Namespace) -> dict[
     if "weights_fingerprint" in rows.get("liger", {}):
         entry["liger_weights_match"] = rows["liger"]["weights_fingerprint"] == entry["weights_fingerprint"]
     for row in rows.values():
-        summarize(row, steps_per_round(args))
+        summarize(row, per_round(args))
     entry["systems"] = rows
     entry.update(compare(rows))
     clock.log(f"{fam.name}: " + ", ".join(f"{k} {v:.3f}" for k, v in entry.items()
@@ -365,7 +362,7 @@ def run_own(kind: str, names: list[str], args: argparse.Namespace) -> dict[str, 
     entry = race_own_model(workload, [name for name in names if name in ("eager", "compile", "mplan")], args,
                            setting, Clock())
     for row in entry["systems"].values():
-        summarize(row, steps_per_round(args))
+        summarize(row, per_round(args))
     return {**run_header(setting.device), "workload": workload.name, **entry,
             "per_round": compare(entry["systems"])}
 
@@ -538,7 +535,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             entry = {"error": traceback.format_exc()}
         return entry
     clock = Clock()
-    per_round = steps_per_round(args)
+    steps_in_round = per_round(args)
     report: dict[str, Any] = {
         "versions": versions(), "cuda": torch.version.cuda, "gpu": None,
         "precision": "bf16 parameters and activations",
@@ -546,7 +543,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                     f"{MAX_GRAD_NORM}, loss read back every step",
         "batches": f"fresh every step: batch k from a generator seeded {BATCH_SEED} + 1 + k, Zipf-like tokens "
                    f"(offset {ZIPF_OFFSET}) over a fixed permutation of the vocabulary, labels = ids",
-        "method": f"{args.warmup} warm-up steps per system, then {args.rounds} interleaved rounds of {per_round} "
+        "method": f"{args.warmup} warm-up steps per system, then {args.rounds} interleaved rounds of {steps_in_round} "
                   "timed steps per system (rotating order), all systems of a family resident; median step; "
                   "mplan_vs_<peer>: median over rounds of the peer's round time / mplan's"
                   + (f"; then each system alone: {args.steady_settle} untimed and {args.steady_steps} timed steps in "

@@ -121,17 +121,13 @@ class ComputeCopies:
 
 
 def _end_to_end_runs(masters: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """`masters` in runs of those lying end to end in one storage, contiguous and of one dtype
-    (the order within a run is the storage's); a master alone is a run of one."""
-    def place(m: nn.Parameter) -> tuple[str, int, int]:
-        return str(m.device), m.untyped_storage().data_ptr(), m.storage_offset()
+    """`masters` in runs of those lying end to end in one storage (`grouped_linear.end_to_end`,
+    the test the kernel makes), in the storage's order; a master alone is a run of one."""
+    from mplan.kernels.grouped_linear import end_to_end  # the kernels load Triton: not at `import mplan`
 
     runs: list[list[nn.Parameter]] = []
-    for master in sorted(masters, key=place):
-        last = runs[-1][-1] if runs else None
-        if (last is not None and master.is_contiguous() and last.is_contiguous() and master.dtype == last.dtype
-                and place(master)[:2] == place(last)[:2]
-                and master.storage_offset() == last.storage_offset() + last.numel()):
+    for master in sorted(masters, key=lambda m: (str(m.device), m.untyped_storage().data_ptr(), m.storage_offset())):
+        if runs and end_to_end([runs[-1][-1], master]):
             runs[-1].append(master)
         else:
             runs.append([master])

@@ -62,9 +62,9 @@ def place_end_to_end(groups: list[tuple[str, ...]], tensors: Mapping[str, torch.
                      model: Mapping[str, torch.Tensor] | None = None) -> int:
     """Moves each group's tensors (by name in `tensors`) into one new storage, end to end in the
     group's order, and any of `model`'s parameters (by the same names) that those tensors alias
-    whole (not a TP shard's slice of it), so the model passed in keeps training; returns how many groups moved. A group that
-    cannot be (the module docstring says which), one with a name this rank does not hold, or one
-    with a tensor whose storage another name also uses (a tie), stays as it is."""
+    whole (not a TP shard's slice of it), so the model passed in keeps training; returns how many
+    groups moved. A group that cannot be (the module docstring says which), one with a name this
+    rank does not hold, or one with a tensor whose storage another name also uses (a tie), stays."""
     holders: dict[tuple[torch.device, int], set[str]] = {}
     for name, t in tensors.items():
         holders.setdefault(_storage(t), set()).add(name)

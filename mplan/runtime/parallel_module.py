@@ -218,8 +218,8 @@ def parallelize(*, graph: Graph, plan: Plan, source: ParameterSource, model: nn.
                               names=pipeline.parameters if pipeline is not None else None,
                               experts=experts.parameters, ep_rank=experts.ep.rank, ep_size=experts.ep.size)
     if kernels and plan.zero != 3:  # each grouped GEMM's weights in one storage (zero=3 gathers its own)
-        place_end_to_end(weight_groups(program), shards,
-                         dict(source.named_parameters(remove_duplicate=False)) if isinstance(source, nn.Module) else None)
+        own = dict(source.named_parameters(remove_duplicate=False)) if isinstance(source, nn.Module) else None
+        place_end_to_end(weight_groups(program), shards, own)
     buffers = [spec.name for spec in inputs if spec.kind == "BUFFER"]
     statics = materialize_buffers(graph, model, buffers, device=device,
                                   state_dict=None if isinstance(source, nn.Module) else source)
