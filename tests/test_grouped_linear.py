@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mplan.kernels.grouped_linear import grouped_linear, grouped_linear_reference
+from mplan.kernels.grouped_linear import grouped_linear, grouped_linear_reference, joined_weights
 
 
 def _problem(dtype: torch.dtype, bias: bool) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor | None]]:
@@ -50,3 +50,31 @@ def test_under_autocast_it_casts_as_f_linear_does() -> None:
     for got, want in zip(grads, ref_grads):
         assert got.dtype == want.dtype == torch.float32
         assert torch.allclose(got, want, rtol=1e-2, atol=1e-2)
+
+
+def _end_to_end_weights() -> list[torch.Tensor]:
+    """Three leaves viewing one storage one after another, as `runtime/grouped_storage.py` lays them."""
+    torch.manual_seed(0)
+    storage = torch.randn(12 * 8, dtype=torch.float64)
+    return [torch.nn.Parameter(storage[a * 8:b * 8].view(b - a, 8)) for a, b in ((0, 6), (6, 9), (9, 12))]
+
+
+@pytest.mark.parametrize("layout", ["end_to_end", "apart"])
+def test_joined_weights_is_cat_forward_and_backward_and_a_view_where_they_lie_end_to_end(layout: str) -> None:
+    """The ATen form of a grouped projection (zero-bubble schedules, FP8): linear(x, joined_weights(ws))."""
+    weights = _end_to_end_weights() if layout == "end_to_end" else _problem(torch.float64, False)[1]
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    wide = joined_weights(weights)
+    assert (wide.untyped_storage().data_ptr() == weights[0].untyped_storage().data_ptr()) == (layout == "end_to_end")
+    out = torch.nn.functional.linear(x, wide)
+    ref = torch.nn.functional.linear(x, torch.cat(weights))
+    assert torch.equal(out, ref)
+    dy = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x, *weights], dy)
+    want = torch.autograd.grad(ref, [x, *weights], dy)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_joined_weights_refuses_weights_of_two_dtypes() -> None:
+    with pytest.raises(ValueError, match="differ in dtype"):
+        joined_weights([torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.float64)])

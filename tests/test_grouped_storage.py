@@ -187,21 +187,27 @@ def _on_two_ranks(plan: str) -> dict[str, bool]:
     model = _hf(torch.float64)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     pm = _pm(model, plan=plan)
-    pm.train_step(_batches()[0], _batches()[0])
+    with _Concatenations() as seen:
+        pm.train_step(_batches()[0], _batches()[0])
     held = [[f"model.layers.{i}.{n}" for n in group] for i in range(HF.num_hidden_layers) for group in GROUPS]
     held = [names for names in held if all(n in pm.params for n in names)]
     own = dict(model.named_parameters())
     return {"grouped": bool(held) and all(end_to_end([pm.params[n] for n in names]) for names in held),
+            "concatenated": any((sum(pm.params[n].shape[0] for n in names), *pm.params[names[0]].shape[1:])
+                                in seen.shapes for names in held),
             "model_whole": all(own[n].shape == initial[n].shape for n in initial),
             "model_untrained": all(torch.equal(own[n], initial[n]) for names in held for n in names)}
 
 
-@pytest.mark.parametrize("plan", ["dp=1,tp=2,pp=1", "dp=1,tp=1,pp=2", "dp=2,tp=1,pp=1,zero=1"])
+@pytest.mark.parametrize("plan", ["dp=1,tp=2,pp=1", "dp=1,tp=1,pp=2", "dp=1,tp=1,pp=2,schedule=zb-h1",
+                                  "dp=2,tp=1,pp=1,zero=1"])
 def test_every_rank_lays_its_groups_end_to_end_and_leaves_a_sharded_model_whole(plan: str) -> None:
     """Under TP the model passed in is not what trains (its weights are sharded): it keeps its own
     tensors, whole, rather than being pointed at a rank's shard; under a pipeline or data
-    parallelism each rank's groups lie end to end like one process's."""
+    parallelism each rank's groups lie end to end like one process's, and no step concatenates
+    them: under a zero-bubble schedule either, whose split backward keeps the grouped GEMMs ATen
+    linears on `joined_weights`."""
     for rank in run_ranks(2, _on_two_ranks, plan, timeout_s=300):
-        assert rank["grouped"] and rank["model_whole"], rank
+        assert rank["grouped"] and rank["model_whole"] and not rank["concatenated"], rank
         if "tp=2" in plan:
             assert rank["model_untrained"], rank

@@ -37,10 +37,11 @@ def grouped_product(graph: Graph, like: Node, x: Node, weights: Sequence[Any], b
     """F.linear(x, cat(weights), cat(biases)): several linears on one input as one GEMM (its
     result [..., sum of out_features] carries a meta value, as later rules read shapes). As
     `grouped_linear`, which keeps the weights rather than their concatenation for the backward;
-    as ATen ops (`aten.cat`, then `aten.linear`) where the backward is split into input and
-    weight gradients (zero-bubble schedules), whose split runs a GEMM's dX and dW apart. One
-    weight (a packed projection) is one aten.linear either way."""
-    from mplan.kernels.grouped_linear import grouped_linear
+    as `aten.linear` on `joined_weights` (a view of weights lying end to end, no copy) where the
+    backward is split into input and weight gradients (zero-bubble schedules), whose split runs
+    a GEMM's dX and dW apart, and under FP8, whose sweep replaces `aten.linear`. One weight (a
+    packed projection) is one aten.linear either way."""
+    from mplan.kernels.grouped_linear import grouped_linear, joined_weights
 
     w = tensor_value(weights[0])
     rows = sum(tensor_value(weight).shape[0] for weight in weights)
@@ -51,11 +52,11 @@ def grouped_product(graph: Graph, like: Node, x: Node, weights: Sequence[Any], b
     elif not graph.owning_module.meta.get(SPLIT_BACKWARD_KEY, False):
         product = call(graph, grouped_linear, (x, list(weights), list(biases)), like)
     else:
-        wide = call(graph, aten.cat.default, (list(weights),), like)
+        wide = call(graph, joined_weights, (list(weights),), like)
         wide.meta["val"] = meta_like(w, (rows, w.shape[1]))
         args = (x, wide)
         if biases[0] is not None:
-            bias = call(graph, aten.cat.default, (list(biases),), like)
+            bias = call(graph, joined_weights, (list(biases),), like)
             bias.meta["val"] = meta_like(w, (rows,))
             args = (x, wide, bias)
         product = call(graph, aten.linear.default, args, like)

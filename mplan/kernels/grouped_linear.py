@@ -33,7 +33,8 @@ from torch.autograd.function import once_differentiable
 
 from mplan.kernels.dispatch import CONSUMER_PROBES, autocast_result_dtype
 
-__all__ = ["GroupedLinearFunction", "end_to_end", "grouped_linear", "grouped_linear_reference", "joined"]
+__all__ = ["GroupedLinearFunction", "JoinedWeightsFunction", "end_to_end", "grouped_linear", "grouped_linear_reference",
+           "joined", "joined_weights"]
 
 
 class GroupedLinearFunction(torch.autograd.Function):
@@ -104,6 +105,35 @@ def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor],
     no_autocast = torch.autocast(x.device.type, enabled=False) if gemm_dtype is not None else contextlib.nullcontext()
     with no_autocast:
         return GroupedLinearFunction.apply(x, gemm_dtype, len(weights), *weights, *given)
+
+
+class JoinedWeightsFunction(torch.autograd.Function):
+    """cat(tensors) along dim 0 as an op of its own: a view where they lie end to end."""
+
+    @staticmethod
+    def forward(ctx: Any, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.sizes = [t.shape[0] for t in tensors]
+        return joined(tensors, tensors[0].dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(grad.split(ctx.sizes))
+
+
+def joined_weights(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """cat(tensors) along dim 0 (one dtype), differentiable, without a copy where they lie end to end.
+
+    Why: where the backward must stay ATen GEMMs (a zero-bubble schedule splits each GEMM's dX
+    from its dW, `runtime/split_backward.py`; FP8's sweep replaces `aten.linear`), a grouped
+    projection is `aten.linear` on its weights' concatenation. As `aten.cat`, that is a copy of
+    the weights every forward, kept by the GEMM for its backward until W runs (an activation of
+    59 MiB a layer at Llama-1.1B's shape in bf16). Here it is a view of the storage the runtime
+    laid them in (`runtime/grouped_storage.py`); the gradient splits back as cat's does, the
+    same values."""
+    if len({t.dtype for t in tensors}) != 1:
+        raise ValueError("joined_weights: the tensors differ in dtype")
+    return JoinedWeightsFunction.apply(*tensors)
 
 
 def grouped_linear_reference(x: torch.Tensor, weights: Sequence[torch.Tensor],

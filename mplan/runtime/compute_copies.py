@@ -37,7 +37,7 @@ aten = torch.ops.aten
 def _casts_its_input(user: fx.Node, value: fx.Node) -> bool:
     """Whether `user` reads `value` only where autocast casts it to its lower dtype."""
     from mplan.kernels import bias_gelu, linear_cross_entropy  # the kernels load Triton: not at `import mplan`
-    from mplan.kernels.grouped_linear import grouped_linear
+    from mplan.kernels.grouped_linear import grouped_linear, joined_weights
 
     if user.op != "call_function":
         return False
@@ -51,7 +51,7 @@ def _casts_its_input(user: fx.Node, value: fx.Node) -> bool:
         return value not in user.args[:1] and value in user.args[1:]
     if user.target is bias_gelu:
         return user.args[0] is not value and user.args[1] is value
-    if user.target is aten.cat.default:  # a grouped projection's weights (or biases), then its linear
+    if user.target is joined_weights:  # a grouped projection's weights (or biases), then its linear
         return value in user.args[0] and bool(user.users) and all(
             _casts_its_input(after, user) for after in user.users)
     return False

@@ -1,7 +1,7 @@
 """Each grouped projection's weights end to end in one storage, so its GEMM reads them in place.
 
 Input: the local program (after `fuse_kernels`) and this rank's parameters by name. Output: the
-same parameter tensors, those a `grouped_linear` reads (q/k/v, gate/up, and their biases)
+same parameter tensors, those a `grouped_linear` (or `joined_weights`) reads (q/k/v, gate/up, and their biases)
 moved, group by group, into one new storage each, in the order the kernel concatenates them.
 
 Why: `kernels.grouped_linear` runs a group of linears on one input as one GEMM on the
@@ -24,8 +24,8 @@ with another group or with itself (a tied weight); zero=3, whose gathers give ea
 parameters storage of their own, in the unit's order: the program's, in which a model declares a
 group's members one after another, so they lie end to end there too (tests/test_grouped_storage.py).
 Autocast's compute copies of weights that lie end to end are made end to end too
-(`compute_copies.py`). Under a zero-bubble schedule or FP8 the pass leaves the group as ATen's
-`cat` + `linear` (docs/kernels.md), which copies whatever the layout.
+(`compute_copies.py`). Under a zero-bubble schedule or FP8 the group is ATen's `linear` on
+`joined_weights`, the same view where the weights lie end to end (docs/kernels.md).
 
 The planner prices a grouped GEMM as its parts (`fused_pricing.py`), no copy.
 """
@@ -40,17 +40,17 @@ from mplan.passes.insert_collectives import INPUTS
 
 
 def weight_groups(program: fx.GraphModule) -> list[tuple[str, ...]]:
-    """The parameter names each `grouped_linear` of `program` concatenates (weights, then biases
-    as a group of their own), in the kernel's order; groups of fewer than two or reading anything
-    but parameters are left out."""
-    from mplan.kernels.grouped_linear import grouped_linear  # loads Triton: not at `import mplan`
+    """The parameter names each `grouped_linear` (or `joined_weights`, its ATen form) of
+    `program` concatenates (weights, then biases as a group of their own), in the kernel's
+    order; groups of fewer than two or reading anything but parameters are left out."""
+    from mplan.kernels.grouped_linear import grouped_linear, joined_weights  # loads Triton: not at `import mplan`
 
     parameters = {spec.placeholder: spec.name for spec in program.meta.get(INPUTS, ()) if spec.kind == "PARAMETER"}
     groups = []
     for node in program.graph.nodes:
-        if node.op != "call_function" or node.target is not grouped_linear:
+        if node.op != "call_function" or node.target not in (grouped_linear, joined_weights):
             continue
-        for members in (node.args[1], node.args[2]):
+        for members in (node.args[1], node.args[2]) if node.target is grouped_linear else (node.args[0],):
             names = [parameters.get(m.name) if isinstance(m, fx.Node) and m.op == "placeholder" else None
                      for m in members]
             if len(names) > 1 and None not in names:
