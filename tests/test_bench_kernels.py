@@ -98,8 +98,8 @@ def test_gemm_duty_times_both_patterns_and_prices_every_shape(tmp_path: Path) ->
 def test_grouped_gemm_gives_the_same_bits_both_ways_and_times_each(tmp_path: Path) -> None:
     report = run_case("grouped-gemm", tmp_path)
     assert report["all_same_bits"] and [r["group"] for r in report["rows"]] == ["tiny q/k/v", "tiny gate/up"]
-    assert all(set(r["ms"]) == {"apart", "end_to_end", "aten_cat_linear"} and min(r["ms"].values()) > 0
-               for r in report["rows"])
+    assert all(set(r["ms"]) == {"apart", "end_to_end", "aten_cat_linear", "aten_joined_linear"}
+               and min(r["ms"].values()) > 0 and r["aten_same_bits"] for r in report["rows"])
     assert set(report["per_model"]) == {"tiny x32"}
 
 

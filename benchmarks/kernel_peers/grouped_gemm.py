@@ -9,8 +9,10 @@ micro-batch 1 (benchmarks/results/hf_measure-2026-12-06-session18-smollm2.json, 
 rows). This times one layer's two groups both ways, forward and backward (the input's and the
 weights' gradients), by GPU kernel time in interleaved rounds (benchmarks/gpu_time.py), at the
 widths of three Hugging Face models and at micro-batch 1 and 8 of 2048 tokens, beside ATen's
-`cat` + `linear` (the unfused program); checks that both layouts give the same bits; and gives
-what end to end saves a micro-batch over the model's layers.
+`cat` + `linear` (the unfused program, and the zero-bubble and FP8 programs' form before
+2026-12-07) and `linear` on `joined_weights` end to end (their form since); checks that both
+layouts give the same bits, and both ATen forms; and gives what end to end saves a micro-batch
+over the model's layers.
 
     PYTHONPATH=. python -m benchmarks.kernel_peers grouped-gemm --out $OUT/grouped_gemm.json
 Smoke mode on a CPU (one tiny model, wall-clock time):
@@ -28,7 +30,7 @@ import torch
 
 from benchmarks import harness
 from benchmarks.kernel_peers import engine
-from mplan.kernels.grouped_linear import end_to_end, grouped_linear, grouped_linear_reference
+from mplan.kernels.grouped_linear import end_to_end, grouped_linear, grouped_linear_reference, joined_weights
 
 MODELS = {  # hidden, layers, the q/k/v widths, the gate/up widths (their configs: benchmarks/calibration)
     "smollm2-1.7b": (2048, 24, (2048, 2048, 2048), (8192, 8192)),
@@ -68,6 +70,11 @@ def _step(fn: Callable[..., torch.Tensor], x: torch.Tensor, weights: list[torch.
     return (out, *torch.autograd.grad(out, [x, *weights], dy))
 
 
+def _joined_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[None]) -> torch.Tensor:
+    """The ATen form a zero-bubble schedule's split backward and FP8 take (`fusion/projections.py`)."""
+    return torch.nn.functional.linear(x, joined_weights(weights))
+
+
 def _group(name: str, widths: tuple[int, ...], hidden: int, tokens: int, device: torch.device,
            dtype: torch.dtype, rounds: int) -> dict[str, Any]:
     gen = torch.Generator(device="cpu").manual_seed(1)
@@ -76,9 +83,12 @@ def _group(name: str, widths: tuple[int, ...], hidden: int, tokens: int, device:
     apart, together = (_weights(widths, hidden, device, dtype, t) for t in (False, True))
     results = {"apart": _step(grouped_linear, x, apart, dy), "end_to_end": _step(grouped_linear, x, together, dy)}
     same = all(torch.equal(a, b) for a, b in zip(results["apart"], results["end_to_end"]))
+    aten = (_step(grouped_linear_reference, x, apart, dy), _step(_joined_linear, x, together, dy))
+    same_aten = all(torch.equal(a, b) for a, b in zip(*aten))
     calls = {"apart": lambda: _step(grouped_linear, x, apart, dy),
              "end_to_end": lambda: _step(grouped_linear, x, together, dy),
-             "aten_cat_linear": lambda: _step(grouped_linear_reference, x, apart, dy)}
+             "aten_cat_linear": lambda: _step(grouped_linear_reference, x, apart, dy),
+             "aten_joined_linear": lambda: _step(_joined_linear, x, together, dy)}
     if device.type == "cuda":
         from benchmarks.gpu_time import interleaved_kernel_ms
 
@@ -87,9 +97,11 @@ def _group(name: str, widths: tuple[int, ...], hidden: int, tokens: int, device:
     else:
         samples, ms = None, {key: engine.wall_ms(call) for key, call in calls.items()}
     row = {"group": name, "widths": list(widths), "hidden": hidden, "tokens": tokens, "same_bits": same,
-           "ms": ms, "saved_ms": ms["apart"] - ms["end_to_end"], "samples_ms": samples}
+           "aten_same_bits": same_aten, "ms": ms, "saved_ms": ms["apart"] - ms["end_to_end"],
+           "aten_saved_ms": ms["aten_cat_linear"] - ms["aten_joined_linear"], "samples_ms": samples}
     print(f"{name} {widths} x{tokens}: apart {ms['apart']:.3f} ms, end to end {ms['end_to_end']:.3f} ms, "
-          f"same bits {same}", file=sys.stderr, flush=True)
+          f"aten cat {ms['aten_cat_linear']:.3f} ms, aten joined {ms['aten_joined_linear']:.3f} ms, "
+          f"same bits {same} / {same_aten}", file=sys.stderr, flush=True)
     return row
 
 
@@ -105,7 +117,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows += pair
             per_model[f"{model} x{tokens}"] = {
                 "layers": layers, "saved_ms_per_micro_batch": layers * sum(r["saved_ms"] for r in pair),
+                "aten_saved_ms_per_micro_batch": layers * sum(r["aten_saved_ms"] for r in pair),
                 "apart_ms_per_micro_batch": layers * sum(r["ms"]["apart"] for r in pair)}
     return {**engine.header(device), "dtype": str(dtype).removeprefix("torch."),
             "clock": "GPU kernel time, median of interleaved rounds" if device.type == "cuda" else "wall clock",
-            "rows": rows, "per_model": per_model, "all_same_bits": all(r["same_bits"] for r in rows)}
+            "rows": rows, "per_model": per_model,
+            "all_same_bits": all(r["same_bits"] and r["aten_same_bits"] for r in rows)}
