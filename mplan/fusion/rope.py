@@ -11,14 +11,18 @@ StableLM's `partial_rotary_factor`) the match carries `rot_dim` and the kernels 
 rot_dim of each head vector and copy the rest through (`mplan.kernels.rotary.rope_qk`), so the
 pair still runs in one launch. A rotation concatenated some other way is reported as missed.
 
-Two more forms, both Hugging Face's (Cohere, OLMo-2, GPT-J):
+Two more forms, both Hugging Face's (Cohere, OLMo-2, GPT-J, Ernie 4.5):
 - interleaved RoPE: the pairs rotated together are (2i, 2i + 1), the rotation written
   `stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2)` and the tables repeat_interleave'd; the
   match carries `interleaved` and the kernels address the pairs so (`mplan.kernels.rotary`);
 - casts around the rotation: `q.float()` before it and `.to(q.dtype)` after it (Cohere's both,
   OLMo-2's the second), each used only by the chain, are taken into it as `upcast` and `dtype`:
   the kernels load in fp32 and store in the result's dtype anyway, and attention then reads the
-  fused op's result, so RoPE on q and k still pairs into one rope_qk launch.
+  fused op's result, so RoPE on q and k still pairs into one rope_qk launch. Ernie 4.5 casts each
+  product's operand instead, `q.float() * cos + rotate(q).float() * sin`: the same `upcast`, as a
+  rotation moves values without arithmetic (casting after it is casting before it). The forward is
+  the chain's bit for bit; the backward sums q's two gradient parts in fp32 and rounds once, where
+  the chain rounds each to q's dtype and sums there (in bf16 the kernel is the more accurate).
 """
 from __future__ import annotations
 
@@ -64,19 +68,26 @@ def _match_rotation(anchor: Node) -> PatternMatch | None:
         if not (used_only_by(plain, anchor) and used_only_by(rotated, anchor)):
             continue
         for cat, sin in (rotated.args, rotated.args[::-1]):
-            found = _rotate_half_input(cat, rotated)
-            layout = {}
-            if found is None:
-                found, layout = _rotate_pairs_input(cat, rotated), {"interleaved": True}
+            found, layout = _rotation_input(cat, rotated)
             if found is None:
                 continue
             x, chain = found
-            if x not in plain.args or not isinstance(sin, Node):
+            x_read = x
+            if "upcast" in layout:  # the products read rotate(x).to(upcast) and x.to(upcast) (or x of that dtype)
+                casts = [a for a in plain.args if cast(a) == (x, layout["upcast"]) and used_only_by(a, plain)]
+                if casts:
+                    chain, x_read = (casts[0], *chain), casts[0]
+                elif getattr(tensor_value(x), "dtype", None) != layout["upcast"]:
+                    continue
+            if x_read not in plain.args or not isinstance(sin, Node):
                 continue
-            cos = other(plain.args, x)
-            if not isinstance(cos, Node) or x in (cos, sin):
+            cos = other(plain.args, x_read)
+            if not isinstance(cos, Node) or x in (cos, sin) or x_read in (cos, sin):
                 continue
             core = (*chain, rotated, plain, anchor)
+            if "upcast" in layout:  # the whole head vector rotates (no partial rotary with this form)
+                return PatternMatch(anchor=anchor, chain=core, outputs=(anchor,), inputs=(x, cos, sin),
+                                    params={"x": x, "cos": cos, "sin": sin, **layout})
             whole = _with_rest(x, anchor, core)
             if whole is not None:
                 source, extra, output, rot_dim = whole
@@ -90,13 +101,32 @@ def _match_rotation(anchor: Node) -> PatternMatch | None:
     return None
 
 
+def _rotation_input(operand: Any, user: Node) -> tuple[tuple[Node, tuple[Node, ...]] | None, dict[str, Any]]:
+    """((x, chain), layout) when `operand` (read only by `user`) is x's rotation: rotate_half,
+    the interleaved rotation (layout `interleaved`), or either cast after rotating, rotate(x).to(dtype)
+    (Ernie 4.5's `rotate_half(q).float()`; layout `upcast`: a rotation moves values without
+    arithmetic, so casting after it is casting before it)."""
+    after = cast(operand)
+    if after is not None and used_only_by(operand, user):
+        found, layout = _rotation_input(after[0], operand)
+        if found is None or "upcast" in layout:
+            return None, {}
+        x, chain = found
+        return (x, (*chain, operand)), {**layout, "upcast": after[1]}
+    found = _rotate_half_input(operand, user)
+    if found is not None:
+        return found, {}
+    found = _rotate_pairs_input(operand, user)
+    return (found, {"interleaved": True}) if found is not None else (None, {})
+
+
 def _with_casts(match: PatternMatch) -> PatternMatch:
     """The match with the casts around it taken in (Hugging Face's `q.float()` and `.to(q.dtype)`):
     x = source.to(upcast) used only by the chain, where the whole head vector rotates (a partial
     rotary's cast stays an op), and the result's only use a cast .to(dtype)."""
     params, chain, inputs, output = dict(match.params), match.chain, match.inputs, match.outputs[0]
     before = cast(params["x"])
-    if before is not None and "rot_dim" not in params and used_only_by(params["x"], *chain):
+    if before is not None and "rot_dim" not in params and "upcast" not in params and used_only_by(params["x"], *chain):
         chain, params["x"], params["upcast"] = (params["x"], *chain), before[0], before[1]
         inputs = (before[0], *inputs[1:])
     users = uses(output)
