@@ -367,7 +367,8 @@ ROPE = FusionEntry(
     forms=("rotate-half RoPE, either operand order", "Phi-3's x[..., :rotary_dim] with an empty rest concatenated",
            "partial rotary: RoPE on x[..., :rot_dim], cat with x[..., rot_dim:] (GPT-NeoX, Phi, StableLM)",
            "interleaved RoPE: stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2) (Cohere, GPT-J)",
-           "x.float() before and .to(dtype) after the rotation (Cohere, OLMo-2)"),
+           "x.float() before and .to(dtype) after the rotation (Cohere, OLMo-2)",
+           "x.float() * cos + rotate(x).float() * sin, each operand cast (Ernie 4.5)"),
     keeps=lambda m: FusedSave(),  # its tables are buffers
     pricing=MeasuredPricing(traffic=_ROPE_TRAFFIC, copy_fraction=(1.0, 0.987),
                             source="benchmarks/results/kernels_h200-2026-11-29-session7.json"),
@@ -383,7 +384,7 @@ ROPE_QK = FusionEntry(
     pattern=PairedPattern(of="rope", consumers="one attention call reading them as q and k, with the same tables"),
     forms=("RoPE on q and on k feeding one attention call",
            "partial rotary on both (one rot_dim): the rotated part in one launch, the rest copied through",
-           "interleaved, or cast before and after, alike on both (Cohere, OLMo-2)"),
+           "interleaved, or cast before and after, alike on both (Cohere, OLMo-2, Ernie 4.5)"),
     keeps=lambda m: FusedSave(),
     # two RoPEs' bytes in one launch: priced as its two rope chains (the planner prices before pairing)
     pricing=MeasuredPricing(traffic=_ROPE_TRAFFIC, copy_fraction=(1.0, 0.987),
