@@ -1,6 +1,7 @@
 """Fused MLP activations: bias + GELU, and the gated ones (SwiGLU, GeGLU) with or without their GEMM.
 
-Entries: BIAS_GELU (mplan.kernels.gelu), LINEAR_SWIGLU / LINEAR_GEGLU (gate and up as one GEMM,
+Entries: BIAS_GELU (mplan.kernels.gelu), GELU_TANH (GELU's tanh approximation written out as
+Hugging Face's `gelu_new` writes it, eight elementwise ops, as ATen's one `gelu`), LINEAR_SWIGLU / LINEAR_GEGLU (gate and up as one GEMM,
 then the packed kernel of mplan.kernels.glu) and SWIGLU / GEGLU (the gated product alone). The
 GEMM forms take the gate and up projections written apart (Llama's gate_proj and up_proj) or
 packed in one linear whose result is split in halves (Phi-3's gate_up_proj, then `chunk(2, -1)`):
@@ -8,6 +9,7 @@ either way the kernel reads one [..., 2F] buffer, [gate | up].
 """
 from __future__ import annotations
 
+import math
 import operator
 from functools import partial
 from typing import Any
@@ -17,25 +19,78 @@ from torch.fx import Graph, Node
 
 from mplan.fusion.entry import (FusedOpTraffic, FusedSave, FusionEntry, FusionPattern, Launches, MeasuredPricing,
                                 Miss, PatternMatch, call)
-from mplan.fusion.graph_match import is_call, is_last_dim, tensor_value, used_only_by
+from mplan.fusion.graph_match import is_call, is_last_dim, other, tensor_value, used_only_by
 from mplan.fusion.projections import grouped_product
 
-__all__ = ["BIAS_GELU", "GEGLU", "LINEAR_GEGLU", "LINEAR_SWIGLU", "SWIGLU"]
+__all__ = ["BIAS_GELU", "GELU_TANH", "GEGLU", "LINEAR_GEGLU", "LINEAR_SWIGLU", "SWIGLU"]
 
 aten = torch.ops.aten
 _KERNELS_RUN = "benchmarks/results/kernels_h200-2026-11-29-session7.json"
 
 
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def _times(node: Any, target: Any, constant: float) -> Node | None:
+    """y when `node` is target(y, c) or target(c, y) (aten.mul / aten.add with a Python number c ==
+    `constant`, to float64's last bits: a model writes sqrt(2/pi) as a literal or computes it)."""
+    if not is_call(node, target) or node.kwargs or len(node.args) != 2:
+        return None
+    for value, c in (node.args, node.args[::-1]):
+        if isinstance(value, Node) and isinstance(c, (int, float)) and math.isclose(c, constant, rel_tol=1e-15):
+            return value
+    return None
+
+
+def _gelu_tanh_formula(anchor: Node) -> tuple[Node, tuple[Node, ...]] | None:
+    """(x, chain) when `anchor` is 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x ** 3))), as
+    Hugging Face's NewGELUActivation writes it (`gelu_new`: GPT-2, GPT-J, Phi-1/2, CodeGen), each
+    step used only by the next: GELU's tanh approximation, what gelu(x, approximate="tanh")
+    computes (to rounding: ATen evaluates it in one pass, in fp32 for 16-bit x)."""
+    if not is_call(anchor, aten.mul.Tensor) or anchor.kwargs or len(anchor.args) != 2:
+        return None
+    for half, plus_one in (anchor.args, anchor.args[::-1]):
+        x, tanh = _times(half, aten.mul.Tensor, 0.5), _times(plus_one, aten.add.Tensor, 1.0)
+        if x is None or not is_call(tanh, aten.tanh.default):
+            continue
+        inner = tanh.args[0]
+        summed = _times(inner, aten.mul.Tensor, _SQRT_2_OVER_PI)
+        if not is_call(summed, aten.add.Tensor) or summed.kwargs or x not in summed.args:
+            continue
+        scaled = other(summed.args, x)
+        cube = _times(scaled, aten.mul.Tensor, 0.044715)
+        if not (is_call(cube, aten.pow.Tensor_Scalar) and cube.args[0] is x and cube.args[1] in (3, 3.0)):
+            continue
+        chain = (half, cube, scaled, summed, inner, tanh, plus_one, anchor)
+        if all(used_only_by(n, after) for n, after in zip(chain[1:-1], chain[2:])) and \
+                used_only_by(half, anchor) and used_only_by(plus_one, anchor):
+            return x, chain
+    return None
+
+
+def _match_gelu_tanh(anchor: Node) -> PatternMatch | None:
+    """params: x (GELU's input), for the formula `_gelu_tanh_formula` names."""
+    found = _gelu_tanh_formula(anchor)
+    if found is None:
+        return None
+    x, chain = found
+    return PatternMatch(anchor=anchor, chain=chain, outputs=(anchor,), inputs=(x,), params={"x": x})
+
+
 def _match_bias_gelu(anchor: Node) -> PatternMatch | None:
-    """params: linear (the biased GEMM, whose value the unbiased one has), x, weight, bias."""
-    approximate = anchor.kwargs.get("approximate", anchor.args[1] if len(anchor.args) > 1 else "none")
-    linear = anchor.args[0]
-    if approximate != "tanh" or not is_call(linear, aten.linear.default) or not used_only_by(linear, anchor):
+    """params: linear (the biased GEMM, whose value the unbiased one has), x, weight, bias; the
+    GELU aten.gelu(approximate="tanh") or its formula written out (`_gelu_tanh_formula`)."""
+    if is_call(anchor, aten.gelu.default):
+        approximate = anchor.kwargs.get("approximate", anchor.args[1] if len(anchor.args) > 1 else "none")
+        linear, gelu = (anchor.args[0], (anchor,)) if approximate == "tanh" else (None, ())
+    else:
+        linear, gelu = _gelu_tanh_formula(anchor) or (None, ())
+    if not gelu or not is_call(linear, aten.linear.default) or not used_only_by(linear, *gelu):
         return None
     if len(linear.args) < 3 or linear.args[2] is None:
         return None
     x, weight, bias = linear.args
-    return PatternMatch(anchor=anchor, chain=(linear, anchor), outputs=(anchor,), inputs=(x, weight, bias),
+    return PatternMatch(anchor=anchor, chain=(linear, *gelu), outputs=(anchor,), inputs=(x, weight, bias),
                         params={"linear": linear, "x": x, "weight": weight, "bias": bias})
 
 
@@ -136,6 +191,10 @@ def _packed_halves(gate: Any, up: Any, act: Node, anchor: Node) -> PatternMatch 
                         params={"x": x, "gate": gate, "weights": (weight,), "biases": (bias,), "product": product})
 
 
+def _emit_gelu_tanh(graph: Graph, match: PatternMatch) -> Node:
+    return call(graph, aten.gelu.default, (match.params["x"],), match.anchor, {"approximate": "tanh"})
+
+
 def _emit_bias_gelu(graph: Graph, match: PatternMatch) -> Node:
     from mplan.kernels import bias_gelu
 
@@ -183,9 +242,11 @@ _LINEAR_FORMS = ("gate_proj and up_proj apart, biases or none", "one packed gate
 
 BIAS_GELU = FusionEntry(
     name="bias_gelu",
-    # aten.gelu(approximate="tanh") of a biased aten.linear used only there (GPT's MLP)
-    pattern=FusionPattern(anchors=(aten.gelu.default,), match=_match_bias_gelu),
-    forms=("gelu(linear(x, W, b), approximate='tanh')",),
+    # aten.gelu(approximate="tanh") of a biased aten.linear used only there (GPT's MLP), or the
+    # same GELU written out (GPT-J's and Phi's gelu_new: the formula's last mul anchors it)
+    pattern=FusionPattern(anchors=(aten.gelu.default, aten.mul.Tensor), match=_match_bias_gelu),
+    forms=("gelu(linear(x, W, b), approximate='tanh')",
+           "0.5 * y * (1 + tanh(sqrt(2/pi) * (y + 0.044715 * y**3))) of y = linear(x, W, b) (gelu_new)"),
     keeps=lambda m: FusedSave((m.params["x"].name, m.params["linear"].name)),  # the GEMM's input, its unbiased output
     pricing=MeasuredPricing(
         traffic=FusedOpTraffic(forward_row_tensors=2, backward_row_tensors=3, forward_vectors=1, backward_vectors=2,
@@ -193,6 +254,20 @@ BIAS_GELU = FusionEntry(
         copy_fraction=(0.940, 0.944), source=_KERNELS_RUN),
     launches=Launches(forward_triton=1, forward_aten=0, backward_triton=1, backward_aten=1),  # + db's sum
     emit=_emit_bias_gelu,
+)
+
+GELU_TANH = FusionEntry(
+    name="gelu_tanh",
+    # the formula alone (GPT-2's, whose Conv1D adds its bias inside addmm): ATen's one gelu kernel
+    pattern=FusionPattern(anchors=(aten.mul.Tensor,), match=_match_gelu_tanh),
+    forms=("0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3))), either operand order (gelu_new)",),
+    keeps=lambda m: FusedSave((m.params["x"].name,)),  # gelu's backward reads x
+    pricing=MeasuredPricing(
+        traffic=FusedOpTraffic(forward_row_tensors=2, backward_row_tensors=3, what="read x; write y; read dy, x; write dx"),
+        copy_fraction=(0.940, 0.944),
+        source=f"bias_gelu's fractions ({_KERNELS_RUN}): ATen's gelu kernel itself is not yet measured"),
+    launches=Launches(forward_triton=0, forward_aten=1, backward_triton=0, backward_aten=1),
+    emit=_emit_gelu_tanh,
 )
 
 LINEAR_SWIGLU = FusionEntry(

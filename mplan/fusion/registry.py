@@ -15,7 +15,7 @@ from __future__ import annotations
 from mplan.fusion.attention import ATTENTION
 from mplan.fusion.entry import FusionEntry, FusionPattern
 from mplan.fusion.loss import CROSS_ENTROPY, LINEAR_CROSS_ENTROPY
-from mplan.fusion.mlp import BIAS_GELU, GEGLU, LINEAR_GEGLU, LINEAR_SWIGLU, SWIGLU
+from mplan.fusion.mlp import BIAS_GELU, GELU_TANH, GEGLU, LINEAR_GEGLU, LINEAR_SWIGLU, SWIGLU
 from mplan.fusion.norms import LAYER_NORM, LAYER_NORM_RESIDUAL, RMS_NORM, RMS_NORM_ADD, RMS_NORM_RESIDUAL
 from mplan.fusion.projections import LINEAR_GROUP
 from mplan.fusion.rope import ROPE, ROPE_QK
@@ -30,6 +30,7 @@ FUSIONS: tuple[FusionEntry, ...] = (
     RMS_NORM_ADD,
     RMS_NORM,
     BIAS_GELU,
+    GELU_TANH,
     LINEAR_SWIGLU,
     SWIGLU,
     LINEAR_GEGLU,
