@@ -63,7 +63,8 @@ class Family:
 
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 128, "vocab_size": 128, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32, "max_position_embeddings": 64}
+        "moe_intermediate_size": 32, "max_position_embeddings": 64,
+        "n_layer": 2, "n_embd": 64, "n_head": 4, "n_inner": 128, "n_positions": 64}
 """The smoke test's shape: each family's own sizes replaced where it has them"""
 
 
@@ -118,6 +119,11 @@ def families(small: bool) -> tuple[Family, ...]:
                 num_hidden_layers=12, hidden_size=2048, num_attention_heads=32, num_key_value_heads=32,
                 intermediate_size=5632, vocab_size=100352, partial_rotary_factor=0.25, tie_word_embeddings=False,
                 max_position_embeddings=4096),
+        # GPT-2 medium's shape (355M) at a 2048-token context: learned positions, Conv1D (addmm)
+        # projections, gelu_new written out; Liger patches no GPT-2
+        _family("gpt2", "GPT2Config", "GPT2LMHeadModel", False, small=small,
+                n_layer=24, n_embd=1024, n_head=16, n_inner=4096, vocab_size=50257, n_positions=2048,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True),
         _family("llama", "LlamaConfig", "LlamaForCausalLM", True, small=small, batch=4,
                 num_hidden_layers=22, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
                 intermediate_size=5632, vocab_size=32000, tie_word_embeddings=False, rms_norm_eps=1e-5,
