@@ -3,7 +3,7 @@ import sys
 
 from benchmarks import harness
 from benchmarks.equivalence import __doc__ as doc
-from benchmarks.equivalence import experts, gpus, pipelines, zoo
+from benchmarks.equivalence import experts, fusion, gpus, pipelines, zoo
 
 sys.exit(harness.main("equivalence", doc or "", {"pipelines": pipelines, "experts": experts, "zoo": zoo,
-                                                 "gpus": gpus}))
+                                                 "gpus": gpus, "fusion": fusion}))
