@@ -34,6 +34,10 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     # partial rotary: RoPE on the first rot_dim of each head vector, the rest concatenated back
     "phi": (transformers.PhiConfig, transformers.PhiForCausalLM, {"partial_rotary_factor": 0.5}),
     "gpt_neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM, {"rotary_pct": 0.25}),
+    "opt": (transformers.OPTConfig, transformers.OPTForCausalLM,
+            {"ffn_dim": 48, "word_embed_proj_dim": 32, "dropout": 0.0, "attention_dropout": 0.0,
+             "activation_dropout": 0.0, "layerdrop": 0.0}),
+    "olmo": (transformers.OlmoConfig, transformers.OlmoForCausalLM, {}),
 }
 
 COVERAGE = {
@@ -53,9 +57,19 @@ COVERAGE = {
     # partial rotary (half and a quarter of each head; StableLM's in test_fusion_forms.py): the
     # slice, the rotation and the concatenation of q and of k in one rope_qk (rot_dim 4 and 2 of
     # head_dim 8); attention and MLP in parallel off one LayerNorm, fused with its residual add,
-    # q/k/v one GEMM beside the MLP's fc1 (it stays apart: no attention input)
-    "phi": {"layer_norm_residual": 2, "linear_group": 2, "rope_qk": 2, "attention": 2, "linear_cross_entropy": 1},
+    # q/k/v one GEMM beside the MLP's fc1 (it stays apart: no attention input), fc1's bias and
+    # its gelu_new (GELU's tanh approximation written out) one bias_gelu
+    "phi": {"layer_norm_residual": 2, "linear_group": 2, "rope_qk": 2, "attention": 2, "bias_gelu": 2,
+            "linear_cross_entropy": 1},
     "gpt_neox": {"layer_norm_residual": 2, "rope_qk": 2, "attention": 2, "linear_cross_entropy": 1},
+    # OPT: all five LayerNorms after their residual adds (the first after the embeddings' sum with
+    # the positions'); the MLP's and the next block's norms read the sum reshaped to [tokens,
+    # hidden] and back, the addends reshaped instead
+    "opt": {"layer_norm_residual": 5, "linear_group": 2, "attention": 2, "linear_cross_entropy": 1},
+    # OLMo-1: F.layer_norm without weight or bias, in fp32 and cast back: the first of the
+    # embedding alone, the rest with the residual add before them
+    "olmo": {"layer_norm": 1, "layer_norm_residual": 4, "linear_group": 2, "rope_qk": 2, "attention": 2,
+             "linear_swiglu": 2, "linear_cross_entropy": 1},
 }
 
 ROT_DIMS = {"phi": 4, "gpt_neox": 2}

@@ -10,6 +10,10 @@
 - Granite scales each sublayer's output before the add (residual + h * residual_multiplier):
   rms_norm_residual takes the scale; and its embeddings (times embedding_multiplier), which
   rms_norm takes, returning the product (the residual stream) with the normed value.
+- OLMo-1 calls F.layer_norm without weight or bias on x.to(float32) and casts the result back:
+  the LayerNorm kernel takes the casts, and no parameters, alone or with the residual add.
+- OPT flattens the residual sum to [tokens, hidden] before the MLP's norm and views the next
+  sum back: layer_norm_residual reads the addends reshaped as the sum was.
 
 Each form on a hand-written module and on the transformers family as shipped (2 layers, hidden
 64): the fused program's loss and gradients against the unfused one's (float64, the kernels'
@@ -26,6 +30,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from distributed import rel_err
 from hf_loss import HFLoss
 from test_fusion_hf import _batch  # 2 x 12 ids and labels of vocabulary 64, three ignored
@@ -119,6 +124,51 @@ class ScaledResidualBlock(nn.Module):
         return h + torch.tanh(self.mlp(self.norm2(h))) * 0.22
 
 
+class OlmoLayerNorm(nn.Module):
+    """OLMo-1's LayerNorm: no weight or bias, computed in fp32, cast back to the input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.to(torch.float32), (HIDDEN,), None, None, 1e-5).to(x.dtype)
+
+
+class PreNormBlock(nn.Module):
+    """OLMo-1's block: h = x + attn(norm(x)), out = h + mlp(norm(h))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = OlmoLayerNorm(), OlmoLayerNorm()
+        self.attn, self.mlp = _linear(), _linear()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attn(self.norm1(x))
+        return h + torch.tanh(self.mlp(self.norm2(h)))
+
+
+def _layer_norm() -> nn.LayerNorm:
+    """nn.LayerNorm with a weight and a bias that are not ones and zeros."""
+    norm = nn.LayerNorm(HIDDEN)
+    with torch.no_grad():
+        norm.weight.add_(0.1 * torch.randn(HIDDEN))
+        norm.bias.add_(0.1 * torch.randn(HIDDEN))
+    return norm
+
+
+class FlattenedBlock(nn.Module):
+    """OPT's block: the MLP's half reads the sum flattened to [tokens, hidden] (its residual too)
+    and views its own sum back to the input's shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = _layer_norm(), _layer_norm()
+        self.attn, self.mlp = _linear(), _linear()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attn(self.norm1(x))
+        shape = h.shape
+        h = h.reshape(-1, h.size(-1))
+        return (h + torch.tanh(self.mlp(self.norm2(h)))).view(shape)
+
+
 class Stack(nn.Module):
     """Two blocks and a final norm, the loss their output's mean weighted by a target; the input
     times `input_scale` first where given (Granite's embedding_multiplier)."""
@@ -141,6 +191,8 @@ def _stack(form: str, dtype: torch.dtype, **options: Any) -> Stack:
         "cohere": lambda: (ParallelBlock(), CohereLayerNorm()),
         "olmo2": lambda: (PostNormBlock(**options), RMSNorm(cast_before_weight=False, **options)),
         "granite": lambda: (ScaledResidualBlock(**options), RMSNorm(cast_before_weight=True, **options)),
+        "olmo": lambda: (PreNormBlock(), OlmoLayerNorm()),
+        "opt": lambda: (FlattenedBlock(), _layer_norm()),
     }
     made = [blocks[form]() for _ in range(2)]
     return Stack([block for block, _ in made], made[-1][1], 3.0 if form == "granite" else None).to(dtype)
@@ -154,6 +206,11 @@ MODULE_COUNTS = {
     # every norm but the first after a scaled residual add, the scale in the kernel; the first of
     # the scaled input, returned with it
     "granite": {"rms_norm": 1, "rms_norm_residual": 4},
+    # the first norm reads the input alone (its casts make it a chain), the others the residual sums
+    "olmo": {"layer_norm": 1, "layer_norm_residual": 4},
+    # every norm after a residual add, through the flattening and the view back; the first reads
+    # the input alone and stays the one ATen kernel it is
+    "opt": {"layer_norm_residual": 4},
 }
 
 
@@ -213,6 +270,52 @@ def test_the_fused_calls_carry_each_forms_casts_and_scale() -> None:
     # no product by a number is left (the loss's product with the target is no scaling)
     assert not [n for n in granite.graph.nodes
                 if n.target is aten.mul.Tensor and not all(isinstance(arg, torch.fx.Node) for arg in n.args)]
+
+
+def test_olmo1_s_norms_run_without_parameters_and_opt_s_read_the_addends_reshaped() -> None:
+    """OLMo-1: every fused norm takes the casts as keywords, and no weight or bias; in fp32 its
+    upcast is a no-op the residual stream reads on, and the norms still take their adds (bit for
+    bit). OPT: the norms of the flattened sum, and of the sum viewed back, read the addends
+    reshaped as the sum was."""
+    _, olmo, _ = _module_programs("olmo", torch.float64)
+    norms = [n for n in olmo.graph.nodes if getattr(n.target, "__name__", "").startswith("layer_norm")]
+    assert len(norms) == 5
+    for norm in norms:
+        assert norm.args[-3:-1] == (None, None)  # (x[, residual], weight, bias, eps)
+        assert {k: v for k, v in norm.kwargs.items() if k != "consumer"} == {"upcast": True,
+                                                                            "out_dtype": torch.float64}
+    unfused, fused, inputs = _module_programs("olmo", torch.float32)
+    assert fused.meta["fuse_kernels"].counts == MODULE_COUNTS["olmo"]
+    for got, want in zip(_grads(fused, *inputs), _grads(unfused, *inputs), strict=True):
+        assert torch.equal(got, want)
+    _, opt, _ = _module_programs("opt", torch.float64)
+    residual_norms = [n for n in opt.graph.nodes if getattr(n.target, "__name__", "") == "layer_norm_residual"]
+    addends = [n.args[i] for n in residual_norms for i in (0, 1)]
+    assert all(a.target is aten.reshape.default for a in addends)
+    flat, whole = (10, HIDDEN), (2, 5, HIDDEN)  # [tokens, hidden] and the input's [batch, seq, hidden]
+    assert [tuple(a.meta["val"].shape) for a in addends] == [flat, flat, whole, whole] * 2
+
+
+def test_a_sum_also_read_in_its_own_shape_leaves_the_norm_of_it_flattened_an_op() -> None:
+    """The kernel returns the sum in the shape its norm reads, so a sum read unflattened too is
+    no residual it can take: the add and the LayerNorm stay ATen ops, computing as before."""
+
+    class BothShapes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = _layer_norm()
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            h = x + y
+            return (self.norm(h.reshape(-1, HIDDEN)) * 2).mean() + h.mean()
+
+    torch.manual_seed(0)
+    inputs = (torch.randn(2, 5, HIDDEN, dtype=torch.float64), torch.randn(2, 5, HIDDEN, dtype=torch.float64))
+    unfused = torch.export.export(BothShapes().double(), inputs, strict=False).module()
+    fused = fuse_kernels(copy.deepcopy(unfused))
+    assert fused.meta["fuse_kernels"].counts == {}
+    assert aten.layer_norm.default in {n.target for n in fused.graph.nodes}
+    assert torch.equal(fused(*inputs), unfused(*inputs))
 
 
 def test_a_post_norm_whose_sum_is_normed_and_read_on_leaves_the_add_to_the_next_norm() -> None:
@@ -280,15 +383,23 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, {}),
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM,
                 {"residual_multiplier": 0.22, "embedding_multiplier": 3.0}),
+    "olmo": (transformers.OlmoConfig, transformers.OlmoForCausalLM, {}),
+    # enable_bias=False: the key projection's bias gets no gradient (softmax ignores a shift of
+    # all of a query's scores), so its gradient and update would be rounding noise compared
+    "opt": (transformers.OPTConfig, transformers.OPTForCausalLM,
+            {"ffn_dim": 96, "word_embed_proj_dim": HIDDEN, "dropout": 0.0, "layerdrop": 0.0, "enable_bias": False}),
 }
 
 FAMILY_NORMS = {
     # float64: Cohere's first norm reads the embedding, the second block's and the final one the
     # residual sums; OLMo-2's q and k norms alone, its four post-norms with their adds, the final
-    # norm alone; Granite's norms after its scaled adds
+    # norm alone; Granite's norms after its scaled adds; OLMo-1's first norm alone (the
+    # embedding), the rest with their adds; all five of OPT's with their adds
     "cohere": {"layer_norm": 1, "layer_norm_residual": 2},
     "olmo2": {"rms_norm": 5, "rms_norm_add": 4},
     "granite": {"rms_norm": 1, "rms_norm_residual": 4},
+    "olmo": {"layer_norm": 1, "layer_norm_residual": 4},
+    "opt": {"layer_norm_residual": 5},
 }
 
 
@@ -379,6 +490,8 @@ KERNEL_FUNCTIONS = {
     "cohere": {"LayerNormResidualFunctionBackward"},
     "olmo2": {"RMSNormAddFunctionBackward", "RMSNormResidualFunctionBackward"},  # the final norm alone
     "granite": {"RMSNormResidualFunctionBackward"},
+    "olmo": {"LayerNormResidualFunctionBackward"},
+    "opt": {"LayerNormResidualFunctionBackward"},
 }
 """The Triton autograd Functions each form's fused program runs."""
 
@@ -398,7 +511,8 @@ def _backward_nodes(loss: torch.Tensor) -> set[str]:
 
 @needs_interpreter
 @pytest.mark.parametrize(("form", "options"), [("cohere", {}), ("olmo2", {}), ("olmo2", {"upcast": False}),
-                                               ("granite", {}), ("granite", {"upcast": False})], ids=str)
+                                               ("granite", {}), ("granite", {"upcast": False}), ("olmo", {}),
+                                               ("opt", {})], ids=str)
 def test_interpreted_hand_written_forms_match_their_ops(form: str, options: dict[str, Any]) -> None:
     """fp32, the fused norms' Triton kernels (their autograd Functions in the graph's backward)
     against the unfused ops: loss, input and parameter gradients within 1e-5."""
@@ -427,7 +541,8 @@ def test_interpreted_family_matches_its_unfused_program(family: str) -> None:
 def test_interpreted_kernels_compute_their_references() -> None:
     """Each new kernel form directly, fp32, 11 rows of 40 (a partial row block), both outputs'
     gradients flowing back: the hand-written LayerNorm alone and after a residual add, three
-    addends, norm + add, the scaled input normed and returned, and the scaled residual add."""
+    addends, F.layer_norm with casts and no weight or bias (alone, after a residual add) or a
+    bias alone, norm + add, the scaled input normed and returned, and the scaled residual add."""
     from mplan.kernels.layernorm import (LayerNormForm, layer_norm, layer_norm_reference, layer_norm_residual,
                                          layer_norm_residual_reference)
     from mplan.kernels.rmsnorm import (NormForm, rms_norm, rms_norm_add, rms_norm_add_reference, rms_norm_reference,
@@ -438,6 +553,8 @@ def test_interpreted_kernels_compute_their_references() -> None:
     weight = 1 + 0.1 * torch.randn(40, generator=generator)
     hand = {"hand_written": True, "upcast": True, "weight_upcast": True, "out_dtype": torch.float32}
     ln_form = LayerNormForm(True, True, torch.float32)
+    casts = {"upcast": True, "out_dtype": torch.float32}
+    cast_form = LayerNormForm(upcast=True, out_dtype=torch.float32, hand_written=False)
     cases = [
         (lambda a, r, w: layer_norm(a, w, None, 1e-5, **hand),
          lambda a, r, w: layer_norm_reference(a, w, None, 1e-5, ln_form), "LayerNormResidualFunction"),
@@ -447,6 +564,14 @@ def test_interpreted_kernels_compute_their_references() -> None:
         (lambda a, r, w: layer_norm_residual(a, r, w, None, 1e-5, third=0.5 * a.flip(0)),
          lambda a, r, w: layer_norm_residual_reference(a, r, w, None, 1e-5, third=0.5 * a.flip(0)),
          "LayerNormResidualFunction"),
+        (lambda a, r, w: layer_norm(a, None, None, 1e-5, **casts),
+         lambda a, r, w: layer_norm_reference(a, None, None, 1e-5, cast_form), "LayerNormResidualFunction"),
+        (lambda a, r, w: layer_norm_residual(a, r, None, None, 1e-5, **casts),
+         lambda a, r, w: layer_norm_residual_reference(a, r, None, None, 1e-5, cast_form),
+         "LayerNormResidualFunction"),
+        # the weight leaf as a bias: its gradient is the bias's alone
+        (lambda a, r, w: layer_norm_residual(a, r, None, w, 1e-5),
+         lambda a, r, w: layer_norm_residual_reference(a, r, None, w, 1e-5), "LayerNormResidualFunction"),
         (lambda a, r, w: rms_norm_add(a, r, w, 1e-6, upcast=True, out_dtype=torch.float32),
          lambda a, r, w: rms_norm_add_reference(a, r, w, 1e-6, NormForm(True, None, torch.float32)),
          "RMSNormAddFunction"),

@@ -1,11 +1,14 @@
 """Fused norms: RMSNorm (after a residual add, alone, or before one) and LayerNorm (after a
-residual add, or hand-written alone).
+residual add, or alone where it is hand-written or has casts around it).
 
 Entries: LAYER_NORM_RESIDUAL, LAYER_NORM, RMS_NORM_RESIDUAL, RMS_NORM_ADD, RMS_NORM
 (mplan.kernels.layernorm, .rmsnorm). Each matches the chain at its last node but RMS_NORM_ADD,
 which takes the norm's chain and the add its output feeds; the residual forms return
 (normed, a + b), the sum also being the next residual. The forms models write:
     pre-norm, a + b then norm       Llama, GPT (aten.layer_norm), Cohere (LayerNorm as ATen ops)
+    the sum reshaped, then normed   OPT (reshape(a + b, [-1, hidden]): the rows regrouped, the
+                                    reshaped sum the residual stream; the addends reshaped instead)
+    the sum cast around the norm    OLMo-1 (F.layer_norm(x.to(float32), no weight or bias).to(dtype))
     the branch scaled, a + c * b    Granite's residual_multiplier (rms_norm_residual's `scale`)
     post-norm, a + norm(b)          OLMo-2 (rms_norm_add: the sum alone comes out)
 The measured fractions are shares of the device-to-device copy bandwidth each kernel reached on
@@ -21,9 +24,9 @@ import torch
 from torch.fx import Graph, Node
 
 from mplan.fusion.entry import (FusedOpTraffic, FusedSave, FusionEntry, FusionPattern, Launches, MeasuredPricing,
-                                PatternMatch, call)
-from mplan.fusion.graph_match import (cast, is_call, is_last_dim, number, other, same_shape_add, tensor_value,
-                                      used_only_by, uses)
+                                PatternMatch, call, meta_like)
+from mplan.fusion.graph_match import (VIEW_OPS, cast, is_call, is_last_dim, number, other, same_shape_add,
+                                      tensor_value, used_only_by, uses)
 
 __all__ = ["LAYER_NORM", "LAYER_NORM_RESIDUAL", "RMS_NORM", "RMS_NORM_ADD", "RMS_NORM_RESIDUAL"]
 
@@ -104,14 +107,16 @@ def _out_cast(user: Node, anchor: Node, x: Node, stats: tuple[Node, ...]) -> tor
 class _LayerNormChain:
     x: Node
     """the value normalized (before any upcast): a fused kernel's input"""
-    weight: Node
-    """the weight as the model holds it (before a `.float()` the chain takes)"""
+    weight: Node | None
+    """the weight as the model holds it (before a `.float()` the chain takes); None: no weight"""
     eps: float
     chain: tuple[Node, ...]
     output: Node
     form: dict[str, Any]
     """keywords of mplan.kernels.layer_norm: hand_written, and the casts upcast, weight_upcast,
     out_dtype where the model writes them"""
+    bias: Node | None = None
+    """aten.layer_norm's bias (a hand-written norm has none)"""
 
 
 def _layer_norm_chain(anchor: Node) -> _LayerNormChain | None:
@@ -144,6 +149,26 @@ def _layer_norm_chain(anchor: Node) -> _LayerNormChain | None:
             return _LayerNormChain(x=x, weight=weight, eps=eps, chain=(*stats, normed, *weights, anchor, *tail),
                                    output=output, form=form)
     return None
+
+
+def _aten_layer_norm_chain(anchor: Node) -> _LayerNormChain | None:
+    """aten.layer_norm over the last dim (weight and bias each optional) with the casts a model
+    writes around it: its input x or x.to(float32) (OLMo-1's upcast, folded when it feeds only
+    the norm), its result optionally cast (`.to(input_dtype)`, folded when that is its only use)."""
+    if anchor.kwargs or len(anchor.args) < 2:
+        return None
+    defaults = (None, None, 1e-5)  # weight, bias, eps
+    x, normalized_shape, weight, bias, eps = (*anchor.args, *defaults[len(anchor.args) - 2:])[:5]
+    if not isinstance(x, Node) or len(normalized_shape) != 1 or not isinstance(eps, float):
+        return None
+    form: dict[str, Any] = {}
+    chain: tuple[Node, ...] = (anchor,)
+    if (upcast := cast(x)) is not None and upcast[1] == torch.float32 and used_only_by(x, anchor):
+        chain, x, form["upcast"] = (x, anchor), upcast[0], True
+    output, users = anchor, uses(anchor)
+    if len(users) == 1 and (out := cast(users[0])) is not None and out[0] is anchor:
+        output, chain, form["out_dtype"] = users[0], (*chain, users[0]), out[1]
+    return _LayerNormChain(x=x, weight=weight, eps=eps, chain=chain, output=output, form=form, bias=bias)
 
 
 def _standardization(centred: Any, rsqrt: Any, normed: Node) -> tuple[Node, float, tuple[Node, ...]] | None:
@@ -287,26 +312,40 @@ def _feeds_a_norm(total: Node) -> bool:
 
 
 def _match_layer_norm_residual(anchor: Node) -> PatternMatch | None:
-    """params: addends (the residual add's operands, in its order), weight, bias (or None), eps,
-    form (a hand-written norm's keywords, `_layer_norm_chain`; empty for aten.layer_norm)."""
-    if is_call(anchor, aten.mul.Tensor):
-        found = _layer_norm_chain(anchor)
-        pair = None if found is None else same_shape_add(found.x)
-        if found is None or pair is None:
-            return None  # a hand-written norm of anything but a residual sum: LAYER_NORM's
-        addends, inner = _three_addends(pair, found.x)
-        return PatternMatch(anchor=anchor, chain=(*inner, found.x, *found.chain), outputs=(found.output, found.x),
-                            inputs=(*addends, found.weight),
-                            params={"addends": addends, "weight": found.weight, "bias": None, "eps": found.eps,
-                                    "form": found.form})
-    total, normalized_shape, weight, bias, eps = (list(anchor.args) + [None, None, 1e-5])[:5]
-    pair = same_shape_add(total)
-    if pair is None or anchor.kwargs or weight is None or len(normalized_shape) != 1:
+    """params: addends (the residual add's operands, in its order), weight, bias (each a node or
+    None), eps, form (the norm's casts and a hand-written norm's keywords: `_layer_norm_chain`,
+    `_aten_layer_norm_chain`), reshape (None, or the shape the sum is reshaped to before the norm
+    reads it, `_seen_through`: the addends are reshaped to it instead)."""
+    found = _aten_layer_norm_chain(anchor) if is_call(anchor, aten.layer_norm.default) else _layer_norm_chain(anchor)
+    if found is None:
         return None
+    total, seen = _seen_through(found.x)
+    pair = same_shape_add(total)
+    if pair is None:
+        return None  # a norm of anything but a residual sum: LAYER_NORM's (hand-written or with casts)
     addends, inner = _three_addends(pair, total)
-    inputs = (*addends, weight) if bias is None else (*addends, weight, bias)
-    return PatternMatch(anchor=anchor, chain=(*inner, total, anchor), outputs=(anchor, total), inputs=inputs,
-                        params={"addends": addends, "weight": weight, "bias": bias, "eps": eps, "form": {}})
+    shape = seen[0].args[1] if seen and is_call(seen[0], *VIEW_OPS) else None
+    sizes = tuple(size for size in shape or () if isinstance(size, Node))  # symbolic ones
+    params = (found.weight, found.bias)
+    return PatternMatch(anchor=anchor, chain=(*inner, total, *seen, *found.chain), outputs=(found.output, found.x),
+                        inputs=(*addends, *sizes, *(v for v in params if v is not None)),
+                        params={"addends": addends, "weight": found.weight, "bias": found.bias, "eps": found.eps,
+                                "form": found.form, "reshape": shape})
+
+
+def _seen_through(value: Node) -> tuple[Node, tuple[Node, ...]]:
+    """(s, [value]) when `value` is s under another name and s is read by nothing else: s reshaped
+    keeping its rows whole (the same last dim: OPT flattens the residual sum to [tokens, hidden],
+    normalizes that and adds on to it), or s cast to the dtype it has (a float32 model's upcast,
+    a no-op the residual stream reads on: OLMo-1's); else (value, ())."""
+    if not (is_call(value, *VIEW_OPS, aten.to.dtype) and len(value.args) == 2 and not value.kwargs
+            and isinstance(value.args[0], Node) and used_only_by(value.args[0], value)):
+        return value, ()
+    source = value.args[0]
+    sv, vv = tensor_value(source), tensor_value(value)
+    if sv is None or vv is None or sv.dtype != vv.dtype or not (sv.dim() and vv.dim()) or sv.shape[-1] != vv.shape[-1]:
+        return value, ()
+    return source, (value,)
 
 
 def _three_addends(pair: tuple[Node, Node], total: Node) -> tuple[tuple[Node, ...], tuple[Node, ...]]:
@@ -321,12 +360,16 @@ def _three_addends(pair: tuple[Node, Node], total: Node) -> tuple[tuple[Node, ..
 
 
 def _match_layer_norm(anchor: Node) -> PatternMatch | None:
-    """params: x, weight, eps, form (as for layer_norm_residual's hand-written norms)."""
-    found = _layer_norm_chain(anchor)
-    if found is None:
+    """params: x, weight, bias, eps, form (as for layer_norm_residual). aten.layer_norm is taken
+    only with a cast around it (OLMo-1's norm of the embedding): alone it is one ATen kernel already."""
+    found = _aten_layer_norm_chain(anchor) if is_call(anchor, aten.layer_norm.default) else _layer_norm_chain(anchor)
+    if found is None or not found.form:
         return None
-    return PatternMatch(anchor=anchor, chain=found.chain, outputs=(found.output,), inputs=(found.x, found.weight),
-                        params={"x": found.x, "weight": found.weight, "eps": found.eps, "form": found.form})
+    params = (found.weight, found.bias)
+    return PatternMatch(anchor=anchor, chain=found.chain, outputs=(found.output,),
+                        inputs=(found.x, *(v for v in params if v is not None)),
+                        params={"x": found.x, "weight": found.weight, "bias": found.bias, "eps": found.eps,
+                                "form": found.form})
 
 
 def _emit_rms_norm_residual(graph: Graph, match: PatternMatch) -> Node:
@@ -354,16 +397,26 @@ def _emit_layer_norm_residual(graph: Graph, match: PatternMatch) -> Node:
     from mplan.kernels import layer_norm_residual
 
     p = match.params
-    (x, residual, *third) = p["addends"]
+    (x, residual, *third) = (_reshape(graph, a, p["reshape"], match.outputs[1]) for a in p["addends"])
     return call(graph, layer_norm_residual, (x, residual, p["weight"], p["bias"], p["eps"]), match.anchor,
                 {**p["form"], **({"third": third[0]} if third else {})})
+
+
+def _reshape(graph: Graph, addend: Node, shape: Any, like: Node) -> Node:
+    """`addend` reshaped to `shape` as the sum was (`like`, the reshaped sum): a view where its
+    strides allow, as the kernel reads it contiguous anyway; `addend` itself when `shape` is None."""
+    if shape is None:
+        return addend
+    reshaped = call(graph, aten.reshape.default, (addend, shape), like)
+    reshaped.meta["val"] = meta_like(tensor_value(addend), tensor_value(like).shape)
+    return reshaped
 
 
 def _emit_layer_norm(graph: Graph, match: PatternMatch) -> Node:
     from mplan.kernels.layernorm import layer_norm
 
     p = match.params
-    return call(graph, layer_norm, (p["x"], p["weight"], None, p["eps"]), match.anchor, dict(p["form"]))
+    return call(graph, layer_norm, (p["x"], p["weight"], p["bias"], p["eps"]), match.anchor, dict(p["form"]))
 
 
 _RMS_FRACTION = (0.965, 0.943)
@@ -440,13 +493,16 @@ RMS_NORM = FusionEntry(
 
 LAYER_NORM_RESIDUAL = FusionEntry(
     name="layer_norm_residual",
-    # (a + b) -> aten.layer_norm over the last dim with a weight: GPT's pre-LayerNorm after each
-    # residual add; or (a + b) -> Cohere's LayerNorm written as ATen ops (mean, sub, pow, mean,
-    # add eps, rsqrt, mul, mul weight, casts), matched at its weight's mul
+    # (a + b) [-> reshape keeping the rows] [-> .to(float32)] -> aten.layer_norm over the last dim
+    # [-> cast]: GPT's pre-LayerNorm after each residual add, OPT's of the flattened sum, OLMo-1's
+    # without parameters in fp32; or (a + b) -> Cohere's LayerNorm written as ATen ops (mean, sub,
+    # pow, mean, add eps, rsqrt, mul, mul weight, casts), matched at its weight's mul
     pattern=FusionPattern(anchors=(aten.layer_norm.default, aten.mul.Tensor), match=_match_layer_norm_residual),
     forms=("aten.layer_norm of a residual sum, with or without a bias",
            "Cohere's LayerNorm as ATen ops (no bias, fp32 upcast, weight.float(), cast back)",
-           "a parallel block's (residual + attn) + mlp: three addends"),
+           "a parallel block's (residual + attn) + mlp: three addends",
+           "OPT's sum reshaped to [tokens, hidden] before the norm, the reshaped sum the residual stream",
+           "OLMo-1's F.layer_norm(x.to(float32)) without weight or bias, cast back"),
     keeps=lambda m: FusedSave((m.outputs[1].name,), ((m.anchor.name, "rows8"),)),  # the sum, mean and rstd
     pricing=MeasuredPricing(
         traffic=FusedOpTraffic(
@@ -460,16 +516,22 @@ LAYER_NORM_RESIDUAL = FusionEntry(
     marks=0,
     lesser="layer_norm",
     notes={"third": "three addends read one row tensor more in the forward than `traffic` counts (and "
-                    "save the add that wrote and read their first sum)"},
+                    "save the add that wrote and read their first sum)",
+           "parameters": "a norm without weight or bias (OLMo-1's) reads and writes neither: two vectors "
+                         "fewer in the forward and three in the backward than `traffic` counts, and no "
+                         "sum_partials launch; without a bias alone, one fewer each way"},
 )
 
 LAYER_NORM = FusionEntry(
     name="layer_norm",
     # a hand-written LayerNorm of anything but a residual sum (Cohere's first block reads the
-    # embedding; its parallel block feeds attention and the MLP from one norm). aten.layer_norm
-    # alone is not taken: it already runs as one ATen kernel.
-    pattern=FusionPattern(anchors=(aten.mul.Tensor,), match=_match_layer_norm),
-    forms=LAYER_NORM_RESIDUAL.forms[1:2],
+    # embedding; its parallel block feeds attention and the MLP from one norm), or aten.layer_norm
+    # with casts around it (OLMo-1's first norm, of the embedding). aten.layer_norm without casts
+    # is not taken: it already runs as one ATen kernel.
+    pattern=FusionPattern(anchors=(aten.layer_norm.default, aten.mul.Tensor), match=_match_layer_norm),
+    forms=(*LAYER_NORM_RESIDUAL.forms[1:2],
+           "aten.layer_norm with a cast around it (OLMo-1's F.layer_norm(x.to(float32)).to(dtype)), "
+           "weight and bias each optional"),
     keeps=lambda m: FusedSave((m.params["x"].name,), ((m.anchor.name, "rows8"),)),  # x, mean and rstd
     pricing=MeasuredPricing(
         traffic=FusedOpTraffic(
@@ -482,4 +544,7 @@ LAYER_NORM = FusionEntry(
     launches=_NORM_LAUNCHES,
     emit=_emit_layer_norm,
     marks=None,
+    notes={"parameters": "aten.layer_norm's bias reads one vector more in the forward and writes one more in "
+                         "the backward than `traffic` counts; without a weight (OLMo-1's) one fewer each way, "
+                         "and without either no sum_partials launch"},
 )
