@@ -106,10 +106,23 @@ def _print_inspect(doc: dict[str, Any]) -> None:
         console.print(
             f"MoE layers: {len(doc['moe_layers'])}, each one `moe_experts` op: {m['num_experts']} experts of ffn "
             f"{m['ffn']}, top-{m['top_k']}, {m['activation']}{' gated' if m['gated'] else ''}, {capacity}; router: "
-            f"{m['scoring']}{', renormalized' if m['normalized'] else ''}; shared expert: "
+            f"{m['routing']}; shared expert: "
             f"{'yes' if m['shared_expert'] else 'no'}; auxiliary loss: {'yes' if m['aux_loss'] else 'no'}")
+    if doc.get("moe_declined"):
+        _print_declined_experts(console, doc["moe_declined"])
     if doc["unknown_ops"]:
         console.print(f"[yellow]ops without a rule (replicated by the planner):[/] {doc['unknown_ops']}")
+
+
+def _print_declined_experts(console: Any, declined: list[dict[str, str]]) -> None:
+    """One line per reason: experts modules that stay plain ATen ops (replicated, exact), and why."""
+    by_why: dict[str, list[str]] = {}
+    for d in declined:
+        by_why.setdefault(d["why"], []).append(d["module"])
+    for why, modules in by_why.items():
+        where = modules[0] + (f" and {len(modules) - 1} more" if len(modules) > 1 else "")
+        console.print(f"[yellow]MoE experts not recognized[/] ({where}), left as plain ATen ops (replicated, "
+                      f"computed as written, no expert parallelism): {why}", markup=True, highlight=False)
 
 
 def _print_fusion(console: Any, coverage: list[dict[str, Any]]) -> None:

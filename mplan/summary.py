@@ -71,8 +71,11 @@ def summarize(graph: Graph, *, per_op: bool = True) -> dict[str, Any]:
             "node": m.experts.node, "num_experts": m.experts.num_experts, "top_k": m.experts.top_k,
             "ffn": m.experts.ffn, "activation": m.experts.activation, "gated": m.experts.gated,
             "capacity_factor": m.experts.capacity_factor, "router": m.router, "scoring": m.scoring,
-            "normalized": m.normalized, "shared_expert": list(m.shared_expert), "aux_loss": m.aux_loss,
+            "normalized": m.normalized, "routing": m.routing, "shared_expert": list(m.shared_expert),
+            "aux_loss": m.aux_loss,
         } for m in layers]
+    if graph.declined_experts:
+        doc["moe_declined"] = [{"module": module, "why": why} for module, why in graph.declined_experts.items()]
     doc["fusion"] = [{
         "block_type": c.block_type, "instances": c.instances,
         "fused": [{"kernel": f.kernel, "count": f.count, "ops": list(f.ops)} for f in c.fused],

@@ -4,7 +4,10 @@
 activation, top-k and capacity; capture turning Hugging Face's experts (the eager loop over
 `nonzero()`, `torch._grouped_mm`) and mplan's into one node per layer, the router, shared
 expert and auxiliary loss found around it; `mplan inspect` on a Mixtral config; what capture
-declines to recognize.
+declines to recognize. Families whose routers go beyond Mixtral's (DeepSeek-V3's sigmoid scores,
+selection bias, group-limited top-k and scaling; Ernie-4.5's clamped renormalization; GraniteMoE's
+top-k before softmax) keep one op per layer and train exactly as written; experts the op cannot
+express (gpt-oss, Llama-4) stay plain ops, named with why.
 """
 from __future__ import annotations
 
@@ -198,3 +201,110 @@ def test_a_capacity_factor_no_longer_collides_with_the_symbolic_batch() -> None:
     graph = capture_for_training(_mplan("experts=4,topk=2,capacity=1.25"), (IDS,))
     assert [e.capacity_factor for e in experts_nodes(graph)] == [1.25, 1.25]
     assert any(m.sym is not None for m in graph.graph_inputs.values())
+
+
+# -- Hugging Face families beyond Mixtral's router ------------------------------------------------
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+FAMILIES = {  # model type -> (its MoE keys, the router `mplan inspect` must report)
+    "deepseek_v3": (dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+                         q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                         n_group=2, topk_group=1, first_k_dense_replace=1, num_key_value_heads=4),
+                    "sigmoid, then top-k with a selection bias, group-limited, renormalized, scaled by 2.5"),
+    "ernie4_5_moe": (dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=24, moe_num_shared_experts=1),
+                     "softmax, then top-k with a selection bias, renormalized"),
+    "minimax_m2": (dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8),
+                   "sigmoid, then top-k with a selection bias, renormalized"),
+    "granitemoe": (dict(num_local_experts=4, num_experts_per_tok=2), "top-k, then softmax"),
+}
+GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=8, attn_implementation="eager")
+
+
+def _family(model_type: str, dtype: torch.dtype = F64, implementation: str = "eager", **extra):
+    """A tiny model of `model_type` with every dropout and jitter off and, where the router has one,
+    a selection bias that is not zero (so choosing and weighting the experts differ)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **{**TINY, **FAMILIES.get(model_type, ({}, ""))[0], **extra})
+    for key in dir(config):
+        if ("dropout" in key or "jitter" in key) and isinstance(getattr(config, key, None), float):
+            setattr(config, key, 0.0)
+    config._experts_implementation = implementation
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(2), dtype=dtype))
+    return model
+
+
+def _lm_loss(output, labels: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - a Hugging Face model output
+    """Cross-entropy in the logits' dtype (transformers' own loss casts them to float32, which would
+    hide any difference below float32's resolution)."""
+    return torch.nn.functional.cross_entropy(output.logits.flatten(0, 1), labels.flatten())
+
+
+def _train_both(model, steps: int = 2, lr: float = 0.5):  # noqa: ANN001, ANN202 - a Hugging Face model
+    """`steps` SGD steps of a copy of `model` as written and through autoparallel at dp=1: the
+    losses of both, the parameters of both after the steps (so every gradient), and mplan's module."""
+    import copy
+    import functools
+
+    import mplan
+
+    plain = copy.deepcopy(model)
+    ids = torch.randint(3, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    pm = mplan.autoparallel(model, example_inputs=(ids,), loss_fn=_lm_loss, global_batch=2, plan="dp=1,tp=1,pp=1",
+                            optimizer=functools.partial(torch.optim.SGD, lr=lr), device="cpu", progress="quiet")
+    optimizer = torch.optim.SGD(plain.parameters(), lr=lr)
+    want, got = [], []
+    for _ in range(steps):
+        loss = _lm_loss(plain(ids, use_cache=False), ids)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        want.append(float(loss.detach()))
+        got.append(pm.train_step(ids, ids))
+    return want, got, dict(plain.named_parameters()), pm
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_a_sigmoid_biased_grouped_or_scaled_router_keeps_one_op_and_trains_exactly(model_type) -> None:
+    """The router stays ATen ops (whatever it computes), the experts one op: the inspect phrase
+    names the router's variant, and losses and every parameter after SGD steps (so every
+    gradient) equal the model's own in float64."""
+    want, got, params, pm = _train_both(_family(model_type))
+    layers = moe_layers(pm.graph)
+    assert layers and {m.routing for m in layers} == {FAMILIES[model_type][1]}
+    assert all(m.router is not None for m in layers) and not pm.graph.declined_experts
+    assert got == pytest.approx(want, rel=1e-12, abs=0)
+    for name, param in params.items():
+        assert torch.allclose(pm.params[name], param, rtol=1e-12, atol=1e-14), name
+
+
+def test_experts_the_op_cannot_express_stay_plain_ops_and_say_why(tmp_path, capsys) -> None:
+    """gpt-oss (biased, transposed, interleaved experts with a clamped gate) and Llama-4 (experts
+    on score-scaled inputs): no `moe_experts` node, each experts module named with its reason,
+    training as written; the eager loop's capture failure names them too."""
+    from mplan.cli import main
+    from mplan.ir.trace import CaptureError, capture_for_training
+
+    want, got, params, pm = _train_both(_family("gpt_oss", torch.float32, "grouped_mm", **GPT_OSS), lr=0.1)
+    assert not experts_nodes(pm.graph)
+    assert set(pm.graph.declined_experts) == {f"model.layers.{i}.mlp.experts" for i in range(2)}
+    assert all(why.startswith("GptOssExperts: biases, transposed weights, interleaved gate/up rows, its own gate")
+               for why in pm.graph.declined_experts.values())
+    assert got == pytest.approx(want, rel=1e-6)
+    with pytest.raises(CaptureError, match=r"model.layers.0.mlp.experts and 1 like it stays plain ops.*biases"):
+        capture_for_training(_family("gpt_oss", F64, "eager", **GPT_OSS), (IDS,))
+
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("llama4_text", **{**TINY, "num_local_experts": 4, "num_experts_per_tok": 1,
+                                           "intermediate_size_mlp": 48, "head_dim": 8}).save_pretrained(tmp_path)
+    assert main(["inspect", str(tmp_path / "config.json"), "--seq-len", "16", "--batch", "2"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("MoE")]
+    assert len(lines) == 1 and lines[0].startswith("MoE experts not recognized (model.layers.0.feed_forward.experts "
+                                                   "and 1 more), left as plain ATen ops (replicated")
+    assert "Llama4TextExperts: its forward takes the tokens alone" in lines[0]
+

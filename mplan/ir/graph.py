@@ -141,6 +141,9 @@ class Graph:
     # the other names of tied parameters -> the name in `params` (`lm_head.weight` -> `wte.weight`):
     # one tensor, trained once, reported under every name
     tied: dict[str, str] = field(default_factory=dict)
+    # experts modules capture left as plain ATen ops (no `moe_experts` node: replicated, computed
+    # as the model wrote them) -> why, e.g. "GptOssExperts: biases, transposed weights"
+    declined_experts: dict[str, str] = field(default_factory=dict)
     _by_name: dict[str, OpNode] = field(default_factory=dict, repr=False)
     _segment_of: dict[str, Segment] = field(default_factory=dict, repr=False)
 

@@ -9,11 +9,10 @@ runtime shards `expert_parameters` over the expert-parallel ranks.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Callable
 
 from mplan.ir.graph import Graph, OpNode
+from mplan.ir.moe_router import describe, escapes, find_router
 from mplan.ir.op_table import op_packet
 
 EXPERTS_PACKET = "moe_experts"
@@ -72,11 +71,6 @@ def num_experts(graph: Graph) -> int:
 
 
 # -- the layer around the experts: router, shared expert, auxiliary losses -------------------------
-_PASS = frozenset({"getitem", "to", "_to_copy", "view", "reshape", "_unsafe_view", "type_as", "contiguous",
-                   "clone", "squeeze", "unsqueeze", "flatten", "alias", "detach"})
-"""Ops that carry a value unchanged (a cast, a reshape, one element of a tuple) on the way to the experts."""
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MoELayer:
     """One MoE layer as capture found it: its experts and what routes them (for `mplan inspect`;
@@ -84,63 +78,30 @@ class MoELayer:
 
     experts: ExpertsNode
     router: str | None  # the node computing the router's logits (a linear), when found
-    scoring: str  # "softmax, then top-k" | "top-k, then softmax" | "top-k of logits" | "unrecognized"
+    scoring: str  # "softmax, then top-k" | "sigmoid, then top-k" | "top-k, then softmax" | "top-k of logits"
+    # | "unrecognized" (`mplan.ir.moe_router`)
     normalized: bool  # the top-k weights are divided by their sum
+    routing: str  # the whole router in one phrase: scoring, selection bias, group limit, renormalized, scale
     shared_expert: tuple[str, ...]  # parameters of dense layers every token runs beside the experts
     aux_loss: bool  # the router's scores feed more than the routing (load-balancing or z-loss terms)
 
 
 def moe_layers(graph: Graph) -> list[MoELayer]:
     """Every MoE layer of the graph with its router, shared expert and auxiliary-loss use."""
-    by_name = {n.name: n for n in graph.nodes}
     users: dict[str, list[OpNode]] = {}
     for n in graph.nodes:
         for name in dict.fromkeys(n.inputs):
             users.setdefault(name, []).append(n)
-    back = functools.partial(_producer, by_name)
     layers = []
     for node in graph.nodes:
         if not is_experts(node):
             continue
-        topk = back(node.inputs[1])
-        router, scoring, chain = None, "unrecognized", set()
-        if topk is not None and op_packet(topk.op) == "topk":
-            chain.add(topk.name)
-            scores = back(topk.inputs[0])
-            gate = back(node.inputs[2])
-            if scores is not None and op_packet(scores.op) in ("softmax", "_softmax"):
-                scoring, chain = "softmax, then top-k", chain | {scores.name}
-                router = back(scores.inputs[0])
-            elif gate is not None and op_packet(gate.op) in ("softmax", "_softmax"):
-                scoring, router = "top-k, then softmax", scores
-            else:
-                scoring, router = "top-k of logits", scores
-        router_name = router.name if router is not None and op_packet(router.op) in ("linear", "mm", "matmul") \
-            else None
+        router = find_router(graph, node)
         layers.append(MoELayer(
-            experts=experts_node(node), router=router_name, scoring=scoring,
-            normalized=_normalized(back, node.inputs[2]),
-            shared_expert=_shared_expert(graph, node, router_name),
-            aux_loss=any(_escapes(u, chain, users) for v in (router_name, *chain)
-                         if v is not None and op_packet(by_name[v].op) != "topk" for u in users.get(v, []))))
+            experts=experts_node(node), router=router.linear, scoring=router.scoring, normalized=router.normalized,
+            routing=describe(router), shared_expert=_shared_expert(graph, node, router.linear),
+            aux_loss=any(escapes(u, router.chain, users) for v in router.chain for u in users.get(v, []))))
     return layers
-
-
-def _producer(by_name: dict[str, OpNode], name: str) -> OpNode | None:
-    """The first producer of `name` that is not a pass-through op."""
-    node = by_name.get(name)
-    while node is not None and op_packet(node.op) in _PASS and node.inputs:
-        node = by_name.get(node.inputs[0])
-    return node
-
-
-def _normalized(back: Callable[[str], OpNode | None], gate: str) -> bool:
-    """The gate is top-k weights divided by their own sum."""
-    node = back(gate)
-    if node is None or op_packet(node.op) != "div" or len(node.inputs) < 2:
-        return False
-    divisor = back(node.inputs[1])
-    return divisor is not None and op_packet(divisor.op) == "sum" and back(divisor.inputs[0]) == back(node.inputs[0])
 
 
 def _shared_expert(graph: Graph, experts: OpNode, router: str | None) -> tuple[str, ...]:
@@ -152,13 +113,3 @@ def _shared_expert(graph: Graph, experts: OpNode, router: str | None) -> tuple[s
                 n.module_path.startswith(parent + ".") and not n.module_path.startswith(experts.module_path):
             names.extend(name for _, name in n.params)
     return tuple(dict.fromkeys(names))
-
-
-def _escapes(node: OpNode, chain: set[str], users: dict[str, list[OpNode]]) -> bool:
-    """A consumer of the router's logits or scores computes something besides the routing (through
-    pass-through ops; assertions aside)."""
-    if node.name in chain or op_packet(node.op) == "_assert_tensor_metadata":
-        return False
-    if op_packet(node.op) in _PASS:
-        return any(_escapes(u, chain, users) for u in users.get(node.name, []))
-    return True

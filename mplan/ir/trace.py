@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from mplan.ir.blocks import Container, find_containers, instance_of, relative_name, truncate_containers
 from mplan.ir.causal_mask import CONSTANT_META
-from mplan.ir.experts_capture import experts_as_op
+from mplan.ir.experts_capture import declined_experts, experts_as_op
 from mplan.ir.graph import BlockType, Graph, OpNode, ParamInfo, Segment, TensorMeta
 from mplan.ir.op_table import op_cost, op_packet, rule_for
 
@@ -77,8 +77,9 @@ class MissingLoss(CaptureError):
 
 def training_keywords(model: nn.Module, *, labels: bool, loss_fn: Callable[..., Any] | None) -> dict[str, Any]:
     """Keyword arguments every training capture passes: `use_cache=False` where the forward
-    takes it (Hugging Face models build a key/value cache in training otherwise, which only adds
-    outputs and ops, and a `DynamicCache` output that torch.export cannot return). Raises
+    takes it, by name or through **kwargs on a model whose config has `use_cache` (Hugging Face
+    models build a key/value cache in training otherwise, which only adds outputs and ops, and a
+    `DynamicCache` output that torch.export cannot return). Raises
     `MissingLoss`, naming what to pass, when labels are asked for, no loss_fn is given and the
     forward takes no `labels`."""
     parameters = inspect.signature(model.forward).parameters
@@ -90,7 +91,9 @@ def training_keywords(model: nn.Module, *, labels: bool, loss_fn: Callable[..., 
             f"loss: pass loss_fn=, a function (model output, labels) -> scalar loss, e.g. "
             f"loss_fn=lambda logits, labels: torch.nn.functional.cross_entropy(logits.flatten(0, -2), "
             f"labels.flatten())")
-    return {"use_cache": False} if "use_cache" in parameters else {}
+    # a forward taking **kwargs passes them on (GraniteMoE's): its config says whether it knows use_cache
+    knows = "use_cache" in parameters or (takes_any and hasattr(getattr(model, "config", None), "use_cache"))
+    return {"use_cache": False} if knows else {}
 
 
 def capture(
@@ -129,16 +132,29 @@ def capture(
     num_parameters = sum(p.numel() for p in _unique_params(model))
     aliases = _tied_names(model)
     containers = find_containers(model)
+    declined = declined_experts(model)
     start = time.perf_counter()
-    with truncate_containers(model, containers if shallow else [], SHALLOW_KEEP), experts_as_op(model):
-        exported = _export(target, args, {**named, **kwargs}, dynamic_batch)
-        param_modules = {n: n.rpartition(".")[0] for n, _ in model.named_parameters()}
+    try:
+        with truncate_containers(model, containers if shallow else [], SHALLOW_KEEP), experts_as_op(model):
+            exported = _export(target, args, {**named, **kwargs}, dynamic_batch)
+            param_modules = {n: n.rpartition(".")[0] for n, _ in model.named_parameters()}
+    except CaptureError as exc:
+        if not declined or isinstance(exc, MissingLoss):
+            raise
+        module, why = next(iter(declined.items()))
+        more = f" and {len(declined) - 1} like it" if len(declined) > 1 else ""
+        raise CaptureError(f"{exc} (the experts module {module}{more} stays plain ops, not one `moe_experts` "
+                           f"op: {why})") from exc
     seconds = time.perf_counter() - start
 
     builder = _GraphBuilder(exported, prefix, containers, param_modules, aliases)
-    return builder.build(
+    graph = builder.build(
         model_name=name or type(model).__name__, has_loss=labels is not None,
         capture_seconds=seconds, shallow=shallow, num_parameters=num_parameters)
+    ops = [n.module_path for n in graph.nodes if op_packet(n.op) == "moe_experts"]
+    graph.declined_experts = {module: why for module, why in declined.items()
+                              if not any(path == module or path.startswith(module + ".") for path in ops)}
+    return graph
 
 
 def capture_for_training(model: nn.Module, example_inputs: Sequence[torch.Tensor], *,
