@@ -13,7 +13,7 @@
                AdamW steps, with the bound the test holds each model to and the layout that ran or
                the error that refused it (the README's table; about 8 minutes)
     gpus       plans against one GPU in the training dtype over NCCL (under torchrun)
-    fusion     what the fusion pass fuses in each of 35 Hugging Face families (tiny configs, float64)
+    fusion     what the fusion pass fuses in each of 42 Hugging Face families (tiny configs, float64)
                and whether each fused program trains exactly as its unfused one (about a minute)
 
 The three tables run the very functions their tests run, keep the worst rank's loss and parameter

@@ -72,6 +72,23 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {  # config class, model 
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
                                                      "sliding_window": None}),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {  # MLA; its router's group limit and bias
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "n_shared_experts": 1,
+        "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8,
+        "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "num_key_value_heads": 4}),
+    "dots1": ("Dots1Config", "Dots1ForCausalLM", {"n_routed_experts": 4, "num_experts_per_tok": 2,
+                                                  "moe_intermediate_size": 24, "n_shared_experts": 1,
+                                                  "first_k_dense_replace": 1, "head_dim": 8}),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {"n_routed_experts": 4, "num_experts_per_tok": 2,
+                                                         "moe_intermediate_size": 24, "n_shared_experts": 1,
+                                                         "first_k_dense_replace": 1, "head_dim": 8}),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", {"moe_num_experts": 4, "moe_k": 2,
+                                                                       "moe_intermediate_size": 24,
+                                                                       "moe_num_shared_experts": 1}),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", {"num_experts": 4, "moe_topk": 2,
+                                                                         "head_dim": 8}),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                               "head_dim": 8}),
 }
 ATTENTION = {"bloom": "eager", "gemma2": "eager"}  # transformers has no SDPA path for them
 ZEROED = ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "dropout", "hidden_dropout",
