@@ -475,6 +475,14 @@ def _adamw(data: dict) -> tuple[str, ...]:
             *(fixed(rows["bf16"][system]["host_ms"], 2) for system in (mplan, torch_)))
 
 
+def _fusion_survey(data: dict) -> tuple[str, ...]:
+    """Families tried, how many agree of how many, the worst loss and gradient errors."""
+    rows = data["families"].values()
+    agree = sum(bool(row.get("agrees")) for row in rows)
+    return (str(len(rows)), str(agree), str(len(rows)), sci(max(r["loss_rel_err"] for r in rows), 0),
+            sci(max(r["grad_rel_err"] for r in rows), 0))
+
+
 def _hf_models(data: dict) -> tuple[str, ...]:
     """mplan's step (ms) and its ratios to the fastest peer, eager and compile, its peak (GiB) and its
     ratio to the lowest peer's, each as 'llama / mistral / qwen2'; the fastest and lowest peer must be Liger."""
@@ -664,6 +672,9 @@ CLAIMS: tuple[Claim, ...] = (
     *(Claim(doc="README.md", source="zoo-cpu-2026-12-02.json", figures=_zoo_row(model),
             pattern=rf"^\| {model} \| " + r" \| ".join([FIG] * 10) + r" \|$") for model in ZOO_MODELS),
     # README: the figures table
+    Claim(doc="README.md", source="fusion-cpu-2026-12-07.json", figures=_fusion_survey,
+          pattern=r"the fusion pass on (\d+) Hugging Face families .* every fused program trains as its unfused one: "
+                  r"(\d+) of (\d+) families, loss within (\S+) and every gradient within (\S+) \("),
     Claim(doc="README.md", source="hf_models_h200-2026-12-03.json", figures=_hf_models,
           pattern=r"\| mplan (\S+ / \S+ / \S+) ms a step: (\S+ / \S+ / \S+)x the fastest peer \(Liger each time\), "
                   r"(\S+ / \S+ / \S+)x eager, (\S+ / \S+ / \S+)x compile; peak (\S+ / \S+ / \S+) GiB, "
