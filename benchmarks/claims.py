@@ -158,6 +158,24 @@ def _graphed(family: str) -> Callable[[dict], tuple[str, ...]]:
     return figures
 
 
+def _steady(family: str) -> Callable[[dict], tuple[str, ...]]:
+    """One family raced, then each system alone (`models peers --steady-steps`): the ratio to the
+    fastest peer, mplan's and that peer's step (ms), mplan's and compile's spread alone (%)."""
+    def figures(data: dict) -> tuple[str, ...]:
+        f = data["families"][family]
+        return (fixed(f["mplan_vs_best_peer"], 3), fixed(f["systems"]["mplan"]["step_s"] * 1e3),
+                fixed(f["systems"][f["best_peer"]]["step_s"] * 1e3),
+                *(fixed(f["systems"][s]["steady_cv"] * 100, 2) for s in ("mplan", "compile")))
+    return figures
+
+
+def _grouped_gemm(data: dict) -> tuple[str, ...]:
+    """Milliseconds saved a micro-batch of 2048 tokens, end to end against apart, then in the ATen form."""
+    rows = [data["per_model"][f"{model} x2048"] for model in ("smollm2-1.7b", "qwen3-1.7b", "gemma-2b")]
+    return (*(fixed(r["saved_ms_per_micro_batch"], 2) for r in rows),
+            " / ".join(fixed(r["aten_saved_ms_per_micro_batch"], 2) for r in rows))
+
+
 def _own_pairs(model: str) -> Callable[[dict], tuple[str, ...]]:
     """One of mplan's own models raced against one peer at a time (`models peers --own-pairs`): per
     peer (eager, compile) the ratio, mplan's and the peer's step (ms); then per peer mplan's and
@@ -967,6 +985,16 @@ CLAIMS: tuple[Claim, ...] = (
     Claim(doc="README.md", source="peers-2026-12-06-session17-own-gpt.json", figures=_own_pairs("gpt"),
           pattern=r"process per pair\): (\S+)x eager \((\S+) against (\S+) ms\), (\S+)x compile \((\S+) against (\S+) "
                   r"ms\).*?\((\S+)% against eager's (\S+)%, (\S+)% against compile's (\S+)%\)"),
+    *(Claim(doc="README.md", source=f"peers-2026-12-07-steady-{call}.json", figures=_steady(family),
+            pattern=rf"{name} (\S+)x {peer} \((\S+) against (\S+) ms; " + (r"steps alone vary by (\S+)%, compile's by "
+                                                                        if first else r"(\S+)%, ") + r"(\S+)%\)")
+      for call, family, name, peer, first in (
+          ("a", "olmo2", "OLMo-2", "compile", True), ("a", "qwen3", "Qwen3", "compile", False),
+          ("b", "gpt2", r"now one fused GELU\)", "compile", False), ("b", "llama", "Llama", "Liger", False),
+          ("c", "cohere", "Cohere", "compile", False), ("c", "phi3", "Phi-3", "Liger", False))),
+    Claim(doc="README.md", source="grouped_gemm-2026-12-07.json", figures=_grouped_gemm,
+          pattern=r"SmolLM2-1\.7B (\S+) ms \(the profile's copies were 3\.2 ms\), Qwen3-1\.7B (\S+) ms, Gemma-2B (\S+) ms; "
+                  r"in the zero-bubble / FP8 form \(`linear` on `joined_weights` against `cat` \+ `linear`\) (\S+ / \S+ / \S+) ms"),
     Claim(doc="README.md", source="hf_reprice-cpu-2026-12-06-l2.json",
           figures=lambda data: tuple(f"{row['error_now'] * 100:+.1f}" for model in ("qwen3", "smollm2", "gemma")
                                      for row in data["models"][model]),
