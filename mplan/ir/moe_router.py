@@ -59,12 +59,13 @@ def find_router(graph: Graph, experts: OpNode) -> Router:
         return node
 
     index, gate = experts.inputs[1], experts.inputs[2]
-    linear = _nearest_linear(by_name, index)
+    linear = _ancestor(by_name, index, _LINEAR)  # the router's
     scoring, selection_bias, group_limited = "unrecognized", False, False
     topk = back(index)
     if topk is not None and op_packet(topk.op) == "topk":
         sel = back(topk.inputs[0])
-        if sel is not None and op_packet(sel.op) == "masked_fill" and _reaches(by_name, sel.inputs[1], "topk"):
+        if sel is not None and op_packet(sel.op) == "masked_fill" and \
+                _ancestor(by_name, sel.inputs[1], frozenset({"topk"}), limit=64) is not None:
             group_limited, sel = True, back(sel.inputs[0])
         if sel is not None and op_packet(sel.op) == "add" and len(sel.inputs) == 2 and back(sel.inputs[1]) is None:
             selection_bias, sel = True, back(sel.inputs[0])
@@ -118,36 +119,22 @@ def _weights(back, gate: str) -> tuple[OpNode | None, float | None, bool]:  # no
     return numerator, scale, normalized
 
 
-def _nearest_linear(by_name: dict[str, OpNode], start: str) -> OpNode | None:
-    """The first linear met walking back from `start`, breadth first (the router's, for a routing input)."""
+def _ancestor(by_name: dict[str, OpNode], start: str, packets: frozenset[str], limit: int | None = None,
+              ) -> OpNode | None:
+    """The first op of one of `packets` met walking back from `start`, breadth first (`start`
+    itself included), looking at no more than `limit` nodes when given."""
     queue, seen = deque([start]), {start}
-    while queue:
+    while queue and (limit is None or len(seen) <= limit):
         node = by_name.get(queue.popleft())
         if node is None:
             continue
-        if op_packet(node.op) in _LINEAR:
+        if op_packet(node.op) in packets:
             return node
         for name in node.inputs:
             if name not in seen:
                 seen.add(name)
                 queue.append(name)
     return None
-
-
-def _reaches(by_name: dict[str, OpNode], start: str, packet: str, limit: int = 64) -> bool:
-    """`start` is computed from an op of `packet` (within `limit` nodes)."""
-    queue, seen = deque([start]), {start}
-    while queue and len(seen) <= limit:
-        node = by_name.get(queue.popleft())
-        if node is None:
-            continue
-        if op_packet(node.op) == packet:
-            return True
-        for name in node.inputs:
-            if name not in seen:
-                seen.add(name)
-                queue.append(name)
-    return False
 
 
 def _between(graph: Graph, by_name: dict[str, OpNode], source: OpNode, targets: tuple[str, ...]) -> frozenset[str]:
