@@ -993,8 +993,10 @@ CLAIMS: tuple[Claim, ...] = (
           ("b", "gpt2", r"now one fused GELU\)", "compile", False), ("b", "llama", "Llama", "Liger", False),
           ("c", "cohere", "Cohere", "compile", False), ("c", "phi3", "Phi-3", "Liger", False))),
     Claim(doc="README.md", source="grouped_gemm-2026-12-07.json", figures=_grouped_gemm,
-          pattern=r"SmolLM2-1\.7B (\S+) ms \(the profile's copies were 3\.2 ms\), Qwen3-1\.7B (\S+) ms, Gemma-2B (\S+) ms; "
-                  r"in the zero-bubble / FP8 form \(`linear` on `joined_weights` against `cat` \+ `linear`\) (\S+ / \S+ / \S+) ms"),
+          pattern=r"SmolLM2-1\.7B (\S+) ms \(the profile's copies were 3\.2 ms\), Qwen3-1\.7B (\S+) ms, "
+                  r"Gemma-2B (\S+) ms; "
+                  r"in the zero-bubble / FP8 form \(`linear` on `joined_weights` against `cat` \+ `linear`\) "
+                  r"(\S+ / \S+ / \S+) ms"),
     Claim(doc="README.md", source="hf_reprice-cpu-2026-12-06-l2.json",
           figures=lambda data: tuple(f"{row['error_now'] * 100:+.1f}" for model in ("qwen3", "smollm2", "gemma")
                                      for row in data["models"][model]),

@@ -84,8 +84,8 @@ FAMILIES = {  # config, model, what the MLP's GELU becomes
     "gpt2": (lambda: transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
                                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
              transformers.GPT2LMHeadModel, {"gelu_tanh": 2}),
-    "gptj": (lambda: transformers.GPTJConfig(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, rotary_dim=4,
-                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "gptj": (lambda: transformers.GPTJConfig(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                             rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
              transformers.GPTJForCausalLM, {"bias_gelu": 2}),
 }
 

@@ -68,9 +68,9 @@ class Attention(nn.Module):
 
     layouts: the rotation of q and of k ("pairs": Cohere's, "halves": Llama's); casts: q.float()
     before RoPE and .to(dtype) after it (Cohere's); casts_each: x.float() and rotate(x).float(), each
-    product's operand cast after rotating, and .to(dtype) after RoPE (Ernie 4.5's); qk_norm: RMSNorm of q and of k over all heads
-    before the reshape to heads (OLMo-2's); mlp: a SwiGLU MLP on the same input, summed in (a
-    parallel block, Cohere's)."""
+    product's operand cast after rotating, and .to(dtype) after RoPE (Ernie 4.5's); qk_norm: RMSNorm of
+    q and of k over all heads before the reshape to heads (OLMo-2's); mlp: a SwiGLU MLP on the same
+    input, summed in (a parallel block, Cohere's)."""
 
     def __init__(self, *, layouts: tuple[str, str] = ("pairs", "pairs"), casts: bool = False,
                  casts_each: bool = False, qk_norm: bool = False, mlp: bool = False) -> None:

@@ -137,9 +137,10 @@ def _row(name: str) -> dict[str, Any]:
     # a gradient that is zero in exact arithmetic (a key bias under softmax) is compared by its norm
     scale = max(float(g.norm()) for g in ref_grads.values())
     grad_err = max(float((grads[n] - g).norm()) / max(float(g.norm()), 1e-9 * scale) for n, g in ref_grads.items())
-    return {"fused": dict(sorted(report.counts.items())), "missed": report.missed, "loss_rel_err": rel_err(loss, ref_loss),
-            "grad_rel_err": grad_err, "same_gradients": grads.keys() == ref_grads.keys(),
-            "agrees": rel_err(loss, ref_loss) <= TOLERANCE and grad_err <= TOLERANCE and grads.keys() == ref_grads.keys()}
+    loss_err, same = rel_err(loss, ref_loss), grads.keys() == ref_grads.keys()
+    return {"fused": dict(sorted(report.counts.items())), "missed": report.missed, "loss_rel_err": loss_err,
+            "grad_rel_err": grad_err, "same_gradients": same,
+            "agrees": loss_err <= TOLERANCE and grad_err <= TOLERANCE and same}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

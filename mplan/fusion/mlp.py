@@ -1,7 +1,8 @@
 """Fused MLP activations: bias + GELU, and the gated ones (SwiGLU, GeGLU) with or without their GEMM.
 
 Entries: BIAS_GELU (mplan.kernels.gelu), GELU_TANH (GELU's tanh approximation written out as
-Hugging Face's `gelu_new` writes it, eight elementwise ops, as ATen's one `gelu`), LINEAR_SWIGLU / LINEAR_GEGLU (gate and up as one GEMM,
+Hugging Face's `gelu_new` writes it, eight elementwise ops, as ATen's one `gelu`), LINEAR_SWIGLU /
+LINEAR_GEGLU (gate and up as one GEMM,
 then the packed kernel of mplan.kernels.glu) and SWIGLU / GEGLU (the gated product alone). The
 GEMM forms take the gate and up projections written apart (Llama's gate_proj and up_proj) or
 packed in one linear whose result is split in halves (Phi-3's gate_up_proj, then `chunk(2, -1)`):
@@ -263,7 +264,8 @@ GELU_TANH = FusionEntry(
     forms=("0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3))), either operand order (gelu_new)",),
     keeps=lambda m: FusedSave((m.params["x"].name,)),  # gelu's backward reads x
     pricing=MeasuredPricing(
-        traffic=FusedOpTraffic(forward_row_tensors=2, backward_row_tensors=3, what="read x; write y; read dy, x; write dx"),
+        traffic=FusedOpTraffic(forward_row_tensors=2, backward_row_tensors=3,
+                               what="read x; write y; read dy, x; write dx"),
         copy_fraction=(0.940, 0.944),
         source=f"bias_gelu's fractions ({_KERNELS_RUN}): ATen's gelu kernel itself is not yet measured"),
     launches=Launches(forward_triton=0, forward_aten=1, backward_triton=0, backward_aten=1),
