@@ -19,7 +19,7 @@ import pytest
 import torch
 from distributed import rel_err
 from hf_loss import HFLoss
-from test_fusion_hf import _batch  # 2 x 12 ids and labels of vocabulary 64, three ignored
+from test_fusion_hf import _batch, _loss_and_grads  # 2 x 12 ids and labels of vocabulary 64, three ignored
 from torch import nn
 
 from mplan.kernels import bias_gelu
@@ -101,12 +101,7 @@ def test_hugging_face_gelu_new_fuses_and_trains_like_its_unfused_program(family:
     counts = fused.meta["fuse_kernels"].counts
     assert {k: v for k, v in counts.items() if k in ("gelu_tanh", "bias_gelu")} == expected
     assert aten.tanh.default not in {n.target for n in fused.graph.nodes}
-    results = []
-    for gm in (fused, unfused):
-        loss = gm(ids, labels)
-        loss.backward()
-        results.append((loss.detach(), {name: p.grad for name, p in gm.named_parameters() if p.grad is not None}))
-    (loss, grads), (ref_loss, ref_grads) = results
+    (loss, grads), (ref_loss, ref_grads) = _loss_and_grads(fused, ids, labels), _loss_and_grads(unfused, ids, labels)
     assert rel_err(loss, ref_loss) <= 1e-6  # transformers' loss is fp32
     assert grads.keys() == ref_grads.keys()
     for name, grad in ref_grads.items():

@@ -118,6 +118,11 @@ class _LayerNormChain:
     bias: Node | None = None
     """aten.layer_norm's bias (a hand-written norm has none)"""
 
+    @property
+    def parameters(self) -> tuple[Node, ...]:
+        """The weight and bias the norm reads, those it has: inputs of the fused call."""
+        return tuple(v for v in (self.weight, self.bias) if v is not None)
+
 
 def _layer_norm_chain(anchor: Node) -> _LayerNormChain | None:
     """LayerNorm without a bias written as ATen ops (Cohere's): y = w * n or n * w,
@@ -149,6 +154,11 @@ def _layer_norm_chain(anchor: Node) -> _LayerNormChain | None:
             return _LayerNormChain(x=x, weight=weight, eps=eps, chain=(*stats, normed, *weights, anchor, *tail),
                                    output=output, form=form)
     return None
+
+
+def _any_layer_norm_chain(anchor: Node) -> _LayerNormChain | None:
+    """The LayerNorm ending at `anchor`: aten.layer_norm with its casts, or one written as ATen ops."""
+    return _aten_layer_norm_chain(anchor) if is_call(anchor, aten.layer_norm.default) else _layer_norm_chain(anchor)
 
 
 def _aten_layer_norm_chain(anchor: Node) -> _LayerNormChain | None:
@@ -316,7 +326,7 @@ def _match_layer_norm_residual(anchor: Node) -> PatternMatch | None:
     None), eps, form (the norm's casts and a hand-written norm's keywords: `_layer_norm_chain`,
     `_aten_layer_norm_chain`), reshape (None, or the shape the sum is reshaped to before the norm
     reads it, `_seen_through`: the addends are reshaped to it instead)."""
-    found = _aten_layer_norm_chain(anchor) if is_call(anchor, aten.layer_norm.default) else _layer_norm_chain(anchor)
+    found = _any_layer_norm_chain(anchor)
     if found is None:
         return None
     total, seen = _seen_through(found.x)
@@ -326,9 +336,8 @@ def _match_layer_norm_residual(anchor: Node) -> PatternMatch | None:
     addends, inner = _three_addends(pair, total)
     shape = seen[0].args[1] if seen and is_call(seen[0], *VIEW_OPS) else None
     sizes = tuple(size for size in shape or () if isinstance(size, Node))  # symbolic ones
-    params = (found.weight, found.bias)
     return PatternMatch(anchor=anchor, chain=(*inner, total, *seen, *found.chain), outputs=(found.output, found.x),
-                        inputs=(*addends, *sizes, *(v for v in params if v is not None)),
+                        inputs=(*addends, *sizes, *found.parameters),
                         params={"addends": addends, "weight": found.weight, "bias": found.bias, "eps": found.eps,
                                 "form": found.form, "reshape": shape})
 
@@ -362,12 +371,10 @@ def _three_addends(pair: tuple[Node, Node], total: Node) -> tuple[tuple[Node, ..
 def _match_layer_norm(anchor: Node) -> PatternMatch | None:
     """params: x, weight, bias, eps, form (as for layer_norm_residual). aten.layer_norm is taken
     only with a cast around it (OLMo-1's norm of the embedding): alone it is one ATen kernel already."""
-    found = _aten_layer_norm_chain(anchor) if is_call(anchor, aten.layer_norm.default) else _layer_norm_chain(anchor)
+    found = _any_layer_norm_chain(anchor)
     if found is None or not found.form:
         return None
-    params = (found.weight, found.bias)
-    return PatternMatch(anchor=anchor, chain=found.chain, outputs=(found.output,),
-                        inputs=(found.x, *(v for v in params if v is not None)),
+    return PatternMatch(anchor=anchor, chain=found.chain, outputs=(found.output,), inputs=(found.x, *found.parameters),
                         params={"x": found.x, "weight": found.weight, "bias": found.bias, "eps": found.eps,
                                 "form": found.form})
 
